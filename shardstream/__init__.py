@@ -1,0 +1,67 @@
+"""shardstream: pack image folders into open, indexed tar/zstd shards and stream them
+into PyTorch, exactly once per epoch, from local disk or any fsspec URL.
+
+The format, the writer and `pack` import neither torch nor anything torch-shaped;
+the dataset and the loader are imported on first use, so ``shardstream pack`` starts
+fast and works where torch is absent.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from ._version import __version__
+from .errors import (
+    CorruptIndexError,
+    CorruptShardError,
+    DecodeError,
+    ManifestError,
+    MissingFieldError,
+    PackError,
+    ShardstreamError,
+    StorageError,
+)
+from .format import Manifest, ShardInfo
+from .pack import PackSummary, pack
+from .reader import ShardReader, StreamTarReader, open_shard
+from .source import Source, open_dataset
+from .writer import ShardWriter
+
+# Public names that need torch, by the module that defines them.
+_LAZY = {
+    "StreamingDataset": "dataset",
+    "World": "world",
+    "pad_collate": "collate",
+    "default_collate": "collate",
+    "RandomResizedCropJPEG": "transforms",
+    "CenterCropJPEG": "transforms",
+}
+
+__all__ = [
+    "__version__",
+    "CorruptIndexError",
+    "CorruptShardError",
+    "DecodeError",
+    "Manifest",
+    "ManifestError",
+    "MissingFieldError",
+    "PackError",
+    "PackSummary",
+    "ShardInfo",
+    "ShardReader",
+    "ShardWriter",
+    "ShardstreamError",
+    "StorageError",
+    "StreamTarReader",
+    "open_dataset",
+    "open_shard",
+    "pack",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'shardstream' has no attribute {name!r}")

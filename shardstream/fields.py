@@ -1,0 +1,103 @@
+"""Encoding sample fields to bytes by their extension, as the WebDataset layout expects.
+
+A field's extension says how its bytes are to be read: `cls` an ASCII integer, `txt`
+UTF-8 text, `json` JSON, `msgpack`/`mp` msgpack, `npy` a NumPy array file, images
+their original file bytes. Decoding lives in `decode.py`, on the reading side.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from typing import Any, Callable
+
+import msgpack
+import numpy as np
+
+from .errors import ShardstreamError
+
+__all__ = ["encode_field", "encode_sample"]
+
+
+def _encode_int(value: Any) -> bytes:
+    return str(int(value)).encode("ascii")
+
+
+def _encode_json(value: Any) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+
+def _encode_msgpack(value: Any) -> bytes:
+    return msgpack.packb(value, use_bin_type=True)
+
+
+def _encode_npy(value: Any) -> bytes:
+    out = io.BytesIO()
+    np.save(out, np.asarray(value), allow_pickle=False)
+    return out.getvalue()
+
+
+def _encode_text(value: Any) -> bytes:
+    return str(value).encode("utf-8")
+
+
+ENCODERS: dict[str, Callable[[Any], bytes]] = {
+    "cls": _encode_int,
+    "cls2": _encode_int,
+    "index": _encode_int,
+    "json": _encode_json,
+    "msgpack": _encode_msgpack,
+    "mp": _encode_msgpack,
+    "npy": _encode_npy,
+    "txt": _encode_text,
+}
+
+
+def encode_field(field: str, value: Any, *, key: str = "") -> bytes:
+    """The bytes stored for `value` under the field name `field`.
+
+    Bytes are stored as they are (images keep their original file bytes); other values
+    are encoded by the field's last extension.
+    """
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    ext = field.rsplit(".", 1)[-1].lower()
+    encoder = ENCODERS.get(ext)
+    if encoder is None:
+        if isinstance(value, str):
+            return value.encode("utf-8")
+        raise ShardstreamError(
+            f"field {field!r}: no encoding for {type(value).__name__} by this extension; pass bytes, or use "
+            f"one of {sorted(ENCODERS)}",
+            key=key or None,
+        )
+    try:
+        return encoder(value)
+    except (TypeError, ValueError) as e:
+        raise ShardstreamError(f"field {field!r}: cannot encode {type(value).__name__}: {e}", key=key or None) from e
+
+
+def encode_sample(sample: dict[str, Any]) -> tuple[str, list[tuple[str, bytes]]]:
+    """Check a sample dict and encode it: (key, [(field, bytes), ...]) in sorted field order."""
+    key = sample.get("__key__")
+    if not isinstance(key, str) or not key:
+        raise ShardstreamError("a sample needs a non-empty string '__key__'")
+    _check_key(key)
+    fields = []
+    for name in sorted(sample):
+        if name.startswith("__"):
+            continue
+        if not name or "/" in name:
+            raise ShardstreamError(f"bad field name {name!r}", key=key)
+        fields.append((name, encode_field(name, sample[name], key=key)))
+    if not fields:
+        raise ShardstreamError("a sample needs at least one field", key=key)
+    return key, fields
+
+
+def _check_key(key: str) -> None:
+    # The key ends at the first dot of the last path component, so it cannot hold one;
+    # absolute and parent paths would escape a folder when a shard is extracted.
+    last = key.rsplit("/", 1)[-1]
+    if "." in last or key.startswith("/") or ".." in key.split("/") or "\0" in key:
+        raise ShardstreamError(f"bad sample key {key!r}: no dots in the last part, no absolute or '..' paths")

@@ -1,0 +1,252 @@
+"""The on-disk metadata of a dataset: the manifest and the per-shard index (FORMAT.md).
+
+Both are msgpack maps, unpacked with explicit size limits so that a hostile file
+cannot make the reader allocate without bound, and validated field by field so that
+a damaged one fails here with a message naming the file, not later with a KeyError.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from ._version import __version__
+from .errors import CorruptIndexError, ManifestError, ShardstreamError
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.msgpack"
+INDEX_SUFFIX = ".idx"
+MAX_MANIFEST_BYTES = 1 << 30
+MAX_INDEX_BYTES = 256 << 20
+COMPRESSIONS = ("zstd", "none")
+SHARD_SUFFIX = {"zstd": ".tar.zst", "none": ".tar"}
+
+
+def unpack_limited(data: bytes, *, max_bytes: int, url: str, error: type[ShardstreamError]) -> Any:
+    """Unpack msgpack without trusting it: bounded sizes, no extension types, str map keys."""
+    if len(data) > max_bytes:
+        raise error(f"{len(data)} bytes exceeds the limit of {max_bytes}", url=url)
+    try:
+        return msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            max_bin_len=max_bytes,
+            max_str_len=1 << 20,
+            max_array_len=1 << 26,
+            max_map_len=1 << 16,
+            max_ext_len=0,
+        )
+    except (ValueError, msgpack.UnpackException) as e:
+        raise error(f"not valid msgpack: {e}", url=url) from e
+
+
+def _require(raw: Any, name: str, kind: type | tuple[type, ...], url: str, error: type[ShardstreamError]) -> Any:
+    if not isinstance(raw, dict) or name not in raw:
+        raise error(f"missing field {name!r}", url=url)
+    value = raw[name]
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
+        raise error(f"field {name!r} has the wrong type ({type(value).__name__})", url=url)
+    return value
+
+
+# -- manifest -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One shard as the manifest lists it."""
+
+    name: str
+    samples: int
+    bytes: int
+    raw_bytes: int  # the uncompressed tar stream
+    sha256: str
+    index: str
+    index_bytes: int
+    index_sha256: str
+    fields: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything a reader needs to plan an epoch without opening a shard."""
+
+    shards: tuple[ShardInfo, ...]
+    compression: str
+    classes: tuple[str, ...] = ()
+    class_counts: tuple[int, ...] = ()
+    skipped: tuple[tuple[str, str], ...] = ()  # (file, reason) left out at pack time
+    ignored: int = 0  # files in the source that are not images
+    options: dict[str, Any] = field(default_factory=dict)
+    writer: str = f"shardstream {__version__}"
+    version: int = FORMAT_VERSION
+
+    @property
+    def samples(self) -> int:
+        return sum(s.samples for s in self.shards)
+
+    @property
+    def counts(self) -> np.ndarray:
+        """Samples per shard, in manifest order."""
+        return np.array([s.samples for s in self.shards], dtype=np.int64)
+
+    def to_bytes(self) -> bytes:
+        body = {
+            "format": "shardstream",
+            "version": self.version,
+            "writer": self.writer,
+            "compression": self.compression,
+            "samples": self.samples,
+            "shards": [{**asdict(s), "fields": list(s.fields)} for s in self.shards],
+            "classes": list(self.classes),
+            "class_counts": list(self.class_counts),
+            "skipped": [{"file": f, "reason": r} for f, r in self.skipped],
+            "ignored": self.ignored,
+            "options": self.options,
+        }
+        return msgpack.packb(body, use_bin_type=True)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, url: str) -> "Manifest":
+        raw = unpack_limited(data, max_bytes=MAX_MANIFEST_BYTES, url=url, error=ManifestError)
+        E = ManifestError
+        if _require(raw, "format", str, url, E) != "shardstream":
+            raise E("not a shardstream manifest", url=url)
+        version = _require(raw, "version", int, url, E)
+        if version > FORMAT_VERSION:
+            raise E(f"format version {version} is newer than this reader ({FORMAT_VERSION}); upgrade shardstream", url=url)
+        compression = _require(raw, "compression", str, url, E)
+        if compression not in COMPRESSIONS:
+            raise E(f"unknown compression {compression!r}", url=url)
+        shards = []
+        for i, s in enumerate(_require(raw, "shards", list, url, E)):
+            where = f"{url} (shard entry {i})"
+            shards.append(
+                ShardInfo(
+                    name=_safe_name(_require(s, "name", str, where, E), where),
+                    samples=_require(s, "samples", int, where, E),
+                    bytes=_require(s, "bytes", int, where, E),
+                    raw_bytes=_require(s, "raw_bytes", int, where, E),
+                    sha256=_require(s, "sha256", str, where, E),
+                    index=_safe_name(_require(s, "index", str, where, E), where),
+                    index_bytes=_require(s, "index_bytes", int, where, E),
+                    index_sha256=_require(s, "index_sha256", str, where, E),
+                    fields=tuple(_require(s, "fields", list, where, E)),
+                )
+            )
+            if shards[-1].samples < 0 or shards[-1].bytes < 0:
+                raise E("negative count", url=where)
+        manifest = cls(
+            shards=tuple(shards),
+            compression=compression,
+            classes=tuple(_require(raw, "classes", list, url, E)),
+            class_counts=tuple(_require(raw, "class_counts", list, url, E)),
+            skipped=tuple((d["file"], d["reason"]) for d in _require(raw, "skipped", list, url, E)),
+            ignored=_require(raw, "ignored", int, url, E),
+            options=_require(raw, "options", dict, url, E),
+            writer=_require(raw, "writer", str, url, E),
+            version=version,
+        )
+        if _require(raw, "samples", int, url, E) != manifest.samples:
+            raise E("sample total disagrees with the shard list", url=url)
+        if manifest.classes and len(manifest.class_counts) != len(manifest.classes):
+            raise E("class_counts and classes differ in length", url=url)
+        return manifest
+
+
+def _safe_name(name: str, url: str) -> str:
+    """Shard names are plain file names: a manifest must not point outside its folder."""
+    if not name or "/" in name or "\\" in name or name in (".", "..") or "\0" in name:
+        raise ManifestError(f"unsafe shard file name {name!r}", url=url)
+    return name
+
+
+# -- shard index ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShardIndex:
+    """Where every sample of one shard lies, so that sample i costs one ranged read.
+
+    `sample_offsets` (n + 1 values) are offsets in the uncompressed tar stream: sample
+    i spans [sample_offsets[i], sample_offsets[i + 1]). For zstd shards,
+    `frame_offsets` (F + 1) are the byte offsets of the frames in the file and
+    `frame_raw_offsets` (F + 1) where each frame starts in the tar stream; every frame
+    holds whole samples. Uncompressed shards have no frames: the tar stream is the file.
+    """
+
+    keys: tuple[str, ...]
+    sample_offsets: np.ndarray
+    frame_offsets: np.ndarray
+    frame_raw_offsets: np.ndarray
+    compression: str
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def frame_of(self, sample: int) -> int:
+        """Index of the frame holding `sample` (zstd shards)."""
+        return int(np.searchsorted(self.frame_raw_offsets, self.sample_offsets[sample], side="right")) - 1
+
+    def to_bytes(self) -> bytes:
+        body = {
+            "format": "shardstream-index",
+            "version": FORMAT_VERSION,
+            "compression": self.compression,
+            "keys": list(self.keys),
+            "sample_offsets": _u64(self.sample_offsets),
+            "frame_offsets": _u64(self.frame_offsets),
+            "frame_raw_offsets": _u64(self.frame_raw_offsets),
+        }
+        return msgpack.packb(body, use_bin_type=True)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, url: str) -> "ShardIndex":
+        E = CorruptIndexError
+        raw = unpack_limited(data, max_bytes=MAX_INDEX_BYTES, url=url, error=E)
+        if _require(raw, "format", str, url, E) != "shardstream-index":
+            raise E("not a shardstream index", url=url)
+        if _require(raw, "version", int, url, E) > FORMAT_VERSION:
+            raise E("index version is newer than this reader", url=url)
+        keys = tuple(_require(raw, "keys", list, url, E))
+        index = cls(
+            keys=keys,
+            sample_offsets=_from_u64(_require(raw, "sample_offsets", bytes, url, E), url),
+            frame_offsets=_from_u64(_require(raw, "frame_offsets", bytes, url, E), url),
+            frame_raw_offsets=_from_u64(_require(raw, "frame_raw_offsets", bytes, url, E), url),
+            compression=_require(raw, "compression", str, url, E),
+        )
+        index.check(url)
+        return index
+
+    def check(self, url: str) -> None:
+        """Structural checks: lengths agree and offsets only grow."""
+        E = CorruptIndexError
+        n, f = len(self.keys), len(self.frame_offsets)
+        if len(self.sample_offsets) != n + 1:
+            raise E(f"{len(self.sample_offsets)} sample offsets for {n} keys", url=url)
+        if np.any(np.diff(self.sample_offsets.astype(np.int64)) <= 0):
+            raise E("sample offsets are not increasing", url=url)
+        if self.compression == "zstd":
+            if f < 2 or len(self.frame_raw_offsets) != f:
+                raise E("frame tables are missing or differ in length", url=url)
+            if np.any(np.diff(self.frame_offsets.astype(np.int64)) <= 0) or np.any(
+                np.diff(self.frame_raw_offsets.astype(np.int64)) <= 0
+            ):
+                raise E("frame offsets are not increasing", url=url)
+        if not all(isinstance(k, str) for k in self.keys):
+            raise E("keys must be strings", url=url)
+
+
+def _u64(values: np.ndarray) -> bytes:
+    return np.asarray(values, dtype="<u8").tobytes()
+
+
+def _from_u64(data: bytes, url: str) -> np.ndarray:
+    if len(data) % 8:
+        raise CorruptIndexError("offset table length is not a multiple of 8", url=url)
+    return np.frombuffer(data, dtype="<u8").astype(np.int64)

@@ -1,0 +1,129 @@
+"""What a pack source holds: an image folder (one subfolder per class) or a file list.
+
+The listing decides sample keys, fields and labels, and is the same on every machine
+that sees the same files: it depends on relative paths only.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from dataclasses import dataclass
+
+from .errors import PackError
+
+__all__ = ["Listing", "SourceFile", "list_source", "IMAGE_FIELDS"]
+
+# File extension -> field name. The field says what the bytes are, so .jpeg and .JPG
+# become `jpg`, which is what WebDataset's decoders and `fields=("jpg", "cls")` expect.
+IMAGE_FIELDS = {".jpg": "jpg", ".jpeg": "jpg", ".png": "png", ".webp": "webp"}
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    path: str  # relative to the listing's root, with '/' separators
+    key: str
+    field: str
+    label: int | None
+    size: int
+
+
+@dataclass(frozen=True)
+class Listing:
+    root: str
+    files: tuple[SourceFile, ...]
+    classes: tuple[str, ...]
+    ignored: tuple[str, ...]  # files that are not images, by relative path
+
+
+def _key(relpath: str) -> str:
+    # Keys end at the first dot of the last path component (WebDataset's rule), and must
+    # not climb out of a folder when a shard is extracted.
+    parts = [("_up_" if p == ".." else p) for p in relpath.split("/") if p not in ("", ".")]
+    stem = parts[-1].rsplit(".", 1)[0]
+    parts[-1] = stem.replace(".", "_")
+    return "/".join(parts)
+
+
+def _unique_keys(files: list[SourceFile]) -> list[SourceFile]:
+    """Make keys unique (`a.b.jpg` and `a_b.png` both want `a_b`), deterministically."""
+    seen: dict[str, int] = {}
+    out = []
+    for f in sorted(files, key=lambda f: f.path):
+        key = f.key
+        while key in seen:
+            seen[f.key] += 1
+            key = f"{f.key}_{seen[f.key]}"
+        seen.setdefault(key, 0)
+        out.append(SourceFile(f.path, key, f.field, f.label, f.size) if key != f.key else f)
+    return out
+
+
+def list_source(src: str) -> Listing:
+    """List an image folder or a `.txt`/`.csv` file list of ``path[,label]`` lines."""
+    if os.path.isdir(src):
+        return _list_folder(src)
+    if os.path.isfile(src) and src.lower().endswith((".txt", ".csv")):
+        return _list_file(src)
+    raise PackError("source must be an image folder or a .txt/.csv file list", url=src)
+
+
+def _list_folder(root: str) -> Listing:
+    classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
+    files: list[SourceFile] = []
+    ignored: list[str] = [e.name for e in os.scandir(root) if e.is_file()]
+    for label, name in enumerate(classes):
+        for folder, dirs, names in os.walk(os.path.join(root, name)):
+            dirs.sort()
+            for file in sorted(names):
+                path = os.path.join(folder, file)
+                rel = os.path.relpath(path, root).replace(os.sep, "/")
+                field = IMAGE_FIELDS.get(os.path.splitext(file)[1].lower())
+                if field is None:
+                    ignored.append(rel)
+                    continue
+                files.append(SourceFile(rel, _key(rel), field, label, os.path.getsize(path)))
+    if not files:
+        raise PackError("no images found (expected one subfolder of images per class)", url=root)
+    return Listing(root, tuple(_unique_keys(files)), tuple(classes), tuple(sorted(ignored)))
+
+
+def _list_file(path: str) -> Listing:
+    root = os.path.dirname(os.path.abspath(path))
+    rows: list[tuple[str, str | None]] = []
+    with open(path, newline="", encoding="utf-8") as f:
+        for number, row in enumerate(csv.reader(f), 1):
+            if not row or not row[0].strip() or row[0].startswith("#"):
+                continue
+            if len(row) > 2:
+                raise PackError(f"line {number}: expected 'path[,label]', got {len(row)} columns", url=path)
+            rows.append((row[0].strip(), row[1].strip() if len(row) == 2 else None))
+    if rows and rows[0][1] is not None and rows[0][0].lower() == "path":
+        rows = rows[1:]  # a CSV header
+    labels = {label for _, label in rows if label is not None}
+    if labels and any(label is None for _, label in rows):
+        raise PackError("some lines have a label and some do not", url=path)
+    if labels and all(label.lstrip("-").isdigit() for label in labels):
+        # Integer labels are class indices as given.
+        top = max(int(label) for label in labels)
+        if min(int(label) for label in labels) < 0:
+            raise PackError("integer labels must not be negative", url=path)
+        classes = tuple(str(i) for i in range(top + 1))
+        index = {str(i): i for i in range(top + 1)} | {label: int(label) for label in labels}
+    else:
+        classes = tuple(sorted(labels))
+        index = {name: i for i, name in enumerate(classes)}
+    files, ignored = [], []
+    for file, label in rows:
+        full = file if os.path.isabs(file) else os.path.join(root, file)
+        rel = os.path.relpath(full, root).replace(os.sep, "/")
+        field = IMAGE_FIELDS.get(os.path.splitext(file)[1].lower())
+        if field is None:
+            ignored.append(rel)
+            continue
+        # A missing file is reported when packing reaches it, under the error policy.
+        size = os.path.getsize(full) if os.path.isfile(full) else 0
+        files.append(SourceFile(rel, _key(rel), field, None if label is None else index[label], size))
+    if not files:
+        raise PackError("the file list names no images", url=path)
+    return Listing(root, tuple(_unique_keys(files)), classes, tuple(sorted(ignored)))

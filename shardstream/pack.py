@@ -1,0 +1,314 @@
+"""`pack`: an image folder or a file list into shards, in parallel, reproducibly.
+
+The work is planned before it starts, from the file listing and file sizes alone:
+the sorted listing is shuffled with `seed`, cut into shards of about `shard_size`
+bytes, and each shard into frames of about `frame_size`. A frame (a few images) is
+the unit of parallel work: worker processes read, check and compress frames, and the
+parent appends them in order. The output therefore depends only on the input and the
+options, never on `workers`, and parallelism does not need many shards.
+
+Nothing is lost silently: every file of the source is packed, skipped with a reason
+(recorded in the manifest), or counted as not an image.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing
+import os
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import numpy as np
+from PIL import Image
+
+from . import tario
+from .errors import PackError, ShardstreamError
+from .format import MANIFEST_NAME, Manifest
+from .listing import Listing, SourceFile, list_source
+from .shardfile import FRAME_SIZE, Frame, ShardFileWriter, build_frame
+from .storage import Store
+from .writer import check_compression, parse_size, shard_name, write_manifest
+
+__all__ = ["pack", "PackSummary", "check_image"]
+
+ON_ERROR = ("fail", "skip")
+
+
+@dataclass(frozen=True)
+class PackOptions:
+    """What decides the bytes of the output (recorded in the manifest)."""
+
+    shard_size: int
+    max_samples: int | None
+    compression: str
+    level: int
+    seed: int
+    shuffle: bool
+    frame_size: int
+    prefix: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+@dataclass
+class PackSummary:
+    """What a pack did."""
+
+    samples: int
+    shards: int
+    bytes_in: int
+    bytes_out: int
+    seconds: float
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    ignored: int = 0
+
+    def __str__(self) -> str:
+        rate = self.samples / self.seconds if self.seconds else 0.0
+        lines = [
+            f"packed {self.samples} samples into {self.shards} shards in {self.seconds:.2f} s ({rate:,.0f} img/s)",
+            f"bytes in {self.bytes_in / 1e6:,.1f} MB, out {self.bytes_out / 1e6:,.1f} MB",
+            f"skipped {len(self.skipped)}, not images {self.ignored}",
+        ]
+        lines += [f"  skipped {path}: {reason}" for path, reason in self.skipped]
+        return "\n".join(lines)
+
+
+# -- checking images ------------------------------------------------------------------
+
+
+def check_image(data: bytes, path: str) -> None:
+    """Raise PackError unless `data` is a readable, complete image.
+
+    Cheap by design (a full decode would cost more than the rest of packing): the
+    header is parsed, PNG chunk checksums verified, and a JPEG that does not end with
+    its end-of-image marker is fully decoded to tell truncation from trailing bytes.
+    `verify` does the full decode of every image.
+    """
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as image:
+                if image.format == "JPEG":
+                    if b"\xff\xd9" not in data[-64:]:
+                        image.load()
+                elif image.format == "PNG":
+                    image.verify()
+                else:
+                    image.load()
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise PackError(f"not a readable image: {e}", url=path) from e
+
+
+# -- planning ---------------------------------------------------------------------------
+
+
+def _estimated_size(entry: SourceFile) -> int:
+    # The planner needs only a deterministic size, not the exact tar layout.
+    return tario.BLOCK + tario.padded(entry.size) + (2 * tario.BLOCK if entry.label is not None else 0)
+
+
+def plan_frames(entries: list[SourceFile], opts: PackOptions) -> list[tuple[int, list[SourceFile]]]:
+    """Cut the ordered entries into (shard number, frame entries) jobs."""
+    jobs: list[tuple[int, list[SourceFile]]] = []
+    shard, shard_bytes, shard_count = 0, 0, 0
+    frame: list[SourceFile] = []
+    frame_bytes = 0
+    for entry in entries:
+        size = _estimated_size(entry)
+        full = shard_count and (
+            shard_bytes + size > opts.shard_size or (opts.max_samples is not None and shard_count >= opts.max_samples)
+        )
+        if full:
+            if frame:
+                jobs.append((shard, frame))
+            shard, shard_bytes, shard_count, frame, frame_bytes = shard + 1, 0, 0, [], 0
+        frame.append(entry)
+        frame_bytes += size
+        shard_bytes += size
+        shard_count += 1
+        if frame_bytes >= opts.frame_size:
+            jobs.append((shard, frame))
+            frame, frame_bytes = [], 0
+    if frame:
+        jobs.append((shard, frame))
+    return jobs
+
+
+def order(listing: Listing, opts: PackOptions) -> list[SourceFile]:
+    """The sample order: sorted by path, then shuffled by `seed` unless told not to."""
+    entries = sorted(listing.files, key=lambda e: e.path)
+    if opts.shuffle:
+        perm = np.random.default_rng(opts.seed).permutation(len(entries))
+        entries = [entries[i] for i in perm]
+    return entries
+
+
+# -- the work of one frame (runs in worker processes) ----------------------------------------
+
+
+@dataclass
+class FrameResult:
+    shard: int
+    frame: Frame
+    skipped: list[tuple[str, str]]
+    bytes_in: int
+
+
+def build_job(job: tuple[int, list[SourceFile], str, PackOptions, bool]) -> FrameResult:
+    shard, entries, root, opts, skip = job
+    samples, skipped, bytes_in = [], [], 0
+    for entry in entries:
+        path = os.path.join(root, entry.path)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+            check_image(data, path)
+        except (OSError, PackError) as e:
+            reason = e.detail if isinstance(e, PackError) else f"unreadable: {e}"
+            if not skip:
+                raise PackError(reason, url=path) from None
+            skipped.append((entry.path, reason))
+            continue
+        bytes_in += len(data)
+        fields = [(entry.field, data)]
+        if entry.label is not None:
+            fields.append(("cls", str(entry.label).encode("ascii")))
+        samples.append((entry.key, sorted(fields)))
+    return FrameResult(shard, build_frame(samples, opts.compression, opts.level), skipped, bytes_in)
+
+
+def _pool_context() -> multiprocessing.context.BaseContext:
+    # fork starts in milliseconds, but forking a process that runs threads can deadlock
+    # the child; fall back to forkserver then (and on platforms without fork).
+    methods = multiprocessing.get_all_start_methods()
+    if "fork" in methods and threading.active_count() == 1:
+        return multiprocessing.get_context("fork")
+    return multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+
+
+def _results(jobs: list[Any], workers: int, context: multiprocessing.context.BaseContext) -> Iterator[FrameResult]:
+    if workers <= 1:
+        yield from map(build_job, jobs)
+        return
+    with context.Pool(workers) as pool:
+        # Ordered, one frame per task: results come back in plan order while up to
+        # `workers` frames are built at once.
+        yield from pool.imap(build_job, jobs, chunksize=1)
+
+
+# -- the whole pack ---------------------------------------------------------------------------
+
+
+def pack(
+    src: str,
+    dst: str,
+    *,
+    shard_size: int | str = "256MB",
+    max_samples: int | None = None,
+    compression: str = "zstd",
+    level: int = 3,
+    workers: int | None = None,
+    seed: int = 0,
+    shuffle: bool = True,
+    on_error: str = "fail",
+    overwrite: bool = False,
+    progress: bool = True,
+    storage_options: dict[str, Any] | None = None,
+) -> PackSummary:
+    """Pack an image folder (one subfolder per class) or a file list into `dst`.
+
+    `dst` is a path or fsspec URL. The same input and options give byte-identical
+    shards and manifest, whatever `workers` is (default: all cores). `on_error="fail"`
+    stops at the first unreadable or corrupt image, naming it; ``"skip"`` leaves it out
+    and records it in the manifest.
+    """
+    check_compression(compression, level)
+    if on_error not in ON_ERROR:
+        raise ShardstreamError(f"on_error must be one of {ON_ERROR}, not {on_error!r}")
+    opts = PackOptions(parse_size(shard_size), max_samples, compression, level, seed, shuffle, FRAME_SIZE, "shard")
+    store = Store(dst, storage_options or {})
+    if store.exists(MANIFEST_NAME):
+        if not overwrite:
+            raise ShardstreamError("already holds a dataset; pass overwrite=True (--overwrite) to replace it", url=dst)
+        store.remove(MANIFEST_NAME)  # first, so that a crash cannot leave it listing replaced shards
+    listing = list_source(src)
+    entries = order(listing, opts)
+    jobs = [(shard, frame, listing.root, opts, on_error == "skip") for shard, frame in plan_frames(entries, opts)]
+    workers = max(1, min(workers or os.cpu_count() or 1, len(jobs)))
+
+    start = time.perf_counter()
+    store.makedirs()
+    shards, skipped, bytes_in = [], [], 0
+    writer: ShardFileWriter | None = None
+    context = _pool_context()  # before the progress bar starts its monitor thread
+    bar = _progress(len(entries), progress)
+    current = -1
+    try:
+        for result in _results(jobs, workers, context):
+            if writer is not None and result.shard != current:
+                _finish(writer, shards)
+                writer = None
+            if writer is None:
+                current = result.shard
+                writer = ShardFileWriter(store, shard_name(opts.prefix, len(shards), compression), compression, level)
+            writer.append(result.frame)
+            skipped += result.skipped
+            bytes_in += result.bytes_in
+            bar.update(len(result.frame.keys) + len(result.skipped))
+            bar.set_postfix_str(f"{bytes_in / 1e6 / max(time.perf_counter() - start, 1e-9):,.0f} MB/s", refresh=False)
+        if writer is not None:
+            _finish(writer, shards)
+            writer = None
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    finally:
+        bar.close()
+
+    counts = np.zeros(len(listing.classes), dtype=np.int64)
+    skipped_paths = {p for p, _ in skipped}
+    for entry in entries:
+        if entry.label is not None and entry.path not in skipped_paths:
+            counts[entry.label] += 1
+    manifest = Manifest(
+        shards=tuple(shards),
+        compression=compression,
+        classes=listing.classes,
+        class_counts=tuple(int(c) for c in counts),
+        skipped=tuple(skipped),
+        ignored=len(listing.ignored),
+        options=opts.as_dict(),
+    )
+    write_manifest(store, manifest)
+    return PackSummary(
+        samples=manifest.samples,
+        shards=len(shards),
+        bytes_in=bytes_in,
+        bytes_out=sum(s.bytes + s.index_bytes for s in shards),
+        seconds=time.perf_counter() - start,
+        skipped=skipped,
+        ignored=len(listing.ignored),
+    )
+
+
+def _finish(writer: ShardFileWriter, shards: list) -> None:
+    """Publish a shard, or drop it if every one of its images was skipped."""
+    if writer.samples:
+        shards.append(writer.finish())
+    else:
+        writer.abort()
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    from tqdm import tqdm
+
+    class Bar(tqdm):  # type: ignore[misc,type-arg]
+        monitor_interval = 0  # no monitor thread: a later pack may still fork safely
+
+    return Bar(total=total, unit="img", desc="pack", disable=not enabled, smoothing=0.1)

@@ -1,0 +1,263 @@
+"""Reading shards: sequentially, by ranges of samples, or one sample at a time.
+
+`ShardReader` reads an indexed shard (written by shardstream, `.tar.zst` or `.tar`).
+Its one primitive is `read(start, stop)`: the samples [start, stop) of the shard, read
+with one storage request per run of frames and one decompression per frame. Iteration,
+`reader[i]` and the dataset's plans are all ranges.
+
+`StreamTarReader` reads a tar written by another tool (`.tar`, `.tar.gz`, `.tar.zst`
+without our index) front to back; random access on a plain `.tar` builds the index by
+one scan of its headers first.
+
+Samples are dicts ``{"__key__": key, "__url__": shard url, field: bytes, ...}``. Field
+values are `bytes`, deliberately not memoryviews of the decompressed frame: a view
+would keep its whole ~1 MB frame alive, and a shuffle buffer of 10,000 samples would
+then hold ~10 GB.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+from typing import BinaryIO, Iterator
+
+import numpy as np
+import zstandard
+
+from . import tario
+from .errors import CorruptIndexError, CorruptShardError, ShardstreamError
+from .format import INDEX_SUFFIX, ShardIndex, ShardInfo
+from .storage import Store, split_url
+
+__all__ = ["ShardReader", "StreamTarReader", "open_shard", "Sample"]
+
+Sample = dict[str, object]
+
+MAX_FRAME_BYTES = 1 << 31  # uncompressed; one frame holds whole samples, each under 2 GiB
+MAX_WINDOW = 1 << 27  # zstd window limit: a hostile frame cannot ask for more memory
+READ_BYTES = 8 << 20  # compressed bytes fetched per storage request when reading a range
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    return zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW)
+
+
+class ShardReader:
+    """An indexed shard: ``len(reader)``, ``iter(reader)``, ``reader[i]``, ``reader.read(a, b)``.
+
+    `info` (the shard's manifest entry) lets the index be checked against its checksum;
+    without it the index is trusted as found. Nothing is read until first use.
+    """
+
+    def __init__(self, store: Store, name: str, info: ShardInfo | None = None, index: ShardIndex | None = None):
+        self.store = store
+        self.name = name
+        self.url = store.url(name)
+        self.info = info
+        self._index = index
+        self._dctx: zstandard.ZstdDecompressor | None = None
+
+    @property
+    def index(self) -> ShardIndex:
+        if self._index is None:
+            self._index = load_index(self.store, self.name, self.info)
+        return self._index
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __iter__(self) -> Iterator[Sample]:
+        return self.read(0, len(self))
+
+    def __getitem__(self, i: int) -> Sample:
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"sample {i} out of range for {self.url} ({n} samples)")
+        return next(self.read(i % n, i % n + 1))
+
+    def read(self, start: int, stop: int) -> Iterator[Sample]:
+        """The samples [start, stop) in order."""
+        index = self.index
+        if not 0 <= start <= stop <= len(index):
+            raise IndexError(f"range [{start}, {stop}) out of bounds for {self.url} ({len(index)} samples)")
+        if start == stop:
+            return iter(())
+        if index.compression == "zstd":
+            return self._read_zstd(start, stop)
+        return self._read_plain(start, stop)
+
+    # -- uncompressed shards: the tar stream is the file ---------------------------
+
+    def _read_plain(self, start: int, stop: int) -> Iterator[Sample]:
+        offsets = self.index.sample_offsets
+        a = start
+        while a < stop:
+            # Fetch a run of whole samples of about READ_BYTES per request.
+            b = int(np.searchsorted(offsets, offsets[a] + READ_BYTES, side="right")) - 1
+            b = min(max(b, a + 1), stop)
+            base = int(offsets[a])
+            buf = self.store.read(self.name, base, int(offsets[b]))
+            if len(buf) != offsets[b] - base:
+                raise CorruptShardError("shard is shorter than its index says", url=self.url, offset=len(buf) + base)
+            yield from self._samples(buf, base, a, b, base)
+            a = b
+
+    # -- zstd shards: whole samples per frame ----------------------------------------
+
+    def _read_zstd(self, start: int, stop: int) -> Iterator[Sample]:
+        index = self.index
+        first, last = index.frame_of(start), index.frame_of(stop - 1)
+        comp, raw = index.frame_offsets, index.frame_raw_offsets
+        f = first
+        while f <= last:
+            # Fetch a run of frames of about READ_BYTES per request.
+            g = int(np.searchsorted(comp, comp[f] + READ_BYTES, side="right")) - 1
+            g = min(max(g, f + 1), last + 1)
+            buf = self.store.read(self.name, int(comp[f]), int(comp[g]))
+            if len(buf) != comp[g] - comp[f]:
+                raise CorruptShardError("shard is shorter than its index says", url=self.url, offset=int(comp[f]) + len(buf))
+            view = memoryview(buf)
+            for frame in range(f, g):
+                data = self._decompress(view[comp[frame] - comp[f] : comp[frame + 1] - comp[f]], frame)
+                lo = max(start, int(np.searchsorted(index.sample_offsets, raw[frame], side="left")))
+                hi = min(stop, int(np.searchsorted(index.sample_offsets, raw[frame + 1], side="left")))
+                yield from self._samples(data, int(raw[frame]), lo, hi, int(comp[frame]))
+            f = g
+
+    def _decompress(self, frame: memoryview, i: int) -> bytes:
+        index = self.index
+        expected = int(index.frame_raw_offsets[i + 1] - index.frame_raw_offsets[i])
+        offset = int(index.frame_offsets[i])
+        if expected > MAX_FRAME_BYTES:
+            raise CorruptIndexError(f"frame {i} of {expected} bytes exceeds the limit", url=self.url, offset=offset)
+        if self._dctx is None:
+            self._dctx = _decompressor()
+        try:
+            declared = zstandard.frame_content_size(frame)
+            if declared != expected:
+                raise CorruptShardError(
+                    f"zstd frame {i} declares {declared} bytes, the index {expected}", url=self.url, offset=offset
+                )
+            data = self._dctx.decompress(frame, max_output_size=expected)
+        except zstandard.ZstdError as e:
+            raise CorruptShardError(f"bad zstd frame {i}: {e}", url=self.url, offset=offset) from e
+        if len(data) != expected:
+            raise CorruptShardError(f"zstd frame {i} holds {len(data)} bytes, expected {expected}", url=self.url, offset=offset)
+        return data
+
+    def _samples(self, buf: bytes, base: int, start: int, stop: int, file_offset: int) -> Iterator[Sample]:
+        """Parse samples [start, stop) out of `buf`, which begins at raw offset `base`."""
+        index, url = self.index, self.url
+        view = memoryview(buf)
+        # zstd frames carry their own checksum, so tar header checksums are re-checked
+        # only for uncompressed shards.
+        verify = index.compression != "zstd"
+        for i in range(start, stop):
+            a, b = int(index.sample_offsets[i]) - base, int(index.sample_offsets[i + 1]) - base
+            key = index.keys[i]
+            sample: Sample = {"__key__": key, "__url__": url}
+            try:
+                for name, s, e in tario.iter_members(view[a:b], url=url, base=base + a, verify=verify):
+                    member_key, field = tario.split_name(name)
+                    if member_key != key:
+                        raise CorruptIndexError(
+                            f"index says sample {i} is {key!r}, the shard holds {member_key!r}", url=url, offset=file_offset
+                        )
+                    sample[field] = bytes(view[a + s : a + e])
+            except CorruptShardError as e:
+                raise CorruptShardError(e.detail, url=url, key=key, offset=e.offset) from e
+            if len(sample) == 2:
+                raise CorruptIndexError(f"sample {i} has no members where the index points", url=url, key=key)
+            yield sample
+
+
+def load_index(store: Store, name: str, info: ShardInfo | None = None) -> ShardIndex:
+    """Read a shard's index, checking its checksum against the manifest entry if given."""
+    index_name = info.index if info is not None else name + INDEX_SUFFIX
+    data = store.read(index_name)
+    url = store.url(index_name)
+    if info is not None and hashlib.sha256(data).hexdigest() != info.index_sha256:
+        raise CorruptIndexError("index checksum does not match the manifest", url=url)
+    index = ShardIndex.from_bytes(data, url)
+    if info is not None and len(index) != info.samples:
+        raise CorruptIndexError(f"index lists {len(index)} samples, the manifest {info.samples}", url=url)
+    return index
+
+
+class StreamTarReader:
+    """A tar shard without our index (`.tar`, `.tar.gz`/`.tgz`, `.tar.zst`), read front to back."""
+
+    def __init__(self, store: Store, name: str):
+        self.store = store
+        self.name = name
+        self.url = store.url(name)
+        self._reader: ShardReader | None = None
+
+    def _open(self) -> BinaryIO:
+        f = self.store.open(self.name)
+        if self.name.endswith((".gz", ".tgz")):
+            return gzip.GzipFile(fileobj=f)  # type: ignore[return-value]
+        if self.name.endswith(".zst"):
+            return _decompressor().stream_reader(f, read_across_frames=True, closefd=True)  # type: ignore[return-value]
+        return f
+
+    def __iter__(self) -> Iterator[Sample]:
+        try:
+            with self._open() as f:
+                members = tario.iter_stream_members(f, url=self.url)
+                for sample, _ in tario.group_samples(members, url=self.url):
+                    sample["__url__"] = self.url
+                    yield sample
+        except (zstandard.ZstdError, gzip.BadGzipFile, EOFError) as e:
+            raise CorruptShardError(f"bad compressed stream: {e}", url=self.url) from e
+
+    def _indexed(self) -> ShardReader:
+        if self._reader is None:
+            if not self.name.endswith(".tar"):
+                raise ShardstreamError(
+                    "random access needs an index; compressed tars without one are read front to back only",
+                    url=self.url,
+                )
+            self._reader = ShardReader(self.store, self.name, index=scan_index(self.store, self.name))
+        return self._reader
+
+    def __len__(self) -> int:
+        return len(self._indexed())
+
+    def __getitem__(self, i: int) -> Sample:
+        return self._indexed()[i]
+
+    def read(self, start: int, stop: int) -> Iterator[Sample]:
+        return self._indexed().read(start, stop)
+
+
+def scan_index(store: Store, name: str) -> ShardIndex:
+    """Build the index of a plain `.tar` by one pass over it."""
+    url = store.url(name)
+    keys: list[str] = []
+    offsets: list[int] = []
+    end = 0
+    with store.open(name) as f:
+        for name_, _data, offset in tario.iter_stream_members(f, url=url):
+            key, _ = tario.split_name(name_)
+            if not keys or keys[-1] != key:
+                keys.append(key)
+                offsets.append(offset)
+            end = f.tell()  # the member and its padding have been read
+    empty = np.zeros(0, dtype=np.int64)
+    return ShardIndex(tuple(keys), np.asarray(offsets + [end], dtype=np.int64), empty, empty, "none")
+
+
+def open_shard(url: str, *, storage_options: dict | None = None) -> ShardReader | StreamTarReader:
+    """Open one shard by URL or path.
+
+    A shard with an index beside it (``<shard>.idx``, as shardstream writes) gives a
+    `ShardReader` with random access; any other tar gives a `StreamTarReader`.
+    """
+    parent, name = split_url(url)
+    store = Store(parent, storage_options or {})
+    if store.exists(name + INDEX_SUFFIX):
+        return ShardReader(store, name)
+    if not store.exists(name):
+        raise ShardstreamError("no such shard", url=url)
+    return StreamTarReader(store, name)

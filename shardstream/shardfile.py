@@ -1,0 +1,173 @@
+"""Writing one shard file: frames of whole samples, the seek table, the index, atomically.
+
+The unit of work is a `Frame`: the tar bytes of a few consecutive samples (about 1 MB),
+compressed as one independent zstd frame with its content checksum. Frames are built
+anywhere (the packer builds them in worker processes, in parallel) and appended in
+order by one `ShardFileWriter`, which owns the file, its checksum and its index.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import threading
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import zstandard
+
+from . import tario
+from .format import INDEX_SUFFIX, ShardIndex, ShardInfo
+from .storage import Store, scratch_file
+
+FRAME_SIZE = 1 << 20  # uncompressed bytes per zstd frame, before the sample that crosses it
+
+SKIPPABLE_MAGIC = 0x184D2A5E
+SEEKABLE_MAGIC = 0x8F92EAB1
+
+_local = threading.local()
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    # Compressors are not thread-safe and cost ~50 us to build: one per thread and level.
+    cache = _local.__dict__.setdefault("compressors", {})
+    if level not in cache:
+        cache[level] = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)
+    return cache[level]
+
+
+@dataclass
+class Frame:
+    """The tar bytes of consecutive whole samples, compressed or not, ready to append."""
+
+    keys: list[str]
+    sizes: list[int]  # uncompressed tar bytes of each sample
+    fields: set[str]
+    data: bytes  # one zstd frame, or the raw tar bytes for uncompressed shards
+    raw_size: int
+
+
+def build_frame(samples: Sequence[tuple[str, list[tuple[str, bytes]]]], compression: str, level: int) -> Frame:
+    """Lay out samples as tar members and compress them into one frame."""
+    parts: list[bytes] = []
+    keys, sizes, fields = [], [], set()
+    for key, members in samples:
+        size = 0
+        for name, data in members:
+            blob = tario.member(f"{key}.{name}", data)
+            parts.append(blob)
+            size += len(blob)
+            fields.add(name)
+        keys.append(key)
+        sizes.append(size)
+    raw = b"".join(parts)
+    data = _compressor(level).compress(raw) if compression == "zstd" else raw
+    return Frame(keys, sizes, fields, data, len(raw))
+
+
+def seek_table(frames: Sequence[tuple[int, int]]) -> bytes:
+    """zstd's seekable-format seek table (a skippable frame) for (compressed, raw) sizes.
+
+    Ordinary zstd decoders skip it; seekable-zstd tools use it to seek.
+    """
+    entries = b"".join(struct.pack("<II", c, r) for c, r in frames)
+    footer = struct.pack("<IBI", len(frames), 0, SEEKABLE_MAGIC)
+    body = entries + footer
+    return struct.pack("<II", SKIPPABLE_MAGIC, len(body)) + body
+
+
+@dataclass
+class ShardFileWriter:
+    """Appends frames to one shard under a temporary name; `finish()` publishes it.
+
+    Nothing is visible under the shard's name until `finish()` has written the whole
+    file: locally a rename, remotely a whole-object upload. `abort()` removes the part.
+    """
+
+    store: Store
+    name: str
+    compression: str
+    level: int = 3
+    _file: object = field(default=None, init=False, repr=False)
+    _tmp: str = field(default="", init=False, repr=False)
+    _hash: "hashlib._Hash" = field(default_factory=hashlib.sha256, init=False, repr=False)
+    _keys: list[str] = field(default_factory=list, init=False, repr=False)
+    _sample_offsets: list[int] = field(default_factory=lambda: [0], init=False, repr=False)
+    _frames: list[tuple[int, int]] = field(default_factory=list, init=False, repr=False)
+    _fields: set[str] = field(default_factory=set, init=False, repr=False)
+
+    @property
+    def samples(self) -> int:
+        return len(self._keys)
+
+    @property
+    def raw_bytes(self) -> int:
+        return self._sample_offsets[-1]
+
+    def _write(self, data: bytes) -> None:
+        if self._file is None:
+            self._tmp, self._file = scratch_file(self.store, self.name)
+        self._file.write(data)  # type: ignore[attr-defined]
+        self._hash.update(data)
+
+    def append(self, frame: Frame) -> None:
+        if not frame.keys:
+            return
+        self._write(frame.data)
+        self._frames.append((len(frame.data), frame.raw_size))
+        self._keys.extend(frame.keys)
+        for size in frame.sizes:
+            self._sample_offsets.append(self._sample_offsets[-1] + size)
+        self._fields |= frame.fields
+
+    def finish(self) -> ShardInfo:
+        """End the archive, write the seek table and the index, publish both."""
+        end = tario.END_OF_ARCHIVE
+        if self.compression == "zstd":
+            tail = _compressor(self.level).compress(end)
+            self._write(tail)
+            self._frames.append((len(tail), len(end)))
+            self._write(seek_table(self._frames))
+        else:
+            self._write(end)
+        self._file.close()  # type: ignore[attr-defined]
+        size = os.path.getsize(self._tmp)
+        index = self._index()
+        self.store.put(self._tmp, self.name)
+        index_bytes = index.to_bytes()
+        index_name = self.name + INDEX_SUFFIX
+        self.store.write(index_name, index_bytes)
+        return ShardInfo(
+            name=self.name,
+            samples=len(self._keys),
+            bytes=size,
+            raw_bytes=self.raw_bytes + len(end),
+            sha256=self._hash.hexdigest(),
+            index=index_name,
+            index_bytes=len(index_bytes),
+            index_sha256=hashlib.sha256(index_bytes).hexdigest(),
+            fields=tuple(sorted(self._fields)),
+        )
+
+    def _index(self) -> ShardIndex:
+        if self.compression == "zstd":
+            comp = np.cumsum([0] + [c for c, _ in self._frames[:-1]])
+            raw = np.cumsum([0] + [r for _, r in self._frames[:-1]])
+        else:
+            comp = raw = np.zeros(0, dtype=np.int64)
+        return ShardIndex(
+            keys=tuple(self._keys),
+            sample_offsets=np.asarray(self._sample_offsets, dtype=np.int64),
+            frame_offsets=comp.astype(np.int64),
+            frame_raw_offsets=raw.astype(np.int64),
+            compression=self.compression,
+        )
+
+    def abort(self) -> None:
+        """Drop the partial file (on errors and interrupts)."""
+        if self._file is not None:
+            self._file.close()  # type: ignore[attr-defined]
+            if os.path.exists(self._tmp):
+                os.remove(self._tmp)

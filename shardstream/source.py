@@ -1,0 +1,114 @@
+"""What a dataset source names: a packed dataset, a list of shard URLs, or a brace pattern.
+
+`resolve_source` turns any of them into a `Source`: the shards in order, each with a
+reader, and the per-shard sample counts the planner needs. A packed dataset gets its
+counts from the manifest without opening a shard; tars written by other tools are
+counted by one scan each (sequential reads of every shard once, done lazily).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from .errors import ManifestError, ShardstreamError
+from .format import INDEX_SUFFIX, MANIFEST_NAME, Manifest, ShardInfo
+from .reader import ShardReader, StreamTarReader
+from .storage import Store, split_url
+
+__all__ = ["Source", "ShardRef", "open_dataset", "resolve_source", "expand_braces"]
+
+
+@dataclass(frozen=True)
+class ShardRef:
+    """One shard: where it is, and its manifest entry when there is a manifest."""
+
+    store: Store
+    name: str
+    info: ShardInfo | None = None
+
+    @property
+    def url(self) -> str:
+        return self.store.url(self.name)
+
+    def reader(self) -> ShardReader | StreamTarReader:
+        if self.info is not None:
+            return ShardReader(self.store, self.name, self.info)
+        if self.store.exists(self.name + INDEX_SUFFIX):
+            return ShardReader(self.store, self.name)
+        return StreamTarReader(self.store, self.name)
+
+
+@dataclass(frozen=True)
+class Source:
+    """An ordered list of shards, and the manifest if the source has one."""
+
+    url: str
+    shards: tuple[ShardRef, ...]
+    manifest: Manifest | None = None
+
+    @property
+    def indexed(self) -> bool:
+        """True when every shard can be read by sample ranges (sample-granular splitting)."""
+        return self.manifest is not None
+
+    def counts(self) -> np.ndarray:
+        """Samples per shard."""
+        if self.manifest is not None:
+            return self.manifest.counts
+        return np.array([len(ref.reader()) if _random_access(ref) else _count(ref) for ref in self.shards], dtype=np.int64)
+
+
+def _random_access(ref: ShardRef) -> bool:
+    return ref.name.endswith(".tar") or ref.store.exists(ref.name + INDEX_SUFFIX)
+
+
+def _count(ref: ShardRef) -> int:
+    return sum(1 for _ in ref.reader())
+
+
+def open_dataset(url: str, *, storage_options: dict[str, Any] | None = None) -> Source:
+    """Open a packed dataset (a folder or URL prefix holding ``manifest.msgpack``)."""
+    store = Store(url, storage_options or {})
+    manifest_url = store.url(MANIFEST_NAME)
+    if not store.exists(MANIFEST_NAME):
+        raise ManifestError("no manifest: not a packed dataset (or packing has not finished)", url=manifest_url)
+    manifest = Manifest.from_bytes(store.read(MANIFEST_NAME), manifest_url)
+    return Source(url, tuple(ShardRef(store, s.name, s) for s in manifest.shards), manifest)
+
+
+_BRACES = re.compile(r"\{(\d+)\.\.(\d+)\}")
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """Expand ``shards-{000..099}.tar`` (zero padding kept) into a list of names."""
+    match = _BRACES.search(pattern)
+    if match is None:
+        return [pattern]
+    lo, hi = match.group(1), match.group(2)
+    width = len(lo) if lo.startswith("0") else 0
+    head, tail = pattern[: match.start()], pattern[match.end() :]
+    return [name for i in range(int(lo), int(hi) + 1) for name in expand_braces(f"{head}{i:0{width}d}{tail}")]
+
+
+def resolve_source(source: str | Sequence[str], *, storage_options: dict[str, Any] | None = None) -> Source:
+    """A `Source` from a dataset location, a brace pattern, or a list of shard URLs."""
+    options = storage_options or {}
+    if isinstance(source, str):
+        if not _BRACES.search(source) and not source.endswith((".tar", ".tgz", ".gz", ".zst")):
+            return open_dataset(source, storage_options=options)
+        urls = expand_braces(source)
+    else:
+        urls = list(source)
+    if not urls:
+        raise ShardstreamError("no shards given")
+    refs = []
+    stores: dict[str, Store] = {}
+    for url in urls:
+        parent, name = split_url(url)
+        store = stores.setdefault(parent, Store(parent, options))
+        refs.append(ShardRef(store, name))
+    return Source(source if isinstance(source, str) else urls[0], tuple(refs))

@@ -1,0 +1,126 @@
+"""`inspect` and `verify`: what a packed dataset holds, and whether every byte of it is sound."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from .decode import IMAGE_EXTENSIONS, decode_image
+from .errors import ShardstreamError
+from .reader import ShardReader
+from .source import Source, open_dataset
+
+__all__ = ["inspect_dataset", "verify_dataset", "Problem"]
+
+
+def inspect_dataset(url: str, *, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Summary of a packed dataset from its manifest alone (no shard is read)."""
+    source = open_dataset(url, storage_options=storage_options)
+    m = source.manifest
+    assert m is not None  # open_dataset always has one
+    stored = sum(s.bytes for s in m.shards)
+    tar_bytes = sum(s.raw_bytes for s in m.shards)
+    fields = sorted({f for s in m.shards for f in s.fields})
+    return {
+        "url": url,
+        "writer": m.writer,
+        "format_version": m.version,
+        "compression": m.compression,
+        "shards": len(m.shards),
+        "samples": m.samples,
+        "bytes": stored,
+        "index_bytes": sum(s.index_bytes for s in m.shards),
+        "fields": fields,
+        "classes": dict(zip(m.classes, m.class_counts)),
+        "skipped": [{"file": f, "reason": r} for f, r in m.skipped],
+        "ignored": m.ignored,
+        "tar_bytes": tar_bytes,
+        "compression_ratio": round(tar_bytes / stored, 4) if stored else 1.0,
+    }
+
+
+@dataclass
+class Problem:
+    shard: str
+    key: str | None
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.shard}" + (f" sample {self.key!r}" if self.key else "") + f": {self.message}"
+
+
+@dataclass
+class VerifyReport:
+    shards: int = 0
+    samples: int = 0
+    images: int = 0
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _file_sha256(ref_store: Any, name: str) -> tuple[str, int]:
+    digest, size = hashlib.sha256(), 0
+    with ref_store.open(name) as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+            size += len(chunk)
+    return digest.hexdigest(), size
+
+
+def verify_shard(reader: ShardReader, decode_images: bool = True) -> Iterator[Problem | int]:
+    """Check one shard; yields problems, and 1 per image decoded (for progress)."""
+    info = reader.info
+    assert info is not None
+    try:
+        digest, size = _file_sha256(reader.store, reader.name)
+    except ShardstreamError as e:
+        yield Problem(info.name, None, str(e))
+        return
+    if size != info.bytes:
+        yield Problem(info.name, None, f"file is {size} bytes, the manifest says {info.bytes}")
+    if digest != info.sha256:
+        yield Problem(info.name, None, "sha256 does not match the manifest")
+    try:
+        for sample in reader:
+            key = str(sample["__key__"])
+            for name, value in sample.items():
+                if decode_images and name in IMAGE_EXTENSIONS:
+                    try:
+                        decode_image(value, "pil", url=reader.url, key=key).load()  # type: ignore[union-attr,arg-type]
+                    except ShardstreamError as e:
+                        yield Problem(info.name, key, e.detail)
+                    yield 1
+    except ShardstreamError as e:
+        yield Problem(info.name, e.key, e.detail + (f" (byte {e.offset})" if e.offset is not None else ""))
+
+
+def verify_dataset(
+    url: str, *, decode_images: bool = True, progress: bool = False, storage_options: dict[str, Any] | None = None
+) -> VerifyReport:
+    """Check every checksum, the index against each shard, and (by default) that every image decodes."""
+    from tqdm import tqdm
+
+    report = VerifyReport()
+    try:
+        source: Source = open_dataset(url, storage_options=storage_options)
+    except ShardstreamError as e:
+        report.problems.append(Problem("manifest", None, str(e)))
+        return report
+    bar = tqdm(total=source.manifest.samples if source.manifest else None, unit="sample", desc="verify", disable=not progress)
+    for ref in source.shards:
+        report.shards += 1
+        reader = ref.reader()
+        assert isinstance(reader, ShardReader)
+        for item in verify_shard(reader, decode_images):
+            if isinstance(item, Problem):
+                report.problems.append(item)
+            else:
+                report.images += 1
+                bar.update(1)
+        report.samples += ref.info.samples if ref.info else 0
+    bar.close()
+    return report

@@ -1,0 +1,167 @@
+"""`ShardWriter`: write samples into a shardstream dataset, one after another.
+
+Samples are grouped into zstd frames of about `frame_size` uncompressed bytes and
+frames into shards of about `shard_size`; shards are published whole as they fill, and
+the manifest is written last, on `close()`. A writer that fails or is interrupted
+removes its partial shard and writes no manifest, so a crash never yields a manifest
+that lists a missing or half-written shard.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Sequence
+
+from .errors import ShardstreamError
+from .fields import encode_sample
+from .format import COMPRESSIONS, MANIFEST_NAME, SHARD_SUFFIX, Manifest, ShardInfo
+from .shardfile import FRAME_SIZE, ShardFileWriter, build_frame
+from .storage import Store
+from . import tario
+
+__all__ = ["ShardWriter", "parse_size", "shard_name", "write_manifest"]
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from an int or a string such as ``"256MB"`` or ``"1.5GiB"``."""
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", size)
+    if not match or match.group(2).upper() not in _UNITS:
+        raise ShardstreamError(f"bad size {size!r}: use bytes or a unit such as 256MB, 1GiB")
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+def shard_name(prefix: str, number: int, compression: str) -> str:
+    return f"{prefix}-{number:06d}{SHARD_SUFFIX[compression]}"
+
+
+def write_manifest(store: Store, manifest: Manifest) -> None:
+    """Publish the manifest: the last file written, and the one that makes a dataset."""
+    store.write(MANIFEST_NAME, manifest.to_bytes())
+    store.cleanup_scratch()
+
+
+def check_compression(compression: str, level: int) -> None:
+    if compression not in COMPRESSIONS:
+        raise ShardstreamError(f"compression must be one of {COMPRESSIONS}, not {compression!r}")
+    if not 1 <= level <= 22:
+        raise ShardstreamError(f"zstd level must be 1..22, not {level}")
+
+
+class ShardWriter:
+    """Write samples to `dst` (a path or fsspec URL) as shards plus a manifest.
+
+    A sample is ``{"__key__": str, field: value, ...}``: bytes are stored as they are,
+    ints, strings, dicts and arrays by the field's extension (`cls`, `txt`, `json`,
+    `msgpack`, `npy`). `shard_size` counts uncompressed tar bytes; `classes` names the
+    class indices found in the `cls` field, for the manifest.
+
+    Use as a context manager: on a clean exit the manifest is written; on an exception
+    the partial shard is removed and no manifest is written.
+    """
+
+    def __init__(
+        self,
+        dst: str,
+        shard_size: int | str = "256MB",
+        max_samples: int | None = None,
+        compression: str = "zstd",
+        level: int = 3,
+        *,
+        classes: Sequence[str] = (),
+        frame_size: int = FRAME_SIZE,
+        prefix: str = "shard",
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        check_compression(compression, level)
+        self.store = Store(dst, storage_options or {})
+        self.shard_size = parse_size(shard_size)
+        self.max_samples = max_samples
+        self.compression = compression
+        self.level = level
+        self.classes = tuple(classes)
+        self.frame_size = frame_size
+        self.prefix = prefix
+        self.shards: list[ShardInfo] = []
+        self._class_counts: dict[int, int] = {}
+        self._keys: set[str] = set()
+        self._shard: ShardFileWriter | None = None
+        self._pending: list[tuple[str, list[tuple[str, bytes]]]] = []
+        self._pending_bytes = 0
+        self._closed = False
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, kind: object, error: object, tb: object) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self.abort()
+
+    def write(self, sample: dict[str, Any]) -> None:
+        """Add one sample."""
+        if self._closed:
+            raise ShardstreamError("write() after close()")
+        key, fields = encode_sample(sample)
+        if key in self._keys:
+            raise ShardstreamError("duplicate sample key", key=key)
+        self._keys.add(key)
+        size = sum(tario.member_size(len(data), f"{key}.{name}") for name, data in fields)
+        shard = self._shard
+        if shard is not None:
+            filled = shard.raw_bytes + self._pending_bytes
+            count = shard.samples + len(self._pending)
+            if filled + size > self.shard_size or (self.max_samples is not None and count >= self.max_samples):
+                self._finish_shard()
+        if self._shard is None:
+            self._shard = ShardFileWriter(
+                self.store, shard_name(self.prefix, len(self.shards), self.compression), self.compression, self.level
+            )
+            self.store.makedirs()
+        self._pending.append((key, fields))
+        self._pending_bytes += size
+        for name, data in fields:
+            if name == "cls":
+                label = int(data)
+                self._class_counts[label] = self._class_counts.get(label, 0) + 1
+        if self._pending_bytes >= self.frame_size:
+            self._flush_frame()
+
+    def _flush_frame(self) -> None:
+        if self._pending and self._shard is not None:
+            self._shard.append(build_frame(self._pending, self.compression, self.level))
+        self._pending, self._pending_bytes = [], 0
+
+    def _finish_shard(self) -> None:
+        self._flush_frame()
+        if self._shard is not None and self._shard.samples:
+            self.shards.append(self._shard.finish())
+        self._shard = None
+
+    def close(self) -> Manifest:
+        """Finish the last shard and write the manifest; returns it."""
+        if self._closed:
+            raise ShardstreamError("close() called twice")
+        self._finish_shard()
+        self._closed = True
+        n = max([len(self.classes) - 1, *self._class_counts]) + 1 if (self.classes or self._class_counts) else 0
+        manifest = Manifest(
+            shards=tuple(self.shards),
+            compression=self.compression,
+            classes=self.classes or tuple(str(i) for i in range(n)),
+            class_counts=tuple(self._class_counts.get(i, 0) for i in range(n)),
+            options={"shard_size": self.shard_size, "max_samples": self.max_samples, "level": self.level,
+                     "frame_size": self.frame_size},
+        )
+        write_manifest(self.store, manifest)
+        return manifest
+
+    def abort(self) -> None:
+        """Drop the shard being written; write no manifest."""
+        if self._shard is not None:
+            self._shard.abort()
+        self._shard, self._pending, self._closed = None, [], True
