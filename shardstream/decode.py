@@ -3,7 +3,8 @@
 `Decoder(images=...)` turns ``{"jpg": bytes, "cls": b"3"}`` into
 ``{"jpg": <image>, "cls": 3}``. Images decode to PIL images (``"pil"``), to uint8
 torch tensors in CHW layout (``"rgb8"``, the torchvision convention, so that
-``torchvision.transforms.v2`` takes them as they are), or stay bytes (``None``).
+``torchvision.transforms.v2`` takes them as they are), stay bytes (``None``), or go
+through a callable from bytes (a fused decode-and-crop, for example).
 
 Pickle is never unpickled unless the caller opts in (``allow_pickle=True``): a shard
 on shared storage must not be able to run code in a training job. Every failure
@@ -97,12 +98,12 @@ class Decoder:
     Fields with no decoder stay bytes. Picklable, so it can cross into workers.
     """
 
-    images: str | None = "rgb8"
+    images: str | Callable[[bytes], Any] | None = "rgb8"
     allow_pickle: bool = False
 
     def __post_init__(self) -> None:
-        if self.images not in IMAGE_MODES:
-            raise ValueError(f"images must be one of {IMAGE_MODES}, not {self.images!r}")
+        if not callable(self.images) and self.images not in IMAGE_MODES:
+            raise ValueError(f"images must be one of {IMAGE_MODES} or a callable, not {self.images!r}")
 
     def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
         url, key = str(sample.get("__url__", "")), str(sample.get("__key__", ""))
@@ -117,7 +118,14 @@ class Decoder:
 
     def field(self, ext: str, data: bytes, url: str, key: str, name: str) -> Any:
         if ext in IMAGE_EXTENSIONS:
-            return decode_image(data, self.images, url=url, key=key)
+            if not callable(self.images):
+                return decode_image(data, self.images, url=url, key=key)
+            try:
+                return self.images(data)
+            except DecodeError:
+                raise
+            except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+                raise DecodeError(f"cannot decode image field {name!r}: {e}", url=url or None, key=key or None) from e
         if ext in PICKLE_EXTENSIONS:
             if not self.allow_pickle:
                 raise DecodeError(

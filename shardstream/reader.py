@@ -192,6 +192,8 @@ class StreamTarReader:
         self.name = name
         self.url = store.url(name)
         self._reader: ShardReader | None = None
+        self._cursor: Iterator[Sample] | None = None
+        self._position = 0
 
     def _open(self) -> BinaryIO:
         f = self.store.open(self.name)
@@ -211,6 +213,29 @@ class StreamTarReader:
         except (zstandard.ZstdError, gzip.BadGzipFile, EOFError) as e:
             raise CorruptShardError(f"bad compressed stream: {e}", url=self.url) from e
 
+    def read(self, start: int, stop: int) -> Iterator[Sample]:
+        """The samples [start, stop) in order.
+
+        A plain `.tar` is indexed by one scan and then read by ranges. Compressed tars
+        are read forward: successive calls with increasing ranges continue one stream,
+        so a planned read of many ranges costs one pass over the shard.
+        """
+        if self.name.endswith(".tar"):
+            yield from self._indexed().read(start, stop)
+            return
+        if start >= stop:
+            return
+        if self._cursor is None or start < self._position:
+            self._cursor, self._position = iter(self), 0
+        for sample in self._cursor:
+            self._position += 1
+            if self._position > start:
+                yield sample
+            if self._position >= stop:
+                return
+        if self._position < stop:
+            raise IndexError(f"range [{start}, {stop}) out of bounds for {self.url} ({self._position} samples)")
+
     def _indexed(self) -> ShardReader:
         if self._reader is None:
             if not self.name.endswith(".tar"):
@@ -226,9 +251,6 @@ class StreamTarReader:
 
     def __getitem__(self, i: int) -> Sample:
         return self._indexed()[i]
-
-    def read(self, start: int, stop: int) -> Iterator[Sample]:
-        return self._indexed().read(start, stop)
 
 
 def scan_index(store: Store, name: str) -> ShardIndex:

@@ -1,0 +1,216 @@
+"""`StreamingDataset`: a PyTorch IterableDataset over shards, exact per epoch and resumable.
+
+Each epoch every sample is yielded exactly once across all ranks and workers (plus
+declared padding), every rank yields the same number of samples and batches, and the
+order is a pure function of (seed, epoch, world size, number of workers) and the data
+(see plan.py for how). Decoding, transforms and batching run where the iterator runs:
+in the DataLoader's worker processes.
+
+The dataset is a value: constructing it reads nothing. The source is resolved (the
+manifest read) on first use, in whichever process gets there first.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+from torch.utils.data import IterableDataset
+
+from .collate import default_collate
+from .decode import Decoder
+from .errors import MissingFieldError
+from .plan import Layout, deal_chunks, epoch_sequence, items_of, round_robin_delivered, split_ranks, worker_plan
+from .resume import ResumeState, current_sequence
+from .source import Source, resolve_source
+from .stream import read_samples, reorder
+from .world import World
+
+__all__ = ["StreamingDataset"]
+
+
+class StreamingDataset(IterableDataset):
+    """Stream samples from shards into PyTorch.
+
+    Args:
+        source: a packed dataset (path or fsspec URL of the folder with
+            ``manifest.msgpack``), a brace pattern (``data/shard-{000000..000009}.tar``)
+            or a list of shard URLs; plain WebDataset tars are read too.
+        shuffle: shuffle the shard order per epoch, then samples in a buffer per worker.
+        seed: the seed of every random choice; with `set_epoch` it fixes the order.
+        shuffle_buffer: samples held per worker for shuffling; memory is about this
+            many times the mean stored sample size (JPEG bytes, not decoded pixels).
+        decode: image decoding: ``"rgb8"`` (uint8 CHW tensors), ``"pil"``, ``None``
+            (bytes), or a callable from image bytes to anything (for example
+            `RandomResizedCropJPEG`). Other fields decode by extension.
+        transform: a callable applied to each decoded sample dict, in the worker.
+        fields: yield tuples of these fields instead of dicts; ``"jpg;png"`` takes the
+            first present of several.
+        batch_size: batch in the worker with `collate_fn` (default: stack tensors);
+            use with ``DataLoader(batch_size=None)``.
+        drop_last: drop the last partial batch.
+        partial: when samples do not divide evenly over ranks: ``"pad"`` repeats
+            samples from the start of the epoch (the DistributedSampler convention),
+            ``"drop"`` leaves the remainder out of this epoch.
+        rank, world_size: override what torch.distributed or RANK/WORLD_SIZE say.
+        storage_options: fsspec options for remote sources.
+        allow_pickle: decode ``.pyd``/``.pth`` fields with pickle (trusted data only).
+    """
+
+    def __init__(
+        self,
+        source: str | Sequence[str],
+        *,
+        shuffle: bool = False,
+        seed: int = 0,
+        shuffle_buffer: int = 2048,
+        decode: str | Callable[[bytes], Any] | None = "rgb8",
+        transform: Callable[[dict[str, Any]], Any] | None = None,
+        fields: Sequence[str] | None = None,
+        batch_size: int | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        drop_last: bool = False,
+        partial: str = "pad",
+        rank: int | None = None,
+        world_size: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+        allow_pickle: bool = False,
+    ) -> None:
+        super().__init__()
+        if partial not in ("pad", "drop"):
+            raise ValueError(f"partial must be 'pad' or 'drop', not {partial!r}")
+        if batch_size is not None and batch_size < 1:
+            raise ValueError("batch_size must be positive")
+        self.source = source
+        self.shuffle = shuffle
+        self.seed = seed
+        self.shuffle_buffer = shuffle_buffer
+        self.transform = transform
+        self.fields = tuple(fields) if fields is not None else None
+        self.batch_size = batch_size
+        self.collate_fn = collate_fn or default_collate
+        self.drop_last = drop_last
+        self.partial = partial
+        self.rank = rank
+        self.world_size = world_size
+        self.storage_options = dict(storage_options or {})
+        self._decoder = Decoder(images=decode, allow_pickle=allow_pickle)
+        self._resolved: Source | None = None
+        self._counts: np.ndarray | None = None
+        # Shared with worker processes, so set_epoch reaches persistent workers too.
+        self._epoch = multiprocessing.RawValue("q", 0)
+        self._resume: ResumeState | None = None
+        self._delivered = 0
+
+    # -- epochs and layout ---------------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        return int(self._epoch.value)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch whose order the next iteration yields."""
+        if epoch != self.epoch:
+            self._resume = None
+        self._epoch.value = epoch
+
+    def layout(self, world: World) -> Layout:
+        return Layout(world.size, world.workers, self.batch_size, self.drop_last, self.partial,
+                      self.shuffle, self.shuffle_buffer)
+
+    def resolve(self) -> Source:
+        """Read the manifest (or list the shards) once per process."""
+        if self._resolved is None:
+            self._resolved = resolve_source(self.source, storage_options=self.storage_options)
+        return self._resolved
+
+    def counts(self) -> np.ndarray:
+        """Samples per shard."""
+        if self._counts is None:
+            self._counts = self.resolve().counts()
+        return self._counts
+
+    def _rank_block(self, world: World) -> tuple[np.ndarray, Layout, int, int]:
+        """This rank's samples of the current segment, its layout, segment number and items already delivered."""
+        layout = self.layout(world)
+        sequence, segment, delivered = current_sequence(
+            epoch_sequence(self.counts(), self.seed, self.epoch, self.shuffle), self._resume, layout, self.seed,
+            self.epoch,
+        )
+        return split_ranks(sequence, world.size, self.partial)[world.rank], layout, segment, delivered
+
+    def __len__(self) -> int:
+        """Items (batches with `batch_size`, else samples) the next iteration yields on this rank."""
+        world = World.detect(self.rank, self.world_size)
+        block, layout, _, delivered = self._rank_block(world)
+        return items_of(len(block), layout) - delivered
+
+    # -- iteration -------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Any]:
+        world = World.detect(self.rank, self.world_size)
+        block, layout, segment, delivered = self._rank_block(world)
+        sizes = [len(p) for p in deal_chunks(len(block), world.workers, layout.chunk)]
+        done = round_robin_delivered([items_of(n, layout) for n in sizes], delivered)[world.worker]
+        mine, perm = worker_plan(block, layout, self.seed, self.epoch, world.rank, world.worker, segment)
+        remaining = perm[done * (layout.batch_size or 1) :]
+        needed = np.sort(remaining)
+        samples = read_samples(self.resolve(), mine[needed], self.counts())
+        ordered = reorder(zip(needed.tolist(), samples), remaining)
+        items = (self._prepare(sample) for sample in ordered)
+        if self.batch_size is not None:
+            items = _batches(items, self.batch_size, self.drop_last, self.collate_fn)
+        self._delivered = delivered
+        for item in items:
+            self._delivered += 1  # counts what the consumer received (main-process iteration)
+            yield item
+        self._resume = None  # the epoch is complete: a new iteration starts it afresh
+
+    def _prepare(self, sample: dict[str, Any]) -> Any:
+        sample = self._decoder(sample)
+        if self.transform is not None:
+            sample = self.transform(sample)
+        if self.fields is None:
+            return sample
+        return tuple(_pick(sample, spec) for spec in self.fields)
+
+    # -- resumption ------------------------------------------------------------------------
+
+    def state_dict(self, delivered: int | None = None) -> dict[str, Any]:
+        """A small, plain (msgpack/JSON-serialisable) description of progress.
+
+        `delivered` is the number of items this rank's training loop has received in
+        the current epoch; by default the count of items this dataset yielded in the
+        main process (use `shardstream.DataLoader` with workers: it counts for you).
+        """
+        world = World.detect(self.rank, self.world_size)
+        state = ResumeState.current_of(self, world, self._delivered if delivered is None else delivered)
+        return state.to_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state` on the next iteration (exactly, or elastically if the layout changed)."""
+        resume = ResumeState.from_dict(state, self)
+        self._epoch.value = resume.epoch
+        self._resume = resume
+        self._delivered = 0
+
+
+def _pick(sample: dict[str, Any], spec: str) -> Any:
+    for name in spec.split(";"):
+        if name in sample:
+            return sample[name]
+    raise MissingFieldError(f"no field {spec!r}; the sample has {sorted(k for k in sample if not k.startswith('__'))}",
+                            url=sample.get("__url__"), key=sample.get("__key__"))
+
+
+def _batches(items: Iterator[Any], size: int, drop_last: bool, collate: Callable[[list[Any]], Any]) -> Iterator[Any]:
+    batch: list[Any] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield collate(batch)
+            batch = []
+    if batch and not drop_last:
+        yield collate(batch)
+

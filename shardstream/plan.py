@@ -1,0 +1,194 @@
+"""The epoch plan: which sample goes to which rank and worker, in what order. Pure functions.
+
+Everything here is a function of (sample counts, seed, epoch, layout) returning numpy
+arrays, so it is tested directly over many shapes and seeds, and so that a resumed
+job can recompute exactly what an interrupted one did without reading any data.
+
+How an epoch is laid out:
+
+1. **Epoch sequence.** Shards are put in a seeded order (shuffled per epoch when
+   shuffling); the epoch sequence is every sample id, shard after shard, each shard's
+   samples in file order (so reading stays sequential).
+2. **Ranks.** The sequence is cut into `world_size` contiguous, equal blocks. If the
+   count does not divide, ``partial="pad"`` repeats samples from the start of the
+   sequence (the `DistributedSampler` convention) and ``"drop"`` leaves out the tail.
+   Every rank therefore yields the same number of samples and batches: DDP cannot hang.
+3. **Workers.** A rank's block is dealt to its DataLoader workers in chunks of `chunk`
+   samples (the batch size), round robin: chunk j goes to worker j mod W. A chunk is a
+   contiguous run of samples, so each worker reads runs of frames, and the number of
+   batches per rank does not depend on the number of workers.
+4. **Shuffle buffer.** Each worker draws its samples through a shuffle buffer of
+   `buffer` samples, simulated here on positions: the buffer's decisions are replayed
+   from the seed, never stored.
+
+The DataLoader collects worker outputs round robin, so the items a training loop has
+received (`delivered`) determine exactly which samples every worker has yielded: that
+is all the state a resume needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+__all__ = [
+    "Layout",
+    "epoch_sequence",
+    "split_ranks",
+    "deal_chunks",
+    "buffer_shuffle",
+    "worker_plan",
+    "items_of",
+    "round_robin_delivered",
+    "consumed_samples",
+    "remaining_sequence",
+    "samples_of_items",
+    "rng_for",
+]
+
+PARTIAL = ("pad", "drop")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one job reads an epoch: the parts of the plan that do not depend on the data."""
+
+    world_size: int = 1
+    workers: int = 1  # DataLoader workers per rank; 1 when loading in the main process
+    batch_size: int | None = None  # batches made in the workers; None yields samples
+    drop_last: bool = False  # drop each worker's last partial batch
+    partial: str = "pad"  # uneven ranks: "pad" (repeat samples) or "drop"
+    shuffle: bool = False
+    buffer: int = 0  # shuffle buffer, in samples, per worker
+
+    @property
+    def chunk(self) -> int:
+        # Dealing in whole batches keeps batch counts independent of the worker count;
+        # unbatched samples are dealt in runs long enough to read whole frames.
+        return self.batch_size or 64
+
+
+def rng_for(seed: int, *parts: int) -> np.random.Generator:
+    """A generator seeded by (seed, parts...), independent for every distinct tuple."""
+    return np.random.default_rng(np.random.SeedSequence([seed & 0xFFFFFFFFFFFFFFFF, *parts]))
+
+
+def epoch_sequence(counts: Sequence[int] | np.ndarray, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    """Global sample ids of the epoch: shards in seeded order, samples in file order."""
+    counts = np.asarray(counts, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]) if len(counts) else np.zeros(0, np.int64)
+    order = rng_for(seed, epoch, 0).permutation(len(counts)) if shuffle else np.arange(len(counts))
+    if not len(order):
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate([np.arange(starts[s], starts[s] + counts[s], dtype=np.int64) for s in order])
+
+
+def split_ranks(sequence: np.ndarray, world_size: int, partial: str) -> np.ndarray:
+    """Contiguous equal blocks of `sequence`, one row per rank (padded or dropped)."""
+    if partial not in PARTIAL:
+        raise ValueError(f"partial must be one of {PARTIAL}, not {partial!r}")
+    n = len(sequence)
+    if partial == "drop":
+        per_rank = n // world_size
+        return sequence[: per_rank * world_size].reshape(world_size, per_rank)
+    per_rank = -(-n // world_size)
+    pad = per_rank * world_size - n
+    if pad and n:
+        sequence = np.concatenate([sequence, np.resize(sequence, pad)])
+    return sequence.reshape(world_size, per_rank) if n else np.zeros((world_size, 0), dtype=np.int64)
+
+
+def deal_chunks(n: int, workers: int, chunk: int) -> list[np.ndarray]:
+    """Positions 0..n-1 dealt to workers in chunks of `chunk`, round robin."""
+    positions = np.arange(n, dtype=np.int64)
+    chunk_of = positions // chunk
+    return [positions[chunk_of % workers == w] for w in range(workers)]
+
+
+def buffer_shuffle(n: int, buffer: int, rng: np.random.Generator) -> np.ndarray:
+    """The order in which a shuffle buffer of `buffer` slots emits inputs 0..n-1.
+
+    Inputs enter in order; each step emits a uniformly chosen slot and refills it with
+    the next input; at the end the buffer drains in random order. Output t is always
+    among inputs < t + buffer, so a streaming reader needs at most `buffer` samples in
+    memory to serve it.
+    """
+    if buffer <= 1 or n <= 1:
+        return np.arange(n, dtype=np.int64)
+    size = min(buffer, n)
+    slots = list(range(size))
+    draws = rng.random(n)
+    out = np.empty(n, dtype=np.int64)
+    nxt = size
+    for t in range(n - size):
+        j = int(draws[t] * size)
+        out[t] = slots[j]
+        slots[j] = nxt
+        nxt += 1
+    out[n - size :] = np.asarray(slots, dtype=np.int64)[rng.permutation(size)]
+    return out
+
+
+def worker_plan(rank_block: np.ndarray, layout: Layout, seed: int, epoch: int, rank: int, worker: int,
+                segment: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """What worker `worker` of rank `rank` yields: (its sample ids in storage order, the
+    order it yields them in, as positions into the first)."""
+    mine = rank_block[deal_chunks(len(rank_block), layout.workers, layout.chunk)[worker]]
+    if not layout.shuffle:
+        return mine, np.arange(len(mine), dtype=np.int64)
+    return mine, buffer_shuffle(len(mine), layout.buffer, rng_for(seed, epoch, 1 + segment, rank, worker))
+
+
+def items_of(samples: int, layout: Layout) -> int:
+    """Items (batches, or samples when unbatched) a worker with `samples` samples yields."""
+    if layout.batch_size is None:
+        return samples
+    full, rest = divmod(samples, layout.batch_size)
+    return full + (1 if rest and not layout.drop_last else 0)
+
+
+def round_robin_delivered(items: Sequence[int], delivered: int) -> list[int]:
+    """How many items each worker had handed over once `delivered` items were received.
+
+    The DataLoader takes one item from each worker in turn, skipping workers that have
+    finished: round r gives one item from every worker with more than r items.
+    """
+    items = list(items)
+    got = [0] * len(items)
+    left = delivered
+    for r in range(max(items, default=0)):
+        active = [w for w, n in enumerate(items) if n > r]
+        if left <= len(active):
+            for w in active[:left]:
+                got[w] += 1
+            return got
+        for w in active:
+            got[w] += 1
+        left -= len(active)
+    if left > 0:
+        raise ValueError(f"{delivered} items delivered, but the workers only have {sum(items)}")
+    return got
+
+
+def samples_of_items(n_items: int, samples: int, layout: Layout) -> int:
+    """Samples covered by a worker's first `n_items` items."""
+    return min(samples, n_items * (layout.batch_size or 1))
+
+
+def consumed_samples(sequence: np.ndarray, layout: Layout, seed: int, epoch: int, delivered: int,
+                     segment: int = 0) -> np.ndarray:
+    """Sample ids every rank had received after `delivered` items each (ranks in lockstep)."""
+    blocks = split_ranks(sequence, layout.world_size, layout.partial)
+    taken = []
+    for rank in range(layout.world_size):
+        plans = [worker_plan(blocks[rank], layout, seed, epoch, rank, w, segment) for w in range(layout.workers)]
+        got = round_robin_delivered([items_of(len(mine), layout) for mine, _ in plans], delivered)
+        taken += [mine[perm[: samples_of_items(g, len(mine), layout)]] for (mine, perm), g in zip(plans, got)]
+    return np.concatenate(taken) if taken else np.zeros(0, dtype=np.int64)
+
+
+def remaining_sequence(sequence: np.ndarray, consumed: np.ndarray) -> np.ndarray:
+    """`sequence` without the samples already consumed (a padded repeat counts as seen)."""
+    return sequence[~np.isin(sequence, consumed)]

@@ -1,0 +1,49 @@
+"""Who is reading: this process's rank among the ranks, and this worker among the workers.
+
+The environment is read once, by `World.detect()`, when iteration starts; every layer
+below takes a `World` value and never looks at torch.distributed or the environment.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+__all__ = ["World"]
+
+
+@dataclass(frozen=True)
+class World:
+    """Rank `rank` of `size` ranks; DataLoader worker `worker` of `workers` on that rank."""
+
+    rank: int = 0
+    size: int = 1
+    worker: int = 0
+    workers: int = 1
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.rank < self.size and 0 <= self.worker < self.workers):
+            raise ValueError(f"inconsistent world {self}")
+
+    @classmethod
+    def detect(cls, rank: int | None = None, world_size: int | None = None) -> "World":
+        """The world of the calling process.
+
+        Rank and size come from explicit arguments when given (so a user can always
+        override), else from an initialised `torch.distributed`, else from the
+        ``RANK``/``WORLD_SIZE`` environment that torchrun sets, else a single process.
+        The worker comes from `torch.utils.data.get_worker_info()`.
+        """
+        import torch.distributed as dist
+        from torch.utils.data import get_worker_info
+
+        if rank is None or world_size is None:
+            if dist.is_available() and dist.is_initialized():
+                rank, world_size = dist.get_rank(), dist.get_world_size()
+            elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+                rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            else:
+                rank, world_size = rank or 0, world_size or 1
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        return cls(rank, world_size, worker, workers)
