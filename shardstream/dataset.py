@@ -12,16 +12,18 @@ manifest read) on first use, in whichever process gets there first.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
-from torch.utils.data import IterableDataset
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
 
 from .collate import default_collate
 from .decode import Decoder
 from .errors import MissingFieldError
-from .plan import Layout, deal_chunks, epoch_sequence, items_of, round_robin_delivered, split_ranks, worker_plan
+from .plan import Layout, deal_chunks, epoch_sequence, items_of, round_robin_delivered, round_robin_next, split_ranks, worker_plan
 from .resume import ResumeState, current_sequence
 from .source import Source, resolve_source
 from .stream import read_samples, reorder
@@ -151,42 +153,64 @@ class StreamingDataset(IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         world = World.detect(self.rank, self.world_size)
         block, layout, segment, delivered = self._rank_block(world)
-        sizes = [len(p) for p in deal_chunks(len(block), world.workers, layout.chunk)]
-        done = round_robin_delivered([items_of(n, layout) for n in sizes], delivered)[world.worker]
-        mine, perm = worker_plan(block, layout, self.seed, self.epoch, world.rank, world.worker, segment)
+        items = [items_of(len(p), layout) for p in deal_chunks(len(block), world.workers, layout.chunk)]
+        worker = (round_robin_next(items, delivered) + world.worker) % world.workers  # see round_robin_next
+        done = round_robin_delivered(items, delivered)[worker]
+        mine, perm = worker_plan(block, layout, self.seed, self.epoch, world.rank, worker, segment)
         remaining = perm[done * (layout.batch_size or 1) :]
         needed = np.sort(remaining)
         samples = read_samples(self.resolve(), mine[needed], self.counts())
         ordered = reorder(zip(needed.tolist(), samples), remaining)
-        items = (self._prepare(sample) for sample in ordered)
+        in_worker = get_worker_info() is not None
+        ids = mine[remaining].tolist()
+        items = (self._prepare(sample, sample_id, in_worker) for sample, sample_id in zip(ordered, ids))
         if self.batch_size is not None:
             items = _batches(items, self.batch_size, self.drop_last, self.collate_fn)
         self._delivered = delivered
         for item in items:
             self._delivered += 1  # counts what the consumer received (main-process iteration)
             yield item
-        self._resume = None  # the epoch is complete: a new iteration starts it afresh
+        self.forget_resume()  # the epoch is complete: a new iteration starts it afresh
 
-    def _prepare(self, sample: dict[str, Any]) -> Any:
-        sample = self._decoder(sample)
-        if self.transform is not None:
-            sample = self.transform(sample)
+    def _prepare(self, sample: dict[str, Any], sample_id: int, in_worker: bool) -> Any:
+        # Random augmentations draw from torch's generator, seeded per sample from
+        # (seed, epoch, sample id): the same sample gets the same crop in a resumed run,
+        # whichever worker serves it. In the main process the caller's generator state
+        # is saved and restored around it.
+        with _seeded(_sample_seed(self.seed, self.epoch, sample_id), in_worker):
+            sample = self._decoder(sample)
+            if self.transform is not None:
+                sample = self.transform(sample)
         if self.fields is None:
             return sample
         return tuple(_pick(sample, spec) for spec in self.fields)
 
     # -- resumption ------------------------------------------------------------------------
 
-    def state_dict(self, delivered: int | None = None) -> dict[str, Any]:
+    def state_dict(self, delivered: int | None = None, num_workers: int = 0) -> dict[str, Any]:
         """A small, plain (msgpack/JSON-serialisable) description of progress.
 
         `delivered` is the number of items this rank's training loop has received in
-        the current epoch; by default the count of items this dataset yielded in the
-        main process (use `shardstream.DataLoader` with workers: it counts for you).
+        the current epoch, through a DataLoader with `num_workers` workers; by default
+        the count of items this dataset yielded when iterated in this process.
+        `shardstream.DataLoader` counts and passes both for you.
         """
-        world = World.detect(self.rank, self.world_size)
+        detected = World.detect(self.rank, self.world_size)
+        world = World(detected.rank, detected.size, 0, max(1, num_workers))
         state = ResumeState.current_of(self, world, self._delivered if delivered is None else delivered)
         return state.to_dict()
+
+    def resumed_items(self, num_workers: int = 0) -> int:
+        """Items of the current epoch already delivered before the next iteration starts."""
+        if self._resume is None:
+            return 0
+        detected = World.detect(self.rank, self.world_size)
+        layout = self.layout(World(detected.rank, detected.size, 0, max(1, num_workers)))
+        return self._resume.current.delivered if self._resume.current.layout == layout else 0
+
+    def forget_resume(self) -> None:
+        """Start the next iteration at the beginning of the epoch."""
+        self._resume = None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state` on the next iteration (exactly, or elastically if the layout changed)."""
@@ -194,6 +218,28 @@ class StreamingDataset(IterableDataset):
         self._epoch.value = resume.epoch
         self._resume = resume
         self._delivered = 0
+
+
+def _sample_seed(seed: int, epoch: int, sample_id: int) -> int:
+    """splitmix64 of the triple: cheap, and well spread for consecutive ids."""
+    x = (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + sample_id + 1) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) & 0x7FFFFFFFFFFFFFFF
+
+
+@contextlib.contextmanager
+def _seeded(seed: int, in_worker: bool) -> Iterator[None]:
+    if in_worker:
+        torch.manual_seed(seed)
+        yield
+        return
+    state = torch.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(state)
 
 
 def _pick(sample: dict[str, Any], spec: str) -> Any:

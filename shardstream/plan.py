@@ -42,6 +42,7 @@ __all__ = [
     "worker_plan",
     "items_of",
     "round_robin_delivered",
+    "round_robin_next",
     "consumed_samples",
     "remaining_sequence",
     "samples_of_items",
@@ -170,6 +171,22 @@ def round_robin_delivered(items: Sequence[int], delivered: int) -> list[int]:
     if left > 0:
         raise ValueError(f"{delivered} items delivered, but the workers only have {sum(items)}")
     return got
+
+
+def round_robin_next(items: Sequence[int], delivered: int) -> int:
+    """The worker that hands over item number `delivered` (0-based); 0 when all are done.
+
+    A resumed DataLoader starts its round robin at its worker 0, so plan worker
+    ``(next + i) % workers`` is served by loader worker i: the rotation makes the
+    resumed sequence continue exactly where the interrupted one stopped.
+    """
+    left = delivered
+    for r in range(max(items, default=0)):
+        active = [w for w, n in enumerate(items) if n > r]
+        if left < len(active):
+            return active[left]
+        left -= len(active)
+    return 0
 
 
 def samples_of_items(n_items: int, samples: int, layout: Layout) -> int:

@@ -1,0 +1,256 @@
+"""`shardstream.DataLoader`: the last hop, host to device, with the training loop's count.
+
+Built on `torch.utils.data.DataLoader` (its worker processes, its pinning thread),
+with what a training loop needs on top:
+
+* **Batches on the device.** With a CUDA `device`, each batch is copied on a dedicated
+  stream with ``non_blocking=True`` from pinned memory, `prefetch_to_device` batches
+  ahead, so the copy of batch n+1 overlaps the compute on batch n; the consumer's
+  stream waits on an event before use, and `record_stream` tells the allocator the
+  consumer uses the memory. Pinned buffers come from PyTorch's caching host
+  allocator, so they are reused, not allocated per batch.
+* **uint8 over the bus, arithmetic on the GPU.** `transform_on_device` (for example
+  `Normalize`) runs after the copy, on the device.
+* **Exact resume.** The loader counts items the training loop has *received* (not
+  what workers prefetched) and its `state_dict()` carries that count.
+* **Statistics.** `stats` says batches/s, samples/s and how long the loop waited for
+  data (the fraction of time the GPU would have idled).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.utils.data
+
+from .dataset import StreamingDataset
+
+__all__ = ["DataLoader", "LoaderStats", "Normalize", "to_device"]
+
+
+@dataclass
+class LoaderStats:
+    """Throughput of the current (or last) epoch, as the training loop saw it."""
+
+    batches: int = 0
+    samples: int = 0
+    wait_s: float = 0.0  # time spent inside next(): the consumer waiting for data
+    elapsed_s: float = 0.0  # from the first request to the last delivery
+    first_batch_s: float = 0.0  # time to the first batch
+
+    @property
+    def batches_per_s(self) -> float:
+        return self.batches / self.elapsed_s if self.elapsed_s else 0.0
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.elapsed_s if self.elapsed_s else 0.0
+
+    @property
+    def wait_fraction(self) -> float:
+        """Share of the time the consumer spent waiting for data (ideally near 0)."""
+        return self.wait_s / self.elapsed_s if self.elapsed_s else 0.0
+
+
+def to_device(batch: Any, device: torch.device, non_blocking: bool = True) -> Any:
+    """Move every tensor of a nested batch (tuples, lists, dicts) to `device`."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device, non_blocking) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        moved = [to_device(v, device, non_blocking) for v in batch]
+        return type(batch)(moved) if not hasattr(batch, "_fields") else type(batch)(*moved)
+    return batch
+
+
+def _tensors(batch: Any) -> Iterator[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, dict):
+        for v in batch.values():
+            yield from _tensors(v)
+    elif isinstance(batch, (tuple, list)):
+        for v in batch:
+            yield from _tensors(v)
+
+
+def _count(batch: Any) -> int:
+    """Samples in a batch: the leading dimension of its first tensor (1 if none)."""
+    for t in _tensors(batch):
+        return int(t.shape[0]) if t.dim() else 1
+    return len(batch) if isinstance(batch, list) else 1
+
+
+@dataclass(frozen=True)
+class Normalize:
+    """uint8 images -> float, ``(x / 255 - mean) / std``, on whatever device the batch is.
+
+    `field` picks the image in a tuple (an index) or dict (a key) batch; a bare tensor
+    batch is normalised itself. ``channels_last=True`` returns NHWC memory format,
+    which convolutions on tensor cores prefer.
+    """
+
+    mean: Sequence[float] = (0.485, 0.456, 0.406)
+    std: Sequence[float] = (0.229, 0.224, 0.225)
+    field: int | str = 0
+    channels_last: bool = False
+    dtype: torch.dtype = torch.float32
+
+    def normalize(self, images: torch.Tensor) -> torch.Tensor:
+        shape = (1, -1, 1, 1) if images.dim() == 4 else (-1, 1, 1)
+        mean = torch.tensor(self.mean, device=images.device, dtype=self.dtype).view(shape) * 255
+        inv_std = 1.0 / (torch.tensor(self.std, device=images.device, dtype=self.dtype).view(shape) * 255)
+        out = (images.to(self.dtype) - mean) * inv_std
+        if self.channels_last and out.dim() == 4:
+            out = out.contiguous(memory_format=torch.channels_last)
+        return out
+
+    def __call__(self, batch: Any) -> Any:
+        if isinstance(batch, torch.Tensor):
+            return self.normalize(batch)
+        if isinstance(batch, dict):
+            return {**batch, self.field: self.normalize(batch[self.field])}
+        items = list(batch)
+        items[self.field] = self.normalize(items[self.field])  # type: ignore[index]
+        return type(batch)(items)
+
+
+class DataLoader:
+    """Batches from a `StreamingDataset`, on `device`, with resumable state and statistics.
+
+    Batching happens in the workers (`batch_size` is set on the dataset), so a batch
+    crosses the process boundary as one message. Defaults: persistent workers when
+    `num_workers` > 0; pinned memory when `device` is CUDA.
+    """
+
+    def __init__(
+        self,
+        dataset: StreamingDataset,
+        *,
+        batch_size: int | None = None,
+        num_workers: int = 0,
+        pin_memory: bool | None = None,
+        persistent_workers: bool | None = None,
+        prefetch_factor: int | None = None,
+        device: str | torch.device | None = None,
+        prefetch_to_device: int = 2,
+        transform_on_device: Callable[[Any], Any] | None = None,
+        multiprocessing_context: str | None = None,
+        timeout: float = 0,
+    ) -> None:
+        self.dataset = copy.copy(dataset)  # shares the epoch with the caller's dataset
+        if batch_size is not None:
+            self.dataset.batch_size = batch_size
+        self.device = torch.device(device) if device is not None else None
+        cuda = self.device is not None and self.device.type == "cuda"
+        self.num_workers = num_workers
+        self.pin_memory = cuda if pin_memory is None else pin_memory and torch.cuda.is_available()
+        self.persistent_workers = num_workers > 0 if persistent_workers is None else persistent_workers
+        self.prefetch_factor = prefetch_factor if num_workers > 0 else None
+        self.prefetch_to_device = max(1, prefetch_to_device)
+        self.transform_on_device = transform_on_device
+        self.multiprocessing_context = multiprocessing_context
+        self.timeout = timeout
+        self.stats = LoaderStats()
+        self._loader: torch.utils.data.DataLoader | None = None
+        self._delivered = 0
+
+    def _torch_loader(self) -> torch.utils.data.DataLoader:
+        if self._loader is None:
+            self._loader = torch.utils.data.DataLoader(
+                self.dataset,
+                batch_size=None,
+                num_workers=self.num_workers,
+                pin_memory=self.pin_memory,
+                persistent_workers=self.persistent_workers and self.num_workers > 0,
+                prefetch_factor=self.prefetch_factor,
+                multiprocessing_context=self.multiprocessing_context,
+                timeout=self.timeout,
+            )
+        return self._loader
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.dataset.set_epoch(epoch)
+        self._delivered = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """The dataset's state at the items the training loop has received."""
+        return self.dataset.state_dict(delivered=self._delivered, num_workers=self.num_workers)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.dataset.load_state_dict(state)
+        self._delivered = 0
+        self._loader = None  # persistent workers hold the old state: start fresh ones
+
+    def __iter__(self) -> Iterator[Any]:
+        self.stats = LoaderStats()
+        start = time.perf_counter()
+        self._delivered = self.dataset.resumed_items(self.num_workers)
+        source = iter(self._torch_loader())
+        batches = self._on_device(source) if self._use_cuda() else self._on_host(source)
+        while True:
+            t0 = time.perf_counter()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                break
+            now = time.perf_counter()
+            self.stats.wait_s += now - t0
+            if self.stats.batches == 0:
+                self.stats.first_batch_s = now - start
+            self.stats.batches += 1
+            self.stats.samples += _count(batch)
+            self.stats.elapsed_s = now - start
+            self._delivered += 1
+            yield batch
+        self.stats.elapsed_s = time.perf_counter() - start
+        self.dataset.forget_resume()  # the epoch is complete; workers forgot it too
+
+    def _use_cuda(self) -> bool:
+        return self.device is not None and self.device.type == "cuda" and torch.cuda.is_available()
+
+    def _on_host(self, source: Iterator[Any]) -> Iterator[Any]:
+        for batch in source:
+            if self.device is not None:
+                batch = to_device(batch, self.device)
+            yield self.transform_on_device(batch) if self.transform_on_device else batch
+
+    def _on_device(self, source: Iterator[Any]) -> Iterator[Any]:
+        device = self.device
+        assert device is not None
+        copy_stream = torch.cuda.Stream(device=device)
+        pending: deque[tuple[Any, torch.cuda.Event]] = deque()
+
+        def issue(batch: Any) -> None:
+            with torch.cuda.stream(copy_stream):
+                moved = to_device(batch, device, non_blocking=True)
+                if self.transform_on_device is not None:
+                    moved = self.transform_on_device(moved)
+                event = torch.cuda.Event()
+                event.record(copy_stream)
+            pending.append((moved, event))
+
+        for batch in source:
+            issue(batch)
+            if len(pending) >= self.prefetch_to_device:
+                yield self._hand_over(*pending.popleft())
+        while pending:
+            yield self._hand_over(*pending.popleft())
+
+    @staticmethod
+    def _hand_over(batch: Any, event: torch.cuda.Event) -> Any:
+        consumer = torch.cuda.current_stream()
+        consumer.wait_event(event)
+        for t in _tensors(batch):
+            t.record_stream(consumer)  # memory stays allocated until the consumer is done
+        return batch
+
