@@ -31,6 +31,9 @@ from .writer import ShardWriter
 # Public names that need torch, by the module that defines them.
 _LAZY = {
     "StreamingDataset": "dataset",
+    "DataLoader": "loader",
+    "LoaderStats": "loader",
+    "Normalize": "loader",
     "World": "world",
     "pad_collate": "collate",
     "default_collate": "collate",
@@ -53,6 +56,7 @@ __all__ = [
     "ShardWriter",
     "ShardstreamError",
     "StorageError",
+    "Source",
     "StreamTarReader",
     "open_dataset",
     "open_shard",
