@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import threading
 from typing import BinaryIO, Iterator
 
 import numpy as np
@@ -42,6 +43,17 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW)
 
 
+_local = threading.local()
+
+
+def _thread_decompressor() -> zstandard.ZstdDecompressor:
+    # Decompression contexts are not thread-safe, and prefetch threads share readers.
+    dctx = getattr(_local, "dctx", None)
+    if dctx is None:
+        dctx = _local.dctx = _decompressor()
+    return dctx
+
+
 class ShardReader:
     """An indexed shard: ``len(reader)``, ``iter(reader)``, ``reader[i]``, ``reader.read(a, b)``.
 
@@ -55,7 +67,6 @@ class ShardReader:
         self.url = store.url(name)
         self.info = info
         self._index = index
-        self._dctx: zstandard.ZstdDecompressor | None = None
 
     @property
     def index(self) -> ShardIndex:
@@ -130,15 +141,13 @@ class ShardReader:
         offset = int(index.frame_offsets[i])
         if expected > MAX_FRAME_BYTES:
             raise CorruptIndexError(f"frame {i} of {expected} bytes exceeds the limit", url=self.url, offset=offset)
-        if self._dctx is None:
-            self._dctx = _decompressor()
         try:
             declared = zstandard.frame_content_size(frame)
             if declared != expected:
                 raise CorruptShardError(
                     f"zstd frame {i} declares {declared} bytes, the index {expected}", url=self.url, offset=offset
                 )
-            data = self._dctx.decompress(frame, max_output_size=expected)
+            data = _thread_decompressor().decompress(frame, max_output_size=expected)
         except zstandard.ZstdError as e:
             raise CorruptShardError(f"bad zstd frame {i}: {e}", url=self.url, offset=offset) from e
         if len(data) != expected:

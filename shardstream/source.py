@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .errors import ManifestError, ShardstreamError
+from .errors import ManifestError, ShardstreamError, StorageError
 from .format import INDEX_SUFFIX, MANIFEST_NAME, Manifest, ShardInfo
 from .reader import ShardReader, StreamTarReader
 from .storage import Store, split_url
@@ -55,6 +55,12 @@ class Source:
         """True when every shard can be read by sample ranges (sample-granular splitting)."""
         return self.manifest is not None
 
+    def mean_sample_bytes(self) -> int:
+        """Stored bytes per sample (from the manifest; a typical image otherwise)."""
+        if self.manifest is None or not self.manifest.samples:
+            return 128 << 10
+        return max(1, sum(s.bytes for s in self.manifest.shards) // self.manifest.samples)
+
     def counts(self) -> np.ndarray:
         """Samples per shard."""
         if self.manifest is not None:
@@ -74,9 +80,14 @@ def open_dataset(url: str, *, storage_options: dict[str, Any] | None = None) -> 
     """Open a packed dataset (a folder or URL prefix holding ``manifest.msgpack``)."""
     store = Store(url, storage_options or {})
     manifest_url = store.url(MANIFEST_NAME)
-    if not store.exists(MANIFEST_NAME):
-        raise ManifestError("no manifest: not a packed dataset (or packing has not finished)", url=manifest_url)
-    manifest = Manifest.from_bytes(store.read(MANIFEST_NAME), manifest_url)
+    try:
+        # Read, not exists(): a transient error must be retried, not taken for "absent".
+        data = store.read(MANIFEST_NAME)
+    except StorageError as e:
+        if e.detail != "file not found":
+            raise
+        raise ManifestError("no manifest: not a packed dataset (or packing has not finished)", url=manifest_url) from e
+    manifest = Manifest.from_bytes(data, manifest_url)
     return Source(url, tuple(ShardRef(store, s.name, s) for s in manifest.shards), manifest)
 
 

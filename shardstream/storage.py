@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import os
 import posixpath
+import random
 import shutil
 import tempfile
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Iterator, Mapping
 
@@ -23,7 +26,7 @@ import fsspec
 
 from .errors import StorageError
 
-__all__ = ["Store", "is_local", "split_url"]
+__all__ = ["Store", "RetryPolicy", "IOStats", "io_stats", "is_local", "is_transient", "split_url"]
 
 
 def is_local(url: str) -> bool:
@@ -57,6 +60,7 @@ class Store:
 
     root: str
     options: Mapping[str, Any] = field(default_factory=dict)
+    retry: "RetryPolicy" = field(default_factory=lambda: RetryPolicy())
 
     @property
     def local(self) -> bool:
@@ -78,21 +82,33 @@ class Store:
     # -- reading ---------------------------------------------------------------
 
     def read(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
-        """Read bytes [start, end) of `name` (the whole file when both are None)."""
+        """Read bytes [start, end) of `name` (the whole file when both are None).
+
+        Remote reads are retried on transient errors (see `RetryPolicy`); a permanent
+        error, or a transient one that outlasts the retries, raises `StorageError`
+        naming the URL. Every read is counted in `io_stats`.
+        """
+        started = time.perf_counter()
         try:
             if self.local:
                 with open(self.url(name), "rb") as f:
                     if start:
                         f.seek(start)
-                    return f.read() if end is None else f.read(end - (start or 0))
-            fs, path = self._fs_path(name)
-            if start is None and end is None:
-                return fs.cat_file(path)
-            return fs.cat_file(path, start=start, end=end)
+                    data = f.read() if end is None else f.read(end - (start or 0))
+            else:
+                data = self.retry.call(self._remote_read, name, start, end, url=self.url(name))
         except FileNotFoundError as e:
             raise StorageError("file not found", url=self.url(name)) from e
         except OSError as e:
             raise self._wrap(name, "read", e) from e
+        io_stats.add(requests=1, bytes=len(data), wait_s=time.perf_counter() - started)
+        return data
+
+    def _remote_read(self, name: str, start: int | None, end: int | None) -> bytes:
+        fs, path = self._fs_path(name)
+        if start is None and end is None:
+            return fs.cat_file(path)
+        return fs.cat_file(path, start=start, end=end)
 
     def open(self, name: str) -> BinaryIO:
         """A binary file object for sequential reading."""
@@ -198,6 +214,95 @@ class Store:
             path = os.path.join(_local_path(self.root), ".shardstream-tmp")
             if os.path.isdir(path) and not os.listdir(path):
                 shutil.rmtree(path, ignore_errors=True)
+
+
+@dataclass
+class IOStats:
+    """What this process asked of storage: read them to tell a slow run's cause.
+
+    `wait_s` is time spent inside storage calls (in the worker's reading thread or its
+    prefetch threads); `cache_*` count shard lookups in a local cache.
+    """
+
+    requests: int = 0
+    bytes: int = 0
+    retries: int = 0
+    wait_s: float = 0.0
+    cache_hits: int = 0
+    cache_misses: int = 0
+
+    def add(self, **amounts: float) -> None:
+        with _stats_lock:
+            for name, amount in amounts.items():
+                setattr(self, name, getattr(self, name) + amount)
+
+    def snapshot(self) -> dict[str, float]:
+        with _stats_lock:
+            return dict(self.__dict__)
+
+    def reset(self) -> None:
+        with _stats_lock:
+            for name in self.__dict__:
+                setattr(self, name, type(getattr(self, name))())
+
+
+_stats_lock = threading.Lock()
+io_stats = IOStats()
+
+
+def is_transient(error: BaseException) -> bool:
+    """Errors worth retrying: 5xx, throttling, timeouts, dropped connections."""
+    if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
+        return False
+    status = _http_status(error)
+    if status is not None:
+        return status >= 500 or status in (408, 429)
+    if isinstance(error, (ConnectionError, TimeoutError, OSError)):
+        return True  # resets, broken pipes, EIO: the request may well succeed again
+    module = type(error).__module__
+    return module.startswith(("aiohttp", "botocore", "urllib3", "requests")) or "Timeout" in type(error).__name__
+
+
+def _http_status(error: BaseException) -> int | None:
+    status = getattr(error, "status", None)  # aiohttp
+    if isinstance(status, int):
+        return status
+    response = getattr(error, "response", None)  # botocore
+    if isinstance(response, dict):
+        code = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return code if isinstance(code, int) else None
+    return None
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Exponential backoff with full jitter, bounded in attempts.
+
+    A transient error is retried up to `attempts` times in all, waiting a random time
+    up to ``min(max_delay, base_delay * 2**try)`` between tries; then, or on a
+    permanent error, the last error is raised. A retry is counted, never a skip.
+    """
+
+    attempts: int = 6
+    base_delay: float = 0.05
+    max_delay: float = 4.0
+
+    def call(self, fn: Any, *args: Any, url: str) -> Any:
+        for attempt in range(self.attempts):
+            try:
+                return fn(*args)
+            except Exception as error:  # classified right below; unknown errors propagate
+                if not is_transient(error):
+                    if isinstance(error, (FileNotFoundError, OSError)):
+                        raise
+                    raise StorageError(f"{type(error).__name__}: {error}", url=url) from error
+                if attempt + 1 == self.attempts:
+                    raise StorageError(
+                        f"failed after {self.attempts} attempts: {type(error).__name__}: {error}", url=url
+                    ) from error
+                io_stats.add(retries=1)
+                time.sleep(random.uniform(0, min(self.max_delay, self.base_delay * 2**attempt)))
+        raise AssertionError("unreachable")
 
 
 def scratch_file(store: Store, name: str) -> tuple[str, BinaryIO]:

@@ -9,6 +9,8 @@ comes within `buffer` samples of its arrival, which bounds the memory held.
 
 from __future__ import annotations
 
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -16,7 +18,7 @@ import numpy as np
 from .reader import Sample, ShardReader, StreamTarReader
 from .source import Source
 
-__all__ = ["read_samples", "reorder", "sample_runs"]
+__all__ = ["read_samples", "reorder", "sample_runs", "pieces"]
 
 
 def sample_runs(ids: np.ndarray, counts: np.ndarray) -> Iterator[tuple[int, int, int]]:
@@ -32,14 +34,50 @@ def sample_runs(ids: np.ndarray, counts: np.ndarray) -> Iterator[tuple[int, int,
         yield int(shards[a]), int(local[a]), int(local[b - 1]) + 1
 
 
-def read_samples(source: Source, ids: np.ndarray, counts: np.ndarray) -> Iterator[Sample]:
-    """The samples `ids` (global ids), in that order, read run by run."""
+def pieces(runs: Iterable[tuple[int, int, int]], max_samples: int) -> Iterator[tuple[int, int, int]]:
+    """Cut runs into pieces of at most `max_samples`, the unit of prefetching."""
+    for shard, first, stop in runs:
+        for a in range(first, stop, max_samples):
+            yield shard, a, min(stop, a + max_samples)
+
+
+def read_samples(source: Source, ids: np.ndarray, counts: np.ndarray, prefetch: int = 0,
+                 piece_bytes: int = 8 << 20) -> Iterator[Sample]:
+    """The samples `ids` (global ids), in that order, read run by run.
+
+    With `prefetch` > 0 (indexed sources), up to that many pieces of about
+    `piece_bytes` are fetched, decompressed and parsed ahead by background threads
+    while the caller works on the current one: storage latency then overlaps decoding.
+    The threads start with the iteration and are joined when it ends or is closed.
+    """
     readers: dict[int, ShardReader | StreamTarReader] = {}
-    for shard, first, stop in sample_runs(ids, counts):
+
+    def reader_of(shard: int) -> ShardReader | StreamTarReader:
         reader = readers.get(shard)
         if reader is None:
             reader = readers[shard] = source.shards[shard].reader()
-        yield from reader.read(first, stop)
+        return reader
+
+    runs = sample_runs(ids, counts)
+    if prefetch <= 0 or not source.indexed:
+        for shard, first, stop in runs:
+            yield from reader_of(shard).read(first, stop)
+        return
+    per_piece = max(1, piece_bytes // max(1, source.mean_sample_bytes()))
+    work = pieces(runs, per_piece)
+    with ThreadPoolExecutor(max_workers=prefetch, thread_name_prefix="shardstream-prefetch") as pool:
+        ahead: deque[Future[list[Sample]]] = deque()
+        try:
+            for shard, first, stop in work:
+                reader = reader_of(shard)
+                ahead.append(pool.submit(lambda r=reader, a=first, b=stop: list(r.read(a, b))))
+                if len(ahead) > prefetch:
+                    yield from ahead.popleft().result()
+            while ahead:
+                yield from ahead.popleft().result()
+        finally:
+            for future in ahead:
+                future.cancel()
 
 
 def reorder(arrivals: Iterable[tuple[int, Sample]], order: np.ndarray) -> Iterator[Sample]:

@@ -1,0 +1,180 @@
+"""Real servers for tests and benchmarks: an HTTP server with latency and failures, and moto's S3.
+
+`HTTPTestServer` serves a folder over HTTP on 127.0.0.1 with Range support, adds a
+fixed latency to every request and fails a chosen fraction of them (503 or a dropped
+connection), deterministically from a seed. `MotoS3Server` runs moto's S3-compatible
+server in a subprocess. Both bind to loopback only and stop on `close()`.
+"""
+
+from __future__ import annotations
+
+import http.server
+import os
+import random
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+__all__ = ["HTTPTestServer", "MotoS3Server", "free_port"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Faults:
+    latency_s: float = 0.0
+    fail_fraction: float = 0.0  # of requests, answered 503 or by dropping the connection
+    seed: int = 0
+    requests: int = 0
+    failures: int = 0
+    rng: random.Random = field(default_factory=random.Random)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def decide(self) -> str | None:
+        with self.lock:
+            self.requests += 1
+            if self.rng.random() >= self.fail_fraction:
+                return None
+            self.failures += 1
+            return "503" if self.rng.random() < 0.5 else "drop"
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    root = ""
+    faults = Faults()
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args: object) -> None:  # quiet
+        pass
+
+    def _path(self) -> str | None:
+        rel = urllib.request.url2pathname(self.path.split("?", 1)[0]).lstrip("/")
+        path = os.path.realpath(os.path.join(self.root, rel))
+        return path if path.startswith(os.path.realpath(self.root)) and os.path.isfile(path) else None
+
+    def _fault(self) -> bool:
+        if self.faults.latency_s:
+            time.sleep(self.faults.latency_s)
+        fault = self.faults.decide()
+        if fault == "503":
+            self.send_response(503)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return True
+        if fault == "drop":
+            self.close_connection = True
+            self.connection.shutdown(socket.SHUT_RDWR)
+            return True
+        return False
+
+    def do_HEAD(self) -> None:
+        self._serve(body=False)
+
+    def do_GET(self) -> None:
+        self._serve(body=True)
+
+    def _serve(self, body: bool) -> None:
+        if self._fault():
+            return
+        path = self._path()
+        if path is None:
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        size = os.path.getsize(path)
+        start, end = 0, size
+        match = re.fullmatch(r"bytes=(\d*)-(\d*)", self.headers.get("Range", ""))
+        if match and (match.group(1) or match.group(2)):
+            if match.group(1):
+                start = int(match.group(1))
+                end = min(size, int(match.group(2)) + 1) if match.group(2) else size
+            else:
+                start = max(0, size - int(match.group(2)))
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
+        else:
+            self.send_response(200)
+        self.send_header("Accept-Ranges", "bytes")
+        self.send_header("Content-Length", str(end - start))
+        self.end_headers()
+        if body:
+            with open(path, "rb") as f:
+                f.seek(start)
+                self.wfile.write(f.read(end - start))
+
+
+class HTTPTestServer:
+    """Serve `root` at ``http://127.0.0.1:<port>/`` with injected latency and failures."""
+
+    def __init__(self, root: str, *, latency_s: float = 0.0, fail_fraction: float = 0.0, seed: int = 0):
+        self.faults = Faults(latency_s, fail_fraction, seed, rng=random.Random(seed))
+        handler = type("Handler", (_Handler,), {"root": root, "faults": self.faults})
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, name="http-test-server", daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)
+
+    def __enter__(self) -> "HTTPTestServer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class MotoS3Server:
+    """moto's S3-compatible server on 127.0.0.1, in a subprocess (``moto[server]``)."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(self.endpoint, timeout=1).close()
+                return
+            except OSError:
+                if self.process.poll() is not None:
+                    raise RuntimeError("moto server exited at start")
+                time.sleep(0.1)
+        self.close()
+        raise RuntimeError("moto server did not start in 30 s")
+
+    @property
+    def storage_options(self) -> dict:
+        return {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": self.endpoint,
+                                                                          "region_name": "us-east-1"}}
+
+    def close(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def __enter__(self) -> "MotoS3Server":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
