@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from .cache import ShardCache
 from .collate import default_collate
 from .decode import Decoder
 from .errors import MissingFieldError
@@ -28,6 +30,7 @@ from .resume import ResumeState, current_sequence
 from .source import Source, resolve_source
 from .stream import read_samples, reorder
 from .world import World
+from .writer import parse_size
 
 __all__ = ["StreamingDataset"]
 
@@ -59,6 +62,10 @@ class StreamingDataset(IterableDataset):
         storage_options: fsspec options for remote sources.
         prefetch: pieces of about 8 MB read ahead by background threads in each worker,
             so storage latency overlaps decoding (0: read in the iterating thread).
+        cache_dir, cache_limit: keep whole remote shards in this local folder, at most
+            `cache_limit` bytes ("50GB"), shared safely by all workers and ranks of a
+            machine; without `cache_dir`, shards stream from storage into memory by
+            ranged reads of just the samples planned.
         allow_pickle: decode ``.pyd``/``.pth`` fields with pickle (trusted data only).
     """
 
@@ -80,6 +87,8 @@ class StreamingDataset(IterableDataset):
         world_size: int | None = None,
         storage_options: dict[str, Any] | None = None,
         prefetch: int = 2,
+        cache_dir: str | None = None,
+        cache_limit: int | str = "50GB",
         allow_pickle: bool = False,
     ) -> None:
         super().__init__()
@@ -101,6 +110,7 @@ class StreamingDataset(IterableDataset):
         self.world_size = world_size
         self.storage_options = dict(storage_options or {})
         self.prefetch = prefetch
+        self._cache = ShardCache(os.path.abspath(cache_dir), parse_size(cache_limit)) if cache_dir else None
         self._decoder = Decoder(images=decode, allow_pickle=allow_pickle)
         self._resolved: Source | None = None
         self._counts: np.ndarray | None = None
@@ -163,7 +173,7 @@ class StreamingDataset(IterableDataset):
         mine, perm = worker_plan(block, layout, self.seed, self.epoch, world.rank, worker, segment)
         remaining = perm[done * (layout.batch_size or 1) :]
         needed = np.sort(remaining)
-        samples = read_samples(self.resolve(), mine[needed], self.counts(), self.prefetch)
+        samples = read_samples(self.resolve(), mine[needed], self.counts(), self.prefetch, self._cache)
         ordered = reorder(zip(needed.tolist(), samples), remaining)
         in_worker = get_worker_info() is not None
         ids = mine[remaining].tolist()

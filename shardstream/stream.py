@@ -9,12 +9,14 @@ comes within `buffer` samples of its arrival, which bounds the memory held.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Iterable, Iterator
+from typing import Any, BinaryIO, Iterable, Iterator
 
 import numpy as np
 
+from .cache import ShardCache
 from .reader import Sample, ShardReader, StreamTarReader
 from .source import Source
 
@@ -41,43 +43,106 @@ def pieces(runs: Iterable[tuple[int, int, int]], max_samples: int) -> Iterator[t
             yield shard, a, min(stop, a + max_samples)
 
 
+class _Readers:
+    """Shard readers of one iteration, opened once each, from any thread.
+
+    With a cache, opening a shard downloads it (once per machine) and holds a shared
+    lock on it until `close()`, so it is not evicted while in use.
+    """
+
+    def __init__(self, source: Source, cache: ShardCache | None):
+        self.source = source
+        self.cache = cache
+        self._guard = threading.Lock()
+        self._entries: dict[int, list[Any]] = {}
+        self._locks: list[BinaryIO] = []
+        self._shard_locks: dict[int, BinaryIO] = {}
+
+    def get(self, shard: int) -> ShardReader | StreamTarReader:
+        with self._guard:
+            entry = self._entries.setdefault(shard, [threading.Lock(), None])
+        with entry[0]:
+            if entry[1] is None:
+                ref = self.source.shards[shard]
+                if self.cache is not None and not ref.store.local:
+                    entry[1], lock = self.cache.open(ref)
+                    with self._guard:
+                        self._locks.append(lock)
+                        self._shard_locks[shard] = lock
+                else:
+                    entry[1] = ref.reader()
+            return entry[1]
+
+    def release(self, shard: int) -> None:
+        """Done with `shard`: drop its reader and let the cache evict it."""
+        with self._guard:
+            entry = self._entries.pop(shard, None)
+            lock = self._shard_locks.pop(shard, None)
+        if lock is not None:
+            lock.close()
+            self._locks.remove(lock)
+        del entry
+
+    def close(self) -> None:
+        with self._guard:
+            for lock in self._locks:
+                lock.close()
+            self._locks.clear()
+
+
 def read_samples(source: Source, ids: np.ndarray, counts: np.ndarray, prefetch: int = 0,
-                 piece_bytes: int = 8 << 20) -> Iterator[Sample]:
+                 cache: ShardCache | None = None, piece_bytes: int = 8 << 20) -> Iterator[Sample]:
     """The samples `ids` (global ids), in that order, read run by run.
 
     With `prefetch` > 0 (indexed sources), up to that many pieces of about
     `piece_bytes` are fetched, decompressed and parsed ahead by background threads
-    while the caller works on the current one: storage latency then overlaps decoding.
-    The threads start with the iteration and are joined when it ends or is closed.
+    while the caller works on the current one, and with a `cache` the next `prefetch`
+    shards are downloaded ahead: storage latency then overlaps decoding. The threads
+    start with the iteration and are joined when it ends or is closed.
     """
-    readers: dict[int, ShardReader | StreamTarReader] = {}
-
-    def reader_of(shard: int) -> ShardReader | StreamTarReader:
-        reader = readers.get(shard)
-        if reader is None:
-            reader = readers[shard] = source.shards[shard].reader()
-        return reader
-
+    readers = _Readers(source, cache)
     runs = sample_runs(ids, counts)
-    if prefetch <= 0 or not source.indexed:
-        for shard, first, stop in runs:
-            yield from reader_of(shard).read(first, stop)
-        return
-    per_piece = max(1, piece_bytes // max(1, source.mean_sample_bytes()))
-    work = pieces(runs, per_piece)
-    with ThreadPoolExecutor(max_workers=prefetch, thread_name_prefix="shardstream-prefetch") as pool:
-        ahead: deque[Future[list[Sample]]] = deque()
-        try:
-            for shard, first, stop in work:
-                reader = reader_of(shard)
-                ahead.append(pool.submit(lambda r=reader, a=first, b=stop: list(r.read(a, b))))
-                if len(ahead) > prefetch:
-                    yield from ahead.popleft().result()
-            while ahead:
-                yield from ahead.popleft().result()
-        finally:
-            for future in ahead:
-                future.cancel()
+    try:
+        if prefetch <= 0 or not source.indexed:
+            work = list(runs)
+            last_run = {shard: i for i, (shard, _, _) in enumerate(work)}
+            for i, (shard, first, stop) in enumerate(work):
+                yield from readers.get(shard).read(first, stop)
+                if last_run[shard] == i:
+                    readers.release(shard)
+            return
+        work = list(pieces(runs, max(1, piece_bytes // max(1, source.mean_sample_bytes()))))
+        upcoming = list(dict.fromkeys(shard for shard, _, _ in work))  # distinct shards, in order
+        rank_of = {shard: i for i, shard in enumerate(upcoming)}
+        last_piece = {shard: i for i, (shard, _, _) in enumerate(work)}
+        with ThreadPoolExecutor(max_workers=prefetch + (1 if cache else 0),
+                                thread_name_prefix="shardstream-prefetch") as pool:
+            ahead: deque[tuple[int, Future[list[Sample]]]] = deque()
+            opened = 0
+
+            def finish_one() -> list[Sample]:
+                i, future = ahead.popleft()
+                samples = future.result()
+                if last_piece[work[i][0]] == i:
+                    readers.release(work[i][0])
+                return samples
+
+            try:
+                for i, (shard, first, stop) in enumerate(work):
+                    if cache is not None:  # download whole shards further ahead than pieces
+                        while opened < len(upcoming) and opened <= rank_of[shard] + prefetch:
+                            pool.submit(readers.get, upcoming[opened])
+                            opened += 1
+                    ahead.append((i, pool.submit(lambda s=shard, a=first, b=stop: list(readers.get(s).read(a, b)))))
+                    if len(ahead) > prefetch:
+                        yield from finish_one()
+                while ahead:
+                    yield from finish_one()
+            finally:
+                for _, future in ahead:
+                    future.cancel()
+    finally:
+        readers.close()
 
 
 def reorder(arrivals: Iterable[tuple[int, Sample]], order: np.ndarray) -> Iterator[Sample]:

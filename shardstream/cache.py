@@ -1,0 +1,157 @@
+"""A bounded local cache of whole shards, shared by every worker and rank on a machine.
+
+For remote datasets read more than once (every epoch), downloading each shard once
+to local disk beats streaming it again. The cache is a folder, safe to share between
+processes:
+
+* **One download per shard at a time.** A download holds an exclusive `flock` on the
+  shard's lock file; a second process asking for the same shard waits on the lock and
+  then finds the file there.
+* **No torn files.** Shards are downloaded under a temporary name, verified against
+  the manifest's SHA-256, and renamed into place.
+* **Bounded.** Before a download, least-recently-used shards are evicted until the new
+  one fits under `limit`. A shard being read holds a shared lock and is never evicted,
+  so the limit is exceeded only when the shards in use alone exceed it.
+* **Self-healing.** The first use of a cached shard in each process re-hashes it; a
+  file damaged on disk is deleted and fetched again.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import BinaryIO
+
+from .errors import StorageError
+from .reader import ShardReader
+from .source import ShardRef
+from .storage import Store, io_stats
+
+__all__ = ["ShardCache"]
+
+CHUNK = 16 << 20  # bytes per ranged request when downloading
+
+_verified: set[str] = set()  # cached files this process has hashed
+
+
+@dataclass(frozen=True)
+class ShardCache:
+    """Shards of remote datasets cached under `root`, at most `limit` bytes in all."""
+
+    root: str
+    limit: int
+
+    def folder(self, store: Store) -> str:
+        # One subfolder per dataset location, so datasets can share a cache folder.
+        return os.path.join(self.root, hashlib.sha256(store.root.encode()).hexdigest()[:16])
+
+    def open(self, ref: ShardRef) -> tuple[ShardReader, BinaryIO]:
+        """A reader over the cached copy of `ref`, and the shared lock that keeps it there.
+
+        Close the returned lock file when done reading.
+        """
+        if ref.info is None:
+            raise StorageError("only datasets with a manifest can be cached (checksums are needed)", url=ref.url)
+        folder = self.folder(ref.store)
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, ref.name)
+        lock = open(path + ".lock", "a+b")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_SH)
+            if path in _verified and self._present(path, ref):
+                io_stats.add(cache_hits=1)
+            else:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # only one process checks or downloads
+                if self._present(path, ref) and _sha256(path) == ref.info.sha256:
+                    io_stats.add(cache_hits=1)
+                else:
+                    io_stats.add(cache_misses=1)
+                    self._make_room(folder, ref.info.bytes + ref.info.index_bytes)
+                    self._download(ref, path)
+                _verified.add(path)
+                fcntl.flock(lock, fcntl.LOCK_SH)  # downgrade: readers may share it now
+            os.utime(path)  # most recently used
+        except BaseException:
+            lock.close()
+            raise
+        return ShardReader(Store(folder), ref.name, ref.info), lock
+
+    @staticmethod
+    def _present(path: str, ref: ShardRef) -> bool:
+        assert ref.info is not None
+        try:
+            return os.path.getsize(path) == ref.info.bytes and os.path.exists(os.path.join(
+                os.path.dirname(path), ref.info.index))
+        except OSError:
+            return False
+
+    def _download(self, ref: ShardRef, path: str) -> None:
+        assert ref.info is not None
+        folder = os.path.dirname(path)
+        for name, size, digest in ((ref.name, ref.info.bytes, ref.info.sha256),
+                                   (ref.info.index, ref.info.index_bytes, ref.info.index_sha256)):
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".part")
+            try:
+                hasher = hashlib.sha256()
+                with os.fdopen(fd, "wb") as f:
+                    for start in range(0, size, CHUNK):
+                        data = ref.store.read(name, start, min(size, start + CHUNK))
+                        hasher.update(data)
+                        f.write(data)
+                if hasher.hexdigest() != digest:
+                    raise StorageError("downloaded file does not match the manifest's checksum",
+                                       url=ref.store.url(name))
+                os.replace(tmp, os.path.join(folder, name))
+            finally:
+                if os.path.exists(tmp):
+                    os.remove(tmp)
+
+    def _make_room(self, folder: str, incoming: int) -> None:
+        """Evict least-recently-used shards not in use until `incoming` bytes fit."""
+        entries = []
+        for base, _, names in os.walk(self.root):
+            for name in names:
+                if name.endswith((".lock", ".part", ".idx")):
+                    continue
+                full = os.path.join(base, name)
+                try:
+                    st = os.stat(full)
+                except FileNotFoundError:
+                    continue
+                index = full + ".idx"
+                size = st.st_size + (os.path.getsize(index) if os.path.exists(index) else 0)
+                entries.append((st.st_mtime, full, size))
+        total = sum(size for _, _, size in entries)
+        for _, full, size in sorted(entries):
+            if total + incoming <= self.limit:
+                return
+            if self._evict(full):
+                total -= size
+
+    @staticmethod
+    def _evict(path: str) -> bool:
+        with open(path + ".lock", "a+b") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False  # in use by a reader
+            for victim in (path, path + ".idx"):
+                try:
+                    os.remove(victim)
+                except FileNotFoundError:
+                    pass
+            return True
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    started = time.perf_counter()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    io_stats.add(wait_s=time.perf_counter() - started)
+    return digest.hexdigest()
