@@ -25,6 +25,7 @@ from .cache import ShardCache
 from .collate import default_collate
 from .decode import Decoder
 from .errors import MissingFieldError
+from .policy import ErrorPolicy, guarded
 from .plan import Layout, deal_chunks, epoch_sequence, items_of, round_robin_delivered, round_robin_next, split_ranks, worker_plan
 from .resume import ResumeState, current_sequence
 from .source import Source, resolve_source
@@ -66,6 +67,10 @@ class StreamingDataset(IterableDataset):
             `cache_limit` bytes ("50GB"), shared safely by all workers and ranks of a
             machine; without `cache_dir`, shards stream from storage into memory by
             ranged reads of just the samples planned.
+        on_error: ``"raise"`` stops at a bad sample (corrupt frame, undecodable image,
+            missing field) naming shard and key; ``"skip"`` logs and counts it and
+            yields a good sample in its place (counts stay equal per rank), raising past
+            a cap; an `ErrorPolicy` sets the cap.
         allow_pickle: decode ``.pyd``/``.pth`` fields with pickle (trusted data only).
     """
 
@@ -89,6 +94,7 @@ class StreamingDataset(IterableDataset):
         prefetch: int = 2,
         cache_dir: str | None = None,
         cache_limit: int | str = "50GB",
+        on_error: str | ErrorPolicy = "raise",
         allow_pickle: bool = False,
     ) -> None:
         super().__init__()
@@ -116,6 +122,8 @@ class StreamingDataset(IterableDataset):
         self._counts: np.ndarray | None = None
         # Shared with worker processes, so set_epoch reaches persistent workers too.
         self._epoch = multiprocessing.RawValue("q", 0)
+        self._skips = multiprocessing.Value("q", 0)  # summed over workers, hence the lock
+        self.on_error = ErrorPolicy.of(on_error)
         self._resume: ResumeState | None = None
         self._delivered = 0
 
@@ -173,11 +181,13 @@ class StreamingDataset(IterableDataset):
         mine, perm = worker_plan(block, layout, self.seed, self.epoch, world.rank, worker, segment)
         remaining = perm[done * (layout.batch_size or 1) :]
         needed = np.sort(remaining)
-        samples = read_samples(self.resolve(), mine[needed], self.counts(), self.prefetch, self._cache)
+        samples = read_samples(self.resolve(), mine[needed], self.counts(), self.prefetch, self._cache,
+                               tolerant=self.on_error.mode == "skip")
         ordered = reorder(zip(needed.tolist(), samples), remaining)
         in_worker = get_worker_info() is not None
         ids = mine[remaining].tolist()
-        items = (self._prepare(sample, sample_id, in_worker) for sample, sample_id in zip(ordered, ids))
+        items = guarded(zip(ordered, ids), lambda pair: self._prepare(pair[0], pair[1], in_worker), self.on_error,
+                        len(mine), self._count_skip)
         if self.batch_size is not None:
             items = _batches(items, self.batch_size, self.drop_last, self.collate_fn)
         self._delivered = delivered
@@ -186,7 +196,17 @@ class StreamingDataset(IterableDataset):
             yield item
         self.forget_resume()  # the epoch is complete: a new iteration starts it afresh
 
+    def _count_skip(self) -> None:
+        self._skips.value += 1
+
+    @property
+    def skipped(self) -> int:
+        """Bad samples skipped so far under ``on_error="skip"``, summed over this rank's workers."""
+        return int(self._skips.value)
+
     def _prepare(self, sample: dict[str, Any], sample_id: int, in_worker: bool) -> Any:
+        if "__error__" in sample:
+            raise sample["__error__"]
         # Random augmentations draw from torch's generator, seeded per sample from
         # (seed, epoch, sample id): the same sample gets the same crop in a resumed run,
         # whichever worker serves it. In the main process the caller's generator state

@@ -17,6 +17,7 @@ from typing import Any, BinaryIO, Iterable, Iterator
 import numpy as np
 
 from .cache import ShardCache
+from .errors import ShardstreamError
 from .reader import Sample, ShardReader, StreamTarReader
 from .source import Source
 
@@ -90,8 +91,27 @@ class _Readers:
             self._locks.clear()
 
 
+def read_tolerant(reader: ShardReader | StreamTarReader, first: int, stop: int) -> list[Sample]:
+    """Samples [first, stop); a sample that cannot be read becomes ``{"__error__": error, ...}``.
+
+    Used under ``on_error="skip"``: the bad sample keeps its place in the plan and the
+    error policy decides what to do with it.
+    """
+    try:
+        return list(reader.read(first, stop))
+    except ShardstreamError:
+        out: list[Sample] = []
+        for i in range(first, stop):
+            try:
+                out.extend(reader.read(i, i + 1))
+            except ShardstreamError as error:
+                out.append({"__error__": error, "__key__": error.key or f"#{i}", "__url__": reader.url})
+        return out
+
+
 def read_samples(source: Source, ids: np.ndarray, counts: np.ndarray, prefetch: int = 0,
-                 cache: ShardCache | None = None, piece_bytes: int = 8 << 20) -> Iterator[Sample]:
+                 cache: ShardCache | None = None, tolerant: bool = False,
+                 piece_bytes: int = 8 << 20) -> Iterator[Sample]:
     """The samples `ids` (global ids), in that order, read run by run.
 
     With `prefetch` > 0 (indexed sources), up to that many pieces of about
@@ -102,12 +122,13 @@ def read_samples(source: Source, ids: np.ndarray, counts: np.ndarray, prefetch: 
     """
     readers = _Readers(source, cache)
     runs = sample_runs(ids, counts)
+    read = read_tolerant if tolerant else _read
     try:
         if prefetch <= 0 or not source.indexed:
             work = list(runs)
             last_run = {shard: i for i, (shard, _, _) in enumerate(work)}
             for i, (shard, first, stop) in enumerate(work):
-                yield from readers.get(shard).read(first, stop)
+                yield from read(readers.get(shard), first, stop)
                 if last_run[shard] == i:
                     readers.release(shard)
             return
@@ -133,7 +154,7 @@ def read_samples(source: Source, ids: np.ndarray, counts: np.ndarray, prefetch: 
                         while opened < len(upcoming) and opened <= rank_of[shard] + prefetch:
                             pool.submit(readers.get, upcoming[opened])
                             opened += 1
-                    ahead.append((i, pool.submit(lambda s=shard, a=first, b=stop: list(readers.get(s).read(a, b)))))
+                    ahead.append((i, pool.submit(lambda s=shard, a=first, b=stop: list(read(readers.get(s), a, b)))))
                     if len(ahead) > prefetch:
                         yield from finish_one()
                 while ahead:
@@ -143,6 +164,10 @@ def read_samples(source: Source, ids: np.ndarray, counts: np.ndarray, prefetch: 
                     future.cancel()
     finally:
         readers.close()
+
+
+def _read(reader: ShardReader | StreamTarReader, first: int, stop: int) -> Iterator[Sample]:
+    return reader.read(first, stop)
 
 
 def reorder(arrivals: Iterable[tuple[int, Sample]], order: np.ndarray) -> Iterator[Sample]:

@@ -1,0 +1,80 @@
+"""The one place that decides what a bad sample does to a run.
+
+``on_error="raise"`` (the default) stops at the first bad sample with an error naming
+shard, key and offset. ``"skip"`` logs each bad sample (shard and key), counts it, and
+yields a good sample of the same worker in its place, so every rank still yields the
+same number of samples and batches and DDP cannot hang; past a cap (more than
+`max_skips` samples, or more than `max_fraction` of a worker's planned samples in an
+epoch) it raises, because a dataset that bad should stop a run, not quietly shrink it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
+
+from .errors import ShardstreamError
+
+__all__ = ["ErrorPolicy", "TooManyErrors", "guarded"]
+
+log = logging.getLogger("shardstream")
+
+
+class TooManyErrors(ShardstreamError):
+    """More samples failed than the error policy allows."""
+
+
+@dataclass(frozen=True)
+class ErrorPolicy:
+    """`mode` is "raise" or "skip"; the caps apply per worker and epoch in "skip" mode."""
+
+    mode: str = "raise"
+    max_skips: int | None = None
+    max_fraction: float = 0.01
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("raise", "skip"):
+            raise ValueError(f"on_error must be 'raise' or 'skip', not {self.mode!r}")
+
+    @classmethod
+    def of(cls, value: "str | ErrorPolicy") -> "ErrorPolicy":
+        return value if isinstance(value, ErrorPolicy) else cls(mode=value)
+
+
+def guarded(inputs: Iterable[Any], prepare: Callable[[Any], Any], policy: ErrorPolicy, planned: int,
+            on_skip: Callable[[], None] = lambda: None) -> Iterator[Any]:
+    """`prepare` each input; under "skip", a failure yields the last good result instead.
+
+    Failures before the first good result are made up by repeating the first good one.
+    `planned` (the worker's samples this epoch) sets the fraction cap.
+    """
+    skips = 0
+    owed = 0
+    last: Any = None
+    have_good = False
+    for item in inputs:
+        try:
+            result = prepare(item)
+        except ShardstreamError as error:
+            if policy.mode == "raise":
+                raise
+            skips += 1
+            on_skip()
+            log.warning("shardstream: skipped bad sample: %s", error)
+            limit = policy.max_skips if policy.max_skips is not None else max(1, int(policy.max_fraction * planned))
+            if skips > limit:
+                raise TooManyErrors(f"{skips} bad samples of {planned} planned in this worker exceed the limit "
+                                    f"({limit}); last: {error}", url=error.url, key=error.key) from error
+            if not have_good:
+                owed += 1
+                continue
+            yield last
+            continue
+        last, have_good = result, True
+        yield result
+        for _ in range(owed):
+            yield last
+        owed = 0
+    if owed:
+        raise TooManyErrors(f"all {owed} samples of this worker failed; nothing good to pad with")
