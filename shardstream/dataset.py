@@ -30,10 +30,14 @@ from .plan import Layout, deal_chunks, epoch_sequence, items_of, round_robin_del
 from .resume import ResumeState, current_sequence
 from .source import Source, resolve_source
 from .stream import read_samples, reorder
+from .storage import io_stats
 from .world import World
 from .writer import parse_size
 
 __all__ = ["StreamingDataset"]
+
+_IO_FIELDS = ("requests", "bytes", "retries", "wait_s", "cache_hits", "cache_misses")
+_IO_SLOTS = 64  # workers per rank whose storage counters are collected
 
 
 class StreamingDataset(IterableDataset):
@@ -123,6 +127,7 @@ class StreamingDataset(IterableDataset):
         # Shared with worker processes, so set_epoch reaches persistent workers too.
         self._epoch = multiprocessing.RawValue("q", 0)
         self._skips = multiprocessing.Value("q", 0)  # summed over workers, hence the lock
+        self._io = multiprocessing.RawArray("d", _IO_SLOTS * len(_IO_FIELDS))  # a slot per worker
         self.on_error = ErrorPolicy.of(on_error)
         self._resume: ResumeState | None = None
         self._delivered = 0
@@ -193,8 +198,27 @@ class StreamingDataset(IterableDataset):
         self._delivered = delivered
         for item in items:
             self._delivered += 1  # counts what the consumer received (main-process iteration)
+            self._publish_io(world.worker)
             yield item
+        self._publish_io(world.worker)
         self.forget_resume()  # the epoch is complete: a new iteration starts it afresh
+
+    def _publish_io(self, worker: int) -> None:
+        # Each worker writes its own process's counters into its own slot.
+        if worker < _IO_SLOTS:
+            base = worker * len(_IO_FIELDS)
+            snapshot = io_stats.snapshot()
+            for i, name in enumerate(_IO_FIELDS):
+                self._io[base + i] = snapshot[name]
+
+    def io_stats(self) -> dict[str, float]:
+        """Storage counters (requests, bytes, retries, wait_s, cache hits and misses),
+        summed over the processes that iterate this dataset (the workers, or this process)."""
+        totals = dict.fromkeys(_IO_FIELDS, 0.0)
+        for slot in range(_IO_SLOTS):
+            for i, name in enumerate(_IO_FIELDS):
+                totals[name] += self._io[slot * len(_IO_FIELDS) + i]
+        return totals
 
     def _count_skip(self) -> None:
         self._skips.value += 1
