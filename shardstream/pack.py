@@ -13,6 +13,7 @@ Nothing is lost silently: every file of the source is packed, skipped with a rea
 
 from __future__ import annotations
 
+import hashlib
 import io
 import multiprocessing
 import os
@@ -27,7 +28,8 @@ from PIL import Image
 
 from . import tario
 from .errors import PackError, ShardstreamError
-from .format import MANIFEST_NAME, Manifest
+from .format import MANIFEST_NAME, Manifest, ShardInfo
+from .journal import Journal
 from .listing import Listing, SourceFile, list_source
 from .shardfile import FRAME_SIZE, Frame, ShardFileWriter, build_frame
 from .storage import Store
@@ -139,6 +141,24 @@ def plan_frames(entries: list[SourceFile], opts: PackOptions) -> list[tuple[int,
     return jobs
 
 
+def part_manifest_name(index: int, parts: int) -> str:
+    return f"manifest.part-{index:05d}-of-{parts:05d}.msgpack"
+
+
+def part_slice(entries: list[SourceFile], index: int, parts: int) -> list[SourceFile]:
+    """The index-th of `parts` contiguous slices of the (already shuffled) sample order."""
+    n = len(entries)
+    return entries[index * n // parts : (index + 1) * n // parts]
+
+
+def listing_fingerprint(entries: list[SourceFile]) -> str:
+    """Identifies the ordered input, so that parts and resumes can check they agree."""
+    digest = hashlib.sha256()
+    for e in entries:
+        digest.update(f"{e.path}\0{e.size}\0{e.label}\n".encode())
+    return digest.hexdigest()
+
+
 def order(listing: Listing, opts: PackOptions) -> list[SourceFile]:
     """The sample order: sorted by path, then shuffled by `seed` unless told not to."""
     entries = sorted(listing.files, key=lambda e: e.path)
@@ -217,6 +237,8 @@ def pack(
     shuffle: bool = True,
     on_error: str = "fail",
     overwrite: bool = False,
+    resume: bool = False,
+    part: tuple[int, int] | None = None,
     progress: bool = True,
     storage_options: dict[str, Any] | None = None,
 ) -> PackSummary:
@@ -225,44 +247,62 @@ def pack(
     `dst` is a path or fsspec URL. The same input and options give byte-identical
     shards and manifest, whatever `workers` is (default: all cores). `on_error="fail"`
     stops at the first unreadable or corrupt image, naming it; ``"skip"`` leaves it out
-    and records it in the manifest.
+    and records it in the manifest. `resume` continues an interrupted pack from its
+    last complete shard, with the same result as an uninterrupted one. `part=(i, n)`
+    packs only the i-th of n slices of the input and writes a part manifest; run every
+    part (anywhere, in any order), then `merge` (parts.py).
     """
     check_compression(compression, level)
     if on_error not in ON_ERROR:
         raise ShardstreamError(f"on_error must be one of {ON_ERROR}, not {on_error!r}")
-    opts = PackOptions(parse_size(shard_size), max_samples, compression, level, seed, shuffle, FRAME_SIZE, "shard")
+    if part is not None and not 0 <= part[0] < part[1]:
+        raise ShardstreamError(f"part must be I/N with 0 <= I < N, not {part[0]}/{part[1]}")
+    prefix = "shard" if part is None else f"shard-p{part[0]:05d}"
+    opts = PackOptions(parse_size(shard_size), max_samples, compression, level, seed, shuffle, FRAME_SIZE, prefix)
     store = Store(dst, storage_options or {})
-    if store.exists(MANIFEST_NAME):
+    target = MANIFEST_NAME if part is None else part_manifest_name(*part)
+    if store.exists(target):
         if not overwrite:
-            raise ShardstreamError("already holds a dataset; pass overwrite=True (--overwrite) to replace it", url=dst)
-        store.remove(MANIFEST_NAME)  # first, so that a crash cannot leave it listing replaced shards
+            raise ShardstreamError("already holds a dataset; pass overwrite=True (--overwrite) to replace it",
+                                   url=store.url(target))
+        store.remove(target)  # first, so that a crash cannot leave it listing replaced shards
     listing = list_source(src)
     entries = order(listing, opts)
-    jobs = [(shard, frame, listing.root, opts, on_error == "skip") for shard, frame in plan_frames(entries, opts)]
-    workers = max(1, min(workers or os.cpu_count() or 1, len(jobs)))
+    fingerprint = listing_fingerprint(entries)
+    if part is not None:
+        entries = part_slice(entries, *part)
+    planned = plan_frames(entries, opts)
+    store.makedirs()
+    journal = Journal(store, "main" if part is None else f"part-{part[0]:05d}-of-{part[1]:05d}")
+    plan_record = {"options": opts.as_dict(), "listing": fingerprint, "part": list(part or ())}
+    done = journal.start(plan_record, resume)
+    jobs = [(shard, frame, listing.root, opts, on_error == "skip") for shard, frame in planned if shard not in done]
+    workers = max(1, min(workers or os.cpu_count() or 1, len(jobs) or 1))
 
     start = time.perf_counter()
-    store.makedirs()
-    shards, skipped, bytes_in = [], [], 0
+    finished: dict[int, tuple[ShardInfo, list[tuple[str, str]]]] = dict(done)
+    bytes_in = 0
     writer: ShardFileWriter | None = None
+    shard_skips: list[tuple[str, str]] = []
     context = _pool_context()  # before the progress bar starts its monitor thread
     bar = _progress(len(entries), progress)
+    bar.update(sum(s.samples + len(k) for s, k in done.values()))
     current = -1
     try:
         for result in _results(jobs, workers, context):
             if writer is not None and result.shard != current:
-                _finish(writer, shards)
-                writer = None
+                _finish(writer, current, shard_skips, finished, journal)
+                writer, shard_skips = None, []
             if writer is None:
                 current = result.shard
-                writer = ShardFileWriter(store, shard_name(opts.prefix, len(shards), compression), compression, level)
+                writer = ShardFileWriter(store, shard_name(opts.prefix, current, compression), compression, level)
             writer.append(result.frame)
-            skipped += result.skipped
+            shard_skips += result.skipped
             bytes_in += result.bytes_in
             bar.update(len(result.frame.keys) + len(result.skipped))
             bar.set_postfix_str(f"{bytes_in / 1e6 / max(time.perf_counter() - start, 1e-9):,.0f} MB/s", refresh=False)
         if writer is not None:
-            _finish(writer, shards)
+            _finish(writer, current, shard_skips, finished, journal)
             writer = None
     except BaseException:
         if writer is not None:
@@ -271,11 +311,14 @@ def pack(
     finally:
         bar.close()
 
+    shards = [finished[s][0] for s in sorted(finished) if finished[s][0].samples]
+    skipped = [skip for s in sorted(finished) for skip in finished[s][1]]
     counts = np.zeros(len(listing.classes), dtype=np.int64)
     skipped_paths = {p for p, _ in skipped}
     for entry in entries:
         if entry.label is not None and entry.path not in skipped_paths:
             counts[entry.label] += 1
+    options = opts.as_dict() if part is None else {**opts.as_dict(), "part": list(part), "listing": fingerprint}
     manifest = Manifest(
         shards=tuple(shards),
         compression=compression,
@@ -283,9 +326,13 @@ def pack(
         class_counts=tuple(int(c) for c in counts),
         skipped=tuple(skipped),
         ignored=len(listing.ignored),
-        options=opts.as_dict(),
+        options=options,
     )
-    write_manifest(store, manifest)
+    if part is None:
+        write_manifest(store, manifest)
+    else:
+        store.write(target, manifest.to_bytes())
+    journal.clear()
     return PackSummary(
         samples=manifest.samples,
         shards=len(shards),
@@ -297,12 +344,16 @@ def pack(
     )
 
 
-def _finish(writer: ShardFileWriter, shards: list) -> None:
-    """Publish a shard, or drop it if every one of its images was skipped."""
+def _finish(writer: ShardFileWriter, shard: int, skipped: list[tuple[str, str]],
+            finished: dict[int, tuple[ShardInfo, list[tuple[str, str]]]], journal: Journal) -> None:
+    """Publish a shard (or drop it if every one of its images was skipped) and journal it."""
     if writer.samples:
-        shards.append(writer.finish())
+        info = writer.finish()
     else:
         writer.abort()
+        info = ShardInfo(writer.name, 0, 0, 0, "", "", 0, "", ())
+    finished[shard] = (info, list(skipped))
+    journal.record(shard, info, list(skipped))
 
 
 def _progress(total: int, enabled: bool) -> Any:

@@ -143,7 +143,7 @@ class Store:
             root = _local_path(self.root)
             if not os.path.isdir(root):
                 return []
-            return sorted(n for n in os.listdir(root) if n.endswith(suffix))
+            return sorted(n for n in os.listdir(root) if n.endswith(suffix) and os.path.isfile(os.path.join(root, n)))
         fs, path = self._fs_path("")
         try:
             entries = fs.ls(path.rstrip("/"), detail=False)

@@ -1,0 +1,70 @@
+"""The pack journal: which planned shards are complete, so `pack --resume` can skip them.
+
+Packing is planned up front (pack.py), so "resume" means: redo exactly the shards
+that are not done. Each finished shard appends a record (its manifest entry and the
+files it skipped) to a folder beside the shards; the plan record pins the options and
+the source listing, so a journal is never applied to another pack. The journal is
+removed once the manifest is written.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import asdict
+from typing import Any
+
+import msgpack
+
+from .errors import ShardstreamError
+from .format import ShardInfo, unpack_limited
+from .storage import Store
+
+__all__ = ["Journal"]
+
+FOLDER = ".shardstream-pack"
+
+
+class Journal:
+    def __init__(self, store: Store, name: str):
+        self.store = Store(store.url(f"{FOLDER}/{name}"), store.options)
+        self.shards = store
+
+    def start(self, plan: dict[str, Any], resume: bool) -> dict[int, tuple[ShardInfo, list[tuple[str, str]]]]:
+        """Begin (or, with `resume`, continue) the pack described by `plan`; returns finished shards."""
+        self.store.makedirs()
+        done: dict[int, tuple[ShardInfo, list[tuple[str, str]]]] = {}
+        if resume and self.store.exists("plan.msgpack"):
+            previous = unpack_limited(self.store.read("plan.msgpack"), max_bytes=1 << 20,
+                                      url=self.store.url("plan.msgpack"), error=ShardstreamError)
+            if previous != plan:
+                raise ShardstreamError("cannot resume: the earlier pack had other options or another source listing",
+                                       url=self.store.root)
+            for name in self.store.list(".msgpack"):
+                if not name.startswith("shard-"):
+                    continue
+                raw = unpack_limited(self.store.read(name), max_bytes=1 << 24, url=self.store.url(name),
+                                     error=ShardstreamError)
+                info = ShardInfo(**{**raw["info"], "fields": tuple(raw["info"]["fields"])})
+                # Trust the record only if the shard is there, whole.
+                if self.shards.exists(info.name) and self.shards.size(info.name) == info.bytes:
+                    done[int(raw["shard"])] = (info, [tuple(s) for s in raw["skipped"]])  # type: ignore[misc]
+            return done
+        self.clear()
+        self.store.makedirs()
+        self.store.write("plan.msgpack", msgpack.packb(plan, use_bin_type=True))
+        return done
+
+    def record(self, shard: int, info: ShardInfo, skipped: list[tuple[str, str]]) -> None:
+        body = {"shard": shard, "info": {**asdict(info), "fields": list(info.fields)}, "skipped": skipped}
+        self.store.write(f"shard-{shard:06d}.msgpack", msgpack.packb(body, use_bin_type=True))
+
+    def clear(self) -> None:
+        for name in self.store.list(""):
+            self.store.remove(name)
+        if self.store.local:  # drop the (now empty) folders too
+            shutil.rmtree(self.store.root, ignore_errors=True)
+            try:
+                os.rmdir(os.path.dirname(self.store.root))
+            except OSError:
+                pass  # other parts' journals are still there

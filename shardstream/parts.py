@@ -1,0 +1,79 @@
+"""`merge`: join the parts of a pack run on many machines into one dataset.
+
+Every part of ``pack --part I/N`` lists the whole source, sorts and shuffles it with
+the seed, and packs only its contiguous slice, so the parts agree on who packs what
+without talking to each other, and their union is the same sample set (in the same
+global, seeded order) as a single-machine pack. `merge` checks that the N part
+manifests are all present and agree, then writes the dataset manifest.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from .errors import ManifestError, ShardstreamError
+from .format import Manifest
+from .storage import Store
+from .writer import write_manifest
+
+__all__ = ["merge"]
+
+_PART = re.compile(r"manifest\.part-(\d{5})-of-(\d{5})\.msgpack")
+
+
+def merge(dst: str, *, storage_options: dict[str, Any] | None = None) -> Manifest:
+    """Check the part manifests in `dst` and write the dataset manifest; returns it."""
+    store = Store(dst, storage_options or {})
+    found: dict[int, tuple[int, str]] = {}
+    for name in store.list(".msgpack"):
+        match = _PART.fullmatch(name)
+        if match:
+            found[int(match.group(1))] = (int(match.group(2)), name)
+    if not found:
+        raise ShardstreamError("no part manifests (manifest.part-IIIII-of-NNNNN.msgpack) found", url=dst)
+    totals = {n for n, _ in found.values()}
+    if len(totals) != 1:
+        raise ShardstreamError(f"part manifests disagree on the number of parts: {sorted(totals)}", url=dst)
+    total = totals.pop()
+    missing = [i for i in range(total) if i not in found]
+    if missing:
+        names = ", ".join(f"part {i} (manifest.part-{i:05d}-of-{total:05d}.msgpack)" for i in missing)
+        raise ShardstreamError(f"missing {len(missing)} of {total} parts: {names}", url=dst)
+
+    parts = [Manifest.from_bytes(store.read(found[i][1]), store.url(found[i][1])) for i in range(total)]
+    first = parts[0]
+    common = _common_options(first)
+    for i, part in enumerate(parts):
+        where = store.url(found[i][1])
+        if part.options.get("part") != [i, total]:
+            raise ManifestError(f"this manifest says it is part {part.options.get('part')}, not [{i}, {total}]", url=where)
+        if _common_options(part) != common or part.compression != first.compression:
+            raise ManifestError(f"part {i} was packed with other options than part 0: {_common_options(part)} "
+                                f"vs {common}", url=where)
+        if (part.classes, part.ignored) != (first.classes, first.ignored):
+            raise ManifestError(f"part {i} saw another source (class table or file count differs)", url=where)
+    names = [s.name for part in parts for s in part.shards]
+    if len(names) != len(set(names)):
+        raise ManifestError("parts list the same shard twice", url=dst)
+    for part_number, part in enumerate(parts):
+        for shard in part.shards:
+            if not store.exists(shard.name) or store.size(shard.name) != shard.bytes:
+                raise ManifestError(f"part {part_number} lists {shard.name}, which is missing or incomplete",
+                                    url=store.url(shard.name))
+    manifest = Manifest(
+        shards=tuple(s for part in parts for s in part.shards),
+        compression=first.compression,
+        classes=first.classes,
+        class_counts=tuple(sum(counts) for counts in zip(*(p.class_counts for p in parts))),
+        skipped=tuple(skip for part in parts for skip in part.skipped),
+        ignored=first.ignored,
+        options={**common, "parts": total},
+    )
+    write_manifest(store, manifest)
+    return manifest
+
+
+def _common_options(manifest: Manifest) -> dict[str, Any]:
+    """The options every part must share (all but its number and shard prefix)."""
+    return {k: v for k, v in manifest.options.items() if k not in ("part", "prefix")}
