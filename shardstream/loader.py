@@ -179,6 +179,9 @@ class DataLoader:
         return len(self.dataset)
 
     def set_epoch(self, epoch: int) -> None:
+        if self.dataset._resume is not None and epoch != self.dataset.epoch:
+            # Persistent workers still hold the resume state of an epoch left unfinished.
+            self._loader = None
         self.dataset.set_epoch(epoch)
         self._delivered = 0
 
@@ -246,9 +249,8 @@ class DataLoader:
         while pending:
             yield self._hand_over(*pending.popleft())
 
-    @staticmethod
-    def _hand_over(batch: Any, event: torch.cuda.Event) -> Any:
-        consumer = torch.cuda.current_stream()
+    def _hand_over(self, batch: Any, event: torch.cuda.Event) -> Any:
+        consumer = torch.cuda.current_stream(self.device)
         consumer.wait_event(event)
         for t in _tensors(batch):
             t.record_stream(consumer)  # memory stays allocated until the consumer is done
