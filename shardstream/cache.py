@@ -66,7 +66,8 @@ class ShardCache:
                 io_stats.add(cache_hits=1)
             else:
                 fcntl.flock(lock, fcntl.LOCK_EX)  # only one process checks or downloads
-                if self._present(path, ref) and _sha256(path) == ref.info.sha256:
+                if self._present(path, ref) and _sha256(path) == ref.info.sha256 and \
+                        _sha256(os.path.join(folder, ref.info.index)) == ref.info.index_sha256:
                     io_stats.add(cache_hits=1)
                 else:
                     io_stats.add(cache_misses=1)

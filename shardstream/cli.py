@@ -34,10 +34,30 @@ def cmd_pack(args: argparse.Namespace) -> int:
         shuffle=not args.no_shuffle,
         on_error=args.on_error,
         overwrite=args.overwrite,
+        resume=args.resume,
+        part=_part(args.part),
         progress=not args.quiet,
         storage_options=_storage_options(args.storage_options),
     )
     print(summary)
+    return 0
+
+
+def _part(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    try:
+        index, total = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ShardstreamError(f"--part takes I/N (e.g. 0/4), not {text!r}") from None
+    return index, total
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    from .parts import merge
+
+    manifest = merge(args.dst, storage_options=_storage_options(args.storage_options))
+    print(f"merged {manifest.options.get('parts')} parts: {manifest.samples:,} samples in {len(manifest.shards)} shards")
     return 0
 
 
@@ -85,6 +105,49 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import bench, save_json
+
+    plot = args.plot
+    if plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print(f"shardstream bench: --plot {plot}: matplotlib is not installed, so no curve will be drawn "
+                  "(pip install 'shardstream[plot]')", file=sys.stderr)
+            plot = None
+    result = bench(
+        args.dataset,
+        workers=args.workers,
+        batch_size=args.batch_size,
+        transform=args.transform,
+        seconds=args.seconds,
+        warmup=args.warmup,
+        device=args.device,
+        progress=not args.quiet,
+        storage_options=_storage_options(args.storage_options),
+    )
+    print(result.table())
+    print(f"knee: num_workers={result.knee}")
+    if args.json:
+        save_json(result, args.json)
+        print(f"wrote {args.json}")
+    if plot is not None:
+        result.plot(plot)
+        print(f"wrote {plot}")
+    return 0
+
+
+def _worker_counts(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        counts = []
+    if not counts or any(n < 0 for n in counts):
+        raise argparse.ArgumentTypeError(f"expected comma-separated non-negative integers, like 0,1,2,4,8; got {text!r}")
+    return counts
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardstream", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -101,8 +164,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-shuffle", action="store_true", help="keep sorted order (class-sorted shards!)")
     p.add_argument("--on-error", choices=("fail", "skip"), default="fail", help="on a corrupt image")
     p.add_argument("--overwrite", action="store_true", help="replace a dataset already at DST")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted pack from its last complete shard")
+    p.add_argument("--part", default=None, metavar="I/N", help="pack only part I of N (then: shardstream merge DST)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=cmd_pack)
+
+    p = sub.add_parser("merge", help="join the parts of a multi-machine pack into one dataset")
+    p.add_argument("dst")
+    p.set_defaults(run=cmd_merge)
 
     p = sub.add_parser("inspect", help="what a packed dataset holds")
     p.add_argument("dataset")
@@ -122,7 +191,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep", default=None, help="keep the files in this folder")
     p.set_defaults(run=cmd_demo)
 
-    for name in ("pack", "inspect", "verify"):
+    p = sub.add_parser("bench", help="measure loader throughput per num_workers and find the knee")
+    p.add_argument("dataset", help="packed dataset (folder or fsspec URL), brace pattern or shard URL")
+    p.add_argument("--workers", type=_worker_counts, default=[0, 1, 2, 4, 8],
+                   help="num_workers values to try, comma-separated (default 0,1,2,4,8)")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--transform", choices=("train", "val", "none"), default="train",
+                   help="train: RandomResizedCropJPEG(224); val: CenterCropJPEG(224); none: raw bytes")
+    p.add_argument("--seconds", type=float, default=5.0, help="measured seconds per worker count (default 5)")
+    p.add_argument("--warmup", type=float, default=1.0, help="seconds discarded first (default 1)")
+    p.add_argument("--device", default="cpu", help="where batches go: cpu or cuda (default cpu)")
+    p.add_argument("--plot", default=None, metavar="PNG", help="write the curve here (needs matplotlib)")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--storage-options", default=os.environ.get("SHARDSTREAM_STORAGE_OPTIONS"),
+                   help="fsspec options as JSON")
+    p.set_defaults(run=cmd_bench)
+
+    for name in ("pack", "merge", "inspect", "verify"):
         sub.choices[name].add_argument(
             "--storage-options", default=os.environ.get("SHARDSTREAM_STORAGE_OPTIONS"),
             help="fsspec options as JSON, e.g. '{\"endpoint_url\": \"http://127.0.0.1:9000\"}'",

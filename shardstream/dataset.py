@@ -13,7 +13,6 @@ manifest read) on first use, in whichever process gets there first.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import os
 from typing import Any, Callable, Iterator, Sequence
 
@@ -26,8 +25,10 @@ from .collate import default_collate
 from .decode import Decoder
 from .errors import MissingFieldError
 from .policy import ErrorPolicy, guarded
-from .plan import Layout, deal_chunks, epoch_sequence, items_of, round_robin_delivered, round_robin_next, split_ranks, worker_plan
+from .plan import (Layout, deal_chunks, epoch_sequence, items_of, round_robin_delivered, round_robin_next,
+                   split_ranks, worker_plan)
 from .resume import ResumeState, current_sequence
+from .shared import SharedState
 from .source import Source, resolve_source
 from .stream import read_samples, reorder
 from .storage import io_stats
@@ -36,8 +37,6 @@ from .writer import parse_size
 
 __all__ = ["StreamingDataset"]
 
-_IO_FIELDS = ("requests", "bytes", "retries", "wait_s", "cache_hits", "cache_misses")
-_IO_SLOTS = 64  # workers per rank whose storage counters are collected
 
 
 class StreamingDataset(IterableDataset):
@@ -124,25 +123,36 @@ class StreamingDataset(IterableDataset):
         self._decoder = Decoder(images=decode, allow_pickle=allow_pickle)
         self._resolved: Source | None = None
         self._counts: np.ndarray | None = None
-        # Shared with worker processes, so set_epoch reaches persistent workers too.
-        self._epoch = multiprocessing.RawValue("q", 0)
-        self._skips = multiprocessing.Value("q", 0)  # summed over workers, hence the lock
-        self._io = multiprocessing.RawArray("d", _IO_SLOTS * len(_IO_FIELDS))  # a slot per worker
         self.on_error = ErrorPolicy.of(on_error)
+        self._shared = SharedState()  # epoch and counters, seen by the workers too
         self._resume: ResumeState | None = None
-        self._delivered = 0
+        self._resume_id = 0
+        self._delivered: int | None = 0
 
-    # -- epochs and layout ---------------------------------------------------------
+    # -- epochs, world and layout --------------------------------------------------------
 
     @property
     def epoch(self) -> int:
-        return int(self._epoch.value)
+        return self._shared.epoch
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose order the next iteration yields."""
         if epoch != self.epoch:
-            self._resume = None
-        self._epoch.value = epoch
+            self.forget_resume()
+        self._shared.epoch = epoch
+
+    def world(self) -> World:
+        """This process's place: rank and size (explicit, or detected), DataLoader worker."""
+        return World.detect(self.rank, self.world_size)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A worker started by spawn or forkserver cannot see the parent's process group:
+        # pin the rank and world size detected here, in the process that pickles.
+        state = self.__dict__.copy()
+        if get_worker_info() is None:
+            world = World.detect(self.rank, self.world_size)
+            state["rank"], state["world_size"] = world.rank, world.size
+        return state
 
     def layout(self, world: World) -> Layout:
         return Layout(world.size, world.workers, self.batch_size, self.drop_last, self.partial,
@@ -160,26 +170,32 @@ class StreamingDataset(IterableDataset):
             self._counts = self.resolve().counts()
         return self._counts
 
+    def _active_resume(self, world: World) -> ResumeState | None:
+        """The loaded resume state, unless every worker has already finished that epoch."""
+        if self._resume is not None and self._shared.resume_used_up(self._resume_id, world.workers):
+            self._resume = None
+        return self._resume
+
     def _rank_block(self, world: World) -> tuple[np.ndarray, Layout, int, int]:
         """This rank's samples of the current segment, its layout, segment number and items already delivered."""
         layout = self.layout(world)
         sequence, segment, delivered = current_sequence(
-            epoch_sequence(self.counts(), self.seed, self.epoch, self.shuffle), self._resume, layout, self.seed,
-            self.epoch,
+            epoch_sequence(self.counts(), self.seed, self.epoch, self.shuffle), self._active_resume(world), layout,
+            self.seed, self.epoch,
         )
         return split_ranks(sequence, world.size, self.partial)[world.rank], layout, segment, delivered
 
     def __len__(self) -> int:
         """Items (batches with `batch_size`, else samples) the next iteration yields on this rank."""
-        world = World.detect(self.rank, self.world_size)
-        block, layout, _, delivered = self._rank_block(world)
+        block, layout, _, delivered = self._rank_block(self.world())
         return items_of(len(block), layout) - delivered
 
     # -- iteration -------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:
-        world = World.detect(self.rank, self.world_size)
+        world = self.world()
         block, layout, segment, delivered = self._rank_block(world)
+        resume_id = self._resume_id if self._resume is not None else None
         items = [items_of(len(p), layout) for p in deal_chunks(len(block), world.workers, layout.chunk)]
         worker = (round_robin_next(items, delivered) + world.worker) % world.workers  # see round_robin_next
         done = round_robin_delivered(items, delivered)[worker]
@@ -192,41 +208,28 @@ class StreamingDataset(IterableDataset):
         in_worker = get_worker_info() is not None
         ids = mine[remaining].tolist()
         items = guarded(zip(ordered, ids), lambda pair: self._prepare(pair[0], pair[1], in_worker), self.on_error,
-                        len(mine), self._count_skip)
+                        len(mine), lambda: self._shared.add_skip(world.worker))
         if self.batch_size is not None:
             items = _batches(items, self.batch_size, self.drop_last, self.collate_fn)
         self._delivered = delivered
         for item in items:
             self._delivered += 1  # counts what the consumer received (main-process iteration)
-            self._publish_io(world.worker)
+            self._shared.publish_io(world.worker, io_stats.snapshot())
             yield item
-        self._publish_io(world.worker)
-        self.forget_resume()  # the epoch is complete: a new iteration starts it afresh
-
-    def _publish_io(self, worker: int) -> None:
-        # Each worker writes its own process's counters into its own slot.
-        if worker < _IO_SLOTS:
-            base = worker * len(_IO_FIELDS)
-            snapshot = io_stats.snapshot()
-            for i, name in enumerate(_IO_FIELDS):
-                self._io[base + i] = snapshot[name]
+        self._shared.publish_io(world.worker, io_stats.snapshot())
+        if resume_id is not None:  # the resumed epoch is complete: later passes start afresh
+            self._shared.finish_resume(resume_id, world.worker)
+        self._resume = None
 
     def io_stats(self) -> dict[str, float]:
         """Storage counters (requests, bytes, retries, wait_s, cache hits and misses),
         summed over the processes that iterate this dataset (the workers, or this process)."""
-        totals = dict.fromkeys(_IO_FIELDS, 0.0)
-        for slot in range(_IO_SLOTS):
-            for i, name in enumerate(_IO_FIELDS):
-                totals[name] += self._io[slot * len(_IO_FIELDS) + i]
-        return totals
-
-    def _count_skip(self) -> None:
-        self._skips.value += 1
+        return self._shared.io()
 
     @property
     def skipped(self) -> int:
         """Bad samples skipped so far under ``on_error="skip"``, summed over this rank's workers."""
-        return int(self._skips.value)
+        return self._shared.skips
 
     def _prepare(self, sample: dict[str, Any], sample_id: int, in_worker: bool) -> Any:
         if "__error__" in sample:
@@ -245,37 +248,43 @@ class StreamingDataset(IterableDataset):
 
     # -- resumption ------------------------------------------------------------------------
 
+    def _world_with(self, num_workers: int) -> World:
+        detected = self.world()
+        return World(detected.rank, detected.size, 0, max(1, num_workers))
+
     def state_dict(self, delivered: int | None = None, num_workers: int = 0) -> dict[str, Any]:
         """A small, plain (msgpack/JSON-serialisable) description of progress.
 
         `delivered` is the number of items this rank's training loop has received in
         the current epoch, through a DataLoader with `num_workers` workers; by default
-        the count of items this dataset yielded when iterated in this process.
+        the count of items this dataset yielded when iterated in this process (or, if
+        not iterated since `load_state_dict`, the count the loaded state had).
         `shardstream.DataLoader` counts and passes both for you.
         """
-        detected = World.detect(self.rank, self.world_size)
-        world = World(detected.rank, detected.size, 0, max(1, num_workers))
-        state = ResumeState.current_of(self, world, self._delivered if delivered is None else delivered)
-        return state.to_dict()
+        if delivered is None:
+            delivered = self._delivered if self._delivered is not None else self.resumed_items(num_workers)
+        return ResumeState.current_of(self, self._world_with(num_workers), delivered).to_dict()
 
     def resumed_items(self, num_workers: int = 0) -> int:
         """Items of the current epoch already delivered before the next iteration starts."""
-        if self._resume is None:
+        world = self._world_with(num_workers)
+        resume = self._active_resume(world)
+        if resume is None:
             return 0
-        detected = World.detect(self.rank, self.world_size)
-        layout = self.layout(World(detected.rank, detected.size, 0, max(1, num_workers)))
-        return self._resume.current.delivered if self._resume.current.layout == layout else 0
+        return resume.current.delivered if resume.current.layout == self.layout(world) else 0
 
     def forget_resume(self) -> None:
         """Start the next iteration at the beginning of the epoch."""
         self._resume = None
+        self._delivered = 0
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state` on the next iteration (exactly, or elastically if the layout changed)."""
         resume = ResumeState.from_dict(state, self)
-        self._epoch.value = resume.epoch
+        self._shared.epoch = resume.epoch
         self._resume = resume
-        self._delivered = 0
+        self._resume_id = self._shared.new_resume()
+        self._delivered = None
 
 
 def _sample_seed(seed: int, epoch: int, sample_id: int) -> int:
@@ -288,16 +297,19 @@ def _sample_seed(seed: int, epoch: int, sample_id: int) -> int:
 
 @contextlib.contextmanager
 def _seeded(seed: int, in_worker: bool) -> Iterator[None]:
+    # The CPU generator only: torch.manual_seed also queues CUDA seeding, which costs
+    # ~0.8 ms per call, as much as decoding a small image.
+    generator = torch.default_generator
     if in_worker:
-        torch.manual_seed(seed)
+        generator.manual_seed(seed)
         yield
         return
-    state = torch.get_rng_state()
-    torch.manual_seed(seed)
+    state = generator.get_state()
+    generator.manual_seed(seed)
     try:
         yield
     finally:
-        torch.set_rng_state(state)
+        generator.set_state(state)
 
 
 def _pick(sample: dict[str, Any], spec: str) -> Any:

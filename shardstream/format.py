@@ -143,19 +143,33 @@ class Manifest:
         manifest = cls(
             shards=tuple(shards),
             compression=compression,
-            classes=tuple(_require(raw, "classes", list, url, E)),
-            class_counts=tuple(_require(raw, "class_counts", list, url, E)),
-            skipped=tuple((d["file"], d["reason"]) for d in _require(raw, "skipped", list, url, E)),
+            classes=_items(_require(raw, "classes", list, url, E), str, "classes", url),
+            class_counts=_items(_require(raw, "class_counts", list, url, E), int, "class_counts", url),
+            skipped=tuple(
+                (_require(d, "file", str, url, E), _require(d, "reason", str, url, E))
+                for d in _require(raw, "skipped", list, url, E)
+            ),
             ignored=_require(raw, "ignored", int, url, E),
             options=_require(raw, "options", dict, url, E),
             writer=_require(raw, "writer", str, url, E),
             version=version,
         )
+        names = [s.name for s in manifest.shards]
+        if len(set(names)) != len(names):
+            raise E("a shard is listed twice", url=url)
+        if any(s.raw_bytes < 0 or s.index_bytes < 0 for s in manifest.shards):
+            raise E("negative byte count", url=url)
         if _require(raw, "samples", int, url, E) != manifest.samples:
             raise E("sample total disagrees with the shard list", url=url)
         if manifest.classes and len(manifest.class_counts) != len(manifest.classes):
             raise E("class_counts and classes differ in length", url=url)
         return manifest
+
+
+def _items(values: list, kind: type, name: str, url: str) -> tuple:
+    if not all(isinstance(v, kind) and not isinstance(v, bool) for v in values):
+        raise ManifestError(f"{name} must hold only {kind.__name__} values", url=url)
+    return tuple(values)
 
 
 def _safe_name(name: str, url: str) -> str:
@@ -220,6 +234,8 @@ class ShardIndex:
             frame_raw_offsets=_from_u64(_require(raw, "frame_raw_offsets", bytes, url, E), url),
             compression=_require(raw, "compression", str, url, E),
         )
+        if index.compression not in COMPRESSIONS:
+            raise E(f"unknown compression {index.compression!r}", url=url)
         index.check(url)
         return index
 

@@ -72,6 +72,10 @@ def _list_folder(root: str) -> Listing:
     classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
     files: list[SourceFile] = []
     ignored: list[str] = [e.name for e in os.scandir(root) if e.is_file()]
+    for hidden in sorted(e.name for e in os.scandir(root) if e.is_dir() and e.name.startswith(".")):
+        # Not a class, but its files are counted: nothing in the source goes unaccounted.
+        for folder, _, names in os.walk(os.path.join(root, hidden)):
+            ignored += [os.path.relpath(os.path.join(folder, n), root).replace(os.sep, "/") for n in names]
     for label, name in enumerate(classes):
         for folder, dirs, names in os.walk(os.path.join(root, name)):
             dirs.sort()

@@ -191,7 +191,7 @@ class DataLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.dataset.load_state_dict(state)
-        self._delivered = 0
+        self._delivered = self.dataset.resumed_items(self.num_workers)
         self._loader = None  # persistent workers hold the old state: start fresh ones
 
     def __iter__(self) -> Iterator[Any]:

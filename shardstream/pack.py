@@ -17,11 +17,21 @@ import hashlib
 import io
 import multiprocessing
 import os
+import queue
+import re
+import struct
 import threading
 import time
 import warnings
 from dataclasses import dataclass, field
+from multiprocessing.pool import ExceptionWithTraceback, MaybeEncodingError
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Iterator
+
+try:
+    import fcntl
+except ImportError:  # not POSIX
+    fcntl = None  # type: ignore[assignment]
 
 import numpy as np
 from PIL import Image
@@ -102,8 +112,12 @@ def check_image(data: bytes, path: str) -> None:
                     image.verify()
                 else:
                     image.load()
+    except Image.UnidentifiedImageError as e:
+        raise PackError("not a readable image: unknown or damaged format", url=path) from e
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        raise PackError(f"not a readable image: {e}", url=path) from e
+        # No object reprs in the reason: it goes into the manifest, which must be reproducible.
+        reason = re.sub(r" at 0x[0-9a-fA-F]+", "", str(e))
+        raise PackError(f"not a readable image: {reason}", url=path) from e
 
 
 # -- planning ---------------------------------------------------------------------------
@@ -139,6 +153,20 @@ def plan_frames(entries: list[SourceFile], opts: PackOptions) -> list[tuple[int,
     if frame:
         jobs.append((shard, frame))
     return jobs
+
+
+def _remove_dataset(store: Store, manifest_name: str) -> None:
+    """Remove a dataset's manifest first (so a crash cannot leave it listing replaced
+    shards), then the shards and indexes it listed, so no stale shard stays behind."""
+    try:
+        old = Manifest.from_bytes(store.read(manifest_name), store.url(manifest_name))
+    except ShardstreamError:
+        old = None
+    store.remove(manifest_name)
+    if old is not None:
+        for shard in old.shards:
+            store.remove(shard.name)
+            store.remove(shard.index)
 
 
 def part_manifest_name(index: int, parts: int) -> str:
@@ -215,10 +243,170 @@ def _results(jobs: list[Any], workers: int, context: multiprocessing.context.Bas
     if workers <= 1:
         yield from map(build_job, jobs)
         return
-    with context.Pool(workers) as pool:
-        # Ordered, one frame per task: results come back in plan order while up to
-        # `workers` frames are built at once.
-        yield from pool.imap(build_job, jobs, chunksize=1)
+    pool = _FramePool(jobs, workers, context)
+    try:
+        yield from pool
+        pool.close(wait=True)
+    finally:
+        pool.close(wait=False)
+
+
+class _FramePool:
+    """Worker processes that build frames; their results in plan order.
+
+    Worker w builds jobs w, w + W, w + 2W, ... and sends each result down a pipe of its
+    own; the parent reads the pipes in turn, so results arrive in plan order while W
+    frames are built at once, as with `Pool.imap(chunksize=1)`. Not `multiprocessing.Pool`:
+    its worker-handler thread wakes up whenever a result waits in the result pipe, which
+    with results of ~1 MB is nearly always, and then burns about as much CPU as a
+    worker (tens of thousands of wake-ups per 4,000 images; BENCHMARKS.md). A worker's
+    exception is re-raised in the parent at its job's place in the order, as by `imap`.
+    """
+
+    def __init__(self, jobs: list[Any], workers: int, context: multiprocessing.context.BaseContext):
+        self.count = len(jobs)
+        self.procs: list[Any] = []
+        self.conns: list[Any] = []
+        try:
+            for w in range(workers):
+                recv, send = context.Pipe(duplex=False)
+                _grow_pipe(send.fileno())
+                proc = context.Process(target=_frame_worker, args=(jobs[w::workers], send), daemon=True,
+                                       name=f"shardstream-pack-{w}")
+                proc.start()
+                send.close()
+                self.procs.append(proc)
+                self.conns.append(recv)
+        except BaseException:
+            self.close(wait=False)
+            raise
+
+    def __iter__(self) -> Iterator[FrameResult]:
+        workers = len(self.conns)
+        for i in range(self.count):
+            conn = self.conns[i % workers]
+            try:
+                message = conn.recv()
+                if message[0] == "error":
+                    raise message[1]
+                _, shard, keys, sizes, fields, raw_size, skipped, bytes_in = message
+                data = _recv_data(conn)
+            except EOFError:
+                proc = self.procs[i % workers]
+                proc.join(5)
+                raise ShardstreamError(
+                    f"pack worker process {proc.name} exited unexpectedly (exit code {proc.exitcode})"
+                ) from None
+            yield FrameResult(shard, Frame(keys, sizes, fields, data, raw_size), skipped, bytes_in)
+
+    def close(self, wait: bool) -> None:
+        """Stop the workers: let them exit (`wait`, after the last result), or end them now."""
+        for conn in self.conns:
+            conn.close()
+        for proc in self.procs:
+            if wait:
+                proc.join(10)
+            if proc.is_alive():
+                proc.terminate()
+            proc.join()
+        self.conns, self.procs = [], []
+
+
+def _grow_pipe(fd: int) -> None:
+    # A result is ~1 MB; the default 64 KB pipe makes each one take 16 round trips
+    # between worker and parent. Best effort (Linux only; the limit may be lower).
+    if fcntl is not None and hasattr(fcntl, "F_SETPIPE_SZ"):
+        for size in (4 << 20, 1 << 20):
+            try:
+                fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, size)
+                return
+            except OSError:
+                continue
+
+
+def _frame_worker(jobs: list[Any], conn: Any) -> None:
+    """A worker process: build `jobs` in order, send each result (or the first error) to `conn`.
+
+    A thread sends, so that the next frame is built while the parent reads the last.
+    """
+    out: queue.Queue = queue.Queue(maxsize=2)
+    broken = threading.Event()
+
+    def send() -> None:
+        while (item := out.get()) is not None:
+            if broken.is_set():
+                continue  # the parent has gone: drain, so that put() never blocks
+            payload, data = item
+            try:
+                conn.send_bytes(payload)
+                if data is not None:
+                    _send_data(conn, data)
+            except OSError:
+                broken.set()
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    try:
+        for job in jobs:
+            if broken.is_set():
+                break
+            try:
+                result = build_job(job)
+            except Exception as e:  # as Pool does: the parent re-raises it
+                out.put((_pickle_error(e), None))
+                break
+            frame = result.frame
+            message = ("ok", result.shard, frame.keys, frame.sizes, frame.fields, frame.raw_size, result.skipped,
+                       result.bytes_in)
+            out.put((bytes(ForkingPickler.dumps(message)), frame.data))
+    finally:
+        out.put(None)
+        sender.join()
+        conn.close()
+
+
+# Frame data goes through the pipe's file descriptor as a length and the raw bytes, and
+# is read straight into its final buffer: Connection.recv_bytes would copy it twice more.
+_RAW_PIPES = os.name == "posix"
+
+
+def _send_data(conn: Any, data: bytes) -> None:
+    if not _RAW_PIPES:
+        conn.send_bytes(data)
+        return
+    fd = conn.fileno()
+    for chunk in (struct.pack("<Q", len(data)), data):
+        view = memoryview(chunk)
+        while view:
+            view = view[os.write(fd, view) :]
+
+
+def _recv_data(conn: Any) -> bytes | bytearray:
+    if not _RAW_PIPES:
+        return conn.recv_bytes()
+    fd = conn.fileno()
+    head = b""
+    while len(head) < 8:
+        chunk = os.read(fd, 8 - len(head))
+        if not chunk:
+            raise EOFError
+        head += chunk
+    size = struct.unpack("<Q", head)[0]
+    data = bytearray(size)
+    view, got = memoryview(data), 0
+    while got < size:
+        n = os.readv(fd, [view[got:]])
+        if not n:
+            raise EOFError
+        got += n
+    return data
+
+
+def _pickle_error(e: Exception) -> bytes:
+    try:
+        return bytes(ForkingPickler.dumps(("error", ExceptionWithTraceback(e, e.__traceback__))))
+    except Exception as failed:  # an exception that does not pickle, reported as Pool reports it
+        return bytes(ForkingPickler.dumps(("error", MaybeEncodingError(failed, e))))
 
 
 # -- the whole pack ---------------------------------------------------------------------------
@@ -265,7 +453,7 @@ def pack(
         if not overwrite:
             raise ShardstreamError("already holds a dataset; pass overwrite=True (--overwrite) to replace it",
                                    url=store.url(target))
-        store.remove(target)  # first, so that a crash cannot leave it listing replaced shards
+        _remove_dataset(store, target)
     listing = list_source(src)
     entries = order(listing, opts)
     fingerprint = listing_fingerprint(entries)

@@ -72,8 +72,16 @@ class Layout:
 
 
 def rng_for(seed: int, *parts: int) -> np.random.Generator:
-    """A generator seeded by (seed, parts...), independent for every distinct tuple."""
-    return np.random.default_rng(np.random.SeedSequence([seed & 0xFFFFFFFFFFFFFFFF, *parts]))
+    """A generator seeded by (seed, parts...), independent for every distinct tuple.
+
+    Every value is spread over two fixed 32-bit words after a length word: SeedSequence
+    alone would read ``[s]`` and ``[s, 0]`` (or a 64-bit seed and two small ints) alike.
+    """
+    words = [len(parts) + 1]
+    for value in (seed, *parts):
+        value &= 0xFFFFFFFFFFFFFFFF
+        words += [value & 0xFFFFFFFF, value >> 32]
+    return np.random.default_rng(np.random.SeedSequence(words))
 
 
 def epoch_sequence(counts: Sequence[int] | np.ndarray, seed: int, epoch: int, shuffle: bool) -> np.ndarray:

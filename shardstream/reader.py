@@ -157,27 +157,54 @@ class ShardReader:
     def _samples(self, buf: bytes, base: int, start: int, stop: int, file_offset: int) -> Iterator[Sample]:
         """Parse samples [start, stop) out of `buf`, which begins at raw offset `base`."""
         index, url = self.index, self.url
-        view = memoryview(buf)
+        if type(buf) is not bytes:
+            buf = bytes(buf)  # slices of bytes are bytes: the fields below
+        keys = index.keys
+        # Python ints: numpy scalar arithmetic per sample costs more than the parsing.
+        offsets = [o - base for o in index.sample_offsets[start : stop + 1].tolist()]
         # zstd frames carry their own checksum, so tar header checksums are re-checked
         # only for uncompressed shards.
         verify = index.compression != "zstd"
-        for i in range(start, stop):
-            a, b = int(index.sample_offsets[i]) - base, int(index.sample_offsets[i + 1]) - base
-            key = index.keys[i]
-            sample: Sample = {"__key__": key, "__url__": url}
-            try:
-                for name, s, e in tario.iter_members(view[a:b], url=url, base=base + a, verify=verify):
-                    member_key, field = tario.split_name(name)
-                    if member_key != key:
-                        raise CorruptIndexError(
-                            f"index says sample {i} is {key!r}, the shard holds {member_key!r}", url=url, offset=file_offset
-                        )
-                    sample[field] = bytes(view[a + s : a + e])
-            except CorruptShardError as e:
-                raise CorruptShardError(e.detail, url=url, key=key, offset=e.offset) from e
-            if len(sample) == 2:
-                raise CorruptIndexError(f"sample {i} has no members where the index points", url=url, key=key)
+        scan = tario.scan_sample
+        # The common layout is parsed by `tario.scan_sample`; a sample it does not
+        # handle is parsed by `_parse_sample`, which raises the precise error.
+        plans: list | None = None
+        if verify:
+            # Scan the whole buffer first, to check all its header checksums at once.
+            plans = [scan(buf, offsets[j], offsets[j + 1], keys[i]) for j, i in enumerate(range(start, stop))]
+            headers = [s - tario.BLOCK for plan in plans if plan is not None for _, s, _ in plan]
+            if not tario.checksums_ok(buf, headers):
+                plans = [None] * len(plans)
+        for j, i in enumerate(range(start, stop)):
+            plan = plans[j] if plans is not None else scan(buf, offsets[j], offsets[j + 1], keys[i])
+            if plan is None:
+                yield self._parse_sample(buf, base, i, verify, file_offset)
+                continue
+            sample: Sample = {"__key__": keys[i], "__url__": url}
+            for field, s, e in plan:
+                sample[field] = buf[s:e]
             yield sample
+
+    def _parse_sample(self, buf: bytes, base: int, i: int, verify: bool, file_offset: int) -> Sample:
+        """Sample i out of `buf` (which begins at raw offset `base`), any layout, or the error."""
+        index, url = self.index, self.url
+        view = memoryview(buf)
+        a, b = int(index.sample_offsets[i]) - base, int(index.sample_offsets[i + 1]) - base
+        key = index.keys[i]
+        sample: Sample = {"__key__": key, "__url__": url}
+        try:
+            for name, s, e in tario.iter_members(view[a:b], url=url, base=base + a, verify=verify):
+                member_key, field = tario.split_name(name)
+                if member_key != key:
+                    raise CorruptIndexError(
+                        f"index says sample {i} is {key!r}, the shard holds {member_key!r}", url=url, offset=file_offset
+                    )
+                sample[field] = bytes(view[a + s : a + e])
+        except CorruptShardError as e:
+            raise CorruptShardError(e.detail, url=url, key=key, offset=e.offset) from e
+        if len(sample) == 2:
+            raise CorruptIndexError(f"sample {i} has no members where the index points", url=url, key=key)
+        return sample
 
 
 def load_index(store: Store, name: str, info: ShardInfo | None = None) -> ShardIndex:
@@ -256,6 +283,9 @@ class StreamTarReader:
         return self._reader
 
     def __len__(self) -> int:
+        if not self.name.endswith(".tar"):
+            # TypeError is Python's "no length": list(reader) and friends then just iterate.
+            raise TypeError(f"{self.url}: a compressed tar without an index has no length until read through")
         return len(self._indexed())
 
     def __getitem__(self, i: int) -> Sample:

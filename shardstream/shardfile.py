@@ -45,7 +45,7 @@ class Frame:
     keys: list[str]
     sizes: list[int]  # uncompressed tar bytes of each sample
     fields: set[str]
-    data: bytes  # one zstd frame, or the raw tar bytes for uncompressed shards
+    data: bytes | bytearray  # one zstd frame, or the raw tar bytes for uncompressed shards
     raw_size: int
 
 
@@ -53,12 +53,14 @@ def build_frame(samples: Sequence[tuple[str, list[tuple[str, bytes]]]], compress
     """Lay out samples as tar members and compress them into one frame."""
     parts: list[bytes] = []
     keys, sizes, fields = [], [], set()
+    member_parts = tario.member_parts
     for key, members in samples:
         size = 0
         for name, data in members:
-            blob = tario.member(f"{key}.{name}", data)
-            parts.append(blob)
-            size += len(blob)
+            # Header, data and padding go into one join: the data is copied once.
+            header, data, pad = member_parts(f"{key}.{name}", data)
+            parts += (header, data, pad)
+            size += len(header) + len(data) + len(pad)
             fields.add(name)
         keys.append(key)
         sizes.append(size)

@@ -123,17 +123,31 @@ class Store:
             raise self._wrap(name, "open", e) from e
 
     def exists(self, name: str) -> bool:
+        """Whether `name` exists; remote errors other than "not found" are retried, never read as "absent"."""
         if self.local:
             return os.path.exists(self.url(name))
+        try:
+            self.retry.call(self._remote_info, name, url=self.url(name))
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            raise self._wrap(name, "look up", e) from e
+        return True
+
+    def _remote_info(self, name: str) -> dict:
         fs, path = self._fs_path(name)
-        return bool(fs.exists(path))
+        if self.root.startswith(("http://", "https://")):
+            # fsspec's HTTP info() turns every failure (a 503 too) into FileNotFoundError;
+            # a one-byte read tells "not found" (404) from a transient error.
+            fs.cat_file(path, start=0, end=1)
+            return {"name": path}
+        return fs.info(path)
 
     def size(self, name: str) -> int:
         try:
             if self.local:
                 return os.path.getsize(self.url(name))
-            fs, path = self._fs_path(name)
-            return int(fs.size(path))
+            return int(self.retry.call(self._remote_size, name, url=self.url(name)))
         except FileNotFoundError as e:
             raise StorageError("file not found", url=self.url(name)) from e
 
@@ -150,6 +164,13 @@ class Store:
         except FileNotFoundError:
             return []
         return sorted(posixpath.basename(e) for e in entries if e.endswith(suffix))
+
+    def _remote_size(self, name: str) -> int:
+        fs, path = self._fs_path(name)
+        size = fs.size(path)
+        if size is None:
+            raise StorageError("the server does not report a size", url=self.url(name))
+        return int(size)
 
     # -- writing ---------------------------------------------------------------
 

@@ -62,13 +62,18 @@ class VerifyReport:
         return not self.problems
 
 
-def _file_sha256(ref_store: Any, name: str) -> tuple[str, int]:
-    digest, size = hashlib.sha256(), 0
-    with ref_store.open(name) as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-            size += len(chunk)
-    return digest.hexdigest(), size
+def _file_sha256(store: Any, name: str, size: int) -> tuple[str, int]:
+    """Hash a file by ranged reads (each retried like any read), reading one byte past
+    the expected size to notice a file that is longer than the manifest says."""
+    digest, read = hashlib.sha256(), 0
+    chunk = 16 << 20
+    while True:
+        data = store.read(name, read, read + chunk) if read < size else store.read(name, read, read + 1)
+        digest.update(data)
+        read += len(data)
+        if not data or read > size:
+            break
+    return digest.hexdigest(), read
 
 
 def verify_shard(reader: ShardReader, decode_images: bool = True) -> Iterator[Problem | int]:
@@ -76,7 +81,7 @@ def verify_shard(reader: ShardReader, decode_images: bool = True) -> Iterator[Pr
     info = reader.info
     assert info is not None
     try:
-        digest, size = _file_sha256(reader.store, reader.name)
+        digest, size = _file_sha256(reader.store, reader.name, info.bytes)
     except ShardstreamError as e:
         yield Problem(info.name, None, str(e))
         return

@@ -39,11 +39,14 @@ class World:
 
         if rank is None or world_size is None:
             if dist.is_available() and dist.is_initialized():
-                rank, world_size = dist.get_rank(), dist.get_world_size()
+                found = dist.get_rank(), dist.get_world_size()
             elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-                rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+                found = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
             else:
-                rank, world_size = rank or 0, world_size or 1
+                found = 0, 1
+            # Each value given explicitly wins; the other comes from the environment.
+            rank = found[0] if rank is None else rank
+            world_size = found[1] if world_size is None else world_size
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         return cls(rank, world_size, worker, workers)

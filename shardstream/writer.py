@@ -109,6 +109,7 @@ class ShardWriter:
         key, fields = encode_sample(sample)
         if key in self._keys:
             raise ShardstreamError("duplicate sample key", key=key)
+        label = self._label(key, fields)
         self._keys.add(key)
         size = sum(tario.member_size(len(data), f"{key}.{name}") for name, data in fields)
         shard = self._shard
@@ -124,12 +125,24 @@ class ShardWriter:
             self.store.makedirs()
         self._pending.append((key, fields))
         self._pending_bytes += size
-        for name, data in fields:
-            if name == "cls":
-                label = int(data)
-                self._class_counts[label] = self._class_counts.get(label, 0) + 1
+        if label is not None:
+            self._class_counts[label] = self._class_counts.get(label, 0) + 1
         if self._pending_bytes >= self.frame_size:
             self._flush_frame()
+
+    def _label(self, key: str, fields: list[tuple[str, bytes]]) -> int | None:
+        """The sample's class index, checked before anything is queued."""
+        data = dict(fields).get("cls")
+        if data is None:
+            return None
+        try:
+            label = int(data)
+        except ValueError:
+            raise ShardstreamError(f"cls must be an integer class index, not {data[:20]!r}", key=key) from None
+        if label < 0 or (self.classes and label >= len(self.classes)):
+            raise ShardstreamError(f"class index {label} outside 0..{len(self.classes) - 1 if self.classes else 'inf'}",
+                                   key=key)
+        return label
 
     def _flush_frame(self) -> None:
         if self._pending and self._shard is not None:

@@ -1,0 +1,95 @@
+"""The few numbers a dataset shares with its DataLoader workers, in shared memory.
+
+`set_epoch` in the main process must reach persistent workers; workers' storage and
+skip counters must be readable in the main process; a resume state must be used up
+once the workers have finished the resumed epoch. All of it fits in two small arrays
+with one slot per worker, so no locks are needed (each worker writes only its slot).
+
+Shared memory crosses into workers when they are started, whatever the start method
+(fork, spawn, forkserver). Pickled in any other way (``copy.deepcopy``, saving a
+dataset), the state is copied into fresh shared memory instead, so a dataset stays a
+value.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.sharedctypes
+from typing import Any
+
+from multiprocessing.context import get_spawning_popen
+
+__all__ = ["SharedState", "IO_FIELDS", "SLOTS"]
+
+SLOTS = 64  # workers per rank that have a slot
+IO_FIELDS = ("requests", "bytes", "retries", "wait_s", "cache_hits", "cache_misses")
+_EPOCH, _RESUME_ID, _SKIPS, _DONE = 0, 1, 2, 2 + SLOTS  # offsets in the int array
+
+
+class SharedState:
+    def __init__(self, ints: list[int] | None = None, floats: list[float] | None = None) -> None:
+        self._ints = multiprocessing.sharedctypes.RawArray("q", ints or [0] * (2 + 2 * SLOTS))
+        self._floats = multiprocessing.sharedctypes.RawArray("d", floats or [0.0] * (SLOTS * len(IO_FIELDS)))
+
+    def __getstate__(self) -> dict[str, Any]:
+        if get_spawning_popen() is not None:  # starting a worker: share the memory itself
+            return {"ints": self._ints, "floats": self._floats}
+        return {"ints": list(self._ints), "floats": list(self._floats)}  # a copy, as a value
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if isinstance(state["ints"], list):
+            self.__init__(state["ints"], state["floats"])  # type: ignore[misc]
+        else:
+            self._ints, self._floats = state["ints"], state["floats"]
+
+    # -- epoch ---------------------------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        return int(self._ints[_EPOCH])
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self._ints[_EPOCH] = value
+
+    # -- resume: used up once every worker has finished the resumed epoch ------------
+
+    def new_resume(self) -> int:
+        """Mark a newly loaded resume state; returns its id."""
+        self._ints[_RESUME_ID] += 1
+        for w in range(SLOTS):
+            self._ints[_DONE + w] = 0
+        return int(self._ints[_RESUME_ID])
+
+    def finish_resume(self, resume_id: int, worker: int) -> None:
+        if self._ints[_RESUME_ID] == resume_id and worker < SLOTS:
+            self._ints[_DONE + worker] = 1
+
+    def resume_used_up(self, resume_id: int, workers: int) -> bool:
+        """True once all `workers` finished the resumed epoch (later passes start afresh)."""
+        if self._ints[_RESUME_ID] != resume_id:
+            return True
+        return all(self._ints[_DONE + w] for w in range(min(workers, SLOTS)))
+
+    # -- counters --------------------------------------------------------------------
+
+    def add_skip(self, worker: int) -> None:
+        if worker < SLOTS:
+            self._ints[_SKIPS + worker] += 1
+
+    @property
+    def skips(self) -> int:
+        return int(sum(self._ints[_SKIPS : _SKIPS + SLOTS]))
+
+    def publish_io(self, worker: int, snapshot: dict[str, float]) -> None:
+        if worker < SLOTS:
+            base = worker * len(IO_FIELDS)
+            for i, name in enumerate(IO_FIELDS):
+                self._floats[base + i] = snapshot[name]
+
+    def io(self) -> dict[str, float]:
+        totals = dict.fromkeys(IO_FIELDS, 0.0)
+        for slot in range(SLOTS):
+            for i, name in enumerate(IO_FIELDS):
+                totals[name] += self._floats[slot * len(IO_FIELDS) + i]
+        return totals

@@ -1,0 +1,131 @@
+"""Helpers shared by the plan/dataset/resume/distributed tests: small packed datasets and key readers.
+
+The data is real and tiny: `make_image_folder` with 3 classes of 7, 9 and 5 JPEGs
+(21 samples, 32x24..48x40 px, ~1.5 KB each), packed by the library. With
+``shard_size="11KB"`` that gives 9 shards of uneven, mostly odd sizes
+(3, 3, 3, 2, 3, 2, 2, 2, 1); with ``"40KB"`` 2 shards, fewer than ranks x workers.
+
+Samples are read as keys only (``decode=None``, ``fields=("__key__",)``), which costs
+no image decoding; batches of keys are lists (see `key_batch`).
+"""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+from torch.utils.data import DataLoader
+
+import shardstream
+from shardstream.synthetic import make_image_folder
+
+IMAGES_PER_CLASS = [7, 9, 5]
+N = sum(IMAGES_PER_CLASS)
+SIZE_RANGE = ((32, 24), (48, 40))
+MANY_SHARDS = "11KB"  # 9 shards: 3, 3, 3, 2, 3, 2, 2, 2, 1 samples
+FEW_SHARDS = "40KB"  # 2 shards
+
+
+def make_source(root: Path) -> Path:
+    """The 21-image folder (3 classes: 7, 9, 5 images)."""
+    make_image_folder(root, num_classes=3, images_per_class=IMAGES_PER_CLASS, size_range=SIZE_RANGE)
+    return root
+
+
+def pack_to(src: Path, dst: Path, shard_size: str) -> str:
+    shardstream.pack(str(src), str(dst), shard_size=shard_size, workers=1, progress=False)
+    return str(dst)
+
+
+def all_keys(src: Path) -> set[str]:
+    """Every sample key of an image folder: ``class_xxx/img_xxxxx``."""
+    return {p.relative_to(src).with_suffix("").as_posix() for p in Path(src).rglob("*.jpg")}
+
+
+def manifest_keys(url: str) -> list[str]:
+    """Sample keys by global sample id (shard after shard, in manifest order)."""
+    source = shardstream.open_dataset(url)
+    return [s["__key__"] for ref in source.shards for s in ref.reader()]
+
+
+def key_batch(batch: list[Any]) -> list[str]:
+    """collate_fn for ``fields=("__key__",)``: a batch of 1-tuples -> list of keys."""
+    return [item[0] for item in batch]
+
+
+def key_dataset(url: Any, **kwargs: Any) -> "shardstream.StreamingDataset":
+    """A StreamingDataset yielding keys only: 1-tuples, or lists of keys with `batch_size`."""
+    kwargs.setdefault("decode", None)
+    kwargs.setdefault("fields", ("__key__",))
+    kwargs.setdefault("collate_fn", key_batch)
+    return shardstream.StreamingDataset(url, **kwargs)
+
+
+def as_keys(item: Any) -> list[str]:
+    """The keys of one yielded item: a sample (a 1-tuple, or the 1-list DataLoader's
+    default_convert makes of it) or a batch (a list of keys, from `key_batch`)."""
+    assert isinstance(item, (tuple, list)) and all(isinstance(k, str) for k in item), item
+    return list(item)
+
+
+def freeze(item: Any) -> tuple[str, ...]:
+    return tuple(as_keys(item))
+
+
+def loader(ds: Any, num_workers: int, **kwargs: Any) -> DataLoader:
+    return DataLoader(ds, batch_size=None, num_workers=num_workers, **kwargs)
+
+
+def run(ds: Any, num_workers: int, **kwargs: Any) -> list[tuple[str, ...]]:
+    """Every item of one pass, each as a tuple of keys, through a real DataLoader."""
+    return [freeze(item) for item in loader(ds, num_workers, **kwargs)]
+
+
+def take(ds: Any, num_workers: int, k: int) -> list[tuple[str, ...]]:
+    """The first `k` items a DataLoader delivers; its workers are shut down before returning."""
+    it = iter(loader(ds, num_workers))
+    try:
+        return [freeze(next(it)) for _ in range(k)]
+    finally:
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+        del it
+
+
+def take_main(ds: Any, k: int) -> list[tuple[str, ...]]:
+    """The first `k` items of ``iter(ds)`` in this process (the generator left suspended, then closed)."""
+    it = iter(ds)
+    out = [freeze(next(it)) for _ in range(k)]
+    return out
+
+
+def flat(items: Iterable[tuple[str, ...]]) -> list[str]:
+    return [k for item in items for k in item]
+
+
+def counts(keys: Iterable[str]) -> collections.Counter:
+    return collections.Counter(keys)
+
+
+def pad_count(n: int, world_size: int) -> int:
+    return -(-n // world_size) * world_size - n
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def epoch_keys(url: str, seed: int, epoch: int, shuffle: bool) -> list[str]:
+    """The epoch sequence as keys (plan.epoch_sequence mapped through the manifest)."""
+    from shardstream.plan import epoch_sequence
+
+    keys = manifest_keys(url)
+    counts_ = shardstream.open_dataset(url).counts()
+    return [keys[i] for i in epoch_sequence(counts_, seed, epoch, shuffle).tolist()]
+
+
+def is_permutation(a: np.ndarray, n: int) -> bool:
+    return len(a) == n and np.array_equal(np.sort(a), np.arange(n))

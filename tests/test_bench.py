@@ -1,0 +1,229 @@
+"""`shardstream bench` and `shardstream.bench`: the knee finder, the command, the Python API.
+
+Timings depend on the machine (and on whatever else runs on it), so nothing here
+asserts a rate: only that every worker count was measured, the outputs are well
+formed, and the knee is the one `find_knee` picks from the measured rates.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+import shardstream
+from shardstream.bench import BenchResult, BenchRow, _proc_descendants, _TreeRSS, bench, find_knee
+from shardstream.errors import ShardstreamError
+from shardstream.synthetic import make_image_folder
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+HEADER = "num_workers | images/sec | MB/s | first batch s | peak RSS MB"
+
+
+# -- find_knee ------------------------------------------------------------------------------
+
+
+def test_knee_flat_curve_is_the_smallest():
+    assert find_knee({0: 500.0, 1: 500.0, 2: 500.0, 4: 500.0}) == 0
+
+
+def test_knee_rising_then_plateau():
+    assert find_knee({0: 100.0, 1: 190.0, 2: 370.0, 4: 700.0, 8: 720.0, 16: 715.0}) == 4
+
+
+def test_knee_noisy_plateau_is_the_first_point_within_tolerance():
+    # best 1000 (at 8); 960 at 4 is within 5% (>= 950), 930 at 2 is not.
+    rates = {1: 500.0, 2: 930.0, 4: 960.0, 6: 1000.0 * 0.97, 8: 1000.0, 12: 985.0}
+    assert find_knee(rates) == 4
+    assert find_knee(rates, tolerance=0.08) == 2
+    assert find_knee(rates, tolerance=0.0) == 8
+
+
+def test_knee_monotonically_rising_is_the_last():
+    assert find_knee({0: 100.0, 1: 200.0, 2: 300.0, 4: 400.0}) == 4
+
+
+def test_knee_single_point():
+    assert find_knee({3: 42.0}) == 3
+
+
+def test_knee_does_not_depend_on_key_order_and_ignores_nan():
+    assert find_knee({8: 1000.0, 0: 10.0, 4: 990.0, 2: 500.0}) == 4
+    assert find_knee({0: float("nan"), 1: 10.0, 2: 10.2}) == 1
+
+
+def test_knee_rejects_nonsense():
+    with pytest.raises(ValueError):
+        find_knee({})
+    with pytest.raises(ValueError):
+        find_knee({0: float("nan")})
+    with pytest.raises(ValueError):
+        find_knee({0: 1.0}, tolerance=1.0)
+
+
+def test_result_table_json_and_knee():
+    rows = [BenchRow(0, 100, 1.0, 100.0, 11.0, 0.5, 300.0, 1),
+            BenchRow(2, 390, 1.0, 390.0, 42.9, 0.9, 700.0, 2),
+            BenchRow(4, 400, 1.0, 400.0, None, 1.1, None, 3)]
+    result = BenchResult("ds", 64, "train", "cpu", 1.0, 0.2, 1000, 110_000.0, "/proc", rows)
+    assert result.knee == 2 and result.rates == {0: 100.0, 2: 390.0, 4: 400.0}
+    lines = result.table().splitlines()
+    assert lines[0] == HEADER and len(lines) == 2 + len(rows)
+    assert lines[-1].split("|")[-1].strip() == "n/a"  # unknown memory
+    assert str(result).endswith("knee: num_workers=2")
+    data = json.loads(json.dumps(result.to_dict()))
+    assert data["knee"] == 2 and [r["num_workers"] for r in data["rows"]] == [0, 2, 4]
+
+
+# -- the command and the function, on a tiny packed dataset ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("bench")
+    make_image_folder(root / "src", num_classes=2, images_per_class=8, size_range=((64, 48), (96, 80)))
+    shardstream.pack(str(root / "src"), str(root / "ds"), progress=False, workers=1)
+    return str(root / "ds")
+
+
+def run_cli(*args: object, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shardstream.cli", "bench", *map(str, args)],
+                          capture_output=True, text=True, timeout=180, cwd=cwd)
+
+
+def check_json(path: Path, workers: list[int]) -> dict:
+    data = json.loads(path.read_text())
+    assert [row["num_workers"] for row in data["rows"]] == workers
+    for row in data["rows"]:
+        assert row["images"] > 0 and row["images_per_s"] > 0 and row["seconds"] > 0
+        assert row["mb_per_s"] > 0 and row["first_batch_s"] > 0 and row["epochs"] >= 1
+        assert row["peak_rss_mb"] is None or row["peak_rss_mb"] > 0
+    assert data["samples"] == 16 and data["bytes_per_sample"] > 0
+    assert data["knee"] == find_knee({row["num_workers"]: row["images_per_s"] for row in data["rows"]})
+    return data
+
+
+def test_cli_bench_table_knee_and_json(tiny, tmp_path):
+    done = run_cli(tiny, "--workers", "0,1", "--seconds", "1", "--warmup", "0.2", "--json", "out.json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == HEADER
+    assert [line.split("|")[0].strip() for line in lines[2:4]] == ["0", "1"]
+    data = check_json(tmp_path / "out.json", [0, 1])
+    assert f"knee: num_workers={data['knee']}" in lines
+    assert "bench" in done.stderr  # the progress bar
+
+
+def test_cli_bench_plot(tiny, tmp_path):
+    pytest.importorskip("matplotlib")
+    done = run_cli(tiny, "--workers", "0", "--seconds", "0.3", "--warmup", "0.1", "--transform", "none",
+                   "--plot", "curve.png", "--quiet", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "curve.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_cli_bench_plot_without_matplotlib(tiny, tmp_path, monkeypatch, capsys):
+    from shardstream import cli
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    monkeypatch.chdir(tmp_path)
+    status = cli.main(["bench", tiny, "--workers", "0", "--seconds", "0.3", "--warmup", "0.1", "--transform", "val",
+                       "--plot", "curve.png", "--json", "out.json", "--quiet"])
+    out, err = capsys.readouterr()
+    assert status == 0
+    assert "matplotlib is not installed" in err and "shardstream[plot]" in err
+    assert not (tmp_path / "curve.png").exists()
+    assert out.splitlines()[0] == HEADER and "knee: num_workers=0" in out
+    check_json(tmp_path / "out.json", [0])
+
+
+def test_cli_bench_errors(tmp_path, capsys):
+    from shardstream import cli
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["bench", str(tmp_path), "--workers", "0,x"])
+    assert exit_.value.code == 2 and "non-negative integers" in capsys.readouterr().err
+    assert cli.main(["bench", str(tmp_path / "nothing"), "--workers", "0", "--quiet"]) == 1
+    assert capsys.readouterr().err.startswith("shardstream bench: error:")
+
+
+def test_bench_function(tiny):
+    rows = []
+    result = bench(tiny, workers=(1, 0), batch_size=4, transform="train", seconds=0.4, warmup=0.1, on_row=rows.append)
+    assert [r.num_workers for r in result.rows] == [1, 0] and rows == result.rows
+    assert all(r.images > 0 and r.images % 4 == 0 for r in result.rows)  # 16 samples: whole batches of 4
+    assert result.knee == find_knee(result.rates)
+    assert result.bytes_per_sample == pytest.approx(
+        sum(s.bytes for s in shardstream.open_dataset(tiny).manifest.shards) / 16)
+    assert json.loads(json.dumps(result.to_dict()))["knee"] == result.knee
+    # The workers of every run are shut down before bench returns.
+    assert not [p for p in _TreeRSS().descendants() if _is_python_child(p)]
+
+
+def _is_python_child(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"python" in f.read()
+    except OSError:
+        return False
+
+
+def test_bench_raw_bytes_counts_mb(tiny):
+    result = bench(tiny, workers=[0], batch_size=5, transform="none", seconds=0.3, warmup=0.0)
+    (row,) = result.rows
+    assert row.images > 0 and row.mb_per_s == pytest.approx(row.images_per_s * result.bytes_per_sample / 1e6)
+
+
+def test_bench_rejects_bad_arguments(tiny):
+    with pytest.raises(ShardstreamError, match="transform"):
+        bench(tiny, transform="random")
+    with pytest.raises(ShardstreamError, match="workers"):
+        bench(tiny, workers=[-1])
+    with pytest.raises(ShardstreamError, match="workers"):
+        bench(tiny, workers=[])
+
+
+def test_bench_cuda_unavailable(tiny):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    with pytest.raises(ShardstreamError, match="CUDA is not available"):
+        bench(tiny, workers=[0], device="cuda")
+
+
+# -- memory --------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs /proc")
+@pytest.mark.parametrize("method", ["/proc", "psutil"])
+def test_memory_counts_child_processes(method):
+    if method == "psutil":
+        pytest.importorskip("psutil")
+    tree = _TreeRSS()
+    tree.method = method
+    if method == "psutil":
+        import psutil
+
+        tree._psutil, tree._proc = psutil, psutil.Process(os.getpid())
+    alone = tree.total()
+    child = subprocess.Popen([sys.executable, "-c", "import sys; x = bytearray(64 << 20); sys.stdin.read()"],
+                             stdin=subprocess.PIPE)
+    try:
+        seen = False
+        for _ in range(200):  # until the child has its 64 MB
+            if child.pid in tree.descendants() and tree.total() > alone + (48 << 20):
+                seen = True
+                break
+            threading.Event().wait(0.05)
+        assert seen
+        assert child.pid in _proc_descendants(os.getpid())
+        assert _TreeRSS(exclude=[child.pid]).total() < tree.total()
+    finally:
+        child.stdin.close()
+        child.wait(timeout=30)

@@ -1,0 +1,137 @@
+"""The `shardstream` command, run as a separate process: pack, inspect, verify."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from shardstream import open_dataset
+from shardstream.format import MANIFEST_NAME
+
+
+def cli(*args: object) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "shardstream.cli", *map(str, args)],
+        capture_output=True, text=True, timeout=120,
+    )
+
+
+def cli_pack(src, dst, *extra) -> subprocess.CompletedProcess:
+    return cli("pack", src, dst, "--shard-size", "60KB", "--workers", "1", "--quiet", *extra)
+
+
+def problem_shards(stdout: str) -> set[str]:
+    return {line.split()[1].rstrip(":") for line in stdout.splitlines() if line.startswith("PROBLEM ")}
+
+
+def test_pack_inspect_verify(image_folder, tmp_path, packed, dataset_files):
+    dst = tmp_path / "ds"
+    done = cli_pack(image_folder, dst)
+    assert done.returncode == 0, done.stderr
+    assert "packed 21 samples" in done.stdout
+    # The command gives what the library gives for the same options, byte for byte.
+    assert dataset_files(dst) == dataset_files(packed)
+
+    shown = cli("inspect", dst, "--json")
+    assert shown.returncode == 0, shown.stderr
+    info = json.loads(shown.stdout)
+    assert info["samples"] == 21
+    assert info["classes"] == {"class_000": 7, "class_001": 7, "class_002": 7}
+    assert info["shards"] == len(list(dst.glob("shard-*.tar.zst"))) >= 2
+    assert info["compression"] == "zstd"
+    assert info["fields"] == ["cls", "jpg"]
+    assert info["skipped"] == [] and info["ignored"] == 1
+    assert info["bytes"] == sum(p.stat().st_size for p in dst.glob("shard-*.tar.zst"))
+
+    text = cli("inspect", dst)
+    assert text.returncode == 0 and "21 samples" in text.stdout and "class_001: 7" in text.stdout
+
+    checked = cli("verify", dst, "--quiet")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "PROBLEM" not in checked.stdout
+    assert f"verified {info['shards']} shards, 21 samples, 21 images decoded: ok" in checked.stdout
+
+
+def test_pack_options_uncompressed_sorted(image_folder, tmp_path):
+    dst = tmp_path / "ds"
+    done = cli_pack(image_folder, dst, "--compression", "none", "--no-shuffle", "--max-samples", "4")
+    assert done.returncode == 0, done.stderr
+    manifest = open_dataset(str(dst)).manifest
+    assert manifest.compression == "none"
+    assert all(s.name.endswith(".tar") and s.samples <= 4 for s in manifest.shards)
+    keys = [s["__key__"] for ref in open_dataset(str(dst)).shards for s in ref.reader()]
+    assert keys == sorted(keys) and len(keys) == 21
+    assert cli("verify", dst, "--quiet", "--no-decode").returncode == 0
+
+
+@pytest.mark.parametrize("dataset", ["packed", "packed_plain"])
+def test_verify_names_a_corrupted_shard(request, tmp_path, dataset):
+    copy = tmp_path / "ds"
+    shutil.copytree(request.getfixturevalue(dataset), copy)
+    shards = open_dataset(str(copy)).manifest.shards
+    victim = copy / shards[1].name
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x5A
+    victim.write_bytes(bytes(data))
+
+    checked = cli("verify", copy, "--quiet")
+    assert checked.returncode == 1
+    assert problem_shards(checked.stdout) == {shards[1].name}
+    assert "sha256" in checked.stdout
+
+
+def test_verify_missing_shard_and_missing_manifest(packed, tmp_path):
+    copy = tmp_path / "ds"
+    shutil.copytree(packed, copy)
+    name = open_dataset(str(copy)).manifest.shards[0].name
+    (copy / name).unlink()
+    checked = cli("verify", copy, "--quiet")
+    assert checked.returncode == 1 and name in problem_shards(checked.stdout)
+
+    (copy / MANIFEST_NAME).unlink()
+    checked = cli("verify", copy, "--quiet")
+    assert checked.returncode == 1 and "PROBLEM manifest" in checked.stdout
+
+
+def test_pack_fails_on_truncated_jpeg(image_folder_copy, tmp_path):
+    victim = image_folder_copy / "class_001" / "img_00003.jpg"
+    data = victim.read_bytes()
+    victim.write_bytes(data[: len(data) // 2])
+    dst = tmp_path / "ds"
+
+    done = cli_pack(image_folder_copy, dst)
+    assert done.returncode == 1
+    assert "class_001/img_00003.jpg" in done.stderr
+    assert done.stderr.startswith("shardstream pack: error:")
+    assert "Traceback" not in done.stderr
+    assert not (dst / MANIFEST_NAME).exists()
+
+    skipped = cli_pack(image_folder_copy, dst, "--on-error", "skip")
+    assert skipped.returncode == 0, skipped.stderr
+    assert "class_001/img_00003.jpg" in skipped.stdout
+    info = json.loads(cli("inspect", dst, "--json").stdout)
+    assert info["samples"] == 20
+    assert [s["file"] for s in info["skipped"]] == ["class_001/img_00003.jpg"]
+    assert info["classes"] == {"class_000": 7, "class_001": 6, "class_002": 7}
+
+
+def test_pack_refuses_to_overwrite(image_folder, tmp_path):
+    dst = tmp_path / "ds"
+    assert cli_pack(image_folder, dst).returncode == 0
+    again = cli_pack(image_folder, dst, "--seed", "3")
+    assert again.returncode == 1 and "--overwrite" in again.stderr
+    assert open_dataset(str(dst)).manifest.options["seed"] == 0
+    forced = cli_pack(image_folder, dst, "--seed", "3", "--overwrite")
+    assert forced.returncode == 0, forced.stderr
+    assert open_dataset(str(dst)).manifest.options["seed"] == 3
+
+
+def test_usage_errors(tmp_path):
+    assert cli("pack", tmp_path).returncode == 2  # no destination: argparse's usage error
+    missing = cli("pack", tmp_path / "nope", tmp_path / "ds", "--quiet")
+    assert missing.returncode == 1 and "nope" in missing.stderr
+    assert cli("inspect", tmp_path / "nothing").returncode == 1

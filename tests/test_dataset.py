@@ -1,0 +1,550 @@
+"""StreamingDataset: exactly once per epoch over ranks and DataLoader workers, equal ranks,
+deterministic order, decoding, field selection, batching, and non-shardstream sources.
+
+Ranks are simulated in one process with explicit ``rank``/``world_size``; DataLoader
+workers are real worker processes (test_distributed.py covers real torch.distributed).
+The data is 21 synthetic JPEGs packed into 9 shards of uneven size (see _data.py).
+"""
+
+from __future__ import annotations
+
+import gc
+import io
+import os
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import shardstream
+from shardstream import DecodeError, MissingFieldError, ShardWriter, StreamingDataset
+from shardstream.collate import pad_collate
+from shardstream.synthetic import synthetic_jpeg
+
+try:  # tests/ may or may not be a package
+    from . import _data as D
+except ImportError:
+    import _data as D
+
+N = D.N
+
+# More workers than the 2 cores is deliberate here (small data); torch warns about it.
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory) -> Path:
+    return D.make_source(tmp_path_factory.mktemp("dsimages") / "src")
+
+
+@pytest.fixture(scope="module")
+def url(src, tmp_path_factory) -> str:
+    """21 samples in 9 shards of 3, 3, 3, 2, 3, 2, 2, 2, 1."""
+    url = D.pack_to(src, tmp_path_factory.mktemp("dspacked") / "many", D.MANY_SHARDS)
+    assert len(shardstream.open_dataset(url).shards) == 9
+    return url
+
+
+@pytest.fixture(scope="module")
+def url_few(src, tmp_path_factory) -> str:
+    """The same 21 samples in 2 shards: fewer shards than ranks x workers."""
+    url = D.pack_to(src, tmp_path_factory.mktemp("dspacked") / "few", D.FEW_SHARDS)
+    assert len(shardstream.open_dataset(url).shards) == 2
+    return url
+
+
+@pytest.fixture(scope="module")
+def keys(src) -> set[str]:
+    keys = D.all_keys(src)
+    assert len(keys) == N
+    return keys
+
+
+def read_ranks(source, world_size: int, num_workers: int, **kwargs) -> tuple[list[list[tuple[str, ...]]], list[int]]:
+    """Items per rank (through a real DataLoader) and len(ds) per rank, measured before iterating."""
+    items, lens = [], []
+    for rank in range(world_size):
+        ds = D.key_dataset(source, rank=rank, world_size=world_size, **kwargs)
+        lens.append(len(ds))
+        items.append(D.run(ds, num_workers))
+    return items, lens
+
+
+def check_exactly_once(items, lens, keys, world_size, *, batch_size=None, pad_keys=None):
+    """Every key once across ranks except `pad` declared repeats; equal ranks; len == yield."""
+    per_rank = D.ceil_div(N, world_size)
+    pad = per_rank * world_size - N
+    samples = [D.flat(rank_items) for rank_items in items]
+    assert [len(s) for s in samples] == [per_rank] * world_size, "every rank yields the same number of samples"
+    assert len({len(rank_items) for rank_items in items}) == 1, "every rank yields the same number of items"
+    assert lens == [len(rank_items) for rank_items in items], "len(ds) is what the iteration yields"
+    if batch_size is not None:
+        assert lens[0] == D.ceil_div(per_rank, batch_size)
+        for rank_items in items:
+            sizes = [len(b) for b in rank_items]
+            assert all(1 <= s <= batch_size for s in sizes)
+            assert sum(s < batch_size for s in sizes) <= 1  # only the last chunk of a rank is partial
+    counts = D.counts(k for s in samples for k in s)
+    assert set(counts) == keys, "the union over ranks is the whole dataset"
+    assert sum(c - 1 for c in counts.values()) == pad
+    repeated = {k for k, c in counts.items() if c > 1}
+    assert all(c <= 2 for c in counts.values())
+    if pad_keys is not None:
+        assert repeated == set(pad_keys[:pad]), "padding repeats samples from the start of the epoch"
+
+
+# -- exactly once, equal ranks ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_workers", [0, 1, 2, 3])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_exactly_once_over_ranks_and_workers_batched(url, keys, world_size, num_workers):
+    """Batches of 3 made in the workers: chunks of 3 are dealt to the workers round robin."""
+    items, lens = read_ranks(url, world_size, num_workers, shuffle=True, seed=11, shuffle_buffer=5, batch_size=3)
+    check_exactly_once(items, lens, keys, world_size, batch_size=3, pad_keys=D.epoch_keys(url, 11, 0, True))
+
+
+# Unbatched samples are dealt in chunks of 64, so with 21 samples one worker serves a rank
+# whatever their number: two worker counts cover it.
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_exactly_once_over_ranks_and_workers_unbatched(url, keys, world_size, num_workers):
+    items, lens = read_ranks(url, world_size, num_workers, shuffle=True, seed=12, shuffle_buffer=5)
+    assert all(len(item) == 1 for rank_items in items for item in rank_items)
+    check_exactly_once(items, lens, keys, world_size, pad_keys=D.epoch_keys(url, 12, 0, True))
+
+
+@pytest.mark.parametrize(("world_size", "num_workers"), [(1, 0), (2, 2), (3, 1), (4, 3), (4, 0)])
+def test_unshuffled_ranks_are_contiguous_blocks_in_order(url, keys, world_size, num_workers):
+    """Without shuffling, rank r yields block r of the manifest order (padded from the start),
+    in order, whatever the number of workers: chunks are dealt and collected round robin."""
+    order = D.manifest_keys(url)
+    per_rank = D.ceil_div(N, world_size)
+    padded = order + order[: per_rank * world_size - N]
+    items, lens = read_ranks(url, world_size, num_workers, batch_size=2)
+    for rank in range(world_size):
+        assert D.flat(items[rank]) == padded[rank * per_rank : (rank + 1) * per_rank]
+    check_exactly_once(items, lens, keys, world_size, batch_size=2, pad_keys=order)
+
+
+@pytest.mark.parametrize(("world_size", "num_workers", "batch_size"),
+                         [(2, 0, None), (3, 2, 3), (4, 1, 2), (4, 0, 3)])
+def test_partial_drop(url, keys, world_size, num_workers, batch_size):
+    items, lens = read_ranks(url, world_size, num_workers, shuffle=True, seed=4, shuffle_buffer=3,
+                             batch_size=batch_size, partial="drop")
+    per_rank = N // world_size
+    samples = [D.flat(rank_items) for rank_items in items]
+    assert [len(s) for s in samples] == [per_rank] * world_size
+    assert len({len(i) for i in items}) == 1
+    assert lens == [len(i) for i in items]
+    seen = [k for s in samples for k in s]
+    assert len(seen) == len(set(seen)), "drop never repeats a sample"
+    left_out = keys - set(seen)
+    assert len(left_out) == N - per_rank * world_size < world_size
+    assert left_out == set(D.epoch_keys(url, 4, 0, True)[per_rank * world_size :]), "the tail is left out"
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_drop_last_yields_only_full_batches(url, keys, num_workers):
+    world_size, batch_size = 2, 4
+    items, lens = read_ranks(url, world_size, num_workers, shuffle=True, seed=2, shuffle_buffer=4,
+                             batch_size=batch_size, drop_last=True)
+    per_rank = D.ceil_div(N, world_size)  # 11: two full batches of 4 and a dropped 3
+    for rank_items in items:
+        assert [len(b) for b in rank_items] == [batch_size] * (per_rank // batch_size)
+    assert lens == [per_rank // batch_size] * world_size
+    seen = D.flat(i for rank_items in items for i in rank_items)
+    assert set(seen) <= keys and len(seen) == world_size * (per_rank // batch_size) * batch_size
+
+
+@pytest.mark.parametrize(("world_size", "num_workers", "batch_size"),
+                         [(2, 3, None), (3, 2, 3)])
+def test_fewer_shards_than_ranks_times_workers(url_few, keys, world_size, num_workers, batch_size):
+    assert len(shardstream.open_dataset(url_few).shards) < world_size * num_workers
+    items, lens = read_ranks(url_few, world_size, num_workers, shuffle=True, seed=8, shuffle_buffer=4,
+                             batch_size=batch_size)
+    check_exactly_once(items, lens, keys, world_size, batch_size=batch_size,
+                       pad_keys=D.epoch_keys(url_few, 8, 0, True))
+
+
+def test_a_single_shard_dataset(src, keys, tmp_path):
+    url_one = D.pack_to(src, tmp_path / "one", "1MB")
+    assert len(shardstream.open_dataset(url_one).shards) == 1
+    items, lens = read_ranks(url_one, 4, 1, shuffle=True, seed=3, batch_size=2)
+    check_exactly_once(items, lens, keys, 4, batch_size=2, pad_keys=D.epoch_keys(url_one, 3, 0, True))
+
+
+# -- order -------------------------------------------------------------------------------------------
+
+
+def ordered(url, num_workers, *, epoch=0, seed=5, rank=0, world_size=2):
+    ds = D.key_dataset(url, shuffle=True, seed=seed, shuffle_buffer=6, batch_size=2, rank=rank,
+                       world_size=world_size)
+    ds.set_epoch(epoch)
+    return D.run(ds, num_workers)
+
+
+def test_same_seed_and_epoch_same_order(url):
+    assert ordered(url, 2) == ordered(url, 2)
+    assert ordered(url, 0, epoch=3) == ordered(url, 0, epoch=3)
+
+
+def test_other_epoch_or_seed_other_order(url):
+    base = ordered(url, 0)
+    for other in (ordered(url, 0, epoch=1), ordered(url, 0, seed=6)):
+        assert D.flat(other) != D.flat(base)
+    # the union over ranks is still the whole epoch in epoch 1
+    both = D.flat(ordered(url, 2, epoch=1, rank=0)) + D.flat(ordered(url, 0, epoch=1, rank=1))
+    assert len(set(both)) == N
+
+
+def test_shuffle_buffer_shuffles_within_a_rank(url):
+    """With a one-sample buffer only shards move; with a larger buffer samples move within a shard run."""
+    def seq(buffer):
+        ds = D.key_dataset(url, shuffle=True, seed=5, shuffle_buffer=buffer)
+        return D.flat(D.run(ds, 0))
+
+    no_buffer, buffered = seq(1), seq(21)
+    assert no_buffer == D.epoch_keys(url, 5, 0, True)  # shard order only, samples in file order
+    assert buffered != no_buffer and sorted(buffered) == sorted(no_buffer)
+
+
+def test_set_epoch_reaches_persistent_workers(url):
+    ds = D.key_dataset(url, shuffle=True, seed=9, shuffle_buffer=6, batch_size=2, rank=1, world_size=2)
+    dl = D.loader(ds, 2, persistent_workers=True)
+    try:
+        epochs = []
+        for epoch in (0, 1, 2):
+            ds.set_epoch(epoch)
+            epochs.append([D.freeze(b) for b in dl])
+    finally:
+        it = dl._iterator
+        if it is not None:
+            it._shutdown_workers()
+        del dl
+    assert epochs[0] != epochs[1] and epochs[1] != epochs[2] and epochs[0] != epochs[2]
+    for epoch in (0, 1, 2):
+        assert epochs[epoch] == ordered(url, 2, epoch=epoch, seed=9, rank=1), f"epoch {epoch}"
+        assert len(D.flat(epochs[epoch])) == D.ceil_div(N, 2)
+
+
+def test_len_follows_set_epoch_and_layout(url):
+    for world_size in (1, 2, 3, 4):
+        for batch_size in (None, 2, 5):
+            ds = D.key_dataset(url, rank=world_size - 1, world_size=world_size, batch_size=batch_size)
+            per_rank = D.ceil_div(N, world_size)
+            assert len(ds) == (per_rank if batch_size is None else D.ceil_div(per_rank, batch_size))
+
+
+# -- decoding ---------------------------------------------------------------------------------------
+
+
+def shut_down(it) -> None:
+    """Stop a DataLoader iterator's workers now. After an error, torch's re-raise leaves a
+    reference cycle holding the iterator; collected later, its shutdown waits 5 s per worker."""
+    if hasattr(it, "_shutdown_workers"):
+        it._shutdown_workers()
+    gc.collect()
+
+
+def png_bytes(w, h, seed):
+    rng = np.random.default_rng(seed)
+    out = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(out, format="PNG")
+    return out.getvalue()
+
+
+RICH = 5  # samples in the "rich" dataset
+
+
+def rich_sample(i: int) -> dict:
+    sample = {
+        "__key__": f"s{i:03d}",
+        "cls": i % 3,
+        "txt": f"caption {i} \u00fc\u00df\u2713",
+        "json": {"id": i, "tags": ["a", "b"][: i % 3], "nested": {"x": i / 2}},
+        "msgpack": {"id": i, "blob": bytes([i]) * 3, "list": [1, 2, i]},
+        "npy": (np.arange(6, dtype=np.float32).reshape(2, 3) * i),
+        "seq.npy": np.arange(2 * (i % 4 + 1), dtype=np.int64).reshape(-1, 2) + 100 * i,
+    }
+    if i == 1:
+        sample["png"] = png_bytes(16, 12, i)
+    else:
+        sample["jpg"] = synthetic_jpeg(i, 16, 12)
+    return sample
+
+
+@pytest.fixture(scope="module")
+def rich(tmp_path_factory) -> str:
+    """Five samples with one field of every decoded type, written with ShardWriter (two shards)."""
+    dst = tmp_path_factory.mktemp("rich") / "ds"
+    with ShardWriter(str(dst), max_samples=3) as writer:
+        for i in range(RICH):
+            writer.write(rich_sample(i))
+    assert shardstream.open_dataset(str(dst)).counts().tolist() == [3, 2]
+    return str(dst)
+
+
+def expected_rgb(data: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+
+
+def test_decode_every_field_type_rgb8(rich):
+    got = list(StreamingDataset(rich, decode="rgb8"))
+    assert [s["__key__"] for s in got] == [f"s{i:03d}" for i in range(RICH)]
+    for i, s in enumerate(got):
+        want = rich_sample(i)
+        image = s["png"] if i == 1 else s["jpg"]
+        assert isinstance(image, torch.Tensor) and image.dtype == torch.uint8 and image.shape == (3, 12, 16)
+        assert image.is_contiguous()
+        raw = want["png"] if i == 1 else want["jpg"]
+        np.testing.assert_array_equal(image.numpy().transpose(1, 2, 0), expected_rgb(raw))
+        assert s["cls"] == i % 3 and type(s["cls"]) is int
+        assert s["txt"] == want["txt"] and isinstance(s["txt"], str)
+        assert s["json"] == want["json"] and isinstance(s["json"], dict)
+        assert s["msgpack"] == want["msgpack"]
+        assert isinstance(s["npy"], np.ndarray) and s["npy"].dtype == np.float32
+        np.testing.assert_array_equal(s["npy"], want["npy"])
+        np.testing.assert_array_equal(s["seq.npy"], want["seq.npy"])
+        assert s["__url__"].endswith((".tar.zst", ".tar"))
+
+
+def test_decode_pil_and_none(rich):
+    for i, s in enumerate(StreamingDataset(rich, decode="pil")):
+        image = s["png"] if i == 1 else s["jpg"]
+        assert isinstance(image, Image.Image) and image.mode == "RGB" and image.size == (16, 12)
+        raw = rich_sample(i)["png" if i == 1 else "jpg"]
+        np.testing.assert_array_equal(np.asarray(image), expected_rgb(raw))
+        assert s["cls"] == i % 3  # other fields decode whatever the image mode
+    for i, s in enumerate(StreamingDataset(rich, decode=None)):
+        raw = rich_sample(i)["png" if i == 1 else "jpg"]
+        assert s["png" if i == 1 else "jpg"] == raw
+        assert s["json"] == rich_sample(i)["json"]
+
+
+def test_decode_callable_and_transform_run_in_workers(rich):
+    ds = StreamingDataset(rich, decode=len, transform=lambda s: (s["__key__"], s.get("jpg", s.get("png")), os.getpid()))
+    got = D.loader(ds, 1)
+    got = list(got)
+    assert [g[0] for g in got] == [f"s{i:03d}" for i in range(RICH)]
+    assert [g[1] for g in got] == [len(rich_sample(i)["png" if i == 1 else "jpg"]) for i in range(RICH)]
+    assert {g[2] for g in got} != {os.getpid()}  # ran in the worker process
+
+
+@pytest.fixture(scope="module")
+def pickled(tmp_path_factory):
+    """A dataset whose `.pyd` field, if unpickled, creates a marker folder."""
+    root = tmp_path_factory.mktemp("pickled")
+    marker = root / "unpickled-marker"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.mkdir, (str(marker),))
+
+    dst = root / "ds"
+    with ShardWriter(str(dst)) as writer:
+        writer.write({"__key__": "p000", "cls": 1, "pyd": pickle.dumps(Payload())})
+    return str(dst), marker
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_pickle_refused_without_allow_pickle(pickled, num_workers):
+    url, marker = pickled
+    ds = StreamingDataset(url)
+    # try/except rather than pytest.raises: a held traceback would keep the iteration
+    # (and its prefetch threads) alive past the test
+    it = iter(D.loader(ds, num_workers))
+    try:
+        list(it)
+    except DecodeError as e:
+        message, key = str(e), e.key
+    else:
+        pytest.fail("a pickle field was decoded without allow_pickle")
+    finally:
+        shut_down(it)
+    assert "p000" in message and "pickle" in message
+    if num_workers == 0:
+        assert key == "p000"
+    assert not marker.exists(), "refusing must not unpickle"
+
+
+def test_pickle_decoded_with_allow_pickle(pickled):
+    url, marker = pickled
+    [sample] = list(StreamingDataset(url, allow_pickle=True))
+    assert marker.is_dir(), "allow_pickle=True unpickles the field"
+    assert sample["cls"] == 1
+    os.rmdir(marker)
+
+
+# -- fields, batching, collation -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gappy(tmp_path_factory) -> str:
+    """s000 has a jpg, s001 a png, s002 neither."""
+    dst = tmp_path_factory.mktemp("gappy") / "ds"
+    with ShardWriter(str(dst)) as writer:
+        writer.write({"__key__": "s000", "jpg": synthetic_jpeg(0, 16, 12), "cls": 0})
+        writer.write({"__key__": "s001", "png": png_bytes(8, 8, 1), "cls": 1})
+        writer.write({"__key__": "s002", "txt": "no image here", "cls": 2})
+    return str(dst)
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_fields_take_first_present_and_name_the_missing_key(gappy, num_workers):
+    ds = StreamingDataset(gappy, fields=("jpg;png", "cls"))
+    it = iter(D.loader(ds, num_workers))
+    first, second = next(it), next(it)
+    # the dataset yields tuples; DataLoader(batch_size=None)'s default_convert makes them lists
+    assert isinstance(first, (tuple, list)) and len(first) == 2
+    assert first[0].shape == (3, 12, 16) and first[1] == 0
+    assert second[0].shape == (3, 8, 8) and second[1] == 1
+    try:
+        next(it)
+    except MissingFieldError as e:
+        message, key = str(e), e.key
+    else:
+        pytest.fail("no MissingFieldError")
+    finally:
+        shut_down(it)
+    assert "s002" in message and "jpg;png" in message
+    if num_workers == 0:
+        assert key == "s002"
+
+
+def test_batch_size_with_default_collate_stacks(rich):
+    ds = StreamingDataset(rich, fields=("jpg;png", "cls", "npy", "__key__"), batch_size=2)
+    assert len(ds) == 3
+    batches = list(D.loader(ds, 2))
+    assert len(batches) == 3
+    images, labels, arrays, keys = zip(*batches)
+    assert [tuple(b.shape) for b in images] == [(2, 3, 12, 16), (2, 3, 12, 16), (1, 3, 12, 16)]
+    assert all(b.dtype == torch.uint8 for b in images)
+    assert torch.cat(labels).tolist() == [i % 3 for i in range(RICH)]
+    assert all(lab.dtype == torch.int64 for lab in labels)
+    np.testing.assert_array_equal(torch.cat(arrays).numpy(), np.stack([rich_sample(i)["npy"] for i in range(RICH)]))
+    assert [k for batch in keys for k in batch] == [f"s{i:03d}" for i in range(RICH)]
+    expected0 = np.stack([expected_rgb(rich_sample(0)["jpg"]), expected_rgb(rich_sample(1)["png"])])
+    np.testing.assert_array_equal(images[0].numpy().transpose(0, 2, 3, 1), expected0)
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_pad_collate_variable_length_sequences(rich, num_workers):
+    ds = StreamingDataset(rich, fields=("seq.npy", "cls"), batch_size=3, collate_fn=pad_collate)
+    batches = list(D.loader(ds, num_workers))
+    assert len(batches) == 2
+    i = 0
+    for padded, lengths, labels in batches:
+        assert padded.dim() == 3 and padded.shape[2] == 2 and padded.dtype == torch.int64
+        assert lengths.dtype == torch.int64
+        assert padded.shape[1] == int(lengths.max())
+        for row in range(len(lengths)):
+            want = rich_sample(i)["seq.npy"]
+            assert int(lengths[row]) == len(want)
+            np.testing.assert_array_equal(padded[row, : len(want)].numpy(), want)
+            assert (padded[row, len(want) :] == 0).all()
+            assert int(labels[row]) == i % 3
+            i += 1
+    assert i == RICH
+
+
+def test_pad_collate_direct():
+    seqs = [torch.arange(3.0), torch.arange(1.0), np.arange(4, dtype=np.float32)]
+    padded, lengths, labels = pad_collate([(s, lab, "ignored") for s, lab in zip(seqs, [2, 0, 1])], padding_value=-1)
+    assert padded.tolist() == [[0, 1, 2, -1], [0, -1, -1, -1], [0, 1, 2, 3]]
+    assert lengths.tolist() == [3, 1, 4] and labels.tolist() == [2, 0, 1]
+    with pytest.raises(ValueError):
+        pad_collate([])
+
+
+# -- sources other than a packed dataset -------------------------------------------------------------------
+
+
+def write_wds(src: Path, dst: Path, splits, compress=False) -> list[str]:
+    """Plain WebDataset tars (no index, no manifest) of the image folder, `splits` samples each."""
+    import webdataset as wds
+
+    files = sorted(src.rglob("*.jpg"))
+    assert sum(splits) == len(files)
+    dst.mkdir(parents=True)
+    urls, start = [], 0
+    for n, count in enumerate(splits):
+        url = str(dst / f"shard-{n:06d}.tar{'.gz' if compress else ''}")
+        with wds.TarWriter(url, compress=compress, encoder=False, mtime=0) as sink:
+            for path in files[start : start + count]:
+                key = path.relative_to(src).with_suffix("").as_posix()
+                sink.write({"__key__": key, "jpg": path.read_bytes(), "cls": path.parent.name[-1:].encode()})
+        urls.append(url)
+        start += count
+    return urls
+
+
+@pytest.fixture(scope="module")
+def wds_tars(src, tmp_path_factory) -> list[str]:
+    return write_wds(src, tmp_path_factory.mktemp("wds") / "plain", [5, 9, 7])
+
+
+@pytest.mark.parametrize(("world_size", "num_workers", "batch_size"),
+                         [(1, 0, None), (2, 2, 2), (3, 1, 3)])
+def test_brace_pattern_of_plain_webdataset_tars(wds_tars, keys, world_size, num_workers, batch_size):
+    folder = os.path.dirname(wds_tars[0])
+    assert not os.path.exists(os.path.join(folder, "manifest.msgpack"))
+    pattern = f"{folder}/shard-{{000000..000002}}.tar"
+    items, lens = read_ranks(pattern, world_size, num_workers, shuffle=True, seed=1, shuffle_buffer=4,
+                             batch_size=batch_size)
+    check_exactly_once(items, lens, keys, world_size, batch_size=batch_size)
+
+
+def test_list_of_shard_urls(wds_tars, keys):
+    items, lens = read_ranks(list(wds_tars), 2, 1, shuffle=True, seed=2, batch_size=2)
+    check_exactly_once(items, lens, keys, 2, batch_size=2)
+    # unshuffled: the list order, shard after shard
+    [only], _ = read_ranks(list(wds_tars), 1, 0)
+    files = sorted(Path(os.path.dirname(wds_tars[0])).glob("*.tar"))
+    assert len(files) == 3
+    assert D.flat(only) == sorted(keys)
+
+
+def test_webdataset_tars_decode(wds_tars):
+    sample = next(iter(StreamingDataset(wds_tars[0])))
+    assert sample["__key__"] == "class_000/img_00000"
+    assert sample["jpg"].dtype == torch.uint8 and sample["jpg"].shape[0] == 3
+    assert sample["cls"] == 0
+
+
+def test_gzipped_webdataset_tars(src, keys, tmp_path):
+    urls = write_wds(src, tmp_path / "gz", [8, 13], compress=True)
+    assert all(u.endswith(".tar.gz") for u in urls)
+    items, lens = read_ranks(urls, 3, 1, shuffle=True, seed=6, shuffle_buffer=3, batch_size=2)
+    check_exactly_once(items, lens, keys, 3, batch_size=2)
+
+
+def test_manifest_and_plain_sources_agree_on_the_unshuffled_stream(url, src, wds_tars):
+    """The same samples through different sources: every sample's bytes arrive intact."""
+    by_key = {p.relative_to(src).with_suffix("").as_posix(): p.read_bytes() for p in src.rglob("*.jpg")}
+    for source in (url, list(wds_tars)):
+        got = {s["__key__"]: s["jpg"] for s in StreamingDataset(source, decode=None)}
+        assert got == by_key
+
+
+# -- the dataset is a value ---------------------------------------------------------------------------------
+
+
+def test_constructing_reads_nothing(tmp_path):
+    ds = StreamingDataset(str(tmp_path / "does-not-exist-yet"), shuffle=True)
+    assert ds.epoch == 0
+    with pytest.raises(shardstream.ShardstreamError):
+        len(ds)
+
+
+def test_dataset_pickles_and_deep_copies(url):
+    import copy
+
+    ds = D.key_dataset(url, shuffle=True, seed=3, batch_size=2)
+    ds.set_epoch(4)
+    for clone in (pickle.loads(pickle.dumps(ds)), copy.deepcopy(ds)):
+        assert clone.epoch == 4
+        assert D.run(clone, 0) == D.run(ds, 0)

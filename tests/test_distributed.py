@@ -1,0 +1,272 @@
+"""Real torch.distributed: two processes on the gloo backend read one epoch each through a
+DataLoader worker, with rank and world size taken from torch.distributed (no explicit
+arguments, no RANK/WORLD_SIZE in the environment), gather what they read, checkpoint
+mid-epoch and resume. The resume is then continued in this process with 2 and 3 ranks
+given explicitly.
+
+This file is also the rank program: ``python test_distributed.py --rank R ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+try:  # tests/ may or may not be a package; run as a script it is not
+    from . import _data as D
+except ImportError:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import _data as D
+
+N = D.N
+SEED = 21
+K = 3  # batches each rank takes before the checkpoint
+OPTS = dict(shuffle=True, seed=SEED, shuffle_buffer=4, batch_size=2)
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+
+
+# -- the rank program ------------------------------------------------------------------------------------------
+
+
+def rank_main(rank: int, world_size: int, port: int, url: str, out: str) -> None:
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+
+    from shardstream.world import World
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        os.environ.pop(name, None)  # the rank must come from torch.distributed itself
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=90))
+
+    def gather(value):
+        values = [None] * world_size
+        dist.all_gather_object(values, value)
+        return values
+
+    def run(ds, **kwargs):
+        return [list(batch) for batch in DataLoader(ds, batch_size=None, num_workers=1, **kwargs)]
+
+    result = {"detected": gather(list(map(int, [World.detect().rank, World.detect().size])))}
+
+    # 1. a whole epoch through one DataLoader worker
+    ds = D.key_dataset(url, **OPTS)
+    length = len(ds)
+    batches = run(ds)
+    result["epoch"] = gather(batches)
+    result["len"] = gather(length)
+    result["batches"] = gather(len(batches))
+
+    # 2. the same epoch interrupted after K batches, checkpointed, resumed with 2 ranks
+    ds = D.key_dataset(url, **OPTS)
+    it = iter(DataLoader(ds, batch_size=None, num_workers=1))
+    got = [list(next(it)) for _ in range(K)]
+    it._shutdown_workers()
+    del it
+    state = ds.state_dict(delivered=K, num_workers=1)
+    result["consumed"] = gather(got)
+    result["state"] = gather(state)
+    resumed = D.key_dataset(url, **OPTS)
+    resumed.load_state_dict(state)
+    result["resumed_len"] = gather(len(resumed))
+    result["rest"] = gather(run(resumed))
+
+    # 3. the epoch again, with workers started by "spawn" (the default on macOS; forkserver
+    #    on Linux from Python 3.14): such a worker does not inherit the process group
+    try:
+        spawned = run(D.key_dataset(url, **OPTS), multiprocessing_context="spawn")
+    except Exception as e:  # reported by the test, not a crash of the whole job
+        spawned = f"{type(e).__name__}: {e}"
+    result["spawn"] = gather(spawned)
+
+    dist.barrier()
+    if rank == 0:
+        Path(out).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+# -- launching ranks ---------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(world_size: int, url: str, out: Path, timeout: float = 240) -> dict:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONWARNINGS"] = "ignore"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--rank", str(r), "--world-size", str(world_size), "--port", str(port),
+             "--url", url, "--out", str(out)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for r in range(world_size)
+    ]
+    deadline = time.monotonic() + timeout
+    logs = []
+    try:
+        for p in procs:
+            output, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            logs.append(output)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    codes = [p.returncode for p in procs]
+    assert codes == [0] * world_size, "\n".join(f"--- rank {r} (exit {c}):\n{log[-3000:]}"
+                                                 for r, (c, log) in enumerate(zip(codes, logs)))
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    return D.make_source(tmp_path_factory.mktemp("dtimages") / "src")
+
+
+@pytest.fixture(scope="module")
+def url(src, tmp_path_factory) -> str:
+    return D.pack_to(src, tmp_path_factory.mktemp("dtpacked") / "many", D.MANY_SHARDS)
+
+
+@pytest.fixture(scope="module")
+def keys(src) -> set[str]:
+    return D.all_keys(src)
+
+
+@pytest.fixture(scope="module")
+def gloo(url, tmp_path_factory) -> dict:
+    """One real 2-rank gloo job (see rank_main); its gathered results."""
+    return launch(2, url, tmp_path_factory.mktemp("gloo") / "result.json")
+
+
+def check_ranks(batches_by_rank, keys, url, world_size, lens=None):
+    """Disjoint (but for declared padding), complete, equal counts."""
+    per_rank = D.ceil_div(N, world_size)
+    samples = [D.flat(b) for b in batches_by_rank]
+    assert [len(s) for s in samples] == [per_rank] * world_size
+    assert len({len(b) for b in batches_by_rank}) == 1, "equal batch counts: DDP cannot hang"
+    if lens is not None:
+        assert lens == [len(b) for b in batches_by_rank]
+    counts = D.counts(k for s in samples for k in s)
+    assert set(counts) == keys
+    pad = per_rank * world_size - N
+    assert sum(c - 1 for c in counts.values()) == pad
+    assert {k for k, c in counts.items() if c > 1} == set(D.epoch_keys(url, SEED, 0, True)[:pad])
+
+
+# -- tests -------------------------------------------------------------------------------------------------------
+
+
+def test_rank_and_world_come_from_torch_distributed(gloo):
+    assert gloo["detected"] == [[0, 2], [1, 2]]
+
+
+def test_gloo_epoch_is_disjoint_complete_and_equal(gloo, keys, url):
+    check_ranks(gloo["epoch"], keys, url, 2, lens=gloo["len"])
+    assert gloo["batches"] == [D.ceil_div(D.ceil_div(N, 2), 2)] * 2
+    # what a rank reads under torch.distributed is what explicit rank arguments give
+    for rank in range(2):
+        explicit = D.run(D.key_dataset(url, rank=rank, world_size=2, **OPTS), 1)
+        assert [tuple(b) for b in gloo["epoch"][rank]] == explicit
+
+
+def test_gloo_checkpoint_resumed_as_two_ranks(gloo, keys, url):
+    assert gloo["state"][0] == gloo["state"][1], "ranks in lockstep share one state"
+    assert gloo["resumed_len"] == [len(gloo["epoch"][0]) - K] * 2
+    for rank in range(2):
+        assert gloo["consumed"][rank] + gloo["rest"][rank] == gloo["epoch"][rank], "exact resume"
+    # the same state resumed with explicit ranks in this process, without workers
+    for rank in range(2):
+        ds = D.key_dataset(url, rank=rank, world_size=2, **OPTS)
+        ds.load_state_dict(gloo["state"][0])
+        assert [list(b) for b in ds] == gloo["rest"][rank]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_gloo_checkpoint_resumed_as_three_ranks(gloo, keys, url, num_workers):
+    consumed = D.flat(gloo["consumed"][0] + gloo["consumed"][1])
+    rest, lens = [], []
+    for rank in range(3):
+        ds = D.key_dataset(url, rank=rank, world_size=3, **OPTS)
+        ds.load_state_dict(gloo["state"][0])
+        lens.append(len(ds))
+        rest.append(D.run(ds, num_workers))
+    remaining = N - len(set(consumed))
+    per_rank = D.ceil_div(remaining, 3)
+    samples = [D.flat(r) for r in rest]
+    assert [len(s) for s in samples] == [per_rank] * 3
+    assert len({len(r) for r in rest}) == 1 and lens == [len(r) for r in rest]
+    flat_rest = [k for s in samples for k in s]
+    assert not set(consumed) & set(flat_rest)
+    assert set(consumed) | set(flat_rest) == keys
+    assert len(flat_rest) - len(set(flat_rest)) == per_rank * 3 - remaining
+
+
+def test_gloo_epoch_with_spawned_workers(gloo, keys, url):
+    errors = [r for r in gloo["spawn"] if isinstance(r, str)]
+    assert not errors, errors
+    check_ranks(gloo["spawn"], keys, url, 2)
+
+
+def test_torchrun_environment(url, keys, monkeypatch):
+    """Without a process group, RANK/WORLD_SIZE (as torchrun sets them) decide, in workers too."""
+    by_rank = []
+    for rank in range(3):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "3")
+        ds = D.key_dataset(url, **OPTS)
+        lens = len(ds)
+        items = D.run(ds, 1)
+        assert lens == len(items)
+        assert items == D.run(D.key_dataset(url, rank=rank, world_size=3, **OPTS), 0)
+        by_rank.append(items)
+    check_ranks(by_rank, keys, url, 3)
+
+
+def test_explicit_arguments_override_the_environment(url, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    overridden = D.run(D.key_dataset(url, rank=1, world_size=2, **OPTS), 1)
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    assert overridden == D.run(D.key_dataset(url, rank=1, world_size=2, **OPTS), 0)
+    assert len(D.flat(overridden)) == D.ceil_div(N, 2)
+
+
+def test_an_explicit_rank_alone_is_not_silently_ignored(url, monkeypatch):
+    from shardstream import ShardstreamError
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    try:
+        got = D.run(D.key_dataset(url, rank=1, **OPTS), 0)
+    except (ValueError, ShardstreamError):
+        return  # refusing a half-given override is fine
+    assert got == D.run(D.key_dataset(url, rank=1, world_size=2, **OPTS), 0)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    rank_main(args.rank, args.world_size, args.port, args.url, args.out)

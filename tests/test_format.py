@@ -1,0 +1,705 @@
+"""The shard format: round trips, random access, manifest and index, ShardWriter, zstd layout."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import struct
+import tarfile
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import zstandard
+
+import shardstream
+from shardstream import ShardWriter, open_dataset, open_shard
+from shardstream.decode import Decoder
+from shardstream.errors import CorruptIndexError, ManifestError, ShardstreamError
+from shardstream.format import MANIFEST_NAME, Manifest, ShardIndex, ShardInfo
+
+SKIPPABLE_MAGIC = 0x184D2A5E
+SEEKABLE_MAGIC = 0x8F92EAB1
+EOA = 1024  # the end-of-archive blocks every shard's tar stream ends with
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def class_dirs(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.is_dir())
+
+
+def images(root: Path) -> dict[str, bytes]:
+    """Source images by expected sample key (relative path without extension)."""
+    return {p.relative_to(root).with_suffix("").as_posix(): p.read_bytes() for p in sorted(root.rglob("*.jpg"))}
+
+
+def write_samples(dst, samples, **kwargs) -> Manifest:
+    with ShardWriter(str(dst), **kwargs) as writer:
+        for sample in samples:
+            writer.write(sample)
+    return open_dataset(str(dst)).manifest
+
+
+def blob_samples(n: int, seed: int = 0, lo: int = 50, hi: int = 3000) -> list[dict]:
+    """`n` samples with one binary field of random size and random content, plus a label."""
+    rng = np.random.default_rng(seed)
+    return [
+        {"__key__": f"s{i:04d}", "bin": rng.bytes(int(rng.integers(lo, hi))), "cls": i % 3}
+        for i in range(n)
+    ]
+
+
+def parse_seek_table(data: bytes) -> tuple[list[tuple[int, int]], int]:
+    """((compressed, decompressed) per frame, size of the table) of a zstd seekable file."""
+    frames, descriptor, magic = struct.unpack("<IBI", data[-9:])
+    assert magic == SEEKABLE_MAGIC
+    assert descriptor & 0x7C == 0, "reserved descriptor bits must be zero"
+    entry = 12 if descriptor & 0x80 else 8
+    table = 8 + frames * entry + 9
+    skip_magic, skip_size = struct.unpack("<II", data[-table : -table + 8])
+    assert skip_magic == SKIPPABLE_MAGIC
+    assert skip_size == table - 8
+    body = data[-table + 8 : -9]
+    sizes = [struct.unpack("<II", body[i : i + 8]) for i in range(0, len(body), entry)]
+    return sizes, table
+
+
+# -- round trip of a packed image folder -------------------------------------------------------
+
+
+def test_round_trip_every_sample(packed, image_folder, read_all):
+    samples = read_all(packed)
+    expected = images(image_folder)
+    classes = class_dirs(image_folder)
+    by_key = {s["__key__"]: s for s in samples}
+
+    assert len(samples) == len(by_key) == len(expected) == 21
+    assert set(by_key) == set(expected)
+    for key, data in expected.items():
+        sample = by_key[key]
+        assert set(sample) == {"__key__", "__url__", "jpg", "cls"}
+        assert sample["jpg"] == data
+        assert int(sample["cls"]) == classes.index(key.split("/")[0])
+        assert sample["__url__"].endswith(".tar.zst")
+
+
+def test_manifest_counts_and_accounting(packed, image_folder, read_shards):
+    manifest = open_dataset(packed).manifest
+    classes = class_dirs(image_folder)
+    shards = read_shards(packed)
+
+    assert manifest.compression == "zstd"
+    assert manifest.classes == tuple(classes)
+    assert manifest.class_counts == (7, 7, 7)
+    counted = [0] * len(classes)
+    for s in (s for shard in shards for s in shard):
+        counted[int(s["cls"])] += 1
+    assert tuple(counted) == manifest.class_counts
+    assert len(manifest.shards) >= 2, "the fixture is meant to span several shards"
+    assert [len(shard) for shard in shards] == [s.samples for s in manifest.shards]
+    assert manifest.samples == sum(manifest.counts) == 21
+
+    files_in = [p for p in image_folder.rglob("*") if p.is_file()]
+    assert len(files_in) == manifest.samples + len(manifest.skipped) + manifest.ignored
+    assert manifest.skipped == () and manifest.ignored == 1
+
+
+def test_manifest_describes_the_files(packed):
+    manifest = open_dataset(packed).manifest
+    root = Path(packed)
+    names = [s.name for s in manifest.shards]
+    assert names == [f"shard-{i:06d}.tar.zst" for i in range(len(names))]
+    # Nothing but the dataset is left: no scratch folder, no stray parts.
+    assert sorted(os.listdir(root)) == sorted([MANIFEST_NAME, *names, *(s.index for s in manifest.shards)])
+    for info in manifest.shards:
+        data = (root / info.name).read_bytes()
+        index = (root / info.index).read_bytes()
+        assert info.index == info.name + ".idx"
+        assert info.bytes == len(data) and info.sha256 == sha256(data)
+        assert info.index_bytes == len(index) and info.index_sha256 == sha256(index)
+        raw = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data), read_across_frames=True).read()
+        assert info.raw_bytes == len(raw)
+        assert raw.endswith(bytes(EOA))
+        assert info.fields == ("cls", "jpg")
+        # Shards are cut at shard_size (uncompressed tar bytes, before end-of-archive).
+        assert info.raw_bytes - EOA <= 60_000
+
+
+# -- random access -----------------------------------------------------------------------------------
+
+
+def check_random_access(reader, n: int) -> None:
+    seq = list(reader)
+    assert len(seq) == n == len(reader)
+    for i in range(n):
+        assert reader[i] == seq[i]
+        assert reader[i - n] == seq[i]
+    ranges = {(0, 0), (0, n), (0, 1), (n - 1, n), (1, n - 1), (n // 2, n), (n // 3, 2 * n // 3), (n, n)}
+    for a, b in sorted(ranges):
+        assert list(reader.read(a, b)) == seq[a:b], (a, b)
+    for a, b in [(-1, 2), (2, 1), (0, n + 1)]:
+        with pytest.raises(IndexError):
+            list(reader.read(a, b))
+    for i in (n, -n - 1):
+        with pytest.raises(IndexError):
+            reader[i]
+
+
+def test_random_access_packed(packed):
+    source = open_dataset(packed)
+    for ref in source.shards:
+        check_random_access(ref.reader(), ref.info.samples)
+        # A fresh reader (index not yet loaded) answers the same for one sample.
+        assert ref.reader()[ref.info.samples - 1] == list(ref.reader())[-1]
+
+
+@pytest.mark.parametrize("compression", ["zstd", "none"])
+def test_random_access_every_range_across_frames(tmp_path, compression):
+    samples = blob_samples(13)
+    write_samples(tmp_path / "ds", samples, compression=compression, frame_size=4000)
+    ref = open_dataset(str(tmp_path / "ds")).shards[0]
+    reader = ref.reader()
+    if compression == "zstd":
+        assert len(reader.index.frame_offsets) > 4, "the test needs several frames in the shard"
+    n = len(samples)
+    seq = list(reader)
+    assert [s["__key__"] for s in seq] == [s["__key__"] for s in samples]
+    assert [s["bin"] for s in seq] == [s["bin"] for s in samples]
+    for a in range(n + 1):
+        for b in range(a, n + 1):
+            assert list(reader.read(a, b)) == seq[a:b], (a, b)
+    check_random_access(ref.reader(), n)
+
+
+# -- manifest and index (de)serialisation ------------------------------------------------------------
+
+
+def test_manifest_round_trip(packed):
+    data = (Path(packed) / MANIFEST_NAME).read_bytes()
+    manifest = Manifest.from_bytes(data, "m")
+    assert Manifest.from_bytes(manifest.to_bytes(), "m") == manifest
+    assert manifest.to_bytes() == data
+
+
+def test_manifest_round_trip_constructed():
+    info = ShardInfo("a-000000.tar.zst", 3, 100, 4096, "0" * 64, "a-000000.tar.zst.idx", 40, "1" * 64, ("cls", "jpg"))
+    manifest = Manifest(
+        shards=(info, info.__class__(**{**info.__dict__, "name": "a-000001.tar.zst", "samples": 2})),
+        compression="zstd",
+        classes=("cat", "dog"),
+        class_counts=(4, 1),
+        skipped=(("cat/bad.jpg", "not a readable image"), ("dog/x.jpg", "unreadable")),
+        ignored=7,
+        options={"shard_size": 10, "nested": {"a": [1, 2]}},
+    )
+    back = Manifest.from_bytes(manifest.to_bytes(), "m")
+    assert back == manifest
+    assert back.samples == 5 and list(back.counts) == [3, 2]
+
+
+def test_index_round_trip(packed):
+    for info in open_dataset(packed).manifest.shards:
+        data = (Path(packed) / info.index).read_bytes()
+        index = ShardIndex.from_bytes(data, "i")
+        assert len(index) == info.samples
+        back = ShardIndex.from_bytes(index.to_bytes(), "i")
+        assert back.keys == index.keys and back.compression == index.compression == "zstd"
+        for name in ("sample_offsets", "frame_offsets", "frame_raw_offsets"):
+            assert np.array_equal(getattr(back, name), getattr(index, name))
+        assert index.to_bytes() == data
+        assert index.sample_offsets[0] == 0 and index.sample_offsets[-1] == info.raw_bytes - EOA
+
+
+@pytest.fixture(scope="module")
+def manifest_raw(packed) -> dict:
+    return msgpack.unpackb((Path(packed) / MANIFEST_NAME).read_bytes(), raw=False)
+
+
+@pytest.fixture(scope="module")
+def index_raw(packed) -> dict:
+    info = open_dataset(packed).manifest.shards[0]
+    return msgpack.unpackb((Path(packed) / info.index).read_bytes(), raw=False)
+
+
+def _pack(raw) -> bytes:
+    return msgpack.packb(raw, use_bin_type=True)
+
+
+def _edit(raw: dict, path: tuple, value) -> dict:
+    raw = msgpack.unpackb(_pack(raw), raw=False)  # a deep copy
+    target = raw
+    for part in path[:-1]:
+        target = target[part]
+    if value is _DELETE:
+        del target[path[-1]]
+    else:
+        target[path[-1]] = value
+    return raw
+
+
+_DELETE = object()
+
+BAD_MANIFESTS = {
+    "version is a string": (("version",), "1"),
+    "version is a bool": (("version",), True),
+    "newer version": (("version",), 2),
+    "not a shardstream manifest": (("format",), "webdataset"),
+    "format missing": (("format",), _DELETE),
+    "unknown compression": (("compression",), "lz4"),
+    "shards not a list": (("shards",), {"a": 1}),
+    "shard entry not a map": (("shards", 0), "shard-000000.tar.zst"),
+    "shard samples is a string": (("shards", 0, "samples"), "9"),
+    "shard samples negative": (("shards", 0, "samples"), -1),
+    "shard bytes is a float": (("shards", 0, "bytes"), 1.5),
+    "shard sha256 missing": (("shards", 0, "sha256"), _DELETE),
+    "shard name with slash": (("shards", 0, "name"), "sub/shard-000000.tar.zst"),
+    "shard name absolute": (("shards", 0, "name"), "/etc/passwd"),
+    "shard name parent": (("shards", 0, "name"), ".."),
+    "shard name climbs": (("shards", 0, "name"), "../shard-000000.tar.zst"),
+    "shard name backslash": (("shards", 0, "name"), "..\\shard-000000.tar.zst"),
+    "shard name empty": (("shards", 0, "name"), ""),
+    "index name climbs": (("shards", 0, "index"), "../x.idx"),
+    "samples total disagrees": (("samples",), 22),
+    "classes not a list": (("classes",), "class_000"),
+    "class_counts wrong length": (("class_counts",), [7, 7]),
+    "skipped not a list": (("skipped",), {}),
+    "ignored is a string": (("ignored",), "1"),
+    "options not a map": (("options",), [1]),
+    "writer missing": (("writer",), _DELETE),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_MANIFESTS))
+def test_manifest_rejects_damage(manifest_raw, case):
+    path, value = BAD_MANIFESTS[case]
+    with pytest.raises(ManifestError):
+        Manifest.from_bytes(_pack(_edit(manifest_raw, path, value)), "m")
+
+
+@pytest.mark.parametrize(
+    "path,value",
+    [
+        pytest.param(("skipped",), ["class_000/a.jpg"], id="skipped entry not a map"),
+        pytest.param(("skipped",), [{"file": "class_000/a.jpg"}], id="skipped entry without reason"),
+    ],
+)
+def test_manifest_rejects_bad_skipped_entries(manifest_raw, path, value):
+    with pytest.raises(ManifestError):
+        Manifest.from_bytes(_pack(_edit(manifest_raw, path, value)), "m")
+
+
+def test_manifest_rejects_class_counts_of_wrong_type(manifest_raw):
+    with pytest.raises(ManifestError):
+        Manifest.from_bytes(_pack(_edit(manifest_raw, ("class_counts",), ["7", "7", "7"])), "m")
+
+
+def test_manifest_rejects_garbage(packed):
+    data = (Path(packed) / MANIFEST_NAME).read_bytes()
+    for cut in (0, 1, 10, len(data) // 2, len(data) - 1):
+        with pytest.raises(ManifestError):
+            Manifest.from_bytes(data[:cut], "m")
+    for bad in (data + b"\x00", b"\xc1", _pack([1, 2, 3]), _pack("shardstream"), b"PK\x03\x04" + data):
+        with pytest.raises(ManifestError):
+            Manifest.from_bytes(bad, "m")
+
+
+def test_manifest_error_names_the_file(tmp_path, packed):
+    copy = tmp_path / "ds"
+    copy.mkdir()
+    data = (Path(packed) / MANIFEST_NAME).read_bytes()
+    (copy / MANIFEST_NAME).write_bytes(data[: len(data) // 2])
+    with pytest.raises(ManifestError, match=MANIFEST_NAME):
+        open_dataset(str(copy))
+    with pytest.raises(ManifestError):
+        open_dataset(str(tmp_path / "nothing-here"))
+
+
+BAD_INDEXES = {
+    "newer version": (("version",), 2),
+    "not an index": (("format",), "shardstream"),
+    "keys missing": (("keys",), _DELETE),
+    "keys not a list": (("keys",), "abc"),
+    "keys not strings": (("keys", 0), 5),
+    "offsets not bytes": (("sample_offsets",), [0, 1, 2]),
+    "offsets not a multiple of 8": (("sample_offsets",), b"\x00" * 7),
+    "one offset too few": (("sample_offsets",), b"\x00" * 8),
+    "offsets decreasing": (("sample_offsets",), None),  # filled in below
+    "frame tables missing": (("frame_offsets",), b""),
+    "compression missing": (("compression",), _DELETE),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INDEXES))
+def test_index_rejects_damage(index_raw, case):
+    path, value = BAD_INDEXES[case]
+    if case == "offsets decreasing":
+        offsets = np.frombuffer(index_raw["sample_offsets"], "<u8")[::-1]
+        value = offsets.tobytes()
+    with pytest.raises(CorruptIndexError):
+        ShardIndex.from_bytes(_pack(_edit(index_raw, path, value)), "i")
+
+
+def test_index_rejects_unknown_compression(index_raw):
+    with pytest.raises(CorruptIndexError):
+        ShardIndex.from_bytes(_pack(_edit(index_raw, ("compression",), "lz4")), "i")
+
+
+def test_index_rejects_garbage(packed):
+    info = open_dataset(packed).manifest.shards[0]
+    data = (Path(packed) / info.index).read_bytes()
+    for cut in (0, 1, 10, len(data) // 2, len(data) - 1):
+        with pytest.raises(CorruptIndexError):
+            ShardIndex.from_bytes(data[:cut], "i")
+    with pytest.raises(CorruptIndexError):
+        ShardIndex.from_bytes(_pack({"format": "shardstream-index"}), "i")
+
+
+def test_tampered_index_is_caught_by_its_checksum(tmp_path, packed):
+    copy = tmp_path / "ds"
+    shutil.copytree(packed, copy)
+    info = open_dataset(str(copy)).manifest.shards[0]
+    index = ShardIndex.from_bytes((copy / info.index).read_bytes(), "i")
+    # A well-formed index that disagrees with the manifest: swap two keys.
+    keys = list(index.keys)
+    keys[0], keys[1] = keys[1], keys[0]
+    (copy / info.index).write_bytes(ShardIndex(tuple(keys), index.sample_offsets, index.frame_offsets,
+                                               index.frame_raw_offsets, index.compression).to_bytes())
+    with pytest.raises(CorruptIndexError, match="checksum"):
+        list(open_dataset(str(copy)).shards[0].reader())
+    # Without the manifest the index is trusted, and the shard contradicts it.
+    with pytest.raises(CorruptIndexError):
+        list(open_shard(str(copy / info.name)))
+
+
+DAMAGE = {
+    "byte flipped mid-file": lambda d: d[: len(d) // 2] + bytes([d[len(d) // 2] ^ 0xFF]) + d[len(d) // 2 + 1 :],
+    "bit flipped in the first header": lambda d: d[:3] + bytes([d[3] ^ 0x01]) + d[4:],
+    "truncated": lambda d: d[: len(d) // 2],
+    "first 2 KB zeroed": lambda d: bytes(2048) + d[2048:],
+}
+
+
+@pytest.mark.parametrize(
+    "dataset,damage",
+    # Image bytes of an uncompressed shard carry no checksum the reader checks (verify does: see test_cli).
+    [(d, k) for d in ("packed", "packed_plain") for k in sorted(DAMAGE)
+     if (d, k) != ("packed_plain", "byte flipped mid-file")],
+)
+def test_damaged_shard_raises_corrupt_shard(request, tmp_path, dataset, damage):
+    copy = tmp_path / "ds"
+    shutil.copytree(request.getfixturevalue(dataset), copy)
+    name = open_dataset(str(copy)).manifest.shards[0].name
+    path = copy / name
+    path.write_bytes(DAMAGE[damage](path.read_bytes()))
+    with pytest.raises((shardstream.CorruptShardError, CorruptIndexError), match=name):
+        list(open_dataset(str(copy)).shards[0].reader())
+
+
+# -- ShardWriter -------------------------------------------------------------------------------------------
+
+
+def test_writer_every_field_type(tmp_path, image_folder):
+    jpg = sorted(image_folder.rglob("*.jpg"))[0].read_bytes()
+    array = np.arange(24, dtype=np.float32).reshape(2, 3, 4) / 7
+    samples = [
+        {
+            "__key__": f"item{i}",
+            "jpg": jpg,
+            "cls": i,
+            "txt": f"caption {i}: héllo ✓",
+            "json": {"i": i, "tags": ["a", "b"], "nested": {"x": 1.5, "none": None}},
+            "msgpack": {"i": i, "blob": b"\x00\xff", "list": [1, 2, 3]},
+            "npy": array * i,
+            "raw.bin": bytes(range(i + 1)),
+        }
+        for i in range(3)
+    ]
+    manifest = write_samples(tmp_path / "ds", samples, classes=("a", "b", "c"))
+    assert manifest.classes == ("a", "b", "c") and manifest.class_counts == (1, 1, 1)
+    assert manifest.shards[0].fields == ("cls", "jpg", "json", "msgpack", "npy", "raw.bin", "txt")
+
+    decode = Decoder(images=None)
+    reader = open_dataset(str(tmp_path / "ds")).shards[0].reader()
+    got = [decode(s) for s in reader]
+    assert len(got) == 3
+    for i, sample in enumerate(got):
+        assert sample["__key__"] == f"item{i}"
+        assert sample["jpg"] == jpg
+        assert sample["cls"] == i and isinstance(sample["cls"], int)
+        assert sample["txt"] == f"caption {i}: héllo ✓"
+        assert sample["json"] == samples[i]["json"]
+        assert sample["msgpack"] == samples[i]["msgpack"]
+        assert sample["npy"].dtype == np.float32 and sample["npy"].shape == (2, 3, 4)
+        assert np.array_equal(sample["npy"], array * i)
+        assert sample["raw.bin"] == bytes(range(i + 1))
+    # Undecoded, the bytes are the documented encodings.
+    raw = reader[1]
+    assert raw["cls"] == b"1"
+    assert json.loads(raw["json"]) == samples[1]["json"]
+
+
+def test_writer_default_classes_from_cls(tmp_path):
+    manifest = write_samples(tmp_path / "ds", [{"__key__": f"k{i}", "cls": c} for i, c in enumerate([2, 0, 2, 2])])
+    assert manifest.classes == ("0", "1", "2")
+    assert manifest.class_counts == (1, 0, 3)
+
+
+def test_writer_refuses_non_integer_cls_bytes(tmp_path):
+    writer = ShardWriter(str(tmp_path / "ds"))
+    with pytest.raises(ShardstreamError):
+        writer.write({"__key__": "a", "cls": b"cat"})
+    writer.write({"__key__": "b", "cls": 1})
+    writer.close()
+    assert [s["__key__"] for s in open_dataset(str(tmp_path / "ds")).shards[0].reader()] == ["b"]
+
+
+def test_writer_class_counts_account_for_every_label(tmp_path):
+    """Every sample with a `cls` is either refused or counted in class_counts."""
+    writer = ShardWriter(str(tmp_path / "ds"))
+    for i, label in enumerate([0, 1, 1, 2]):
+        writer.write({"__key__": f"k{i}", "cls": label})
+    try:
+        writer.write({"__key__": "negative", "cls": -1})
+    except ShardstreamError:
+        pass
+    manifest = writer.close()
+    written = [s for s in open_dataset(str(tmp_path / "ds")).shards[0].reader() if "cls" in s]
+    assert sum(manifest.class_counts) == len(written)
+
+
+def test_writer_label_outside_named_classes(tmp_path):
+    """A label outside `classes` is refused, or the dataset written is still readable."""
+    writer = ShardWriter(str(tmp_path / "ds"), classes=("a", "b"))
+    writer.write({"__key__": "k0", "cls": 1})
+    try:
+        writer.write({"__key__": "k1", "cls": 4})
+    except ShardstreamError:
+        pass
+    writer.close()
+    manifest = open_dataset(str(tmp_path / "ds")).manifest
+    assert len(manifest.classes) == len(manifest.class_counts)
+
+
+def test_writer_max_samples(tmp_path):
+    samples = blob_samples(10, lo=10, hi=200)
+    manifest = write_samples(tmp_path / "ds", samples, max_samples=4)
+    assert [s.samples for s in manifest.shards] == [4, 4, 2]
+    assert [s.name for s in manifest.shards] == [f"shard-{i:06d}.tar.zst" for i in range(3)]
+    keys = [s["__key__"] for shard in open_dataset(str(tmp_path / "ds")).shards for s in shard.reader()]
+    assert keys == [s["__key__"] for s in samples]
+
+
+@pytest.mark.parametrize("shard_size", [5000, "5KB", "5 kb"])
+def test_writer_shard_size(tmp_path, shard_size):
+    # Each sample is one member: 512 header + 1024 data = 1536 tar bytes; 3 fit in 5000, 4 do not.
+    samples = [{"__key__": f"k{i:02d}", "bin": bytes([i]) * 1000} for i in range(10)]
+    manifest = write_samples(tmp_path / "ds", samples, shard_size=shard_size, compression="none")
+    assert [s.samples for s in manifest.shards] == [3, 3, 3, 1]
+    for info in manifest.shards:
+        assert info.raw_bytes - EOA <= 5000
+        assert info.bytes == info.raw_bytes == (tmp_path / "ds" / info.name).stat().st_size
+    got = [s["bin"] for ref in open_dataset(str(tmp_path / "ds")).shards for s in ref.reader()]
+    assert got == [s["bin"] for s in samples]
+
+
+def test_writer_oversized_sample_gets_its_own_shard(tmp_path):
+    samples = [{"__key__": "small0", "bin": b"a" * 100}, {"__key__": "big", "bin": b"b" * 20000},
+               {"__key__": "small1", "bin": b"c" * 100}]
+    manifest = write_samples(tmp_path / "ds", samples, shard_size=4096)
+    assert [s.samples for s in manifest.shards] == [1, 1, 1]
+    got = [s["bin"] for ref in open_dataset(str(tmp_path / "ds")).shards for s in ref.reader()]
+    assert got == [s["bin"] for s in samples]
+
+
+def test_writer_bad_size_and_options(tmp_path):
+    for kwargs in ({"shard_size": "lots"}, {"shard_size": "5XB"}, {"compression": "gzip"}, {"level": 0},
+                   {"level": 23}):
+        with pytest.raises(ShardstreamError):
+            ShardWriter(str(tmp_path / "ds"), **kwargs)
+
+
+def test_writer_duplicate_key(tmp_path):
+    writer = ShardWriter(str(tmp_path / "ds"))
+    writer.write({"__key__": "a", "txt": "first"})
+    with pytest.raises(ShardstreamError, match="duplicate"):
+        writer.write({"__key__": "a", "txt": "second"})
+    writer.write({"__key__": "b", "txt": "third"})
+    writer.close()
+    got = [(s["__key__"], s["txt"]) for s in open_dataset(str(tmp_path / "ds")).shards[0].reader()]
+    assert got == [("a", b"first"), ("b", b"third")]
+
+
+BAD_SAMPLES = {
+    "no key": {"txt": "x"},
+    "empty key": {"__key__": "", "txt": "x"},
+    "key not a string": {"__key__": 7, "txt": "x"},
+    "dot in key": {"__key__": "a.b", "txt": "x"},
+    "dot in last part": {"__key__": "dir/a.b", "txt": "x"},
+    "absolute key": {"__key__": "/etc/a", "txt": "x"},
+    "parent in key": {"__key__": "../a", "txt": "x"},
+    "parent inside key": {"__key__": "a/../../b", "txt": "x"},
+    "NUL in key": {"__key__": "a\0b", "txt": "x"},
+    "no fields": {"__key__": "a"},
+    "slash in field": {"__key__": "a", "x/txt": "x"},
+    "empty field": {"__key__": "a", "": b"x"},
+    "unencodable value": {"__key__": "a", "bin": object()},
+    "cls not an integer": {"__key__": "a", "cls": "cat"},
+    "json not serialisable": {"__key__": "a", "json": {"x": object()}},
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SAMPLES))
+def test_writer_refuses_bad_samples(tmp_path, case):
+    writer = ShardWriter(str(tmp_path / "ds"), compression="none")
+    with pytest.raises(ShardstreamError):
+        writer.write(BAD_SAMPLES[case])
+    # The writer stays usable, and the refused sample is not in the output.
+    writer.write({"__key__": "good", "txt": "ok"})
+    writer.close()
+    assert [s["__key__"] for s in open_dataset(str(tmp_path / "ds")).shards[0].reader()] == ["good"]
+
+
+def check_keys_round_trip(dst: Path, keys: list[str], compression: str) -> None:
+    write_samples(dst, [{"__key__": k, "txt": k} for k in keys], frame_size=600, compression=compression)
+    info = open_dataset(str(dst)).manifest.shards[0]
+    # The tar stream itself names the members so (tarfile agrees).
+    data = (dst / info.name).read_bytes()
+    if compression == "zstd":
+        data = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data), read_across_frames=True).read()
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        assert tar.getnames() == [f"{k}.txt" for k in keys]
+    reader = open_dataset(str(dst)).shards[0].reader()
+    assert [(s["__key__"], s["txt"].decode()) for s in reader] == [(k, k) for k in keys]
+    assert [reader[i]["__key__"] for i in range(len(keys))] == keys
+
+
+@pytest.mark.parametrize("compression", ["zstd", "none"])
+def test_writer_unusual_but_valid_keys(tmp_path, compression):
+    keys = [
+        "v1.2/x",  # dots in folder names are fine
+        "with space/a b",
+        "a" * 90,  # still fits the 100-byte ustar name field
+        "-dash/_under/#hash",
+    ]
+    check_keys_round_trip(tmp_path / "ds", keys, compression)
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        pytest.param("deep/" * 30 + "leaf", id="long path"),
+        pytest.param("x" * 120, id="long name"),
+        pytest.param("café/naïve", id="non-ASCII"),
+    ],
+)
+@pytest.mark.parametrize("compression", ["zstd", "none"])
+def test_writer_keys_that_need_a_pax_record(tmp_path, compression, key):
+    check_keys_round_trip(tmp_path / "ds", ["short", key, "after"], compression)
+
+
+def test_writer_after_close(tmp_path):
+    writer = ShardWriter(str(tmp_path / "ds"))
+    writer.write({"__key__": "a", "txt": "x"})
+    writer.close()
+    with pytest.raises(ShardstreamError):
+        writer.write({"__key__": "b", "txt": "x"})
+    with pytest.raises(ShardstreamError):
+        writer.close()
+
+
+def test_writer_empty_dataset(tmp_path):
+    with ShardWriter(str(tmp_path / "ds")):
+        pass
+    source = open_dataset(str(tmp_path / "ds"))
+    assert source.shards == () and source.manifest.samples == 0
+
+
+def test_writer_failure_leaves_no_manifest_and_no_partial_shard(tmp_path):
+    dst = tmp_path / "ds"
+    samples = blob_samples(8, lo=500, hi=600)
+    with pytest.raises(RuntimeError, match="boom"):
+        with ShardWriter(str(dst), max_samples=3, frame_size=1000) as writer:
+            for sample in samples:
+                writer.write(sample)
+            # Two shards are complete; the third has frames on disk under a temporary name.
+            assert [s.name for s in writer.shards] == ["shard-000000.tar.zst", "shard-000001.tar.zst"]
+            assert any(p.name.endswith(".part") for p in dst.rglob("*")), "expected a partial shard on disk"
+            raise RuntimeError("boom")
+
+    assert not (dst / MANIFEST_NAME).exists()
+    with pytest.raises(ManifestError):
+        open_dataset(str(dst))
+    assert not (dst / "shard-000002.tar.zst").exists()
+    assert not [p for p in dst.rglob("*") if p.name.endswith(".part")]
+    # What was published is complete.
+    for i in range(2):
+        reader = open_shard(str(dst / f"shard-{i:06d}.tar.zst"))
+        assert [s["bin"] for s in reader] == [s["bin"] for s in samples[3 * i : 3 * i + 3]]
+    with pytest.raises(ShardstreamError):
+        writer.write({"__key__": "late", "txt": "x"})
+
+
+# -- compression and on-disk layout ------------------------------------------------------------------------
+
+
+def test_uncompressed_shards_are_plain_tar(packed_plain, image_folder):
+    manifest = open_dataset(packed_plain).manifest
+    assert manifest.compression == "none"
+    expected = images(image_folder)
+    seen = {}
+    for info in manifest.shards:
+        assert info.name.endswith(".tar") and not info.name.endswith(".tar.zst")
+        path = Path(packed_plain) / info.name
+        assert info.bytes == info.raw_bytes == path.stat().st_size
+        assert info.bytes % 512 == 0
+        index = ShardIndex.from_bytes((Path(packed_plain) / info.index).read_bytes(), "i")
+        assert index.compression == "none" and len(index.frame_offsets) == 0
+        with tarfile.open(path) as tar:
+            for member in tar.getmembers():
+                assert member.isfile() and member.mtime == 0 and member.mode == 0o644
+                seen[member.name] = tar.extractfile(member).read()
+    assert {k: v for k, v in seen.items() if k.endswith(".jpg")} == {k + ".jpg": v for k, v in expected.items()}
+
+
+def test_pack_output_is_the_same_samples_in_both_compressions(packed, packed_plain, read_all):
+    strip = lambda s: {k: v for k, v in s.items() if k != "__url__"}  # noqa: E731
+    assert [strip(s) for s in read_all(packed)] == [strip(s) for s in read_all(packed_plain)]
+
+
+def check_seekable(path: Path, info: ShardInfo) -> int:
+    data = path.read_bytes()
+    sizes, table = parse_seek_table(data)
+    assert sum(c for c, _ in sizes) == len(data) - table
+    assert sum(d for _, d in sizes) == info.raw_bytes
+    # Each entry is one independent zstd frame, declaring its size, that decompresses alone.
+    index = ShardIndex.from_bytes((path.parent / info.index).read_bytes(), "i")
+    assert len(index.frame_offsets) == len(sizes)  # data frames + 1: the last starts the end-of-archive frame
+    dctx = zstandard.ZstdDecompressor()
+    pos = raw_pos = 0
+    for i, (c, d) in enumerate(sizes):
+        assert index.frame_offsets[i] == pos and index.frame_raw_offsets[i] == raw_pos
+        frame = data[pos : pos + c]
+        assert zstandard.frame_content_size(frame) == d
+        assert len(dctx.decompress(frame)) == d
+        pos, raw_pos = pos + c, raw_pos + d
+    # An ordinary decoder skips the table and sees the tar stream.
+    assert len(dctx.stream_reader(io.BytesIO(data), read_across_frames=True).read()) == info.raw_bytes
+    return len(sizes)
+
+
+def test_zstd_seek_table(packed):
+    for info in open_dataset(packed).manifest.shards:
+        assert check_seekable(Path(packed) / info.name, info) >= 2
+
+
+def test_zstd_seek_table_many_frames(tmp_path):
+    manifest = write_samples(tmp_path / "ds", blob_samples(20), frame_size=3000, level=1)
+    info = manifest.shards[0]
+    assert check_seekable(tmp_path / "ds" / info.name, info) > 5

@@ -1,0 +1,291 @@
+"""Interoperability: GNU tar, the zstd CLI and the `webdataset` package, in both directions."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import shutil
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from shardstream import ShardstreamError, open_dataset, open_shard
+from shardstream.reader import StreamTarReader
+from shardstream.source import resolve_source
+
+wds = pytest.importorskip("webdataset")
+
+needs_cli = pytest.mark.skipif(not (shutil.which("zstd") and shutil.which("tar")), reason="needs zstd and tar CLIs")
+
+
+def shard_paths(url: str) -> list[Path]:
+    return [Path(url) / s.name for s in open_dataset(url).manifest.shards]
+
+
+def our_samples(url: str) -> list[dict]:
+    return [s for ref in open_dataset(url).shards for s in ref.reader()]
+
+
+def fields_only(sample: dict) -> dict:
+    return {k: v for k, v in sample.items() if not k.startswith("__") or k == "__key__"}
+
+
+def source_samples(folder: Path) -> list[dict]:
+    """The image folder as samples, in sorted order (what other tools are given to write)."""
+    classes = sorted(p.name for p in folder.iterdir() if p.is_dir())
+    return [
+        {"__key__": p.relative_to(folder).with_suffix("").as_posix(), "jpg": p.read_bytes(),
+         "cls": classes.index(p.parent.name)}
+        for p in sorted(folder.rglob("*.jpg"))
+    ]
+
+
+def as_bytes(sample: dict) -> dict:
+    """A source sample as it reads back from a tar: every field as bytes."""
+    return {k: v if k == "__key__" or isinstance(v, bytes) else str(v).encode() for k, v in sample.items()}
+
+
+def read_front_to_back(reader) -> list[dict]:
+    return [fields_only(s) for s in reader]
+
+
+# -- GNU tar and the zstd CLI read our shards ----------------------------------------------------------
+
+
+@needs_cli
+def test_gnu_tar_extracts_zstd_shards(packed, image_folder, tmp_path):
+    out = tmp_path / "x"
+    out.mkdir()
+    for path in shard_paths(packed):
+        test = subprocess.run(["zstd", "-t", "-q", str(path)], capture_output=True)
+        assert test.returncode == 0, test.stderr
+        zstd = subprocess.Popen(["zstd", "-dc", str(path)], stdout=subprocess.PIPE)
+        tar = subprocess.run(["tar", "-x", "-C", str(out)], stdin=zstd.stdout, capture_output=True)
+        zstd.stdout.close()
+        assert zstd.wait() == 0
+        assert tar.returncode == 0 and tar.stderr == b"", tar.stderr
+    check_extracted(out, image_folder)
+
+
+@needs_cli
+def test_gnu_tar_extracts_plain_shards(packed_plain, image_folder, tmp_path):
+    out = tmp_path / "x"
+    out.mkdir()
+    for path in shard_paths(packed_plain):
+        tar = subprocess.run(["tar", "-x", "-f", str(path), "-C", str(out)], capture_output=True)
+        assert tar.returncode == 0 and tar.stderr == b"", tar.stderr
+    check_extracted(out, image_folder)
+
+
+def check_extracted(out: Path, image_folder: Path) -> None:
+    classes = sorted(p.name for p in image_folder.iterdir() if p.is_dir())
+    sources = sorted(p.relative_to(image_folder).as_posix() for p in image_folder.rglob("*.jpg"))
+    extracted = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    assert extracted == sorted(sources + [s[: -len(".jpg")] + ".cls" for s in sources])
+    for rel in sources:
+        assert (out / rel).read_bytes() == (image_folder / rel).read_bytes()
+        label = (out / rel).with_suffix(".cls").read_text()
+        assert int(label) == classes.index(rel.split("/")[0])
+
+
+# -- webdataset reads our shards --------------------------------------------------------------------------
+
+
+def test_webdataset_reads_plain_shards(packed_plain):
+    urls = [str(p) for p in shard_paths(packed_plain)]
+    theirs = [{k: s[k] for k in ("__key__", "jpg", "cls")} for s in wds.WebDataset(urls, shardshuffle=False)]
+    ours = [fields_only(s) for s in our_samples(packed_plain)]
+    assert len(theirs) == 21
+    assert theirs == ours
+
+
+@needs_cli
+def test_webdataset_reads_zstd_shards_through_a_pipe(packed):
+    urls = [f"pipe:zstd -dc < '{p}'" for p in shard_paths(packed)]
+    theirs = [{k: s[k] for k in ("__key__", "jpg", "cls")} for s in wds.WebDataset(urls, shardshuffle=False)]
+    ours = [fields_only(s) for s in our_samples(packed)]
+    assert len(theirs) == 21
+    assert theirs == ours
+
+
+def test_webdataset_tariterators_see_our_member_names(packed_plain):
+    from webdataset import tariterators
+
+    for path in shard_paths(packed_plain):
+        with open(path, "rb") as f:
+            names = [m["fname"] for m in tariterators.tar_file_iterator(f)]
+        expected = [f"{s['__key__']}.{field}" for s in open_shard(str(path)) for field in ("cls", "jpg")]
+        assert names == expected
+
+
+# -- we read shards written by others ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def wds_shards(image_folder, tmp_path) -> tuple[Path, list[dict]]:
+    """image_folder written by webdataset.ShardWriter, 8 samples a shard: 3 plain .tar shards."""
+    samples = source_samples(image_folder)
+    for i, s in enumerate(samples):
+        s["txt"] = f"caption {i}"
+    out = tmp_path / "wds"
+    out.mkdir()
+    with wds.ShardWriter(str(out / "shard-%06d.tar"), maxcount=8, verbose=0) as sink:
+        for s in samples:
+            sink.write(dict(s))
+    return out, samples
+
+
+def test_open_shard_reads_webdataset_shardwriter(wds_shards):
+    out, samples = wds_shards
+    paths = sorted(out.glob("shard-*.tar"))
+    assert [p.name for p in paths] == ["shard-000000.tar", "shard-000001.tar", "shard-000002.tar"]
+    got = []
+    for path in paths:
+        reader = open_shard(str(path))
+        assert isinstance(reader, StreamTarReader)
+        got.extend(read_front_to_back(reader))
+    assert got == [as_bytes(s) for s in samples]
+
+
+def test_random_access_on_webdataset_tar(wds_shards):
+    out, samples = wds_shards
+    path = out / "shard-000001.tar"
+    expected = [as_bytes(s) for s in samples[8:16]]
+    reader = open_shard(str(path))
+    assert len(reader) == 8
+    for i in reversed(range(8)):
+        assert fields_only(reader[i]) == expected[i]
+    assert fields_only(reader[-1]) == expected[-1]
+    for a, b in [(0, 8), (0, 0), (2, 5), (7, 8), (3, 3)]:
+        assert [fields_only(s) for s in reader.read(a, b)] == expected[a:b]
+    with pytest.raises(IndexError):
+        reader[8]
+
+
+def test_resolve_source_brace_pattern(wds_shards):
+    out, samples = wds_shards
+    source = resolve_source(str(out / "shard-{000000..000002}.tar"))
+    assert [ref.name for ref in source.shards] == ["shard-000000.tar", "shard-000001.tar", "shard-000002.tar"]
+    assert source.manifest is None and not source.indexed
+    assert list(source.counts()) == [8, 8, 5]
+    got = [fields_only(s) for ref in source.shards for s in ref.reader()]
+    assert got == [as_bytes(s) for s in samples]
+    # A list of URLs names the same shards.
+    listed = resolve_source([str(p) for p in sorted(out.glob("*.tar"))])
+    assert [ref.url for ref in listed.shards] == [ref.url for ref in source.shards]
+
+
+def test_webdataset_tarwriter_fixed_mtime_random_access(image_folder, tmp_path):
+    """With an integer mtime webdataset writes plain ustar headers (no pax records): random access works."""
+    samples = source_samples(image_folder)[:5]
+    path = tmp_path / "one.tar"
+    with wds.TarWriter(str(path), mtime=1_700_000_000) as sink:
+        for s in samples:
+            sink.write(dict(s))
+    reader = open_shard(str(path))
+    assert read_front_to_back(reader) == [as_bytes(s) for s in samples]
+    assert [fields_only(reader[i]) for i in range(5)] == [as_bytes(s) for s in samples]
+
+
+def write_tar(path: Path, samples: list[dict], *, fmt=tarfile.PAX_FORMAT, mode: str = "w") -> None:
+    with tarfile.open(path, mode, format=fmt) as tar:
+        for s in samples:
+            for field in sorted(k for k in s if not k.startswith("__")):
+                data = as_bytes(s)[field]
+                info = tarfile.TarInfo(f"{s['__key__']}.{field}")
+                info.size = len(data)
+                info.mtime = 1_700_000_000
+                tar.addfile(info, io.BytesIO(data))
+
+
+def test_tar_gz_read_front_to_back(image_folder, tmp_path):
+    samples = source_samples(image_folder)[:6]
+    path = tmp_path / "data.tar.gz"
+    write_tar(path, samples, mode="w:gz")
+    assert gzip.open(path).read(512)  # really gzip
+    reader = open_shard(str(path))
+    assert isinstance(reader, StreamTarReader)
+    assert read_front_to_back(reader) == [as_bytes(s) for s in samples]
+    with pytest.raises(ShardstreamError, match="index"):
+        reader[0]
+
+
+def test_gzip_stream_of_a_tar(image_folder, tmp_path):
+    """A .tar.gz made by compressing a tar with gzip (not tarfile's own gzip mode)."""
+    samples = source_samples(image_folder)[:4]
+    write_tar(tmp_path / "plain.tar", samples)
+    with open(tmp_path / "plain.tar", "rb") as f, gzip.open(tmp_path / "data.tgz", "wb") as g:
+        shutil.copyfileobj(f, g)
+    assert read_front_to_back(open_shard(str(tmp_path / "data.tgz"))) == [as_bytes(s) for s in samples]
+
+
+def test_list_of_a_compressed_stream_reader(image_folder, tmp_path):
+    samples = source_samples(image_folder)[:3]
+    write_tar(tmp_path / "data.tar.gz", samples, mode="w:gz")
+    assert [fields_only(s) for s in list(open_shard(str(tmp_path / "data.tar.gz")))] == [as_bytes(s) for s in samples]
+
+
+def test_our_zstd_shard_without_its_index(packed, tmp_path):
+    """A shard copied without its index is still a readable .tar.zst, front to back."""
+    first = shard_paths(packed)[0]
+    shutil.copy(first, tmp_path / first.name)
+    reader = open_shard(str(tmp_path / first.name))
+    assert isinstance(reader, StreamTarReader)
+    assert read_front_to_back(reader) == [fields_only(s) for s in open_dataset(packed).shards[0].reader()]
+
+
+def long_key_samples(image_folder: Path) -> list[dict]:
+    samples = source_samples(image_folder)[:3]
+    samples[1]["__key__"] = "nested/" * 18 + "deep_sample"  # a 130-byte path, every part short
+    return samples
+
+
+def test_ustar_prefix_names(image_folder, tmp_path):
+    """Long paths in plain ustar format are split into the prefix and name fields."""
+    samples = long_key_samples(image_folder)
+    path = tmp_path / "ustar.tar"
+    write_tar(path, samples, fmt=tarfile.USTAR_FORMAT)
+    expected = [as_bytes(s) for s in samples]
+    assert read_front_to_back(open_shard(str(path))) == expected
+    reader = open_shard(str(path))
+    assert [fields_only(reader[i]) for i in range(3)] == expected
+
+
+@pytest.mark.parametrize("fmt", [tarfile.GNU_FORMAT, tarfile.PAX_FORMAT], ids=["gnu", "pax"])
+def test_long_names_read_front_to_back(image_folder, tmp_path, fmt):
+    samples = long_key_samples(image_folder)
+    samples[2]["__key__"] = "x" * 130  # too long for the name field, and no '/' to split at
+    path = tmp_path / "long.tar"
+    write_tar(path, samples, fmt=fmt)
+    assert read_front_to_back(open_shard(str(path))) == [as_bytes(s) for s in samples]
+
+
+@pytest.mark.parametrize("fmt", [tarfile.GNU_FORMAT, tarfile.PAX_FORMAT], ids=["gnu", "pax"])
+def test_long_names_random_access(image_folder, tmp_path, fmt):
+    samples = long_key_samples(image_folder)
+    samples[2]["__key__"] = "x" * 130
+    path = tmp_path / "long.tar"
+    write_tar(path, samples, fmt=fmt)
+    reader = open_shard(str(path))
+    assert [fields_only(reader[i]) for i in range(3)] == [as_bytes(s) for s in samples]
+
+
+@needs_cli
+def test_gnu_tar_archive_of_an_image_folder(image_folder, tmp_path):
+    """A tar made by GNU tar (directory entries, gnu format, real mtimes) reads as samples."""
+    path = tmp_path / "folder.tar"
+    made = subprocess.run(
+        ["tar", "--sort=name", "--format=gnu", "-cf", str(path), "-C", str(image_folder), "class_000", "class_002"],
+        capture_output=True,
+    )
+    assert made.returncode == 0, made.stderr
+    files = sorted(p for p in image_folder.rglob("*.jpg") if p.parent.name in ("class_000", "class_002"))
+    expected = [{"__key__": p.relative_to(image_folder).with_suffix("").as_posix(), "jpg": p.read_bytes()}
+                for p in files]
+    assert read_front_to_back(open_shard(str(path))) == expected
+    reader = open_shard(str(path))
+    assert len(reader) == len(expected) == 14
+    assert [fields_only(reader[i]) for i in reversed(range(14))] == expected[::-1]
+    assert [fields_only(s) for s in reader.read(5, 9)] == expected[5:9]

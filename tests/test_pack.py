@@ -1,0 +1,484 @@
+"""`shardstream.pack`: determinism, ordering, sources, bad input, crash safety, overwrite."""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import re
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+import zstandard
+
+import shardstream
+from shardstream import PackError, ShardstreamError, open_dataset, open_shard, pack
+from shardstream.format import MANIFEST_NAME, ShardIndex
+
+SEEKABLE_MAGIC = 0x8F92EAB1
+
+
+def run_pack(src, dst, **kwargs):
+    kwargs = {"shard_size": "60KB", "workers": 1, "progress": False, **kwargs}
+    return pack(str(src), str(dst), **kwargs)
+
+
+def keys_in_order(url) -> list[str]:
+    return [s["__key__"] for ref in open_dataset(str(url)).shards for s in ref.reader()]
+
+
+def samples_by_key(url) -> dict[str, dict]:
+    out = {}
+    for ref in open_dataset(str(url)).shards:
+        for s in ref.reader():
+            s.pop("__url__")
+            out[s.pop("__key__")] = s
+    return out
+
+
+def sorted_keys(root: Path) -> list[str]:
+    return sorted(p.relative_to(root).with_suffix("").as_posix() for p in root.rglob("*.jpg"))
+
+
+def write_truncated_jpeg(folder: Path, rel: str) -> Path:
+    """The first half of a real JPEG of the folder, as `rel`."""
+    data = sorted(folder.rglob("*.jpg"))[0].read_bytes()
+    path = folder / rel
+    path.write_bytes(data[: len(data) // 2])
+    return path
+
+
+def write_text_as_jpeg(folder: Path, rel: str) -> Path:
+    path = folder / rel
+    path.write_text("this is not a JPEG, whatever the name says\n" * 20)
+    return path
+
+
+def no_parts_left(dst: Path) -> bool:
+    return not [p for p in dst.rglob("*") if p.name.endswith(".part")]
+
+
+# -- determinism and order -------------------------------------------------------------------------
+
+
+def test_same_output_for_any_number_of_workers(image_folder, tmp_path, dataset_files):
+    one = run_pack(image_folder, tmp_path / "w1", workers=1)
+    two = run_pack(image_folder, tmp_path / "w2", workers=2)
+    assert one.samples == two.samples == 21 and one.shards == two.shards >= 2
+    files1, files2 = dataset_files(tmp_path / "w1"), dataset_files(tmp_path / "w2")
+    assert sorted(files1) == sorted(files2)
+    assert MANIFEST_NAME in files1 and any(n.endswith(".idx") for n in files1)
+    for name in files1:
+        assert files1[name] == files2[name], name
+
+
+def test_same_output_for_any_number_of_workers_with_skips(image_folder_copy, tmp_path, dataset_files):
+    write_truncated_jpeg(image_folder_copy, "class_000/zz_truncated.jpg")
+    write_truncated_jpeg(image_folder_copy, "class_002/aa_truncated.jpg")
+    run_pack(image_folder_copy, tmp_path / "w1", workers=1, on_error="skip", shard_size="20KB")
+    run_pack(image_folder_copy, tmp_path / "w2", workers=2, on_error="skip", shard_size="20KB")
+    assert dataset_files(tmp_path / "w1") == dataset_files(tmp_path / "w2")
+    assert len(open_dataset(str(tmp_path / "w2")).manifest.skipped) == 2
+
+
+def test_skip_reasons_are_reproducible(image_folder_copy, tmp_path):
+    write_text_as_jpeg(image_folder_copy, "class_002/aa_text.jpg")
+    run_pack(image_folder_copy, tmp_path / "ds", on_error="skip")
+    [(path, reason)] = open_dataset(str(tmp_path / "ds")).manifest.skipped
+    assert path == "class_002/aa_text.jpg"
+    assert not re.search(r"0x[0-9a-fA-F]{6,}", reason), reason
+
+
+def test_repacking_gives_identical_bytes(image_folder, packed, tmp_path, dataset_files):
+    run_pack(image_folder, tmp_path / "again")
+    assert dataset_files(tmp_path / "again") == dataset_files(packed)
+
+
+def test_seed_changes_order_not_content(image_folder, packed, tmp_path):
+    run_pack(image_folder, tmp_path / "seed1", seed=1)
+    order0, order1 = keys_in_order(packed), keys_in_order(tmp_path / "seed1")
+    assert order0 != order1
+    assert sorted(order0) == sorted(order1) == sorted_keys(image_folder)
+    assert samples_by_key(packed) == samples_by_key(tmp_path / "seed1")
+    assert open_dataset(str(tmp_path / "seed1")).manifest.options["seed"] == 1
+
+
+def test_default_order_is_shuffled(image_folder, packed):
+    order = keys_in_order(packed)
+    assert order != sorted(order)
+    # Shuffled across shards too: the first shard is not one class.
+    first = list(open_dataset(packed).shards[0].reader())
+    assert len({s["cls"] for s in first}) > 1
+
+
+def test_no_shuffle_keeps_sorted_order(image_folder, tmp_path):
+    run_pack(image_folder, tmp_path / "sorted", shuffle=False, seed=123)
+    assert keys_in_order(tmp_path / "sorted") == sorted_keys(image_folder)
+    labels = [int(s["cls"]) for ref in open_dataset(str(tmp_path / "sorted")).shards for s in ref.reader()]
+    assert labels == sorted(labels)
+    options = open_dataset(str(tmp_path / "sorted")).manifest.options
+    assert options["shuffle"] is False
+
+
+def test_max_samples(image_folder, tmp_path):
+    summary = run_pack(image_folder, tmp_path / "ds", shard_size="1GB", max_samples=5)
+    manifest = open_dataset(str(tmp_path / "ds")).manifest
+    assert [s.samples for s in manifest.shards] == [5, 5, 5, 5, 1]
+    assert summary.shards == 5 and summary.samples == 21
+
+
+def test_summary_matches_manifest(image_folder, tmp_path):
+    summary = run_pack(image_folder, tmp_path / "ds")
+    manifest = open_dataset(str(tmp_path / "ds")).manifest
+    assert summary.samples == manifest.samples == 21
+    assert summary.shards == len(manifest.shards)
+    assert summary.ignored == manifest.ignored == 1
+    assert summary.skipped == list(manifest.skipped) == []
+    assert summary.bytes_in == sum(p.stat().st_size for p in image_folder.rglob("*.jpg"))
+    assert summary.bytes_out == sum(s.bytes + s.index_bytes for s in manifest.shards)
+    assert "21 samples" in str(summary)
+
+
+# -- sources --------------------------------------------------------------------------------------------
+
+
+def test_file_list_txt_with_named_labels(image_folder, tmp_path):
+    files = sorted(image_folder.rglob("*.jpg"))
+    chosen = files[::2]
+    labels = {}
+    lines = ["# a comment, then a blank line", ""]
+    for i, path in enumerate(chosen):
+        label = ("zebra", "ant", "moose")[i % 3]
+        labels[path.relative_to(image_folder).with_suffix("").as_posix()] = label
+        lines.append(f"{path.relative_to(image_folder).as_posix()},{label}")
+    listing = image_folder / "train.txt"  # paths are relative to the list's folder
+    try:
+        listing.write_text("\n".join(lines) + "\n")
+        run_pack(listing, tmp_path / "ds")
+    finally:
+        listing.unlink()
+    manifest = open_dataset(str(tmp_path / "ds")).manifest
+    assert manifest.classes == ("ant", "moose", "zebra")
+    got = samples_by_key(tmp_path / "ds")
+    assert set(got) == set(labels)
+    for key, sample in got.items():
+        assert manifest.classes[int(sample["cls"])] == labels[key]
+        assert sample["jpg"] == (image_folder / f"{key}.jpg").read_bytes()
+    counts = [list(labels.values()).count(c) for c in manifest.classes]
+    assert list(manifest.class_counts) == counts
+
+
+def test_file_list_csv_with_integer_labels(image_folder, tmp_path):
+    files = sorted(image_folder.rglob("*.jpg"))[:8]
+    lst = tmp_path / "list.csv"
+    rows = ["path,label"]
+    expected = {}
+    for i, path in enumerate(files):
+        label = (i * 5) % 4  # integer labels are class indices as given
+        rows.append(f"{path.as_posix()},{label}")  # absolute paths
+        expected[path.read_bytes()] = label
+    lst.write_text("\n".join(rows) + "\n")
+    run_pack(lst, tmp_path / "ds", shuffle=False)
+    manifest = open_dataset(str(tmp_path / "ds")).manifest
+    assert manifest.classes == ("0", "1", "2", "3")
+    got = [s for ref in open_dataset(str(tmp_path / "ds")).shards for s in ref.reader()]
+    assert len(got) == 8
+    assert {s["jpg"]: int(s["cls"]) for s in got} == expected
+    assert len({s["__key__"] for s in got}) == 8
+
+
+def test_file_list_without_labels(image_folder, tmp_path):
+    files = sorted(image_folder.rglob("*.jpg"))[:4]
+    lst = tmp_path / "list.txt"
+    lst.write_text("".join(f"{p}\n" for p in files))
+    run_pack(lst, tmp_path / "ds")
+    got = [s for ref in open_dataset(str(tmp_path / "ds")).shards for s in ref.reader()]
+    assert sorted(s["jpg"] for s in got) == sorted(p.read_bytes() for p in files)
+    assert all(set(s) == {"__key__", "__url__", "jpg"} for s in got)
+
+
+def test_bad_sources(tmp_path, image_folder):
+    with pytest.raises(PackError):
+        run_pack(tmp_path / "missing", tmp_path / "ds")
+    (tmp_path / "empty" / "class_a").mkdir(parents=True)
+    with pytest.raises(PackError):
+        run_pack(tmp_path / "empty", tmp_path / "ds")
+    mixed = tmp_path / "mixed.txt"
+    mixed.write_text(f"{sorted(image_folder.rglob('*.jpg'))[0]},cat\n{sorted(image_folder.rglob('*.jpg'))[1]}\n")
+    with pytest.raises(PackError):
+        run_pack(mixed, tmp_path / "ds")
+    with pytest.raises(ShardstreamError):
+        run_pack(image_folder, tmp_path / "ds", on_error="ignore")
+    with pytest.raises(ShardstreamError):
+        run_pack(image_folder, tmp_path / "ds", compression="lz4")
+    assert not (tmp_path / "ds" / MANIFEST_NAME).exists()
+
+
+def test_every_file_is_accounted_for(image_folder_copy, tmp_path):
+    folder = image_folder_copy
+    (folder / "README.md").write_text("a file beside the class folders\n")
+    (folder / "class_000" / "sub").mkdir()
+    shutil.copy(folder / "class_002" / "img_00000.jpg", folder / "class_000" / "sub" / "nested.jpg")
+    (folder / "class_002" / "labels.csv").write_text("x,y\n")
+    run_pack(folder, tmp_path / "ds")
+    manifest = open_dataset(str(tmp_path / "ds")).manifest
+    files_in = [p for p in folder.rglob("*") if p.is_file()]
+    assert len(files_in) == manifest.samples + len(manifest.skipped) + manifest.ignored
+    assert manifest.ignored == 3 and manifest.class_counts == (8, 7, 7)
+    nested = samples_by_key(tmp_path / "ds")["class_000/sub/nested"]
+    assert int(nested["cls"]) == 0
+    assert nested["jpg"] == (folder / "class_002" / "img_00000.jpg").read_bytes()
+
+
+def test_colliding_stems_get_distinct_keys(image_folder_copy, tmp_path):
+    from PIL import Image
+
+    folder = image_folder_copy
+    jpg = folder / "class_000" / "img_00000.jpg"
+    png = folder / "class_000" / "img_00000.png"
+    dotted = folder / "class_000" / "img.00000.jpg"  # its key would also be class_000/img_00000
+    Image.open(jpg).save(png)
+    shutil.copy(sorted((folder / "class_001").glob("*.jpg"))[0], dotted)
+    run_pack(folder, tmp_path / "ds")
+    got = [s for ref in open_dataset(str(tmp_path / "ds")).shards for s in ref.reader()]
+    assert len(got) == 23 and len({s["__key__"] for s in got}) == 23
+    payloads = sorted((s.get("jpg") or s.get("png")) for s in got)
+    assert payloads == sorted(p.read_bytes() for p in folder.rglob("*") if p.suffix in (".jpg", ".png"))
+    assert sum("png" in s for s in got) == 1
+
+
+def test_non_ascii_names_round_trip(image_folder_copy, tmp_path):
+    folder = image_folder_copy
+    (folder / "class_000" / "img_00000.jpg").rename(folder / "class_000" / "café.jpg")
+    run_pack(folder, tmp_path / "ds")
+    got = samples_by_key(tmp_path / "ds")
+    assert got["class_000/café"]["jpg"] == (folder / "class_000" / "café.jpg").read_bytes()
+
+
+# -- corrupt input --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind,workers", [("truncated", 1), ("text", 1), ("truncated", 2)])
+def test_corrupt_image_fails_the_pack(image_folder_copy, tmp_path, kind, workers):
+    folder = image_folder_copy
+    rel = "class_001/zz_bad.jpg"
+    bad = write_truncated_jpeg(folder, rel) if kind == "truncated" else write_text_as_jpeg(folder, rel)
+    dst = tmp_path / "ds"
+    with pytest.raises(PackError) as info:
+        run_pack(folder, dst, shard_size="20KB", workers=workers)
+    assert "zz_bad.jpg" in str(info.value)
+    assert info.value.url is not None and os.path.samefile(info.value.url, bad)
+    assert not (dst / MANIFEST_NAME).exists()
+    assert no_parts_left(dst)
+    with pytest.raises(shardstream.ManifestError):
+        open_dataset(str(dst))
+
+
+def test_corrupt_images_skipped_and_recorded(image_folder_copy, tmp_path):
+    folder = image_folder_copy
+    truncated = "class_000/zz_truncated.jpg"
+    text = "class_002/zz_text.jpg"
+    write_truncated_jpeg(folder, truncated)
+    write_text_as_jpeg(folder, text)
+    summary = run_pack(folder, tmp_path / "ds", on_error="skip")
+    manifest = open_dataset(str(tmp_path / "ds")).manifest
+
+    assert dict(manifest.skipped).keys() == {truncated, text}
+    assert all(reason for _, reason in manifest.skipped)
+    assert sorted(summary.skipped) == sorted(manifest.skipped)
+    assert manifest.samples == 21 and manifest.class_counts == (7, 7, 7)
+    files_in = [p for p in folder.rglob("*") if p.is_file()]
+    assert len(files_in) == manifest.samples + len(manifest.skipped) + manifest.ignored == 24
+    got = samples_by_key(tmp_path / "ds")
+    assert set(got) == set(sorted_keys(folder)) - {"class_000/zz_truncated", "class_002/zz_text"}
+    for key, sample in got.items():
+        assert sample["jpg"] == (folder / f"{key}.jpg").read_bytes()
+
+
+def test_missing_file_in_list_is_skipped(image_folder, tmp_path):
+    files = sorted(image_folder.rglob("*.jpg"))[:3]
+    lst = tmp_path / "list.txt"
+    lst.write_text("".join(f"{p},a\n" for p in files) + f"{tmp_path / 'gone.jpg'},b\n")
+    with pytest.raises(PackError, match="gone.jpg"):
+        run_pack(lst, tmp_path / "fail")
+    run_pack(lst, tmp_path / "ds", on_error="skip")
+    manifest = open_dataset(str(tmp_path / "ds")).manifest
+    assert manifest.samples == 3
+    assert [f for f, _ in manifest.skipped] == ["gone.jpg"]
+    assert manifest.class_counts == (3, 0)
+
+
+def test_a_shard_of_only_bad_images_is_left_out(image_folder_copy, tmp_path):
+    folder = image_folder_copy
+    for i in range(6):
+        write_text_as_jpeg(folder, f"class_000/img_0000{i}.jpg")
+    run_pack(folder, tmp_path / "ds", shuffle=False, max_samples=3, on_error="skip")
+    manifest = open_dataset(str(tmp_path / "ds")).manifest
+    assert len(manifest.skipped) == 6 and manifest.samples == 15
+    assert all(s.samples > 0 for s in manifest.shards) and len(manifest.shards) == 5
+    # No empty shard file is published: the folder holds exactly the listed shards.
+    names = [s.name for s in manifest.shards]
+    assert len(set(names)) == len(names)
+    assert sorted(p.name for p in (tmp_path / "ds").glob("shard-*.tar.zst")) == sorted(names)
+    assert len(keys_in_order(tmp_path / "ds")) == 15
+
+
+# -- crash safety -------------------------------------------------------------------------------------
+
+
+def assert_complete_shard(path: Path, images: Path) -> int:
+    """Check that a published shard file is whole; with its index, that the index agrees. Returns samples."""
+    data = path.read_bytes()
+    assert struct.unpack("<I", data[-4:])[0] == SEEKABLE_MAGIC, f"{path.name} has no seek table"
+    raw = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data), read_across_frames=True).read()
+    assert raw.endswith(bytes(1024)), f"{path.name} lacks the end-of-archive blocks"
+    with tarfile.open(fileobj=io.BytesIO(raw)) as tar:
+        members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+    jpgs = {n: d for n, d in members.items() if n.endswith(".jpg")}
+    assert jpgs and all((images / n).read_bytes() == d for n, d in jpgs.items())
+    index_path = path.with_name(path.name + ".idx")
+    if index_path.exists():
+        index = ShardIndex.from_bytes(index_path.read_bytes(), str(index_path))
+        samples = list(open_shard(str(path)))
+        assert [s["__key__"] for s in samples] == list(index.keys)
+        assert {s["__key__"] + ".jpg": s["jpg"] for s in samples} == jpgs
+    return len(jpgs)
+
+
+def check_after_crash(dst: Path, images: Path) -> list[str]:
+    """The invariants of an interrupted pack; returns the published shard names."""
+    assert not (dst / MANIFEST_NAME).exists()
+    visible = sorted(p.name for p in dst.iterdir() if not p.name.startswith("."))
+    shards = [n for n in visible if n.endswith(".tar.zst")]
+    indexes = [n for n in visible if n.endswith(".tar.zst.idx")]
+    # Nothing else is published: partial files live under hidden (temporary) names only.
+    assert visible == sorted(shards + indexes), visible
+    # A shard is published before its index, so an index always has its shard, and only the
+    # shard being finished at the moment of the kill can lack its index.
+    assert all(name[: -len(".idx")] in shards for name in indexes)
+    assert len(set(shards) - {i[: -len(".idx")] for i in indexes}) <= 1
+    for name in shards:
+        assert_complete_shard(dst / name, images)
+    return shards
+
+
+def _pack_command(src: Path, dst: Path, **kwargs) -> list[str]:
+    args = ", ".join(f"{k}={v!r}" for k, v in {"progress": False, **kwargs}.items())
+    return [sys.executable, "-c", f"import shardstream; shardstream.pack({str(src)!r}, {str(dst)!r}, {args})"]
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """SIGKILL the packer and any worker processes it started (its own process group)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+
+
+def test_killed_mid_shard_leaves_no_manifest_and_only_whole_shards(image_folder_copy, tmp_path, dataset_files):
+    """Deterministic: the last image is a FIFO, so the packer blocks reading it, mid-way through the dataset."""
+    folder = image_folder_copy
+    fifo = folder / "class_002" / "zzz_stall.jpg"  # sorted last
+    os.mkfifo(fifo)
+    dst = tmp_path / "ds"
+    proc = subprocess.Popen(
+        _pack_command(folder, dst, shard_size="20KB", workers=1, shuffle=False),
+        start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    fd = None
+    try:
+        deadline = time.monotonic() + 60
+        while fd is None:
+            try:
+                # Succeeds only once the packer has the FIFO open for reading: it is then stuck in build_job.
+                fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError as e:
+                assert e.errno == errno.ENXIO
+                assert proc.poll() is None, proc.stderr.read().decode()
+                assert time.monotonic() < deadline, "the packer never reached the stalled file"
+                time.sleep(0.01)
+        _kill(proc)
+    finally:
+        if proc.poll() is None:
+            _kill(proc)
+        if fd is not None:
+            os.close(fd)
+        proc.stderr.close()
+    assert proc.returncode == -signal.SIGKILL
+
+    shards = check_after_crash(dst, folder)
+    assert len(shards) >= 2, "expected the pack to be killed mid-way, after some shards"
+    # Stuck on the last image, nothing of the last shards can be published yet.
+    assert all((dst / f"{name}.idx").exists() for name in shards)
+    published = {s["__key__"] for name in shards for s in open_shard(str(dst / name))}
+    assert "class_002/img_00006" not in published
+
+    # Packing again into the same folder (no manifest: allowed) gives the same dataset as a clean pack.
+    fifo.unlink()
+    run_pack(folder, dst, shard_size="20KB", shuffle=False)
+    run_pack(folder, tmp_path / "clean", shard_size="20KB", shuffle=False)
+    assert dataset_files(dst) == dataset_files(tmp_path / "clean")
+    assert len(open_dataset(str(dst)).manifest.shards) > len(shards)
+
+
+def test_killed_at_a_random_point_with_workers(make_folder, tmp_path):
+    """SIGKILL as soon as the first shard is published, with worker processes running."""
+    folder = make_folder(num_classes=3, images_per_class=30, seed=7)
+    dst = tmp_path / "ds"
+    proc = subprocess.Popen(
+        _pack_command(folder, dst, shard_size="10KB", workers=2, level=19),
+        start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not list(dst.glob("shard-*.tar.zst")) and proc.poll() is None:
+            assert time.monotonic() < deadline, "no shard appeared"
+            time.sleep(0.002)
+        _kill(proc)
+    finally:
+        if proc.poll() is None:
+            _kill(proc)
+        stderr = proc.stderr.read().decode()
+        proc.stderr.close()
+    if proc.returncode == 0:  # it finished first: then the dataset must be whole
+        manifest = open_dataset(str(dst)).manifest
+        assert manifest.samples == 90
+        for info in manifest.shards:
+            assert_complete_shard(dst / info.name, folder)
+    else:
+        assert proc.returncode == -signal.SIGKILL, stderr
+        shards = check_after_crash(dst, folder)
+        assert shards
+
+
+# -- overwrite -----------------------------------------------------------------------------------------
+
+
+def test_overwrite_refused_without_flag(image_folder, tmp_path, dataset_files):
+    dst = tmp_path / "ds"
+    run_pack(image_folder, dst)
+    before = dataset_files(dst)
+    with pytest.raises(ShardstreamError, match="overwrite"):
+        run_pack(image_folder, dst, seed=5)
+    assert dataset_files(dst) == before
+    run_pack(image_folder, dst, seed=5, overwrite=True)
+    run_pack(image_folder, tmp_path / "fresh", seed=5)
+    assert open_dataset(str(dst)).manifest.options["seed"] == 5
+    assert keys_in_order(dst) == keys_in_order(tmp_path / "fresh")
+
+
+def test_overwrite_leaves_only_the_new_dataset(image_folder, tmp_path):
+    dst = tmp_path / "ds"
+    run_pack(image_folder, dst, shard_size="20KB")
+    run_pack(image_folder, dst, shard_size="1MB", overwrite=True)
+    manifest = open_dataset(str(dst)).manifest
+    listed = {MANIFEST_NAME} | {s.name for s in manifest.shards} | {s.index for s in manifest.shards}
+    assert {p.name for p in dst.iterdir() if p.is_file()} == listed

@@ -1,0 +1,403 @@
+"""The epoch plan (shardstream.plan): pure functions, checked over many shapes and seeds.
+
+Every property here is checked against an independent statement of what the plan
+promises (plan.py's docstring), not against the implementation: permutations are
+checked by sorting, round robin by a direct simulation of a DataLoader's polling, and
+resumption by a set equation over consumed and remaining samples.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from shardstream.plan import (
+    Layout,
+    buffer_shuffle,
+    consumed_samples,
+    deal_chunks,
+    epoch_sequence,
+    items_of,
+    remaining_sequence,
+    rng_for,
+    round_robin_delivered,
+    samples_of_items,
+    split_ranks,
+    worker_plan,
+)
+
+SHAPES = [
+    [],
+    [0],
+    [1],
+    [5],
+    [3, 3, 3, 2, 3, 2, 2, 2, 1],
+    [11, 10],
+    [1, 0, 4, 0, 7],
+    [64, 1, 63, 2],
+    [2] * 10 + [1],
+    [17, 5, 9, 1, 1, 3],
+]
+
+
+def random_counts(rng: np.random.Generator) -> list[int]:
+    return rng.integers(0, 12, size=int(rng.integers(1, 9))).tolist()
+
+
+def is_permutation(a: np.ndarray, n: int) -> bool:
+    return len(a) == n and np.array_equal(np.sort(a), np.arange(n))
+
+
+# -- epoch_sequence --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("counts", SHAPES, ids=str)
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_epoch_sequence_is_a_permutation_of_all_ids(counts, shuffle):
+    n = sum(counts)
+    for seed, epoch in itertools.product([0, 1, 12345, 2**63 + 7], [0, 1, 5]):
+        seq = epoch_sequence(counts, seed, epoch, shuffle)
+        assert seq.dtype == np.int64
+        assert is_permutation(seq, n)
+
+
+@pytest.mark.parametrize("counts", SHAPES, ids=str)
+def test_epoch_sequence_keeps_shards_whole_and_in_file_order(counts):
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
+    shard_of = np.repeat(np.arange(len(counts)), counts)
+    for seed, epoch in itertools.product(range(4), range(3)):
+        seq = epoch_sequence(counts, seed, epoch, True)
+        # shard by shard: each shard's ids appear as one contiguous ascending run
+        shards_seen = [s for s, _ in itertools.groupby(shard_of[seq].tolist())]
+        assert len(shards_seen) == len(set(shards_seen)) == sum(1 for c in counts if c)
+        pos = 0
+        for s in shards_seen:
+            run = seq[pos : pos + counts[s]]
+            assert run.tolist() == list(range(starts[s], starts[s + 1]))
+            pos += counts[s]
+
+
+def test_epoch_sequence_unshuffled_is_the_identity():
+    for counts in SHAPES:
+        for epoch in range(3):
+            assert epoch_sequence(counts, 7, epoch, False).tolist() == list(range(sum(counts)))
+
+
+def test_epoch_sequence_deterministic_for_seed_and_epoch():
+    counts = [3, 3, 3, 2, 3, 2, 2, 2, 1]
+    for seed, epoch in itertools.product([0, 1, 99], [0, 1, 2]):
+        a = epoch_sequence(counts, seed, epoch, True)
+        b = epoch_sequence(np.asarray(counts), seed, epoch, True)
+        assert np.array_equal(a, b)
+
+
+def test_epoch_sequence_differs_across_epochs_and_seeds_when_shuffling():
+    counts = [3, 3, 3, 2, 3, 2, 2, 2, 1]  # 9 shards: 9! orders, collisions are negligible
+    for seed in range(5):
+        orders = {tuple(epoch_sequence(counts, seed, epoch, True).tolist()) for epoch in range(6)}
+        assert len(orders) == 6
+    by_seed = {tuple(epoch_sequence(counts, seed, 0, True).tolist()) for seed in range(6)}
+    assert len(by_seed) == 6
+
+
+# -- split_ranks -----------------------------------------------------------------------------
+
+
+SPLIT_SHAPES = list(itertools.product([0, 1, 2, 3, 5, 7, 8, 21, 64, 65], [1, 2, 3, 4, 5, 8]))
+
+
+def test_split_ranks_pad():
+    for n, world_size in SPLIT_SHAPES:
+        check_split_pad(n, world_size)
+
+
+def check_split_pad(n, world_size):
+    seq = np.random.default_rng(n * 31 + world_size).permutation(n).astype(np.int64)
+    blocks = split_ranks(seq, world_size, "pad")
+    per_rank = -(-n // world_size)
+    assert blocks.shape == (world_size, per_rank)
+    flat = blocks.reshape(-1)
+    pad = per_rank * world_size - n
+    # contiguous blocks in sequence order, then the padding
+    assert flat[:n].tolist() == seq.tolist()
+    # padding repeats samples from the start of the sequence (cyclically if n < pad)
+    if n:
+        assert flat[n:].tolist() == [int(seq[i % n]) for i in range(pad)]
+    else:
+        assert pad == 0
+    assert set(flat.tolist()) == set(seq.tolist())
+    assert 0 <= pad < world_size
+
+
+def test_split_ranks_drop():
+    for n, world_size in SPLIT_SHAPES:
+        check_split_drop(n, world_size)
+
+
+def check_split_drop(n, world_size):
+    seq = np.random.default_rng(n * 17 + world_size).permutation(n).astype(np.int64)
+    blocks = split_ranks(seq, world_size, "drop")
+    per_rank = n // world_size
+    assert blocks.shape == (world_size, per_rank)
+    flat = blocks.reshape(-1).tolist()
+    assert flat == seq[: per_rank * world_size].tolist()
+    assert len(set(flat)) == len(flat)  # nothing repeated
+    assert n - len(flat) < world_size  # fewer than world_size left out
+
+
+def test_split_ranks_rejects_unknown_partial():
+    with pytest.raises(ValueError):
+        split_ranks(np.arange(5), 2, "wrap")
+
+
+# -- deal_chunks -----------------------------------------------------------------------------
+
+
+def test_deal_chunks_partitions_positions_round_robin():
+    for n, workers, chunk in itertools.product([0, 1, 5, 21, 64, 65, 130, 200], [1, 2, 3, 4], [1, 2, 3, 8, 64]):
+        check_deal(n, workers, chunk)
+
+
+def check_deal(n, workers, chunk):
+    dealt = deal_chunks(n, workers, chunk)
+    assert len(dealt) == workers
+    together = np.concatenate(dealt) if dealt else np.zeros(0)
+    assert is_permutation(together, n)
+    # Direct statement: chunk j (positions j*chunk .. ) belongs to worker j mod workers,
+    # and each worker's positions are in ascending order.
+    expected = [[] for _ in range(workers)]
+    for j, start in enumerate(range(0, n, chunk)):
+        expected[j % workers].extend(range(start, min(n, start + chunk)))
+    assert [d.tolist() for d in dealt] == expected
+
+
+def test_batch_counts_do_not_depend_on_workers():
+    """Dealing in whole batches: the batches a rank yields are the same for any worker count."""
+    for n, bs, drop_last in itertools.product([0, 1, 5, 11, 21, 40], [1, 2, 3, 5], [False, True]):
+        totals = set()
+        for workers in [1, 2, 3, 4]:
+            layout = Layout(workers=workers, batch_size=bs, drop_last=drop_last)
+            totals.add(sum(items_of(len(p), layout) for p in deal_chunks(n, workers, layout.chunk)))
+        assert totals == {n // bs if drop_last else -(-n // bs)}
+
+
+# -- buffer_shuffle --------------------------------------------------------------------------
+
+
+def test_buffer_shuffle_is_a_bounded_permutation():
+    for n, buffer, seed in itertools.product([0, 1, 2, 3, 10, 33, 100], [0, 1, 2, 3, 7, 50, 1000], range(5)):
+        out = buffer_shuffle(n, buffer, np.random.default_rng(seed))
+        assert is_permutation(out, n)
+        # output t is among inputs < t + buffer: a reader never holds more than `buffer`
+        if buffer > 1:
+            assert all(int(v) < t + buffer for t, v in enumerate(out))
+
+
+def test_buffer_shuffle_identity_for_buffer_le_1():
+    for n, buffer in itertools.product([0, 1, 2, 17], [-1, 0, 1]):
+        rng = np.random.default_rng(0)
+        assert buffer_shuffle(n, buffer, rng).tolist() == list(range(n))
+
+
+def test_buffer_shuffle_deterministic_from_rng_and_actually_shuffles():
+    for seed in range(5):
+        a = buffer_shuffle(50, 8, rng_for(seed, 0, 1))
+        b = buffer_shuffle(50, 8, rng_for(seed, 0, 1))
+        assert np.array_equal(a, b)
+        assert not np.array_equal(a, np.arange(50))
+    outs = {tuple(buffer_shuffle(50, 8, rng_for(seed, 0, 1)).tolist()) for seed in range(5)}
+    assert len(outs) == 5
+    # a buffer as large as the input is a full shuffle: any input can come first
+    firsts = {int(buffer_shuffle(10, 10, np.random.default_rng(s))[0]) for s in range(200)}
+    assert firsts == set(range(10))
+
+
+def test_rng_for_distinct_for_the_tuples_the_plan_uses():
+    """The plan draws shard orders from (seed, epoch, 0) and buffers from (seed, epoch, 1 + segment, rank, worker)."""
+    tuples = [(epoch, 0) for epoch in range(3)] + [
+        (epoch, 1 + segment, rank, worker)
+        for epoch in range(3) for segment in range(2) for rank in range(3) for worker in range(3)
+    ]
+    for seed in [0, 1, 12345]:
+        draws = {tuple(rng_for(seed, *parts).integers(0, 2**62, 4).tolist()) for parts in tuples}
+        assert len(draws) == len(tuples)
+    assert np.array_equal(rng_for(3, 1, 2).random(5), rng_for(3, 1, 2).random(5))
+    assert not np.array_equal(rng_for(3, 1, 2).random(5), rng_for(4, 1, 2).random(5))
+
+
+def test_rng_for_independent_for_every_distinct_tuple():
+    def draw(seed, *parts):
+        return tuple(rng_for(seed, *parts).integers(0, 2**62, 4).tolist())
+
+    tuples = [(), (0,), (1,), (0, 1), (1, 0), (0, 0), (0, 1, 0, 0)]
+    for seed in [0, 1]:
+        assert len({draw(seed, *parts) for parts in tuples}) == len(tuples)
+    assert draw(5 + 2**32, 0) != draw(5, 1, 0)
+    counts = [3, 3, 3, 2, 3, 2, 2, 2, 1]
+    assert not np.array_equal(epoch_sequence(counts, 5 + 2**32, 0, True), epoch_sequence(counts, 5, 1, True))
+
+
+# -- round_robin_delivered -------------------------------------------------------------------
+
+
+def simulate_round_robin(items: list[int], delivered: int) -> list[int]:
+    """A DataLoader's polling, step by step: ask worker 0, 1, ..., skipping exhausted ones."""
+    got = [0] * len(items)
+    exhausted = [n == 0 for n in items]
+    w = 0
+    for _ in range(delivered):
+        if all(exhausted):
+            raise ValueError("more delivered than the workers have")
+        while exhausted[w]:
+            w = (w + 1) % len(items)
+        got[w] += 1
+        if got[w] == items[w]:
+            exhausted[w] = True
+        w = (w + 1) % len(items)
+    return got
+
+
+def test_round_robin_delivered_matches_simulation_exhaustively():
+    for workers in range(1, 5):
+        for items in itertools.product(range(5), repeat=workers):
+            items = list(items)
+            for delivered in range(sum(items) + 1):
+                assert round_robin_delivered(items, delivered) == simulate_round_robin(items, delivered), (
+                    items, delivered)
+
+
+def test_round_robin_delivered_random_large():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        items = rng.integers(0, 40, size=int(rng.integers(1, 9))).tolist()
+        delivered = int(rng.integers(0, sum(items) + 1))
+        assert round_robin_delivered(items, delivered) == simulate_round_robin(items, delivered)
+
+
+def test_round_robin_delivered_rejects_too_many():
+    with pytest.raises(ValueError):
+        round_robin_delivered([2, 1], 4)
+    assert round_robin_delivered([], 0) == []
+
+
+# -- worker plans, consumed and remaining samples -----------------------------------------------
+
+
+def random_layout(rng: np.random.Generator) -> Layout:
+    batch = [None, 1, 2, 3, 5][int(rng.integers(0, 5))]
+    return Layout(
+        world_size=int(rng.integers(1, 5)),
+        workers=int(rng.integers(1, 4)),
+        batch_size=batch,
+        drop_last=bool(rng.integers(0, 2)) and batch is not None,
+        partial=["pad", "drop"][int(rng.integers(0, 2))],
+        shuffle=bool(rng.integers(0, 2)),
+        buffer=int(rng.integers(0, 9)),
+    )
+
+
+def rank_items(seq: np.ndarray, layout: Layout, seed: int, epoch: int, rank: int, segment: int = 0):
+    """Per worker: the samples it yields, in its order, and its items (as lists of sample ids)."""
+    block = split_ranks(seq, layout.world_size, layout.partial)[rank]
+    out = []
+    for w in range(layout.workers):
+        mine, perm = worker_plan(block, layout, seed, epoch, rank, w, segment)
+        order = mine[perm].tolist()
+        size = layout.batch_size or 1
+        items = [order[i : i + size] for i in range(0, len(order), size)]
+        if layout.batch_size is not None and layout.drop_last and items and len(items[-1]) < size:
+            items = items[:-1]
+        assert len(items) == items_of(len(mine), layout)
+        out.append(items)
+    return out
+
+
+def test_worker_plans_cover_the_rank_block():
+    rng = np.random.default_rng(1)
+    for _ in range(150):
+        counts = random_counts(rng)
+        layout = random_layout(rng)
+        seed, epoch = int(rng.integers(0, 1000)), int(rng.integers(0, 4))
+        seq = epoch_sequence(counts, seed, epoch, layout.shuffle)
+        blocks = split_ranks(seq, layout.world_size, layout.partial)
+        for rank in range(layout.world_size):
+            yielded = []
+            for w in range(layout.workers):
+                mine, perm = worker_plan(blocks[rank], layout, seed, epoch, rank, w)
+                assert is_permutation(perm, len(mine))
+                assert np.array_equal(perm, worker_plan(blocks[rank], layout, seed, epoch, rank, w)[1])
+                yielded += mine.tolist()
+            assert sorted(yielded) == sorted(blocks[rank].tolist())
+
+
+def test_consumed_matches_what_the_round_robin_delivered():
+    """consumed_samples == the samples in the first `delivered` items of every rank, polled round robin."""
+    rng = np.random.default_rng(2)
+    for _ in range(150):
+        counts = random_counts(rng)
+        layout = random_layout(rng)
+        seed, epoch = int(rng.integers(0, 1000)), int(rng.integers(0, 4))
+        seq = epoch_sequence(counts, seed, epoch, layout.shuffle)
+        per_rank = [rank_items(seq, layout, seed, epoch, r) for r in range(layout.world_size)]
+        total = len(list(itertools.chain.from_iterable(per_rank[0])))
+        assert all(sum(map(len, p)) == total for p in per_rank)  # equal item counts per rank
+        delivered = int(rng.integers(0, total + 1))
+        expected = []
+        for workers_items in per_rank:
+            # poll round robin over workers, skipping exhausted ones
+            queues = [list(items) for items in workers_items]
+            got = 0
+            while got < delivered:
+                for q in queues:
+                    if q and got < delivered:
+                        expected += q.pop(0)
+                        got += 1
+        consumed = consumed_samples(seq, layout, seed, epoch, delivered)
+        assert sorted(consumed.tolist()) == sorted(expected)
+
+
+def test_consumed_and_remaining_partition_the_epoch():
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        counts = random_counts(rng)
+        layout = random_layout(rng)
+        seed, epoch = int(rng.integers(0, 1000)), int(rng.integers(0, 4))
+        seq = epoch_sequence(counts, seed, epoch, layout.shuffle)
+        blocks = split_ranks(seq, layout.world_size, layout.partial)
+        items = [items_of(len(p), layout) for p in deal_chunks(blocks.shape[1], layout.workers, layout.chunk)]
+        delivered = int(rng.integers(0, sum(items) + 1))
+        consumed = consumed_samples(seq, layout, seed, epoch, delivered)
+        remaining = remaining_sequence(seq, consumed)
+        c, r = set(consumed.tolist()), remaining.tolist()
+        assert len(r) == len(set(r))  # no repeats in what is left
+        assert not (c & set(r))  # disjoint
+        assert c | set(r) == set(seq.tolist())  # together: everything
+        assert set(consumed.tolist()) <= set(blocks.reshape(-1).tolist())
+        # remaining keeps the epoch order
+        assert r == [x for x in seq.tolist() if x not in c]
+        # consumption is monotone in `delivered`
+        if delivered:
+            before = set(consumed_samples(seq, layout, seed, epoch, delivered - 1).tolist())
+            assert before <= c
+        # everything delivered: only the samples that "drop" left out remain
+        everything = consumed_samples(seq, layout, seed, epoch, sum(items))
+        if layout.batch_size is None or not layout.drop_last:
+            assert set(remaining_sequence(seq, everything).tolist()) == set(seq.tolist()) - set(
+                blocks.reshape(-1).tolist())
+
+
+def test_samples_of_items():
+    assert samples_of_items(3, 10, Layout(batch_size=4)) == 10
+    assert samples_of_items(2, 10, Layout(batch_size=4)) == 8
+    assert samples_of_items(7, 10, Layout()) == 7
+    assert samples_of_items(0, 10, Layout(batch_size=4)) == 0
+
+
+def test_items_of():
+    assert items_of(10, Layout()) == 10
+    assert items_of(10, Layout(batch_size=4)) == 3
+    assert items_of(10, Layout(batch_size=4, drop_last=True)) == 2
+    assert items_of(0, Layout(batch_size=4)) == 0
+    assert Layout().chunk == 64 and Layout(batch_size=3).chunk == 3

@@ -1,0 +1,372 @@
+"""Resuming mid-epoch: exact with the same layout, elastic with another world size or worker
+count; the state is plain data that survives JSON, msgpack and torch.save in a fresh process.
+
+Interruptions are real: items are consumed from a real iterator (in this process, or
+through a DataLoader with real worker processes), the state is taken, and a fresh
+dataset (and DataLoader) continues from it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import msgpack
+import pytest
+
+import shardstream
+from shardstream import ShardstreamError
+
+try:  # tests/ may or may not be a package
+    from . import _data as D
+except ImportError:
+    import _data as D
+
+N = D.N
+SEED = 7
+BATCH = 2
+OPTS = dict(shuffle=True, seed=SEED, shuffle_buffer=5, batch_size=BATCH)
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    return D.make_source(tmp_path_factory.mktemp("rsimages") / "src")
+
+
+@pytest.fixture(scope="module")
+def url(src, tmp_path_factory) -> str:
+    return D.pack_to(src, tmp_path_factory.mktemp("rspacked") / "many", D.MANY_SHARDS)
+
+
+@pytest.fixture(scope="module")
+def keys(src) -> set[str]:
+    return D.all_keys(src)
+
+
+def dataset(url, **kwargs):
+    return D.key_dataset(url, **{**OPTS, **kwargs})
+
+
+# -- exact resume, same layout -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("rank", "world_size"), [(0, 1), (1, 2)])
+@pytest.mark.parametrize("stop", ["early", "middle", "late"])
+def test_exact_resume_in_process(url, rank, world_size, stop):
+    full = [D.freeze(item) for item in dataset(url, rank=rank, world_size=world_size)]
+    k = {"early": 1, "middle": len(full) // 2, "late": len(full) - 1}[stop]
+
+    ds = dataset(url, rank=rank, world_size=world_size)
+    got = D.take_main(ds, k)
+    state = json.loads(json.dumps(ds.state_dict()))
+    assert state["current"]["delivered"] == k
+
+    resumed = dataset(url, rank=rank, world_size=world_size)
+    resumed.load_state_dict(state)
+    assert len(resumed) == len(full) - k
+    rest = [D.freeze(item) for item in resumed]
+    assert got == full[:k]
+    assert rest == full[k:], "the resumed sequence continues the uninterrupted one exactly"
+    # the epoch is complete: the next iteration starts it afresh
+    assert [D.freeze(item) for item in resumed] == full
+
+
+@pytest.mark.parametrize(("num_workers", "k", "rank", "world_size"), [
+    (2, 1, 0, 1),  # early, odd: the next item comes from worker 1
+    (2, 6, 0, 1),  # middle
+    (2, 10, 0, 1),  # late: one item left, on worker 0 (worker 1 is exhausted)
+    (2, 3, 1, 2),  # rank 1 of 2, padded
+    (3, 5, 0, 1),  # 3 workers with 4, 4 and 3 batches
+])
+def test_exact_resume_through_dataloader_workers(url, num_workers, k, rank, world_size):
+    full = D.run(dataset(url, rank=rank, world_size=world_size), num_workers)
+    assert 0 < k < len(full)
+
+    ds = dataset(url, rank=rank, world_size=world_size)
+    got = D.take(ds, num_workers, k)  # k = the items the training loop received
+    state = json.loads(json.dumps(ds.state_dict(delivered=k, num_workers=num_workers)))
+
+    resumed = dataset(url, rank=rank, world_size=world_size)
+    resumed.load_state_dict(state)
+    assert len(resumed) == len(full) - k
+    rest = D.run(resumed, num_workers)
+    assert got == full[:k]
+    assert rest == full[k:], "the resumed sequence continues the uninterrupted one exactly"
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_exact_resume_with_shardstream_dataloader(url, num_workers):
+    def make():
+        return shardstream.DataLoader(dataset(url), num_workers=num_workers, persistent_workers=False)
+
+    full = [D.freeze(b) for b in make()]
+    k = 5
+    loader = make()
+    it = iter(loader)
+    got = [D.freeze(next(it)) for _ in range(k)]
+    state = loader.state_dict()
+    it.close()
+    assert state["current"]["delivered"] == k
+
+    fresh = make()
+    fresh.load_state_dict(json.loads(json.dumps(state)))
+    assert len(fresh) == len(full) - k
+    rest = [D.freeze(b) for b in fresh]
+    assert got + rest == full
+    assert [D.freeze(b) for b in fresh] == full, "after the resumed epoch, a full epoch"
+
+
+def test_resume_then_checkpoint_again(url):
+    """Resumed, consumed some more, checkpointed again, resumed again: still exact."""
+    full = [D.freeze(item) for item in dataset(url)]
+    ds = dataset(url)
+    first = D.take_main(ds, 3)
+    state = ds.state_dict()
+    ds2 = dataset(url)
+    ds2.load_state_dict(state)
+    second = D.take_main(ds2, 4)
+    state2 = ds2.state_dict()
+    assert state2["current"]["delivered"] == 7
+    ds3 = dataset(url)
+    ds3.load_state_dict(state2)
+    assert first + second + [D.freeze(item) for item in ds3] == full
+
+
+# -- elastic resume: another world size or worker count -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def interrupted(url):
+    """A 2-rank x 2-worker run stopped after k items per rank: the items each rank got, and the state."""
+    cache = {}
+
+    def get(k):
+        if k not in cache:
+            got, states = [], []
+            for rank in range(2):
+                ds = dataset(url, rank=rank, world_size=2)
+                got.append(D.take(ds, 2, k))
+                states.append(ds.state_dict(delivered=k, num_workers=2))
+            assert states[0] == states[1], "ranks in lockstep describe the same state"
+            assert states[0]["current"]["layout"]["world_size"] == 2
+            assert states[0]["current"]["layout"]["workers"] == 2
+            cache[k] = got, json.loads(json.dumps(states[0]))
+        return cache[k]
+
+    return get
+
+
+def check_elastic(keys, consumed_keys, rest_by_rank, lens, world_size):
+    """Every sample once over the epoch plus declared padding, equal ranks, len == yield."""
+    consumed = set(consumed_keys)
+    remaining = N - len(consumed)
+    per_rank = D.ceil_div(remaining, world_size)
+    samples = [D.flat(items) for items in rest_by_rank]
+    assert [len(s) for s in samples] == [per_rank] * world_size, "equal ranks after the change"
+    assert len({len(items) for items in rest_by_rank}) == 1
+    assert lens == [len(items) for items in rest_by_rank], "len(ds) is what the resumed iteration yields"
+    rest = [k for s in samples for k in s]
+    assert not consumed & set(rest), "nothing consumed before the change is yielded again"
+    assert consumed | set(rest) == keys, "nothing is lost"
+    pad = per_rank * world_size - remaining
+    assert len(rest) - len(set(rest)) == pad, "repeats only as declared padding of the new layout"
+    # before the change, repeats only as the padding of the old layout (1 for 21 over 2 ranks)
+    assert len(consumed_keys) - len(consumed) <= D.pad_count(N, 2)
+
+
+@pytest.mark.parametrize(("new_world", "new_workers"), [(3, 0), (3, 2), (1, 1), (2, 0), (2, 3)])
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_elastic_resume(url, keys, interrupted, k, new_world, new_workers):
+    got, state = interrupted(k)
+    rest, lens = [], []
+    for rank in range(new_world):
+        ds = dataset(url, rank=rank, world_size=new_world)
+        ds.load_state_dict(state)
+        lens.append(len(ds))
+        rest.append(D.run(ds, new_workers))
+    check_elastic(keys, D.flat(got[0] + got[1]), rest, lens, new_world)
+
+
+def test_elastic_twice(url, keys, interrupted):
+    """2x2 -> 3 ranks in process (checkpointed again mid-way) -> 2 ranks x 1 worker."""
+    got, state = interrupted(3)
+    seg1 = D.flat(got[0] + got[1])
+    seg2, states = [], []
+    for rank in range(3):
+        ds = dataset(url, rank=rank, world_size=3)
+        ds.load_state_dict(state)
+        seg2 += D.flat(D.take_main(ds, 1))
+        states.append(ds.state_dict())
+    assert states[0] == states[1] == states[2]
+    assert len(states[0]["finished"]) == 1 and states[0]["finished"][0]["layout"]["workers"] == 2
+    assert not set(seg1) & set(seg2)
+    rest, lens = [], []
+    for rank in range(2):
+        ds = dataset(url, rank=rank, world_size=2)
+        ds.load_state_dict(json.loads(json.dumps(states[0])))
+        lens.append(len(ds))
+        rest.append(D.run(ds, 1))
+    check_elastic(keys, seg1 + seg2, rest, lens, 2)
+
+
+def test_elastic_resume_partial_drop(url, keys):
+    """With partial="drop" nothing repeats, before or after the change; fewer than
+    world_size samples of each layout's split may be left out."""
+    got = []
+    state = None
+    for rank in range(2):
+        ds = dataset(url, rank=rank, world_size=2, partial="drop")
+        got += D.flat(D.take(ds, 2, 2))
+        state = ds.state_dict(delivered=2, num_workers=2)
+    rest = []
+    for rank in range(3):
+        ds = dataset(url, rank=rank, world_size=3, partial="drop")
+        ds.load_state_dict(state)
+        rest.append(D.flat(D.run(ds, 0)))
+    assert len({len(r) for r in rest}) == 1
+    everything = got + [k for r in rest for k in r]
+    assert len(everything) == len(set(everything)), "drop never repeats"
+    assert len(keys - set(everything)) < 3
+
+
+# -- the state itself ----------------------------------------------------------------------------------------
+
+
+def test_state_is_plain_data(url):
+    ds = dataset(url, rank=1, world_size=2)
+    D.take_main(ds, 2)
+    state = ds.state_dict()
+    assert json.loads(json.dumps(state)) == state
+    assert msgpack.unpackb(msgpack.packb(state), raw=False) == state
+    assert state["seed"] == SEED and state["shuffle"] is True and state["epoch"] == 0
+
+    def plain(x):
+        if isinstance(x, dict):
+            return all(isinstance(k, str) and plain(v) for k, v in x.items())
+        if isinstance(x, list):
+            return all(plain(v) for v in x)
+        return x is None or type(x) in (int, str, bool, float)
+
+    assert plain(state)
+
+
+def test_state_survives_torch_save_in_a_fresh_process(url, tmp_path):
+    ds = dataset(url)
+    full = [D.freeze(item) for item in dataset(url)]
+    ds.set_epoch(0)
+    got = D.take_main(ds, 4)
+    path = tmp_path / "ckpt.pt"
+    import torch
+
+    torch.save({"data": ds.state_dict(), "step": 4}, path)
+    script = textwrap.dedent(f"""
+        import json, sys, torch
+        import shardstream
+        ckpt = torch.load({str(path)!r})  # weights_only: plain data loads without pickle
+        ds = shardstream.StreamingDataset({url!r}, decode=None, fields=("__key__",), shuffle=True, seed={SEED},
+                                          shuffle_buffer=5, batch_size={BATCH},
+                                          collate_fn=lambda b: [x[0] for x in b])
+        ds.load_state_dict(ckpt["data"])
+        print(json.dumps({{"step": ckpt["step"], "rest": [list(b) for b in ds]}}))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["step"] == 4
+    assert got + [tuple(b) for b in result["rest"]] == full
+
+
+def test_state_of_another_epoch(url):
+    """A state records its epoch; loading it selects that epoch."""
+    ds = dataset(url)
+    ds.set_epoch(3)
+    full3 = [D.freeze(item) for item in ds]
+    ds = dataset(url)
+    ds.set_epoch(3)
+    got = D.take_main(ds, 2)
+    state = ds.state_dict()
+    assert state["epoch"] == 3
+    fresh = dataset(url)
+    fresh.load_state_dict(state)
+    assert fresh.epoch == 3
+    assert got + [D.freeze(item) for item in fresh] == full3
+    # moving on to the next epoch forgets the resume point
+    fresh2 = dataset(url)
+    fresh2.load_state_dict(state)
+    fresh2.set_epoch(4)
+    ds4 = dataset(url)
+    ds4.set_epoch(4)
+    assert [D.freeze(item) for item in fresh2] == [D.freeze(item) for item in ds4]
+
+
+def test_state_from_another_dataset_or_seed_is_refused(url, src, tmp_path):
+    ds = dataset(url)
+    D.take_main(ds, 2)
+    state = ds.state_dict()
+    other_url = D.pack_to(src, tmp_path / "few", D.FEW_SHARDS)  # same samples, other shards
+    with pytest.raises(ShardstreamError, match="another dataset"):
+        dataset(other_url).load_state_dict(state)
+    with pytest.raises(ShardstreamError, match="seed"):
+        dataset(url, seed=SEED + 1).load_state_dict(state)
+    with pytest.raises(ShardstreamError):
+        dataset(url, shuffle=False).load_state_dict(state)
+    for broken in ({}, {**state, "version": 99}, {k: v for k, v in state.items() if k != "current"},
+                   {**state, "current": {"layout": {"nonsense": 1}, "delivered": 0}}):
+        with pytest.raises(ShardstreamError):
+            dataset(url).load_state_dict(broken)
+    # a refused state leaves the dataset as it was
+    ds2 = dataset(url)
+    with pytest.raises(ShardstreamError):
+        ds2.load_state_dict({**state, "seed": 123})
+    assert [D.freeze(i) for i in ds2] == [D.freeze(i) for i in dataset(url)]
+
+
+# -- known bugs ------------------------------------------------------------------------------------------------
+
+
+def test_state_dict_right_after_load_keeps_the_progress(url):
+    full = [D.freeze(item) for item in dataset(url)]
+    ds = dataset(url)
+    got = D.take_main(ds, 4)
+    state = ds.state_dict()
+    resumed = dataset(url)
+    resumed.load_state_dict(state)
+    again = resumed.state_dict()  # e.g. a checkpoint written right after restart, before step 1
+    fresh = dataset(url)
+    fresh.load_state_dict(again)
+    assert got + [D.freeze(item) for item in fresh] == full
+
+
+def test_loader_state_dict_right_after_load_keeps_the_progress(url):
+    loader = shardstream.DataLoader(dataset(url))
+    it = iter(loader)
+    for _ in range(4):
+        next(it)
+    state = loader.state_dict()
+    it.close()
+    fresh = shardstream.DataLoader(dataset(url))
+    fresh.load_state_dict(state)
+    assert fresh.state_dict() == state
+
+
+@pytest.mark.parametrize("num_workers", [
+    0,
+    1,
+])
+def test_after_a_resumed_epoch_the_next_pass_is_full(url, num_workers):
+    full = D.run(dataset(url), num_workers)
+    ds = dataset(url)
+    D.take_main(ds, 3)
+    state = ds.state_dict(num_workers=num_workers)
+    resumed = dataset(url)
+    resumed.load_state_dict(state)
+    dl = D.loader(resumed, num_workers)
+    assert [D.freeze(b) for b in dl] == full[3:]
+    assert [D.freeze(b) for b in dl] == full
+    assert len(resumed) == len(full)
