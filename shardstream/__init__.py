@@ -35,6 +35,8 @@ _LAZY = {
     "LoaderStats": "loader",
     "Normalize": "loader",
     "World": "world",
+    "Sampling": "sampling",
+    "Mix": "sampling",
     "pad_collate": "collate",
     "default_collate": "collate",
     "RandomResizedCropJPEG": "transforms",

@@ -28,6 +28,7 @@ from .policy import ErrorPolicy, guarded
 from .plan import (Layout, deal_chunks, epoch_sequence, items_of, round_robin_delivered, round_robin_next,
                    split_ranks, worker_plan)
 from .resume import ResumeState, current_sequence
+from .sampling import Mix, Sampling, class_sample_weights, mixed_sequence, sized_sequence, weighted_sequence
 from .shared import SharedState
 from .source import Source, resolve_source
 from .stream import read_samples, reorder
@@ -45,7 +46,7 @@ class StreamingDataset(IterableDataset):
     Args:
         source: a packed dataset (path or fsspec URL of the folder with
             ``manifest.msgpack``), a brace pattern (``data/shard-{000000..000009}.tar``)
-            or a list of shard URLs; plain WebDataset tars are read too.
+            or a list of shard URLs (plain WebDataset tars are read too), or a `Mix`.
         shuffle: shuffle the shard order per epoch, then samples in a buffer per worker.
         seed: the seed of every random choice; with `set_epoch` it fixes the order.
         shuffle_buffer: samples held per worker for shuffling; memory is about this
@@ -74,12 +75,15 @@ class StreamingDataset(IterableDataset):
             missing field) naming shard and key; ``"skip"`` logs and counts it and
             yields a good sample in its place (counts stay equal per rank), raising past
             a cap; an `ErrorPolicy` sets the cap.
+        sampling: class-weighted draws and the epoch size (`Sampling`); a `Mix` as the
+            source mixes datasets by weight. Both keep every guarantee but
+            exactly-once, which weighted draws replace by design.
         allow_pickle: decode ``.pyd``/``.pth`` fields with pickle (trusted data only).
     """
 
     def __init__(
         self,
-        source: str | Sequence[str],
+        source: str | Sequence[str] | Mix,
         *,
         shuffle: bool = False,
         seed: int = 0,
@@ -98,6 +102,7 @@ class StreamingDataset(IterableDataset):
         cache_dir: str | None = None,
         cache_limit: int | str = "50GB",
         on_error: str | ErrorPolicy = "raise",
+        sampling: Sampling | None = None,
         allow_pickle: bool = False,
     ) -> None:
         super().__init__()
@@ -124,6 +129,8 @@ class StreamingDataset(IterableDataset):
         self._resolved: Source | None = None
         self._counts: np.ndarray | None = None
         self.on_error = ErrorPolicy.of(on_error)
+        self.sampling = sampling
+        self._labels: np.ndarray | None = None
         self._shared = SharedState()  # epoch and counters, seen by the workers too
         self._resume: ResumeState | None = None
         self._resume_id = 0
@@ -170,6 +177,32 @@ class StreamingDataset(IterableDataset):
             self._counts = self.resolve().counts()
         return self._counts
 
+    def _epoch_ids(self) -> np.ndarray:
+        """The epoch sequence: every sample once, or what `sampling` and a `Mix` draw."""
+        counts, seed, epoch, shuffle = self.counts(), self.seed, self.epoch, self.shuffle
+        n = self.sampling.samples_per_epoch if self.sampling is not None else None
+        if isinstance(self.source, Mix):
+            source = self.resolve()
+            sizes = [len(p.shards) for p in source.parts]
+            bounds = np.concatenate([[0], np.cumsum(sizes)])
+            offsets = np.concatenate([[0], np.cumsum(counts)])[bounds[:-1]]
+            part_counts = [counts[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+            def sequence(i: int, k: int) -> np.ndarray:  # source i's k-th pass this epoch
+                return offsets[i] + epoch_sequence(part_counts[i], seed, epoch, shuffle, salt=(i << 20) + k)
+
+            passes = [lambda k, i=i: sequence(i, k) for i in range(len(sizes))]
+            return mixed_sequence([sequence(i, 0) for i in range(len(sizes))], self.source.weights,
+                                  n or int(counts.sum()), passes)
+        if self.sampling is not None and self.sampling.class_weights is not None:
+            if self._labels is None:
+                self._labels = self.resolve().labels()
+            weights = class_sample_weights(self._labels, self.sampling.class_weights)
+            return weighted_sequence(counts, weights, seed, epoch, shuffle, n or int(counts.sum()))
+        if n is not None:
+            return sized_sequence(counts, seed, epoch, shuffle, n)
+        return epoch_sequence(counts, seed, epoch, shuffle)
+
     def _active_resume(self, world: World) -> ResumeState | None:
         """The loaded resume state, unless every worker has already finished that epoch."""
         if self._resume is not None and self._shared.resume_used_up(self._resume_id, world.workers):
@@ -180,8 +213,7 @@ class StreamingDataset(IterableDataset):
         """This rank's samples of the current segment, its layout, segment number and items already delivered."""
         layout = self.layout(world)
         sequence, segment, delivered = current_sequence(
-            epoch_sequence(self.counts(), self.seed, self.epoch, self.shuffle), self._active_resume(world), layout,
-            self.seed, self.epoch,
+            self._epoch_ids(), self._active_resume(world), layout, self.seed, self.epoch,
         )
         return split_ranks(sequence, world.size, self.partial)[world.rank], layout, segment, delivered
 

@@ -43,7 +43,9 @@ __all__ = [
     "items_of",
     "round_robin_delivered",
     "round_robin_next",
+    "consumed_positions",
     "consumed_samples",
+    "remaining_after",
     "remaining_sequence",
     "samples_of_items",
     "rng_for",
@@ -84,11 +86,17 @@ def rng_for(seed: int, *parts: int) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence(words))
 
 
-def epoch_sequence(counts: Sequence[int] | np.ndarray, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
-    """Global sample ids of the epoch: shards in seeded order, samples in file order."""
+def epoch_sequence(counts: Sequence[int] | np.ndarray, seed: int, epoch: int, shuffle: bool,
+                   salt: int = 0) -> np.ndarray:
+    """Global sample ids of the epoch: shards in seeded order, samples in file order.
+
+    `salt` > 0 gives further, independent orders of the same epoch (for epochs that
+    need more than one pass over the data).
+    """
     counts = np.asarray(counts, dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]]) if len(counts) else np.zeros(0, np.int64)
-    order = rng_for(seed, epoch, 0).permutation(len(counts)) if shuffle else np.arange(len(counts))
+    rng = rng_for(seed, epoch, 0, salt) if salt else rng_for(seed, epoch, 0)
+    order = rng.permutation(len(counts)) if shuffle else np.arange(len(counts))
     if not len(order):
         return np.zeros(0, dtype=np.int64)
     return np.concatenate([np.arange(starts[s], starts[s] + counts[s], dtype=np.int64) for s in order])
@@ -202,10 +210,11 @@ def samples_of_items(n_items: int, samples: int, layout: Layout) -> int:
     return min(samples, n_items * (layout.batch_size or 1))
 
 
-def consumed_samples(sequence: np.ndarray, layout: Layout, seed: int, epoch: int, delivered: int,
-                     segment: int = 0) -> np.ndarray:
-    """Sample ids every rank had received after `delivered` items each (ranks in lockstep)."""
-    blocks = split_ranks(sequence, layout.world_size, layout.partial)
+def consumed_positions(n: int, layout: Layout, seed: int, epoch: int, delivered: int,
+                       segment: int = 0) -> np.ndarray:
+    """Positions in an epoch sequence of length `n` that every rank had received after
+    `delivered` items each (ranks move in lockstep); a padded repeat maps to its original."""
+    blocks = split_ranks(np.arange(n, dtype=np.int64), layout.world_size, layout.partial)
     taken = []
     for rank in range(layout.world_size):
         plans = [worker_plan(blocks[rank], layout, seed, epoch, rank, w, segment) for w in range(layout.workers)]
@@ -214,6 +223,23 @@ def consumed_samples(sequence: np.ndarray, layout: Layout, seed: int, epoch: int
     return np.concatenate(taken) if taken else np.zeros(0, dtype=np.int64)
 
 
+def consumed_samples(sequence: np.ndarray, layout: Layout, seed: int, epoch: int, delivered: int,
+                     segment: int = 0) -> np.ndarray:
+    """Sample ids every rank had received after `delivered` items each (ranks in lockstep)."""
+    return sequence[consumed_positions(len(sequence), layout, seed, epoch, delivered, segment)]
+
+
 def remaining_sequence(sequence: np.ndarray, consumed: np.ndarray) -> np.ndarray:
-    """`sequence` without the samples already consumed (a padded repeat counts as seen)."""
+    """`sequence` without the samples already consumed (a padded repeat counts as seen).
+
+    By sample id: for sequences where every id is distinct. A sampled sequence (ids
+    drawn with replacement) goes by position instead: `remaining_after`.
+    """
     return sequence[~np.isin(sequence, consumed)]
+
+
+def remaining_after(sequence: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """`sequence` without the entries at `positions` (consumed ones)."""
+    keep = np.ones(len(sequence), dtype=bool)
+    keep[positions] = False
+    return sequence[keep]

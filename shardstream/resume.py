@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .errors import ShardstreamError
-from .plan import Layout, consumed_samples, remaining_sequence
+from .plan import Layout, consumed_positions, remaining_after
 
 if TYPE_CHECKING:
     from .dataset import StreamingDataset
@@ -111,7 +111,11 @@ class ResumeState:
 
 
 def _fingerprint_of(dataset: "StreamingDataset") -> str:
-    return fingerprint(dataset.counts(), [ref.name for ref in dataset.resolve().shards])
+    # What decides the epoch sequence besides seed and epoch: the shards, the sampling, the mix.
+    extra = [repr(getattr(dataset.source, "weights", None)),
+             dataset.sampling.describe() if dataset.sampling is not None else ""]
+    names = [ref.name for ref in dataset.resolve().shards]
+    return fingerprint(np.concatenate([dataset.counts(), [0, 0]]), names + extra)
 
 
 def _finished_before(resume: ResumeState | None, layout: Layout) -> tuple[Segment, ...]:
@@ -128,8 +132,8 @@ def current_sequence(sequence: np.ndarray, resume: ResumeState | None, layout: L
     """(the samples still to read this epoch, the segment number, items already delivered in it)."""
     finished = _finished_before(resume, layout)
     for number, segment in enumerate(finished):
-        sequence = remaining_sequence(
-            sequence, consumed_samples(sequence, segment.layout, seed, epoch, segment.delivered, number)
+        sequence = remaining_after(
+            sequence, consumed_positions(len(sequence), segment.layout, seed, epoch, segment.delivered, number)
         )
     delivered = resume.current.delivered if resume is not None and resume.current.layout == layout else 0
     return sequence, len(finished), delivered

@@ -44,28 +44,50 @@ class ShardRef:
 
 @dataclass(frozen=True)
 class Source:
-    """An ordered list of shards, and the manifest if the source has one."""
+    """An ordered list of shards, and the manifest if the source has one.
+
+    A mix of several sources (`parts`) lists all their shards in order.
+    """
 
     url: str
     shards: tuple[ShardRef, ...]
     manifest: Manifest | None = None
+    parts: tuple["Source", ...] = ()
 
     @property
     def indexed(self) -> bool:
         """True when every shard can be read by sample ranges (sample-granular splitting)."""
+        if self.parts:
+            return all(p.indexed for p in self.parts)
         return self.manifest is not None
 
     def mean_sample_bytes(self) -> int:
         """Stored bytes per sample (from the manifest; a typical image otherwise)."""
-        if self.manifest is None or not self.manifest.samples:
+        manifests = [p.manifest for p in self.parts] if self.parts else [self.manifest]
+        if any(m is None for m in manifests) or not sum(m.samples for m in manifests):  # type: ignore[union-attr]
             return 128 << 10
-        return max(1, sum(s.bytes for s in self.manifest.shards) // self.manifest.samples)
+        stored = sum(s.bytes for m in manifests for s in m.shards)  # type: ignore[union-attr]
+        return max(1, stored // sum(m.samples for m in manifests))  # type: ignore[union-attr]
 
     def counts(self) -> np.ndarray:
         """Samples per shard."""
+        if self.parts:
+            return np.concatenate([p.counts() for p in self.parts])
         if self.manifest is not None:
             return self.manifest.counts
         return np.array([len(ref.reader()) if _random_access(ref) else _count(ref) for ref in self.shards], dtype=np.int64)
+
+    def labels(self) -> np.ndarray:
+        """Every sample's class index, in shard order, from the shard indexes (one read each)."""
+        out = []
+        for ref in self.shards:
+            reader = ref.reader()
+            index = getattr(reader, "index", None)
+            if index is None or index.labels is None:
+                raise ShardstreamError("class weights need per-sample labels: this shard's index has none "
+                                       "(pack it with shardstream 0.1+, with a cls field)", url=ref.url)
+            out.append(index.labels)
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
 
 def _random_access(ref: ShardRef) -> bool:
@@ -105,9 +127,14 @@ def expand_braces(pattern: str) -> list[str]:
     return [name for i in range(int(lo), int(hi) + 1) for name in expand_braces(f"{head}{i:0{width}d}{tail}")]
 
 
-def resolve_source(source: str | Sequence[str], *, storage_options: dict[str, Any] | None = None) -> Source:
-    """A `Source` from a dataset location, a brace pattern, or a list of shard URLs."""
+def resolve_source(source: "str | Sequence[str] | Mix", *, storage_options: dict[str, Any] | None = None) -> Source:
+    """A `Source` from a dataset location, a brace pattern, a list of shard URLs, or a `Mix` of those."""
+    from .sampling import Mix
+
     options = storage_options or {}
+    if isinstance(source, Mix):
+        parts = tuple(resolve_source(s, storage_options=options) for s in source.sources)
+        return Source("mix", tuple(ref for p in parts for ref in p.shards), None, parts)
     if isinstance(source, str):
         if not _BRACES.search(source) and not source.endswith((".tar", ".tgz", ".gz", ".zst")):
             return open_dataset(source, storage_options=options)

@@ -1,0 +1,139 @@
+"""Sampling in a stream: class weights, epoch size, and mixing datasets. Pure functions.
+
+A stream cannot index at random the way `WeightedRandomSampler` does, but the plan can:
+every choice below is made on sample ids, from the seed and the epoch, before any data
+is read. The result is an epoch sequence like `plan.epoch_sequence`'s, so everything
+downstream holds unchanged: equal counts per rank, deterministic order, exact resume.
+
+* **Class weights** (``Sampling(class_weights="balanced")`` or ``{class: weight}``):
+  the epoch draws `samples_per_epoch` ids with replacement, each sample with
+  probability proportional to its class's weight ("balanced" is 1 / class count, the
+  PyTorch recipe), over the per-sample labels that shard indexes carry. The draws are
+  then grouped by shard (shards in the epoch's seeded order) and sorted within a shard,
+  so reading stays sequential; repeats of a sample sit next to each other until the
+  shuffle buffer spreads them. Cost: one pass over the labels (4 bytes a sample) per
+  epoch, and reading every index once.
+* **Epoch size** (``samples_per_epoch``) without weights: a prefix of the epoch
+  sequence when smaller than the data, further independent passes appended when larger.
+* **Mixing** (`Mix`): each source has its own epoch sequence; the mixed sequence takes
+  source i's k-th sample at time (k + 1/2) / w_i, merged in time order. That is a
+  low-discrepancy interleaving: any window of the sequence holds each source within one
+  sample of its share. A source that runs out starts another pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from .plan import epoch_sequence, rng_for
+
+__all__ = ["Sampling", "Mix", "sized_sequence", "weighted_sequence", "mixed_sequence", "class_sample_weights"]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How an epoch draws from the data (see the module docstring)."""
+
+    class_weights: str | Mapping[int, float] | None = None
+    samples_per_epoch: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.class_weights, str) and self.class_weights != "balanced":
+            raise ValueError(f"class_weights must be 'balanced' or a mapping, not {self.class_weights!r}")
+        if self.samples_per_epoch is not None and self.samples_per_epoch < 1:
+            raise ValueError("samples_per_epoch must be positive")
+
+    def describe(self) -> str:
+        weights = self.class_weights if isinstance(self.class_weights, (str, type(None))) else sorted(
+            self.class_weights.items())
+        return f"class_weights={weights!r}, samples_per_epoch={self.samples_per_epoch}"
+
+
+@dataclass(frozen=True)
+class Mix:
+    """Several datasets read as one, each contributing `weights[i]` of every window."""
+
+    sources: tuple[str | tuple[str, ...], ...]
+    weights: tuple[float, ...] = field(default=())
+
+    def __init__(self, sources: Sequence[str | Sequence[str]], weights: Sequence[float]):
+        if len(sources) != len(weights) or not sources:
+            raise ValueError("Mix needs one weight per source")
+        if any(w <= 0 for w in weights):
+            raise ValueError("Mix weights must be positive")
+        total = float(sum(weights))
+        object.__setattr__(self, "sources", tuple(s if isinstance(s, str) else tuple(s) for s in sources))
+        object.__setattr__(self, "weights", tuple(w / total for w in weights))
+
+
+def sized_sequence(counts: np.ndarray, seed: int, epoch: int, shuffle: bool, n: int) -> np.ndarray:
+    """`n` ids: the epoch sequence cut short, or extended by further independent passes."""
+    parts, have, salt = [], 0, 0
+    while have < n:
+        part = epoch_sequence(counts, seed, epoch, shuffle, salt=salt)
+        if not len(part):
+            break
+        parts.append(part)
+        have += len(part)
+        salt += 1
+    return np.concatenate(parts)[:n] if parts else np.zeros(0, dtype=np.int64)
+
+
+def class_sample_weights(labels: np.ndarray, class_weights: str | Mapping[int, float]) -> np.ndarray:
+    """Per-sample weights from per-class weights ("balanced": 1 / class count)."""
+    labels = np.asarray(labels, dtype=np.int64)
+    if (labels < 0).any():
+        raise ValueError("class weights need a class label (cls) on every sample")
+    if isinstance(class_weights, str):
+        table = 1.0 / np.maximum(np.bincount(labels), 1)
+    else:
+        table = np.zeros(int(max(labels.max(initial=0), max(class_weights, default=0))) + 1)
+        for c, w in class_weights.items():
+            table[c] = w
+    return table[labels]
+
+
+def weighted_sequence(counts: np.ndarray, weights: np.ndarray, seed: int, epoch: int, shuffle: bool,
+                      n: int) -> np.ndarray:
+    """`n` ids drawn with replacement with probability ∝ `weights`, grouped by shard for reading."""
+    weights = np.asarray(weights, dtype=np.float64)
+    if weights.sum() <= 0:
+        raise ValueError("sample weights sum to zero")
+    draws = np.sort(rng_for(seed, epoch, 2).choice(len(weights), size=n, p=weights / weights.sum()))
+    # Shards in the epoch's order, each shard's draws sorted: sequential reads.
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    shard_of = np.searchsorted(starts, draws, side="right") - 1
+    order = rng_for(seed, epoch, 0).permutation(len(counts)) if shuffle else np.arange(len(counts))
+    rank = np.empty(len(counts), dtype=np.int64)
+    rank[order] = np.arange(len(counts))
+    return draws[np.argsort(rank[shard_of], kind="stable")]
+
+
+def mixed_sequence(sequences: Sequence[np.ndarray], weights: Sequence[float], n: int,
+                   more: Sequence = ()) -> np.ndarray:
+    """Interleave per-source sequences by weight into `n` ids (see the module docstring).
+
+    `more[i](k)` gives source i's k-th further pass when its sequence runs out.
+    """
+    weights = np.asarray(weights, dtype=np.float64)
+    weights = weights / weights.sum()
+    # Source i's k-th pick happens at time (k + 1/2) / w_i; the first n picks in time win.
+    quota = np.floor(weights * n).astype(np.int64) + 2
+    times = np.concatenate([(np.arange(q) + 0.5) / w for q, w in zip(quota, weights)])
+    source = np.concatenate([np.full(q, i) for i, q in enumerate(quota)])
+    picked = source[np.argsort(times, kind="stable")[:n]]
+    out = np.empty(n, dtype=np.int64)
+    for i, seq in enumerate(sequences):
+        where = np.flatnonzero(picked == i)
+        stream, k = [seq], 1
+        while sum(len(s) for s in stream) < len(where) and len(seq):
+            stream.append(more[i](k))
+            k += 1
+        ids = np.concatenate(stream)[: len(where)] if len(seq) else np.zeros(0, np.int64)
+        if len(ids) < len(where):
+            raise ValueError(f"mixed source {i} has no samples")
+        out[where] = ids
+    return out
