@@ -355,12 +355,9 @@ class _Progress:
     """A tqdm bar over the planned seconds of all runs, on stderr."""
 
     def __init__(self, total_s: float, enabled: bool) -> None:
-        from tqdm import tqdm
+        from .progress import progress_bar
 
-        class Bar(tqdm):  # type: ignore[misc,type-arg]
-            monitor_interval = 0  # no monitor thread: the loader forks workers while the bar is up
-
-        self.bar = Bar(total=round(total_s, 1), unit="s", desc="bench", disable=not enabled,
+        self.bar = progress_bar(total=round(total_s, 1), unit="s", desc="bench", disable=not enabled,
                        bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s [{elapsed}{postfix}]")
         self.done = 0.0  # seconds of finished runs
         self._last = 0.0

@@ -61,10 +61,11 @@ class ShardCache:
         path = os.path.join(folder, ref.name)
         lock = open(path + ".lock", "a+b")
         try:
-            fcntl.flock(lock, fcntl.LOCK_SH)
-            if path in _verified and self._present(path, ref):
-                io_stats.add(cache_hits=1)
-            else:
+            for _ in range(3):
+                fcntl.flock(lock, fcntl.LOCK_SH)
+                if path in _verified and self._present(path, ref):
+                    io_stats.add(cache_hits=1)
+                    break
                 fcntl.flock(lock, fcntl.LOCK_EX)  # only one process checks or downloads
                 if self._present(path, ref) and _sha256(path) == ref.info.sha256 and \
                         _sha256(os.path.join(folder, ref.info.index)) == ref.info.index_sha256:
@@ -74,7 +75,15 @@ class ShardCache:
                     self._make_room(folder, ref.info.bytes + ref.info.index_bytes)
                     self._download(ref, path)
                 _verified.add(path)
-                fcntl.flock(lock, fcntl.LOCK_SH)  # downgrade: readers may share it now
+                # Downgrade so readers can share. flock converts by unlocking first, so an
+                # evictor may slip in between: check again that the file is still there.
+                fcntl.flock(lock, fcntl.LOCK_SH)
+                if self._present(path, ref):
+                    break
+                _verified.discard(path)
+            else:
+                raise StorageError("cached shard keeps disappearing (cache_limit too small for the shards in use?)",
+                                   url=ref.url)
             os.utime(path)  # most recently used
         except BaseException:
             lock.close()

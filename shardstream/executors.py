@@ -36,7 +36,7 @@ def pack_with_ray(src: str, dst: str, *, parts: int, address: str | None = None,
         import ray
     except ImportError as e:
         raise ImportError("the Ray executor needs ray: pip install 'shardstream[ray]'") from e
-    from tqdm import tqdm
+    from .progress import progress_bar
 
     if not ray.is_initialized():
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
@@ -44,7 +44,7 @@ def pack_with_ray(src: str, dst: str, *, parts: int, address: str | None = None,
     task = ray.remote(num_cpus=cpus_per_part)(_pack_part)
     pending = {task.remote(src, dst, (i, parts), options): i for i in range(parts)}
     summaries: dict[int, PackSummary] = {}
-    with tqdm(total=parts, unit="part", desc="pack (ray)", disable=not progress) as bar:
+    with progress_bar(total=parts, unit="part", desc="pack (ray)", disable=not progress) as bar:
         while pending:
             done, _ = ray.wait(list(pending), num_returns=1)
             for ref in done:

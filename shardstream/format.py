@@ -198,6 +198,7 @@ class ShardIndex:
     frame_offsets: np.ndarray
     frame_raw_offsets: np.ndarray
     compression: str
+    labels: np.ndarray | None = None  # each sample's class (`cls`), -1 where none; optional
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -216,6 +217,8 @@ class ShardIndex:
             "frame_offsets": _u64(self.frame_offsets),
             "frame_raw_offsets": _u64(self.frame_raw_offsets),
         }
+        if self.labels is not None:
+            body["labels"] = np.asarray(self.labels, dtype="<i4").tobytes()
         return msgpack.packb(body, use_bin_type=True)
 
     @classmethod
@@ -233,6 +236,7 @@ class ShardIndex:
             frame_offsets=_from_u64(_require(raw, "frame_offsets", bytes, url, E), url),
             frame_raw_offsets=_from_u64(_require(raw, "frame_raw_offsets", bytes, url, E), url),
             compression=_require(raw, "compression", str, url, E),
+            labels=_labels(raw.get("labels"), len(keys), url),
         )
         if index.compression not in COMPRESSIONS:
             raise E(f"unknown compression {index.compression!r}", url=url)
@@ -256,6 +260,14 @@ class ShardIndex:
                 raise E("frame offsets are not increasing", url=url)
         if not all(isinstance(k, str) for k in self.keys):
             raise E("keys must be strings", url=url)
+
+
+def _labels(data: Any, n: int, url: str) -> np.ndarray | None:
+    if data is None:
+        return None
+    if not isinstance(data, bytes) or len(data) != 4 * n:
+        raise CorruptIndexError(f"labels must be {n} int32 values", url=url)
+    return np.frombuffer(data, dtype="<i4").astype(np.int64)
 
 
 def _u64(values: np.ndarray) -> bytes:

@@ -289,7 +289,7 @@ class _FramePool:
                 message = conn.recv()
                 if message[0] == "error":
                     raise message[1]
-                _, shard, keys, sizes, fields, raw_size, skipped, bytes_in = message
+                _, shard, keys, sizes, fields, raw_size, skipped, bytes_in, labels = message
                 data = _recv_data(conn)
             except EOFError:
                 proc = self.procs[i % workers]
@@ -297,7 +297,7 @@ class _FramePool:
                 raise ShardstreamError(
                     f"pack worker process {proc.name} exited unexpectedly (exit code {proc.exitcode})"
                 ) from None
-            yield FrameResult(shard, Frame(keys, sizes, fields, data, raw_size), skipped, bytes_in)
+            yield FrameResult(shard, Frame(keys, sizes, fields, data, raw_size, labels), skipped, bytes_in)
 
     def close(self, wait: bool) -> None:
         """Stop the workers: let them exit (`wait`, after the last result), or end them now."""
@@ -357,7 +357,7 @@ def _frame_worker(jobs: list[Any], conn: Any) -> None:
                 break
             frame = result.frame
             message = ("ok", result.shard, frame.keys, frame.sizes, frame.fields, frame.raw_size, result.skipped,
-                       result.bytes_in)
+                       result.bytes_in, frame.labels)
             out.put((bytes(ForkingPickler.dumps(message)), frame.data))
     finally:
         out.put(None)
@@ -545,9 +545,6 @@ def _finish(writer: ShardFileWriter, shard: int, skipped: list[tuple[str, str]],
 
 
 def _progress(total: int, enabled: bool) -> Any:
-    from tqdm import tqdm
+    from .progress import progress_bar
 
-    class Bar(tqdm):  # type: ignore[misc,type-arg]
-        monitor_interval = 0  # no monitor thread: a later pack may still fork safely
-
-    return Bar(total=total, unit="img", desc="pack", disable=not enabled, smoothing=0.1)
+    return progress_bar(total=total, unit="img", desc="pack", disable=not enabled, smoothing=0.1)

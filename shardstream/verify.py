@@ -62,18 +62,13 @@ class VerifyReport:
         return not self.problems
 
 
-def _file_sha256(store: Any, name: str, size: int) -> tuple[str, int]:
-    """Hash a file by ranged reads (each retried like any read), reading one byte past
-    the expected size to notice a file that is longer than the manifest says."""
-    digest, read = hashlib.sha256(), 0
-    chunk = 16 << 20
-    while True:
-        data = store.read(name, read, read + chunk) if read < size else store.read(name, read, read + 1)
-        digest.update(data)
-        read += len(data)
-        if not data or read > size:
-            break
-    return digest.hexdigest(), read
+def _file_sha256(store: Any, name: str) -> tuple[str, int]:
+    """Hash a file by ranged reads of its actual size (each read retried like any other)."""
+    size = store.size(name)
+    digest = hashlib.sha256()
+    for start in range(0, size, 16 << 20):
+        digest.update(store.read(name, start, min(size, start + (16 << 20))))
+    return digest.hexdigest(), size
 
 
 def verify_shard(reader: ShardReader, decode_images: bool = True) -> Iterator[Problem | int]:
@@ -81,7 +76,7 @@ def verify_shard(reader: ShardReader, decode_images: bool = True) -> Iterator[Pr
     info = reader.info
     assert info is not None
     try:
-        digest, size = _file_sha256(reader.store, reader.name, info.bytes)
+        digest, size = _file_sha256(reader.store, reader.name)
     except ShardstreamError as e:
         yield Problem(info.name, None, str(e))
         return
@@ -107,7 +102,7 @@ def verify_dataset(
     url: str, *, decode_images: bool = True, progress: bool = False, storage_options: dict[str, Any] | None = None
 ) -> VerifyReport:
     """Check every checksum, the index against each shard, and (by default) that every image decodes."""
-    from tqdm import tqdm
+    from .progress import progress_bar
 
     report = VerifyReport()
     try:
@@ -115,7 +110,7 @@ def verify_dataset(
     except ShardstreamError as e:
         report.problems.append(Problem("manifest", None, str(e)))
         return report
-    bar = tqdm(total=source.manifest.samples if source.manifest else None, unit="sample", desc="verify", disable=not progress)
+    bar = progress_bar(total=source.manifest.samples if source.manifest else None, unit="sample", desc="verify", disable=not progress)
     for ref in source.shards:
         report.shards += 1
         reader = ref.reader()
