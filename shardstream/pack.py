@@ -13,6 +13,7 @@ Nothing is lost silently: every file of the source is packed, skipped with a rea
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import multiprocessing
@@ -289,7 +290,7 @@ class _FramePool:
                 message = conn.recv()
                 if message[0] == "error":
                     raise message[1]
-                _, shard, keys, sizes, fields, raw_size, skipped, bytes_in, labels = message
+                _, shard, frame_fields, skipped, bytes_in = message
                 data = _recv_data(conn)
             except EOFError:
                 proc = self.procs[i % workers]
@@ -297,7 +298,7 @@ class _FramePool:
                 raise ShardstreamError(
                     f"pack worker process {proc.name} exited unexpectedly (exit code {proc.exitcode})"
                 ) from None
-            yield FrameResult(shard, Frame(keys, sizes, fields, data, raw_size, labels), skipped, bytes_in)
+            yield FrameResult(shard, Frame(data=data, **frame_fields), skipped, bytes_in)
 
     def close(self, wait: bool) -> None:
         """Stop the workers: let them exit (`wait`, after the last result), or end them now."""
@@ -356,8 +357,9 @@ def _frame_worker(jobs: list[Any], conn: Any) -> None:
                 out.put((_pickle_error(e), None))
                 break
             frame = result.frame
-            message = ("ok", result.shard, frame.keys, frame.sizes, frame.fields, frame.raw_size, result.skipped,
-                       result.bytes_in, frame.labels)
+            # Every field of the Frame but its data, which follows raw (see _send_data).
+            frame_fields = {f.name: getattr(frame, f.name) for f in dataclasses.fields(frame) if f.name != "data"}
+            message = ("ok", result.shard, frame_fields, result.skipped, result.bytes_in)
             out.put((bytes(ForkingPickler.dumps(message)), frame.data))
     finally:
         out.put(None)

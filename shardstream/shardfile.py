@@ -47,16 +47,20 @@ class Frame:
     fields: set[str]
     data: bytes | bytearray  # one zstd frame, or the raw tar bytes for uncompressed shards
     raw_size: int
+    labels: list[int] = field(default_factory=list)  # each sample's `cls`, -1 if none
 
 
 def build_frame(samples: Sequence[tuple[str, list[tuple[str, bytes]]]], compression: str, level: int) -> Frame:
     """Lay out samples as tar members and compress them into one frame."""
     parts: list[bytes] = []
-    keys, sizes, fields = [], [], set()
+    keys, sizes, fields, labels = [], [], set(), []
     member_parts = tario.member_parts
     for key, members in samples:
         size = 0
+        label = -1
         for name, data in members:
+            if name == "cls":
+                label = _label(data)
             # Header, data and padding go into one join: the data is copied once.
             header, data, pad = member_parts(f"{key}.{name}", data)
             parts += (header, data, pad)
@@ -64,9 +68,17 @@ def build_frame(samples: Sequence[tuple[str, list[tuple[str, bytes]]]], compress
             fields.add(name)
         keys.append(key)
         sizes.append(size)
+        labels.append(label)
     raw = b"".join(parts)
     data = _compressor(level).compress(raw) if compression == "zstd" else raw
-    return Frame(keys, sizes, fields, data, len(raw))
+    return Frame(keys, sizes, fields, data, len(raw), labels)
+
+
+def _label(data: bytes) -> int:
+    try:
+        return int(data)
+    except ValueError:
+        return -1
 
 
 def seek_table(frames: Sequence[tuple[int, int]]) -> bytes:
@@ -96,6 +108,7 @@ class ShardFileWriter:
     _tmp: str = field(default="", init=False, repr=False)
     _hash: "hashlib._Hash" = field(default_factory=hashlib.sha256, init=False, repr=False)
     _keys: list[str] = field(default_factory=list, init=False, repr=False)
+    _labels: list[int] = field(default_factory=list, init=False, repr=False)
     _sample_offsets: list[int] = field(default_factory=lambda: [0], init=False, repr=False)
     _frames: list[tuple[int, int]] = field(default_factory=list, init=False, repr=False)
     _fields: set[str] = field(default_factory=set, init=False, repr=False)
@@ -120,6 +133,7 @@ class ShardFileWriter:
         self._write(frame.data)
         self._frames.append((len(frame.data), frame.raw_size))
         self._keys.extend(frame.keys)
+        self._labels.extend(frame.labels or [-1] * len(frame.keys))
         for size in frame.sizes:
             self._sample_offsets.append(self._sample_offsets[-1] + size)
         self._fields |= frame.fields
@@ -161,6 +175,7 @@ class ShardFileWriter:
             comp = raw = np.zeros(0, dtype=np.int64)
         return ShardIndex(
             keys=tuple(self._keys),
+            labels=np.asarray(self._labels, dtype=np.int64) if any(x >= 0 for x in self._labels) else None,
             sample_offsets=np.asarray(self._sample_offsets, dtype=np.int64),
             frame_offsets=comp.astype(np.int64),
             frame_raw_offsets=raw.astype(np.int64),

@@ -1,0 +1,167 @@
+"""Sampling in a stream: class weights, epoch size, mixing; each keeping the plan's guarantees."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+from scipy.stats import chisquare
+
+import shardstream as ss
+from shardstream.sampling import Mix, Sampling, class_sample_weights, mixed_sequence, sized_sequence, weighted_sequence
+from shardstream.synthetic import make_image_folder
+
+TINY = ((8, 8), (12, 12))
+
+
+@pytest.fixture(scope="module")
+def imbalanced(tmp_path_factory):
+    """Classes of 1000, 100 and 10 tiny images, packed into several shards."""
+    root = tmp_path_factory.mktemp("imbalanced")
+    make_image_folder(root / "src", num_classes=3, images_per_class=[1000, 100, 10], size_range=TINY, workers=2)
+    ss.pack(str(root / "src"), str(root / "ds"), shard_size="64KB", progress=False)
+    return str(root / "ds")
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    root = tmp_path_factory.mktemp("small")
+    make_image_folder(root / "src", num_classes=2, images_per_class=[40, 23], size_range=TINY)
+    ss.pack(str(root / "src"), str(root / "ds"), shard_size="8KB", progress=False)
+    return str(root / "ds")
+
+
+def labels_of(ds) -> list[int]:
+    return [int(label) for (label,) in ds]
+
+
+def test_shard_indexes_carry_the_labels(imbalanced):
+    source = ss.open_dataset(imbalanced)
+    labels = source.labels()
+    assert np.bincount(labels).tolist() == [1000, 100, 10]
+    # and they agree with the cls field of every sample
+    first = source.shards[0].reader()
+    assert [int(s["cls"]) for s in first] == source.labels()[: len(first)].tolist()
+
+
+def test_balanced_classes_are_equally_frequent(imbalanced):
+    ds = ss.StreamingDataset(imbalanced, decode=None, fields=("cls",), shuffle=True, seed=3,
+                             sampling=Sampling(class_weights="balanced"))
+    counts = np.bincount(labels_of(ds), minlength=3)
+    assert counts.sum() == 1110  # samples_per_epoch defaults to the dataset size
+    # Equal frequencies are not rejected at the 1% level (fixed seed: deterministic).
+    assert chisquare(counts).pvalue > 0.01
+    # ... whereas the unweighted stream is nowhere near equal.
+    plain = np.bincount(labels_of(ss.StreamingDataset(imbalanced, decode=None, fields=("cls",))), minlength=3)
+    assert chisquare(plain).pvalue < 1e-6
+
+
+def test_explicit_class_weights_follow_their_ratio(imbalanced):
+    ds = ss.StreamingDataset(imbalanced, decode=None, fields=("cls",), seed=1,
+                             sampling=Sampling(class_weights={0: 1.0, 1: 10.0, 2: 0.0}, samples_per_epoch=2000))
+    counts = np.bincount(labels_of(ds), minlength=3)
+    assert counts[2] == 0
+    # class 0 and class 1 have equal total weight (1000 x 1 and 100 x 10)
+    assert chisquare(counts[:2]).pvalue > 0.01
+
+
+def test_weighted_epochs_are_deterministic_and_differ_by_epoch(imbalanced):
+    make = lambda: ss.StreamingDataset(imbalanced, decode=None, fields=("__key__",), shuffle=True,
+                                       sampling=Sampling(class_weights="balanced", samples_per_epoch=200))
+    a, b = make(), make()
+    assert list(a) == list(b)
+    b.set_epoch(1)
+    assert list(a) != list(b)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_weighted_ranks_are_equal(imbalanced, world_size):
+    per_rank = []
+    for rank in range(world_size):
+        ds = ss.StreamingDataset(imbalanced, decode=None, fields=("__key__",), batch_size=16, collate_fn=list,
+                                 rank=rank, world_size=world_size, sampling=Sampling(class_weights="balanced",
+                                                                                     samples_per_epoch=301))
+        per_rank.append(list(ds))
+        assert len(per_rank[-1]) == len(ds)
+    assert len({len(batches) for batches in per_rank}) == 1
+    assert sum(len(b) for batches in per_rank for b in batches) == 301 + (-301) % world_size
+
+
+def test_weighted_resume_is_exact_and_elastic(imbalanced):
+    def make(**kw):
+        return ss.StreamingDataset(imbalanced, decode=None, fields=("__key__",), shuffle=True, batch_size=16,
+                                   collate_fn=list, sampling=Sampling(class_weights="balanced", samples_per_epoch=300),
+                                   **kw)
+
+    full = list(make())
+    it = iter(ds := make())
+    head = [next(it) for _ in range(5)]
+    state = ds.state_dict()
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert head + list(resumed) == full
+    # elastic: two ranks finish the epoch; the multiset of samples is the uninterrupted one
+    seen = collections.Counter(k for batch in head for (k,) in batch)
+    for rank in range(2):
+        other = make(rank=rank, world_size=2)
+        other.load_state_dict(state)
+        seen.update(k for batch in other for (k,) in batch)
+    assert seen == collections.Counter(k for batch in full for (k,) in batch)
+
+
+def test_samples_per_epoch_smaller_and_larger(small):
+    keys = lambda n: [k for (k,) in ss.StreamingDataset(small, decode=None, fields=("__key__",), shuffle=True,
+                                                         sampling=Sampling(samples_per_epoch=n))]
+    few = keys(20)
+    assert len(few) == len(set(few)) == 20
+    many = keys(150)
+    counts = collections.Counter(many)
+    assert len(many) == 150 and len(counts) == 63
+    assert max(counts.values()) - min(counts.values()) <= 1  # whole passes first, then part of one more
+
+
+def test_mix_proportions_hold_per_window(imbalanced, small):
+    mix = Mix([imbalanced, small], weights=[0.7, 0.3])
+    ds = ss.StreamingDataset(mix, decode=None, fields=("__url__",), sampling=Sampling(samples_per_epoch=1000),
+                             batch_size=50, collate_fn=list)
+    fractions = [sum("/" + "small" in u for (u,) in batch) / len(batch) for batch in ds]
+    assert len(fractions) == 20
+    # no shuffle buffer: the interleaving itself keeps every batch within a sample of 30%
+    assert all(abs(f - 0.3) <= 1 / 50 + 1e-9 for f in fractions)
+
+
+def test_mix_proportions_across_ranks_and_workers(imbalanced, small):
+    import torch
+
+    mix = Mix([imbalanced, small], weights=[3, 1])
+    total, from_small = 0, 0
+    for rank in range(2):
+        ds = ss.StreamingDataset(mix, decode=None, fields=("__url__",), shuffle=True, rank=rank, world_size=2,
+                                 sampling=Sampling(samples_per_epoch=800), batch_size=40, collate_fn=list)
+        loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
+        for batch in loader:
+            total += len(batch)
+            from_small += sum("small" in u for (u,) in batch)
+    assert total == 800
+    assert from_small == 200  # exact over the epoch: the interleaving is deterministic
+
+
+def test_mixed_sequence_reuses_a_short_source():
+    a, b = np.arange(10), np.arange(100, 103)
+    out = mixed_sequence([a, b], [0.5, 0.5], 20, more=[None, lambda k: np.arange(100, 103)])
+    assert sorted(out[out >= 100].tolist()) == sorted([100, 101, 102] * 3 + [100])
+
+
+def test_pure_functions_validate():
+    with pytest.raises(ValueError):
+        Sampling(class_weights="uniform")
+    with pytest.raises(ValueError):
+        Mix(["a"], weights=[0.0])
+    with pytest.raises(ValueError):
+        class_sample_weights(np.array([0, -1]), "balanced")
+    assert np.allclose(class_sample_weights(np.array([0, 0, 1]), "balanced"), [0.5, 0.5, 1.0])
+    counts = np.array([3, 4])
+    assert len(sized_sequence(counts, 0, 0, True, 5)) == 5
+    drawn = weighted_sequence(counts, np.ones(7), 0, 0, False, 50)
+    assert len(drawn) == 50 and set(drawn.tolist()) <= set(range(7))
