@@ -22,6 +22,8 @@ def _storage_options(text: str | None) -> dict:
 def cmd_pack(args: argparse.Namespace) -> int:
     from .pack import pack
 
+    if args.executor == "ray":
+        return _pack_with_ray(args)
     summary = pack(
         args.src,
         args.dst,
@@ -40,6 +42,24 @@ def cmd_pack(args: argparse.Namespace) -> int:
         storage_options=_storage_options(args.storage_options),
     )
     print(summary)
+    return 0
+
+
+def _pack_with_ray(args: argparse.Namespace) -> int:
+    from .executors import pack_with_ray
+
+    if args.part is not None:
+        raise ShardstreamError("--executor ray runs all parts itself; leave out --part")
+    manifest, summaries = pack_with_ray(
+        args.src, args.dst, parts=args.parts, address=args.ray_address, cpus_per_part=args.workers or 1,
+        progress=not args.quiet, shard_size=args.shard_size, max_samples=args.max_samples,
+        compression=args.compression, level=args.level, seed=args.seed, shuffle=not args.no_shuffle,
+        on_error=args.on_error, overwrite=args.overwrite, resume=args.resume,
+        storage_options=_storage_options(args.storage_options),
+    )
+    seconds = max(s.seconds for s in summaries)
+    print(f"packed {manifest.samples:,} samples into {len(manifest.shards)} shards as {args.parts} Ray tasks "
+          f"(slowest part {seconds:.1f} s); skipped {len(manifest.skipped)}, not images {manifest.ignored}")
     return 0
 
 
@@ -166,6 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace a dataset already at DST")
     p.add_argument("--resume", action="store_true", help="continue an interrupted pack from its last complete shard")
     p.add_argument("--part", default=None, metavar="I/N", help="pack only part I of N (then: shardstream merge DST)")
+    p.add_argument("--executor", choices=("local", "ray"), default="local",
+                   help="ray: run --parts parts as Ray tasks on the cluster ray.init() finds, then merge")
+    p.add_argument("--parts", type=int, default=4, help="with --executor ray: how many parts (default 4)")
+    p.add_argument("--ray-address", default=None, help="with --executor ray: the cluster (default: RAY_ADDRESS or local)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=cmd_pack)
 
