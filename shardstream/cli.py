@@ -24,25 +24,17 @@ def cmd_pack(args: argparse.Namespace) -> int:
 
     if args.executor == "ray":
         return _pack_with_ray(args)
-    summary = pack(
-        args.src,
-        args.dst,
-        shard_size=args.shard_size,
-        max_samples=args.max_samples,
-        compression=args.compression,
-        level=args.level,
-        workers=args.workers,
-        seed=args.seed,
-        shuffle=not args.no_shuffle,
-        on_error=args.on_error,
-        overwrite=args.overwrite,
-        resume=args.resume,
-        part=_part(args.part),
-        progress=not args.quiet,
-        storage_options=_storage_options(args.storage_options),
-    )
+    summary = pack(args.src, args.dst, workers=args.workers, part=_part(args.part), progress=not args.quiet,
+                   **_pack_options(args))
     print(summary)
     return 0
+
+
+def _pack_options(args: argparse.Namespace) -> dict:
+    """The options every part of a pack shares, from the command line."""
+    return dict(shard_size=args.shard_size, max_samples=args.max_samples, compression=args.compression,
+                level=args.level, seed=args.seed, shuffle=not args.no_shuffle, on_error=args.on_error,
+                overwrite=args.overwrite, resume=args.resume, storage_options=_storage_options(args.storage_options))
 
 
 def _pack_with_ray(args: argparse.Namespace) -> int:
@@ -50,13 +42,9 @@ def _pack_with_ray(args: argparse.Namespace) -> int:
 
     if args.part is not None:
         raise ShardstreamError("--executor ray runs all parts itself; leave out --part")
-    manifest, summaries = pack_with_ray(
-        args.src, args.dst, parts=args.parts, address=args.ray_address, cpus_per_part=args.workers or 1,
-        progress=not args.quiet, shard_size=args.shard_size, max_samples=args.max_samples,
-        compression=args.compression, level=args.level, seed=args.seed, shuffle=not args.no_shuffle,
-        on_error=args.on_error, overwrite=args.overwrite, resume=args.resume,
-        storage_options=_storage_options(args.storage_options),
-    )
+    manifest, summaries = pack_with_ray(args.src, args.dst, parts=args.parts, address=args.ray_address,
+                                        cpus_per_part=args.workers or 1, progress=not args.quiet,
+                                        **_pack_options(args))
     seconds = max(s.seconds for s in summaries)
     print(f"packed {manifest.samples:,} samples into {len(manifest.shards)} shards as {args.parts} Ray tasks "
           f"(slowest part {seconds:.1f} s); skipped {len(manifest.skipped)}, not images {manifest.ignored}")
