@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from multiprocessing.context import get_spawning_popen
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -37,7 +38,6 @@ from .world import World
 from .writer import parse_size
 
 __all__ = ["StreamingDataset"]
-
 
 
 class StreamingDataset(IterableDataset):
@@ -156,7 +156,7 @@ class StreamingDataset(IterableDataset):
         # A worker started by spawn or forkserver cannot see the parent's process group:
         # pin the rank and world size detected here, in the process that pickles.
         state = self.__dict__.copy()
-        if get_worker_info() is None:
+        if get_worker_info() is None and get_spawning_popen() is not None:  # starting a worker, not a copy
             world = World.detect(self.rank, self.world_size)
             state["rank"], state["world_size"] = world.rank, world.size
         return state
