@@ -209,12 +209,6 @@ def test_s3_cli_inspect(moto, s3_ds, shard_names):
     assert info["classes"] == {"class_000": 7, "class_001": 9, "class_002": 5}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library bug (working tree): verify.py:71 `_file_sha256` reads one byte past the manifest size, "
-    "store.read(name, size, size + 1); S3 (moto, as AWS) answers 416 InvalidRange for a range starting at the "
-    "end of the object, s3fs raises OSError(EINVAL) 'The requested range is not satisfiable', storage.py:281 "
-    "is_transient takes any OSError for transient, so each shard is retried 6 times (~0.8 s of backoff) and "
-    "then reported as a PROBLEM: `shardstream verify s3://...` fails on every shard of a sound dataset"))
 def test_s3_cli_verify(moto, s3_ds, shard_names):
     status, out, err = finish(cli("verify", s3_ds, "--quiet", "--storage-options", json.dumps(moto.storage_options)))
     assert status == 0, out + err
