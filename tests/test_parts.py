@@ -1,0 +1,102 @@
+"""Packing in parts (`pack --part I/N`) and `merge`: the same dataset as a single pack."""
+
+from __future__ import annotations
+
+import collections
+import os
+import subprocess
+import sys
+
+import pytest
+
+import shardstream as ss
+from shardstream.errors import ManifestError, ShardstreamError
+from shardstream.parts import merge
+from shardstream.synthetic import make_image_folder
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    root = tmp_path_factory.mktemp("parts")
+    make_image_folder(root / "src", num_classes=3, images_per_class=[7, 9, 5], size_range=((32, 24), (48, 40)))
+    ss.pack(str(root / "src"), str(root / "single"), shard_size="8KB", progress=False)
+    return root
+
+
+def files(folder) -> dict[str, bytes]:
+    return {name: open(os.path.join(folder, name), "rb").read() for name in sorted(os.listdir(folder))
+            if not name.startswith(".")}
+
+
+def samples(url: str) -> dict[str, bytes]:
+    return {s["__key__"]: s["jpg"] for ref in ss.open_dataset(url).shards for s in ref.reader()}
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shardstream.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_parts_in_any_order_with_a_rerun_merge_into_the_single_pack(source, tmp_path):
+    dst = str(tmp_path / "parts")
+    for part in (2, 0, 1):
+        ss.pack(str(source / "src"), dst, shard_size="8KB", part=(part, 3), progress=False)
+    first = files(dst)
+    ss.pack(str(source / "src"), dst, shard_size="8KB", part=(1, 3), overwrite=True, progress=False)  # a rerun
+    assert files(dst) == first  # idempotent: the same bytes
+    manifest = merge(dst)
+    single = ss.open_dataset(str(source / "single")).manifest
+    assert samples(dst) == samples(str(source / "single"))
+    assert (manifest.classes, manifest.class_counts) == (single.classes, single.class_counts)
+    assert not {n for n in os.listdir(dst) if n.startswith(".shardstream")}  # journals cleaned up
+
+
+def test_merged_dataset_streams_exactly_once(source, tmp_path):
+    dst = str(tmp_path / "parts")
+    for part in range(2):
+        ss.pack(str(source / "src"), dst, shard_size="8KB", part=(part, 2), progress=False)
+    merge(dst)
+    keys = collections.Counter()
+    for rank in range(3):
+        ds = ss.StreamingDataset(dst, decode=None, fields=("__key__",), shuffle=True, rank=rank, world_size=3)
+        keys.update(k for (k,) in ds)
+    assert set(keys) == set(samples(str(source / "single")))
+    assert sum(keys.values()) == 21  # 21 divides by 3: no padding
+
+
+def test_a_missing_part_is_named(source, tmp_path):
+    dst = str(tmp_path / "parts")
+    for part in (0, 2):
+        ss.pack(str(source / "src"), dst, shard_size="8KB", part=(part, 3), progress=False)
+    with pytest.raises(ShardstreamError, match=r"part 1 \(manifest\.part-00001-of-00003\.msgpack\)"):
+        merge(dst)
+    result = cli("merge", dst)
+    assert result.returncode == 1 and "part 1" in result.stderr
+    assert not os.path.exists(os.path.join(dst, "manifest.msgpack"))
+
+
+def test_inconsistent_options_are_refused(source, tmp_path):
+    dst = str(tmp_path / "parts")
+    ss.pack(str(source / "src"), dst, shard_size="8KB", part=(0, 2), progress=False)
+    ss.pack(str(source / "src"), dst, shard_size="8KB", part=(1, 2), seed=7, progress=False)
+    with pytest.raises(ManifestError, match="part 1 was packed with other options"):
+        merge(dst)
+
+
+def test_parts_of_another_source_are_refused(source, tmp_path):
+    other = tmp_path / "other"
+    make_image_folder(other, num_classes=3, images_per_class=[7, 9, 6], size_range=((32, 24), (48, 40)))
+    dst = str(tmp_path / "parts")
+    ss.pack(str(source / "src"), dst, shard_size="8KB", part=(0, 2), progress=False)
+    ss.pack(str(other), dst, shard_size="8KB", part=(1, 2), progress=False)
+    with pytest.raises(ManifestError):
+        merge(dst)
+
+
+def test_cli_part_and_merge(source, tmp_path):
+    dst = str(tmp_path / "parts")
+    for part in ("0/2", "1/2"):
+        result = cli("pack", str(source / "src"), dst, "--shard-size", "8KB", "--part", part, "--quiet")
+        assert result.returncode == 0, result.stderr
+    result = cli("merge", dst)
+    assert result.returncode == 0 and "merged 2 parts: 21 samples" in result.stdout
+    assert cli("pack", str(source / "src"), dst, "--part", "2/2").returncode == 1  # I must be < N
