@@ -177,9 +177,9 @@ class StreamingDataset(IterableDataset):
             self._counts = self.resolve().counts()
         return self._counts
 
-    def _epoch_ids(self) -> np.ndarray:
+    def _epoch_ids(self, epoch: int) -> np.ndarray:
         """The epoch sequence: every sample once, or what `sampling` and a `Mix` draw."""
-        counts, seed, epoch, shuffle = self.counts(), self.seed, self.epoch, self.shuffle
+        counts, seed, shuffle = self.counts(), self.seed, self.shuffle
         n = self.sampling.samples_per_epoch if self.sampling is not None else None
         if isinstance(self.source, Mix):
             source = self.resolve()
@@ -209,18 +209,26 @@ class StreamingDataset(IterableDataset):
             self._resume = None
         return self._resume
 
-    def _rank_block(self, world: World) -> tuple[np.ndarray, Layout, int, int]:
+    def _rank_block(self, world: World, epoch: int | None = None) -> tuple[np.ndarray, Layout, int, int]:
         """This rank's samples of the current segment, its layout, segment number and items already delivered."""
         layout = self.layout(world)
+        if epoch is not None:  # a later epoch of an endless stream: no resume applies
+            return split_ranks(self._epoch_ids(epoch), world.size, self.partial)[world.rank], layout, 0, 0
         sequence, segment, delivered = current_sequence(
-            self._epoch_ids(), self._active_resume(world), layout, self.seed, self.epoch,
+            self._epoch_ids(self.epoch), self._active_resume(world), layout, self.seed, self.epoch,
         )
         return split_ranks(sequence, world.size, self.partial)[world.rank], layout, segment, delivered
 
     def __len__(self) -> int:
         """Items (batches with `batch_size`, else samples) the next iteration yields on this rank."""
+        if self.resampled:
+            raise TypeError("an endless (resampled) stream has no length; count steps instead")
         block, layout, _, delivered = self._rank_block(self.world())
         return items_of(len(block), layout) - delivered
+
+    @property
+    def resampled(self) -> bool:
+        return self.sampling is not None and self.sampling.resampled
 
     # -- iteration -------------------------------------------------------------------
 
@@ -229,22 +237,14 @@ class StreamingDataset(IterableDataset):
         block, layout, segment, delivered = self._rank_block(world)
         resume_id = self._resume_id if self._resume is not None else None
         items = [items_of(len(p), layout) for p in deal_chunks(len(block), world.workers, layout.chunk)]
-        worker = (round_robin_next(items, delivered) + world.worker) % world.workers  # see round_robin_next
-        done = round_robin_delivered(items, delivered)[worker]
-        mine, perm = worker_plan(block, layout, self.seed, self.epoch, world.rank, worker, segment)
-        remaining = perm[done * (layout.batch_size or 1) :]
-        needed = np.sort(remaining)
-        samples = read_samples(self.resolve(), mine[needed], self.counts(), self.prefetch, self._cache,
-                               tolerant=self.on_error.mode == "skip")
-        ordered = reorder(zip(needed.tolist(), samples), remaining)
-        in_worker = get_worker_info() is not None
-        ids = mine[remaining].tolist()
-        items = guarded(zip(ordered, ids), lambda pair: self._prepare(pair[0], pair[1], in_worker), self.on_error,
-                        len(mine), lambda: self._shared.add_skip(world.worker))
-        if self.batch_size is not None:
-            items = _batches(items, self.batch_size, self.drop_last, self.collate_fn)
+        if self.resampled:
+            stream = self._endless(world, block, layout, items, delivered)
+        else:
+            worker = (round_robin_next(items, delivered) + world.worker) % world.workers  # see round_robin_next
+            done = round_robin_delivered(items, delivered)[worker]
+            stream = self._epoch_items(world, block, layout, segment, worker, done, self.epoch)
         self._delivered = delivered
-        for item in items:
+        for item in stream:
             self._delivered += 1  # counts what the consumer received (main-process iteration)
             self._shared.publish_io(world.worker, io_stats.snapshot())
             yield item
@@ -252,6 +252,40 @@ class StreamingDataset(IterableDataset):
         if resume_id is not None:  # the resumed epoch is complete: later passes start afresh
             self._shared.finish_resume(resume_id, world.worker)
         self._resume = None
+
+    def _epoch_items(self, world: World, block: np.ndarray, layout: Layout, segment: int, worker: int, done: int,
+                     epoch: int) -> Iterator[Any]:
+        """Plan worker `worker`'s items of `epoch`, after the first `done`: read, decode, batch."""
+        mine, perm = worker_plan(block, layout, self.seed, epoch, world.rank, worker, segment)
+        remaining = perm[done * (layout.batch_size or 1) :]
+        needed = np.sort(remaining)
+        samples = read_samples(self.resolve(), mine[needed], self.counts(), self.prefetch, self._cache,
+                               tolerant=self.on_error.mode == "skip")
+        ordered = reorder(zip(needed.tolist(), samples), remaining)
+        in_worker = get_worker_info() is not None
+        ids = mine[remaining].tolist()
+        items = guarded(zip(ordered, ids), lambda pair: self._prepare(pair[0], pair[1], epoch, in_worker),
+                        self.on_error, len(mine), lambda: self._shared.add_skip(world.worker))
+        if self.batch_size is not None:
+            items = _batches(items, self.batch_size, self.drop_last, self.collate_fn)
+        return items
+
+    def _endless(self, world: World, block: np.ndarray, layout: Layout, items: list[int],
+                 delivered: int) -> Iterator[Any]:
+        """Epoch after epoch, without end. Nobody runs out, so the DataLoader's round robin
+        is regular: after `delivered` items, plan worker w has handed over
+        ``delivered // W + (w < delivered % W)``, spread over its epochs."""
+        workers = world.workers
+        worker = (delivered + world.worker) % workers  # the rotation of round_robin_next
+        done = delivered // workers + (1 if worker < delivered % workers else 0)
+        if min(items) == 0:
+            raise ValueError("an endless stream needs at least one item per worker and epoch")
+        epoch, done = self.epoch + done // items[worker], done % items[worker]
+        while True:
+            if epoch != self.epoch:
+                block = self._rank_block(world, epoch)[0]
+            yield from self._epoch_items(world, block, layout, 0, worker, done, epoch)
+            epoch, done = epoch + 1, 0
 
     def io_stats(self) -> dict[str, float]:
         """Storage counters (requests, bytes, retries, wait_s, cache hits and misses),
@@ -263,14 +297,14 @@ class StreamingDataset(IterableDataset):
         """Bad samples skipped so far under ``on_error="skip"``, summed over this rank's workers."""
         return self._shared.skips
 
-    def _prepare(self, sample: dict[str, Any], sample_id: int, in_worker: bool) -> Any:
+    def _prepare(self, sample: dict[str, Any], sample_id: int, epoch: int, in_worker: bool) -> Any:
         if "__error__" in sample:
             raise sample["__error__"]
         # Random augmentations draw from torch's generator, seeded per sample from
         # (seed, epoch, sample id): the same sample gets the same crop in a resumed run,
         # whichever worker serves it. In the main process the caller's generator state
         # is saved and restored around it.
-        with _seeded(_sample_seed(self.seed, self.epoch, sample_id), in_worker):
+        with _seeded(_sample_seed(self.seed, epoch, sample_id), in_worker):
             sample = self._decoder(sample)
             if self.transform is not None:
                 sample = self.transform(sample)

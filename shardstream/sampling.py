@@ -15,6 +15,9 @@ downstream holds unchanged: equal counts per rank, deterministic order, exact re
   epoch, and reading every index once.
 * **Epoch size** (``samples_per_epoch``) without weights: a prefix of the epoch
   sequence when smaller than the data, further independent passes appended when larger.
+* **Endless** (``resampled=True``): the stream runs epoch after epoch (seed, epoch
+  + 1, ...) and never ends; ranks stay in lockstep, resume is exact with the same
+  layout; `len()` raises TypeError.
 * **Mixing** (`Mix`): each source has its own epoch sequence; the mixed sequence takes
   source i's k-th sample at time (k + 1/2) / w_i, merged in time order. That is a
   low-discrepancy interleaving: any window of the sequence holds each source within one
@@ -39,6 +42,7 @@ class Sampling:
 
     class_weights: str | Mapping[int, float] | None = None
     samples_per_epoch: int | None = None
+    resampled: bool = False  # endless: epoch after epoch, never StopIteration
 
     def __post_init__(self) -> None:
         if isinstance(self.class_weights, str) and self.class_weights != "balanced":
@@ -49,7 +53,7 @@ class Sampling:
     def describe(self) -> str:
         weights = self.class_weights if isinstance(self.class_weights, (str, type(None))) else sorted(
             self.class_weights.items())
-        return f"class_weights={weights!r}, samples_per_epoch={self.samples_per_epoch}"
+        return f"class_weights={weights!r}, samples_per_epoch={self.samples_per_epoch}, resampled={self.resampled}"
 
 
 @dataclass(frozen=True)

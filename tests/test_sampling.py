@@ -165,3 +165,35 @@ def test_pure_functions_validate():
     assert len(sized_sequence(counts, 0, 0, True, 5)) == 5
     drawn = weighted_sequence(counts, np.ones(7), 0, 0, False, 50)
     assert len(drawn) == 50 and set(drawn.tolist()) <= set(range(7))
+
+
+def test_resampled_runs_epoch_after_epoch_split_across_ranks(small):
+    import itertools
+
+    make = lambda rank: ss.StreamingDataset(small, decode=None, fields=("__key__",), shuffle=True, batch_size=8,
+                                            collate_fn=list, rank=rank, world_size=2,
+                                            sampling=Sampling(resampled=True))
+    with pytest.raises(TypeError):
+        len(make(0))
+    # 63 samples: 32 per rank (one padded), 4 batches of 8 per rank and epoch
+    per_rank = [list(itertools.islice(iter(make(r)), 12)) for r in range(2)]
+    for epoch in range(3):
+        keys = [k for r in range(2) for batch in per_rank[r][4 * epoch : 4 * epoch + 4] for (k,) in batch]
+        assert len(keys) == 64 and len(set(keys)) == 63
+    first, second = (per_rank[0][4 * e : 4 * e + 4] for e in (0, 1))
+    assert first != second  # each epoch its own order
+
+
+def test_resampled_resume_is_exact_through_workers(small):
+    import itertools
+
+    make = lambda: ss.DataLoader(ss.StreamingDataset(small, decode=None, fields=("__key__",), shuffle=True,
+                                                     batch_size=4, collate_fn=list,
+                                                     sampling=Sampling(resampled=True)), num_workers=2)
+    full = list(itertools.islice(iter(make()), 40))
+    loader = make()
+    head = list(itertools.islice(iter(loader), 21))  # past the first epoch (16 batches)
+    state = loader.state_dict()
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert head + list(itertools.islice(iter(resumed), 19)) == full
