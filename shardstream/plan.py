@@ -124,27 +124,35 @@ def deal_chunks(n: int, workers: int, chunk: int) -> list[np.ndarray]:
     return [positions[chunk_of % workers == w] for w in range(workers)]
 
 
-def buffer_shuffle(n: int, buffer: int, rng: np.random.Generator) -> np.ndarray:
+def buffer_shuffle(n: int, buffer: int, rng: np.random.Generator, initial: int = 100) -> np.ndarray:
     """The order in which a shuffle buffer of `buffer` slots emits inputs 0..n-1.
 
     Inputs enter in order; each step emits a uniformly chosen slot and refills it with
-    the next input; at the end the buffer drains in random order. Output t is always
-    among inputs < t + buffer, so a streaming reader needs at most `buffer` samples in
-    memory to serve it.
+    the next input; at the end the buffer drains in random order. The buffer starts
+    with `initial` inputs and grows by one more each step until it holds `buffer`, so
+    the first batch does not wait for the whole buffer to fill (WebDataset's
+    ``initial`` does the same). Output t is always among inputs < t + buffer, so a
+    streaming reader needs at most `buffer` samples in memory to serve it.
     """
     if buffer <= 1 or n <= 1:
         return np.arange(n, dtype=np.int64)
     size = min(buffer, n)
-    slots = list(range(size))
+    slots = list(range(min(max(initial, 1), size)))
     draws = rng.random(n)
     out = np.empty(n, dtype=np.int64)
-    nxt = size
-    for t in range(n - size):
-        j = int(draws[t] * size)
+    nxt = len(slots)
+    for t in range(n):
+        if len(slots) < size and nxt < n:  # growing: one extra input this step
+            slots.append(nxt)
+            nxt += 1
+        j = int(draws[t] * len(slots))
         out[t] = slots[j]
-        slots[j] = nxt
-        nxt += 1
-    out[n - size :] = np.asarray(slots, dtype=np.int64)[rng.permutation(size)]
+        if nxt < n:
+            slots[j] = nxt
+            nxt += 1
+        else:  # draining: the emitted slot goes away
+            slots[j] = slots[-1]
+            slots.pop()
     return out
 
 
