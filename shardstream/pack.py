@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import io
 import multiprocessing
+import multiprocessing.connection
 import os
 import queue
 import re
@@ -255,54 +256,98 @@ def _results(jobs: list[Any], workers: int, context: multiprocessing.context.Bas
 class _FramePool:
     """Worker processes that build frames; their results in plan order.
 
-    Worker w builds jobs w, w + W, w + 2W, ... and sends each result down a pipe of its
-    own; the parent reads the pipes in turn, so results arrive in plan order while W
-    frames are built at once, as with `Pool.imap(chunksize=1)`. Not `multiprocessing.Pool`:
-    its worker-handler thread wakes up whenever a result waits in the result pipe, which
-    with results of ~1 MB is nearly always, and then burns about as much CPU as a
-    worker (tens of thousands of wake-ups per 4,000 images; BENCHMARKS.md). A worker's
-    exception is re-raised in the parent at its job's place in the order, as by `imap`.
+    Like `Pool.imap(build_job, jobs, chunksize=1)`: jobs go to whichever worker is free
+    (at most `DEPTH` queued per worker), results come back in plan order, and a worker's
+    exception is re-raised in the parent at its job's place in that order. Results that
+    arrive early wait in the parent, and no job more than `window` ahead of the next one
+    due is handed out, which bounds the memory that a slow worker can make the others
+    hold up.
+
+    Not `multiprocessing.Pool`: its worker-handler thread wakes up whenever a result
+    waits in the result pipe, which with results of ~1 MB is nearly always, and then
+    burns about as much CPU as a worker (tens of thousands of wake-ups per 4,000 images;
+    BENCHMARKS.md). Here the parent sleeps in `connection.wait` until a result is there.
     """
 
+    DEPTH = 2  # jobs sent to a worker and not yet answered
+
     def __init__(self, jobs: list[Any], workers: int, context: multiprocessing.context.BaseContext):
-        self.count = len(jobs)
+        self.jobs = jobs
+        self.window = 4 * workers
         self.procs: list[Any] = []
-        self.conns: list[Any] = []
+        self.tasks: list[Any] = []  # parent -> worker: (job number, job)
+        self.results: list[Any] = []  # worker -> parent
         try:
             for w in range(workers):
-                recv, send = context.Pipe(duplex=False)
-                _grow_pipe(send.fileno())
-                proc = context.Process(target=_frame_worker, args=(jobs[w::workers], send), daemon=True,
+                task_recv, task_send = context.Pipe(duplex=False)
+                result_recv, result_send = context.Pipe(duplex=False)
+                _grow_pipe(result_send.fileno())
+                proc = context.Process(target=_frame_worker, args=(task_recv, result_send), daemon=True,
                                        name=f"shardstream-pack-{w}")
                 proc.start()
-                send.close()
+                task_recv.close()
+                result_send.close()
                 self.procs.append(proc)
-                self.conns.append(recv)
+                self.tasks.append(task_send)
+                self.results.append(result_recv)
         except BaseException:
             self.close(wait=False)
             raise
 
     def __iter__(self) -> Iterator[FrameResult]:
-        workers = len(self.conns)
-        for i in range(self.count):
-            conn = self.conns[i % workers]
-            try:
-                message = conn.recv()
-                if message[0] == "error":
-                    raise message[1]
-                _, shard, frame_fields, skipped, bytes_in = message
-                data = _recv_data(conn)
-            except EOFError:
-                proc = self.procs[i % workers]
-                proc.join(5)
-                raise ShardstreamError(
-                    f"pack worker process {proc.name} exited unexpectedly (exit code {proc.exitcode})"
-                ) from None
-            yield FrameResult(shard, Frame(data=data, **frame_fields), skipped, bytes_in)
+        count, workers = len(self.jobs), len(self.procs)
+        outstanding = [0] * workers
+        early: dict[int, Any] = {}  # job number -> FrameResult, or the exception to raise there
+        next_job = next_due = 0
+        failed_at = count  # no job at or after a failed one is sent
+
+        def top_up() -> None:
+            nonlocal next_job
+            for w in range(workers):
+                while (outstanding[w] < self.DEPTH and next_job < min(count, failed_at)
+                       and next_job < next_due + self.window):
+                    self.tasks[w].send((next_job, self.jobs[next_job]))
+                    outstanding[w] += 1
+                    next_job += 1
+
+        top_up()
+        while next_due < count:
+            if next_due in early:
+                result = early.pop(next_due)
+                if isinstance(result, BaseException):
+                    raise result
+                next_due += 1
+                top_up()
+                yield result
+                continue
+            for conn in multiprocessing.connection.wait(self.results):
+                w = self.results.index(conn)
+                try:
+                    message = conn.recv()
+                    if message[0] == "error":
+                        _, i, error = message
+                        early[i], failed_at = error, min(failed_at, i)
+                    else:
+                        _, i, shard, frame_fields, skipped, bytes_in = message
+                        early[i] = FrameResult(shard, Frame(data=_recv_data(conn), **frame_fields), skipped, bytes_in)
+                except EOFError:
+                    proc = self.procs[w]
+                    proc.join(5)
+                    raise ShardstreamError(
+                        f"pack worker process {proc.name} exited unexpectedly (exit code {proc.exitcode})"
+                    ) from None
+                outstanding[w] -= 1
+            top_up()
 
     def close(self, wait: bool) -> None:
         """Stop the workers: let them exit (`wait`, after the last result), or end them now."""
-        for conn in self.conns:
+        if wait:
+            for conn in self.tasks:
+                try:
+                    conn.send(None)
+                except OSError:
+                    pass
+        for conn in self.tasks + self.results:
             conn.close()
         for proc in self.procs:
             if wait:
@@ -310,7 +355,7 @@ class _FramePool:
             if proc.is_alive():
                 proc.terminate()
             proc.join()
-        self.conns, self.procs = [], []
+        self.procs, self.tasks, self.results = [], [], []
 
 
 def _grow_pipe(fd: int) -> None:
@@ -325,18 +370,20 @@ def _grow_pipe(fd: int) -> None:
                 continue
 
 
-def _frame_worker(jobs: list[Any], conn: Any) -> None:
-    """A worker process: build `jobs` in order, send each result (or the first error) to `conn`.
+def _frame_worker(tasks: Any, conn: Any) -> None:
+    """A worker process: build the jobs that come down `tasks`, send each result to `conn`.
 
-    A thread sends, so that the next frame is built while the parent reads the last.
+    A thread sends, so that the next frame is built while the parent reads the last one,
+    and so that this loop is always back at `tasks.recv()` soon: the parent may be
+    blocked sending a job here, and must never wait on a worker that waits on it.
     """
-    out: queue.Queue = queue.Queue(maxsize=2)
+    out: queue.Queue = queue.Queue()  # bounded by the parent: DEPTH jobs at a time
     broken = threading.Event()
 
     def send() -> None:
         while (item := out.get()) is not None:
             if broken.is_set():
-                continue  # the parent has gone: drain, so that put() never blocks
+                continue  # the parent has gone: drain, and let the main loop notice
             payload, data = item
             try:
                 conn.send_bytes(payload)
@@ -348,18 +395,23 @@ def _frame_worker(jobs: list[Any], conn: Any) -> None:
     sender = threading.Thread(target=send, daemon=True)
     sender.start()
     try:
-        for job in jobs:
-            if broken.is_set():
+        while not broken.is_set():
+            try:
+                task = tasks.recv()
+            except (EOFError, OSError):
                 break
+            if task is None:
+                break
+            i, job = task
             try:
                 result = build_job(job)
             except Exception as e:  # as Pool does: the parent re-raises it
-                out.put((_pickle_error(e), None))
-                break
+                out.put((_pickle_error(i, e), None))
+                continue
             frame = result.frame
             # Every field of the Frame but its data, which follows raw (see _send_data).
             frame_fields = {f.name: getattr(frame, f.name) for f in dataclasses.fields(frame) if f.name != "data"}
-            message = ("ok", result.shard, frame_fields, result.skipped, result.bytes_in)
+            message = ("ok", i, result.shard, frame_fields, result.skipped, result.bytes_in)
             out.put((bytes(ForkingPickler.dumps(message)), frame.data))
     finally:
         out.put(None)
@@ -404,11 +456,11 @@ def _recv_data(conn: Any) -> bytes | bytearray:
     return data
 
 
-def _pickle_error(e: Exception) -> bytes:
+def _pickle_error(i: int, e: Exception) -> bytes:
     try:
-        return bytes(ForkingPickler.dumps(("error", ExceptionWithTraceback(e, e.__traceback__))))
+        return bytes(ForkingPickler.dumps(("error", i, ExceptionWithTraceback(e, e.__traceback__))))
     except Exception as failed:  # an exception that does not pickle, reported as Pool reports it
-        return bytes(ForkingPickler.dumps(("error", MaybeEncodingError(failed, e))))
+        return bytes(ForkingPickler.dumps(("error", i, MaybeEncodingError(failed, e))))
 
 
 # -- the whole pack ---------------------------------------------------------------------------
