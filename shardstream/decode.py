@@ -16,6 +16,7 @@ from __future__ import annotations
 import io
 import json
 import pickle
+import tokenize
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -77,6 +78,11 @@ def _npy(data: bytes) -> np.ndarray:
 def _pickle(data: bytes) -> Any:
     return pickle.loads(data)
 
+
+# What the field parsers (json, msgpack, numpy, pickle) raise on hostile bytes; MemoryError
+# too, for a header that claims a huge array.
+_FIELD_ERRORS = (ValueError, TypeError, EOFError, SyntaxError, RecursionError, OverflowError, MemoryError,
+                 tokenize.TokenError, msgpack.UnpackException, pickle.UnpicklingError)
 
 FIELD_DECODERS: dict[str, Callable[[bytes], Any]] = {
     "cls": _int,
@@ -140,5 +146,5 @@ class Decoder:
             return data
         try:
             return decoder(data)
-        except (ValueError, TypeError, UnicodeDecodeError, msgpack.UnpackException, pickle.UnpicklingError) as e:
+        except _FIELD_ERRORS as e:
             raise DecodeError(f"cannot decode field {name!r}: {e}", url=url or None, key=key or None) from e

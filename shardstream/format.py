@@ -154,6 +154,9 @@ class Manifest:
             writer=_require(raw, "writer", str, url, E),
             version=version,
         )
+        if any(s.samples * 512 > s.raw_bytes for s in manifest.shards if s.samples):
+            # every sample is at least one member, a 512-byte header at the least
+            raise E("a shard lists more samples than its bytes could hold", url=url)
         names = [s.name for s in manifest.shards]
         if len(set(names)) != len(names):
             raise E("a shard is listed twice", url=url)

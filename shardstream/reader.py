@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import zlib
 import threading
 from typing import BinaryIO, Iterator
 
@@ -75,7 +76,14 @@ class ShardReader:
     @property
     def index(self) -> ShardIndex:
         if self._index is None:
-            self._index = load_index(self.store, self.name, self.info)
+            index = load_index(self.store, self.name, self.info)
+            # Offsets past the end of the file are corruption, not a read to attempt.
+            size = self.info.bytes if self.info is not None else self.store.size(self.name)
+            end = int(index.frame_offsets[-1]) if index.compression == "zstd" else int(index.sample_offsets[-1])
+            if end > size:
+                raise CorruptIndexError(f"index points to byte {end}, past the end of the shard ({size} bytes)",
+                                        url=self.store.url(self.info.index if self.info else self.name + INDEX_SUFFIX))
+            self._index = index
         return self._index
 
     def __len__(self) -> int:
@@ -148,6 +156,9 @@ class ShardReader:
         if expected > MAX_FRAME_BYTES:
             raise CorruptIndexError(f"frame {i} of {expected} bytes exceeds the limit", url=self.url, offset=offset)
         try:
+            if not zstandard.get_frame_parameters(frame).has_checksum:
+                raise CorruptShardError(f"zstd frame {i} has no content checksum (the format requires one)",
+                                        url=self.url, offset=offset)
             declared = zstandard.frame_content_size(frame)
             if declared != expected:
                 raise CorruptShardError(
@@ -252,7 +263,7 @@ class StreamTarReader:
                 for sample, _ in tario.group_samples(members, url=self.url):
                     sample["__url__"] = self.url
                     yield sample
-        except (zstandard.ZstdError, gzip.BadGzipFile, EOFError) as e:
+        except (zstandard.ZstdError, gzip.BadGzipFile, EOFError, zlib.error) as e:
             raise CorruptShardError(f"bad compressed stream: {e}", url=self.url) from e
 
     def read(self, start: int, stop: int) -> Iterator[Sample]:

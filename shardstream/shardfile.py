@@ -20,6 +20,7 @@ import zstandard
 
 from . import tario
 from .format import INDEX_SUFFIX, ShardIndex, ShardInfo
+from .errors import StorageError
 from .storage import Store, scratch_file
 
 FRAME_SIZE = 1 << 20  # uncompressed bytes per zstd frame, before the sample that crosses it
@@ -122,9 +123,12 @@ class ShardFileWriter:
         return self._sample_offsets[-1]
 
     def _write(self, data: bytes) -> None:
-        if self._file is None:
-            self._tmp, self._file = scratch_file(self.store, self.name)
-        self._file.write(data)  # type: ignore[attr-defined]
+        try:
+            if self._file is None:
+                self._tmp, self._file = scratch_file(self.store, self.name)
+            self._file.write(data)  # type: ignore[attr-defined]
+        except OSError as e:  # disk full, quota, I/O error: name the shard
+            raise StorageError(f"could not write: {e.strerror or e}", url=self.store.url(self.name)) from e
         self._hash.update(data)
 
     def append(self, frame: Frame) -> None:
@@ -148,7 +152,10 @@ class ShardFileWriter:
             self._write(seek_table(self._frames))
         else:
             self._write(end)
-        self._file.close()  # type: ignore[attr-defined]
+        try:
+            self._file.close()  # type: ignore[attr-defined]  # flushes: a full disk shows here too
+        except OSError as e:
+            raise StorageError(f"could not write: {e.strerror or e}", url=self.store.url(self.name)) from e
         size = os.path.getsize(self._tmp)
         index = self._index()
         self.store.put(self._tmp, self.name)

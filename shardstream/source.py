@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .errors import ManifestError, ShardstreamError, StorageError
-from .format import INDEX_SUFFIX, MANIFEST_NAME, Manifest, ShardInfo
+from .format import INDEX_SUFFIX, MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ShardInfo
 from .reader import ShardReader, StreamTarReader
 from .storage import Store, split_url
 
@@ -104,6 +104,9 @@ def open_dataset(url: str, *, storage_options: dict[str, Any] | None = None) -> 
     manifest_url = store.url(MANIFEST_NAME)
     try:
         # Read, not exists(): a transient error must be retried, not taken for "absent".
+        # The size first, so that a hostile 100 GB "manifest" is refused unread.
+        if store.size(MANIFEST_NAME) > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"larger than the limit of {MAX_MANIFEST_BYTES} bytes", url=manifest_url)
         data = store.read(MANIFEST_NAME)
     except StorageError as e:
         if e.detail != "file not found":

@@ -211,8 +211,11 @@ class Store:
         """Write `data` as the file `name`, atomically (see `put`)."""
         tmp, f = scratch_file(self, name)
         try:
-            with f:
-                f.write(data)
+            try:
+                with f:
+                    f.write(data)
+            except OSError as e:  # disk full, quota, I/O error: name the file
+                raise StorageError(f"could not write: {e.strerror or e}", url=self.url(name)) from e
             self.put(tmp, name)
         finally:
             if os.path.exists(tmp):

@@ -126,6 +126,8 @@ def parse_header(block: bytes | memoryview, url: str, offset: int, verify: bool)
         if stored != sum(block[:148]) + 256 + sum(block[156:]):
             raise CorruptShardError("bad tar header checksum", url=url, offset=offset)
     size = _number(block[124:136], url, offset)
+    if size < 0:
+        raise CorruptShardError(f"bad tar header: negative size {size}", url=url, offset=offset)
     if size > MAX_MEMBER_SIZE:
         raise CorruptShardError(f"tar member of {size} bytes exceeds the limit", url=url, offset=offset)
     name = block[:100].split(b"\0", 1)[0]
@@ -164,15 +166,15 @@ def iter_members(
 ) -> Iterator[tuple[str, int, int]]:
     """Yield (name, data start, data end) for each regular file in an in-memory tar stream.
 
-    `buf` holds whole members; `base` is its offset in the full tar stream, so that
-    error offsets point into the shard. Stops at the end-of-archive block or the end of
-    `buf`; a member that runs past the end of `buf` is an error.
+    `buf` holds whole members (one sample's span); `base` is its offset in the full tar
+    stream, so that error offsets point into the shard. A member that runs past the end
+    of `buf`, or an all-zero block inside it (a lost header), is an error.
     """
     pos, end, long_name = 0, len(buf), None
     while pos + BLOCK <= end:
         header = parse_header(buf[pos : pos + BLOCK], url, base + pos, verify)
         if header is None:
-            return
+            raise CorruptShardError("an all-zero (end-of-archive) block inside a sample", url=url, offset=base + pos)
         start = pos + BLOCK
         stop = start + header.size
         if stop > end:
