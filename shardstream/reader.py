@@ -72,19 +72,26 @@ class ShardReader:
         self.url = store.url(name)
         self.info = info
         self._index = index
+        self._lock = threading.Lock()
 
     @property
     def index(self) -> ShardIndex:
-        if self._index is None:
-            index = load_index(self.store, self.name, self.info)
-            # Offsets past the end of the file are corruption, not a read to attempt.
-            size = self.info.bytes if self.info is not None else self.store.size(self.name)
-            end = int(index.frame_offsets[-1]) if index.compression == "zstd" else int(index.sample_offsets[-1])
-            if end > size:
-                raise CorruptIndexError(f"index points to byte {end}, past the end of the shard ({size} bytes)",
-                                        url=self.store.url(self.info.index if self.info else self.name + INDEX_SUFFIX))
-            self._index = index
+        if self._index is not None:
+            return self._index
+        with self._lock:  # prefetch threads share readers: load the index once
+            if self._index is None:
+                self._index = self._load_index()
         return self._index
+
+    def _load_index(self) -> ShardIndex:
+        index = load_index(self.store, self.name, self.info)
+        # Offsets past the end of the file are corruption, not a read to attempt.
+        size = self.info.bytes if self.info is not None else self.store.size(self.name)
+        end = int(index.frame_offsets[-1]) if index.compression == "zstd" else int(index.sample_offsets[-1])
+        if end > size:
+            raise CorruptIndexError(f"index points to byte {end}, past the end of the shard ({size} bytes)",
+                                    url=self.store.url(self.info.index if self.info else self.name + INDEX_SUFFIX))
+        return index
 
     def __len__(self) -> int:
         return len(self.index)

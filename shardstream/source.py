@@ -104,10 +104,11 @@ def open_dataset(url: str, *, storage_options: dict[str, Any] | None = None) -> 
     manifest_url = store.url(MANIFEST_NAME)
     try:
         # Read, not exists(): a transient error must be retried, not taken for "absent".
-        # The size first, so that a hostile 100 GB "manifest" is refused unread.
-        if store.size(MANIFEST_NAME) > MAX_MANIFEST_BYTES:
+        # Bounded, so that a hostile 100 GB "manifest" is refused, not loaded: locally by
+        # its size, remotely by reading at most one byte past the limit (no extra request).
+        if store.local and store.size(MANIFEST_NAME) > MAX_MANIFEST_BYTES:
             raise ManifestError(f"larger than the limit of {MAX_MANIFEST_BYTES} bytes", url=manifest_url)
-        data = store.read(MANIFEST_NAME)
+        data = store.read(MANIFEST_NAME) if store.local else store.read(MANIFEST_NAME, 0, MAX_MANIFEST_BYTES + 1)
     except StorageError as e:
         if e.detail != "file not found":
             raise

@@ -1,0 +1,645 @@
+#!/usr/bin/env python
+"""Loader benchmark: shardstream vs WebDataset, from JPEG bytes to uint8 batches.
+
+    python benchmarks/loader.py [--images 2000] [--repeats 3] [--only decode,loader,remote,resume]
+                                [--data ~/.cache/shardstream-bench] [--out results.json]
+
+Sections (each figure is the median of --repeats timed runs; contenders of a section
+take turns round by round, so slow drift of a noisy machine hits all of them alike;
+ratios are between medians of the same run):
+
+* decode: one process, shuffled, decode + RandomResizedCrop(224) + horizontal flip to
+  a uint8 CHW tensor. shardstream: `StreamingDataset(..., shuffle=True,
+  decode=RandomResizedCropJPEG(224), fields=("jpg", "cls"))` iterated in this process.
+  WebDataset: `WebDataset(tars, shardshuffle=True).shuffle(1000).decode("pil")
+  .to_tuple("jpg", "cls").map_tuple(PILRandomResizedCrop(224), int)`, the PIL transform
+  written here as torchvision does it (same crop sampling, crop then bilinear resize,
+  flip, then CHW). The "bare loop" is RandomResizedCropJPEG called on the JPEG bytes
+  already in memory: what the loader costs on top of it is its overhead.
+* loader: `torch.utils.data.DataLoader(ds, batch_size=None, num_workers=n)` for n in
+  0, 1, 2 (fresh loader per run, persistent workers off) over the dataset batched by
+  64 and over WebDataset's pipeline `.batched(64)`; images/s and time to first batch
+  (from constructing the dataset to receiving batch 1). Also `shardstream.DataLoader`
+  against the torch DataLoader over the same StreamingDataset (2 workers).
+* remote: the packed folder served by `shardstream.testing.HTTPTestServer` with 50 ms
+  per request. Raw sample streaming (decode=None, fields=("__key__", "jpg"), shuffled)
+  through a 1-worker DataLoader from local disk and over HTTP (prefetch 2 and 0), the
+  decode pipeline local vs HTTP (1 worker), and WebDataset's raw streaming of its plain
+  tars, local and over the same server (its http:// URLs open through `curl`).
+* resume: time to first batch through `shardstream.DataLoader` (1 worker, batch 64) at
+  the start of the epoch and after `load_state_dict` of a state taken after 90% of the
+  epoch's batches, local and over HTTP. The resumed first batch is checked to be
+  bit-identical to the batch the uninterrupted epoch delivered at that point.
+
+Data: the synthetic ImageNet-like folder of benchmarks/run.py (cached under --data as
+images-N; reused when present), packed once with `shardstream.pack(zstd, 32MB shards)`
+and written once as plain WebDataset tars (`webdataset.ShardWriter`, maxsize 32 MB,
+same files, same bytes, shuffled file order), cached under <data>/loader-N/.
+
+The process runs torch with --torch-threads intra-op threads (default 1, what
+DataLoader workers use): on a busy 2-core machine two threads make a 64-image
+torch.stack ~40x slower (OpenMP threads waiting on each other), which would swamp
+the in-process (num_workers=0) figures for both contenders alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import io
+import json
+import os
+import random
+import resource
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import numpy as np
+import torch
+from PIL import Image
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import contenders as c  # noqa: E402
+import run as pack_bench  # noqa: E402  (ensure_images, dataset_stats, machine)
+
+import shardstream as ss  # noqa: E402
+from shardstream.testing import HTTPTestServer  # noqa: E402
+from shardstream.transforms import RandomResizedCropJPEG, crop_params  # noqa: E402
+from shardstream.writer import parse_size  # noqa: E402
+
+SECTIONS = ("decode", "loader", "remote", "resume")
+SHARD_SIZE = "32MB"
+BATCH = 64
+SIZE = 224
+LATENCY_S = 0.05
+RESUME_AT = 0.9
+
+warnings.filterwarnings("ignore", message=r"set WebDataset\(shardshuffle")  # shardshuffle=True means 100
+warnings.filterwarnings("ignore", message=r"The given NumPy array is not writable")
+
+
+# -- the WebDataset side's transform ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PILRandomResizedCrop:
+    """torchvision's ``RandomResizedCrop(size)`` + ``RandomHorizontalFlip()`` + ``PILToTensor``
+    on a PIL image, with PIL, numpy and torch only.
+
+    The box is sampled exactly as torchvision samples it (`crop_params` is a copy of
+    ``RandomResizedCrop.get_params``, drawing from torch's generator); then, as
+    torchvision's functional ``resized_crop`` on PIL images does, crop, and resize with
+    PIL's (antialiased) bilinear filter; flip with probability 1/2; HWC -> contiguous
+    CHW uint8 through numpy (``torch.permute(...).contiguous()`` would be the same
+    result, but see the module notes on threads).
+    """
+
+    size: int = SIZE
+    scale: tuple[float, float] = (0.08, 1.0)
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+
+    def __call__(self, image: Image.Image) -> torch.Tensor:
+        top, left, h, w = crop_params(image.size[0], image.size[1], self.scale, self.ratio)
+        image = image.crop((left, top, left + w, top + h)).resize((self.size, self.size), Image.Resampling.BILINEAR)
+        if torch.rand(1).item() < 0.5:
+            image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        return torch.from_numpy(np.ascontiguousarray(np.asarray(image).transpose(2, 0, 1)))
+
+
+def pil_decode(data: bytes) -> Image.Image:
+    """What WebDataset's ``decode("pil")`` does with JPEG bytes."""
+    image = Image.open(io.BytesIO(data))
+    image.load()
+    return image.convert("RGB")
+
+
+# -- data -------------------------------------------------------------------------------
+
+
+@dataclass
+class Data:
+    n: int
+    images: str  # the image folder
+    ss_path: str  # shardstream dataset folder
+    wds_files: list[str]  # WebDataset tars (local paths)
+    root: str  # folder holding both, served over HTTP
+    ss_shards: int = 0
+    stats: dict = field(default_factory=dict)
+
+    def wds_urls(self, base: str | None = None) -> list[str]:
+        if base is None:
+            return self.wds_files
+        return [f"{base}/{os.path.relpath(p, self.root)}" for p in self.wds_files]
+
+    def ss_url(self, base: str | None = None) -> str:
+        return self.ss_path if base is None else f"{base}/{os.path.relpath(self.ss_path, self.root)}"
+
+
+def ensure_data(data_dir: str, n: int) -> Data:
+    images = pack_bench.ensure_images(data_dir, n, 2)
+    stats = pack_bench.dataset_stats(images)
+    if stats["images"] != n:
+        raise SystemExit(f"{images} holds {stats['images']} images, expected {n}: remove it to regenerate")
+    root = os.path.join(data_dir, f"loader-{n}")
+    ss_path, wds_path = os.path.join(root, "ss-zstd-32MB"), os.path.join(root, "wds-32MB")
+    marker = os.path.join(root, ".complete")
+    if not os.path.exists(marker):
+        c.reset(root)
+        os.makedirs(root)
+        print(f"packing {n} images: shardstream zstd {SHARD_SIZE} shards, WebDataset plain tars, "
+              f"maxsize {SHARD_SIZE} (once; cached under {root}) ...", flush=True)
+        t0 = time.perf_counter()
+        summary = ss.pack(images, ss_path, compression="zstd", shard_size=SHARD_SIZE, workers=2, progress=False)
+        assert summary.samples == n, summary
+        write_wds(images, wds_path)
+        with open(marker, "w") as f:
+            json.dump({"images": n, "shard_size": SHARD_SIZE}, f)
+        print(f"  done in {time.perf_counter() - t0:.0f} s", flush=True)
+    wds_files = c.shard_files(wds_path, ".tar")
+    if len(wds_files) < 2:
+        raise SystemExit(f"{n} images make {len(wds_files)} WebDataset shard(s) of {SHARD_SIZE}: WebDataset with 2 "
+                         "DataLoader workers needs 2 or more (use --images 600 or more)")
+    source = ss.open_dataset(ss_path)
+    assert int(source.counts().sum()) == n
+    return Data(n, images, ss_path, wds_files, root, len(source.shards), stats)
+
+
+def write_wds(src: str, dst: str) -> int:
+    """The same files as plain WebDataset tars (bytes + class label), maxsize 32 MB.
+
+    The file order is shuffled once with a fixed seed, as `shardstream.pack` does by
+    default: class-sorted shards would make a 1000-sample shuffle buffer hold one class.
+    """
+    import webdataset as wds
+
+    os.makedirs(dst, exist_ok=True)
+    files = list(c.image_files(src))
+    random.Random(0).shuffle(files)
+    with wds.ShardWriter(os.path.join(dst, "shard-%06d.tar"), maxsize=parse_size(SHARD_SIZE), verbose=0) as sink:
+        for path, key, label in files:
+            with open(path, "rb") as f:
+                sink.write({"__key__": key, "jpg": f.read(), "cls": label})
+    return len(files)
+
+
+def warm_files(paths: Iterable[str]) -> None:
+    buf = bytearray(4 << 20)
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+
+# -- pipelines --------------------------------------------------------------------------
+
+
+def ss_dataset(src: str, *, decode: Any = "crop", batch_size: int | None = None, prefetch: int = 2,
+               fields: tuple[str, ...] = ("jpg", "cls")) -> Any:
+    return ss.StreamingDataset(src, shuffle=True, decode=RandomResizedCropJPEG(SIZE) if decode == "crop" else decode,
+                               fields=fields, batch_size=batch_size, prefetch=prefetch)
+
+
+def wds_pipeline(urls: list[str], *, decode: bool = True, batch_size: int | None = None) -> Any:
+    import webdataset as wds
+
+    pipeline = wds.WebDataset(urls, shardshuffle=True).shuffle(1000)
+    if decode:
+        pipeline = pipeline.decode("pil").to_tuple("jpg", "cls").map_tuple(PILRandomResizedCrop(SIZE), int)
+    else:
+        pipeline = pipeline.to_tuple("__key__", "jpg")
+    return pipeline.batched(batch_size) if batch_size else pipeline
+
+
+def torch_loader(dataset: Any, workers: int) -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers, persistent_workers=False)
+
+
+def _count_item(item: Any) -> int:
+    """Samples in an item: a (images, labels) batch, or one sample."""
+    if isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], torch.Tensor) and item[0].dim() == 4:
+        images, labels = item
+        assert images.dtype == torch.uint8 and images.shape[1:] == (3, SIZE, SIZE), images.shape
+        assert len(labels) == images.shape[0]
+        return int(images.shape[0])
+    return 1
+
+
+def drain(make: Callable[[], Iterable[Any]]) -> dict:
+    """Build the pipeline and run it to the end: samples, and seconds to the first item."""
+    t0 = time.perf_counter()
+    first = None
+    n = 0
+    for item in make():
+        if first is None:
+            first = time.perf_counter() - t0
+            if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], torch.Tensor) and item[0].dim() == 3:
+                assert item[0].dtype == torch.uint8 and item[0].shape == (3, SIZE, SIZE), item[0].shape
+        n += _count_item(item)
+    return {"samples": n, "first_s": first}
+
+
+# -- timing -----------------------------------------------------------------------------
+
+
+def _cpu() -> float:
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)  # finished (joined) workers and curl
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+class Contender:
+    def __init__(self, name: str, run: Callable[[], dict], *, expect: int | None = None, note: str = ""):
+        self.name, self.run_fn, self.expect, self.note = name, run, expect, note
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+        self.first: list[float] = []
+        self.extra: list[dict] = []
+        self.samples = 0
+
+    def once(self) -> None:
+        cpu0, t0 = _cpu(), time.perf_counter()
+        got = self.run_fn()
+        wall, cpu = time.perf_counter() - t0, _cpu() - cpu0
+        self.samples = got.pop("samples")
+        if self.expect is not None:
+            assert self.samples == self.expect, f"{self.name}: {self.samples} samples, expected {self.expect}"
+        first = got.pop("first_s", None)
+        self.wall.append(wall)
+        self.cpu.append(cpu)
+        if first is not None:
+            self.first.append(first)
+        self.extra.append(got)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.wall)
+
+    @property
+    def rate(self) -> float:
+        return self.samples / self.median
+
+    @property
+    def ttfb(self) -> float | None:
+        return statistics.median(self.first) if self.first else None
+
+    def row(self) -> dict:
+        return {"contender": self.name, "note": self.note, "samples": self.samples, "runs_s": self.wall,
+                "median_s": self.median, "images_per_s": self.rate, "cpu_s": self.cpu,
+                "median_cpu_s": statistics.median(self.cpu), "first_batch_s": self.first,
+                "median_first_batch_s": self.ttfb, "extra": self.extra}
+
+
+def measure(section: str, group: list[Contender], repeats: int) -> None:
+    for r in range(repeats):
+        for con in group:
+            con.once()
+            ttfb = f"  first {con.first[-1]:.3f} s" if con.first else ""
+            print(f"  [{section}] round {r + 1}/{repeats}  {con.name:<52} {con.wall[-1]:7.2f} s{ttfb}", flush=True)
+
+
+def table(title: str, group: list[Contender], baseline: Contender | None, *, rate: bool = True) -> str:
+    """A markdown table; `vs` is the rate against `baseline`, both medians of this run."""
+    lines = [f"**{title}**", ""]
+    head = ["contender", "median s"]
+    if rate:
+        head += ["img/s", f"vs {baseline.name}" if baseline else "vs"]
+    head += ["first batch s (median)", "CPU s", "cores busy"]
+    if rate and baseline:
+        head.append("CPU/img vs baseline")
+    head.append("runs (s)")
+    lines.append("| " + " | ".join(head) + " |")
+    lines.append("|" + "|".join("---" for _ in head) + "|")
+    for g in group:
+        cells = [g.name, f"{g.median:.2f}"]
+        if rate:
+            cells += [f"{g.rate:,.0f}", f"{g.rate / baseline.rate:.2f}x" if baseline else ""]
+        cpu = statistics.median(g.cpu)
+        # cores busy: CPU seconds over wall seconds, run by run (median); on an idle machine
+        # ~1 for one process or one worker, up to 2 with two workers on two cores.
+        busy = statistics.median(cc / w for cc, w in zip(g.cpu, g.wall))
+        cells += [f"{g.ttfb:.3f}" if g.ttfb is not None else "-", f"{cpu:.1f}", f"{busy:.2f}"]
+        if rate and baseline:  # baseline's CPU seconds per image over this one's: > 1 means less work
+            base = statistics.median(baseline.cpu) / baseline.samples
+            cells.append(f"{base / (cpu / g.samples):.2f}x" if cpu > 0 else "-")
+        cells.append(", ".join(f"{w:.2f}" for w in g.wall))
+        lines.append("| " + " | ".join(cells) + " |")
+    text = "\n".join(lines)
+    print("\n" + text + "\n", flush=True)
+    return text
+
+
+# -- sections ---------------------------------------------------------------------------
+
+
+def section_decode(d: Data, repeats: int, out: dict) -> None:
+    # The bare loop's input: every sample's JPEG bytes and label, in memory, shuffled.
+    held = [(jpg, int(cls)) for jpg, cls in ss_dataset(d.ss_path, decode=None)]
+    crop = RandomResizedCropJPEG(SIZE)
+    pil = PILRandomResizedCrop(SIZE)
+    subset = held[: min(len(held), 256)]
+
+    def bare() -> dict:
+        n = 0
+        for jpg, cls in held:
+            crop(jpg)
+            int(cls)
+            n += 1
+        return {"samples": n}
+
+    def bare_pil() -> dict:
+        for jpg, cls in subset:
+            pil(pil_decode(jpg))
+        return {"samples": len(subset)}
+
+    group = [
+        Contender("shardstream StreamingDataset (in-process)", lambda: drain(lambda: ss_dataset(d.ss_path)),
+                  expect=d.n),
+        Contender("WebDataset + PIL RandomResizedCrop", lambda: drain(lambda: wds_pipeline(d.wds_files)),
+                  expect=d.n),
+        Contender("bare loop: RandomResizedCropJPEG on bytes in memory", bare, expect=d.n),
+        Contender(f"bare loop: PIL decode + crop on bytes in memory ({len(subset)} images)", bare_pil,
+                  expect=len(subset), note="diagnostic: the WebDataset side's per-image work without a loader"),
+    ]
+    measure("decode", group, repeats)
+    ssc, wdsc, barec, pilc = group
+    out["decode"] = {"rows": [g.row() for g in group],
+                     "table": table(f"decode, one process, shuffled, {d.n} images, median of {repeats}", group, wdsc)}
+    overhead = ssc.median / barec.median - 1
+    cpu = {g.name: statistics.median(g.cpu) / g.samples for g in group}  # CPU seconds per image
+    cpu_overhead = cpu[ssc.name] / cpu[barec.name] - 1
+    wds_overhead = (wdsc.median / d.n) / (pilc.median / len(subset)) - 1
+    wds_cpu_overhead = cpu[wdsc.name] / cpu[pilc.name] - 1
+    out["targets"]["decode: one process >= 2x WebDataset"] = _target(ssc.rate / wdsc.rate, ">=", 2.0, "x")
+    out["targets"]["decode: loader overhead < 10% of the bare loop"] = _target(overhead * 100, "<", 10.0, "%")
+    out["targets"]["decode: loader overhead in CPU time (informative)"] = _target(cpu_overhead * 100, None, None, "%")
+    out["decode"].update(overhead_pct=overhead * 100, cpu_overhead_pct=cpu_overhead * 100,
+                         wds_loader_overhead_pct=wds_overhead * 100, wds_loader_cpu_overhead_pct=wds_cpu_overhead * 100,
+                         cpu_ms_per_image={k: v * 1e3 for k, v in cpu.items()})
+    print(f"loader overhead vs bare loop (wall, CPU): shardstream {overhead * 100:+.1f}%, {cpu_overhead * 100:+.1f}%; "
+          f"WebDataset {wds_overhead * 100:+.1f}%, {wds_cpu_overhead * 100:+.1f}% (vs its PIL bare loop)\n", flush=True)
+
+
+def section_loader(d: Data, repeats: int, out: dict) -> None:
+    group: list[Contender] = []
+    for n in (0, 1, 2):
+        group.append(Contender(f"shardstream, torch DataLoader, {n} workers",
+                               lambda n=n: drain(lambda: torch_loader(ss_dataset(d.ss_path, batch_size=BATCH), n)),
+                               expect=d.n))
+        group.append(Contender(f"WebDataset .batched(64), torch DataLoader, {n} workers",
+                               lambda n=n: drain(lambda: torch_loader(wds_pipeline(d.wds_files, batch_size=BATCH), n)),
+                               expect=d.n))
+    group.append(Contender("shardstream.DataLoader, 2 workers",
+                           lambda: drain(lambda: ss.DataLoader(ss_dataset(d.ss_path), batch_size=BATCH, num_workers=2,
+                                                               persistent_workers=False)),
+                           expect=d.n))
+    measure("loader", group, repeats)
+    by = {g.name: g for g in group}
+    s = [by[f"shardstream, torch DataLoader, {n} workers"] for n in (0, 1, 2)]
+    w = [by[f"WebDataset .batched(64), torch DataLoader, {n} workers"] for n in (0, 1, 2)]
+    wrapper = by["shardstream.DataLoader, 2 workers"]
+    text = table(f"DataLoader, batch 64, {d.n} images, median of {repeats}", group, w[2])
+    ratios = ["| workers | shardstream img/s | WebDataset img/s | shardstream / WebDataset | shardstream first batch s "
+              "| WebDataset first batch s |", "|---|---|---|---|---|---|"]
+    for n in (0, 1, 2):
+        ratios.append(f"| {n} | {s[n].rate:,.0f} | {w[n].rate:,.0f} | {s[n].rate / w[n].rate:.2f}x | "
+                      f"{s[n].ttfb:.3f} | {w[n].ttfb:.3f} |")
+    ratios_text = "\n".join(ratios)
+    print(ratios_text + "\n")
+    overhead = wrapper.median / s[2].median - 1
+    print(f"shardstream.DataLoader vs torch DataLoader (2 workers): {overhead * 100:+.1f}% time\n", flush=True)
+    out["loader"] = {"rows": [g.row() for g in group], "table": text, "by_workers": ratios_text,
+                     "wrapper_overhead_pct": overhead * 100}
+    t = out["targets"]
+    t["loader: 2 workers >= 1.9x its own 1-worker rate"] = _target(s[2].rate / s[1].rate, ">=", 1.9, "x")
+    t["loader: 2 workers >= 2x WebDataset's 2-worker rate"] = _target(s[2].rate / w[2].rate, ">=", 2.0, "x")
+    for n in (0, 1, 2):
+        t[f"loader: time to first batch no worse than WebDataset ({n} workers)"] = _target(
+            s[n].ttfb / w[n].ttfb, "<=", 1.0, "x (shardstream / WebDataset)")
+    t["loader: shardstream.DataLoader wrapper overhead (informative)"] = _target(overhead * 100, None, None, "%")
+
+
+class Requests:
+    """Requests the test server answered during one run."""
+
+    def __init__(self, server: HTTPTestServer | None):
+        self.server = server
+        self.start = server.faults.requests if server else 0
+
+    def done(self) -> int:
+        return self.server.faults.requests - self.start if self.server else 0
+
+
+def _run_remote(make_ds: Callable[[], Any], server: HTTPTestServer | None, workers: int = 1) -> dict:
+    counter = Requests(server)
+    holder: dict = {}
+
+    def make() -> Any:
+        holder["ds"] = make_ds()
+        return torch_loader(holder["ds"], workers)
+
+    got = drain(make)
+    got["requests"] = counter.done()
+    ds = holder["ds"]
+    if isinstance(ds, ss.StreamingDataset):
+        got["io"] = ds.io_stats()
+    return got
+
+
+def section_remote(d: Data, repeats: int, out: dict, server: HTTPTestServer) -> None:
+    base = server.url
+    raw = dict(decode=None, fields=("__key__", "jpg"))
+    group = [
+        Contender("raw: shardstream local, prefetch 2",
+                  lambda: _run_remote(lambda: ss_dataset(d.ss_url(), **raw), None), expect=d.n),
+        Contender("raw: shardstream HTTP 50 ms, prefetch 2",
+                  lambda: _run_remote(lambda: ss_dataset(d.ss_url(base), **raw), server), expect=d.n),
+        Contender("raw: shardstream HTTP 50 ms, prefetch 0",
+                  lambda: _run_remote(lambda: ss_dataset(d.ss_url(base), prefetch=0, **raw), server), expect=d.n),
+        Contender("raw: WebDataset local",
+                  lambda: _run_remote(lambda: wds_pipeline(d.wds_urls(), decode=False), None), expect=d.n),
+        Contender("raw: WebDataset HTTP 50 ms (curl)",
+                  lambda: _run_remote(lambda: wds_pipeline(d.wds_urls(base), decode=False), server), expect=d.n),
+        Contender("decode: shardstream local",
+                  lambda: _run_remote(lambda: ss_dataset(d.ss_url(), batch_size=BATCH), None), expect=d.n),
+        Contender("decode: shardstream HTTP 50 ms",
+                  lambda: _run_remote(lambda: ss_dataset(d.ss_url(base), batch_size=BATCH), server), expect=d.n),
+    ]
+    measure("remote", group, repeats)
+    by = {g.name: g for g in group}
+    local = by["raw: shardstream local, prefetch 2"]
+    text = table(f"remote: DataLoader, 1 worker, {d.n} samples, HTTP server with {LATENCY_S * 1000:.0f} ms per "
+                 f"request, median of {repeats}", group, local)
+    pairs = [("raw: shardstream HTTP 50 ms, prefetch 2", "raw: shardstream local, prefetch 2"),
+             ("raw: shardstream HTTP 50 ms, prefetch 0", "raw: shardstream local, prefetch 2"),
+             ("raw: WebDataset HTTP 50 ms (curl)", "raw: WebDataset local"),
+             ("decode: shardstream HTTP 50 ms", "decode: shardstream local"),
+             ("raw: shardstream HTTP 50 ms, prefetch 2", "raw: WebDataset HTTP 50 ms (curl)")]
+    lines = ["| comparison | ratio of rates | requests per epoch (remote) |", "|---|---|---|"]
+    for a, b in pairs:
+        reqs = statistics.median(e["requests"] for e in by[a].extra)
+        lines.append(f"| {a} / {b} | {by[a].rate / by[b].rate:.2f}x | {reqs:.0f} |")
+    ratio_text = "\n".join(lines)
+    print(ratio_text + "\n", flush=True)
+    out["remote"] = {"rows": [g.row() for g in group], "table": text, "ratios": ratio_text}
+    out["targets"]["remote: raw streaming over HTTP >= 90% of local"] = _target(
+        by["raw: shardstream HTTP 50 ms, prefetch 2"].rate / local.rate * 100, ">=", 90.0, "%")
+
+
+def _resume_reference(src: str) -> tuple[dict, Any, int, int]:
+    """Run the epoch (shardstream.DataLoader, 1 worker, batch 64) to 90%: the state, and the next batch."""
+    loader = ss.DataLoader(ss_dataset(src), batch_size=BATCH, num_workers=1, persistent_workers=False)
+    total = len(loader)
+    k = int(round(RESUME_AT * total))
+    state, reference = None, None
+    for i, batch in enumerate(loader):
+        if i == k - 1:
+            state = loader.state_dict()
+        if i == k:
+            reference = batch
+            break
+    assert state is not None and reference is not None and state["current"]["delivered"] == k, state
+    return state, reference, k, total
+
+
+def _first_batch(src: str, state: dict | None, reference: Any, server: HTTPTestServer | None) -> dict:
+    counter = Requests(server)
+    t0 = time.perf_counter()
+    loader = ss.DataLoader(ss_dataset(src), batch_size=BATCH, num_workers=1, persistent_workers=False)
+    if state is not None:
+        loader.load_state_dict(state)
+    batches = iter(loader)
+    batch = next(batches)
+    first = time.perf_counter() - t0
+    requests = counter.done()
+    batches.close()  # stops the worker
+    exact = None
+    if reference is not None:
+        exact = bool(torch.equal(batch[0], reference[0]) and torch.equal(batch[1], reference[1]))
+        assert exact, "the resumed first batch differs from the uninterrupted epoch's batch"
+    return {"samples": int(batch[0].shape[0]), "first_s": first, "requests_to_first_batch": requests, "exact": exact}
+
+
+def section_resume(d: Data, repeats: int, out: dict, server: HTTPTestServer) -> None:
+    t0 = time.perf_counter()
+    state, reference, k, total = _resume_reference(d.ss_path)
+    print(f"  [resume] state taken after {k} of {total} batches (untimed, {time.perf_counter() - t0:.1f} s): "
+          f"{len(json.dumps(state))} bytes of JSON", flush=True)
+    local, remote = d.ss_url(), d.ss_url(server.url)
+    group = [
+        Contender("local: epoch start", lambda: _first_batch(local, None, None, None)),
+        Contender(f"local: resumed at {k}/{total} batches", lambda: _first_batch(local, state, reference, None)),
+        Contender("HTTP 50 ms: epoch start", lambda: _first_batch(remote, None, None, server)),
+        Contender(f"HTTP 50 ms: resumed at {k}/{total} batches",
+                  lambda: _first_batch(remote, state, reference, server)),
+    ]
+    measure("resume", group, repeats)
+    text = table(f"resume: time to first batch, shardstream.DataLoader, 1 worker, batch 64, {d.n} images, "
+                 f"median of {repeats}", group, None, rate=False)
+    lines = ["| where | epoch start s | resumed s | resumed / start | requests to first batch (start, resumed) |",
+             "|---|---|---|---|---|"]
+    for where, (a, b) in (("local", group[:2]), ("HTTP 50 ms", group[2:])):
+        reqs = "-"
+        if where != "local":
+            reqs = ", ".join(f"{statistics.median(e['requests_to_first_batch'] for e in g.extra):.0f}" for g in (a, b))
+        lines.append(f"| {where} | {a.ttfb:.3f} | {b.ttfb:.3f} | {b.ttfb / a.ttfb:.2f}x | {reqs} |")
+        out["targets"][f"resume: TTFB at 90% within 1.5x of epoch start ({where})"] = _target(
+            b.ttfb / a.ttfb, "<=", 1.5, "x")
+    ratio_text = "\n".join(lines)
+    print(ratio_text + "\n", flush=True)
+    out["resume"] = {"rows": [g.row() for g in group], "table": text, "ratios": ratio_text, "state": state,
+                     "resumed_at_batch": k, "batches": total, "bit_exact": True}
+
+
+def _target(value: float, op: str | None, want: float | None, unit: str) -> dict:
+    met = None
+    if op == ">=":
+        met = value >= want
+    elif op == "<=":
+        met = value <= want
+    elif op == "<":
+        met = value < want
+    return {"value": value, "op": op, "want": want, "unit": unit, "met": met}
+
+
+# -- main -------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--images", type=int, default=2000, help="images in the synthetic folder (a multiple of 10)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per contender (median reported)")
+    p.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections: " + ", ".join(SECTIONS))
+    p.add_argument("--data", default="~/.cache/shardstream-bench", help="cache folder for images and shards")
+    p.add_argument("--out", default=None, help="JSON results file (default: <data>/loader-results-<images>.json)")
+    p.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads in this process")
+    args = p.parse_args(argv)
+    sections = [s.strip() for s in args.only.split(",") if s.strip()]
+    if not sections or not set(sections) <= set(SECTIONS):
+        p.error(f"--only takes some of {', '.join(SECTIONS)}")
+    if args.repeats < 3:
+        print("note: fewer than 3 repeats; medians of so few runs are fragile", file=sys.stderr)
+    if args.images < 10 * BATCH // 8:
+        p.error("need --images >= 80")
+    torch.set_num_threads(args.torch_threads)
+
+    start = time.perf_counter()
+    data_dir = os.path.expanduser(args.data)
+    os.makedirs(data_dir, exist_ok=True)
+    info = pack_bench.machine()
+    info["torch_threads"] = torch.get_num_threads()
+    print(f"machine: {info['cpu']}, {info['cores']} cores, Python {info['python']}, torch {info['versions']['torch']}, "
+          f"webdataset {info['versions']['webdataset']}, shardstream {info['versions']['shardstream']} "
+          f"({info['git_commit']}), load average {os.getloadavg()[0]:.1f}")
+    d = ensure_data(data_dir, args.images)
+    print(f"images: {d.n} files, {d.stats['bytes'] / 1e6:,.1f} MB, mean {d.stats['mean_bytes'] / 1e3:.1f} KB; "
+          f"shardstream {d.ss_shards} shards, WebDataset {len(d.wds_files)} shards ({d.root})")
+    # Every run reads warm files: the shards are read once here, untimed.
+    warm_files(sorted(os.path.join(d.ss_path, f) for f in os.listdir(d.ss_path)) + d.wds_files)
+    results: dict = {
+        "date": datetime.date.today().isoformat(),
+        "command": " ".join(["python", *sys.argv]),
+        "machine": info,
+        "dataset": {**d.stats, "ss_shards": d.ss_shards, "wds_shards": len(d.wds_files), "root": d.root},
+        "repeats": args.repeats,
+        "targets": {},
+        "load_average": {},
+    }
+    server = HTTPTestServer(d.root, latency_s=LATENCY_S) if {"remote", "resume"} & set(sections) else None
+    try:
+        for name in sections:
+            print(f"\n== {name} (load average {os.getloadavg()[0]:.1f})", flush=True)
+            t0 = time.perf_counter()
+            la0 = os.getloadavg()[0]
+            if name == "decode":
+                section_decode(d, args.repeats, results)
+            elif name == "loader":
+                section_loader(d, args.repeats, results)
+            elif name == "remote":
+                section_remote(d, args.repeats, results, server)
+            elif name == "resume":
+                section_resume(d, args.repeats, results, server)
+            results["load_average"][name] = {"start": la0, "end": os.getloadavg()[0],
+                                             "section_s": time.perf_counter() - t0}
+    finally:
+        if server is not None:
+            server.close()
+
+    print("targets:")
+    for label, t in results["targets"].items():
+        verdict = "informative" if t["met"] is None else ("MET" if t["met"] else "NOT MET")
+        want = f" (want {t['op']} {t['want']:g})" if t["op"] else ""
+        print(f"  {label}: {t['value']:.2f} {t['unit']}{want} -> {verdict}")
+    results["total_s"] = time.perf_counter() - start
+    out = args.out or os.path.join(data_dir, f"loader-results-{d.n}.json")
+    with open(out, "w") as f:
+        json.dump(results, f, indent=2, default=str)
+    print(f"\nwrote {out} ({results['total_s']:.0f} s in all)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
