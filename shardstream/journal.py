@@ -59,12 +59,19 @@ class Journal:
         body = {"shard": shard, "info": {**asdict(info), "fields": list(info.fields)}, "skipped": skipped}
         self.store.write(f"shard-{shard:06d}.msgpack", msgpack.packb(body, use_bin_type=True))
 
-    def clear(self) -> None:
+    def clear(self, remove_folder: bool = False) -> None:
+        """Forget every record. `remove_folder` also drops the journals' common folder if
+        empty: only for a single pack, since parts running at once create it concurrently."""
         for name in self.store.list(""):
             self.store.remove(name)
-        if self.store.local:  # drop the (now empty) folders too
+        if self.store.local:  # drop the (now empty) folder too
             shutil.rmtree(self.store.root, ignore_errors=True)
-            try:
-                os.rmdir(os.path.dirname(self.store.root))
-            except OSError:
-                pass  # other parts' journals are still there
+            if remove_folder:
+                remove_journal_folder(os.path.dirname(self.store.root))
+
+
+def remove_journal_folder(path: str) -> None:
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass  # not empty, or already gone

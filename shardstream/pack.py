@@ -574,7 +574,7 @@ def pack(
         write_manifest(store, manifest)
     else:
         store.write(target, manifest.to_bytes())
-    journal.clear()
+    journal.clear(remove_folder=part is None)
     return PackSummary(
         samples=manifest.samples,
         shards=len(shards),

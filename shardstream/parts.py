@@ -15,6 +15,7 @@ from typing import Any
 from .errors import ManifestError, ShardstreamError
 from .format import Manifest
 from .storage import Store
+from .journal import FOLDER as JOURNAL_FOLDER, remove_journal_folder
 from .writer import write_manifest
 
 __all__ = ["merge"]
@@ -71,6 +72,8 @@ def merge(dst: str, *, storage_options: dict[str, Any] | None = None) -> Manifes
         options={**common, "parts": total},
     )
     write_manifest(store, manifest)
+    if store.local:  # the parts' journals are gone; their common folder can go too
+        remove_journal_folder(store.url(JOURNAL_FOLDER))
     return manifest
 
 

@@ -62,13 +62,20 @@ class VerifyReport:
         return not self.problems
 
 
-def _file_sha256(store: Any, name: str) -> tuple[str, int]:
-    """Hash a file by ranged reads of its actual size (each read retried like any other)."""
-    size = store.size(name)
-    digest = hashlib.sha256()
-    for start in range(0, size, 16 << 20):
-        digest.update(store.read(name, start, min(size, start + (16 << 20))))
-    return digest.hexdigest(), size
+def _file_sha256(store: Any, name: str, size: int) -> tuple[str, int]:
+    """Hash the first `size` bytes (the manifest's size) by ranged reads, each retried
+    like any read; returns the digest and how many bytes there were (fewer if short).
+
+    Ranged reads, not a size request: some servers (fsspec over HTTP) report a failed
+    size request as a missing file, and S3 refuses ranges past the end."""
+    digest, read = hashlib.sha256(), 0
+    while read < size:
+        data = store.read(name, read, min(size, read + (16 << 20)))
+        if not data:
+            break
+        digest.update(data)
+        read += len(data)
+    return digest.hexdigest(), read
 
 
 def verify_shard(reader: ShardReader, decode_images: bool = True) -> Iterator[Problem | int]:
@@ -76,7 +83,7 @@ def verify_shard(reader: ShardReader, decode_images: bool = True) -> Iterator[Pr
     info = reader.info
     assert info is not None
     try:
-        digest, size = _file_sha256(reader.store, reader.name)
+        digest, size = _file_sha256(reader.store, reader.name, info.bytes)
     except ShardstreamError as e:
         yield Problem(info.name, None, str(e))
         return
