@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
@@ -18,6 +18,9 @@ from .errors import ManifestError, ShardstreamError, StorageError
 from .format import INDEX_SUFFIX, MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ShardInfo
 from .reader import ShardReader, StreamTarReader
 from .storage import Store, split_url
+
+if TYPE_CHECKING:
+    from .sampling import Mix
 
 __all__ = ["Source", "ShardRef", "open_dataset", "resolve_source", "expand_braces"]
 

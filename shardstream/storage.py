@@ -20,7 +20,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Iterator, Mapping
+from typing import Any, BinaryIO, Mapping
 
 import fsspec
 
@@ -339,9 +339,3 @@ def scratch_file(store: Store, name: str) -> tuple[str, BinaryIO]:
     os.umask(umask)
     os.fchmod(fd, 0o666 & ~umask)
     return path, os.fdopen(fd, "wb")
-
-
-def iter_chunks(f: BinaryIO, size: int = 1 << 20) -> Iterator[bytes]:
-    """Read a file object in chunks of `size` bytes until EOF."""
-    while chunk := f.read(size):
-        yield chunk
