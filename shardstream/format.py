@@ -261,6 +261,10 @@ class ShardIndex:
                 np.diff(self.frame_raw_offsets.astype(np.int64)) <= 0
             ):
                 raise E("frame offsets are not increasing", url=url)
+            # The frames cover the samples exactly: from the first sample's start to the last one's end.
+            if n and (self.frame_raw_offsets[0] != self.sample_offsets[0] or
+                      self.frame_raw_offsets[-1] != self.sample_offsets[-1]):
+                raise E("frames and samples do not cover the same bytes", url=url)
         if not all(isinstance(k, str) for k in self.keys):
             raise E("keys must be strings", url=url)
 
