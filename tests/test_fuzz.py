@@ -30,11 +30,12 @@ bytes may change but not the set of fields; a changed index read through the man
 always a `CorruptIndexError` (its SHA-256 is in the manifest); a manifest mutation never
 changes what a shard returns. Field decoders and hostile manifests have their own tests.
 
-Known library bugs found by this file are listed in `KNOWN_BUGS` (exceptions, hangs),
-`SILENT_BUGS` (wrong samples without an error) and `DECODE_KNOWN`. Each has a minimal
-reproducer below marked ``xfail(strict=True)``, and the property tests accept exactly
-that signature (so they keep guarding everything else); when a bug is fixed its
-reproducer XPASSes, and its entry must be removed. RELIABILITY.md has the details.
+Every bug this file found has a minimal reproducer below: an ordinary regression test once
+fixed, ``xfail(strict=True)`` while open. Open bugs are also listed in `KNOWN_BUGS`
+(exceptions, hangs), `SILENT_BUGS` (wrong samples without an error) and `DECODE_KNOWN`, and
+the property tests accept exactly those signatures (so they keep guarding everything
+else); when a fix makes a reproducer XPASS, remove its xfail mark and its entry.
+RELIABILITY.md has the details.
 
 CI runs 60 derandomized examples per target. For a long, randomized run:
 ``SHARDSTREAM_FUZZ_EXAMPLES=5000 pytest tests/test_fuzz.py``.
@@ -264,9 +265,8 @@ class Mutation:
 
 FILE_KINDS = ("flip", "truncate", "insert", "overwrite")
 
-# Size fields for forged tar headers: valid, odd and hostile spellings. Negative sizes
-# hang or crash the parser (KNOWN_BUGS tar-negative-size-*); CI draws them only in their
-# reproducers, the fuzz report draws them too (`hostile_sizes=True`).
+# Size fields for forged tar headers: valid, odd and hostile spellings. Negative sizes once
+# hung or crashed the parser (fixed; `hostile_sizes=False` leaves them out).
 SIZE_FIELDS = (
     b"00000000000\0", b"00000000001\0", b"00000000777\0", b"00000001000\0", b"00000100000\0",
     b"77777777777\0", b"20000000001\0", b"\x80" + (1 << 40).to_bytes(11, "big"), b"\x80" + bytes(11),
@@ -291,7 +291,7 @@ def forge_header(name: bytes, size_field: bytes, typeflag: bytes, *, magic: byte
     return bytes(block)
 
 
-def draw_mutation(ch: Chooser, corpus: Corpus, family: str, *, hostile_sizes: bool = False) -> Mutation:
+def draw_mutation(ch: Chooser, corpus: Corpus, family: str, *, hostile_sizes: bool = True) -> Mutation:
     """A mutation of the given family: "shard", "raw", "index" or "manifest"."""
     if family == "raw":
         return _draw_raw(ch, corpus, hostile_sizes)
@@ -461,29 +461,8 @@ class KnownBug:
 
 
 KNOWN_BUGS: tuple[KnownBug, ...] = (
-    KnownBug(
-        "tar-negative-size-hang",
-        "tario.iter_members never advances on a header whose size field is negative octal ('-1000'): "
-        "the indexed reader loops forever (caught inside iter_members, or in its consumer _parse_sample)",
-        lambda e: isinstance(e, Hang) and ("tario.iter_members" in _library_frames(e)
-                                           or "reader._parse_sample" in _library_frames(e)),
-        "test_bug_negative_tar_size_hangs_indexed_reader",
-    ),
-    KnownBug(
-        "tar-negative-size-read",
-        "tario.iter_stream_members calls read() with a negative size from a header's size field: ValueError",
-        lambda e: isinstance(e, ValueError) and not isinstance(e, ShardstreamError)
-        and _library_frames(e)[-1:] == ["tario.iter_stream_members"],
-        "test_bug_negative_tar_size_crashes_stream_reader",
-    ),
-    KnownBug(
-        "index-offset-read-size",
-        "ShardReader reads index offsets[b] - offsets[a] bytes without bounding them by the file size: "
-        "a huge offset in an index opened without a manifest is a MemoryError",
-        lambda e: isinstance(e, (MemoryError, OverflowError)) and _library_frames(e)[-1:] == ["storage.read"]
-        and any(f in _library_frames(e) for f in ("reader._read_plain", "reader._read_zstd")),
-        "test_bug_huge_index_offset_is_memory_error",
-    ),
+    # Empty: every exception or hang the fuzzing found is fixed and pinned by a regression test below
+    # (tar-negative-size-hang, tar-negative-size-read, index-offset-read-size, index-frame-bounds).
 )
 
 
@@ -582,16 +561,6 @@ def run_mutation(corpus: Corpus, m: Mutation, family: str,
     return changed, outcomes
 
 
-def checksum_flag_cleared(data: bytes) -> bool:
-    """True if some zstd frame header in `data` lacks the content-checksum flag (KNOWN: silent corruption)."""
-    pos = data.find(ZSTD_MAGIC)
-    while pos >= 0:
-        if pos + 4 < len(data) and not data[pos + 4] & 0x04:
-            return True
-        pos = data.find(ZSTD_MAGIC, pos + 1)
-    return False
-
-
 def short_reads(corpus: Corpus, m: Mutation, outcomes: dict[str, Outcome]) -> int:
     """Reads that returned samples but not all of the shard's samples, whole (no error): only possible without
     an index, where a tar that ends early at a member boundary is accepted (as GNU tar does)."""
@@ -610,11 +579,7 @@ def short_reads(corpus: Corpus, m: Mutation, outcomes: dict[str, Outcome]) -> in
 
 
 SILENT_BUGS = {
-    "zstd-checksum-flag": "a zstd frame whose content-checksum flag is cleared is accepted, so payload damage "
-                          "behind it goes unnoticed (test_bug_frame_without_checksum_flag_is_accepted)",
-    "zero-block-drops-fields": "a zeroed member header inside a sample's span ends the sample early, without "
-                               "error: the sample is returned without its later fields "
-                               "(test_bug_zero_block_inside_a_sample_drops_fields)",
+    # Fixed since, no longer tolerated: zstd-checksum-flag, zero-block-drops-fields (see RELIABILITY.md).
     "format-limit": "not a bug: a tar header changed so that its byte-sum checksum still matches (e.g. two flips "
                     "of +2 and -2), or a changed pax path record (member data), cannot be detected by any tar reader; "
                     "uncompressed shards have no other checksum",
@@ -649,15 +614,6 @@ def _header_changed_checksum_intact(corpus: Corpus, shard: str, data: bytes) -> 
     return False
 
 
-def _zeroed_header_in_span(corpus: Corpus, shard: str, data: bytes, key: str) -> bool:
-    index = corpus.indexes[shard]
-    if key not in index.keys:
-        return False
-    i = index.keys.index(key)
-    a, b = int(index.sample_offsets[i]), int(index.sample_offsets[i + 1])
-    return any(data[h : h + BLOCK] == bytes(BLOCK) for h in corpus.header_offsets[shard] if a <= h < b)
-
-
 def check_outcomes(corpus: Corpus, m: Mutation, family: str, changed: dict[str, bytes],
                    outcomes: dict[str, Outcome], known: list[str] | None = None) -> list[str]:
     """The properties; returns the violations (empty when all hold).
@@ -672,7 +628,6 @@ def check_outcomes(corpus: Corpus, m: Mutation, family: str, changed: dict[str, 
             problems.append(f"{path}: {outcome.kind} {outcome.label}\n{outcome.detail}")
     # zstd: frame checksums make a file-level mutation unable to change a returned sample.
     if corpus.compression == "zstd" and family in ("shard", "manifest", "index"):
-        flag_cleared = any(checksum_flag_cleared(d) for n, d in changed.items() if n in corpus.shards)
         for path, outcome in outcomes.items():
             if family == "index" and path == "shard":
                 continue  # an index without a manifest is trusted as found
@@ -681,9 +636,7 @@ def check_outcomes(corpus: Corpus, m: Mutation, family: str, changed: dict[str, 
                 if _strip(s) == original:
                     continue
                 what = f"{path}: sample {s['__key__']!r} returned with changed bytes"
-                if flag_cleared:
-                    known.append(f"zstd-checksum-flag: {what}")
-                elif path == "noindex" and _is_prefix(s, original):  # the stream ended early, without error
+                if path == "noindex" and _is_prefix(s, original):  # the stream ended early, without error
                     known.append(f"truncated-zstd-stream: {what}")
                 else:
                     problems.append(what)
@@ -704,9 +657,6 @@ def check_outcomes(corpus: Corpus, m: Mutation, family: str, changed: dict[str, 
                         f"expected {sorted(expected)}")
                 if _header_changed_checksum_intact(corpus, m.target, changed[m.target]):
                     known.append(f"format-limit: {what}")  # any tar reader takes such a header as it is
-                elif (original is not None and fields < expected
-                        and _zeroed_header_in_span(corpus, m.target, changed[m.target], s["__key__"])):
-                    known.append(f"zero-block-drops-fields: {what}")
                 else:
                     problems.append(what)
                 break
@@ -732,7 +682,7 @@ def corpora(tmp_path_factory) -> dict[str, Corpus]:
     return {c: make_corpus(tmp_path_factory.mktemp(f"fuzz-{c}"), c) for c in ("zstd", "none")}
 
 
-def _fuzz_one(corpus: Corpus, data: Any, family: str, *, hostile_sizes: bool = False) -> None:
+def _fuzz_one(corpus: Corpus, data: Any, family: str, *, hostile_sizes: bool = True) -> None:
     m = draw_mutation(HypothesisChooser(data), corpus, family, hostile_sizes=hostile_sizes)
     changed, outcomes = run_mutation(corpus, m, family)
     for path, outcome in outcomes.items():
@@ -807,7 +757,7 @@ def test_fuzz_harness_catches_what_it_should(corpora):
     assert all(o.kind == "error" for o in outcomes.values()), outcomes
 
 
-# -- reproducers of the bugs found (xfail strict: they XPASS, and fail, once fixed) ------------------------
+# -- reproducers of the bugs found: regression tests once fixed, xfail(strict) while open ---------------------
 
 
 def _forged_plain_shard(corpus: Corpus, size_field: bytes) -> dict[str, bytes]:
@@ -850,6 +800,18 @@ def test_bug_huge_index_offset_is_memory_error(corpora, compression):
         bad = dataclasses.replace(index, sample_offsets=offsets)
     with _files(corpus, {shard + ".idx": bad.to_bytes()}):
         outcome = watched(lambda: list(shardstream.open_shard(os.path.join(corpus.work, shard))))
+    assert outcome.kind == "error", f"{outcome.kind}: {outcome.label}"
+
+
+def test_bug_index_frame_bounds_negative_read(corpora):
+    """Was: frame_raw_offsets[0] past sample_offsets[0] made frame_of(0) -1, and reader[0] a negative read (ValueError)."""
+    corpus = corpora["zstd"]
+    shard = corpus.shards[0]
+    index = corpus.indexes[shard]
+    raw = index.frame_raw_offsets.copy()
+    raw[0] = 100  # the first frame no longer starts where the first sample does
+    with _files(corpus, {shard + ".idx": dataclasses.replace(index, frame_raw_offsets=raw).to_bytes()}):
+        outcome = watched(lambda: [shardstream.open_shard(os.path.join(corpus.work, shard))[0]])
     assert outcome.kind == "error", f"{outcome.kind}: {outcome.label}"
 
 
@@ -1162,10 +1124,9 @@ _png = io.BytesIO()
 __import__("PIL.Image").Image.new("RGB", (7, 5), (1, 2, 3)).save(_png, "PNG")
 FIELD_SEEDS["png"] = _png.getvalue()
 
-DECODE_KNOWN = {
-    # field: (exception types the decoder lets escape, the decode.py function): BUG decode-escapes below.
-    "npy": ((EOFError, __import__("tokenize").TokenError, SyntaxError, MemoryError), "_npy"),
-    "json": ((RecursionError,), "_json"),
+DECODE_KNOWN: dict[str, tuple[tuple[type, ...], str]] = {
+    # field: (exception types the decoder lets escape, the decode.py function). Empty: the escapes found
+    # (EOFError, tokenize.TokenError, SyntaxError, MemoryError from .npy, RecursionError from .json) are fixed.
 }
 
 

@@ -4,9 +4,9 @@ Runs the mutation strategies of tests/test_fuzz.py (the same `draw_mutation`, th
 read paths, watchdog and checks) with `random.Random` instead of hypothesis, over the
 zstd and the uncompressed dataset in turn, and counts what happened: samples returned,
 each `ShardstreamError` subclass, other exceptions (by type and place; must be 0) and
-hangs (must be 0). Known bugs (tests/test_fuzz.py KNOWN_BUGS) are counted in those
-rows too, marked with their id. Unlike the CI tests, forged tar headers here include
-negative size fields (`--no-hostile-sizes` leaves them out).
+hangs (must be 0). Known open bugs (tests/test_fuzz.py KNOWN_BUGS) are counted in those
+rows too, marked with their id. Forged tar headers include negative size fields, as in
+the tests (`--no-hostile-sizes` leaves them out).
 
     python tools/fuzz_report.py              # 2000 mutated inputs
     python tools/fuzz_report.py 500 --seed 3 --time-budget 120 --decode 2000
