@@ -40,7 +40,7 @@ from PIL import Image
 
 from . import tario
 from .errors import PackError, ShardstreamError
-from .format import MANIFEST_NAME, Manifest, ShardInfo
+from .format import INDEX_SUFFIX, MANIFEST_NAME, Manifest, ShardInfo
 from .journal import Journal
 from .listing import Listing, SourceFile, list_source
 from .shardfile import FRAME_SIZE, Frame, ShardFileWriter, build_frame
@@ -519,6 +519,9 @@ def pack(
     plan_record = {"options": opts.as_dict(), "listing": fingerprint, "part": list(part or ())}
     done = journal.start(plan_record, resume)
     jobs = [(shard, frame, listing.root, opts, on_error == "skip") for shard, frame in planned if shard not in done]
+    if resume:  # a killed run's half-written shards, which this run writes again
+        todo = {shard_name(opts.prefix, shard, compression) for shard, _ in planned if shard not in done}
+        store.cleanup_scratch([name for shard in todo for name in (shard, shard + INDEX_SUFFIX)])
     workers = max(1, min(workers or os.cpu_count() or 1, len(jobs) or 1))
 
     start = time.perf_counter()

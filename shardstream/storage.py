@@ -12,15 +12,15 @@ makes one such call per zstd frame.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import posixpath
 import random
-import shutil
 import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Mapping
+from typing import Any, BinaryIO, Iterable, Mapping
 
 import fsspec
 
@@ -232,12 +232,24 @@ class Store:
         if fs.exists(path):
             fs.rm_file(path)
 
-    def cleanup_scratch(self) -> None:
-        """Remove the local scratch folder if it is empty (a crashed pack may leave parts)."""
-        if self.local:
-            path = os.path.join(_local_path(self.root), ".shardstream-tmp")
-            if os.path.isdir(path) and not os.listdir(path):
-                shutil.rmtree(path, ignore_errors=True)
+    def cleanup_scratch(self, names: Iterable[str] = ()) -> None:
+        """Remove what killed writers of `names` left in the local scratch folder, then the folder if empty.
+
+        Only the given names' files go: other writers (the other parts of a pack, say)
+        may be writing into the same folder at this moment.
+        """
+        if not self.local:
+            return
+        path = os.path.join(_local_path(self.root), ".shardstream-tmp")
+        if not os.path.isdir(path):
+            return
+        prefixes = tuple(f".{name}." for name in names)
+        for entry in os.listdir(path):
+            if prefixes and entry.startswith(prefixes) and entry.endswith(".part"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(path, entry))
+        with contextlib.suppress(OSError):
+            os.rmdir(path)  # only if empty; another writer may still be using it
 
 
 @dataclass

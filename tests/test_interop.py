@@ -289,3 +289,22 @@ def test_gnu_tar_archive_of_an_image_folder(image_folder, tmp_path):
     assert len(reader) == len(expected) == 14
     assert [fields_only(reader[i]) for i in reversed(range(14))] == expected[::-1]
     assert [fields_only(s) for s in reader.read(5, 9)] == expected[5:9]
+
+
+@needs_cli
+@pytest.mark.parametrize("flags", [["-3"], ["-19", "--no-check"], ["-1", "--rsyncable", "-B65536"],
+                                   ["--ultra", "-22", "--long=27"]])
+def test_zstd_cli_tar_reads_whole_and_a_cut_raises(image_folder, tmp_path, flags):
+    """`tar | zstd` with other frame shapes (content size or not, checksum or not, several frames) reads whole;
+    the same stream cut inside a frame raises instead of ending quietly at a member boundary."""
+    samples = source_samples(image_folder)[:12]
+    write_tar(tmp_path / "plain.tar", samples)
+    made = subprocess.run(["zstd", "-q", "-c", *flags, str(tmp_path / "plain.tar")], capture_output=True)
+    assert made.returncode == 0, made.stderr
+    data = made.stdout
+    (tmp_path / "data.tar.zst").write_bytes(data)
+    assert read_front_to_back(open_shard(str(tmp_path / "data.tar.zst"))) == [as_bytes(s) for s in samples]
+    for cut in (len(data) // 3, len(data) // 2, len(data) - 40):
+        (tmp_path / "cut.tar.zst").write_bytes(data[:cut])
+        with pytest.raises(ShardstreamError, match="ends inside a frame|truncated|bad compressed"):
+            read_front_to_back(open_shard(str(tmp_path / "cut.tar.zst")))

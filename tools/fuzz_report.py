@@ -177,8 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("Mutated shards read by `open_shard` without their index that returned samples, without error, but not")
     print("every sample whole (a tar ending early at a member boundary, or at a zero block, is accepted, as GNU")
-    print("tar does. For zstd, those from file mutations (truncate, flip, ...) are the open bug `truncated-zstd-stream`:")
-    print("the damaged frame goes unnoticed; `raw` ones are forged tar headers inside valid frames, read as tar reads them):")
+    print("tar does). For zstd, a cut exactly at a frame boundary ends the stream cleanly; a cut or damage inside a")
+    print("frame is an error since `truncated-zstd-stream` was fixed; `raw` ones are forged tar headers inside valid")
+    print("frames, read as tar reads them):")
     print()
     for c in ("zstd", "none"):
         n = sum(tried[c, f] for f in ("shard", "raw"))
