@@ -43,7 +43,7 @@ from .errors import PackError, ShardstreamError
 from .format import INDEX_SUFFIX, MANIFEST_NAME, Manifest, ShardInfo
 from .journal import Journal
 from .listing import Listing, SourceFile, list_source
-from .shardfile import FRAME_SIZE, Frame, ShardFileWriter, build_frame
+from .shardfile import FRAME_SIZE, LEVEL, Frame, ShardFileWriter, build_frame
 from .storage import Store
 from .writer import check_compression, parse_size, shard_name, write_manifest
 
@@ -95,6 +95,61 @@ class PackSummary:
 # -- checking images ------------------------------------------------------------------
 
 
+# JPEG markers that start a frame (SOF0-15 less DHT, JPG and DAC), and that stand alone.
+_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+_STANDALONE = frozenset([0x01, *range(0xD0, 0xD8)])
+
+
+def _plain_jpeg(data: bytes) -> bool:
+    """True if `data` is a JPEG whose header segments are whole, with a sane frame size, ending with EOI.
+
+    The fast path of `check_image`, for the common case: walking the segment headers
+    up to the start of scan costs about 10 µs, where `Image.open` costs 150-275 µs,
+    a quarter of the whole per-image cost of packing (measured with cProfile on 110 KB
+    JPEGs). It only ever says yes; anything unusual goes to Pillow, which then gives
+    the error (or accepts what this walk is too strict for).
+    """
+    if data[:2] != b"\xff\xd8" or b"\xff\xd9" not in data[-64:]:
+        return False
+    pos, end, frame = 2, len(data), False
+    while pos + 4 <= end:
+        if data[pos] != 0xFF:
+            return False
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+            continue
+        if marker in _STANDALONE:
+            pos += 2
+            continue
+        if marker < 0xC0 or marker in (0xD8, 0xD9):  # not a segment Pillow knows, or SOI/EOI mid-header
+            return False
+        length = data[pos + 2] << 8 | data[pos + 3]
+        if length < 2 or pos + 2 + length > end:
+            return False
+        if marker in _SOF:
+            if frame or length < 8:
+                return False
+            bits, height, width, components = struct.unpack_from(">BHHB", data, pos + 4)
+            if (bits != 8 or components not in (1, 3, 4) or length != 8 + 3 * components
+                    or not 0 < width * height <= (Image.MAX_IMAGE_PIXELS or 1 << 62)):
+                return False
+            frame = True
+        elif marker == 0xDB and not _whole_tables(data, pos + 4, pos + 2 + length):
+            return False
+        elif marker == 0xDA:  # start of scan: the header is over
+            return frame
+        pos += 2 + length
+    return False
+
+
+def _whole_tables(data: bytes, start: int, end: int) -> bool:
+    """A DQT segment's body is whole quantization tables (64 entries of 1 or 2 bytes each)."""
+    while start < end:
+        start += 1 + 64 * (1 if data[start] >> 4 == 0 else 2)
+    return start == end
+
+
 def check_image(data: bytes, path: str) -> None:
     """Raise PackError unless `data` is a readable, complete image.
 
@@ -103,6 +158,8 @@ def check_image(data: bytes, path: str) -> None:
     its end-of-image marker is fully decoded to tell truncation from trailing bytes.
     `verify` does the full decode of every image.
     """
+    if _plain_jpeg(data):
+        return
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
@@ -473,7 +530,7 @@ def pack(
     shard_size: int | str = "256MB",
     max_samples: int | None = None,
     compression: str = "zstd",
-    level: int = 3,
+    level: int = LEVEL,
     workers: int | None = None,
     seed: int = 0,
     shuffle: bool = True,

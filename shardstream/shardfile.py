@@ -25,6 +25,12 @@ from .storage import Store, scratch_file
 
 FRAME_SIZE = 1 << 20  # uncompressed bytes per zstd frame, before the sample that crosses it
 
+# The default zstd level. JPEG, PNG and WebP payloads do not shrink under any level;
+# what zstd saves in a tar is the headers and padding, which every level removes. On
+# a 210 MB shard of JPEGs, level 1 wrote 0.26% more bytes than level 3 (0.9853 vs
+# 0.9827 of the tar) at 4x the speed (1,450 vs 360 MB/s on one core here).
+LEVEL = 1
+
 SKIPPABLE_MAGIC = 0x184D2A5E
 SEEKABLE_MAGIC = 0x8F92EAB1
 
@@ -104,7 +110,7 @@ class ShardFileWriter:
     store: Store
     name: str
     compression: str
-    level: int = 3
+    level: int = LEVEL
     _file: object = field(default=None, init=False, repr=False)
     _tmp: str = field(default="", init=False, repr=False)
     _hash: "hashlib._Hash" = field(default_factory=hashlib.sha256, init=False, repr=False)

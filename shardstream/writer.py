@@ -15,7 +15,7 @@ from typing import Any, Sequence
 from .errors import ShardstreamError
 from .fields import encode_sample
 from .format import COMPRESSIONS, MANIFEST_NAME, SHARD_SUFFIX, Manifest, ShardInfo
-from .shardfile import FRAME_SIZE, ShardFileWriter, build_frame
+from .shardfile import FRAME_SIZE, LEVEL, ShardFileWriter, build_frame
 from .storage import Store
 from . import tario
 
@@ -69,7 +69,7 @@ class ShardWriter:
         shard_size: int | str = "256MB",
         max_samples: int | None = None,
         compression: str = "zstd",
-        level: int = 3,
+        level: int = LEVEL,
         *,
         classes: Sequence[str] = (),
         frame_size: int = FRAME_SIZE,

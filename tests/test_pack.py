@@ -15,6 +15,7 @@ import tarfile
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import zstandard
 
@@ -482,3 +483,53 @@ def test_overwrite_leaves_only_the_new_dataset(image_folder, tmp_path):
     manifest = open_dataset(str(dst)).manifest
     listed = {MANIFEST_NAME} | {s.name for s in manifest.shards} | {s.index for s in manifest.shards}
     assert {p.name for p in dst.iterdir() if p.is_file()} == listed
+
+
+def _jpegs_of_every_kind() -> dict[str, bytes]:
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    out = {}
+    for mode in ("RGB", "L", "CMYK"):
+        pixels = rng.integers(0, 256, (48, 64, len(mode)), dtype=np.uint8)
+        image = Image.fromarray(pixels.squeeze() if mode == "L" else pixels, mode="RGB" if mode == "RGB" else None)
+        image = image.convert(mode)
+        for progressive in (False, True):
+            buf = io.BytesIO()
+            exif = Image.Exif()
+            exif[0x010F] = "shardstream"  # Make: an APP1 segment before the frame
+            image.save(buf, "JPEG", quality=80, progressive=progressive, exif=exif.tobytes())
+            out[f"{mode}-{'progressive' if progressive else 'baseline'}"] = buf.getvalue()
+    return out
+
+
+def test_jpeg_fast_check_accepts_only_what_pillow_opens():
+    """`check_image`'s JPEG fast path (a walk of the segment headers) never accepts bytes that Pillow
+    refuses to open: over a few thousand seeded mutations of the header region, every input the walk
+    accepts opens with Pillow."""
+    from PIL import Image
+
+    from shardstream.pack import _plain_jpeg
+
+    rng = np.random.default_rng(1)
+    jpegs = _jpegs_of_every_kind()
+    assert all(_plain_jpeg(data) for data in jpegs.values()), "the fast path does not take plain JPEGs"
+    accepted = 0
+    for name, data in jpegs.items():
+        header = data.index(b"\xff\xda") + 16
+        for _ in range(400):
+            mutated = bytearray(data)
+            for _ in range(int(rng.integers(1, 4))):
+                position = int(rng.integers(0, header))
+                if rng.random() < 0.8:
+                    mutated[position] ^= 1 << int(rng.integers(0, 8))
+                else:
+                    mutated[position : position + int(rng.integers(1, 8))] = b""
+            if not _plain_jpeg(bytes(mutated)):
+                continue
+            accepted += 1
+            try:
+                Image.open(io.BytesIO(bytes(mutated))).close()
+            except Exception as error:  # noqa: BLE001 - any refusal is the failure
+                pytest.fail(f"{name}: the fast path accepted bytes Pillow refuses: {error!r}")
+    assert accepted > 100, "too few mutations were accepted to tell anything"
