@@ -23,7 +23,7 @@ ratios are between medians of the same run):
   against the torch DataLoader over the same StreamingDataset (2 workers).
 * remote: the packed folder served by `shardstream.testing.HTTPTestServer` with 50 ms
   per request. Raw sample streaming (decode=None, fields=("__key__", "jpg"), shuffled)
-  through a 1-worker DataLoader from local disk and over HTTP (prefetch 2 and 0), the
+  through a 1-worker DataLoader from local disk and over HTTP (default prefetch, and 0), the
   decode pipeline local vs HTTP (1 worker), and WebDataset's raw streaming of its plain
   tars, local and over the same server (its http:// URLs open through `curl`).
 * resume: time to first batch through `shardstream.DataLoader` (1 worker, batch 64) at
@@ -197,7 +197,7 @@ def warm_files(paths: Iterable[str]) -> None:
 # -- pipelines --------------------------------------------------------------------------
 
 
-def ss_dataset(src: str, *, decode: Any = "crop", batch_size: int | None = None, prefetch: int = 2,
+def ss_dataset(src: str, *, decode: Any = "crop", batch_size: int | None = None, prefetch: int | None = None,
                fields: tuple[str, ...] = ("jpg", "cls")) -> Any:
     return ss.StreamingDataset(src, shuffle=True, decode=RandomResizedCropJPEG(SIZE) if decode == "crop" else decode,
                                fields=fields, batch_size=batch_size, prefetch=prefetch)
@@ -453,9 +453,9 @@ def section_remote(d: Data, repeats: int, out: dict, server: HTTPTestServer) -> 
     base = server.url
     raw = dict(decode=None, fields=("__key__", "jpg"))
     group = [
-        Contender("raw: shardstream local, prefetch 2",
+        Contender("raw: shardstream local, default prefetch (2)",
                   lambda: _run_remote(lambda: ss_dataset(d.ss_url(), **raw), None), expect=d.n),
-        Contender("raw: shardstream HTTP 50 ms, prefetch 2",
+        Contender("raw: shardstream HTTP 50 ms, default prefetch (6)",
                   lambda: _run_remote(lambda: ss_dataset(d.ss_url(base), **raw), server), expect=d.n),
         Contender("raw: shardstream HTTP 50 ms, prefetch 0",
                   lambda: _run_remote(lambda: ss_dataset(d.ss_url(base), prefetch=0, **raw), server), expect=d.n),
@@ -470,14 +470,14 @@ def section_remote(d: Data, repeats: int, out: dict, server: HTTPTestServer) -> 
     ]
     measure("remote", group, repeats)
     by = {g.name: g for g in group}
-    local = by["raw: shardstream local, prefetch 2"]
+    local = by["raw: shardstream local, default prefetch (2)"]
     text = table(f"remote: DataLoader, 1 worker, {d.n} samples, HTTP server with {LATENCY_S * 1000:.0f} ms per "
                  f"request, median of {repeats}", group, local)
-    pairs = [("raw: shardstream HTTP 50 ms, prefetch 2", "raw: shardstream local, prefetch 2"),
-             ("raw: shardstream HTTP 50 ms, prefetch 0", "raw: shardstream local, prefetch 2"),
+    pairs = [("raw: shardstream HTTP 50 ms, default prefetch (6)", "raw: shardstream local, default prefetch (2)"),
+             ("raw: shardstream HTTP 50 ms, prefetch 0", "raw: shardstream local, default prefetch (2)"),
              ("raw: WebDataset HTTP 50 ms (curl)", "raw: WebDataset local"),
              ("decode: shardstream HTTP 50 ms", "decode: shardstream local"),
-             ("raw: shardstream HTTP 50 ms, prefetch 2", "raw: WebDataset HTTP 50 ms (curl)")]
+             ("raw: shardstream HTTP 50 ms, default prefetch (6)", "raw: WebDataset HTTP 50 ms (curl)")]
     lines = ["| comparison | ratio of rates | requests per epoch (remote) |", "|---|---|---|"]
     for a, b in pairs:
         reqs = statistics.median(e["requests"] for e in by[a].extra)
@@ -486,7 +486,7 @@ def section_remote(d: Data, repeats: int, out: dict, server: HTTPTestServer) -> 
     print(ratio_text + "\n", flush=True)
     out["remote"] = {"rows": [g.row() for g in group], "table": text, "ratios": ratio_text}
     out["targets"]["remote: raw streaming over HTTP >= 90% of local"] = _target(
-        by["raw: shardstream HTTP 50 ms, prefetch 2"].rate / local.rate * 100, ">=", 90.0, "%")
+        by["raw: shardstream HTTP 50 ms, default prefetch (6)"].rate / local.rate * 100, ">=", 90.0, "%")
 
 
 def _resume_reference(src: str) -> tuple[dict, Any, int, int]:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Packing in parts: 2 parts as 2 processes against one part, and the Ray executor against parts by hand.
 
-    python benchmarks/parts.py [--images 4000] [--repeats 3] [--no-ray]
+    python benchmarks/parts.py [--images 4000] [--copies 1] [--repeats 3] [--no-ray]
                                [--data ~/.cache/shardstream-bench] [--out results.json]
 
 Every contender packs the same synthetic image folder (benchmarks/run.py makes and
@@ -15,6 +15,12 @@ caches it) with zstd, as a user would on one machine:
   of 2 CPUs, started once before the timed rounds (a user's cluster is already up:
   ``ray.init()`` connecting to it is not the executor's cost);
 * webdataset.ShardWriter in one process, for scale.
+
+Each process has fixed costs that do not shrink with the input: starting Python and
+importing shardstream (about 0.6 s here), listing the whole source (every part lists
+it, to agree on the order), and the merge process. On a few thousand images these
+dominate; `--copies K` packs a folder of K hard links to each image (distinct names,
+the same bytes, no extra disk) to show the rate at which they are paid off.
 
 Targets (issue #10): 2 parts >= 1.8x the rate of one part; Ray's time at most 1.1x
 the parts by hand. Every figure is the median of --repeats rounds, the contenders
@@ -68,6 +74,23 @@ def _samples(dst: str) -> int:
     return int(shardstream.open_dataset(dst).counts().sum())
 
 
+def linked_copies(src: str, copies: int) -> str:
+    """A folder holding `copies` hard links to every image of `src`, under distinct names (made once)."""
+    if copies == 1:
+        return src
+    root = f"{src}-x{copies}"
+    if os.path.exists(os.path.join(root, ".complete")):
+        return root
+    c.reset(root)
+    for path, key, _ in c.image_files(src):
+        folder, name = key.split("/")
+        os.makedirs(os.path.join(root, folder), exist_ok=True)
+        for k in range(copies):
+            os.link(path, os.path.join(root, folder, f"{name}-{k}.jpg"))
+    open(os.path.join(root, ".complete"), "w").close()
+    return root
+
+
 def rates_table(title: str, group: list[Contender], baseline: Contender) -> list[dict]:
     print(f"\n{title}")
     print("| contender | median s | img/s | vs one part | runs (s) |")
@@ -88,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="timed rounds per contender (median reported)")
     p.add_argument("--data", default="~/.cache/shardstream-bench", help="cache folder for images and outputs")
     p.add_argument("--out", default=None, help="JSON results file")
+    p.add_argument("--copies", type=int, default=1, help="hard links per image: a K times larger input")
     p.add_argument("--no-ray", action="store_true", help="leave out the Ray executor")
     args = p.parse_args(argv)
 
@@ -95,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     info = machine()
     print(f"machine: {info['cpu']}, {info['cores']} cores, Python {info['python']}, "
           f"shardstream {info['versions']['shardstream']} ({info['git_commit']})")
-    src = ensure_images(data, args.images, 2)
+    src = linked_copies(ensure_images(data, args.images, 2), args.copies)
     stats = dataset_stats(src)
     n = stats["images"]
     print(f"images: {n} files, {stats['bytes'] / 1e6:,.1f} MB ({src})")

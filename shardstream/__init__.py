@@ -26,6 +26,7 @@ from .format import Manifest, ShardInfo
 from .pack import PackSummary, pack
 from .reader import ShardReader, StreamTarReader, open_shard
 from .source import Source, open_dataset
+from .storage import RetryPolicy
 from .writer import ShardWriter
 
 # Public names that need torch, by the module that defines them.
@@ -53,6 +54,7 @@ __all__ = [
     "MissingFieldError",
     "PackError",
     "PackSummary",
+    "RetryPolicy",
     "ShardInfo",
     "ShardReader",
     "ShardWriter",

@@ -183,6 +183,37 @@ class ShardReader:
             raise IndexError(f"sample {i} out of range for {self.url} ({n} samples)")
         return next(self.read(i % n, i % n + 1))
 
+    def pieces(self, start: int, stop: int, max_bytes: int = READ_BYTES) -> Iterator[tuple[int, int]]:
+        """Cut samples [start, stop) into ranges that each fetch at most about `max_bytes` of storage.
+
+        Cuts fall only between frames (zstd) or samples (plain tar), so no two ranges
+        fetch the same bytes, and with `max_bytes` <= `READ_BYTES` each range is one
+        storage request: the unit for prefetching in parallel.
+        """
+        index = self.index
+        if start >= stop:
+            return
+        if index.compression == "zstd":
+            comp, raw = index.frame_offsets, index.frame_raw_offsets
+            first, last = index.frame_of(start), index.frame_of(stop - 1)
+            f = first
+            while f <= last:
+                g = int(np.searchsorted(comp, comp[f] + max_bytes, side="right")) - 1
+                g = min(max(g, f + 1), last + 1)
+                # The samples that begin in frames [f, g), clipped to the range.
+                a = max(start, int(np.searchsorted(index.sample_offsets, raw[f], side="left")))
+                b = min(stop, int(np.searchsorted(index.sample_offsets, raw[g], side="left")))
+                if a < b:
+                    yield a, b
+                f = g
+            return
+        offsets = index.sample_offsets
+        a = start
+        while a < stop:
+            b = min(max(int(np.searchsorted(offsets, offsets[a] + max_bytes, side="right")) - 1, a + 1), stop)
+            yield a, b
+            a = b
+
     def read(self, start: int, stop: int) -> Iterator[Sample]:
         """The samples [start, stop) in order."""
         index = self.index

@@ -17,7 +17,7 @@ import numpy as np
 from .errors import ManifestError, ShardstreamError, StorageError
 from .format import INDEX_SUFFIX, MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ShardInfo
 from .reader import ShardReader, StreamTarReader
-from .storage import Store, split_url
+from .storage import RetryPolicy, Store, split_url
 
 if TYPE_CHECKING:
     from .sampling import Mix
@@ -101,9 +101,13 @@ def _count(ref: ShardRef) -> int:
     return sum(1 for _ in ref.reader())
 
 
-def open_dataset(url: str, *, storage_options: dict[str, Any] | None = None) -> Source:
-    """Open a packed dataset (a folder or URL prefix holding ``manifest.msgpack``)."""
-    store = Store(url, storage_options or {})
+def open_dataset(url: str, *, storage_options: dict[str, Any] | None = None,
+                 retry: RetryPolicy | None = None) -> Source:
+    """Open a packed dataset (a folder or URL prefix holding ``manifest.msgpack``).
+
+    `retry` bounds the retries of transient storage errors (default `RetryPolicy()`).
+    """
+    store = Store(url, storage_options or {}, retry or RetryPolicy())
     manifest_url = store.url(MANIFEST_NAME)
     try:
         # Read, not exists(): a transient error must be retried, not taken for "absent".
@@ -134,17 +138,19 @@ def expand_braces(pattern: str) -> list[str]:
     return [name for i in range(int(lo), int(hi) + 1) for name in expand_braces(f"{head}{i:0{width}d}{tail}")]
 
 
-def resolve_source(source: "str | Sequence[str] | Mix", *, storage_options: dict[str, Any] | None = None) -> Source:
+def resolve_source(source: "str | Sequence[str] | Mix", *, storage_options: dict[str, Any] | None = None,
+                   retry: RetryPolicy | None = None) -> Source:
     """A `Source` from a dataset location, a brace pattern, a list of shard URLs, or a `Mix` of those."""
     from .sampling import Mix
 
     options = storage_options or {}
+    retry = retry or RetryPolicy()
     if isinstance(source, Mix):
-        parts = tuple(resolve_source(s, storage_options=options) for s in source.sources)
+        parts = tuple(resolve_source(s, storage_options=options, retry=retry) for s in source.sources)
         return Source("mix", tuple(ref for p in parts for ref in p.shards), None, parts)
     if isinstance(source, str):
         if not _BRACES.search(source) and not source.endswith((".tar", ".tgz", ".gz", ".zst")):
-            return open_dataset(source, storage_options=options)
+            return open_dataset(source, storage_options=options, retry=retry)
         urls = expand_braces(source)
     else:
         urls = list(source)
@@ -154,6 +160,6 @@ def resolve_source(source: "str | Sequence[str] | Mix", *, storage_options: dict
     stores: dict[str, Store] = {}
     for url in urls:
         parent, name = split_url(url)
-        store = stores.setdefault(parent, Store(parent, options))
+        store = stores.setdefault(parent, Store(parent, options, retry))
         refs.append(ShardRef(store, name))
     return Source(source if isinstance(source, str) else urls[0], tuple(refs))

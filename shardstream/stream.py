@@ -18,10 +18,10 @@ import numpy as np
 
 from .cache import ShardCache
 from .errors import ShardstreamError
-from .reader import Sample, ShardReader, StreamTarReader
+from .reader import READ_BYTES, Sample, ShardReader, StreamTarReader
 from .source import Source
 
-__all__ = ["read_samples", "reorder", "sample_runs", "pieces"]
+__all__ = ["read_samples", "reorder", "sample_runs"]
 
 
 def sample_runs(ids: np.ndarray, counts: np.ndarray) -> Iterator[tuple[int, int, int]]:
@@ -35,13 +35,6 @@ def sample_runs(ids: np.ndarray, counts: np.ndarray) -> Iterator[tuple[int, int,
     bounds = np.concatenate([[0], breaks, [len(ids)]])
     for a, b in zip(bounds[:-1], bounds[1:]):
         yield int(shards[a]), int(local[a]), int(local[b - 1]) + 1
-
-
-def pieces(runs: Iterable[tuple[int, int, int]], max_samples: int) -> Iterator[tuple[int, int, int]]:
-    """Cut runs into pieces of at most `max_samples`, the unit of prefetching."""
-    for shard, first, stop in runs:
-        for a in range(first, stop, max_samples):
-            yield shard, a, min(stop, a + max_samples)
 
 
 class _Readers:
@@ -111,59 +104,75 @@ def read_tolerant(reader: ShardReader | StreamTarReader, first: int, stop: int) 
 
 def read_samples(source: Source, ids: np.ndarray, counts: np.ndarray, prefetch: int = 0,
                  cache: ShardCache | None = None, tolerant: bool = False,
-                 piece_bytes: int = 8 << 20) -> Iterator[Sample]:
+                 piece_bytes: int = READ_BYTES) -> Iterator[Sample]:
     """The samples `ids` (global ids), in that order, read run by run.
 
-    With `prefetch` > 0 (indexed sources), up to that many pieces of about
-    `piece_bytes` are fetched, decompressed and parsed ahead by background threads
-    while the caller works on the current one, and with a `cache` the next `prefetch`
-    shards are downloaded ahead: storage latency then overlaps decoding. The threads
-    start with the iteration and are joined when it ends or is closed.
+    With `prefetch` > 0 (indexed sources), up to that many pieces are fetched,
+    decompressed and parsed ahead by background threads while the caller works on the
+    current one, and with a `cache` the next `prefetch` shards are downloaded ahead:
+    storage latency then overlaps decoding. A piece is one storage request of about
+    `piece_bytes`, cut between frames (`ShardReader.pieces`), so no two pieces fetch
+    the same frame; the next shard's index is fetched while the current shard is read.
+    The threads start with the iteration and are joined when it ends or is closed.
     """
     readers = _Readers(source, cache)
-    runs = sample_runs(ids, counts)
+    runs = list(sample_runs(ids, counts))
     read = read_tolerant if tolerant else _read
     try:
+        last_run = {shard: n for n, (shard, _, _) in enumerate(runs)}
         if prefetch <= 0 or not source.indexed:
-            work = list(runs)
-            last_run = {shard: i for i, (shard, _, _) in enumerate(work)}
-            for i, (shard, first, stop) in enumerate(work):
+            for n, (shard, first, stop) in enumerate(runs):
                 yield from read(readers.get(shard), first, stop)
-                if last_run[shard] == i:
+                if last_run[shard] == n:
                     readers.release(shard)
             return
-        work = list(pieces(runs, max(1, piece_bytes // max(1, source.mean_sample_bytes()))))
-        upcoming = list(dict.fromkeys(shard for shard, _, _ in work))  # distinct shards, in order
+        upcoming = list(dict.fromkeys(shard for shard, _, _ in runs))  # distinct shards, in reading order
         rank_of = {shard: i for i, shard in enumerate(upcoming)}
-        last_piece = {shard: i for i, (shard, _, _) in enumerate(work)}
         with ThreadPoolExecutor(max_workers=prefetch + (1 if cache else 0),
                                 thread_name_prefix="shardstream-prefetch") as pool:
-            ahead: deque[tuple[int, Future[list[Sample]]]] = deque()
+            ahead: deque[tuple[int, bool, Future[list[Sample]]]] = deque()
             opened = 0
 
+            def open_ahead(position: int, reach: int) -> None:
+                # Open (with a cache: download) shards up to `reach` places ahead, in the pool.
+                nonlocal opened
+                while opened < len(upcoming) and opened <= position + reach:
+                    pool.submit(_open, readers, upcoming[opened])
+                    opened += 1
+
             def finish_one() -> list[Sample]:
-                i, future = ahead.popleft()
+                shard, last, future = ahead.popleft()
                 samples = future.result()
-                if last_piece[work[i][0]] == i:
-                    readers.release(work[i][0])
+                if last:
+                    readers.release(shard)
                 return samples
 
             try:
-                for i, (shard, first, stop) in enumerate(work):
-                    if cache is not None:  # download whole shards further ahead than pieces
-                        while opened < len(upcoming) and opened <= rank_of[shard] + prefetch:
-                            pool.submit(readers.get, upcoming[opened])
-                            opened += 1
-                    ahead.append((i, pool.submit(lambda s=shard, a=first, b=stop: list(read(readers.get(s), a, b)))))
-                    if len(ahead) > prefetch:
-                        yield from finish_one()
+                for n, (shard, first, stop) in enumerate(runs):
+                    open_ahead(rank_of[shard], prefetch if cache is not None else 1)
+                    try:
+                        cuts = list(readers.get(shard).pieces(first, stop, piece_bytes))
+                    except ShardstreamError:  # the read below meets the same error in its turn, or skips it
+                        cuts = [(first, stop)]
+                    for k, (a, b) in enumerate(cuts):
+                        future = pool.submit(lambda s=shard, a=a, b=b: list(read(readers.get(s), a, b)))
+                        ahead.append((shard, last_run[shard] == n and k + 1 == len(cuts), future))
+                        if len(ahead) > prefetch:
+                            yield from finish_one()
                 while ahead:
                     yield from finish_one()
             finally:
-                for _, future in ahead:
+                for _, _, future in ahead:
                     future.cancel()
     finally:
         readers.close()
+
+
+def _open(readers: _Readers, shard: int) -> None:
+    """Open a shard ahead of need: download it (with a cache) or fetch its index."""
+    reader = readers.get(shard)
+    if isinstance(reader, ShardReader):
+        reader.index
 
 
 def _read(reader: ShardReader | StreamTarReader, first: int, stop: int) -> Iterator[Sample]:

@@ -703,3 +703,29 @@ def test_zstd_seek_table_many_frames(tmp_path):
     manifest = write_samples(tmp_path / "ds", blob_samples(20), frame_size=3000, level=1)
     info = manifest.shards[0]
     assert check_seekable(tmp_path / "ds" / info.name, info) > 5
+
+
+@pytest.mark.parametrize("compression", ["zstd", "none"])
+@pytest.mark.parametrize("max_bytes", [1, 5000, 12000, 10**9])
+def test_pieces_partition_a_range_without_sharing_a_frame(tmp_path, compression, max_bytes):
+    """`ShardReader.pieces` cuts a range into contiguous pieces that fetch disjoint bytes (never one frame twice),
+    each within `max_bytes` unless one frame (or sample) alone is larger; reading the pieces gives the range."""
+    write_samples(tmp_path / "ds", blob_samples(60, hi=2500), frame_size=4000, compression=compression)
+    reader = open_dataset(str(tmp_path / "ds")).shards[0].reader()
+    index = reader.index
+    whole = [s["bin"] for s in reader.read(0, len(reader))]
+    for start, stop in [(0, len(reader)), (7, 41), (13, 14), (30, 30)]:
+        cuts = list(reader.pieces(start, stop, max_bytes))
+        assert [a for a, _ in cuts] == [start] + [b for _, b in cuts[:-1]] if cuts else start == stop
+        assert all(a < b for a, b in cuts) and (not cuts or cuts[-1][1] == stop)
+        assert [s["bin"] for a, b in cuts for s in reader.read(a, b)] == whole[start:stop]
+        if compression == "zstd":
+            spans = [(index.frame_of(a), index.frame_of(b - 1)) for a, b in cuts]
+            assert all(last < first for (_, last), (first, _) in zip(spans, spans[1:])), f"a frame in two pieces: {spans}"
+            extents = [int(index.frame_offsets[g + 1] - index.frame_offsets[f]) for f, g in spans]
+            assert all(e <= max_bytes or f == g for e, (f, g) in zip(extents, spans))
+        else:
+            extents = [int(index.sample_offsets[b] - index.sample_offsets[a]) for a, b in cuts]
+            assert all(e <= max_bytes or b == a + 1 for e, (a, b) in zip(extents, cuts))
+    if max_bytes == 12000 and compression == "zstd":
+        assert len(list(reader.pieces(0, len(reader), max_bytes))) > 2  # the case of several pieces was reached

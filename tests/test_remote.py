@@ -28,6 +28,7 @@ import threading
 from pathlib import Path
 
 import fsspec.asyn
+import numpy as np
 import pytest
 from torch.utils.data import DataLoader
 
@@ -397,15 +398,33 @@ def test_http_always_failing_server_gives_up_naming_the_url(local_ds):
         assert io_stats.retries == RetryPolicy().attempts - 1
         assert server.faults.failures == server.faults.requests >= RetryPolicy().attempts
 
-        # A smaller policy can be given to a Store (not to a dataset: see the report).
+        # A smaller policy, given to a Store and to a dataset.
+        quick = RetryPolicy(attempts=2, base_delay=0.001, max_delay=0.001)
         io_stats.reset()
         before = server.faults.requests
-        store = Store(server.url, retry=RetryPolicy(attempts=2, base_delay=0.001, max_delay=0.001))
+        store = Store(server.url, retry=quick)
         with pytest.raises(StorageError, match="failed after 2 attempts") as info:
             store.read(MANIFEST_NAME)
         assert info.value.url == expected
         assert io_stats.retries == 1
         assert server.faults.requests - before >= 2
+        io_stats.reset()
+        before = server.faults.requests
+        with pytest.raises(StorageError, match="failed after 2 attempts") as info:
+            list(key_dataset(server.url, retry=quick))
+        assert info.value.url == expected
+        assert io_stats.retries == 1
+        assert server.faults.requests - before >= 2  # aiohttp may resend on a dropped connection
+
+
+def test_dataset_retry_policy_reaches_every_read(local_ds, jpg_digests):
+    """`StreamingDataset(retry=...)` governs the shard reads too: with a third of requests failing and one attempt
+    per read, the epoch fails with a StorageError; with enough attempts it completes, every sample once."""
+    with H.CountingHTTPServer(local_ds, fail_fraction=0.3, seed=5) as server:
+        with pytest.raises(StorageError, match="failed after 1 attempts"):
+            list(key_dataset(server.url, retry=RetryPolicy(attempts=1)))
+        keys = [s[0] for s in key_dataset(server.url, retry=RetryPolicy(attempts=12, base_delay=0.001))]
+    assert sorted(keys) == sorted(jpg_digests)
 
 
 def test_http_missing_shard_is_a_storage_error_without_retries(local_ds, shard_names, tmp_path):
@@ -458,6 +477,32 @@ def test_prefetch_threads_are_joined(local_ds, tmp_path, cached):
         next(loader)
         del loader
         assert prefetch_threads() == []
+
+
+def test_prefetch_fetches_each_frame_once_one_request_per_piece(tmp_path):
+    """Streaming without a cache: every shard byte is fetched at most once (no frame by two pieces), in one
+    request per prefetched piece, and the samples arrive whole and in order."""
+    from shardstream.stream import read_samples
+
+    rng = random.Random(0)
+    samples = [{"__key__": f"s{i:04d}", "bin": rng.randbytes(rng.randrange(500, 3000)), "cls": i % 2}
+               for i in range(90)]
+    with shardstream.ShardWriter(str(tmp_path / "ds"), shard_size="60KB", frame_size=5000) as writer:
+        for sample in samples:
+            writer.write(sample)
+    local = shardstream.open_dataset(str(tmp_path / "ds"))
+    piece_bytes = 16000  # a few frames a piece
+    pieces = {ref.name: len(list(ref.reader().pieces(0, len(ref.reader()), piece_bytes))) for ref in local.shards}
+    assert len(pieces) >= 2 and max(pieces.values()) >= 3
+    with H.CountingHTTPServer(str(tmp_path / "ds"), latency_s=0.002) as server:
+        source = shardstream.open_dataset(server.url)
+        ids = np.arange(len(samples))
+        got = list(read_samples(source, ids, source.counts(), prefetch=3, piece_bytes=piece_bytes))
+        counts = server.get_counts()
+    assert [s["bin"] for s in got] == [s["bin"] for s in samples]
+    for ref in local.shards:
+        assert counts[ref.name] == pieces[ref.name], f"{ref.name}: {counts[ref.name]} requests, {pieces[ref.name]} pieces"
+        assert counts[ref.name + ".idx"] == 1
 
 
 # -- the shared cache ----------------------------------------------------------------------------------
