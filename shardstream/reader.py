@@ -183,6 +183,13 @@ class ShardReader:
             raise IndexError(f"sample {i} out of range for {self.url} ({n} samples)")
         return next(self.read(i % n, i % n + 1))
 
+    def extent(self, start: int, stop: int) -> tuple[int, int]:
+        """The bytes [lo, hi) of the shard file that reading samples [start, stop) fetches."""
+        index = self.index
+        if index.compression == "zstd":
+            return int(index.frame_offsets[index.frame_of(start)]), int(index.frame_offsets[index.frame_of(stop - 1) + 1])
+        return int(index.sample_offsets[start]), int(index.sample_offsets[stop])
+
     def pieces(self, start: int, stop: int, max_bytes: int = READ_BYTES) -> Iterator[tuple[int, int]]:
         """Cut samples [start, stop) into ranges that each fetch at most about `max_bytes` of storage.
 

@@ -9,6 +9,7 @@ comes within `buffer` samples of its arrival, which bounds the memory held.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -147,16 +148,13 @@ def read_samples(source: Source, ids: np.ndarray, counts: np.ndarray, prefetch: 
                     readers.release(shard)
                 return samples
 
+            sizes = _ramp(piece_bytes)
             try:
-                for n, (shard, first, stop) in enumerate(runs):
+                for shard, stretch, final in _stretches(runs):
                     open_ahead(rank_of[shard], prefetch if cache is not None else 1)
-                    try:
-                        cuts = list(readers.get(shard).pieces(first, stop, piece_bytes))
-                    except ShardstreamError:  # the read below meets the same error in its turn, or skips it
-                        cuts = [(first, stop)]
-                    for k, (a, b) in enumerate(cuts):
-                        future = pool.submit(lambda s=shard, a=a, b=b: list(read(readers.get(s), a, b)))
-                        ahead.append((shard, last_run[shard] == n and k + 1 == len(cuts), future))
+                    for a, b, keep, last in _planned_pieces(readers, shard, stretch, sizes):
+                        future = pool.submit(_read_piece, read, readers, shard, a, b, keep)
+                        ahead.append((shard, final and last, future))
                         if len(ahead) > prefetch:
                             yield from finish_one()
                 while ahead:
@@ -166,6 +164,77 @@ def read_samples(source: Source, ids: np.ndarray, counts: np.ndarray, prefetch: 
                     future.cancel()
     finally:
         readers.close()
+
+
+def _stretches(runs: list[tuple[int, int, int]]) -> Iterator[tuple[int, list[tuple[int, int]], bool]]:
+    """Consecutive runs of one shard, grouped: (shard, [(first, stop), ...], whether the shard is done after)."""
+    last_run = {shard: n for n, (shard, _, _) in enumerate(runs)}
+    start = 0
+    for n in range(1, len(runs) + 1):
+        if n == len(runs) or runs[n][0] != runs[start][0]:
+            yield runs[start][0], [(first, stop) for _, first, stop in runs[start:n]], last_run[runs[start][0]] == n - 1
+            start = n
+
+
+def _ramp(piece_bytes: int) -> Iterator[int]:
+    """Piece sizes: the first pieces small, so the first samples arrive after a short
+    transfer rather than after `prefetch` full pieces shared one link; then full size."""
+    return itertools.chain((piece_bytes >> k for k in (3, 2, 1)), itertools.repeat(piece_bytes))
+
+
+def _planned_pieces(readers: _Readers, shard: int, stretch: list[tuple[int, int]], sizes: Iterator[int]
+                    ) -> Iterator[tuple[int, int, np.ndarray | None, bool]]:
+    """The pieces that read a stretch of runs of one shard: (first, stop, which samples to keep, is last).
+
+    Runs whose bytes lie close together are read as one span, and the samples between
+    them dropped: for remote storage, a gap of up to 2 MB costs less than another
+    request (at 100 MB/s, 2 MB take 20 ms; a request waits 20-100 ms),
+    and runs that share a zstd frame then decompress it once.
+    """
+    reader = readers.get(shard)
+    try:
+        if not isinstance(reader, ShardReader):
+            raise ShardstreamError("no index")
+        gap = 0 if reader.store.local else READ_BYTES // 4
+        cuts = [(a, b, span, wanted) for span, stop, wanted in _coalesce(reader, stretch, gap)
+                for a, b in _cut(reader, span, stop, sizes)]
+    except ShardstreamError:  # no index: whole runs; a bad index: the reads meet the error in their turn
+        cuts = [(first, stop, first, None) for first, stop in stretch]
+    for k, (a, b, span, wanted) in enumerate(cuts):
+        keep = None if wanted is None else wanted[a - span : b - span]
+        yield a, b, (None if keep is None or keep.all() else keep), k + 1 == len(cuts)
+
+
+def _cut(reader: ShardReader, a: int, b: int, sizes: Iterator[int]) -> Iterator[tuple[int, int]]:
+    """Samples [a, b) in pieces of the next sizes, each cut between frames."""
+    while a < b:
+        piece = next(reader.pieces(a, b, next(sizes)))
+        yield piece
+        a = piece[1]
+
+
+def _coalesce(reader: ShardReader, stretch: list[tuple[int, int]], gap: int) -> list[tuple[int, int, np.ndarray]]:
+    """Merge runs (of one shard) whose byte ranges lie within `gap` bytes into spans:
+    (first, stop, mask of the samples the runs want, from `first`)."""
+    spans: list[tuple[int, int, list[tuple[int, int]]]] = []
+    for first, stop in stretch:
+        if spans and first >= spans[-1][1] and \
+                reader.extent(first, stop)[0] - reader.extent(spans[-1][0], spans[-1][1])[1] <= gap:
+            spans[-1] = (spans[-1][0], stop, spans[-1][2] + [(first, stop)])
+        else:
+            spans.append((first, stop, [(first, stop)]))
+    out = []
+    for a, b, members in spans:
+        wanted = np.zeros(b - a, dtype=bool)
+        for first, stop in members:
+            wanted[first - a : stop - a] = True
+        out.append((a, b, wanted))
+    return out
+
+
+def _read_piece(read: Any, readers: _Readers, shard: int, a: int, b: int, keep: np.ndarray | None) -> list[Sample]:
+    samples = list(read(readers.get(shard), a, b))
+    return samples if keep is None else [s for s, k in zip(samples, keep.tolist()) if k]
 
 
 def _open(readers: _Readers, shard: int) -> None:

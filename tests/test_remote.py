@@ -482,7 +482,7 @@ def test_prefetch_threads_are_joined(local_ds, tmp_path, cached):
 def test_prefetch_fetches_each_frame_once_one_request_per_piece(tmp_path):
     """Streaming without a cache: every shard byte is fetched at most once (no frame by two pieces), in one
     request per prefetched piece, and the samples arrive whole and in order."""
-    from shardstream.stream import read_samples
+    from shardstream.stream import _cut, _ramp, read_samples
 
     rng = random.Random(0)
     samples = [{"__key__": f"s{i:04d}", "bin": rng.randbytes(rng.randrange(500, 3000)), "cls": i % 2}
@@ -491,18 +491,49 @@ def test_prefetch_fetches_each_frame_once_one_request_per_piece(tmp_path):
         for sample in samples:
             writer.write(sample)
     local = shardstream.open_dataset(str(tmp_path / "ds"))
-    piece_bytes = 16000  # a few frames a piece
-    pieces = {ref.name: len(list(ref.reader().pieces(0, len(ref.reader()), piece_bytes))) for ref in local.shards}
+    piece_bytes = 16000  # a few frames a piece (the first pieces smaller: the ramp)
+    sizes = _ramp(piece_bytes)
+    pieces = {ref.name: len(list(_cut(ref.reader(), 0, len(ref.reader()), sizes))) for ref in local.shards}
     assert len(pieces) >= 2 and max(pieces.values()) >= 3
+    data_bytes = sum(ref.reader().extent(0, len(ref.reader()))[1] - ref.reader().extent(0, 1)[0]
+                     for ref in local.shards)
+    other_bytes = os.path.getsize(tmp_path / "ds" / MANIFEST_NAME) + sum(s.index_bytes for s in local.manifest.shards)
     with H.CountingHTTPServer(str(tmp_path / "ds"), latency_s=0.002) as server:
+        io_stats.reset()
         source = shardstream.open_dataset(server.url)
         ids = np.arange(len(samples))
         got = list(read_samples(source, ids, source.counts(), prefetch=3, piece_bytes=piece_bytes))
+        fetched = io_stats.bytes
         counts = server.get_counts()
     assert [s["bin"] for s in got] == [s["bin"] for s in samples]
+    assert fetched == data_bytes + other_bytes, "some bytes were fetched twice (or not at all)"
     for ref in local.shards:
         assert counts[ref.name] == pieces[ref.name], f"{ref.name}: {counts[ref.name]} requests, {pieces[ref.name]} pieces"
         assert counts[ref.name + ".idx"] == 1
+
+
+def test_scattered_samples_are_read_in_few_requests(tmp_path):
+    """A plan that wants scattered samples (a resume late in an epoch, say) reads nearby ones with one request
+    for their span, dropping the samples between, and not one request each; the samples are those asked for."""
+    from shardstream.stream import read_samples
+
+    rng = random.Random(1)
+    samples = [{"__key__": f"s{i:04d}", "bin": rng.randbytes(rng.randrange(500, 3000))} for i in range(120)]
+    with shardstream.ShardWriter(str(tmp_path / "ds"), shard_size="100KB", frame_size=5000) as writer:
+        for sample in samples:
+            writer.write(sample)
+    ids = np.array(sorted(rng.sample(range(len(samples)), 25)))
+    local = shardstream.open_dataset(str(tmp_path / "ds"))
+    expected = [samples[i]["bin"] for i in ids.tolist()]
+    assert [s["bin"] for s in read_samples(local, ids, local.counts(), prefetch=2)] == expected
+    with H.CountingHTTPServer(str(tmp_path / "ds"), latency_s=0.002) as server:
+        source = shardstream.open_dataset(server.url)
+        got = [s["bin"] for s in read_samples(source, ids, source.counts(), prefetch=3)]
+        counts = server.get_counts()
+    assert got == expected
+    runs = len(np.flatnonzero(np.diff(ids) != 1)) + 1
+    data_requests = sum(n for name, n in counts.items() if name.endswith(".tar.zst"))
+    assert data_requests <= len(local.shards) < runs, f"{data_requests} requests for {runs} runs"
 
 
 # -- the shared cache ----------------------------------------------------------------------------------
