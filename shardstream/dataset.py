@@ -13,6 +13,7 @@ manifest read) on first use, in whichever process gets there first.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from multiprocessing.context import get_spawning_popen
 from typing import Any, Callable, Iterator, Sequence
@@ -24,7 +25,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from .cache import ShardCache
 from .collate import default_collate
 from .decode import Decoder
-from .errors import MissingFieldError
+from .errors import MissingFieldError, ShardstreamError
 from .policy import ErrorPolicy, guarded
 from .plan import (Layout, deal_chunks, epoch_sequence, items_of, round_robin_delivered, round_robin_next,
                    split_ranks, worker_plan)
@@ -150,6 +151,10 @@ class StreamingDataset(IterableDataset):
         self._resume: ResumeState | None = None
         self._resume_id = 0
         self._delivered: int | None = 0
+        # In a DataLoader worker: its place in the plan (plan worker, items yielded this
+        # epoch), for torchdata's StatefulDataLoader; loaded there by load_state_dict.
+        self._position: tuple[int, int] | None = None
+        self._loaded_position: tuple[int, int] | None = None
 
     # -- epochs, world and layout --------------------------------------------------------
 
@@ -227,6 +232,8 @@ class StreamingDataset(IterableDataset):
 
     def _active_resume(self, world: World) -> ResumeState | None:
         """The loaded resume state, unless every worker has already finished that epoch."""
+        if self._loaded_position is not None:  # a worker's own state: this process's copy alone uses it
+            return self._resume
         if self._resume is not None and self._shared.resume_used_up(self._resume_id, world.workers):
             self._resume = None
         return self._resume
@@ -259,20 +266,22 @@ class StreamingDataset(IterableDataset):
         block, layout, segment, delivered = self._rank_block(world)
         resume_id = self._resume_id if self._resume is not None else None
         items = [items_of(len(p), layout) for p in deal_chunks(len(block), world.workers, layout.chunk)]
+        worker, done = self._loaded_position or self._start(world, items, delivered)
         if self.resampled:
-            stream = self._endless(world, block, layout, items, delivered)
+            stream = self._endless(world, block, layout, items, worker, done)
         else:
-            worker = (round_robin_next(items, delivered) + world.worker) % world.workers  # see round_robin_next
-            done = round_robin_delivered(items, delivered)[worker]
             stream = self._epoch_items(world, block, layout, segment, worker, done, self.epoch)
         self._delivered = delivered
+        self._position = (worker, done)
         for item in stream:
             self._delivered += 1  # counts what the consumer received (main-process iteration)
+            self._position = (worker, self._position[1] + 1)
             self._shared.publish_io(world.worker, io_stats.snapshot())
             yield item
         self._shared.publish_io(world.worker, io_stats.snapshot())
-        if resume_id is not None:  # the resumed epoch is complete: later passes start afresh
+        if resume_id is not None and self._loaded_position is None:  # later passes start afresh
             self._shared.finish_resume(resume_id, world.worker)
+        self._loaded_position = self._position = None
         self._resume = None
 
     def _epoch_items(self, world: World, block: np.ndarray, layout: Layout, segment: int, worker: int, done: int,
@@ -292,14 +301,26 @@ class StreamingDataset(IterableDataset):
             items = _batches(items, self.batch_size, self.drop_last, self.collate_fn)
         return items
 
-    def _endless(self, world: World, block: np.ndarray, layout: Layout, items: list[int],
-                 delivered: int) -> Iterator[Any]:
-        """Epoch after epoch, without end. Nobody runs out, so the DataLoader's round robin
-        is regular: after `delivered` items, plan worker w has handed over
-        ``delivered // W + (w < delivered % W)``, spread over its epochs."""
+    def _start(self, world: World, items: list[int], delivered: int) -> tuple[int, int]:
+        """The plan worker this loader worker serves, and how many items that plan worker
+        has already handed over, after the rank received `delivered` items.
+
+        A resumed DataLoader starts its round robin at its worker 0, so loader worker i
+        serves plan worker ``(next + i) % W`` (see `round_robin_next`). An endless stream
+        never runs out, so its round robin is regular: after `delivered` items, plan
+        worker w has handed over ``delivered // W + (w < delivered % W)``, spread over
+        its epochs.
+        """
         workers = world.workers
-        worker = (delivered + world.worker) % workers  # the rotation of round_robin_next
-        done = delivered // workers + (1 if worker < delivered % workers else 0)
+        if self.resampled:
+            worker = (delivered + world.worker) % workers
+            return worker, delivered // workers + (1 if worker < delivered % workers else 0)
+        worker = (round_robin_next(items, delivered) + world.worker) % workers
+        return worker, round_robin_delivered(items, delivered)[worker]
+
+    def _endless(self, world: World, block: np.ndarray, layout: Layout, items: list[int], worker: int,
+                 done: int) -> Iterator[Any]:
+        """Epoch after epoch, without end, for plan worker `worker` after its first `done` items."""
         if min(items) == 0:
             raise ValueError("an endless stream needs at least one item per worker and epoch")
         epoch, done = self.epoch + done // items[worker], done % items[worker]
@@ -348,7 +369,13 @@ class StreamingDataset(IterableDataset):
         the count of items this dataset yielded when iterated in this process (or, if
         not iterated since `load_state_dict`, the count the loaded state had).
         `shardstream.DataLoader` counts and passes both for you.
+
+        Called inside a DataLoader worker, as torchdata's `StatefulDataLoader` does for
+        each worker, it describes that worker's own place in the plan instead; the
+        StatefulDataLoader keeps one per worker and hands each back to its worker.
         """
+        if delivered is None and get_worker_info() is not None:
+            return self._worker_state()
         if delivered is None:
             delivered = self._delivered if self._delivered is not None else self.resumed_items(num_workers)
         return ResumeState.current_of(self, self._world_with(num_workers), delivered).to_dict()
@@ -369,9 +396,30 @@ class StreamingDataset(IterableDataset):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state` on the next iteration (exactly, or elastically if the layout changed)."""
         resume = ResumeState.from_dict(state, self)
+        if resume.position is not None:
+            self._load_worker_state(resume)
+            return
         self._shared.epoch = resume.epoch
         self._resume = resume
         self._resume_id = self._shared.new_resume()
+        self._delivered = None
+
+    def _worker_state(self) -> dict[str, Any]:
+        world = self.world()
+        position = self._position or self._loaded_position or (world.worker, 0)
+        state = ResumeState.current_of(self, world, 0)
+        return dataclasses.replace(state, position=position).to_dict()
+
+    def _load_worker_state(self, resume: ResumeState) -> None:
+        world = self.world()
+        if resume.current.layout != self.layout(world):
+            raise ShardstreamError(
+                f"this worker state was taken with {resume.current.layout}, and this run has {self.layout(world)}: "
+                "torchdata's StatefulDataLoader resumes with the same world size and num_workers only; for an "
+                "elastic resume, checkpoint shardstream.DataLoader's state_dict() instead")
+        self._shared.epoch = resume.epoch  # the same value from every worker
+        self._resume = resume
+        self._loaded_position = resume.position
         self._delivered = None
 
 

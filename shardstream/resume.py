@@ -62,9 +62,12 @@ class ResumeState:
     epoch: int
     finished: tuple[Segment, ...]  # earlier layouts of this epoch
     current: Segment
+    # One DataLoader worker's own place, (plan worker, items it has yielded this epoch):
+    # torchdata's StatefulDataLoader keeps a state per worker and restores each itself.
+    position: tuple[int, int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "version": STATE_VERSION,
             "dataset": self.dataset,
             "seed": self.seed,
@@ -73,6 +76,9 @@ class ResumeState:
             "finished": [s.to_dict() for s in self.finished],
             "current": self.current.to_dict(),
         }
+        if self.position is not None:
+            out["position"] = list(self.position)
+        return out
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], dataset: "StreamingDataset") -> "ResumeState":
@@ -86,6 +92,7 @@ class ResumeState:
                 epoch=int(raw["epoch"]),
                 finished=tuple(Segment.from_dict(s) for s in raw["finished"]),
                 current=Segment.from_dict(raw["current"]),
+                position=_position(raw.get("position")),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ShardstreamError(f"not a shardstream resume state: {e!r}") from e
@@ -108,6 +115,15 @@ class ResumeState:
         finished = _finished_before(dataset._resume, layout)
         return cls(_fingerprint_of(dataset), dataset.seed, dataset.shuffle, dataset.epoch, finished,
                    Segment(layout, delivered))
+
+
+def _position(raw: Any) -> tuple[int, int] | None:
+    if raw is None:
+        return None
+    worker, done = (int(x) for x in raw)
+    if worker < 0 or done < 0:
+        raise ValueError(f"bad worker position {raw!r}")
+    return worker, done
 
 
 def _fingerprint_of(dataset: "StreamingDataset") -> str:
