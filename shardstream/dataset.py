@@ -146,7 +146,7 @@ class StreamingDataset(IterableDataset):
         self._counts: np.ndarray | None = None
         self.on_error = ErrorPolicy.of(on_error)
         self.sampling = sampling
-        self._labels: np.ndarray | None = None
+        self._sample_weights: np.ndarray | None = None  # draw weights, once per process
         self._shared = SharedState()  # epoch and counters, seen by the workers too
         self._resume: ResumeState | None = None
         self._resume_id = 0
@@ -221,14 +221,28 @@ class StreamingDataset(IterableDataset):
             passes = [lambda k, i=i: sequence(i, k) for i in range(len(sizes))]
             return mixed_sequence([sequence(i, 0) for i in range(len(sizes))], self.source.weights,
                                   n or int(counts.sum()), passes)
-        if self.sampling is not None and self.sampling.class_weights is not None:
-            if self._labels is None:
-                self._labels = self.resolve().labels()
-            weights = class_sample_weights(self._labels, self.sampling.class_weights)
-            return weighted_sequence(counts, weights, seed, epoch, shuffle, n or int(counts.sum()))
+        if self.sampling is not None and self.sampling.weighted:
+            return weighted_sequence(counts, self._weights(), seed, epoch, shuffle, n or int(counts.sum()))
         if n is not None:
             return sized_sequence(counts, seed, epoch, shuffle, n)
         return epoch_sequence(counts, seed, epoch, shuffle)
+
+    def _weights(self) -> np.ndarray:
+        """Each sample's draw weight: its class weight times its own weight (either may be absent)."""
+        if self._sample_weights is None:
+            sampling, total = self.sampling, int(self.counts().sum())
+            weights = np.ones(total)
+            if sampling.class_weights is not None:
+                weights *= class_sample_weights(self.resolve().labels(), sampling.class_weights)
+            if isinstance(sampling.sample_weights, str):
+                weights *= self.resolve().weights()
+            elif sampling.sample_weights is not None:
+                if len(sampling.sample_weights) != total:
+                    raise ValueError(f"sample_weights has {len(sampling.sample_weights)} weights; "
+                                     f"the dataset has {total} samples")
+                weights *= sampling.sample_weights
+            self._sample_weights = weights
+        return self._sample_weights
 
     def _active_resume(self, world: World) -> ResumeState | None:
         """The loaded resume state, unless every worker has already finished that epoch."""

@@ -59,6 +59,10 @@ def _int(data: bytes) -> int:
     return int(data)
 
 
+def _float(data: bytes) -> float:
+    return float(data)
+
+
 def _text(data: bytes) -> str:
     return data.decode("utf-8")
 
@@ -94,6 +98,7 @@ FIELD_DECODERS: dict[str, Callable[[bytes], Any]] = {
     "msgpack": _msgpack,
     "mp": _msgpack,
     "npy": _npy,
+    "weight": _float,
 }
 
 

@@ -37,6 +37,10 @@ def _encode_npy(value: Any) -> bytes:
     return out.getvalue()
 
 
+def _encode_float(value: Any) -> bytes:
+    return repr(float(value)).encode("ascii")
+
+
 def _encode_text(value: Any) -> bytes:
     return str(value).encode("utf-8")
 
@@ -50,6 +54,7 @@ ENCODERS: dict[str, Callable[[Any], bytes]] = {
     "mp": _encode_msgpack,
     "npy": _encode_npy,
     "txt": _encode_text,
+    "weight": _encode_float,
 }
 
 

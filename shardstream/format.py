@@ -202,6 +202,7 @@ class ShardIndex:
     frame_raw_offsets: np.ndarray
     compression: str
     labels: np.ndarray | None = None  # each sample's class (`cls`), -1 where none; optional
+    weights: np.ndarray | None = None  # each sample's sampling weight (`weight`), NaN where none; optional
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -222,6 +223,8 @@ class ShardIndex:
         }
         if self.labels is not None:
             body["labels"] = np.asarray(self.labels, dtype="<i4").tobytes()
+        if self.weights is not None:
+            body["weights"] = np.asarray(self.weights, dtype="<f4").tobytes()
         return msgpack.packb(body, use_bin_type=True)
 
     @classmethod
@@ -240,6 +243,7 @@ class ShardIndex:
             frame_raw_offsets=_from_u64(_require(raw, "frame_raw_offsets", bytes, url, E), url),
             compression=_require(raw, "compression", str, url, E),
             labels=_labels(raw.get("labels"), len(keys), url),
+            weights=_weights(raw.get("weights"), len(keys), url),
         )
         if index.compression not in COMPRESSIONS:
             raise E(f"unknown compression {index.compression!r}", url=url)
@@ -275,6 +279,17 @@ def _labels(data: Any, n: int, url: str) -> np.ndarray | None:
     if not isinstance(data, bytes) or len(data) != 4 * n:
         raise CorruptIndexError(f"labels must be {n} int32 values", url=url)
     return np.frombuffer(data, dtype="<i4").astype(np.int64)
+
+
+def _weights(data: Any, n: int, url: str) -> np.ndarray | None:
+    if data is None:
+        return None
+    if not isinstance(data, bytes) or len(data) != 4 * n:
+        raise CorruptIndexError(f"weights must be {n} float32 values", url=url)
+    weights = np.frombuffer(data, dtype="<f4").astype(np.float64)
+    if np.any(weights < 0) or np.any(np.isinf(weights)):
+        raise CorruptIndexError("weights must be finite and non-negative (NaN: no weight)", url=url)
+    return weights
 
 
 def _u64(values: np.ndarray) -> bytes:

@@ -26,6 +26,7 @@ downstream holds unchanged: equal counts per rank, deterministic order, exact re
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -43,17 +44,38 @@ class Sampling:
     class_weights: str | Mapping[int, float] | None = None
     samples_per_epoch: int | None = None
     resampled: bool = False  # endless: epoch after epoch, never StopIteration
+    # "weight": each sample's `weight` field, as the shard indexes record it; or one
+    # weight per sample of the dataset, in its order (shards as listed, samples in order).
+    sample_weights: str | Sequence[float] | np.ndarray | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.class_weights, str) and self.class_weights != "balanced":
             raise ValueError(f"class_weights must be 'balanced' or a mapping, not {self.class_weights!r}")
         if self.samples_per_epoch is not None and self.samples_per_epoch < 1:
             raise ValueError("samples_per_epoch must be positive")
+        if isinstance(self.sample_weights, str):
+            if self.sample_weights != "weight":
+                raise ValueError(f"sample_weights must be 'weight' (the field) or an array, not {self.sample_weights!r}")
+        elif self.sample_weights is not None:
+            weights = np.asarray(self.sample_weights, dtype=np.float64)
+            if weights.ndim != 1 or not np.all(np.isfinite(weights)) or np.any(weights < 0):
+                raise ValueError("sample_weights must be one finite, non-negative weight per sample")
+            weights.setflags(write=False)
+            object.__setattr__(self, "sample_weights", weights)
+
+    @property
+    def weighted(self) -> bool:
+        """Draws with replacement by weight (class or sample weights), not every sample once."""
+        return self.class_weights is not None or self.sample_weights is not None
 
     def describe(self) -> str:
         weights = self.class_weights if isinstance(self.class_weights, (str, type(None))) else sorted(
             self.class_weights.items())
-        return f"class_weights={weights!r}, samples_per_epoch={self.samples_per_epoch}, resampled={self.resampled}"
+        per_sample = self.sample_weights
+        if isinstance(per_sample, np.ndarray):  # identified by content: a resume state must match it
+            per_sample = f"array({len(per_sample)}, sha256={hashlib.sha256(per_sample.tobytes()).hexdigest()[:16]})"
+        return (f"class_weights={weights!r}, samples_per_epoch={self.samples_per_epoch}, resampled={self.resampled}"
+                + (f", sample_weights={per_sample}" if per_sample is not None else ""))
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ order by one `ShardFileWriter`, which owns the file, its checksum and its index.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import struct
 import threading
@@ -55,19 +56,22 @@ class Frame:
     data: bytes | bytearray  # one zstd frame, or the raw tar bytes for uncompressed shards
     raw_size: int
     labels: list[int] = field(default_factory=list)  # each sample's `cls`, -1 if none
+    weights: list[float] = field(default_factory=list)  # each sample's `weight`, NaN if none
 
 
 def build_frame(samples: Sequence[tuple[str, list[tuple[str, bytes]]]], compression: str, level: int) -> Frame:
     """Lay out samples as tar members and compress them into one frame."""
     parts: list[bytes] = []
-    keys, sizes, fields, labels = [], [], set(), []
+    keys, sizes, fields, labels, weights = [], [], set(), [], []
     member_parts = tario.member_parts
     for key, members in samples:
         size = 0
-        label = -1
+        label, weight = -1, math.nan
         for name, data in members:
             if name == "cls":
                 label = _label(data)
+            elif name == "weight":
+                weight = _weight(data)
             # Header, data and padding go into one join: the data is copied once.
             header, data, pad = member_parts(f"{key}.{name}", data)
             parts += (header, data, pad)
@@ -76,9 +80,10 @@ def build_frame(samples: Sequence[tuple[str, list[tuple[str, bytes]]]], compress
         keys.append(key)
         sizes.append(size)
         labels.append(label)
+        weights.append(weight)
     raw = b"".join(parts)
     data = _compressor(level).compress(raw) if compression == "zstd" else raw
-    return Frame(keys, sizes, fields, data, len(raw), labels)
+    return Frame(keys, sizes, fields, data, len(raw), labels, weights)
 
 
 def _label(data: bytes) -> int:
@@ -86,6 +91,13 @@ def _label(data: bytes) -> int:
         return int(data)
     except ValueError:
         return -1
+
+
+def _weight(data: bytes) -> float:
+    try:
+        return float(data)
+    except ValueError:
+        return math.nan
 
 
 def seek_table(frames: Sequence[tuple[int, int]]) -> bytes:
@@ -116,6 +128,7 @@ class ShardFileWriter:
     _hash: "hashlib._Hash" = field(default_factory=hashlib.sha256, init=False, repr=False)
     _keys: list[str] = field(default_factory=list, init=False, repr=False)
     _labels: list[int] = field(default_factory=list, init=False, repr=False)
+    _weights: list[float] = field(default_factory=list, init=False, repr=False)
     _sample_offsets: list[int] = field(default_factory=lambda: [0], init=False, repr=False)
     _frames: list[tuple[int, int]] = field(default_factory=list, init=False, repr=False)
     _fields: set[str] = field(default_factory=set, init=False, repr=False)
@@ -144,6 +157,7 @@ class ShardFileWriter:
         self._frames.append((len(frame.data), frame.raw_size))
         self._keys.extend(frame.keys)
         self._labels.extend(frame.labels or [-1] * len(frame.keys))
+        self._weights.extend(frame.weights or [math.nan] * len(frame.keys))
         for size in frame.sizes:
             self._sample_offsets.append(self._sample_offsets[-1] + size)
         self._fields |= frame.fields
@@ -189,6 +203,7 @@ class ShardFileWriter:
         return ShardIndex(
             keys=tuple(self._keys),
             labels=np.asarray(self._labels, dtype=np.int64) if any(x >= 0 for x in self._labels) else None,
+            weights=None if all(math.isnan(w) for w in self._weights) else np.asarray(self._weights, np.float64),
             sample_offsets=np.asarray(self._sample_offsets, dtype=np.int64),
             frame_offsets=comp.astype(np.int64),
             frame_raw_offsets=raw.astype(np.int64),

@@ -82,15 +82,28 @@ class Source:
 
     def labels(self) -> np.ndarray:
         """Every sample's class index, in shard order, from the shard indexes (one read each)."""
+        return self._per_sample("labels", "class weights need per-sample labels: this shard's index has none "
+                                "(pack it with shardstream 0.1+, with a cls field)", np.int64)
+
+    def weights(self) -> np.ndarray:
+        """Every sample's `weight` field, in shard order, from the shard indexes (one read each)."""
+        weights = self._per_sample("weights", "sample weights need a weight field on every sample: this shard's "
+                                   "index records none", np.float64)
+        missing = np.flatnonzero(np.isnan(weights))
+        if len(missing):
+            shard = int(np.searchsorted(np.cumsum(self.counts()), missing[0], side="right"))
+            raise ShardstreamError(f"{len(missing)} samples have no weight field; every sample needs one",
+                                   url=self.shards[shard].url)
+        return weights
+
+    def _per_sample(self, table: str, missing: str, dtype: type) -> np.ndarray:
         out = []
         for ref in self.shards:
-            reader = ref.reader()
-            index = getattr(reader, "index", None)
-            if index is None or index.labels is None:
-                raise ShardstreamError("class weights need per-sample labels: this shard's index has none "
-                                       "(pack it with shardstream 0.1+, with a cls field)", url=ref.url)
-            out.append(index.labels)
-        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+            index = getattr(ref.reader(), "index", None)
+            if index is None or getattr(index, table) is None:
+                raise ShardstreamError(missing, url=ref.url)
+            out.append(getattr(index, table))
+        return np.concatenate(out) if out else np.zeros(0, dtype=dtype)
 
 
 def _random_access(ref: ShardRef) -> bool:

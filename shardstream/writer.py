@@ -9,6 +9,7 @@ that lists a missing or half-written shard.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Sequence
 
@@ -110,6 +111,7 @@ class ShardWriter:
         if key in self._keys:
             raise ShardstreamError("duplicate sample key", key=key)
         label = self._label(key, fields)
+        _check_weight(key, fields)
         self._keys.add(key)
         size = sum(tario.member_size(len(data), f"{key}.{name}") for name, data in fields)
         shard = self._shard
@@ -178,3 +180,17 @@ class ShardWriter:
         if self._shard is not None:
             self._shard.abort()
         self._shard, self._pending, self._closed = None, [], True
+
+
+def _check_weight(key: str, fields: list[tuple[str, bytes]]) -> None:
+    """A `weight` field (the sample's sampling weight, kept in the shard index) must be a
+    finite, non-negative number: checked before anything is queued."""
+    data = dict(fields).get("weight")
+    if data is None:
+        return
+    try:
+        weight = float(data)
+    except ValueError:
+        raise ShardstreamError(f"weight must be a number, not {data[:20]!r}", key=key) from None
+    if not (math.isfinite(weight) and weight >= 0):
+        raise ShardstreamError(f"weight must be finite and non-negative, not {weight}", key=key)

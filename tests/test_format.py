@@ -729,3 +729,20 @@ def test_pieces_partition_a_range_without_sharing_a_frame(tmp_path, compression,
             assert all(e <= max_bytes or b == a + 1 for e, (a, b) in zip(extents, cuts))
     if max_bytes == 12000 and compression == "zstd":
         assert len(list(reader.pieces(0, len(reader), max_bytes))) > 2  # the case of several pieces was reached
+
+
+def test_index_weights_round_trip_and_bad_ones_are_refused(tmp_path):
+    samples = blob_samples(12)
+    for i, s in enumerate(samples):
+        if i != 3:
+            s["weight"] = i / 4  # sample 3 has none: NaN in the index
+    write_samples(tmp_path / "ds", samples)
+    ref = open_dataset(str(tmp_path / "ds")).shards[0]
+    weights = ref.reader().index.weights
+    assert np.isnan(weights[3]) and [w for i, w in enumerate(weights.tolist()) if i != 3] == \
+        [i / 4 for i in range(12) if i != 3]
+    assert open_dataset(str(tmp_path / "ds")).manifest.shards[0].index_sha256  # still checksummed as a whole
+    body = msgpack.unpackb(ShardIndex.from_bytes((tmp_path / "ds" / ref.info.index).read_bytes(), "x").to_bytes())
+    for bad in (np.full(12, -1.0, "<f4").tobytes(), np.full(12, np.inf, "<f4").tobytes(), b"\0" * 47):
+        with pytest.raises(CorruptIndexError, match="weights"):
+            ShardIndex.from_bytes(msgpack.packb({**body, "weights": bad}), "idx-url")

@@ -197,3 +197,99 @@ def test_resampled_resume_is_exact_through_workers(small):
     resumed = make()
     resumed.load_state_dict(state)
     assert head + list(itertools.islice(iter(resumed), 19)) == full
+
+
+# -- per-sample weights ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def weighted(tmp_path_factory):
+    """600 samples over several shards, each with a `weight` field: 1.0 for even ids, 3.0 for odd ones, 0.0 for
+    every tenth (never drawn)."""
+    root = tmp_path_factory.mktemp("weighted") / "ds"
+    rng = np.random.default_rng(0)
+    with ss.ShardWriter(str(root), shard_size="20KB", frame_size=4000) as writer:
+        for i in range(600):
+            weight = 0.0 if i % 10 == 0 else (3.0 if i % 2 else 1.0)
+            writer.write({"__key__": f"s{i:04d}", "bin": rng.bytes(100), "cls": i % 2, "weight": weight})
+    return str(root)
+
+
+def weight_of(key: str) -> float:
+    i = int(key[1:])
+    return 0.0 if i % 10 == 0 else (3.0 if i % 2 else 1.0)
+
+
+def keys_of(ds) -> list[str]:
+    return [k for (k,) in ds]
+
+
+def test_weight_field_is_kept_in_the_index_and_decodes_as_float(weighted):
+    source = ss.open_dataset(weighted)
+    assert len(source.shards) > 2
+    assert source.weights().tolist() == [weight_of(f"s{i:04d}") for i in range(600)]
+    for key, weight in ss.StreamingDataset(weighted, decode=None, fields=("__key__", "weight")):
+        assert isinstance(weight, float) and weight == weight_of(key)
+    raw = next(iter(ss.open_dataset(weighted).shards[0].reader()))
+    assert raw["weight"] == repr(weight_of(raw["__key__"])).encode()  # stored as ASCII, like cls
+
+
+@pytest.mark.parametrize("how", ["field", "array"])
+def test_sample_weights_set_the_draw_frequencies(weighted, how):
+    weights = "weight" if how == "field" else [weight_of(f"s{i:04d}") for i in range(600)]
+    ds = ss.StreamingDataset(weighted, decode=None, fields=("__key__",), shuffle=True, seed=4,
+                             sampling=Sampling(sample_weights=weights, samples_per_epoch=6000))
+    keys = keys_of(ds)
+    assert len(keys) == 6000
+    assert not [k for k in keys if weight_of(k) == 0.0], "a sample of weight 0 was drawn"
+    # odd ids (300 of weight 3) against even ones (240 of weight 1, 60 of weight 0): 900 : 240
+    odd = sum(int(k[1:]) % 2 for k in keys)
+    assert chisquare([odd, 6000 - odd], [6000 * 900 / 1140, 6000 * 240 / 1140]).pvalue > 0.01
+    # and within the odd ones, every sample about as often as another
+    per_key = collections.Counter(k for k in keys if int(k[1:]) % 2)
+    assert chisquare(list(per_key.values())).pvalue > 0.001
+
+
+def test_sample_weights_multiply_class_weights(weighted):
+    """class 1 (odd ids) weight 0: only even ids, weighted 1 each (every tenth excluded by its own weight 0)."""
+    ds = ss.StreamingDataset(weighted, decode=None, fields=("__key__",), seed=2,
+                             sampling=Sampling(class_weights={0: 1.0, 1: 0.0}, sample_weights="weight",
+                                               samples_per_epoch=1000))
+    keys = keys_of(ds)
+    assert all(int(k[1:]) % 2 == 0 and int(k[1:]) % 10 for k in keys)
+
+
+def test_sample_weights_resume_exactly_and_the_state_knows_them(weighted):
+    def make(weights):
+        return ss.StreamingDataset(weighted, decode=None, fields=("__key__",), shuffle=True, batch_size=8,
+                                   collate_fn=list, sampling=Sampling(sample_weights=weights, samples_per_epoch=200))
+
+    weights = np.array([weight_of(f"s{i:04d}") for i in range(600)])
+    full = list(make(weights))
+    it = iter(ds := make(weights))
+    head = [next(it) for _ in range(7)]
+    state = ds.state_dict()
+    resumed = make(weights.copy())
+    resumed.load_state_dict(state)
+    assert head + list(resumed) == full
+    other = weights.copy()
+    other[1] = 5.0
+    with pytest.raises(ss.ShardstreamError, match="another dataset"):
+        make(other).load_state_dict(state)
+
+
+def test_bad_sample_weights_are_refused(weighted, small, tmp_path):
+    with pytest.raises(ValueError, match="one finite, non-negative"):
+        Sampling(sample_weights=[1.0, -1.0])
+    with pytest.raises(ValueError, match="'weight'"):
+        Sampling(sample_weights="score")
+    with pytest.raises(ValueError, match="600 samples"):
+        list(ss.StreamingDataset(weighted, decode=None, sampling=Sampling(sample_weights=[1.0] * 599)))
+    with pytest.raises(ss.ShardstreamError, match="weight field") as info:
+        list(ss.StreamingDataset(small, decode=None, sampling=Sampling(sample_weights="weight")))
+    assert info.value.url is not None and "shard-" in info.value.url
+    for bad in (-1.0, b"heavy", float("inf")):  # bytes are stored as given, so the writer checks them
+        with pytest.raises(ss.ShardstreamError, match="weight must be") as info:
+            with ss.ShardWriter(str(tmp_path / "bad")) as writer:
+                writer.write({"__key__": "a", "bin": b"x", "weight": bad})
+        assert info.value.key == "a"
