@@ -29,7 +29,7 @@ from .errors import MissingFieldError, ShardstreamError
 from .policy import ErrorPolicy, guarded
 from .plan import (Layout, deal_chunks, epoch_sequence, items_of, round_robin_delivered, round_robin_next,
                    split_ranks, worker_plan)
-from .resume import ResumeState, current_sequence
+from .resume import ResumeState, current_sequence, endless_onto, locate
 from .sampling import Mix, Sampling, class_sample_weights, mixed_sequence, sized_sequence, weighted_sequence
 from .shared import SharedState
 from .source import Source, resolve_source
@@ -155,6 +155,7 @@ class StreamingDataset(IterableDataset):
         # epoch), for torchdata's StatefulDataLoader; loaded there by load_state_dict.
         self._position: tuple[int, int] | None = None
         self._loaded_position: tuple[int, int] | None = None
+        self._translated: tuple[ResumeState, Layout, ResumeState] | None = None  # see _resume_for
 
     # -- epochs, world and layout --------------------------------------------------------
 
@@ -252,21 +253,39 @@ class StreamingDataset(IterableDataset):
             self._resume = None
         return self._resume
 
-    def _rank_block(self, world: World, epoch: int | None = None) -> tuple[np.ndarray, Layout, int, int]:
-        """This rank's samples of the current segment, its layout, segment number and items already delivered."""
+    def _resume_for(self, world: World) -> ResumeState | None:
+        """The resume state that applies to reading with `world`'s layout.
+
+        An endless stream's state taken with another layout is re-expressed for this
+        one (`resume.endless_onto`): its epoch may then be a later one than the state's.
+        """
+        resume = self._active_resume(world)
+        layout = self.layout(world)
+        if resume is None or not self.resampled or resume.current.layout == layout:
+            return resume
+        if self._translated is None or self._translated[0] is not resume or self._translated[1] != layout:
+            remaining, _, _ = current_sequence(self._epoch_ids(resume.epoch), resume, resume.current.layout,
+                                               self.seed, resume.epoch)
+            full = len(self._epoch_ids(resume.epoch + 1))
+            self._translated = (resume, layout, endless_onto(resume, layout, len(remaining), full))
+        return self._translated[2]
+
+    def _rank_block(self, world: World, epoch: int | None = None) -> tuple[np.ndarray, Layout, int, int, int]:
+        """This rank's samples of the current segment, its layout, segment number, items already
+        delivered, and the epoch (that of a loaded resume state, else the dataset's)."""
         layout = self.layout(world)
         if epoch is not None:  # a later epoch of an endless stream: no resume applies
-            return split_ranks(self._epoch_ids(epoch), world.size, self.partial)[world.rank], layout, 0, 0
-        sequence, segment, delivered = current_sequence(
-            self._epoch_ids(self.epoch), self._active_resume(world), layout, self.seed, self.epoch,
-        )
-        return split_ranks(sequence, world.size, self.partial)[world.rank], layout, segment, delivered
+            return split_ranks(self._epoch_ids(epoch), world.size, self.partial)[world.rank], layout, 0, 0, epoch
+        resume = self._resume_for(world)
+        epoch = resume.epoch if resume is not None else self.epoch
+        sequence, segment, delivered = current_sequence(self._epoch_ids(epoch), resume, layout, self.seed, epoch)
+        return split_ranks(sequence, world.size, self.partial)[world.rank], layout, segment, delivered, epoch
 
     def __len__(self) -> int:
         """Items (batches with `batch_size`, else samples) the next iteration yields on this rank."""
         if self.resampled:
             raise TypeError("an endless (resampled) stream has no length; count steps instead")
-        block, layout, _, delivered = self._rank_block(self.world())
+        block, layout, _, delivered, _ = self._rank_block(self.world())
         return items_of(len(block), layout) - delivered
 
     @property
@@ -277,14 +296,14 @@ class StreamingDataset(IterableDataset):
 
     def __iter__(self) -> Iterator[Any]:
         world = self.world()
-        block, layout, segment, delivered = self._rank_block(world)
+        block, layout, segment, delivered, epoch = self._rank_block(world)
         resume_id = self._resume_id if self._resume is not None else None
         items = [items_of(len(p), layout) for p in deal_chunks(len(block), world.workers, layout.chunk)]
         worker, done = self._loaded_position or self._start(world, items, delivered)
         if self.resampled:
-            stream = self._endless(world, block, layout, items, worker, done)
+            stream = self._endless(world, block, layout, segment, worker, done, epoch)
         else:
-            stream = self._epoch_items(world, block, layout, segment, worker, done, self.epoch)
+            stream = self._epoch_items(world, block, layout, segment, worker, done, epoch)
         self._delivered = delivered
         self._position = (worker, done)
         for item in stream:
@@ -332,17 +351,24 @@ class StreamingDataset(IterableDataset):
         worker = (round_robin_next(items, delivered) + world.worker) % workers
         return worker, round_robin_delivered(items, delivered)[worker]
 
-    def _endless(self, world: World, block: np.ndarray, layout: Layout, items: list[int], worker: int,
-                 done: int) -> Iterator[Any]:
-        """Epoch after epoch, without end, for plan worker `worker` after its first `done` items."""
-        if min(items) == 0:
+    def _endless(self, world: World, block: np.ndarray, layout: Layout, segment: int, worker: int, done: int,
+                 epoch: int) -> Iterator[Any]:
+        """Epoch after epoch from `epoch` (whose rank block is `block`), without end, for plan
+        worker `worker` after its first `done` items, however many epochs those span."""
+        def items_in(k: int) -> int:  # the plan worker's items in epoch `epoch + k`
+            length = len(block) if k == 0 else len(self._rank_block(world, epoch + k)[0])
+            return items_of(len(deal_chunks(length, world.workers, layout.chunk)[worker]), layout)
+
+        if items_in(0) == 0 or items_in(1) == 0:
             raise ValueError("an endless stream needs at least one item per worker and epoch")
-        epoch, done = self.epoch + done // items[worker], done % items[worker]
+        passed, done = locate(done, items_in)
+        if passed:
+            epoch, segment = epoch + passed, 0
+            block = self._rank_block(world, epoch)[0]
         while True:
-            if epoch != self.epoch:
-                block = self._rank_block(world, epoch)[0]
-            yield from self._epoch_items(world, block, layout, 0, worker, done, epoch)
-            epoch, done = epoch + 1, 0
+            yield from self._epoch_items(world, block, layout, segment, worker, done, epoch)
+            epoch, done, segment = epoch + 1, 0, 0
+            block = self._rank_block(world, epoch)[0]
 
     def io_stats(self) -> dict[str, float]:
         """Storage counters (requests, bytes, retries, wait_s, cache hits and misses),

@@ -219,14 +219,20 @@ def samples_of_items(n_items: int, samples: int, layout: Layout) -> int:
 
 
 def consumed_positions(n: int, layout: Layout, seed: int, epoch: int, delivered: int,
-                       segment: int = 0) -> np.ndarray:
+                       segment: int = 0, per_worker: Sequence[int] | None = None) -> np.ndarray:
     """Positions in an epoch sequence of length `n` that every rank had received after
-    `delivered` items each (ranks move in lockstep); a padded repeat maps to its original."""
+    `delivered` items each (ranks move in lockstep); a padded repeat maps to its original.
+
+    `per_worker` gives the items each plan worker had handed over instead, where the
+    round robin of one epoch does not say it (an endless stream's workers cross epoch
+    boundaries at different times).
+    """
     blocks = split_ranks(np.arange(n, dtype=np.int64), layout.world_size, layout.partial)
     taken = []
     for rank in range(layout.world_size):
         plans = [worker_plan(blocks[rank], layout, seed, epoch, rank, w, segment) for w in range(layout.workers)]
-        got = round_robin_delivered([items_of(len(mine), layout) for mine, _ in plans], delivered)
+        items = [items_of(len(mine), layout) for mine, _ in plans]
+        got = list(per_worker) if per_worker is not None else round_robin_delivered(items, delivered)
         taken += [mine[perm[: samples_of_items(g, len(mine), layout)]] for (mine, perm), g in zip(plans, got)]
     return np.concatenate(taken) if taken else np.zeros(0, dtype=np.int64)
 

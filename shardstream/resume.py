@@ -17,18 +17,18 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 from .errors import ShardstreamError
-from .plan import Layout, consumed_positions, remaining_after
+from .plan import Layout, consumed_positions, deal_chunks, items_of, remaining_after, split_ranks
 
 if TYPE_CHECKING:
     from .dataset import StreamingDataset
     from .world import World
 
-__all__ = ["ResumeState", "Segment", "current_sequence", "fingerprint"]
+__all__ = ["ResumeState", "Segment", "current_sequence", "endless_onto", "fingerprint"]
 
 STATE_VERSION = 1
 
@@ -37,13 +37,21 @@ STATE_VERSION = 1
 class Segment:
     layout: Layout
     delivered: int
+    # Items each plan worker handed over, where `delivered` alone does not say (the
+    # epoch an endless stream was resumed onto another layout in: see `endless_onto`).
+    per_worker: tuple[int, ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"layout": asdict(self.layout), "delivered": self.delivered}
+        out = {"layout": asdict(self.layout), "delivered": self.delivered}
+        if self.per_worker is not None:
+            out["per_worker"] = list(self.per_worker)
+        return out
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "Segment":
-        return cls(Layout(**raw["layout"]), int(raw["delivered"]))
+        per_worker = raw.get("per_worker")
+        return cls(Layout(**raw["layout"]), int(raw["delivered"]),
+                   None if per_worker is None else tuple(int(x) for x in per_worker))
 
 
 def fingerprint(counts: np.ndarray, names: list[str]) -> str:
@@ -112,9 +120,10 @@ class ResumeState:
     def current_of(cls, dataset: "StreamingDataset", world: "World", delivered: int) -> "ResumeState":
         """The state of `dataset` after this rank received `delivered` items of the current layout."""
         layout = dataset.layout(world)
-        finished = _finished_before(dataset._resume, layout)
-        return cls(_fingerprint_of(dataset), dataset.seed, dataset.shuffle, dataset.epoch, finished,
-                   Segment(layout, delivered))
+        resume = dataset._resume_for(world)
+        epoch = resume.epoch if resume is not None else dataset.epoch
+        return cls(_fingerprint_of(dataset), dataset.seed, dataset.shuffle, epoch,
+                   _finished_before(resume, layout), Segment(layout, delivered))
 
 
 def _position(raw: Any) -> tuple[int, int] | None:
@@ -148,8 +157,50 @@ def current_sequence(sequence: np.ndarray, resume: ResumeState | None, layout: L
     """(the samples still to read this epoch, the segment number, items already delivered in it)."""
     finished = _finished_before(resume, layout)
     for number, segment in enumerate(finished):
-        sequence = remaining_after(
-            sequence, consumed_positions(len(sequence), segment.layout, seed, epoch, segment.delivered, number)
-        )
+        sequence = remaining_after(sequence, consumed_positions(
+            len(sequence), segment.layout, seed, epoch, segment.delivered, number, segment.per_worker))
     delivered = resume.current.delivered if resume is not None and resume.current.layout == layout else 0
     return sequence, len(finished), delivered
+
+
+def plan_items(sequence_length: int, layout: Layout) -> list[int]:
+    """Items each plan worker of a rank yields from an epoch sequence of this length."""
+    block = len(split_ranks(np.arange(sequence_length), layout.world_size, layout.partial)[0])
+    return [items_of(len(chunk), layout) for chunk in deal_chunks(block, layout.workers, layout.chunk)]
+
+
+def locate(done: int, items_of_epoch: Callable[[int], int]) -> tuple[int, int]:
+    """(epochs passed, items into the next) for a plan worker that handed over `done`
+    items since an epoch began, epoch k holding `items_of_epoch(k)` of them."""
+    k = 0
+    while done >= items_of_epoch(k) > 0:
+        done -= items_of_epoch(k)
+        k += 1
+    return k, done
+
+
+def endless_onto(resume: ResumeState, layout: Layout, remaining: int, full: int) -> ResumeState:
+    """An endless stream's state, re-expressed for a new `layout`.
+
+    In an endless stream every plan worker hands over one item per round, so after
+    `delivered` items worker w has handed over ``delivered // W + (w < delivered % W)``,
+    and the workers cross epoch boundaries at slightly different times. The new layout
+    continues in the earliest epoch some worker had not finished: it yields the samples
+    of that epoch no worker had handed over, each once, then whole epochs. The few
+    samples of the next epoch that workers already past the boundary had handed over (at
+    most about one item per worker) are yielded again in that epoch.
+
+    `remaining` is the length of the resumed epoch's sequence after its earlier
+    segments, `full` that of a whole epoch.
+    """
+    old = resume.current.layout
+    first, later = plan_items(remaining, old), plan_items(full, old)
+    workers = old.workers
+    d = resume.current.delivered
+    done = [d // workers + (1 if w < d % workers else 0) for w in range(workers)]
+    places = [locate(done[w], lambda k, w=w: first[w] if k == 0 else later[w]) for w in range(workers)]
+    k = min(epochs for epochs, _ in places)
+    items_k = first if k == 0 else later
+    per_worker = tuple(n if epochs == k else items_k[w] for w, (epochs, n) in enumerate(places))
+    finished = (resume.finished if k == 0 else ()) + (Segment(old, sum(per_worker), per_worker),)
+    return ResumeState(resume.dataset, resume.seed, resume.shuffle, resume.epoch + k, finished, Segment(layout, 0))

@@ -13,11 +13,20 @@ downstream holds unchanged: equal counts per rank, deterministic order, exact re
   so reading stays sequential; repeats of a sample sit next to each other until the
   shuffle buffer spreads them. Cost: one pass over the labels (4 bytes a sample) per
   epoch, and reading every index once.
+* **Sample weights** (``Sampling(sample_weights="weight")``, or an array with one weight
+  per sample in dataset order): the same draw, each sample with probability
+  proportional to its own weight, times its class weight if both are given. "weight"
+  is the per-sample `weight` field, which the shard indexes record (FORMAT.md), so
+  the epoch is planned without reading any sample.
 * **Epoch size** (``samples_per_epoch``) without weights: a prefix of the epoch
   sequence when smaller than the data, further independent passes appended when larger.
 * **Endless** (``resampled=True``): the stream runs epoch after epoch (seed, epoch
   + 1, ...) and never ends; ranks stay in lockstep, resume is exact with the same
-  layout; `len()` raises TypeError.
+  layout; `len()` raises TypeError. Resumed onto another layout, it continues in the
+  earliest epoch an old worker had not finished, with the samples of that epoch no
+  worker had yielded, each once; the few samples of the next epoch that workers
+  already past the boundary had yielded (about one item per old worker) come again
+  in that epoch (`resume.endless_onto`).
 * **Mixing** (`Mix`): each source has its own epoch sequence; the mixed sequence takes
   source i's k-th sample at time (k + 1/2) / w_i, merged in time order. That is a
   low-discrepancy interleaving: any window of the sequence holds each source within one

@@ -199,6 +199,46 @@ def test_resampled_resume_is_exact_through_workers(small):
     assert head + list(itertools.islice(iter(resumed), 19)) == full
 
 
+@pytest.mark.parametrize(("k", "new_world", "new_workers"), [(7, 2, 0), (15, 2, 0), (17, 3, 0), (20, 1, 3),
+                                                           (25, 2, 2), (33, 1, 1)])
+def test_resampled_elastic_resume_sees_every_sample_of_each_epoch(small, k, new_world, new_workers):
+    """An endless stream checkpointed after `k` batches of 4 from 2 DataLoader workers (which cross each epoch
+    boundary at slightly different times), resumed onto another layout, continues in the earliest epoch an old
+    worker had not finished, with exactly the samples of it not yet seen: the old head plus the new ranks' rest of
+    that epoch hold every sample once per epoch, plus padding and what old workers had taken of the next epoch."""
+    import itertools
+
+    from torch.utils.data import DataLoader
+
+    from shardstream.plan import deal_chunks, items_of
+
+    def make(**kw):
+        return ss.StreamingDataset(small, decode=None, fields=("__key__",), shuffle=True, seed=5, batch_size=4,
+                                   collate_fn=list, sampling=Sampling(resampled=True), **kw)
+
+    def keys(batches):
+        return [key for batch in batches for (key,) in batch]
+
+    old = make()
+    head = keys(itertools.islice(DataLoader(old, batch_size=None, num_workers=2), k))
+    state = old.state_dict(delivered=k, num_workers=2)
+    rest, epoch = [], None
+    for rank in range(new_world):
+        resumed = make(rank=rank, world_size=new_world)
+        resumed.load_state_dict(state)
+        # the batches left of the epoch resumed in, on this rank (what its workers' plans hold)
+        block, layout, _, _, epoch = resumed._rank_block(resumed._world_with(new_workers))
+        items = sum(items_of(len(c), layout) for c in deal_chunks(len(block), max(1, new_workers), layout.chunk))
+        rest += keys(itertools.islice(DataLoader(resumed, batch_size=None, num_workers=new_workers), items))
+    assert epoch == (len(head) - 8) // 63 or epoch == len(head) // 63  # the epoch some old worker had not finished
+    counts = collections.Counter(head + rest)
+    assert len(counts) == 63 and min(counts.values()) == epoch + 1, "a sample of a finished epoch was lost"
+    # beyond whole epochs: padding of the remainder (< 1 per rank) and what old workers had already taken of the
+    # next epoch (at most one batch each), which the next epoch yields again
+    assert sum(counts.values()) - (epoch + 1) * 63 <= (new_world - 1) + 2 * 4
+    assert max(counts.values()) <= epoch + 2
+
+
 # -- per-sample weights ----------------------------------------------------------------------------------
 
 
