@@ -503,6 +503,7 @@ def _jpegs_of_every_kind() -> dict[str, bytes]:
     return out
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # Pillow warns about the mutated EXIF segments
 def test_jpeg_fast_check_accepts_only_what_pillow_opens():
     """`check_image`'s JPEG fast path (a walk of the segment headers) never accepts bytes that Pillow
     refuses to open: over a few thousand seeded mutations of the header region, every input the walk
