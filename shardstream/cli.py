@@ -24,9 +24,31 @@ def cmd_pack(args: argparse.Namespace) -> int:
 
     if args.executor == "ray":
         return _pack_with_ray(args)
-    summary = pack(args.src, args.dst, workers=args.workers, part=_part(args.part), progress=not args.quiet,
+    part = _part(args.part)
+    summary = pack(args.src, args.dst, workers=args.workers, part=part, progress=not args.quiet,
                    **_pack_options(args))
     print(summary)
+    if part is not None and not args.no_merge:
+        return _merge_if_complete(args, part[1])
+    return 0
+
+
+def _merge_if_complete(args: argparse.Namespace, parts: int) -> int:
+    """After a part: if every part is done, merge, so that the last part to finish makes the
+    dataset and no separate merge step is needed (`shardstream merge` stays, to check or redo)."""
+    from .parts import merge, missing_parts
+
+    options = _storage_options(args.storage_options)
+    missing = missing_parts(args.dst, parts, storage_options=options)
+    if missing:
+        print(f"{parts - len(missing)} of {parts} parts done; the last part to finish merges")
+        return 0
+    try:
+        manifest = merge(args.dst, storage_options=options)
+    except ShardstreamError as e:
+        print(f"shardstream: every part is done, but they do not merge: {e}", file=sys.stderr)
+        return 1
+    print(f"all {parts} parts done: merged {manifest.samples:,} samples in {len(manifest.shards)} shards")
     return 0
 
 
@@ -176,7 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--on-error", choices=("fail", "skip"), default="fail", help="on a corrupt image")
     p.add_argument("--overwrite", action="store_true", help="replace a dataset already at DST")
     p.add_argument("--resume", action="store_true", help="continue an interrupted pack from its last complete shard")
-    p.add_argument("--part", default=None, metavar="I/N", help="pack only part I of N (then: shardstream merge DST)")
+    p.add_argument("--part", default=None, metavar="I/N",
+                   help="pack only part I of N; the last part to finish merges (or: shardstream merge DST)")
+    p.add_argument("--no-merge", action="store_true", help="with --part: do not merge, even as the last part")
     p.add_argument("--executor", choices=("local", "ray"), default="local",
                    help="ray: run --parts parts as Ray tasks on the cluster ray.init() finds, then merge")
     p.add_argument("--parts", type=int, default=4, help="with --executor ray: how many parts (default 4)")

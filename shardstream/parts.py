@@ -18,19 +18,35 @@ from .storage import Store
 from .journal import FOLDER as JOURNAL_FOLDER, remove_journal_folder
 from .writer import write_manifest
 
-__all__ = ["merge"]
+__all__ = ["merge", "missing_parts"]
 
 _PART = re.compile(r"manifest\.part-(\d{5})-of-(\d{5})\.msgpack")
 
 
-def merge(dst: str, *, storage_options: dict[str, Any] | None = None) -> Manifest:
-    """Check the part manifests in `dst` and write the dataset manifest; returns it."""
-    store = Store(dst, storage_options or {})
+def _part_manifests(store: Store) -> dict[int, tuple[int, str]]:
+    """The part manifests in `store`: part number -> (number of parts, file name)."""
     found: dict[int, tuple[int, str]] = {}
     for name in store.list(".msgpack"):
         match = _PART.fullmatch(name)
         if match:
             found[int(match.group(1))] = (int(match.group(2)), name)
+    return found
+
+
+def missing_parts(dst: str, parts: int, *, storage_options: dict[str, Any] | None = None) -> list[int]:
+    """The parts of `parts` whose part manifest is not (yet) in `dst`: one listing."""
+    found = _part_manifests(Store(dst, storage_options or {}))
+    return [i for i in range(parts) if found.get(i, (None,))[0] != parts]
+
+
+def merge(dst: str, *, storage_options: dict[str, Any] | None = None) -> Manifest:
+    """Check the part manifests in `dst` and write the dataset manifest; returns it.
+
+    Idempotent: the same parts give the same manifest, byte for byte, so two merges
+    at once (the last two parts finishing together) write the same file.
+    """
+    store = Store(dst, storage_options or {})
+    found = _part_manifests(store)
     if not found:
         raise ShardstreamError("no part manifests (manifest.part-IIIII-of-NNNNN.msgpack) found", url=dst)
     totals = {n for n, _ in found.values()}

@@ -95,8 +95,31 @@ def test_parts_of_another_source_are_refused(source, tmp_path):
 def test_cli_part_and_merge(source, tmp_path):
     dst = str(tmp_path / "parts")
     for part in ("0/2", "1/2"):
-        result = cli("pack", str(source / "src"), dst, "--shard-size", "8KB", "--part", part, "--quiet")
+        result = cli("pack", str(source / "src"), dst, "--shard-size", "8KB", "--part", part, "--quiet", "--no-merge")
         assert result.returncode == 0, result.stderr
+    assert not os.path.exists(os.path.join(dst, "manifest.msgpack"))  # --no-merge
     result = cli("merge", dst)
     assert result.returncode == 0 and "merged 2 parts: 21 samples" in result.stdout
     assert cli("pack", str(source / "src"), dst, "--part", "2/2").returncode == 1  # I must be < N
+
+
+def test_cli_last_part_to_finish_merges(source, tmp_path):
+    """Without a merge step: the parts that finish while others are missing say so; the last one merges, giving
+    the manifest `merge` gives; parts that do not agree make the last one fail, naming the problem."""
+    dst = str(tmp_path / "parts")
+    for part in ("2/3", "0/3"):
+        result = cli("pack", str(source / "src"), dst, "--shard-size", "8KB", "--part", part, "--quiet")
+        assert result.returncode == 0 and "the last part to finish merges" in result.stdout, result.stderr
+        assert not os.path.exists(os.path.join(dst, "manifest.msgpack"))
+    result = cli("pack", str(source / "src"), dst, "--shard-size", "8KB", "--part", "1/3", "--quiet")
+    assert result.returncode == 0 and "all 3 parts done: merged 21 samples" in result.stdout, result.stderr
+    merged = files(dst)
+    merge(dst)
+    assert files(dst) == merged, "merging again writes the same bytes"
+    assert samples(dst) == samples(str(source / "single"))
+
+    other = str(tmp_path / "other")
+    cli("pack", str(source / "src"), other, "--shard-size", "8KB", "--part", "0/2", "--quiet")
+    result = cli("pack", str(source / "src"), other, "--shard-size", "8KB", "--part", "1/2", "--seed", "7", "--quiet")
+    assert result.returncode == 1 and "do not merge" in result.stderr and "other options" in result.stderr
+    assert not os.path.exists(os.path.join(other, "manifest.msgpack"))
