@@ -147,6 +147,33 @@ def test_mix_proportions_across_ranks_and_workers(imbalanced, small):
     assert from_small == 200  # exact over the epoch: the interleaving is deterministic
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_mix_resume_is_exact_and_elastic(imbalanced, small, num_workers):
+    """A mixed stream checkpointed mid-epoch through shardstream.DataLoader resumes onto the same batches; resumed
+    onto 2 ranks, the rest of the epoch holds exactly the samples (with their repeats) not yet consumed."""
+    def make(**kw):
+        ds = ss.StreamingDataset(Mix([imbalanced, small], weights=[0.7, 0.3]), decode=None, fields=("__key__",),
+                                 shuffle=True, seed=9, batch_size=10, collate_fn=list,
+                                 sampling=Sampling(samples_per_epoch=300), **kw)
+        return ss.DataLoader(ds, num_workers=num_workers, persistent_workers=False)
+
+    full = [tuple(k for (k,) in batch) for batch in make()]
+    loader = make()
+    it = iter(loader)
+    head = [tuple(k for (k,) in next(it)) for _ in range(13)]
+    state = loader.state_dict()
+    del it
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert head + [tuple(k for (k,) in batch) for batch in resumed] == full
+    seen = collections.Counter(k for batch in head for k in batch)
+    for rank in range(2):
+        other = make(rank=rank, world_size=2)
+        other.load_state_dict(state)
+        seen.update(k for batch in other for (k,) in batch)
+    assert seen == collections.Counter(k for batch in full for k in batch)
+
+
 def test_mixed_sequence_reuses_a_short_source():
     a, b = np.arange(10), np.arange(100, 103)
     out = mixed_sequence([a, b], [0.5, 0.5], 20, more=[None, lambda k: np.arange(100, 103)])
