@@ -151,10 +151,11 @@ class StreamingDataset(IterableDataset):
         self._resume: ResumeState | None = None
         self._resume_id = 0
         self._delivered: int | None = 0
-        # In a DataLoader worker: its place in the plan (plan worker, items yielded this
-        # epoch), for torchdata's StatefulDataLoader; loaded there by load_state_dict.
-        self._position: tuple[int, int] | None = None
+        # In a DataLoader worker: its place in the plan (epoch, plan worker, items yielded),
+        # for torchdata's StatefulDataLoader, which loads each worker's own back into it.
+        self._position: tuple[int, int, int] | None = None
         self._loaded_position: tuple[int, int] | None = None
+        self._worker_resume = False  # the loaded state is a worker's own
         self._translated: tuple[ResumeState, Layout, ResumeState] | None = None  # see _resume_for
 
     # -- epochs, world and layout --------------------------------------------------------
@@ -247,7 +248,7 @@ class StreamingDataset(IterableDataset):
 
     def _active_resume(self, world: World) -> ResumeState | None:
         """The loaded resume state, unless every worker has already finished that epoch."""
-        if self._loaded_position is not None:  # a worker's own state: this process's copy alone uses it
+        if self._worker_resume:  # a worker's own state: this process's copy alone uses it
             return self._resume
         if self._resume is not None and self._shared.resume_used_up(self._resume_id, world.workers):
             self._resume = None
@@ -295,27 +296,37 @@ class StreamingDataset(IterableDataset):
     # -- iteration -------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:
+        # Planned here, eagerly, not in the generator: a DataLoader worker calls iter()
+        # when it starts, and torchdata's StatefulDataLoader asks for the worker's state
+        # right after, before the first item.
         world = self.world()
+        loaded, self._loaded_position = self._loaded_position, None
+        if loaded is None and self._worker_resume:  # a worker's own state applies to one iteration
+            self._resume, self._worker_resume = None, False
         block, layout, segment, delivered, epoch = self._rank_block(world)
-        resume_id = self._resume_id if self._resume is not None else None
+        resume_id = self._resume_id if self._resume is not None and not self._worker_resume else None
         items = [items_of(len(p), layout) for p in deal_chunks(len(block), world.workers, layout.chunk)]
-        worker, done = self._loaded_position or self._start(world, items, delivered)
+        worker, done = loaded or self._start(world, items, delivered)
         if self.resampled:
             stream = self._endless(world, block, layout, segment, worker, done, epoch)
         else:
             stream = self._epoch_items(world, block, layout, segment, worker, done, epoch)
         self._delivered = delivered
-        self._position = (worker, done)
+        self._position = (epoch, worker, done)
+        return self._yield(world, stream, resume_id)
+
+    def _yield(self, world: World, stream: Iterator[Any], resume_id: int | None) -> Iterator[Any]:
         for item in stream:
             self._delivered += 1  # counts what the consumer received (main-process iteration)
-            self._position = (worker, self._position[1] + 1)
+            epoch, worker, done = self._position
+            self._position = (epoch, worker, done + 1)
             self._shared.publish_io(world.worker, io_stats.snapshot())
             yield item
         self._shared.publish_io(world.worker, io_stats.snapshot())
-        if resume_id is not None and self._loaded_position is None:  # later passes start afresh
+        if resume_id is not None:  # the resumed epoch is complete: later passes start afresh
             self._shared.finish_resume(resume_id, world.worker)
-        self._loaded_position = self._position = None
-        self._resume = None
+        if not self._worker_resume:  # a worker's own state stays until its next iteration (see _worker_state)
+            self._resume = None
 
     def _epoch_items(self, world: World, block: np.ndarray, layout: Layout, segment: int, worker: int, done: int,
                      epoch: int) -> Iterator[Any]:
@@ -446,8 +457,13 @@ class StreamingDataset(IterableDataset):
 
     def _worker_state(self) -> dict[str, Any]:
         world = self.world()
-        position = self._position or self._loaded_position or (world.worker, 0)
         state = ResumeState.current_of(self, world, 0)
+        if self._loaded_position is not None:  # loaded, not iterated yet
+            position = self._loaded_position
+        elif self._position is not None and self._position[0] == state.epoch:  # this epoch's place, to its end
+            position = self._position[1:]
+        else:
+            position = (world.worker, 0)
         return dataclasses.replace(state, position=position).to_dict()
 
     def _load_worker_state(self, resume: ResumeState) -> None:
@@ -460,6 +476,7 @@ class StreamingDataset(IterableDataset):
         self._shared.epoch = resume.epoch  # the same value from every worker
         self._resume = resume
         self._loaded_position = resume.position
+        self._worker_resume = True
         self._delivered = None
 
 

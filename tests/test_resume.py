@@ -425,3 +425,26 @@ def test_torchdata_worker_state_with_another_layout_is_refused(url):
     assert worker_state["position"] == [1, 1]  # plan worker 1 has handed over one item
     with pytest.raises(ShardstreamError, match="same world size and num_workers"):
         dataset(url, rank=0, world_size=3).load_state_dict(worker_state)
+
+
+@pytestmark_stateful
+@pytest.mark.parametrize(("num_workers", "k"), [(0, 3), (2, 3), (2, 6), (3, 4)])
+def test_exact_resume_with_batches_made_by_the_dataloader(url, num_workers, k):
+    """Batching outside the dataset (DataLoader(batch_size=4) over single samples): a DataLoader takes a whole
+    batch from one worker, then the next, which a per-rank item count cannot describe; torchdata's
+    StatefulDataLoader keeps each worker's own place, so the resume is exact there too."""
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+
+    def make():
+        ds = dataset(url, batch_size=None, collate_fn=None)
+        return stateful.StatefulDataLoader(ds, batch_size=4, num_workers=num_workers, collate_fn=D.key_batch)
+
+    full = [D.freeze(b) for b in make()]
+    loader = make()
+    it = iter(loader)
+    got = [D.freeze(next(it)) for _ in range(k)]
+    state = loader.state_dict()
+    del it
+    fresh = make()
+    fresh.load_state_dict(state)
+    assert got + [D.freeze(b) for b in fresh] == full
