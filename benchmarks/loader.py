@@ -22,7 +22,7 @@ ratios are between medians of the same run):
   (from constructing the dataset to receiving batch 1). Also `shardstream.DataLoader`
   against the torch DataLoader over the same StreamingDataset (2 workers).
 * remote: the packed folder served by `shardstream.testing.HTTPTestServer` with 50 ms
-  per request. Raw sample streaming (decode=None, fields=("__key__", "jpg"), shuffled)
+  per request, in a process of its own (as remote storage would be). Raw sample streaming (decode=None, fields=("__key__", "jpg"), shuffled)
   through a 1-worker DataLoader from local disk and over HTTP (default prefetch, and 0), the
   decode pipeline local vs HTTP (1 worker), and WebDataset's raw streaming of its plain
   tars, local and over the same server (its http:// URLs open through `curl`).
@@ -52,6 +52,7 @@ import os
 import random
 import resource
 import statistics
+import subprocess
 import sys
 import time
 import warnings
@@ -67,7 +68,6 @@ import contenders as c  # noqa: E402
 import run as pack_bench  # noqa: E402  (ensure_images, dataset_stats, machine)
 
 import shardstream as ss  # noqa: E402
-from shardstream.testing import HTTPTestServer  # noqa: E402
 from shardstream.transforms import RandomResizedCropJPEG, crop_params  # noqa: E402
 from shardstream.writer import parse_size  # noqa: E402
 
@@ -422,18 +422,44 @@ def section_loader(d: Data, repeats: int, out: dict) -> None:
     t["loader: shardstream.DataLoader wrapper overhead (informative)"] = _target(overhead * 100, None, None, "%")
 
 
+class ServerProcess:
+    """`HTTPTestServer` in a process of its own, as remote storage is: serving does not
+    then compete for this process's GIL with the loop that receives the batches."""
+
+    def __init__(self, root: str, latency_s: float):
+        code = (f"import sys\nfrom shardstream.testing import HTTPTestServer\n"
+                f"server = HTTPTestServer({root!r}, latency_s={latency_s!r})\nprint(server.url, flush=True)\n"
+                f"for _ in sys.stdin:\n    print(server.faults.requests, flush=True)\n")
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+        self.url = self.proc.stdout.readline().strip()  # type: ignore[union-attr]
+        if not self.url.startswith("http://"):
+            raise RuntimeError("the HTTP test server did not start")
+
+    @property
+    def requests(self) -> int:
+        """Requests answered so far."""
+        self.proc.stdin.write("\n")  # type: ignore[union-attr]
+        self.proc.stdin.flush()  # type: ignore[union-attr]
+        return int(self.proc.stdout.readline())  # type: ignore[union-attr]
+
+    def close(self) -> None:
+        self.proc.stdin.close()  # type: ignore[union-attr]
+        self.proc.wait(timeout=30)
+
+
 class Requests:
     """Requests the test server answered during one run."""
 
-    def __init__(self, server: HTTPTestServer | None):
+    def __init__(self, server: ServerProcess | None):
         self.server = server
-        self.start = server.faults.requests if server else 0
+        self.start = server.requests if server else 0
 
     def done(self) -> int:
-        return self.server.faults.requests - self.start if self.server else 0
+        return self.server.requests - self.start if self.server else 0
 
 
-def _run_remote(make_ds: Callable[[], Any], server: HTTPTestServer | None, workers: int = 1) -> dict:
+def _run_remote(make_ds: Callable[[], Any], server: ServerProcess | None, workers: int = 1) -> dict:
     counter = Requests(server)
     holder: dict = {}
 
@@ -449,7 +475,7 @@ def _run_remote(make_ds: Callable[[], Any], server: HTTPTestServer | None, worke
     return got
 
 
-def section_remote(d: Data, repeats: int, out: dict, server: HTTPTestServer) -> None:
+def section_remote(d: Data, repeats: int, out: dict, server: ServerProcess) -> None:
     base = server.url
     raw = dict(decode=None, fields=("__key__", "jpg"))
     group = [
@@ -505,7 +531,7 @@ def _resume_reference(src: str) -> tuple[dict, Any, int, int]:
     return state, reference, k, total
 
 
-def _first_batch(src: str, state: dict | None, reference: Any, server: HTTPTestServer | None) -> dict:
+def _first_batch(src: str, state: dict | None, reference: Any, server: ServerProcess | None) -> dict:
     counter = Requests(server)
     t0 = time.perf_counter()
     loader = ss.DataLoader(ss_dataset(src), batch_size=BATCH, num_workers=1, persistent_workers=False)
@@ -523,7 +549,7 @@ def _first_batch(src: str, state: dict | None, reference: Any, server: HTTPTestS
     return {"samples": int(batch[0].shape[0]), "first_s": first, "requests_to_first_batch": requests, "exact": exact}
 
 
-def section_resume(d: Data, repeats: int, out: dict, server: HTTPTestServer) -> None:
+def section_resume(d: Data, repeats: int, out: dict, server: ServerProcess) -> None:
     t0 = time.perf_counter()
     state, reference, k, total = _resume_reference(d.ss_path)
     print(f"  [resume] state taken after {k} of {total} batches (untimed, {time.perf_counter() - t0:.1f} s): "
@@ -608,7 +634,7 @@ def main(argv: list[str] | None = None) -> int:
         "targets": {},
         "load_average": {},
     }
-    server = HTTPTestServer(d.root, latency_s=LATENCY_S) if {"remote", "resume"} & set(sections) else None
+    server = ServerProcess(d.root, LATENCY_S) if {"remote", "resume"} & set(sections) else None
     try:
         for name in sections:
             print(f"\n== {name} (load average {os.getloadavg()[0]:.1f})", flush=True)

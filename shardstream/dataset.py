@@ -34,7 +34,7 @@ from .sampling import Mix, Sampling, class_sample_weights, mixed_sequence, sized
 from .shared import SharedState
 from .source import Source, resolve_source
 from .stream import read_samples, reorder
-from .storage import RetryPolicy, io_stats
+from .storage import RetryPolicy, io_stats, preload_driver
 from .world import World
 from .writer import parse_size
 
@@ -126,6 +126,8 @@ class StreamingDataset(IterableDataset):
         if batch_size is not None and batch_size < 1:
             raise ValueError("batch_size must be positive")
         self.source = source
+        for url in _urls(source):
+            preload_driver(url)
         self.shuffle = shuffle
         self.seed = seed
         self.shuffle_buffer = shuffle_buffer
@@ -478,6 +480,13 @@ class StreamingDataset(IterableDataset):
         self._loaded_position = resume.position
         self._worker_resume = True
         self._delivered = None
+
+
+def _urls(source: Any) -> list[str]:
+    """The locations a source names (a Mix: those of its parts)."""
+    if isinstance(source, Mix):
+        return [url for part in source.sources for url in _urls(part)]
+    return [source] if isinstance(source, str) else [str(url) for url in source]
 
 
 def _sample_seed(seed: int, epoch: int, sample_id: int) -> int:

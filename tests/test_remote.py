@@ -536,6 +536,18 @@ def test_scattered_samples_are_read_in_few_requests(tmp_path):
     assert data_requests <= len(local.shards) < runs, f"{data_requests} requests for {runs} runs"
 
 
+def test_constructing_a_remote_dataset_imports_its_storage_driver_for_the_workers():
+    """The process that builds the dataset imports the fsspec driver (no network), so DataLoader workers forked
+    from it do not each import aiohttp on their first request; an unknown protocol is left to the first read."""
+    code = ("import sys, shardstream\n"
+            "shardstream.StreamingDataset('http://127.0.0.1:9/data')\n"
+            "shardstream.StreamingDataset(['nosuchproto://x/a.tar'])\n"
+            "print('fsspec.implementations.http' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True"
+
+
 # -- the shared cache ----------------------------------------------------------------------------------
 
 
