@@ -16,6 +16,7 @@ import contextlib
 import os
 import posixpath
 import random
+import select
 import tempfile
 import threading
 import time
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Iterable, Mapping
 
 import fsspec
+import fsspec.asyn
 
 from .errors import StorageError
 
@@ -47,6 +49,52 @@ def preload_driver(url: str) -> None:
             fsspec.get_filesystem_class(url.split("://", 1)[0])
         except (ImportError, ValueError):
             pass  # an unknown or uninstalled protocol: the first real request says so, naming the URL
+
+
+# aiohttp (fsspec's HTTP) waits up to 300 s for a response by default. A request that
+# gets lost should fail fast and be retried by RetryPolicy instead. The limits are per
+# read, so a slow large transfer is unaffected. Options given by the user
+# (client_kwargs={"timeout": ...}) win.
+HTTP_CONNECT_TIMEOUT_S = 10.0
+HTTP_READ_TIMEOUT_S = 20.0
+
+
+def _with_timeouts(root: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    options = dict(options)
+    if root.startswith(("http://", "https://")) and "timeout" not in options.get("client_kwargs", {}):
+        import aiohttp
+
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=HTTP_CONNECT_TIMEOUT_S,
+                                        sock_read=HTTP_READ_TIMEOUT_S)
+        options["client_kwargs"] = {**options.get("client_kwargs", {}), "timeout": timeout}
+    return options
+
+
+# A process that has used fsspec's event loop and then forks (a DataLoader starting its
+# workers) shares that loop's epoll file with the child. The child inherits the loop
+# object too, and fsspec's finalizers close inherited HTTP sessions in the child,
+# unregistering their sockets from the *shared* epoll: the parent's pooled connection
+# then never reports its response, and the parent's next request hangs until the read
+# timeout (seen: 300 s, on the manifest read of a resume after a first iteration). The
+# child gets a private epoll instead, so what it unregisters cannot touch the parent's.
+_parent_loop: list[Any] = [None]
+
+
+def _remember_loop() -> None:
+    _parent_loop[0] = fsspec.asyn.loop[0]
+
+
+def _private_epoll_in_child() -> None:
+    loop, _parent_loop[0] = _parent_loop[0], None
+    selector = getattr(getattr(loop, "_selector", None), "_selector", None)
+    if selector is not None and hasattr(select, "epoll") and isinstance(selector, select.epoll):
+        loop._selector._selector = select.epoll()  # unregister() on it fails quietly (OSError is ignored)
+        selector.close()  # this process's copy only
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_remember_loop, after_in_child=_private_epoll_in_child,
+                        after_in_parent=lambda: _parent_loop.__setitem__(0, None))
 
 
 def _local_path(url: str) -> str:
@@ -88,7 +136,7 @@ class Store:
         return posixpath.join(self.root.rstrip("/"), name)
 
     def _fs_path(self, name: str) -> tuple[fsspec.AbstractFileSystem, str]:
-        fs, path = fsspec.core.url_to_fs(self.url(name), **dict(self.options))
+        fs, path = fsspec.core.url_to_fs(self.url(name), **_with_timeouts(self.root, self.options))
         return fs, path
 
     def _wrap(self, name: str, action: str, error: BaseException) -> StorageError:

@@ -548,6 +548,25 @@ def test_constructing_a_remote_dataset_imports_its_storage_driver_for_the_worker
     assert out.stdout.strip() == "True"
 
 
+def test_main_process_reads_survive_dataloader_workers(local_ds):
+    """The main process reads over HTTP (a session, a pooled connection), DataLoader workers fork from it, read and
+    exit; the main process's next read must not hang. Before the fix the workers' cleanup unregistered the
+    parent's sockets from the epoll file they share with it, and the read waited for aiohttp's 300 s timeout."""
+    import time
+
+    import aiohttp
+
+    options = {"client_kwargs": {"timeout": aiohttp.ClientTimeout(total=120)}}  # the old wait, bounded for CI
+    with H.CountingHTTPServer(local_ds, latency_s=0.001) as server:
+        for _ in range(2):
+            shardstream.open_dataset(server.url, storage_options=options)
+            ds = key_dataset(server.url, storage_options=options)
+            assert len(list(DataLoader(ds, batch_size=None, num_workers=1))) == N
+        started = time.monotonic()
+        shardstream.open_dataset(server.url, storage_options=options)
+        assert time.monotonic() - started < 60, "the main process's read hung after the workers exited"
+
+
 # -- the shared cache ----------------------------------------------------------------------------------
 
 
