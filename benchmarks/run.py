@@ -214,7 +214,7 @@ def peers() -> dict:
         except Exception:  # ImportError, or a broken install (see BENCHMARKS.md)
             out[label] = "skipped (not installed)"
         else:
-            out[label] = "installed, but not benchmarked by this script"
+            out[label] = "installed: compare with benchmarks/peers.py"
         print(f"{label}: {out[label]}")
     return out
 
