@@ -50,7 +50,6 @@ import io
 import json
 import os
 import random
-import resource
 import statistics
 import subprocess
 import sys
@@ -245,25 +244,19 @@ def drain(make: Callable[[], Iterable[Any]]) -> dict:
 # -- timing -----------------------------------------------------------------------------
 
 
-def _cpu() -> float:
-    own = resource.getrusage(resource.RUSAGE_SELF)
-    kids = resource.getrusage(resource.RUSAGE_CHILDREN)  # finished (joined) workers and curl
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+class Contender(pack_bench.Contender):
+    """run.py's contender (median, rate), whose run returns a dict: samples, first-batch time, extras."""
 
-
-class Contender:
     def __init__(self, name: str, run: Callable[[], dict], *, expect: int | None = None, note: str = ""):
-        self.name, self.run_fn, self.expect, self.note = name, run, expect, note
-        self.wall: list[float] = []
-        self.cpu: list[float] = []
+        super().__init__(name, run, note=note)  # type: ignore[arg-type]
+        self.expect = expect
         self.first: list[float] = []
         self.extra: list[dict] = []
-        self.samples = 0
 
-    def once(self) -> None:
-        cpu0, t0 = _cpu(), time.perf_counter()
+    def once(self, record: bool = True) -> None:
+        cpu0, t0 = pack_bench._cpu(), time.perf_counter()
         got = self.run_fn()
-        wall, cpu = time.perf_counter() - t0, _cpu() - cpu0
+        wall, cpu = time.perf_counter() - t0, pack_bench._cpu() - cpu0
         self.samples = got.pop("samples")
         if self.expect is not None:
             assert self.samples == self.expect, f"{self.name}: {self.samples} samples, expected {self.expect}"
@@ -273,14 +266,6 @@ class Contender:
         if first is not None:
             self.first.append(first)
         self.extra.append(got)
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.wall)
-
-    @property
-    def rate(self) -> float:
-        return self.samples / self.median
 
     @property
     def ttfb(self) -> float | None:
