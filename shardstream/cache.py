@@ -5,8 +5,9 @@ to local disk beats streaming it again. The cache is a folder, safe to share bet
 processes:
 
 * **One download per shard at a time.** A download holds an exclusive `flock` on the
-  shard's lock file; a second process asking for the same shard waits on the lock and
-  then finds the file there.
+  shard's lock file; a second process asking for the same shard waits for a shared
+  lock and then finds the file there. The exclusive lock is only ever tried, never
+  waited for, so processes holding shards in use cannot wait for each other.
 * **No torn files.** Shards are downloaded under a temporary name, verified against
   the manifest's SHA-256, and renamed into place.
 * **Bounded.** Before a download, least-recently-used shards are evicted until the new
@@ -21,6 +22,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import random
 import tempfile
 import time
 from dataclasses import dataclass
@@ -36,6 +38,7 @@ __all__ = ["ShardCache"]
 CHUNK = 16 << 20  # bytes per ranged request when downloading
 
 _verified: set[str] = set()  # cached files this process has hashed
+_damaged: dict[str, tuple] = {}  # cached files that failed the hash: their (inode, mtime) then
 
 
 @dataclass(frozen=True)
@@ -61,34 +64,72 @@ class ShardCache:
         path = os.path.join(folder, ref.name)
         lock = open(path + ".lock", "a+b")
         try:
-            for _ in range(3):
-                fcntl.flock(lock, fcntl.LOCK_SH)
-                if path in _verified and self._present(path, ref):
-                    io_stats.add(cache_hits=1)
-                    break
-                fcntl.flock(lock, fcntl.LOCK_EX)  # only one process checks or downloads
-                if self._present(path, ref) and _sha256(path) == ref.info.sha256 and \
-                        _sha256(os.path.join(folder, ref.info.index)) == ref.info.index_sha256:
-                    io_stats.add(cache_hits=1)
-                else:
-                    io_stats.add(cache_misses=1)
-                    self._make_room(folder, ref.info.bytes + ref.info.index_bytes)
-                    self._download(ref, path)
-                _verified.add(path)
-                # Downgrade so readers can share. flock converts by unlocking first, so an
-                # evictor may slip in between: check again that the file is still there.
-                fcntl.flock(lock, fcntl.LOCK_SH)
-                if self._present(path, ref):
-                    break
-                _verified.discard(path)
-            else:
-                raise StorageError("cached shard keeps disappearing (cache_limit too small for the shards in use?)",
-                                   url=ref.url)
+            self._acquire(lock, path, ref)
             os.utime(path)  # most recently used
         except BaseException:
             lock.close()
             raise
         return ShardReader(Store(folder), ref.name, ref.info), lock
+
+    def _acquire(self, lock: BinaryIO, path: str, ref: ShardRef) -> None:
+        """Hold a shared lock on `lock` with a verified copy of `ref` at `path`.
+
+        Checking a copy only reads it, under the shared lock, so readers never wait for
+        each other. Downloading needs the exclusive lock, and it is only ever *tried*:
+        a process waiting for it while holding shared locks on the shards it is reading
+        could wait for a second process doing the same the other way round, forever.
+        When another process holds the shard, this one waits for a shared lock (which
+        only a download in progress delays) and looks again.
+        """
+        assert ref.info is not None
+        vanished = 0
+        while True:
+            fcntl.flock(lock, fcntl.LOCK_SH)
+            if self._check(path, ref):
+                io_stats.add(cache_hits=1)
+                return
+            try:  # converting drops the shared lock first, whether or not this succeeds
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                time.sleep(random.uniform(0.005, 0.05))  # another process has it: let it download
+                continue
+            if not self._check(path, ref):
+                io_stats.add(cache_misses=1)
+                self._make_room(os.path.dirname(path), ref.info.bytes + ref.info.index_bytes)
+                self._download(ref, path)
+                _verified.add(path)
+            # Downgrade so readers can share. flock converts by unlocking first, so an
+            # evictor may slip in between: check again that the file is still there.
+            fcntl.flock(lock, fcntl.LOCK_SH)
+            if self._present(path, ref):
+                return
+            _verified.discard(path)
+            vanished += 1
+            if vanished >= 3:
+                raise StorageError("cached shard keeps disappearing (cache_limit too small for the shards in use?)",
+                                   url=ref.url)
+
+    def _check(self, path: str, ref: ShardRef) -> bool:
+        """Whether the copy at `path` is whole: hashed once per process, then trusted."""
+        assert ref.info is not None
+        if not self._present(path, ref):
+            _verified.discard(path)
+            return False
+        if path in _verified:
+            return True
+        index = os.path.join(os.path.dirname(path), ref.info.index)
+        try:
+            version = tuple((st.st_ino, st.st_mtime_ns) for st in map(os.stat, (path, index)))
+        except FileNotFoundError:  # evicted meanwhile
+            return False
+        if _damaged.get(path) == version:  # hashed before, unchanged since: still damaged
+            return False
+        if _sha256(path) == ref.info.sha256 and _sha256(index) == ref.info.index_sha256:
+            _verified.add(path)
+            _damaged.pop(path, None)
+            return True
+        _damaged[path] = version
+        return False
 
     @staticmethod
     def _present(path: str, ref: ShardRef) -> bool:

@@ -71,12 +71,18 @@ def _with_timeouts(root: str, options: Mapping[str, Any]) -> dict[str, Any]:
 
 
 # A process that has used fsspec's event loop and then forks (a DataLoader starting its
-# workers) shares that loop's epoll file with the child. The child inherits the loop
-# object too, and fsspec's finalizers close inherited HTTP sessions in the child,
-# unregistering their sockets from the *shared* epoll: the parent's pooled connection
-# then never reports its response, and the parent's next request hangs until the read
-# timeout (seen: 300 s, on the manifest read of a resume after a first iteration). The
-# child gets a private epoll instead, so what it unregisters cannot touch the parent's.
+# workers) hands the child that loop object, the epoll file it polls, and the HTTP
+# sessions of its filesystems; the loop's thread does not come along. Two things go
+# wrong in the child unless it is told so:
+# * fsspec's finalizers close the inherited sessions, unregistering their sockets from
+#   the *shared* epoll: the parent's pooled connection then never reports its response,
+#   and the parent's next request hangs until the read timeout (seen: 300 s, on the
+#   manifest read of a resume after a first iteration). The child gets a private epoll.
+# * The inherited loop still says it is running, so those finalizers hand the close to
+#   it and wait for an answer that cannot come: fsspec's `sync` waits in whole seconds,
+#   so every worker stalled 1 s at its first garbage collection (seen: every epoch's
+#   first batch 1 s late, also from local data, once the main process had read over
+#   HTTP). Marked as stopped, the loop lets the finalizers close the sockets directly.
 _parent_loop: list[Any] = [None]
 
 
@@ -84,16 +90,20 @@ def _remember_loop() -> None:
     _parent_loop[0] = fsspec.asyn.loop[0]
 
 
-def _private_epoll_in_child() -> None:
+def _detach_loop_in_child() -> None:
     loop, _parent_loop[0] = _parent_loop[0], None
+    if loop is None:
+        return
     selector = getattr(getattr(loop, "_selector", None), "_selector", None)
     if selector is not None and hasattr(select, "epoll") and isinstance(selector, select.epoll):
         loop._selector._selector = select.epoll()  # unregister() on it fails quietly (OSError is ignored)
         selector.close()  # this process's copy only
+    if getattr(loop, "_thread_id", None) is not None:
+        loop._thread_id = None  # its thread stayed in the parent: is_running() is now False
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_remember_loop, after_in_child=_private_epoll_in_child,
+    os.register_at_fork(before=_remember_loop, after_in_child=_detach_loop_in_child,
                         after_in_parent=lambda: _parent_loop.__setitem__(0, None))
 
 

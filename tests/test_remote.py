@@ -567,6 +567,38 @@ def test_main_process_reads_survive_dataloader_workers(local_ds):
         assert time.monotonic() - started < 60, "the main process's read hung after the workers exited"
 
 
+def test_forked_workers_close_inherited_sessions_without_waiting_on_the_parents_loop(local_ds):
+    """A worker forked from a process that read over HTTP inherits its filesystems, their sessions and fsspec's
+    event loop, but not the loop's thread. Closing an inherited session must not wait for that loop: fsspec's
+    `sync` waits in whole seconds, and every DataLoader worker's first batch was 1 s late (also from local
+    data) once the main process had read over HTTP."""
+    import gc
+    import multiprocessing
+
+    import fsspec.implementations.http as fsspec_http
+
+    def child(conn) -> None:
+        handed_to_loop = []
+        fsspec_http.sync = lambda *args, **kwargs: handed_to_loop.append(args)  # this process only
+        inherited = [fs for fs in gc.get_objects()
+                     if isinstance(fs, fsspec_http.HTTPFileSystem) and fs._session is not None]
+        for fs in inherited:
+            fsspec_http.HTTPFileSystem.close_session(fs._loop, fs._session)  # what the finalizer does
+        conn.send((len(inherited), [fs._loop.is_running() for fs in inherited], len(handed_to_loop)))
+
+    with H.CountingHTTPServer(local_ds) as server:
+        shardstream.open_dataset(server.url)  # the parent now holds a session on fsspec's running loop
+        receive, send = multiprocessing.Pipe(duplex=False)
+        proc = multiprocessing.get_context("fork").Process(target=child, args=(send,))
+        proc.start()
+        assert receive.poll(60), "the forked child did not answer"
+        inherited, running, handed = receive.recv()
+        proc.join(30)
+    assert inherited >= 1
+    assert running == [False] * inherited
+    assert handed == 0, "the child handed the close of an inherited session to a loop without a thread"
+
+
 # -- the shared cache ----------------------------------------------------------------------------------
 
 
@@ -577,6 +609,48 @@ def cache_folder(cache_dir: Path) -> Path:
 
 def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def test_cache_processes_opening_each_others_shards_in_use_do_not_wait_for_each_other(local_ds, tmp_path):
+    """Process A reads shard X and then opens Y; process B reads Y and then opens X; neither has checked the
+    other's shard yet. Checking must not wait for the other's shared lock: before the fix both waited for an
+    exclusive lock held off by the other, forever (seen as a hang of 2 ranks x 2 workers sharing a cache)."""
+    import multiprocessing
+
+    from shardstream import cache as cache_module
+    from shardstream.cache import ShardCache
+
+    with H.CountingHTTPServer(local_ds) as server:
+        source = shardstream.open_dataset(server.url)
+        cache = ShardCache(str(tmp_path / "cache"), 1 << 30)
+        x, y = source.shards[0], source.shards[1]
+        for ref in (x, y):  # both shards cached by this process, which the children do not count as their check
+            cache.open(ref)[1].close()
+        cache_module._verified.clear()
+        context = multiprocessing.get_context("fork")
+        both_reading = context.Barrier(2)
+
+        def child(first, second, conn) -> None:
+            reader, held = cache.open(first)  # checked by this process, and in use
+            both_reading.wait(30)
+            other_reader, other = cache.open(second)  # in use by the other process
+            conn.send((next(iter(reader.read(0, 1)))["__key__"], next(iter(other_reader.read(0, 1)))["__key__"]))
+
+        pipes = [multiprocessing.Pipe(duplex=False) for _ in range(2)]
+        procs = [context.Process(target=child, args=(a, b, send), daemon=True)
+                 for (a, b), (_, send) in zip([(x, y), (y, x)], pipes)]
+        for proc in procs:
+            proc.start()
+        try:
+            answered = [receive.poll(60) for receive, _ in pipes]
+            assert answered == [True, True], "processes opening each other's shards in use waited for each other"
+            got = [receive.recv() for receive, _ in pipes]
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.join()
+        first_keys = [next(iter(ref.reader().read(0, 1)))["__key__"] for ref in (x, y)]
+    assert got == [tuple(first_keys), tuple(first_keys[::-1])]
 
 
 def test_cache_shared_by_ranks_and_workers_downloads_each_shard_once_and_heals(
