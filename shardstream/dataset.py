@@ -27,8 +27,8 @@ from .collate import default_collate
 from .decode import Decoder
 from .errors import MissingFieldError, ShardstreamError
 from .policy import ErrorPolicy, guarded
-from .plan import (Layout, deal_chunks, epoch_sequence, items_of, round_robin_delivered, round_robin_next,
-                   split_ranks, worker_plan)
+from .plan import (Layout, deal_chunks, epoch_sequence, items_of, read_order, round_robin_delivered,
+                   round_robin_next, split_ranks, worker_plan)
 from .resume import ResumeState, current_sequence, endless_onto, locate
 from .sampling import Mix, Sampling, class_sample_weights, mixed_sequence, sized_sequence, weighted_sequence
 from .shared import SharedState
@@ -334,8 +334,10 @@ class StreamingDataset(IterableDataset):
                      epoch: int) -> Iterator[Any]:
         """Plan worker `worker`'s items of `epoch`, after the first `done`: read, decode, batch."""
         mine, perm = worker_plan(block, layout, self.seed, epoch, world.rank, worker, segment)
-        remaining = perm[done * (layout.batch_size or 1) :]
-        needed = np.sort(remaining)
+        start = done * (layout.batch_size or 1)
+        remaining = perm[start:]
+        frontier = int(perm[:start].max()) + 1 if start and self.resolve().indexed else 0
+        needed = read_order(remaining, frontier)
         samples = read_samples(self.resolve(), mine[needed], self.counts(), self.prefetch, self._cache,
                                tolerant=self.on_error.mode == "skip")
         ordered = reorder(zip(needed.tolist(), samples), remaining)

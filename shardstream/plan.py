@@ -40,6 +40,7 @@ __all__ = [
     "deal_chunks",
     "buffer_shuffle",
     "worker_plan",
+    "read_order",
     "items_of",
     "round_robin_delivered",
     "round_robin_next",
@@ -164,6 +165,39 @@ def worker_plan(rank_block: np.ndarray, layout: Layout, seed: int, epoch: int, r
     if not layout.shuffle:
         return mine, np.arange(len(mine), dtype=np.int64)
     return mine, buffer_shuffle(len(mine), layout.buffer, rng_for(seed, epoch, 1 + segment, rank, worker))
+
+
+def read_order(remaining: np.ndarray, frontier: int, group: int = 8) -> np.ndarray:
+    """The order in which to read the positions `remaining` (given in the order they are
+    yielded), when positions below `frontier` were read before (by an interrupted run).
+
+    A fresh pass (`frontier` 0) reads in storage order. A resumed pass owes the samples
+    that sat in the interrupted run's shuffle buffer (the backlog, below `frontier`):
+    they are scattered over the last few thousand positions, and the next batches draw
+    on them at random. Read in storage order, every batch would wait for the whole
+    backlog; read here, each `group` of neighbouring backlog positions (about a zstd
+    frame of images) is read at the turn of its first sample, in between the rest,
+    which stays in storage order: position p is read at the latest turn by which the
+    interrupted run had read it (the first turn of any position >= p). Every position
+    is then read before its turn, so what is held waiting stays about a shuffle
+    buffer's worth.
+    """
+    positions = np.asarray(remaining, dtype=np.int64)
+    if frontier <= 0 or not len(positions):
+        return np.sort(positions)
+    turn = np.empty(int(positions.max()) + 1, dtype=np.int64)
+    turn[positions] = np.arange(len(positions))
+    backlog = positions[positions < frontier]
+    rest = np.sort(positions[positions >= frontier])
+    # Backlog: a group's key is its first turn.
+    groups = backlog // group
+    first_turn = np.full(int(groups.max()) + 1 if len(groups) else 0, len(positions), dtype=np.int64)
+    np.minimum.at(first_turn, groups, turn[backlog])
+    # Rest, in storage order: read by the first turn of any later position (a suffix minimum).
+    rest_key = np.minimum.accumulate(turn[rest][::-1])[::-1] if len(rest) else rest
+    order = np.concatenate([backlog, rest])
+    keys = np.concatenate([first_turn[groups], rest_key])
+    return order[np.lexsort((order, keys))]
 
 
 def items_of(samples: int, layout: Layout) -> int:

@@ -24,6 +24,9 @@ from .source import Source
 
 __all__ = ["read_samples", "reorder", "sample_runs"]
 
+OPENERS = 4  # threads that open shards ahead (fetch indexes, or download into the cache)
+MAX_AHEAD = 32  # pieces in flight at most, however small
+
 
 def sample_runs(ids: np.ndarray, counts: np.ndarray) -> Iterator[tuple[int, int, int]]:
     """Split global sample ids (any order) into runs (shard, first, stop) of consecutive samples."""
@@ -108,13 +111,16 @@ def read_samples(source: Source, ids: np.ndarray, counts: np.ndarray, prefetch: 
                  piece_bytes: int = READ_BYTES) -> Iterator[Sample]:
     """The samples `ids` (global ids), in that order, read run by run.
 
-    With `prefetch` > 0 (indexed sources), up to that many pieces are fetched,
-    decompressed and parsed ahead by background threads while the caller works on the
-    current one, and with a `cache` the next `prefetch` shards are downloaded ahead:
-    storage latency then overlaps decoding. A piece is one storage request of about
-    `piece_bytes`, cut between frames (`ShardReader.pieces`), so no two pieces fetch
-    the same frame; the next shard's index is fetched while the current shard is read.
-    The threads start with the iteration and are joined when it ends or is closed.
+    With `prefetch` > 0 (indexed sources), pieces are fetched, decompressed and parsed
+    ahead by background threads while the caller works on the current one: `prefetch`
+    pieces, or more while they are small, up to `prefetch` full pieces' bytes and
+    `MAX_AHEAD` pieces (a resume reads scattered single frames, whose cost is the
+    request's latency, not its bytes). With a `cache` the next `prefetch` shards are
+    downloaded ahead: storage latency then overlaps decoding. A piece is one storage
+    request of at most about `piece_bytes`, cut between frames (`ShardReader.pieces`),
+    so no two pieces fetch the same frame; the next shards' indexes are fetched while
+    the current shard is read. The threads start with the iteration and are joined
+    when it ends or is closed.
     """
     readers = _Readers(source, cache)
     runs = list(sample_runs(ids, counts))
@@ -129,20 +135,28 @@ def read_samples(source: Source, ids: np.ndarray, counts: np.ndarray, prefetch: 
             return
         upcoming = list(dict.fromkeys(shard for shard, _, _ in runs))  # distinct shards, in reading order
         rank_of = {shard: i for i, shard in enumerate(upcoming)}
-        with ThreadPoolExecutor(max_workers=prefetch + (1 if cache else 0),
-                                thread_name_prefix="shardstream-prefetch") as pool:
-            ahead: deque[tuple[int, bool, Future[list[Sample]]]] = deque()
-            opened = 0
+        # Shards are opened (with a cache: downloaded; without: their index fetched) up to
+        # `prefetch` places ahead, in threads of their own: an index fetch queued behind
+        # pieces would hold up planning the next shard's pieces by a whole piece transfer,
+        # and a resume, whose first batch draws on many shards, would fetch their indexes
+        # one at a time.
+        budget = prefetch * piece_bytes // 2  # the first pieces (1, 2, 4 MB) stay `prefetch` in flight
+        with ThreadPoolExecutor(max_workers=max(prefetch, MAX_AHEAD), thread_name_prefix="shardstream-prefetch") as pool, \
+                ThreadPoolExecutor(max_workers=min(prefetch, OPENERS),
+                                   thread_name_prefix="shardstream-open") as openers:
+            ahead: deque[tuple[int, bool, int, Future[list[Sample]]]] = deque()
+            ahead_bytes = opened = 0
 
-            def open_ahead(position: int, reach: int) -> None:
-                # Open (with a cache: download) shards up to `reach` places ahead, in the pool.
+            def open_ahead(position: int) -> None:
                 nonlocal opened
-                while opened < len(upcoming) and opened <= position + reach:
-                    pool.submit(_open, readers, upcoming[opened])
+                while opened < len(upcoming) and opened <= position + prefetch:
+                    openers.submit(_open, readers, upcoming[opened])
                     opened += 1
 
             def finish_one() -> list[Sample]:
-                shard, last, future = ahead.popleft()
+                nonlocal ahead_bytes
+                shard, last, size, future = ahead.popleft()
+                ahead_bytes -= size
                 samples = future.result()
                 if last:
                     readers.release(shard)
@@ -151,16 +165,17 @@ def read_samples(source: Source, ids: np.ndarray, counts: np.ndarray, prefetch: 
             sizes = _ramp(piece_bytes)
             try:
                 for shard, stretch, final in _stretches(runs):
-                    open_ahead(rank_of[shard], prefetch if cache is not None else 1)
-                    for a, b, keep, last in _planned_pieces(readers, shard, stretch, sizes):
+                    open_ahead(rank_of[shard])
+                    for a, b, keep, last, size in _planned_pieces(readers, shard, stretch, sizes):
                         future = pool.submit(_read_piece, read, readers, shard, a, b, keep)
-                        ahead.append((shard, final and last, future))
-                        if len(ahead) > prefetch:
+                        ahead.append((shard, final and last, size, future))
+                        ahead_bytes += size
+                        while len(ahead) > MAX_AHEAD or (len(ahead) > prefetch and ahead_bytes > budget):
                             yield from finish_one()
                 while ahead:
                     yield from finish_one()
             finally:
-                for _, _, future in ahead:
+                for *_, future in ahead:
                     future.cancel()
     finally:
         readers.close()
@@ -183,8 +198,9 @@ def _ramp(piece_bytes: int) -> Iterator[int]:
 
 
 def _planned_pieces(readers: _Readers, shard: int, stretch: list[tuple[int, int]], sizes: Iterator[int]
-                    ) -> Iterator[tuple[int, int, np.ndarray | None, bool]]:
-    """The pieces that read a stretch of runs of one shard: (first, stop, which samples to keep, is last).
+                    ) -> Iterator[tuple[int, int, np.ndarray | None, bool, int]]:
+    """The pieces that read a stretch of runs of one shard: (first, stop, which samples to
+    keep, is last, bytes fetched; a full piece's worth where unknown).
 
     Runs whose bytes lie close together are read as one span, and the samples between
     them dropped: for remote storage, a gap of up to 2 MB costs less than another
@@ -196,13 +212,13 @@ def _planned_pieces(readers: _Readers, shard: int, stretch: list[tuple[int, int]
         if not isinstance(reader, ShardReader):
             raise ShardstreamError("no index")
         gap = 0 if reader.store.local else READ_BYTES // 4
-        cuts = [(a, b, span, wanted) for span, stop, wanted in _coalesce(reader, stretch, gap)
-                for a, b in _cut(reader, span, stop, sizes)]
+        cuts = [(a, b, span, wanted, np.subtract(*reader.extent(a, b)[::-1]))
+                for span, stop, wanted in _coalesce(reader, stretch, gap) for a, b in _cut(reader, span, stop, sizes)]
     except ShardstreamError:  # no index: whole runs; a bad index: the reads meet the error in their turn
-        cuts = [(first, stop, first, None) for first, stop in stretch]
-    for k, (a, b, span, wanted) in enumerate(cuts):
+        cuts = [(first, stop, first, None, READ_BYTES) for first, stop in stretch]
+    for k, (a, b, span, wanted, size) in enumerate(cuts):
         keep = None if wanted is None else wanted[a - span : b - span]
-        yield a, b, (None if keep is None or keep.all() else keep), k + 1 == len(cuts)
+        yield a, b, (None if keep is None or keep.all() else keep), k + 1 == len(cuts), int(size)
 
 
 def _cut(reader: ShardReader, a: int, b: int, sizes: Iterator[int]) -> Iterator[tuple[int, int]]:

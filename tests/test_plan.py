@@ -20,6 +20,7 @@ from shardstream.plan import (
     deal_chunks,
     epoch_sequence,
     items_of,
+    read_order,
     remaining_sequence,
     rng_for,
     round_robin_delivered,
@@ -212,6 +213,54 @@ def test_buffer_shuffle_deterministic_from_rng_and_actually_shuffles():
     # a buffer as large as the input is a full shuffle: any input can come first
     firsts = {int(buffer_shuffle(10, 10, np.random.default_rng(s))[0]) for s in range(200)}
     assert firsts == set(range(10))
+
+
+# -- read_order ------------------------------------------------------------------------------
+
+
+def _serving(read: np.ndarray, remaining: np.ndarray, first: int) -> tuple[int, int]:
+    """Serve `remaining` turn by turn from positions arriving in `read` order: the most positions held waiting
+    at once, and how many reads the first `first` turns waited for."""
+    arrived: set[int] = set()
+    turn, held, waited = 0, 0, len(read)
+    for k, position in enumerate(read.tolist()):
+        arrived.add(position)
+        while turn < len(remaining) and int(remaining[turn]) in arrived:
+            arrived.discard(int(remaining[turn]))
+            turn += 1
+            if turn == first:
+                waited = min(waited, k + 1)
+        held = max(held, len(arrived))
+    assert turn == len(remaining), "a position was never read"
+    return held, waited
+
+
+def test_read_order_of_a_fresh_pass_is_storage_order():
+    perm = buffer_shuffle(500, 64, np.random.default_rng(0))
+    assert read_order(perm, 0).tolist() == list(range(500))
+
+
+@pytest.mark.parametrize("n, buffer, done", [(4000, 512, 3000), (2000, 2048, 1856), (20000, 2048, 10000),
+                                             (5000, 100, 4000), (300, 50, 1)])
+def test_read_order_of_a_resume_serves_the_next_batch_from_a_part_of_the_backlog(n, buffer, done):
+    """A resumed pass owes the interrupted run's shuffle buffer (the backlog); its next batch draws on it at
+    random. Read in storage order the batch waits for the whole backlog; read_order serves it after a fraction,
+    keeps the rest in storage order, and holds no more than a shuffle buffer's worth waiting."""
+    for seed in range(3):
+        perm = buffer_shuffle(n, buffer, np.random.default_rng(seed))
+        remaining, frontier = perm[done:], int(perm[:done].max()) + 1
+        read = read_order(remaining, frontier)
+        assert sorted(read.tolist()) == sorted(remaining.tolist())
+        rest = read[read >= frontier]
+        assert np.array_equal(rest, np.sort(rest))  # the unread part streams in storage order
+        backlog = int((remaining < frontier).sum())
+        held, waited = _serving(read, remaining, 64)
+        held_sorted, waited_sorted = _serving(np.sort(remaining), remaining, 64)
+        assert held <= min(buffer, len(remaining))
+        if backlog >= 4 * 64:
+            assert waited < waited_sorted / 2, (waited, waited_sorted)
+        else:
+            assert waited <= waited_sorted
 
 
 def test_rng_for_distinct_for_the_tuples_the_plan_uses():
