@@ -2,7 +2,7 @@
 """Loader benchmark: shardstream vs WebDataset, from JPEG bytes to uint8 batches.
 
     python benchmarks/loader.py [--images 2000] [--repeats 3] [--only decode,loader,remote,resume]
-                                [--data ~/.cache/shardstream-bench] [--out results.json]
+                                [--shuffle-buffer 2048] [--data ~/.cache/shardstream-bench] [--out results.json]
 
 Sections (each figure is the median of --repeats timed runs; contenders of a section
 take turns round by round, so slow drift of a noisy machine hits all of them alike;
@@ -29,7 +29,10 @@ ratios are between medians of the same run):
 * resume: time to first batch through `shardstream.DataLoader` (1 worker, batch 64) at
   the start of the epoch and after `load_state_dict` of a state taken after 90% of the
   epoch's batches, local and over HTTP. The resumed first batch is checked to be
-  bit-identical to the batch the uninterrupted epoch delivered at that point.
+  bit-identical to the batch the uninterrupted epoch delivered at that point. What a
+  resume owes is the interrupted run's shuffle buffer; on a few thousand images the
+  default buffer (2,048) holds most of what is left, so `--shuffle-buffer 512` with
+  `--images 4000` shows a dataset several times larger than its buffer, as real ones are.
 
 Data: the synthetic ImageNet-like folder of benchmarks/run.py (cached under --data as
 images-N; reused when present), packed once with `shardstream.pack(zstd, 32MB shards)`
@@ -76,6 +79,7 @@ BATCH = 64
 SIZE = 224
 LATENCY_S = 0.05
 RESUME_AT = 0.9
+SHUFFLE_BUFFER = 2048  # StreamingDataset's default; --shuffle-buffer
 
 warnings.filterwarnings("ignore", message=r"set WebDataset\(shardshuffle")  # shardshuffle=True means 100
 warnings.filterwarnings("ignore", message=r"The given NumPy array is not writable")
@@ -199,7 +203,7 @@ def warm_files(paths: Iterable[str]) -> None:
 def ss_dataset(src: str, *, decode: Any = "crop", batch_size: int | None = None, prefetch: int | None = None,
                fields: tuple[str, ...] = ("jpg", "cls")) -> Any:
     return ss.StreamingDataset(src, shuffle=True, decode=RandomResizedCropJPEG(SIZE) if decode == "crop" else decode,
-                               fields=fields, batch_size=batch_size, prefetch=prefetch)
+                               fields=fields, batch_size=batch_size, prefetch=prefetch, shuffle_buffer=SHUFFLE_BUFFER)
 
 
 def wds_pipeline(urls: list[str], *, decode: bool = True, batch_size: int | None = None) -> Any:
@@ -580,6 +584,7 @@ def _target(value: float, op: str | None, want: float | None, unit: str) -> dict
 
 
 def main(argv: list[str] | None = None) -> int:
+    global SHUFFLE_BUFFER
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--images", type=int, default=2000, help="images in the synthetic folder (a multiple of 10)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per contender (median reported)")
@@ -587,6 +592,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", default="~/.cache/shardstream-bench", help="cache folder for images and shards")
     p.add_argument("--out", default=None, help="JSON results file (default: <data>/loader-results-<images>.json)")
     p.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads in this process")
+    p.add_argument("--shuffle-buffer", type=int, default=SHUFFLE_BUFFER, help="shardstream's shuffle buffer")
     args = p.parse_args(argv)
     sections = [s.strip() for s in args.only.split(",") if s.strip()]
     if not sections or not set(sections) <= set(SECTIONS):
@@ -596,6 +602,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.images < 10 * BATCH // 8:
         p.error("need --images >= 80")
     torch.set_num_threads(args.torch_threads)
+    SHUFFLE_BUFFER = args.shuffle_buffer
 
     start = time.perf_counter()
     data_dir = os.path.expanduser(args.data)
@@ -616,6 +623,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": info,
         "dataset": {**d.stats, "ss_shards": d.ss_shards, "wds_shards": len(d.wds_files), "root": d.root},
         "repeats": args.repeats,
+        "shuffle_buffer": SHUFFLE_BUFFER,
         "targets": {},
         "load_average": {},
     }
