@@ -336,9 +336,10 @@ class StreamingDataset(IterableDataset):
         mine, perm = worker_plan(block, layout, self.seed, epoch, world.rank, worker, segment)
         start = done * (layout.batch_size or 1)
         remaining = perm[start:]
-        frontier = int(perm[:start].max()) + 1 if start and self.resolve().indexed else 0
-        needed = read_order(remaining, frontier)
-        samples = read_samples(self.resolve(), mine[needed], self.counts(), self.prefetch, self._cache,
+        source = self.resolve()
+        frontier = int(perm[:start].max()) + 1 if start and source.indexed else 0
+        needed = read_order(remaining, frontier, source.samples_per_frame())
+        samples = read_samples(source, mine[needed], self.counts(), self.prefetch, self._cache,
                                tolerant=self.on_error.mode == "skip")
         ordered = reorder(zip(needed.tolist(), samples), remaining)
         in_worker = get_worker_info() is not None

@@ -180,7 +180,8 @@ def read_order(remaining: np.ndarray, frontier: int, group: int = 8) -> np.ndarr
     which stays in storage order: position p is read at the latest turn by which the
     interrupted run had read it (the first turn of any position >= p). Every position
     is then read before its turn, so what is held waiting stays about a shuffle
-    buffer's worth.
+    buffer's worth. `group` should be about the samples a frame holds
+    (`Source.samples_per_frame`): smaller, and one frame is fetched once per group.
     """
     positions = np.asarray(remaining, dtype=np.int64)
     if frontier <= 0 or not len(positions):

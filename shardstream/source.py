@@ -17,6 +17,7 @@ import numpy as np
 from .errors import ManifestError, ShardstreamError, StorageError
 from .format import INDEX_SUFFIX, MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ShardInfo
 from .reader import ShardReader, StreamTarReader
+from .shardfile import FRAME_SIZE
 from .storage import RetryPolicy, Store, split_url
 
 if TYPE_CHECKING:
@@ -71,6 +72,17 @@ class Source:
             return 128 << 10
         stored = sum(s.bytes for m in manifests for s in m.shards)  # type: ignore[union-attr]
         return max(1, stored // sum(m.samples for m in manifests))  # type: ignore[union-attr]
+
+    def samples_per_frame(self) -> int:
+        """About how many samples one zstd frame holds (for plain tar shards, one frame's
+        worth of bytes): neighbours that one read of a frame brings in anyway."""
+        manifests = [p.manifest for p in self.parts] if self.parts else [self.manifest]
+        samples = sum(m.samples for m in manifests if m is not None)
+        if any(m is None for m in manifests) or not samples:
+            return 8
+        raw = sum(s.raw_bytes for m in manifests for s in m.shards)  # type: ignore[union-attr]
+        frame = max(int(m.options.get("frame_size") or FRAME_SIZE) for m in manifests)  # type: ignore[union-attr]
+        return max(1, min(1024, round(frame * samples / max(raw, 1))))
 
     def counts(self) -> np.ndarray:
         """Samples per shard."""

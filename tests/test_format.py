@@ -746,3 +746,15 @@ def test_index_weights_round_trip_and_bad_ones_are_refused(tmp_path):
     for bad in (np.full(12, -1.0, "<f4").tobytes(), np.full(12, np.inf, "<f4").tobytes(), b"\0" * 47):
         with pytest.raises(CorruptIndexError, match="weights"):
             ShardIndex.from_bytes(msgpack.packb({**body, "weights": bad}), "idx-url")
+
+
+@pytest.mark.parametrize("lo, hi, frame_size", [(50, 3000, 16 << 10), (20_000, 40_000, 64 << 10),
+                                                (200_000, 300_000, 64 << 10)])
+def test_samples_per_frame_estimates_what_the_indexes_record(tmp_path, lo, hi, frame_size):
+    """A resume reads its backlog in groups of about a frame's samples; the estimate from the manifest alone
+    (no index read) must be near the frames the shards really have."""
+    write_samples(tmp_path / "ds", blob_samples(300, lo=lo, hi=hi), shard_size="2MB", frame_size=frame_size)
+    source = open_dataset(str(tmp_path / "ds"))
+    frames = sum(len(ref.reader().index.frame_offsets) - 1 for ref in source.shards)
+    actual = source.manifest.samples / frames
+    assert actual / 1.5 <= source.samples_per_frame() <= max(1.0, actual * 1.5), (source.samples_per_frame(), actual)
