@@ -179,7 +179,7 @@ def _worker_counts(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .shardfile import LEVEL
+    from .shardfile import IMAGE_LEVEL, MIN_LEVEL
 
     parser = argparse.ArgumentParser(prog="shardstream", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -190,8 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-size", default="256MB", help="uncompressed bytes per shard (default 256MB)")
     p.add_argument("--max-samples", type=int, default=None, help="at most this many samples per shard")
     p.add_argument("--compression", choices=("zstd", "none"), default="zstd")
-    p.add_argument("--level", type=int, default=LEVEL, help=f"zstd level, 1-22 (default {LEVEL}: on JPEGs, higher "
-                   "levels cost several times the time for a fraction of a percent)")
+    p.add_argument("--level", type=int, default=IMAGE_LEVEL,
+                   help=f"zstd level, {MIN_LEVEL}..22 (default {IMAGE_LEVEL}, a fast level: image files do not "
+                   "shrink, and higher levels cost twice the time and more for a fraction of a percent)")
     p.add_argument("--workers", type=int, default=None, help="parallel processes (default: all cores)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sample order")
     p.add_argument("--no-shuffle", action="store_true", help="keep sorted order (class-sorted shards!)")

@@ -43,7 +43,7 @@ from .errors import PackError, ShardstreamError
 from .format import INDEX_SUFFIX, MANIFEST_NAME, Manifest, ShardInfo
 from .journal import Journal
 from .listing import Listing, SourceFile, list_source
-from .shardfile import FRAME_SIZE, LEVEL, Frame, ShardFileWriter, build_frame
+from .shardfile import FRAME_SIZE, IMAGE_LEVEL, Frame, ShardFileWriter, build_frame
 from .storage import Store
 from .writer import check_compression, parse_size, shard_name, write_manifest
 
@@ -530,7 +530,7 @@ def pack(
     shard_size: int | str = "256MB",
     max_samples: int | None = None,
     compression: str = "zstd",
-    level: int = LEVEL,
+    level: int = IMAGE_LEVEL,
     workers: int | None = None,
     seed: int = 0,
     shuffle: bool = True,

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 from .errors import ShardstreamError
 from .fields import encode_sample
 from .format import COMPRESSIONS, MANIFEST_NAME, SHARD_SUFFIX, Manifest, ShardInfo
-from .shardfile import FRAME_SIZE, LEVEL, ShardFileWriter, build_frame
+from .shardfile import FRAME_SIZE, LEVEL, MIN_LEVEL, ShardFileWriter, build_frame
 from .storage import Store
 from . import tario
 
@@ -48,8 +48,8 @@ def write_manifest(store: Store, manifest: Manifest) -> None:
 def check_compression(compression: str, level: int) -> None:
     if compression not in COMPRESSIONS:
         raise ShardstreamError(f"compression must be one of {COMPRESSIONS}, not {compression!r}")
-    if not 1 <= level <= 22:
-        raise ShardstreamError(f"zstd level must be 1..22, not {level}")
+    if not MIN_LEVEL <= level <= 22 or level == 0:  # zstd reads 0 as "its default", which is 3
+        raise ShardstreamError(f"zstd level must be 1..22, or {MIN_LEVEL}..-1 for zstd's fast levels, not {level}")
 
 
 class ShardWriter:

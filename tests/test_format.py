@@ -520,7 +520,7 @@ def test_writer_oversized_sample_gets_its_own_shard(tmp_path):
 
 def test_writer_bad_size_and_options(tmp_path):
     for kwargs in ({"shard_size": "lots"}, {"shard_size": "5XB"}, {"compression": "gzip"}, {"level": 0},
-                   {"level": 23}):
+                   {"level": 23}, {"level": -101}):
         with pytest.raises(ShardstreamError):
             ShardWriter(str(tmp_path / "ds"), **kwargs)
 
