@@ -113,8 +113,8 @@ def read_samples(source: Source, ids: np.ndarray, counts: np.ndarray, prefetch: 
 
     With `prefetch` > 0 (indexed sources), pieces are fetched, decompressed and parsed
     ahead by background threads while the caller works on the current one: `prefetch`
-    pieces, or more while they are small, up to `prefetch` full pieces' bytes and
-    `MAX_AHEAD` pieces (a resume reads scattered single frames, whose cost is the
+    pieces, or more while they are small, up to half of `prefetch` full pieces' bytes
+    and `MAX_AHEAD` pieces (a resume reads scattered single frames, whose cost is the
     request's latency, not its bytes). With a `cache` the next `prefetch` shards are
     downloaded ahead: storage latency then overlaps decoding. A piece is one storage
     request of at most about `piece_bytes`, cut between frames (`ShardReader.pieces`),
@@ -141,9 +141,9 @@ def read_samples(source: Source, ids: np.ndarray, counts: np.ndarray, prefetch: 
         # and a resume, whose first batch draws on many shards, would fetch their indexes
         # one at a time.
         budget = prefetch * piece_bytes // 2  # the first pieces (1, 2, 4 MB) stay `prefetch` in flight
-        with ThreadPoolExecutor(max_workers=max(prefetch, MAX_AHEAD), thread_name_prefix="shardstream-prefetch") as pool, \
-                ThreadPoolExecutor(max_workers=min(prefetch, OPENERS),
-                                   thread_name_prefix="shardstream-open") as openers:
+        with ThreadPoolExecutor(max_workers=max(prefetch, MAX_AHEAD), thread_name_prefix="shardstream-prefetch") \
+                as pool, ThreadPoolExecutor(max_workers=min(prefetch, OPENERS), thread_name_prefix="shardstream-open") \
+                as openers:
             ahead: deque[tuple[int, bool, int, Future[list[Sample]]]] = deque()
             ahead_bytes = opened = 0
 
@@ -212,13 +212,18 @@ def _planned_pieces(readers: _Readers, shard: int, stretch: list[tuple[int, int]
         if not isinstance(reader, ShardReader):
             raise ShardstreamError("no index")
         gap = 0 if reader.store.local else READ_BYTES // 4
-        cuts = [(a, b, span, wanted, np.subtract(*reader.extent(a, b)[::-1]))
+        cuts = [(a, b, span, wanted, _fetched_bytes(reader, a, b))
                 for span, stop, wanted in _coalesce(reader, stretch, gap) for a, b in _cut(reader, span, stop, sizes)]
     except ShardstreamError:  # no index: whole runs; a bad index: the reads meet the error in their turn
         cuts = [(first, stop, first, None, READ_BYTES) for first, stop in stretch]
     for k, (a, b, span, wanted, size) in enumerate(cuts):
         keep = None if wanted is None else wanted[a - span : b - span]
         yield a, b, (None if keep is None or keep.all() else keep), k + 1 == len(cuts), int(size)
+
+
+def _fetched_bytes(reader: ShardReader, a: int, b: int) -> int:
+    lo, hi = reader.extent(a, b)
+    return hi - lo
 
 
 def _cut(reader: ShardReader, a: int, b: int, sizes: Iterator[int]) -> Iterator[tuple[int, int]]:
