@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import math
 import random
 
@@ -110,3 +111,65 @@ def test_grey_and_png_inputs_become_rgb():
     out = RandomResizedCropJPEG(16)(grey.getvalue())
     assert out.shape == (3, 16, 16)
     assert int(out.float().mean().round()) == 128
+
+
+def _jpeg_variants() -> list[bytes]:
+    rng = np.random.default_rng(3)
+    # Photo-like: smooth shapes (low-resolution noise, upsampled) plus a little grain.
+    coarse = Image.fromarray((rng.random((24, 36, 3)) * 255).astype(np.uint8)).resize((467, 301), Image.BICUBIC)
+    photo = np.clip(np.asarray(coarse, dtype=np.int16) + rng.integers(-6, 7, (301, 467, 3)), 0, 255).astype(np.uint8)
+    out = []
+    for kwargs in ({"quality": 90}, {"quality": 75, "progressive": True}, {"quality": 95, "subsampling": 0}):
+        buf = io.BytesIO()
+        Image.fromarray(photo).save(buf, format="JPEG", **kwargs)
+        out.append(buf.getvalue())
+    grey = io.BytesIO()
+    Image.fromarray(photo[:, :, 0]).save(grey, format="JPEG", quality=90)
+    return out + [grey.getvalue()]
+
+
+@pytest.mark.parametrize("at_least", [None, (467, 301), (300, 100), (200, 140), (100, 60), (1, 1)])
+def test_simplejpeg_and_pillow_decode_the_same_pixels(at_least):
+    """JPEGs are decoded by simplejpeg where it is installed, by Pillow otherwise: the same pixels at every
+    scale (both are libjpeg-turbo, and only power-of-two DCT reductions are used), so augmentation does not
+    depend on which one a worker has."""
+    pytest.importorskip("simplejpeg")
+    from shardstream.transforms import decode_rgb
+
+    for data in _jpeg_variants():
+        fast, pillow = decode_rgb(data, at_least), decode_rgb(data, at_least, use_simplejpeg=False)
+        assert fast.shape == pillow.shape and fast.shape[2] == 3 and fast.dtype == np.uint8
+        assert np.array_equal(fast, pillow)
+
+
+def test_cmyk_jpeg_is_decoded_to_rgb():
+    cmyk = io.BytesIO()
+    Image.new("CMYK", (40, 30), (0, 255, 255, 0)).save(cmyk, format="JPEG")  # red
+    out = RandomResizedCropJPEG(16, flip=False)(cmyk.getvalue()).float()
+    assert out.shape == (3, 16, 16)
+    assert out[0].mean() > 200 and out[1].mean() < 60 and out[2].mean() < 60
+
+
+def test_crop_matches_pillow_crop_and_antialiased_resize():
+    """The fused path gives what decoding, cropping and resizing with Pillow gives: up to resampling rounding
+    at full scale (torch's antialiased bilinear kernel), exactly where the crop allows a DCT reduction (Pillow's
+    draft and resize with the same box)."""
+    data = _jpeg_variants()[0]
+    full = Image.open(io.BytesIO(data)).convert("RGB")
+    reduced = 0
+    for seed, size in itertools.product(range(12), (64, 224)):
+        torch.manual_seed(seed)
+        out = RandomResizedCropJPEG(size, flip=False)(data).permute(1, 2, 0).numpy().astype(int)
+        torch.manual_seed(seed)
+        top, left, h, w = crop_params(467, 301, (0.08, 1.0), (3 / 4, 4 / 3))
+        image = Image.open(io.BytesIO(data))
+        image.draft("RGB", (max(1, 467 * size // w), max(1, 301 * size // h)))
+        sx, sy = image.size[0] / 467, image.size[1] / 301
+        box = (left * sx, top * sy, (left + w) * sx, (top + h) * sy)
+        ref = np.asarray(image.convert("RGB").resize((size, size), Image.Resampling.BILINEAR, box=box))
+        if image.size == full.size:
+            assert np.abs(out - ref).mean() < 0.5, (seed, size)
+        else:
+            reduced += 1
+            assert np.array_equal(out, ref), (seed, size)
+    assert 0 < reduced < 24  # both paths were taken
