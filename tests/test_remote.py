@@ -599,6 +599,34 @@ def test_forked_workers_close_inherited_sessions_without_waiting_on_the_parents_
     assert handed == 0, "the child handed the close of an inherited session to a loop without a thread"
 
 
+@pytest.mark.parametrize("cached", [False, True])
+def test_exact_resume_over_http(local_ds, tmp_path, cached):
+    """Resumed mid-epoch over HTTP, with prefetch, 2 workers and a small shuffle buffer (the backlog the
+    interrupted run owed is read in order of need, between the rest), with a cache or without: the rest of
+    the epoch is the uninterrupted run's, batch for batch."""
+    import json
+
+    with H.CountingHTTPServer(local_ds, latency_s=0.002) as server:
+        options = dict(shuffle=True, seed=5, shuffle_buffer=8, batch_size=2, prefetch=3)
+        if cached:
+            options.update(cache_dir=str(tmp_path / "cache"), cache_limit="1GB")
+
+        def make() -> shardstream.DataLoader:
+            return shardstream.DataLoader(key_dataset(server.url, **options), num_workers=2, persistent_workers=False)
+
+        full = [repr(batch) for batch in make()]
+        k = len(full) // 2 + 1
+        loader = make()
+        batches = iter(loader)
+        got = [repr(next(batches)) for _ in range(k)]
+        state = json.loads(json.dumps(loader.state_dict()))
+        batches.close()
+        fresh = make()
+        fresh.load_state_dict(state)
+        rest = [repr(batch) for batch in fresh]
+    assert got == full[:k] and rest == full[k:]
+
+
 # -- the shared cache ----------------------------------------------------------------------------------
 
 
