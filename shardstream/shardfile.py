@@ -135,7 +135,7 @@ class _Appender:
         self._file = file
         self._digest = digest
         self._queue: queue.Queue[bytes | None] = queue.Queue(maxsize=self.DEPTH)
-        self.error: OSError | None = None
+        self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="shardstream-shard-writer", daemon=True)
         self._thread.start()
 
@@ -145,7 +145,7 @@ class _Appender:
                 try:
                     self._file.write(data)
                     self._digest.update(data)
-                except OSError as e:
+                except BaseException as e:  # noqa: BLE001 - raised again in the appending thread
                     self.error = e
 
     def put(self, data: bytes) -> None:
@@ -279,8 +279,8 @@ class ShardFileWriter:
         if self._appender is not None:
             try:
                 self._appender.close()
-            except OSError:
-                pass  # the partial file goes anyway
+            except Exception:  # noqa: BLE001 - the partial file goes anyway; the first error is being raised
+                pass
         if self._file is not None:
             self._file.close()  # type: ignore[attr-defined]
             if os.path.exists(self._tmp):
