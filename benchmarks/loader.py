@@ -653,9 +653,7 @@ def main(argv: list[str] | None = None) -> int:
         want = f" (want {t['op']} {t['want']:g})" if t["op"] else ""
         print(f"  {label}: {t['value']:.2f} {t['unit']}{want} -> {verdict}")
     results["total_s"] = time.perf_counter() - start
-    out = args.out or os.path.join(data_dir, f"loader-results-{d.n}.json")
-    with open(out, "w") as f:
-        json.dump(results, f, indent=2, default=str)
+    out = pack_bench.write_results(args.out or os.path.join(data_dir, f"loader-results-{d.n}.json"), results)
     print(f"\nwrote {out} ({results['total_s']:.0f} s in all)")
     return 0
 

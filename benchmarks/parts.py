@@ -32,14 +32,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import contenders as c  # noqa: E402
-from run import Contender, dataset_stats, ensure_images, loadavg, machine, measure  # noqa: E402
+from run import Contender, dataset_stats, ensure_images, loadavg, machine, measure, write_results  # noqa: E402
 
 CLI = [sys.executable, "-m", "shardstream.cli", "pack"]
 OPTIONS = ["--workers", "1", "--shard-size", c.SHARD_SIZE, "--quiet"]
@@ -161,10 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"target: Ray overhead over parts by hand < 10%: {overhead:+.1%} -> "
               f"{'MET' if overhead < 0.10 else 'NOT MET'}")
     print(f"load average before/after: {results['loadavg_before']} / {results['loadavg_after']}")
-    out = args.out or os.path.join(data, f"parts-results-{n}.json")
-    with open(out, "w") as f:
-        json.dump(results, f, indent=2)
-    print(f"wrote {out}")
+    print(f"wrote {write_results(args.out or os.path.join(data, f'parts-results-{n}.json'), results)}")
     return 0
 
 

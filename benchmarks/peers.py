@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.machinery
-import json
 import multiprocessing
 import os
 import sys
@@ -43,7 +42,8 @@ import types
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import contenders as c  # noqa: E402
-from run import Contender, dataset_stats, ensure_images, loadavg, machine, measure, table  # noqa: E402
+from run import (Contender, dataset_stats, ensure_images, loadavg, machine, measure, table,  # noqa: E402
+                 write_results)
 
 os.environ.setdefault("LITDATA_DISABLE_VERSION_CHECK", "1")
 
@@ -203,9 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     results["loadavg_after"] = loadavg()
     for g in pack_group + read_group:
         assert g.samples == n, f"{g.name} handled {g.samples} samples, expected {n}"
-    path = args.out or os.path.join(data, f"peers-results-{n}.json")
-    with open(path, "w") as f:
-        json.dump(results, f, indent=2)
+    path = write_results(args.out or os.path.join(data, f"peers-results-{n}.json"), results)
     print(f"load average before/after: {results['loadavg_before']} / {results['loadavg_after']}\nwrote {path}")
     return 0
 

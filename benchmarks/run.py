@@ -174,6 +174,13 @@ def table(title: str, group: list[Contender], baseline: str, unit: str, total_by
 # -- machine ----------------------------------------------------------------------------
 
 
+def write_results(path: str, results: dict) -> str:
+    """Write a benchmark's results as JSON (values JSON does not know become strings)."""
+    with open(path, "w") as f:
+        json.dump(results, f, indent=2, default=str)
+    return path
+
+
 def machine() -> dict:
     cpu = "unknown"
     try:
@@ -332,9 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         results["targets"][label] = {"ratio": row["ratio_vs_webdataset"], "met": met}
         print(f"target: {label}: {row['ratio_vs_webdataset']:.2f}x -> {'MET' if met else 'NOT MET'}")
 
-    out = args.out or os.path.join(data, f"results-{n}.json")
-    with open(out, "w") as f:
-        json.dump(results, f, indent=2)
+    out = write_results(args.out or os.path.join(data, f"results-{n}.json"), results)
     print(f"load average (1 min) before/after: pack {results.get('loadavg_before_pack')} / "
           f"{results.get('loadavg_after_pack')}, read {results.get('loadavg_before_read')} / "
           f"{results.get('loadavg_after_read')}")

@@ -65,23 +65,28 @@ class Source:
             return all(p.indexed for p in self.parts)
         return self.manifest is not None
 
+    def _manifests(self) -> list[Manifest] | None:
+        """The manifests of this source (one per part), or None if any part has none."""
+        manifests = [p.manifest for p in self.parts] if self.parts else [self.manifest]
+        return None if any(m is None for m in manifests) else manifests  # type: ignore[return-value]
+
     def mean_sample_bytes(self) -> int:
         """Stored bytes per sample (from the manifest; a typical image otherwise)."""
-        manifests = [p.manifest for p in self.parts] if self.parts else [self.manifest]
-        if any(m is None for m in manifests) or not sum(m.samples for m in manifests):  # type: ignore[union-attr]
+        manifests = self._manifests()
+        if not manifests or not sum(m.samples for m in manifests):
             return 128 << 10
-        stored = sum(s.bytes for m in manifests for s in m.shards)  # type: ignore[union-attr]
-        return max(1, stored // sum(m.samples for m in manifests))  # type: ignore[union-attr]
+        stored = sum(s.bytes for m in manifests for s in m.shards)
+        return max(1, stored // sum(m.samples for m in manifests))
 
     def samples_per_frame(self) -> int:
         """About how many samples one zstd frame holds (for plain tar shards, one frame's
         worth of bytes): neighbours that one read of a frame brings in anyway."""
-        manifests = [p.manifest for p in self.parts] if self.parts else [self.manifest]
-        samples = sum(m.samples for m in manifests if m is not None)
-        if any(m is None for m in manifests) or not samples:
+        manifests = self._manifests()
+        if not manifests or not sum(m.samples for m in manifests):
             return 8
-        raw = sum(s.raw_bytes for m in manifests for s in m.shards)  # type: ignore[union-attr]
-        frame = max(int(m.options.get("frame_size") or FRAME_SIZE) for m in manifests)  # type: ignore[union-attr]
+        samples = sum(m.samples for m in manifests)
+        raw = sum(s.raw_bytes for m in manifests for s in m.shards)
+        frame = max(int(m.options.get("frame_size") or FRAME_SIZE) for m in manifests)
         return max(1, min(1024, round(frame * samples / max(raw, 1))))
 
     def counts(self) -> np.ndarray:

@@ -13,8 +13,8 @@ on a decoded image does, with the same distribution of crops as torchvision (the
 * the flip and the CHW layout as one copy.
 
 JPEGs are decoded by simplejpeg (libjpeg-turbo) where it is installed (the `fast`
-extra), otherwise, and for every other format, by Pillow; both give the same pixels
-for the same scale (both are libjpeg-turbo). Measured on 300 ImageNet-sized JPEGs of
+extra), otherwise, and for every other format, by Pillow (`decode.decode_rgb`); both
+give the same pixels for the same scale (both are libjpeg-turbo). Measured on 300 ImageNet-sized JPEGs of
 the benchmark set (one core): Pillow decode 1.87 ms, simplejpeg 1.72 ms; Pillow's
 antialiased resize of the crop about 1.0 ms, torch's about 0.6 ms; the whole transform
 3.20 ms before (Pillow throughout), 2.34 ms now (BENCHMARKS.md).
@@ -26,7 +26,6 @@ is uint8: normalisation belongs on the GPU (`shardstream.loader.Normalize`).
 
 from __future__ import annotations
 
-import io
 import math
 from dataclasses import dataclass
 
@@ -35,12 +34,9 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-try:
-    import simplejpeg
-except ImportError:  # optional (the `fast` extra): Pillow decodes instead
-    simplejpeg = None
+from .decode import decode_rgb, image_size
 
-__all__ = ["RandomResizedCropJPEG", "CenterCropJPEG", "crop_params", "decode_rgb", "image_size"]
+__all__ = ["RandomResizedCropJPEG", "CenterCropJPEG", "crop_params"]
 
 
 def crop_params(width: int, height: int, scale: tuple[float, float], ratio: tuple[float, float],
@@ -66,47 +62,6 @@ def crop_params(width: int, height: int, scale: tuple[float, float], ratio: tupl
     else:
         w, h = width, height
     return (height - h) // 2, (width - w) // 2, h, w
-
-
-_SOI = b"\xff\xd8"
-
-
-def image_size(data: bytes) -> tuple[int, int]:
-    """(width, height) of the image in `data`, from its header."""
-    if simplejpeg is not None and data[:2] == _SOI:
-        try:
-            height, width, _, _ = simplejpeg.decode_jpeg_header(data)
-            return width, height
-        except ValueError:
-            pass  # Pillow reads it, or raises its own error
-    return Image.open(io.BytesIO(data)).size
-
-
-def decode_rgb(data: bytes, at_least: tuple[int, int] | None = None, *, use_simplejpeg: bool = True) -> np.ndarray:
-    """The image in `data` as an RGB uint8 (height, width, 3) array.
-
-    With `at_least` (width, height), a JPEG is decoded at the smallest DCT reduction
-    (1/2, 1/4 or 1/8, as Pillow's `draft`) that keeps it at least that large; other
-    formats at full size. `use_simplejpeg=False` decodes with Pillow even where
-    simplejpeg is installed.
-    """
-    if use_simplejpeg and simplejpeg is not None and data[:2] == _SOI:
-        try:
-            if at_least is None:
-                return simplejpeg.decode_jpeg(data, colorspace="RGB")
-            height, width, _, _ = simplejpeg.decode_jpeg_header(data)
-            # Powers of two only: libjpeg-turbo also scales by 3/8, 5/8, ..., which was
-            # slower than no scaling at all here (28.6 vs 24.3 ms for a 1600x1200 JPEG
-            # at 5/8), and Pillow would give other pixels.
-            k = next((k for k in (8, 4, 2) if -(-width // k) >= at_least[0] and -(-height // k) >= at_least[1]), 1)
-            return simplejpeg.decode_jpeg(data, colorspace="RGB", min_width=-(-width // k),
-                                          min_height=-(-height // k))
-        except ValueError:
-            pass  # CMYK, arithmetic coding, damage: Pillow decodes it or raises the error
-    image = Image.open(io.BytesIO(data))
-    if at_least is not None and image.format == "JPEG":
-        image.draft("RGB", at_least)
-    return np.array(image.convert("RGB"))
 
 
 def _crop_resize(data: bytes, box: tuple[int, int, int, int], full: tuple[int, int], size: tuple[int, int],

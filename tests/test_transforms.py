@@ -134,7 +134,7 @@ def test_simplejpeg_and_pillow_decode_the_same_pixels(at_least):
     scale (both are libjpeg-turbo, and only power-of-two DCT reductions are used), so augmentation does not
     depend on which one a worker has."""
     pytest.importorskip("simplejpeg")
-    from shardstream.transforms import decode_rgb
+    from shardstream.decode import decode_rgb
 
     for data in _jpeg_variants():
         fast, pillow = decode_rgb(data, at_least), decode_rgb(data, at_least, use_simplejpeg=False)
