@@ -198,24 +198,24 @@ def test_gloo_checkpoint_resumed_as_two_ranks(gloo, keys, url):
         assert [list(b) for b in ds] == gloo["rest"][rank]
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_gloo_checkpoint_resumed_as_three_ranks(gloo, keys, url, num_workers):
+@pytest.mark.parametrize(("new_world", "num_workers"), [(3, 0), (3, 2), (1, 0), (1, 2)])
+def test_gloo_checkpoint_resumed_on_another_number_of_ranks(gloo, keys, url, new_world, num_workers):
     consumed = D.flat(gloo["consumed"][0] + gloo["consumed"][1])
     rest, lens = [], []
-    for rank in range(3):
-        ds = D.key_dataset(url, rank=rank, world_size=3, **OPTS)
+    for rank in range(new_world):
+        ds = D.key_dataset(url, rank=rank, world_size=new_world, **OPTS)
         ds.load_state_dict(gloo["state"][0])
         lens.append(len(ds))
         rest.append(D.run(ds, num_workers))
     remaining = N - len(set(consumed))
-    per_rank = D.ceil_div(remaining, 3)
+    per_rank = D.ceil_div(remaining, new_world)
     samples = [D.flat(r) for r in rest]
-    assert [len(s) for s in samples] == [per_rank] * 3
+    assert [len(s) for s in samples] == [per_rank] * new_world
     assert len({len(r) for r in rest}) == 1 and lens == [len(r) for r in rest]
     flat_rest = [k for s in samples for k in s]
     assert not set(consumed) & set(flat_rest)
     assert set(consumed) | set(flat_rest) == keys
-    assert len(flat_rest) - len(set(flat_rest)) == per_rank * 3 - remaining
+    assert len(flat_rest) - len(set(flat_rest)) == per_rank * new_world - remaining
 
 
 def test_gloo_epoch_with_spawned_workers(gloo, keys, url):
