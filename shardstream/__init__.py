@@ -42,6 +42,8 @@ _LAZY = {
     "default_collate": "collate",
     "RandomResizedCropJPEG": "transforms",
     "CenterCropJPEG": "transforms",
+    "DeferDecode": "device_jpeg",
+    "DecodeOnDevice": "device_jpeg",
 }
 
 __all__ = [

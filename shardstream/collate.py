@@ -1,7 +1,9 @@
 """Collating samples into batches, in the workers.
 
-`default_collate` is torch's: tensors are stacked, numbers become tensors, tuples and
-dicts are collated field by field. `pad_collate` is for variable-length sequences.
+`default_collate` is torch's, extended through torch's own hook (`collate_fn_map`) by
+one type: tensors are stacked, numbers become tensors, tuples and dicts are collated
+field by field, and `EncodedImage`s (JPEGs left for the device to decode) are packed
+into one `EncodedBatch`. `pad_collate` is for variable-length sequences.
 """
 
 from __future__ import annotations
@@ -9,9 +11,18 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
-from torch.utils.data import default_collate
+from torch.utils.data._utils.collate import collate, default_collate_fn_map
+
+from .device_jpeg import EncodedImage, collate_encoded
 
 __all__ = ["default_collate", "pad_collate"]
+
+_COLLATE_FN_MAP = {**default_collate_fn_map, EncodedImage: lambda batch, **_: collate_encoded(batch)}
+
+
+def default_collate(batch: Sequence[Any]) -> Any:
+    """torch's `default_collate`, which also packs `EncodedImage`s into an `EncodedBatch`."""
+    return collate(batch, collate_fn_map=_COLLATE_FN_MAP)
 
 
 def pad_collate(batch: Sequence[Any], padding_value: float = 0) -> tuple[torch.Tensor, torch.Tensor, Any]:

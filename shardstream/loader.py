@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.utils.data
 
+from .batches import count_samples, map_field, tensors, to_device
 from .dataset import StreamingDataset
 
 __all__ = ["DataLoader", "LoaderStats", "Normalize", "to_device"]
@@ -57,36 +58,6 @@ class LoaderStats:
         return self.wait_s / self.elapsed_s if self.elapsed_s else 0.0
 
 
-def to_device(batch: Any, device: torch.device, non_blocking: bool = True) -> Any:
-    """Move every tensor of a nested batch (tuples, lists, dicts) to `device`."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=non_blocking)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device, non_blocking) for k, v in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        moved = [to_device(v, device, non_blocking) for v in batch]
-        return type(batch)(moved) if not hasattr(batch, "_fields") else type(batch)(*moved)
-    return batch
-
-
-def _tensors(batch: Any) -> Iterator[torch.Tensor]:
-    if isinstance(batch, torch.Tensor):
-        yield batch
-    elif isinstance(batch, dict):
-        for v in batch.values():
-            yield from _tensors(v)
-    elif isinstance(batch, (tuple, list)):
-        for v in batch:
-            yield from _tensors(v)
-
-
-def _count(batch: Any) -> int:
-    """Samples in a batch: the leading dimension of its first tensor (1 if none)."""
-    for t in _tensors(batch):
-        return int(t.shape[0]) if t.dim() else 1
-    return len(batch) if isinstance(batch, list) else 1
-
-
 @dataclass(frozen=True)
 class Normalize:
     """uint8 images -> float, ``(x / 255 - mean) / std``, on whatever device the batch is.
@@ -114,11 +85,7 @@ class Normalize:
     def __call__(self, batch: Any) -> Any:
         if isinstance(batch, torch.Tensor):
             return self.normalize(batch)
-        if isinstance(batch, dict):
-            return {**batch, self.field: self.normalize(batch[self.field])}
-        items = list(batch)
-        items[self.field] = self.normalize(items[self.field])  # type: ignore[index]
-        return type(batch)(items)
+        return map_field(batch, self.field, self.normalize)
 
 
 class DataLoader:
@@ -211,7 +178,7 @@ class DataLoader:
             if self.stats.batches == 0:
                 self.stats.first_batch_s = now - start
             self.stats.batches += 1
-            self.stats.samples += _count(batch)
+            self.stats.samples += count_samples(batch)
             self.stats.elapsed_s = now - start
             self._delivered += 1
             yield batch
@@ -252,7 +219,7 @@ class DataLoader:
     def _hand_over(self, batch: Any, event: torch.cuda.Event) -> Any:
         consumer = torch.cuda.current_stream(self.device)
         consumer.wait_event(event)
-        for t in _tensors(batch):
+        for t in tensors(batch):
             t.record_stream(consumer)  # memory stays allocated until the consumer is done
         return batch
 

@@ -7,17 +7,17 @@ on a decoded image does, with the same distribution of crops as torchvision (the
 * the image size comes from the JPEG header, before anything is decoded;
 * DCT-domain downscaling when the crop is at least twice the output size, so large
   photos are decoded at a fraction of their resolution;
-* the crop is a view of the decoded pixels, resized in one antialiased bilinear pass
-  (`torch.nn.functional.interpolate`, as torchvision's tensor transforms do; after a DCT
-  reduction the box falls between pixels, and Pillow's resize takes it exactly);
+* the crop is copied once, channels-last, and resized in one antialiased bilinear pass
+  (`torch.nn.functional.interpolate`, as torchvision's tensor transforms do; its
+  vectorised uint8 kernel needs the channels-last layout; after a DCT reduction the box
+  falls between pixels, and Pillow's resize takes it exactly);
 * the flip and the CHW layout as one copy.
 
 JPEGs are decoded by simplejpeg (libjpeg-turbo) where it is installed (the `fast`
 extra), otherwise, and for every other format, by Pillow (`decode.decode_rgb`); both
-give the same pixels for the same scale (both are libjpeg-turbo). Measured on 300 ImageNet-sized JPEGs of
-the benchmark set (one core): Pillow decode 1.87 ms, simplejpeg 1.72 ms; Pillow's
-antialiased resize of the crop about 1.0 ms, torch's about 0.6 ms; the whole transform
-3.20 ms before (Pillow throughout), 2.34 ms now (BENCHMARKS.md).
+give the same pixels for the same scale (both are libjpeg-turbo). Measured on 400 ImageNet-sized JPEGs of
+the benchmark set (one core): simplejpeg decode 1.29-1.47 ms; the crop's resize 0.31 ms from a strided view, 0.27 ms channels-last
+(Pillow's 1.0 ms); the whole transform in BENCHMARKS.md.
 
 Randomness comes from torch's generator, which the dataset seeds per sample from
 (seed, epoch, sample), so augmentation is reproducible and resumption exact. Output
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -36,7 +37,7 @@ from PIL import Image
 
 from .decode import decode_rgb, image_size
 
-__all__ = ["RandomResizedCropJPEG", "CenterCropJPEG", "crop_params"]
+__all__ = ["RandomResizedCropJPEG", "CenterCropJPEG", "CropPlan", "crop_params", "crop_resize"]
 
 
 def crop_params(width: int, height: int, scale: tuple[float, float], ratio: tuple[float, float],
@@ -64,18 +65,26 @@ def crop_params(width: int, height: int, scale: tuple[float, float], ratio: tupl
     return (height - h) // 2, (width - w) // 2, h, w
 
 
-def _crop_resize(data: bytes, box: tuple[int, int, int, int], full: tuple[int, int], size: tuple[int, int],
-                 flip: bool) -> torch.Tensor:
-    """The region `box` (top, left, h, w; in pixels of the `full` (w, h) image) of the
-    image in `data`, resized to `size` (w, h), maybe mirrored: uint8 CHW."""
-    top, left, h, w = box
+class CropPlan(NamedTuple):
+    """What a fused transform does to one image, drawn before anything is decoded."""
+
+    full: tuple[int, int]  # the image's (width, height)
+    box: tuple[int, int, int, int]  # the crop: top, left, height, width, in full-size pixels
+    size: tuple[int, int]  # the output's (width, height)
+    flip: bool  # mirrored left to right
+
+
+def crop_resize(data: bytes, plan: CropPlan) -> torch.Tensor:
+    """The crop `plan` describes of the image in `data`, resized, maybe mirrored: uint8 CHW."""
+    (top, left, h, w), full, size = plan.box, plan.full, plan.size
     # Decode at the smallest scale that keeps the crop at least the output size.
     want = (max(1, full[0] * size[0] // max(w, 1)), max(1, full[1] * size[1] // max(h, 1)))
     array = decode_rgb(data, (min(want[0], full[0]), min(want[1], full[1])))
     if array.shape[:2] == (full[1], full[0]):
-        # Full scale: the crop is a view, resized by torch's antialiased bilinear kernel
-        # (torchvision's tensor transforms use it; 0.6 ms here against Pillow's 1.0 ms).
+        # Full scale: torch's antialiased bilinear kernel (torchvision's tensor transforms
+        # use it), on a channels-last copy of the crop, which its uint8 kernel vectorises.
         region = torch.from_numpy(array)[top : top + h, left : left + w].permute(2, 0, 1).unsqueeze(0)
+        region = region.contiguous(memory_format=torch.channels_last)
         out = F.interpolate(region, size=(size[1], size[0]), mode="bilinear", antialias=True)[0]
     else:
         # DCT-reduced: the box falls between pixels, which Pillow's resize takes exactly.
@@ -83,7 +92,7 @@ def _crop_resize(data: bytes, box: tuple[int, int, int, int], full: tuple[int, i
         resized = Image.fromarray(array).resize(size, Image.Resampling.BILINEAR,
                                                 box=(left * sx, top * sy, (left + w) * sx, (top + h) * sy))
         out = torch.from_numpy(np.asarray(resized).copy()).permute(2, 0, 1)
-    if flip:
+    if plan.flip:
         out = out.flip(-1)
     return out.contiguous()
 
@@ -97,12 +106,15 @@ class RandomResizedCropJPEG:
     ratio: tuple[float, float] = (3 / 4, 4 / 3)
     flip: bool = True
 
-    def __call__(self, data: bytes) -> torch.Tensor:
+    def plan(self, data: bytes) -> CropPlan:
+        """Draw this image's crop and flip (from torch's generator), reading only the header."""
         out = (self.size, self.size) if isinstance(self.size, int) else (self.size[1], self.size[0])
         full = image_size(data)
         box = crop_params(full[0], full[1], self.scale, self.ratio)
-        flip = self.flip and bool(torch.rand(1).item() < 0.5)
-        return _crop_resize(data, box, full, out, flip)
+        return CropPlan(full, box, out, self.flip and bool(torch.rand(1).item() < 0.5))
+
+    def __call__(self, data: bytes) -> torch.Tensor:
+        return crop_resize(data, self.plan(data))
 
 
 @dataclass(frozen=True)
@@ -112,11 +124,15 @@ class CenterCropJPEG:
     size: int = 224
     resize: int = 256
 
-    def __call__(self, data: bytes) -> torch.Tensor:
+    def plan(self, data: bytes) -> CropPlan:
+        """This image's central crop, reading only the header."""
         width, height = full = image_size(data)
         # The crop of the resized image, mapped back to source pixels.
         factor = min(width, height) / self.resize
         w = h = self.size * factor
         left, top = (width - w) / 2, (height - h) / 2
         box = (int(round(top)), int(round(left)), max(1, int(round(h))), max(1, int(round(w))))
-        return _crop_resize(data, box, full, (self.size, self.size), False)
+        return CropPlan(full, box, (self.size, self.size), False)
+
+    def __call__(self, data: bytes) -> torch.Tensor:
+        return crop_resize(data, self.plan(data))

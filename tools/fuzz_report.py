@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
 
         decode_rows = fuzz_decoders(H, rng, args.decode, args.timeout) if args.decode else None
 
-    print(f"# shardstream fuzz report")
+    print("# shardstream fuzz report")
     print()
     print(f"command: python tools/fuzz_report.py {' '.join(argv if argv is not None else sys.argv[1:])}".rstrip())
     print(f"date: {datetime.date.today().isoformat()}; machine: {os.cpu_count()} cores, {platform.machine()}, "

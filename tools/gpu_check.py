@@ -12,7 +12,8 @@ It makes a small synthetic ImageNet-like dataset in a temporary folder
     and keys, and after ``Normalize`` within 1e-6; the consumer runs a GPU kernel before
     reading each batch so the side-stream copies really run ahead. The CPU side is
     checked too: ``device="cpu"`` equals the plain loader, ``Normalize`` matches the
-    formula, and every sample arrives exactly once;
+    formula, every sample arrives exactly once, and decoding on the device side
+    (``DecodeOnDevice("cpu")``) gives the workers' batches bit for bit;
 (b) host-to-device bandwidth of a large pinned and a large pageable tensor (GB/s,
     timed with CUDA events);
 (c) the loader's own H2D throughput: bytes/s of batches delivered on the GPU by a
@@ -23,7 +24,9 @@ It makes a small synthetic ImageNet-like dataset in a temporary folder
     ``wait_fraction`` (near 0 when compute outlasts the data path), then the same with
     a ten times shorter step, where the data path shows;
 (e) JPEG decode images/s: ``torchvision.io.decode_jpeg(device="cuda")`` (batched) against
-    PIL on one CPU core; "skipped" without torchvision.
+    PIL and the fused crop on one CPU core; then the whole loader with the decode on the
+    GPU (``DeferDecode`` in the workers, ``DecodeOnDevice("cuda")``) against decoding in
+    the workers: images/s, and the pixel difference; "skipped" without torchvision.
 
 Prints one table (check | value | ok). Exit status 1 if a correctness check fails, else
 0; performance rows are marked "low" when under expectations but do not fail. Without
@@ -51,7 +54,7 @@ from PIL import Image
 from torch.utils.data import get_worker_info
 
 import shardstream
-from shardstream import DataLoader, Normalize, RandomResizedCropJPEG, StreamingDataset
+from shardstream import DataLoader, DecodeOnDevice, DeferDecode, Normalize, RandomResizedCropJPEG, StreamingDataset
 from shardstream.synthetic import make_image_folder
 
 MEAN = (0.485, 0.456, 0.406)
@@ -109,8 +112,10 @@ def make_dataset(root: Path, images: int, workers: int) -> tuple[str, list[Path]
     return str(dst), files
 
 
-def streaming(data: str, image_size: int) -> StreamingDataset:
-    return StreamingDataset(data, shuffle=True, seed=0, decode=RandomResizedCropJPEG(image_size),
+def streaming(data: str, image_size: int, defer: bool = False) -> StreamingDataset:
+    """The training pipeline; `defer=True` ships the JPEG bytes for `DecodeOnDevice` to decode."""
+    crop = RandomResizedCropJPEG(image_size)
+    return StreamingDataset(data, shuffle=True, seed=0, decode=DeferDecode(crop) if defer else crop,
                             fields=("jpg", "cls", "__key__"))
 
 
@@ -170,6 +175,13 @@ def check_cpu_side(report: Report, data: str, keys: list[str], args: argparse.Na
     dtype_ok = all(n[0].dtype == torch.float32 for n in normalized)
     report.verdict("(a) cpu: Normalize(device='cpu') vs (x/255-mean)/std", err <= NORMALIZE_TOL and dtype_ok,
                    f"max |diff| {err:.2e} (tol {NORMALIZE_TOL:g})")
+
+    deferred = list(DataLoader(streaming(data, args.image_size, defer=True), batch_size=args.batch_size,
+                               num_workers=args.workers, device="cpu", transform_on_device=DecodeOnDevice("cpu")))
+    same = len(deferred) == len(plain) and all(
+        torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[2] == b[2] for a, b in zip(deferred, plain))
+    report.verdict("(a) cpu: decode on the device side (DecodeOnDevice('cpu')) == decode in workers", same,
+                   f"{len(deferred)} batches")
     return plain
 
 
@@ -360,6 +372,34 @@ def gpu_decode(report: Report, blobs: list[bytes]) -> None:
                "ok" if max(diffs) < 2.0 else "low")
 
 
+def loader_decode(report: Report, data: str, args: argparse.Namespace, batch_size: int) -> None:
+    """The whole loader, decoding in the workers against decoding on the GPU (DecodeOnDevice):
+    images/s delivered on the device, and how far the GPU's pixels are from the CPU's."""
+    decode = DecodeOnDevice("cuda")
+    if not decode.on_gpu:
+        report.add("(e) loader with DecodeOnDevice('cuda')", "skipped: torchvision's GPU decoder not available", "skipped")
+        return
+
+    def epoch(defer: bool) -> tuple[float, list[Any]]:
+        loader = DataLoader(streaming(data, args.image_size, defer=defer), batch_size=batch_size,
+                            num_workers=args.workers, device="cuda", transform_on_device=decode if defer else None)
+        batches = list(loader)
+        torch.cuda.synchronize()
+        return loader.stats.samples_per_s, batches
+
+    epoch(True)  # warm-up: nvjpeg handles, worker start
+    cpu_rate, cpu_batches = epoch(False)
+    gpu_rate, gpu_batches = epoch(True)
+    diff = max(float((g[0].float() - c[0].float()).abs().mean()) for g, c in zip(gpu_batches, cpu_batches))
+    same_keys = [g[2] for g in gpu_batches] == [c[2] for c in cpu_batches]
+    report.add(f"(e) loader, decode in {args.workers} workers (CPU)", f"{cpu_rate:,.0f} images/s on the GPU")
+    report.add(f"(e) loader, DecodeOnDevice('cuda'), {args.workers} workers", f"{gpu_rate:,.0f} images/s = "
+               f"{gpu_rate / cpu_rate:.2f}x", "ok" if gpu_rate >= cpu_rate else "low")
+    # nvJPEG's IDCT and upsampling and a float resize: close to the CPU pixels, not equal.
+    report.verdict("(e) DecodeOnDevice('cuda') vs CPU decode: same samples, mean |diff| < 3 levels",
+                   same_keys and diff < 3.0, f"worst batch mean |diff| {diff:.2f}")
+
+
 # -- main ------------------------------------------------------------------------------------------------------
 
 
@@ -455,6 +495,7 @@ def main(argv: list[str] | None = None) -> int:
                 blobs = [f.read_bytes() for f in files[:64]]
                 cpu_decode(report, blobs)
                 gpu_decode(report, blobs)
+                loader_decode(report, data, args, args.batch_size)
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

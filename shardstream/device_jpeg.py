@@ -1,0 +1,156 @@
+"""Decoding JPEGs on the device: workers ship the encoded bytes, the GPU decodes the batch.
+
+On a machine whose CPUs cannot decode as fast as the GPU trains, the decode moves to
+the GPU (nvJPEG, through ``torchvision.io.decode_jpeg(..., device="cuda")``). The work
+splits in two, and each half keeps the guarantees of the CPU path:
+
+* **In the workers**, `DeferDecode` wraps a fused transform (`RandomResizedCropJPEG`,
+  `CenterCropJPEG`) and draws its crop and flip from the JPEG header alone, from the same
+  per-sample seed, so augmentation stays reproducible and resume exact. It returns an
+  `EncodedImage`: the bytes plus that plan. The dataset's default collate packs a batch
+  of them into one `EncodedBatch` (all bytes in one tensor: one message between
+  processes, one pinned buffer).
+* **On the device**, `DecodeOnDevice` (a `transform_on_device` for
+  `shardstream.DataLoader`) decodes the batch, crops, resizes (antialiased bilinear) and
+  mirrors each image, and stacks them: uint8 ``(N, 3, H, W)`` on the device, the same
+  layout the CPU transform gives, ready for `Normalize`.
+
+Where CUDA or torchvision's GPU decoder is missing, `DecodeOnDevice` decodes on the
+CPU with the CPU transform's own code (`transforms.crop_resize`), so the same pipeline
+runs anywhere and gives exactly the CPU transform's pixels there. On the GPU the pixels
+differ slightly (nvJPEG's IDCT and upsampling, a float resize): `tools/gpu_check.py`
+measures by how much. torchvision 0.29 deprecates its image decoders in favour of
+TorchCodec's; the GPU path here uses torchvision's, which the torch release it pairs
+with still ships.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from .batches import map_field
+from .transforms import CropPlan, crop_resize
+
+__all__ = ["DeferDecode", "EncodedImage", "EncodedBatch", "DecodeOnDevice", "collate_encoded",
+           "gpu_decoder_available"]
+
+
+class _PlansCrops(Protocol):
+    def plan(self, data: bytes) -> CropPlan: ...
+
+
+@dataclass(frozen=True)
+class EncodedImage:
+    """One image's encoded bytes and the crop to take of it once decoded."""
+
+    data: bytes
+    plan: CropPlan
+
+
+@dataclass(frozen=True)
+class EncodedBatch:
+    """A batch of encoded images: every image's bytes back to back, and the plans."""
+
+    data: torch.Tensor  # uint8, 1-D: all images' bytes
+    offsets: tuple[int, ...]  # image i is data[offsets[i]:offsets[i + 1]]
+    plans: tuple[CropPlan, ...]
+
+    def __len__(self) -> int:
+        return len(self.plans)
+
+    def encoded(self) -> list[torch.Tensor]:
+        """Each image's bytes, as 1-D uint8 views of `data`."""
+        return [self.data[a:b] for a, b in zip(self.offsets[:-1], self.offsets[1:])]
+
+    def pin_memory(self) -> EncodedBatch:
+        """Called by the DataLoader's pinning thread: the bytes go to page-locked memory."""
+        return replace(self, data=self.data.pin_memory())
+
+
+def collate_encoded(images: list[EncodedImage]) -> EncodedBatch:
+    """Pack `EncodedImage`s into one `EncodedBatch` (one copy of the bytes)."""
+    offsets = [0]
+    for image in images:
+        offsets.append(offsets[-1] + len(image.data))
+    joined = bytearray().join(image.data for image in images)
+    data = torch.frombuffer(joined, dtype=torch.uint8) if joined else torch.empty(0, dtype=torch.uint8)
+    return EncodedBatch(data, tuple(offsets), tuple(image.plan for image in images))
+
+
+@dataclass(frozen=True)
+class DeferDecode:
+    """Worker side: image bytes -> `EncodedImage`, with `transform`'s crop drawn but not taken.
+
+    `transform` is a fused transform with a ``plan(data)`` method (`RandomResizedCropJPEG`,
+    `CenterCropJPEG`); only the image header is read here.
+    """
+
+    transform: _PlansCrops
+
+    def __call__(self, data: bytes) -> EncodedImage:
+        return EncodedImage(bytes(data), self.transform.plan(data))
+
+
+def gpu_decoder_available() -> bool:
+    """Whether torchvision's nvJPEG decoder can run here (CUDA and torchvision's image ops)."""
+    return _torchvision_decode_jpeg() is not None and torch.cuda.is_available()
+
+
+def _torchvision_decode_jpeg() -> Callable[..., Any] | None:
+    try:
+        from torchvision.io import decode_jpeg
+    except Exception:  # not installed, or built against another torch: its ops fail to load
+        return None
+    return decode_jpeg
+
+
+@dataclass(frozen=True)
+class DecodeOnDevice:
+    """Device side, a `transform_on_device`: `EncodedBatch` -> uint8 (N, 3, H, W) on `device`.
+
+    `field` picks the encoded batch in a tuple (an index) or dict (a key) batch; a bare
+    `EncodedBatch` is decoded itself. On a CUDA device with torchvision's GPU decoder
+    the batch is decoded by nvJPEG in one call; anywhere else on the CPU, exactly as
+    the fused CPU transform does, then moved to `device`.
+    """
+
+    device: str | torch.device = "cuda"
+    field: int | str = 0
+
+    @property
+    def on_gpu(self) -> bool:
+        """Whether batches will be decoded by nvJPEG (else on the CPU)."""
+        return torch.device(self.device).type == "cuda" and gpu_decoder_available()
+
+    def decode(self, batch: EncodedBatch) -> torch.Tensor:
+        if self.on_gpu:
+            return _decode_gpu(batch, torch.device(self.device))
+        images = [crop_resize(bytes(memoryview(data.numpy())), plan) for data, plan in zip(batch.encoded(), batch.plans)]
+        return torch.stack(images).to(self.device, non_blocking=True)
+
+    def __call__(self, batch: Any) -> Any:
+        if isinstance(batch, EncodedBatch):
+            return self.decode(batch)
+        return map_field(batch, self.field, self.decode)
+
+
+def _decode_gpu(batch: EncodedBatch, device: torch.device) -> torch.Tensor:
+    decode_jpeg = _torchvision_decode_jpeg()
+    assert decode_jpeg is not None
+    # One call for the batch: nvJPEG's batched decode (torchvision takes CPU byte tensors).
+    decoded = decode_jpeg(batch.encoded(), mode="RGB", device=device)
+    return torch.stack([_crop_resize_tensor(image, plan) for image, plan in zip(decoded, batch.plans)])
+
+
+def _crop_resize_tensor(image: torch.Tensor, plan: CropPlan) -> torch.Tensor:
+    """`plan` applied to a decoded uint8 CHW image, on its device: uint8 CHW."""
+    top, left, h, w = plan.box
+    region = image[:, top : top + h, left : left + w].unsqueeze(0).float()
+    out = F.interpolate(region, size=(plan.size[1], plan.size[0]), mode="bilinear", antialias=True)[0]
+    if plan.flip:
+        out = out.flip(-1)
+    return out.round_().clamp_(0, 255).to(torch.uint8)

@@ -1,0 +1,149 @@
+"""shardstream.DataLoader on a machine without CUDA, and JPEG decoding moved to the device side.
+
+Real worker processes throughout. The CUDA branches are exercised by tools/gpu_check.py
+on a GPU machine; here the same API must run on the CPU and give the CPU pipeline's
+batches exactly.
+"""
+
+from __future__ import annotations
+
+import collections
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardstream
+from shardstream import DataLoader, DecodeOnDevice, DeferDecode, Normalize, RandomResizedCropJPEG, StreamingDataset
+from shardstream.device_jpeg import EncodedBatch, EncodedImage, collate_encoded, gpu_decoder_available
+from shardstream.batches import to_device
+from shardstream.transforms import CenterCropJPEG, CropPlan
+
+ROOT = Path(__file__).resolve().parent.parent
+SIZE = 24
+BATCH = 4
+
+
+def images(packed: str, decode, **kwargs) -> StreamingDataset:
+    return StreamingDataset(packed, shuffle=True, seed=3, decode=decode, fields=("jpg", "cls", "__key__"),
+                            batch_size=BATCH, **kwargs)
+
+
+def test_cpu_device_gives_the_plain_batches_and_pinning_is_harmless(packed):
+    plain = list(torch.utils.data.DataLoader(images(packed, RandomResizedCropJPEG(SIZE)), batch_size=None,
+                                             num_workers=2))
+    # pin_memory=True on a machine without CUDA must not fail: there is nothing to pin into.
+    loader = DataLoader(images(packed, RandomResizedCropJPEG(SIZE)), num_workers=2, device="cpu", pin_memory=True)
+    ours = list(loader)
+    assert len(ours) == len(plain) == len(loader)
+    for (a, la, ka), (b, lb, kb) in zip(ours, plain):
+        assert a.device.type == "cpu" and torch.equal(a, b) and torch.equal(la, lb) and ka == kb
+    keys = [k for _, _, batch_keys in ours for k in batch_keys]
+    assert len(keys) == len(set(keys)) == int(shardstream.open_dataset(packed).counts().sum())
+
+
+def test_stats_count_what_the_loop_received(packed):
+    loader = DataLoader(images(packed, RandomResizedCropJPEG(SIZE)), num_workers=2)
+    batches = list(loader)
+    stats = loader.stats
+    assert stats.batches == len(batches)
+    assert stats.samples == sum(len(b[1]) for b in batches) == int(shardstream.open_dataset(packed).counts().sum())
+    assert 0 < stats.first_batch_s <= stats.elapsed_s
+    assert 0 <= stats.wait_s <= stats.elapsed_s and 0 <= stats.wait_fraction <= 1
+    assert stats.samples_per_s == pytest.approx(stats.samples / stats.elapsed_s)
+
+
+def test_normalize_is_the_formula_on_any_field():
+    images_u8 = torch.randint(0, 256, (2, 3, 5, 7), dtype=torch.uint8)
+    mean, std = torch.tensor([0.485, 0.456, 0.406]), torch.tensor([0.229, 0.224, 0.225])
+    expected = (images_u8.double() / 255 - mean.double().view(1, 3, 1, 1)) / std.double().view(1, 3, 1, 1)
+    labels = torch.tensor([1, 2])
+    out_tuple = Normalize()((images_u8, labels))
+    out_dict = Normalize(field="jpg", channels_last=True)({"jpg": images_u8, "cls": labels})
+    for out in (out_tuple[0], out_dict["jpg"], Normalize()(images_u8)):
+        assert out.dtype == torch.float32 and torch.allclose(out.double(), expected, atol=1e-6)
+    assert out_dict["jpg"].is_contiguous(memory_format=torch.channels_last)
+    assert out_tuple[1] is labels and out_dict["cls"] is labels
+    Batch = collections.namedtuple("Batch", "labels images")
+    out_named = Normalize(field=1)(Batch(labels, images_u8))
+    assert isinstance(out_named, Batch) and torch.allclose(out_named.images.double(), expected, atol=1e-6)
+
+
+def test_to_device_keeps_the_batch_structure():
+    Pair = collections.namedtuple("Pair", "x y")
+    batch = {"a": [torch.ones(2), (torch.zeros(1), "text")], "b": Pair(torch.arange(3), 7)}
+    moved = to_device(batch, torch.device("cpu"))
+    assert isinstance(moved["a"], list) and isinstance(moved["a"][1], tuple) and moved["a"][1][1] == "text"
+    assert isinstance(moved["b"], Pair) and moved["b"].y == 7 and torch.equal(moved["b"].x, torch.arange(3))
+
+
+def test_collate_encoded_keeps_every_images_bytes_and_plan():
+    blobs = [b"\xff\xd8first", b"", b"\xff\xd8third one"]
+    plans = [CropPlan((10, 8), (0, 0, 8, 10), (4, 4), i == 1) for i in range(3)]
+    batch = collate_encoded([EncodedImage(b, p) for b, p in zip(blobs, plans)])
+    assert len(batch) == 3 and batch.plans == tuple(plans)
+    assert [bytes(t.numpy()) for t in batch.encoded()] == blobs
+    # The dataset's default collate packs EncodedImages inside (image, label) tuples too.
+    images_, labels = shardstream.default_collate([(EncodedImage(b, p), i) for i, (b, p) in enumerate(zip(blobs, plans))])
+    assert isinstance(images_, EncodedBatch) and torch.equal(labels, torch.tensor([0, 1, 2]))
+    assert [bytes(t.numpy()) for t in images_.encoded()] == blobs
+
+
+@pytest.mark.parametrize("transform", [RandomResizedCropJPEG(SIZE), CenterCropJPEG(SIZE, resize=SIZE + 4)],
+                         ids=["random-crop", "center-crop"])
+def test_decode_on_device_gives_the_cpu_transforms_batches(packed, transform):
+    """Workers ship JPEG bytes and the crop they drew; the device side decodes. Without
+    CUDA it decodes on the CPU with the fused transform's own code: the same batches,
+    bit for bit, as decoding in the workers (same seed, same per-sample randomness)."""
+    reference = list(DataLoader(images(packed, transform), num_workers=2, persistent_workers=False))
+    decode = DecodeOnDevice(device="cpu")
+    assert not decode.on_gpu
+    deferred = DataLoader(images(packed, DeferDecode(transform)), num_workers=2, persistent_workers=False,
+                          device="cpu", transform_on_device=decode)
+    got = list(deferred)
+    assert len(got) == len(reference) > 1
+    for (a, la, ka), (b, lb, kb) in zip(got, reference):
+        assert a.dtype == torch.uint8 and a.shape == (len(ka), 3, SIZE, SIZE)
+        assert torch.equal(a, b) and torch.equal(la, lb) and ka == kb
+    assert deferred.stats.samples == int(shardstream.open_dataset(packed).counts().sum())
+
+
+def test_decode_on_device_resumes_exactly(packed):
+    """The crop is drawn in the worker from the per-sample seed, so a checkpoint taken
+    mid-epoch resumes onto the same device-decoded batches."""
+    def make() -> DataLoader:
+        return DataLoader(images(packed, DeferDecode(RandomResizedCropJPEG(SIZE))), num_workers=2,
+                          persistent_workers=False, device="cpu", transform_on_device=DecodeOnDevice(device="cpu"))
+
+    full = list(make())
+    first = make()
+    it = iter(first)
+    head = [next(it) for _ in range(2)]
+    state = first.state_dict()
+    del it
+    resumed = make()
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    assert len(head) + len(rest) == len(full)
+    for (a, la, ka), (b, lb, kb) in zip(head + rest, full):
+        assert torch.equal(a, b) and torch.equal(la, lb) and ka == kb
+
+
+def test_gpu_decoder_is_only_claimed_where_it_can_run():
+    assert DecodeOnDevice(device="cuda").on_gpu == gpu_decoder_available()
+    assert not DecodeOnDevice(device="cpu").on_gpu
+    if gpu_decoder_available():
+        assert torch.cuda.is_available()
+
+
+def test_gpu_check_runs_its_cpu_checks_without_cuda(tmp_path):
+    """tools/gpu_check.py is what a GPU session runs; without CUDA it must still run its
+    CPU-side checks (device="cpu" batches, Normalize, decode on the device side) and pass."""
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--cpu", "--images", "24",
+                           "--workers", "2", "--keep", str(tmp_path / "data")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "correctness passed" in proc.stdout
+    assert "decode on the device side" in proc.stdout
