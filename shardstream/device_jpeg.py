@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from .batches import map_field
 from .transforms import CropPlan, crop_resize
 
-__all__ = ["DeferDecode", "EncodedImage", "EncodedBatch", "DecodeOnDevice", "collate_encoded",
+__all__ = ["DeferDecode", "EncodedImage", "EncodedBatch", "DecodeOnDevice", "collate_encoded", "decode_then_crop",
            "gpu_decoder_available"]
 
 
@@ -141,8 +141,14 @@ class DecodeOnDevice:
 def _decode_gpu(batch: EncodedBatch, device: torch.device) -> torch.Tensor:
     decode_jpeg = _torchvision_decode_jpeg()
     assert decode_jpeg is not None
-    # One call for the batch: nvJPEG's batched decode (torchvision takes CPU byte tensors).
-    decoded = decode_jpeg(batch.encoded(), mode="RGB", device=device)
+    return decode_then_crop(batch, lambda encoded: decode_jpeg(encoded, mode="RGB", device=device))
+
+
+def decode_then_crop(batch: EncodedBatch, decode_all: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> torch.Tensor:
+    """Decode the whole batch in one call of `decode_all` (1-D uint8 byte tensors to uint8
+    CHW images, on whatever device it decodes to; nvJPEG's batched decode on the GPU),
+    then take each image's crop there: uint8 (N, 3, H, W)."""
+    decoded = decode_all(batch.encoded())
     return torch.stack([_crop_resize_tensor(image, plan) for image, plan in zip(decoded, batch.plans)])
 
 

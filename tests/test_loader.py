@@ -17,9 +17,9 @@ import torch
 
 import shardstream
 from shardstream import DataLoader, DecodeOnDevice, DeferDecode, Normalize, RandomResizedCropJPEG, StreamingDataset
-from shardstream.device_jpeg import EncodedBatch, EncodedImage, collate_encoded, gpu_decoder_available
+from shardstream.device_jpeg import EncodedBatch, EncodedImage, collate_encoded, decode_then_crop, gpu_decoder_available
 from shardstream.batches import to_device
-from shardstream.transforms import CenterCropJPEG, CropPlan
+from shardstream.transforms import CenterCropJPEG, CropPlan, crop_resize
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZE = 24
@@ -129,6 +129,37 @@ def test_decode_on_device_resumes_exactly(packed):
     assert len(head) + len(rest) == len(full)
     for (a, la, ka), (b, lb, kb) in zip(head + rest, full):
         assert torch.equal(a, b) and torch.equal(la, lb) and ka == kb
+
+
+def test_the_gpu_branch_crops_like_the_cpu_transform(packed):
+    """The nvJPEG branch decodes the batch in one call, then crops, resizes and flips as
+    tensors on the device. Run here with a CPU decoder in nvJPEG's place, it must give
+    the fused CPU transform's crops: within a level where the CPU path also resizes the
+    full-scale image, within resampling differences where the CPU path decodes at a
+    DCT-reduced scale, and always far closer than the mirror image (a wrong box, size
+    order or flip is tens of levels off)."""
+    from shardstream.decode import decode_rgb
+
+    def decode_all(encoded):
+        return [torch.from_numpy(decode_rgb(bytes(t.numpy()))).permute(2, 0, 1) for t in encoded]
+
+    blobs = [s["jpg"] for ref in shardstream.open_dataset(packed).shards for s in ref.reader()][:12]
+    for transform, shape in ((RandomResizedCropJPEG((SIZE, SIZE + 8)), (SIZE, SIZE + 8)),
+                             (CenterCropJPEG(SIZE, resize=SIZE + 4), (SIZE, SIZE))):
+        torch.manual_seed(5)
+        batch = collate_encoded([DeferDecode(transform)(b) for b in blobs])
+        got = decode_then_crop(batch, decode_all)
+        assert got.dtype == torch.uint8 and got.shape == (len(blobs), 3, *shape)
+        for image, data, plan in zip(got, blobs, batch.plans):
+            want = crop_resize(data, plan).float()
+            close = float((image.float() - want).abs().mean())
+            mirrored = float((image.flip(-1).float() - want).abs().mean())
+            # Where crop_resize decodes at full scale (its rule: the crop at least the output size).
+            at_least = [min(f, max(1, f * o // c)) for f, o, c in zip(plan.full, plan.size, plan.box[:1:-1])]
+            full_scale = decode_rgb(data, tuple(at_least)).shape[:2] == plan.full[::-1]
+            assert close < (1.0 if full_scale else 16.0), (plan, close)
+            assert close < mirrored / 3, (plan, close, mirrored)
+        assert any(p.flip for p in batch.plans) == isinstance(transform, RandomResizedCropJPEG)
 
 
 def test_gpu_decoder_is_only_claimed_where_it_can_run():
