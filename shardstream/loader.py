@@ -88,12 +88,28 @@ class Normalize:
         return map_field(batch, self.field, self.normalize)
 
 
+def _chain(transforms: Callable[[Any], Any] | Sequence[Callable[[Any], Any]] | None) -> Callable[[Any], Any] | None:
+    """One callable for `transform_on_device`: a sequence of transforms runs in order."""
+    if transforms is None or callable(transforms):
+        return transforms
+    steps = tuple(transforms)
+
+    def chained(batch: Any) -> Any:
+        for step in steps:
+            batch = step(batch)
+        return batch
+
+    return chained if steps else None
+
+
 class DataLoader:
     """Batches from a `StreamingDataset`, on `device`, with resumable state and statistics.
 
     Batching happens in the workers (`batch_size` is set on the dataset), so a batch
     crosses the process boundary as one message. Defaults: persistent workers when
-    `num_workers` > 0; pinned memory when `device` is CUDA.
+    `num_workers` > 0; pinned memory when `device` is CUDA. `transform_on_device` is a
+    callable, or a sequence of them applied in order (``[DecodeOnDevice("cuda"),
+    Normalize()]``), run on each batch once it is on `device`.
     """
 
     def __init__(
@@ -107,7 +123,7 @@ class DataLoader:
         prefetch_factor: int | None = None,
         device: str | torch.device | None = None,
         prefetch_to_device: int = 2,
-        transform_on_device: Callable[[Any], Any] | None = None,
+        transform_on_device: Callable[[Any], Any] | Sequence[Callable[[Any], Any]] | None = None,
         multiprocessing_context: str | None = None,
         timeout: float = 0,
     ) -> None:
@@ -121,7 +137,7 @@ class DataLoader:
         self.persistent_workers = num_workers > 0 if persistent_workers is None else persistent_workers
         self.prefetch_factor = prefetch_factor if num_workers > 0 else None
         self.prefetch_to_device = max(1, prefetch_to_device)
-        self.transform_on_device = transform_on_device
+        self.transform_on_device = _chain(transform_on_device)
         self.multiprocessing_context = multiprocessing_context
         self.timeout = timeout
         self.stats = LoaderStats()

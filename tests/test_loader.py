@@ -108,6 +108,11 @@ def test_decode_on_device_gives_the_cpu_transforms_batches(packed, transform):
         assert a.dtype == torch.uint8 and a.shape == (len(ka), 3, SIZE, SIZE)
         assert torch.equal(a, b) and torch.equal(la, lb) and ka == kb
     assert deferred.stats.samples == int(shardstream.open_dataset(packed).counts().sum())
+    # A list of device transforms runs in order: decode, then normalise.
+    normalized = list(DataLoader(images(packed, DeferDecode(transform)), num_workers=2, device="cpu",
+                                 transform_on_device=[decode, Normalize()]))
+    for (n, ln, kn), (b, lb, kb) in zip(normalized, reference):
+        assert torch.equal(n, Normalize().normalize(b)) and torch.equal(ln, lb) and kn == kb
 
 
 def test_decode_on_device_resumes_exactly(packed):
