@@ -106,6 +106,18 @@ def test_one_epoch_splits_exactly(dataset, full_run):
     assert [len(b) for b in per_rank[0]] == [len(b) for b in per_rank[1]] == [4, 4, 3]
 
 
+def test_decode_on_device_trains_to_the_same_weights(dataset, full_run, tmp_path):
+    """--decode-on-device moves the JPEG decode out of the workers; on CPU ranks it decodes
+    the crops the workers drew with the CPU transform's code, so training sees the same
+    batches and ends with the same weights, bit for bit."""
+    data, keys = dataset
+    per_rank, checksum = full_run
+    log = tmp_path / "keys.jsonl"
+    proc = _train(data, log, "--decode-on-device")
+    assert _per_rank(log) == per_rank
+    assert _checksum(proc.stdout) == checksum
+
+
 def test_preempt_and_resume_mid_epoch(dataset, full_run, tmp_path):
     data, keys = dataset
     ckpt, log = tmp_path / "ckpt.pt", tmp_path / "keys.jsonl"

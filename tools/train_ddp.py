@@ -23,6 +23,9 @@ What it exercises:
 * per-rank throughput at the end of each epoch (images/s, ``loader.stats.wait_fraction``);
 * ``--log-keys FILE``: every rank appends one JSON line per step,
   ``{"rank", "epoch", "step", "keys"}``, so a test can check which samples each rank saw;
+* ``--decode-on-device``: the workers ship JPEG bytes with the crop they drew, and
+  `DecodeOnDevice` decodes on the device (nvJPEG on CUDA; on the CPU without it, with
+  the same pixels as decoding in the workers);
 * ``--steps N``: stop once the global step count reaches N (counted across resumes, like
   a ``max_steps``), e.g. to simulate a preemption in a test.
 """
@@ -43,7 +46,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from shardstream import DataLoader, Normalize, RandomResizedCropJPEG, StreamingDataset
+from shardstream import DataLoader, DecodeOnDevice, DeferDecode, Normalize, RandomResizedCropJPEG, StreamingDataset
 
 
 class SmallCNN(nn.Module):
@@ -87,6 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
     p.add_argument("--log-keys", default=None, help="append per-rank JSON lines {rank, epoch, step, keys}")
     p.add_argument("--quiet", action="store_true", help="no per-step loss lines")
+    p.add_argument("--decode-on-device", action="store_true",
+                   help="decode JPEGs on the device (nvJPEG where available) instead of in the workers")
     args = p.parse_args(argv)
     if args.resume and not args.checkpoint:
         p.error("--resume needs --checkpoint")
@@ -137,7 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     rank, world_size, device = setup()
     torch.manual_seed(args.seed)  # identical initial weights everywhere (DDP also broadcasts rank 0's)
 
-    dataset = StreamingDataset(args.data, shuffle=True, seed=args.seed, decode=RandomResizedCropJPEG(args.image_size),
+    crop = RandomResizedCropJPEG(args.image_size)
+    # --decode-on-device: workers ship JPEG bytes and the crop they drew; nvJPEG decodes on
+    # the GPU (on a machine without it, the same crop is decoded on the CPU).
+    dataset = StreamingDataset(args.data, shuffle=True, seed=args.seed,
+                               decode=DeferDecode(crop) if args.decode_on_device else crop,
                                fields=("jpg", "cls", "__key__"))
     num_classes = args.num_classes
     if num_classes is None:
@@ -145,8 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         if manifest is None or not manifest.classes:
             raise SystemExit("the dataset has no class list in its manifest: pass --num-classes")
         num_classes = len(manifest.classes)
+    on_device = [DecodeOnDevice(device), Normalize(field=0)] if args.decode_on_device else [Normalize(field=0)]
     loader = DataLoader(dataset, batch_size=args.batch_size, num_workers=args.workers, device=device,
-                        transform_on_device=Normalize(field=0))
+                        transform_on_device=on_device)
 
     model = SmallCNN(num_classes, args.width).to(device)
     if device.type == "cuda":
