@@ -21,18 +21,27 @@ runs anywhere and gives exactly the CPU transform's pixels there. On the GPU the
 differ slightly (nvJPEG's IDCT and upsampling, a float resize): `tools/gpu_check.py`
 measures by how much. torchvision 0.29 deprecates its image decoders in favour of
 TorchCodec's; the GPU path here uses torchvision's, which the torch release it pairs
-with still ships.
+with still ships. Images that are not JPEGs (PNG, WebP) are decoded on the CPU there.
+
+What moves with the decode: an image that fails to decode is found in the main process,
+after batching, so it raises (a `DecodeError` naming its place in the batch; nvJPEG
+fails the whole batch, and the CPU decoder then finds the culprit) rather than being
+skipped under the dataset's `on_error` policy, which sees only the workers' side.
+`shardstream verify` names the sample.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
+from PIL import Image
 
 from .batches import map_field
+from .errors import DecodeError
 from .transforms import CropPlan, crop_resize
 
 __all__ = ["DeferDecode", "EncodedImage", "EncodedBatch", "DecodeOnDevice", "collate_encoded", "decode_then_crop",
@@ -100,6 +109,7 @@ def gpu_decoder_available() -> bool:
     return _torchvision_decode_jpeg() is not None and torch.cuda.is_available()
 
 
+@functools.cache
 def _torchvision_decode_jpeg() -> Callable[..., Any] | None:
     try:
         from torchvision.io import decode_jpeg
@@ -129,8 +139,7 @@ class DecodeOnDevice:
     def decode(self, batch: EncodedBatch) -> torch.Tensor:
         if self.on_gpu:
             return _decode_gpu(batch, torch.device(self.device))
-        images = [crop_resize(bytes(memoryview(data.numpy())), plan) for data, plan in zip(batch.encoded(), batch.plans)]
-        return torch.stack(images).to(self.device, non_blocking=True)
+        return _decode_cpu(batch, range(len(batch))).to(self.device, non_blocking=True)
 
     def __call__(self, batch: Any) -> Any:
         if isinstance(batch, EncodedBatch):
@@ -138,18 +147,51 @@ class DecodeOnDevice:
         return map_field(batch, self.field, self.decode)
 
 
+def _decode_cpu(batch: EncodedBatch, which: Iterable[int]) -> torch.Tensor:
+    """Images `which` of the batch decoded and cropped on the CPU, as the fused transform does."""
+    encoded, out = batch.encoded(), []
+    for i in which:
+        try:
+            out.append(crop_resize(bytes(memoryview(encoded[i].numpy())), batch.plans[i]))
+        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+            raise DecodeError(f"image {i} of a batch of {len(batch)} ({len(encoded[i])} bytes) cannot be decoded: {e}; "
+                              "`shardstream verify` names the sample") from e
+    return torch.stack(out)
+
+
 def _decode_gpu(batch: EncodedBatch, device: torch.device) -> torch.Tensor:
     decode_jpeg = _torchvision_decode_jpeg()
     assert decode_jpeg is not None
-    return decode_then_crop(batch, lambda encoded: decode_jpeg(encoded, mode="RGB", device=device))
+    jpegs = [i for i, t in enumerate(batch.encoded()) if bytes(t[:2].numpy()) == b"\xff\xd8"]
+    try:
+        return decode_then_crop(batch, lambda encoded: decode_jpeg(encoded, mode="RGB", device=device), jpegs,
+                                lambda others: _decode_cpu(batch, others).to(device, non_blocking=True))
+    except RuntimeError:
+        # nvJPEG fails the whole batch on one bad image: the CPU decoder names it.
+        _decode_cpu(batch, jpegs)
+        raise
 
 
-def decode_then_crop(batch: EncodedBatch, decode_all: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> torch.Tensor:
-    """Decode the whole batch in one call of `decode_all` (1-D uint8 byte tensors to uint8
-    CHW images, on whatever device it decodes to; nvJPEG's batched decode on the GPU),
-    then take each image's crop there: uint8 (N, 3, H, W)."""
-    decoded = decode_all(batch.encoded())
-    return torch.stack([_crop_resize_tensor(image, plan) for image, plan in zip(decoded, batch.plans)])
+def decode_then_crop(batch: EncodedBatch, decode_all: Callable[[list[torch.Tensor]], list[torch.Tensor]],
+                     jpegs: Sequence[int] | None = None,
+                     decode_others: Callable[[list[int]], torch.Tensor] | None = None) -> torch.Tensor:
+    """Decode the batch's JPEGs (`jpegs`, default all) in one call of `decode_all` (1-D
+    uint8 byte tensors to uint8 CHW images, on whatever device it decodes to; nvJPEG's
+    batched decode on the GPU), then take each image's crop there; the other images
+    (PNG, WebP, ...) come from `decode_others`, already cropped. uint8 (N, 3, H, W)."""
+    jpegs = list(range(len(batch))) if jpegs is None else list(jpegs)
+    encoded = batch.encoded()
+    decoded = decode_all([encoded[i] for i in jpegs]) if jpegs else []
+    out: list[torch.Tensor | None] = [None] * len(batch)
+    for i, image in zip(jpegs, decoded):
+        out[i] = _crop_resize_tensor(image, batch.plans[i])
+    others = [i for i in range(len(batch)) if out[i] is None]
+    if others:
+        if decode_others is None:
+            raise ValueError(f"images {others} of the batch are not JPEGs and no other decoder was given")
+        for i, image in zip(others, decode_others(others)):
+            out[i] = image
+    return torch.stack(out)  # type: ignore[arg-type]
 
 
 def _crop_resize_tensor(image: torch.Tensor, plan: CropPlan) -> torch.Tensor:

@@ -167,6 +167,51 @@ def test_the_gpu_branch_crops_like_the_cpu_transform(packed):
         assert any(p.flip for p in batch.plans) == isinstance(transform, RandomResizedCropJPEG)
 
 
+def _png(width: int = 40, height: int = 30) -> bytes:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (height, width, 3), dtype=np.uint8)).save(out, "PNG")
+    return out.getvalue()
+
+
+def test_the_gpu_branch_sends_only_jpegs_to_the_jpeg_decoder(packed):
+    from shardstream.decode import decode_rgb
+
+    jpegs = [s["jpg"] for s in shardstream.open_dataset(packed).shards[0].reader()][:2]
+    blobs = [jpegs[0], _png(), jpegs[1]]
+    torch.manual_seed(1)
+    batch = collate_encoded([DeferDecode(RandomResizedCropJPEG(SIZE))(b) for b in blobs])
+    seen: list[int] = []
+
+    def decode_all(encoded):
+        seen.append(len(encoded))
+        assert all(bytes(t[:2].numpy()) == b"\xff\xd8" for t in encoded)
+        return [torch.from_numpy(decode_rgb(bytes(t.numpy()))).permute(2, 0, 1) for t in encoded]
+
+    def decode_others(which):
+        assert which == [1]
+        return torch.stack([crop_resize(blobs[i], batch.plans[i]) for i in which])
+
+    got = decode_then_crop(batch, decode_all, [0, 2], decode_others)
+    assert seen == [2] and got.shape == (3, 3, SIZE, SIZE)
+    assert torch.equal(got[1], crop_resize(blobs[1], batch.plans[1]))
+    with pytest.raises(ValueError, match="not JPEGs"):
+        decode_then_crop(batch, decode_all, [0, 2])
+
+
+def test_a_bad_image_on_the_device_side_is_named(packed):
+    good = [s["jpg"] for s in shardstream.open_dataset(packed).shards[0].reader()][:3]
+    images_ = [DeferDecode(RandomResizedCropJPEG(SIZE))(b) for b in good]
+    # Image 1 keeps its header (the worker's plan was drawn from it) but loses its scan data.
+    images_[1] = EncodedImage(good[1][: len(good[1]) // 3], images_[1].plan)
+    with pytest.raises(shardstream.DecodeError, match="image 1 of a batch of 3"):
+        DecodeOnDevice("cpu")((collate_encoded(images_), torch.tensor([0, 1, 2])))
+
+
 def test_gpu_decoder_is_only_claimed_where_it_can_run():
     assert DecodeOnDevice(device="cuda").on_gpu == gpu_decoder_available()
     assert not DecodeOnDevice(device="cpu").on_gpu
