@@ -9,7 +9,8 @@ splits in two, and each half keeps the guarantees of the CPU path:
   per-sample seed, so augmentation stays reproducible and resume exact. It returns an
   `EncodedImage`: the bytes plus that plan. The dataset's default collate packs a batch
   of them into one `EncodedBatch` (all bytes in one tensor: one message between
-  processes, one pinned buffer).
+  processes, one pinned buffer); where torch's DataLoader makes the batches, pass it
+  ``collate_fn=shardstream.default_collate``.
 * **On the device**, `DecodeOnDevice` (a `transform_on_device` for
   `shardstream.DataLoader`) decodes the batch, crops, resizes (antialiased bilinear) and
   mirrors each image, and stacks them: uint8 ``(N, 3, H, W)`` on the device, the same
