@@ -115,6 +115,24 @@ def test_decode_on_device_gives_the_cpu_transforms_batches(packed, transform):
         assert torch.equal(n, Normalize().normalize(b)) and torch.equal(ln, lb) and kn == kb
 
 
+def test_torch_dataloader_batches_encoded_images_with_our_collate(packed):
+    """Where torch's DataLoader makes the batches, shardstream.default_collate packs the
+    workers' EncodedImages; the device side then gives the workers' decode exactly."""
+    def dataset(decode) -> StreamingDataset:
+        return StreamingDataset(packed, shuffle=True, seed=3, decode=decode, fields=("jpg", "cls", "__key__"))
+
+    def loader(decode) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(dataset(decode), batch_size=BATCH, num_workers=2,
+                                           collate_fn=shardstream.default_collate)
+
+    reference = list(loader(RandomResizedCropJPEG(SIZE)))
+    got = list(loader(DeferDecode(RandomResizedCropJPEG(SIZE))))
+    assert len(got) == len(reference) > 1
+    for (encoded, la, ka), (b, lb, kb) in zip(got, reference):
+        assert isinstance(encoded, EncodedBatch) and ka == kb and torch.equal(la, lb)
+        assert torch.equal(DecodeOnDevice("cpu")(encoded), b)
+
+
 def test_decode_on_device_resumes_exactly(packed):
     """The crop is drawn in the worker from the per-sample seed, so a checkpoint taken
     mid-epoch resumes onto the same device-decoded batches."""
