@@ -16,6 +16,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -109,28 +110,35 @@ def launch(world_size: int, url: str, out: Path, timeout: float = 240) -> dict:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PYTHONWARNINGS"] = "ignore"
+    logs = [tempfile.TemporaryFile(mode="w+") for _ in range(world_size)]
     procs = [
         subprocess.Popen(
             [sys.executable, __file__, "--rank", str(r), "--world-size", str(world_size), "--port", str(port),
-             "--url", url, "--out", str(out)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+             "--url", url, "--out", str(out), "--dump-after", str(max(1.0, timeout - 15))],
+            env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
         )
-        for r in range(world_size)
+        for r, log in enumerate(logs)
     ]
     deadline = time.monotonic() + timeout
-    logs = []
     try:
         for p in procs:
-            output, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            logs.append(output)
+            try:
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass  # reported below, with every rank's output (and its stacks, dumped before the deadline)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
     codes = [p.returncode for p in procs]
-    assert codes == [0] * world_size, "\n".join(f"--- rank {r} (exit {c}):\n{log[-3000:]}"
-                                                 for r, (c, log) in enumerate(zip(codes, logs)))
+    texts = []
+    for log in logs:
+        log.seek(0)
+        texts.append(log.read())
+        log.close()
+    assert codes == [0] * world_size, "\n".join(f"--- rank {r} (exit {c}):\n{text[-6000:]}"
+                                                 for r, (c, text) in enumerate(zip(codes, texts)))
     return json.loads(out.read_text())
 
 
@@ -268,5 +276,10 @@ if __name__ == "__main__":
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--url", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--dump-after", type=float, default=0, help="print every thread's stack after this many s")
     args = parser.parse_args()
+    if args.dump_after:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.dump_after, exit=False)  # where a hung rank waits, for the test's log
     rank_main(args.rank, args.world_size, args.port, args.url, args.out)
