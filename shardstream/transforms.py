@@ -11,13 +11,15 @@ on a decoded image does, with the same distribution of crops as torchvision (the
   (`torch.nn.functional.interpolate`, as torchvision's tensor transforms do; its
   vectorised uint8 kernel needs the channels-last layout; after a DCT reduction the box
   falls between pixels, and Pillow's resize takes it exactly);
-* the flip and the CHW layout as one copy.
+* the output (224 x 224, small) is mirrored and laid out CHW afterwards.
 
 JPEGs are decoded by simplejpeg (libjpeg-turbo) where it is installed (the `fast`
 extra), otherwise, and for every other format, by Pillow (`decode.decode_rgb`); both
-give the same pixels for the same scale (both are libjpeg-turbo). Measured on 400 ImageNet-sized JPEGs of
-the benchmark set (one core): simplejpeg decode 1.29-1.47 ms; the crop's resize 0.31 ms from a strided view, 0.27 ms channels-last
-(Pillow's 1.0 ms); the whole transform in BENCHMARKS.md.
+give the same pixels for the same scale (both are libjpeg-turbo). Measured on 400
+ImageNet-sized JPEGs of the benchmark set (one core): simplejpeg decode 1.29-1.47 ms;
+the crop's resize with the flip and layout 0.31 ms from a strided view, 0.27 ms from
+the channels-last copy (Pillow's resize alone 1.0 ms); the whole transform in
+BENCHMARKS.md.
 
 Randomness comes from torch's generator, which the dataset seeds per sample from
 (seed, epoch, sample), so augmentation is reproducible and resumption exact. Output
