@@ -13,11 +13,13 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -57,7 +59,8 @@ def rank_main(rank: int, world_size: int, port: int, url: str, out: str) -> None
         return values
 
     def run(ds, **kwargs):
-        return [list(batch) for batch in DataLoader(ds, batch_size=None, num_workers=1, **kwargs)]
+        # A worker that never starts (see launch_with_one_retry) fails the rank in 60 s.
+        return [list(batch) for batch in DataLoader(ds, batch_size=None, num_workers=1, timeout=60, **kwargs)]
 
     result = {"detected": gather(list(map(int, [World.detect().rank, World.detect().size])))}
 
@@ -71,7 +74,7 @@ def rank_main(rank: int, world_size: int, port: int, url: str, out: str) -> None
 
     # 2. the same epoch interrupted after K batches, checkpointed, resumed with 2 ranks
     ds = D.key_dataset(url, **OPTS)
-    it = iter(DataLoader(ds, batch_size=None, num_workers=1))
+    it = iter(DataLoader(ds, batch_size=None, num_workers=1, timeout=60))
     got = [list(next(it)) for _ in range(K)]
     it._shutdown_workers()
     del it
@@ -106,7 +109,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def launch(world_size: int, url: str, out: Path, timeout: float = 240) -> dict:
+class JobTimedOut(AssertionError):
+    """A rank did not finish in time: its output, with every thread's stack dumped before the deadline."""
+
+
+def launch(world_size: int, url: str, out: Path, timeout: float = 150) -> dict:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PYTHONWARNINGS"] = "ignore"
@@ -116,30 +123,52 @@ def launch(world_size: int, url: str, out: Path, timeout: float = 240) -> dict:
             [sys.executable, __file__, "--rank", str(r), "--world-size", str(world_size), "--port", str(port),
              "--url", url, "--out", str(out), "--dump-after", str(max(1.0, timeout - 15))],
             env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,  # a rank's DataLoader workers are killed with it
         )
         for r, log in enumerate(logs)
     ]
     deadline = time.monotonic() + timeout
+    timed_out = False
     try:
         for p in procs:
             try:
                 p.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                pass  # reported below, with every rank's output (and its stacks, dumped before the deadline)
+                timed_out = True
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+            try:
+                os.killpg(p.pid, signal.SIGKILL)  # the rank and any worker it left, finished or not
+            except ProcessLookupError:
+                pass
+            p.wait()
     codes = [p.returncode for p in procs]
     texts = []
     for log in logs:
         log.seek(0)
         texts.append(log.read())
         log.close()
-    assert codes == [0] * world_size, "\n".join(f"--- rank {r} (exit {c}):\n{text[-6000:]}"
-                                                 for r, (c, text) in enumerate(zip(codes, texts)))
+    report = "\n".join(f"--- rank {r} (exit {c}):\n{text[-6000:]}" for r, (c, text) in enumerate(zip(codes, texts)))
+    if timed_out or any("DataLoader timed out" in text for text in texts):
+        raise JobTimedOut(report)
+    assert codes == [0] * world_size, report
     return json.loads(out.read_text())
+
+
+def launch_with_one_retry(world_size: int, url: str, out: Path) -> dict:
+    """`launch`, once more if the first job timed out, with a warning that shows why.
+
+    CPython 3.11.7 (this project's CI) has gh-112275: a child forked while another
+    thread holds the interpreter's thread-state lock deadlocks before `os.fork()`
+    returns. A gloo thread that enters Python just then (after a collective) takes that
+    lock, and the DataLoader worker forked next never starts: seen once in this job
+    (RELIABILITY.md). The job timing out twice still fails the test.
+    """
+    try:
+        return launch(world_size, url, out)
+    except JobTimedOut as first:
+        warnings.warn(f"gloo job timed out; retrying once (CPython gh-112275?):\n{str(first)[-4000:]}", stacklevel=2)
+        return launch(world_size, url, out)
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +189,7 @@ def keys(src) -> set[str]:
 @pytest.fixture(scope="module")
 def gloo(url, tmp_path_factory) -> dict:
     """One real 2-rank gloo job (see rank_main); its gathered results."""
-    return launch(2, url, tmp_path_factory.mktemp("gloo") / "result.json")
+    return launch_with_one_retry(2, url, tmp_path_factory.mktemp("gloo") / "result.json")
 
 
 def check_ranks(batches_by_rank, keys, url, world_size, lens=None):
