@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -39,7 +40,16 @@ def _train(data: str, log: Path, *extra: str) -> subprocess.CompletedProcess:
            "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(SCRIPT), "--data", data,
            "--epochs", "1", "--batch-size", str(BATCH), "--workers", "1", "--image-size", "32", "--width", "8",
            "--quiet", "--log-keys", str(log), *extra]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    # Its own session, so that a timeout kills torchrun, the ranks and their workers together.
+    with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as popen:
+        try:
+            stdout, stderr = popen.communicate(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(popen.pid, signal.SIGKILL)
+            stdout, stderr = popen.communicate()
+            raise AssertionError(f"timed out after {TIMEOUT_S} s\nstdout:\n{stdout[-4000:]}\nstderr:\n{stderr[-4000:]}")
+    proc = subprocess.CompletedProcess(cmd, popen.returncode, stdout, stderr)
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
     return proc
 
