@@ -364,6 +364,10 @@ def section_decode(d: Data, repeats: int, out: dict) -> None:
     wds_cpu_overhead = cpu[wdsc.name] / cpu[pilc.name] - 1
     out["targets"]["decode: one process >= 2x WebDataset"] = _target(ssc.rate / wdsc.rate, ">=", 2.0, "x")
     out["targets"]["decode: loader overhead < 10% of the bare loop"] = _target(overhead * 100, "<", 10.0, "%")
+    out["targets"]["decode: one process vs WebDataset, median of per-round ratios (informative)"] = _target(
+        per_round(ssc, wdsc), None, None, "x")
+    out["targets"]["decode: loader overhead, median of per-round ratios (informative)"] = _target(
+        (1 / per_round(ssc, barec) - 1) * 100, None, None, "%")
     out["targets"]["decode: loader overhead in CPU time (informative)"] = _target(cpu_overhead * 100, None, None, "%")
     out["decode"].update(overhead_pct=overhead * 100, cpu_overhead_pct=cpu_overhead * 100,
                          wds_loader_overhead_pct=wds_overhead * 100, wds_loader_cpu_overhead_pct=wds_cpu_overhead * 100,
@@ -405,6 +409,10 @@ def section_loader(d: Data, repeats: int, out: dict) -> None:
     t = out["targets"]
     t["loader: 2 workers >= 1.9x its own 1-worker rate"] = _target(s[2].rate / s[1].rate, ">=", 1.9, "x")
     t["loader: 2 workers >= 2x WebDataset's 2-worker rate"] = _target(s[2].rate / w[2].rate, ">=", 2.0, "x")
+    t["loader: 2 workers vs 1 worker, median of per-round ratios (informative)"] = _target(
+        per_round(s[2], s[1]), None, None, "x")
+    t["loader: 2 workers vs WebDataset's 2, median of per-round ratios (informative)"] = _target(
+        per_round(s[2], w[2]), None, None, "x")
     for n in (0, 1, 2):
         t[f"loader: time to first batch no worse than WebDataset ({n} workers)"] = _target(
             s[n].ttfb / w[n].ttfb, "<=", 1.0, "x (shardstream / WebDataset)")
@@ -567,6 +575,12 @@ def section_resume(d: Data, repeats: int, out: dict, server: ServerProcess) -> N
     print(ratio_text + "\n", flush=True)
     out["resume"] = {"rows": [g.row() for g in group], "table": text, "ratios": ratio_text, "state": state,
                      "resumed_at_batch": k, "batches": total, "bit_exact": True}
+
+
+def per_round(a: Contender, b: Contender) -> float:
+    """Median over rounds of a's rate over b's rate, each round's pair measured minutes apart at
+    most: steadier than the ratio of the medians when the machine drifts during a run."""
+    return statistics.median((a.samples / wa) / (b.samples / wb) for wa, wb in zip(a.wall, b.wall))
 
 
 def _target(value: float, op: str | None, want: float | None, unit: str) -> dict:
