@@ -473,6 +473,7 @@ def bench(
     warmup: float = 1.0,
     device: str = "cpu",
     *,
+    decode_on_device: bool = False,
     progress: bool = False,
     storage_options: dict[str, Any] | None = None,
     tolerance: float = 0.05,
@@ -484,7 +485,10 @@ def bench(
     (`RandomResizedCropJPEG(224)`), ``"val"`` (`CenterCropJPEG(224)`) or ``"none"``
     (raw image bytes, batched as lists: I/O and unpacking only). Each worker count gets
     `warmup` seconds (at least until its first batch) and then `seconds` of counting.
-    `on_row` is called with each row as it is measured.
+    With `decode_on_device` the workers ship JPEG bytes and the crop they drew, and
+    `DecodeOnDevice(device)` decodes the batch (nvJPEG on CUDA; see `device_jpeg`): the
+    knee then says how many workers that path needs. `on_row` is called with each row as
+    it is measured.
     """
     from .dataset import StreamingDataset
     from .loader import DataLoader
@@ -498,6 +502,8 @@ def bench(
         raise ShardstreamError("batch_size must be positive")
     if not seconds > 0 or not warmup >= 0:
         raise ShardstreamError("seconds must be positive and warmup non-negative")
+    if decode_on_device and transform == "none":
+        raise ShardstreamError("decode_on_device needs a transform to defer (train or val), not 'none'")
     sync = _device_sync(device)
 
     probe = StreamingDataset(dataset, storage_options=storage_options)
@@ -507,16 +513,23 @@ def bench(
     bytes_per_sample = (sum(s.bytes for s in manifest.shards) / samples) if manifest is not None and samples else None
     fields = (IMAGE_FIELD, "cls") if manifest is None or manifest.classes else (IMAGE_FIELD,)
     decode = _decode(transform)
+    on_device = None
+    if decode_on_device:
+        from .device_jpeg import DecodeOnDevice, DeferDecode
+
+        decode, on_device = DeferDecode(decode), DecodeOnDevice(device)
 
     def make_loader(num_workers: int) -> Any:
         ds = StreamingDataset(
             dataset, shuffle=True, decode=decode, fields=fields, storage_options=storage_options,
             collate_fn=_list_collate if transform == "none" else None,
         )
-        return DataLoader(ds, batch_size=batch_size, num_workers=num_workers, device=device)
+        return DataLoader(ds, batch_size=batch_size, num_workers=num_workers, device=device,
+                          transform_on_device=on_device)
 
     result = BenchResult(
-        dataset=str(dataset), batch_size=batch_size, transform=transform, device=str(device), seconds=seconds,
+        dataset=str(dataset), batch_size=batch_size, transform=transform + (" decoded on the device" if on_device else ""),
+        device=str(device), seconds=seconds,
         warmup=warmup, samples=samples, bytes_per_sample=bytes_per_sample, memory=peak_memory_method(),
         tolerance=tolerance,
     )

@@ -154,6 +154,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         seconds=args.seconds,
         warmup=args.warmup,
         device=args.device,
+        decode_on_device=args.decode_on_device,
         progress=not args.quiet,
         storage_options=_storage_options(args.storage_options),
     )
@@ -241,6 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seconds", type=float, default=5.0, help="measured seconds per worker count (default 5)")
     p.add_argument("--warmup", type=float, default=1.0, help="seconds discarded first (default 1)")
     p.add_argument("--device", default="cpu", help="where batches go: cpu or cuda (default cpu)")
+    p.add_argument("--decode-on-device", action="store_true",
+                   help="workers ship JPEG bytes, the device decodes (nvJPEG on cuda; see README)")
     p.add_argument("--plot", default=None, metavar="PNG", help="write the curve here (needs matplotlib)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -173,6 +173,18 @@ def _is_python_child(pid: int) -> bool:
         return False
 
 
+def test_bench_with_the_decode_on_the_device_side(tiny):
+    """Without CUDA the device side decodes on the CPU: the same images reach the consumer,
+    so the rows count whole batches, and the result says which path it measured."""
+    result = bench(tiny, workers=[0, 1], batch_size=4, transform="train", seconds=0.3, warmup=0.1,
+                   decode_on_device=True)
+    assert [r.num_workers for r in result.rows] == [0, 1]
+    assert all(r.images > 0 and r.images % 4 == 0 for r in result.rows)
+    assert result.transform == "train decoded on the device"
+    with pytest.raises(ShardstreamError, match="decode_on_device"):
+        bench(tiny, workers=[0], transform="none", decode_on_device=True)
+
+
 def test_bench_raw_bytes_counts_mb(tiny):
     result = bench(tiny, workers=[0], batch_size=5, transform="none", seconds=0.3, warmup=0.0)
     (row,) = result.rows
