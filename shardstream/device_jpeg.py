@@ -101,6 +101,11 @@ class DeferDecode:
 
     transform: _PlansCrops
 
+    def __post_init__(self) -> None:
+        if not callable(getattr(self.transform, "plan", None)):
+            raise TypeError(f"DeferDecode needs a fused transform with a plan(data) method "
+                            f"(RandomResizedCropJPEG, CenterCropJPEG), not {self.transform!r}")
+
     def __call__(self, data: bytes) -> EncodedImage:
         return EncodedImage(bytes(data), self.transform.plan(data))
 

@@ -230,6 +230,11 @@ def test_a_bad_image_on_the_device_side_is_named(packed):
         DecodeOnDevice("cpu")((collate_encoded(images_), torch.tensor([0, 1, 2])))
 
 
+def test_defer_decode_refuses_a_transform_it_cannot_plan():
+    with pytest.raises(TypeError, match="plan"):
+        DeferDecode(lambda data: data)
+
+
 def test_gpu_decoder_is_only_claimed_where_it_can_run():
     assert DecodeOnDevice(device="cuda").on_gpu == gpu_decoder_available()
     assert not DecodeOnDevice(device="cpu").on_gpu
