@@ -143,6 +143,9 @@ class DecodeOnDevice:
         return torch.device(self.device).type == "cuda" and gpu_decoder_available()
 
     def decode(self, batch: EncodedBatch) -> torch.Tensor:
+        if not isinstance(batch, EncodedBatch):
+            raise TypeError(f"DecodeOnDevice decodes the EncodedBatch a dataset with decode=DeferDecode(...) "
+                            f"makes; field {self.field!r} of this batch is a {type(batch).__name__}")
         if self.on_gpu:
             return _decode_gpu(batch, torch.device(self.device))
         return _decode_cpu(batch, range(len(batch))).to(self.device, non_blocking=True)

@@ -235,6 +235,13 @@ def test_defer_decode_refuses_a_transform_it_cannot_plan():
         DeferDecode(lambda data: data)
 
 
+def test_decode_on_device_says_what_it_expected(packed):
+    """A batch decoded in the workers already (DeferDecode forgotten) gets a clear error."""
+    batch = next(iter(DataLoader(images(packed, RandomResizedCropJPEG(SIZE)))))
+    with pytest.raises(TypeError, match="DeferDecode"):
+        DecodeOnDevice("cpu")(batch)
+
+
 def test_gpu_decoder_is_only_claimed_where_it_can_run():
     assert DecodeOnDevice(device="cuda").on_gpu == gpu_decoder_available()
     assert not DecodeOnDevice(device="cpu").on_gpu
