@@ -31,7 +31,7 @@ try:
 except ImportError:  # optional (the `fast` extra): Pillow decodes instead
     simplejpeg = None
 
-__all__ = ["Decoder", "decode_image", "decode_rgb", "image_size", "IMAGE_EXTENSIONS", "IMAGE_MODES"]
+__all__ = ["Decoder", "decode_image", "decode_rgb", "image_size", "is_jpeg", "IMAGE_EXTENSIONS", "IMAGE_MODES"]
 
 IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp", "ppm", "pgm", "bmp", "gif", "tif", "tiff"})
 IMAGE_MODES = (None, "pil", "rgb8")
@@ -53,9 +53,14 @@ def decode_image(data: bytes, mode: str | None, *, url: str = "", key: str = "")
 _SOI = b"\xff\xd8"  # a JPEG's first bytes
 
 
+def is_jpeg(data: bytes | memoryview) -> bool:
+    """Whether `data` starts as a JPEG does (its start-of-image marker)."""
+    return bytes(data[:2]) == _SOI
+
+
 def image_size(data: bytes) -> tuple[int, int]:
     """(width, height) of the image in `data`, from its header."""
-    if simplejpeg is not None and data[:2] == _SOI:
+    if simplejpeg is not None and is_jpeg(data):
         try:
             height, width, _, _ = simplejpeg.decode_jpeg_header(data)
             return width, height
@@ -74,7 +79,7 @@ def decode_rgb(data: bytes, at_least: tuple[int, int] | None = None, *, use_simp
     least that large; other formats at full size. `use_simplejpeg=False` decodes with
     Pillow even where simplejpeg is installed.
     """
-    if use_simplejpeg and simplejpeg is not None and data[:2] == _SOI:
+    if use_simplejpeg and simplejpeg is not None and is_jpeg(data):
         try:
             if at_least is None:
                 return simplejpeg.decode_jpeg(data, colorspace="RGB")

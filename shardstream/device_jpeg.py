@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from .batches import map_field
+from .decode import is_jpeg
 from .errors import DecodeError
 from .transforms import CropPlan, crop_resize
 
@@ -171,7 +172,7 @@ def _decode_cpu(batch: EncodedBatch, which: Iterable[int]) -> torch.Tensor:
 def _decode_gpu(batch: EncodedBatch, device: torch.device) -> torch.Tensor:
     decode_jpeg = _torchvision_decode_jpeg()
     assert decode_jpeg is not None
-    jpegs = [i for i, t in enumerate(batch.encoded()) if bytes(t[:2].numpy()) == b"\xff\xd8"]
+    jpegs = [i for i, t in enumerate(batch.encoded()) if is_jpeg(t[:2].numpy())]
     try:
         return decode_then_crop(batch, lambda encoded: decode_jpeg(encoded, mode="RGB", device=device), jpegs,
                                 lambda others: _decode_cpu(batch, others).to(device, non_blocking=True))

@@ -39,6 +39,7 @@ import numpy as np
 from PIL import Image
 
 from . import tario
+from .decode import is_jpeg
 from .errors import PackError, ShardstreamError
 from .format import INDEX_SUFFIX, MANIFEST_NAME, Manifest, ShardInfo
 from .journal import Journal
@@ -109,7 +110,7 @@ def _plain_jpeg(data: bytes) -> bool:
     JPEGs). It only ever says yes; anything unusual goes to Pillow, which then gives
     the error (or accepts what this walk is too strict for).
     """
-    if data[:2] != b"\xff\xd8" or b"\xff\xd9" not in data[-64:]:
+    if not is_jpeg(data) or b"\xff\xd9" not in data[-64:]:
         return False
     pos, end, frame = 2, len(data), False
     while pos + 4 <= end:
