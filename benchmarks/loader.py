@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Loader benchmark: shardstream vs WebDataset, from JPEG bytes to uint8 batches.
 
-    python benchmarks/loader.py [--images 2000] [--repeats 3] [--only decode,loader,remote,resume]
-                                [--shuffle-buffer 2048] [--data ~/.cache/shardstream-bench] [--out results.json]
+    python benchmarks/loader.py [--images 2000] [--repeats 3] [--only decode,loader,remote,resume,shrink]
+                                [--shuffle-buffer 2048] [--max-side 320] [--data ~/.cache/shardstream-bench]
+                                [--out results.json]
 
 Sections (each figure is the median of --repeats timed runs; contenders of a section
 take turns round by round, so slow drift of a noisy machine hits all of them alike;
@@ -33,6 +34,12 @@ ratios are between medians of the same run):
   resume owes is the interrupted run's shuffle buffer; on a few thousand images the
   default buffer (2,048) holds most of what is left, so `--shuffle-buffer 512` with
   `--images 4000` shows a dataset several times larger than its buffer, as real ones are.
+* shrink (not in the default run): what `pack --max-side` costs once and saves every
+  epoch. Pack the image folder as is and with `max_side=--max-side` (2 workers, zstd,
+  fresh output each round), then the decode section's one-process pipeline over each
+  packed dataset, and WebDataset + PIL over its tars of the original files as the
+  baseline. The shrunk images are other data (fewer pixels): the decode rates say what
+  a user gains by choosing that, not how the loaders compare.
 
 Data: the synthetic ImageNet-like folder of benchmarks/run.py (cached under --data as
 images-N; reused when present), packed once with `shardstream.pack(zstd, 32MB shards)`
@@ -73,13 +80,15 @@ import shardstream as ss  # noqa: E402
 from shardstream.transforms import RandomResizedCropJPEG, crop_params  # noqa: E402
 from shardstream.writer import parse_size  # noqa: E402
 
-SECTIONS = ("decode", "loader", "remote", "resume")
+SECTIONS = ("decode", "loader", "remote", "resume", "shrink")
+DEFAULT_SECTIONS = ("decode", "loader", "remote", "resume")
 SHARD_SIZE = "32MB"
 BATCH = 64
 SIZE = 224
 LATENCY_S = 0.05
 RESUME_AT = 0.9
 SHUFFLE_BUFFER = 2048  # StreamingDataset's default; --shuffle-buffer
+MAX_SIDE = 320  # --max-side, for the shrink section
 
 warnings.filterwarnings("ignore", message=r"set WebDataset\(shardshuffle")  # shardshuffle=True means 100
 warnings.filterwarnings("ignore", message=r"The given NumPy array is not writable")
@@ -376,6 +385,40 @@ def section_decode(d: Data, repeats: int, out: dict) -> None:
           f"WebDataset {wds_overhead * 100:+.1f}%, {wds_cpu_overhead * 100:+.1f}% (vs its PIL bare loop)\n", flush=True)
 
 
+def section_shrink(d: Data, repeats: int, out: dict) -> None:
+    shrunk_path, plain_path = (os.path.join(d.root, f"shrink-{name}") for name in (f"max{MAX_SIDE}", "plain"))
+
+    def pack(dst: str, **options: Any) -> Callable[[], dict]:
+        def run() -> dict:
+            c.reset(dst)
+            summary = ss.pack(d.images, dst, shard_size=SHARD_SIZE, workers=2, progress=False, **options)
+            os.sync()
+            return {"samples": summary.samples, "bytes_out": summary.bytes_out}
+        return run
+
+    packing = [Contender("pack as is (2 workers)", pack(plain_path), expect=d.n),
+               Contender(f"pack --max-side {MAX_SIDE} (2 workers)", pack(shrunk_path, max_side=MAX_SIDE), expect=d.n)]
+    measure("shrink", packing, repeats)
+    warm_files(path for folder in (plain_path, shrunk_path) for path in c.shard_files(folder, ".tar.zst"))
+    decoding = [Contender("decode: shardstream, packed as is", lambda: drain(lambda: ss_dataset(plain_path)),
+                          expect=d.n),
+                Contender(f"decode: shardstream, packed with --max-side {MAX_SIDE}",
+                          lambda: drain(lambda: ss_dataset(shrunk_path)), expect=d.n),
+                Contender("decode: WebDataset + PIL, original files", lambda: drain(lambda: wds_pipeline(d.wds_files)),
+                          expect=d.n)]
+    measure("shrink", decoding, repeats)
+    plain, shrunk, wds = decoding
+    sizes = {g.name: g.extra[-1]["bytes_out"] for g in packing}
+    out["shrink"] = {"max_side": MAX_SIDE, "bytes_out": sizes,
+                     "rows": [g.row() for g in packing + decoding],
+                     "pack_table": table(f"pack, {d.n} images, median of {repeats}", packing, packing[0]),
+                     "decode_table": table(f"decode, one process, shuffled, {d.n} images, median of {repeats}",
+                                           decoding, wds)}
+    out["targets"][f"shrink: decode rate with --max-side {MAX_SIDE} over as packed, per round (informative)"] = \
+        _target(per_round(shrunk, plain), None, None, "x")
+    print("bytes out: " + ", ".join(f"{k} {v / 1e6:,.1f} MB" for k, v in sizes.items()), flush=True)
+
+
 def section_loader(d: Data, repeats: int, out: dict) -> None:
     group: list[Contender] = []
     for n in (0, 1, 2):
@@ -598,15 +641,17 @@ def _target(value: float, op: str | None, want: float | None, unit: str) -> dict
 
 
 def main(argv: list[str] | None = None) -> int:
-    global SHUFFLE_BUFFER
+    global SHUFFLE_BUFFER, MAX_SIDE
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--images", type=int, default=2000, help="images in the synthetic folder (a multiple of 10)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per contender (median reported)")
-    p.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections: " + ", ".join(SECTIONS))
+    p.add_argument("--only", default=",".join(DEFAULT_SECTIONS),
+                   help="comma-separated sections: " + ", ".join(SECTIONS) + " (default: all but shrink)")
     p.add_argument("--data", default="~/.cache/shardstream-bench", help="cache folder for images and shards")
     p.add_argument("--out", default=None, help="JSON results file (default: <data>/loader-results-<images>.json)")
     p.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads in this process")
     p.add_argument("--shuffle-buffer", type=int, default=SHUFFLE_BUFFER, help="shardstream's shuffle buffer")
+    p.add_argument("--max-side", type=int, default=MAX_SIDE, help="the shrink section's pack --max-side")
     args = p.parse_args(argv)
     sections = [s.strip() for s in args.only.split(",") if s.strip()]
     if not sections or not set(sections) <= set(SECTIONS):
@@ -617,6 +662,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("need --images >= 80")
     torch.set_num_threads(args.torch_threads)
     SHUFFLE_BUFFER = args.shuffle_buffer
+    MAX_SIDE = args.max_side
 
     start = time.perf_counter()
     data_dir = os.path.expanduser(args.data)
@@ -655,6 +701,8 @@ def main(argv: list[str] | None = None) -> int:
                 section_remote(d, args.repeats, results, server)
             elif name == "resume":
                 section_resume(d, args.repeats, results, server)
+            elif name == "shrink":
+                section_shrink(d, args.repeats, results)
             results["load_average"][name] = {"start": la0, "end": os.getloadavg()[0],
                                              "section_s": time.perf_counter() - t0}
     finally:

@@ -56,6 +56,7 @@ def _pack_options(args: argparse.Namespace) -> dict:
     """The options every part of a pack shares, from the command line."""
     return dict(shard_size=args.shard_size, max_samples=args.max_samples, compression=args.compression,
                 level=args.level, seed=args.seed, shuffle=not args.no_shuffle, on_error=args.on_error,
+                max_side=args.max_side, quality=args.quality,
                 overwrite=args.overwrite, resume=args.resume, storage_options=_storage_options(args.storage_options))
 
 
@@ -181,6 +182,7 @@ def _worker_counts(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     from .shardfile import IMAGE_LEVEL, MIN_LEVEL
+    from .shrink import DEFAULT_QUALITY
 
     parser = argparse.ArgumentParser(prog="shardstream", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -198,6 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the sample order")
     p.add_argument("--no-shuffle", action="store_true", help="keep sorted order (class-sorted shards!)")
     p.add_argument("--on-error", choices=("fail", "skip"), default="fail", help="on a corrupt image")
+    p.add_argument("--max-side", type=int, default=None, metavar="PX",
+                   help="shrink images whose longer side exceeds PX to PX, encoded again (JPEG and WebP at "
+                   "--quality, PNG losslessly); smaller images keep their bytes (default: keep every file's bytes)")
+    p.add_argument("--quality", type=int, default=DEFAULT_QUALITY,
+                   help=f"with --max-side: JPEG/WebP quality of shrunk images (default {DEFAULT_QUALITY})")
     p.add_argument("--overwrite", action="store_true", help="replace a dataset already at DST")
     p.add_argument("--resume", action="store_true", help="continue an interrupted pack from its last complete shard")
     p.add_argument("--part", default=None, metavar="I/N",

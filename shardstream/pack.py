@@ -39,11 +39,12 @@ import numpy as np
 from PIL import Image
 
 from . import tario
-from .decode import is_jpeg
+from .decode import image_size, is_jpeg
 from .errors import PackError, ShardstreamError
 from .format import INDEX_SUFFIX, MANIFEST_NAME, Manifest, ShardInfo
 from .journal import Journal
 from .listing import Listing, SourceFile, list_source
+from .shrink import DEFAULT_QUALITY, shrink_image, shrunk_size
 from .shardfile import FRAME_SIZE, IMAGE_LEVEL, Frame, ShardFileWriter, build_frame
 from .storage import Store
 from .writer import check_compression, parse_size, shard_name, write_manifest
@@ -65,6 +66,8 @@ class PackOptions:
     shuffle: bool
     frame_size: int
     prefix: str
+    max_side: int | None = None  # shrink larger images (shrink.py); None keeps every file's bytes
+    quality: int = DEFAULT_QUALITY  # of images shrunk to JPEG or WebP
 
     def as_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -183,19 +186,42 @@ def check_image(data: bytes, path: str) -> None:
 # -- planning ---------------------------------------------------------------------------
 
 
-def _estimated_size(entry: SourceFile) -> int:
+def _estimated_size(entry: SourceFile, file_bytes: int | None = None) -> int:
     # The planner needs only a deterministic size, not the exact tar layout.
-    return tario.BLOCK + tario.padded(entry.size) + (2 * tario.BLOCK if entry.label is not None else 0)
+    file_bytes = entry.size if file_bytes is None else file_bytes
+    return tario.BLOCK + tario.padded(file_bytes) + (2 * tario.BLOCK if entry.label is not None else 0)
 
 
-def plan_frames(entries: list[SourceFile], opts: PackOptions) -> list[tuple[int, list[SourceFile]]]:
-    """Cut the ordered entries into (shard number, frame entries) jobs."""
+def shrunk_estimates(entries: list[SourceFile], root: str, max_side: int) -> dict[str, int]:
+    """Each file's expected size after shrinking to `max_side`, for planning only.
+
+    The file's size scaled by the share of pixels kept, from the image header (the
+    first 64 KB). Unreadable headers count at full size: the work step reports them.
+    """
+    estimates = {}
+    for entry in entries:
+        try:
+            with open(os.path.join(root, entry.path), "rb") as f:
+                size = image_size(f.read(1 << 16))
+        except Exception:  # noqa: BLE001 - any failure means: plan it at its full size
+            continue
+        width, height = shrunk_size(size, max_side)
+        estimates[entry.path] = max(1, entry.size * width * height // max(1, size[0] * size[1]))
+    return estimates
+
+
+def plan_frames(entries: list[SourceFile], opts: PackOptions,
+                file_bytes: dict[str, int] | None = None) -> list[tuple[int, list[SourceFile]]]:
+    """Cut the ordered entries into (shard number, frame entries) jobs.
+
+    `file_bytes` overrides the expected size of some files (those that will shrink).
+    """
     jobs: list[tuple[int, list[SourceFile]]] = []
     shard, shard_bytes, shard_count = 0, 0, 0
     frame: list[SourceFile] = []
     frame_bytes = 0
     for entry in entries:
-        size = _estimated_size(entry)
+        size = _estimated_size(entry, (file_bytes or {}).get(entry.path))
         full = shard_count and (
             shard_bytes + size > opts.shard_size or (opts.max_samples is not None and shard_count >= opts.max_samples)
         )
@@ -276,13 +302,16 @@ def build_job(job: tuple[int, list[SourceFile], str, PackOptions, bool]) -> Fram
             with open(path, "rb") as f:
                 data = f.read()
             check_image(data, path)
+            read = len(data)
+            if opts.max_side is not None:
+                data = shrink_image(data, opts.max_side, opts.quality, path=path)
         except (OSError, PackError) as e:
             reason = e.detail if isinstance(e, PackError) else f"unreadable: {e}"
             if not skip:
                 raise PackError(reason, url=path) from None
             skipped.append((entry.path, reason))
             continue
-        bytes_in += len(data)
+        bytes_in += read
         fields = [(entry.field, data)]
         if entry.label is not None:
             fields.append(("cls", str(entry.label).encode("ascii")))
@@ -539,6 +568,8 @@ def pack(
     overwrite: bool = False,
     resume: bool = False,
     part: tuple[int, int] | None = None,
+    max_side: int | None = None,
+    quality: int = DEFAULT_QUALITY,
     progress: bool = True,
     storage_options: dict[str, Any] | None = None,
 ) -> PackSummary:
@@ -550,15 +581,22 @@ def pack(
     and records it in the manifest. `resume` continues an interrupted pack from its
     last complete shard, with the same result as an uninterrupted one. `part=(i, n)`
     packs only the i-th of n slices of the input and writes a part manifest; run every
-    part (anywhere, in any order), then `merge` (parts.py).
+    part (anywhere, in any order), then `merge` (parts.py). `max_side` shrinks every
+    image whose longer side is larger to that side, encoded again at `quality` (JPEG,
+    WebP; PNG stays lossless); smaller images keep their bytes (shrink.py).
     """
     check_compression(compression, level)
     if on_error not in ON_ERROR:
         raise ShardstreamError(f"on_error must be one of {ON_ERROR}, not {on_error!r}")
     if part is not None and not 0 <= part[0] < part[1]:
         raise ShardstreamError(f"part must be I/N with 0 <= I < N, not {part[0]}/{part[1]}")
+    if max_side is not None and max_side < 1:
+        raise ShardstreamError(f"max_side must be a positive number of pixels, not {max_side}")
+    if not 1 <= quality <= 100:
+        raise ShardstreamError(f"quality must be 1..100, not {quality}")
     prefix = "shard" if part is None else f"shard-p{part[0]:05d}"
-    opts = PackOptions(parse_size(shard_size), max_samples, compression, level, seed, shuffle, FRAME_SIZE, prefix)
+    opts = PackOptions(parse_size(shard_size), max_samples, compression, level, seed, shuffle, FRAME_SIZE, prefix,
+                       max_side, quality)
     store = Store(dst, storage_options or {})
     target = MANIFEST_NAME if part is None else part_manifest_name(*part)
     if store.exists(target):
@@ -571,7 +609,8 @@ def pack(
     fingerprint = listing_fingerprint(entries)
     if part is not None:
         entries = part_slice(entries, *part)
-    planned = plan_frames(entries, opts)
+    shrunk = None if max_side is None else shrunk_estimates(entries, listing.root, max_side)
+    planned = plan_frames(entries, opts, shrunk)
     store.makedirs()
     journal = Journal(store, "main" if part is None else f"part-{part[0]:05d}-of-{part[1]:05d}")
     plan_record = {"options": opts.as_dict(), "listing": fingerprint, "part": list(part or ())}

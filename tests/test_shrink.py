@@ -1,0 +1,196 @@
+"""Shrinking images at pack time (`pack(max_side=...)`, `shardstream pack --max-side`)."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image, ImageCms
+
+import shardstream as ss
+from shardstream import PackError
+from shardstream.errors import ManifestError
+from shardstream.parts import merge
+from shardstream.shrink import shrink_image, shrunk_size
+from shardstream.synthetic import make_image_folder
+from shardstream.verify import verify_dataset
+
+
+def photo(width: int, height: int, mode: str = "RGB", seed: int = 0) -> Image.Image:
+    """A smooth picture with structure at several scales, so a wrong resize shows."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    channels = [127 + 100 * np.sin(x / (7 + 5 * c) + rng.uniform(0, 6)) * np.cos(y / (11 + 3 * c)) for c in range(4)]
+    array = np.clip(np.stack(channels, -1), 0, 255).astype(np.uint8)
+    return Image.fromarray(array, "RGBA").convert(mode)
+
+
+def encode(image: Image.Image, fmt: str, **options) -> bytes:
+    out = io.BytesIO()
+    image.save(out, fmt, **options)
+    return out.getvalue()
+
+
+def opened(data: bytes) -> Image.Image:
+    image = Image.open(io.BytesIO(data))
+    image.load()
+    return image
+
+
+def difference(a: Image.Image, b: Image.Image) -> float:
+    """Mean absolute pixel difference of two images of one size and mode."""
+    return float(np.abs(np.asarray(a, np.int16) - np.asarray(b, np.int16)).mean())
+
+
+@pytest.mark.parametrize("size, expected", [
+    ((640, 480), (320, 240)),
+    ((480, 640), (240, 320)),
+    ((321, 100), (320, 100)),
+    ((320, 200), (320, 200)),  # fits: unchanged
+    ((10000, 3), (320, 1)),  # never a zero side
+])
+def test_shrunk_size(size, expected):
+    assert shrunk_size(size, 320) == expected
+
+
+def test_an_image_that_fits_keeps_its_bytes():
+    data = encode(photo(120, 90), "JPEG", quality=75)
+    assert shrink_image(data, 120) is data
+    assert shrink_image(data, 500) is data
+
+
+@pytest.mark.parametrize("fmt, mode", [("JPEG", "RGB"), ("JPEG", "L"), ("JPEG", "CMYK"), ("PNG", "RGB"),
+                                       ("PNG", "RGBA"), ("PNG", "L"), ("WEBP", "RGB"), ("WEBP", "RGBA")])
+def test_a_larger_image_is_shrunk_in_its_own_format(fmt, mode):
+    original = photo(400, 300, mode)
+    data = encode(original, fmt, **({"quality": 95} if fmt != "PNG" else {}))
+    out = opened(shrink_image(data, 100))
+    assert (out.format, out.mode, out.size) == (fmt, mode, (100, 75))
+    # The same picture, shrunk: Pillow's own resize of the decoded original, exactly
+    # where the format is lossless (JPEG and WebP lose some, chroma most of all).
+    reference = opened(data).resize((100, 75), Image.Resampling.BICUBIC, reducing_gap=2.0)
+    assert difference(out, reference) == 0 if fmt == "PNG" else difference(out, reference) < 8
+    # ... and far from a picture that is merely the same size (a crop of it).
+    assert difference(out, opened(data).crop((0, 0, 100, 75))) > 20
+
+
+def test_palette_png_is_resampled_not_picked():
+    original = photo(200, 100).quantize(64)
+    data = encode(original, "PNG")
+    out = opened(shrink_image(data, 50))
+    assert (out.format, out.mode, out.size) == ("PNG", "RGB", (50, 25))
+    reference = original.convert("RGB").resize((50, 25), Image.Resampling.BICUBIC, reducing_gap=2.0)
+    assert difference(out, reference) < 2
+
+
+def test_quality_decides_the_bytes_and_output_is_reproducible():
+    data = encode(photo(600, 400), "JPEG", quality=95)
+    low, high = shrink_image(data, 300, 40), shrink_image(data, 300, 95)
+    assert len(low) < len(high)
+    assert shrink_image(data, 300, 95) == high
+
+
+def test_icc_profile_is_kept():
+    icc = ImageCms.ImageCmsProfile(ImageCms.createProfile("sRGB")).tobytes()
+    data = encode(photo(300, 200), "JPEG", quality=90, icc_profile=icc)
+    assert opened(shrink_image(data, 150)).info.get("icc_profile") == icc
+
+
+def test_an_image_that_cannot_be_shrunk_names_the_file():
+    gif = encode(photo(300, 200).convert("P"), "GIF")
+    with pytest.raises(PackError, match=r"^/data/a\.png: cannot shrink a GIF image"):
+        shrink_image(gif, 100, path="/data/a.png")
+    with pytest.raises(PackError, match=r"/data/b\.jpg"):
+        shrink_image(b"\xff\xd8\xff\xe0 not really", 100, path="/data/b.jpg")
+
+
+# -- through pack --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """14 JPEGs of 64x48 to 96x80 px: some fit in 72 px, most do not."""
+    root = tmp_path_factory.mktemp("shrink") / "src"
+    make_image_folder(root, num_classes=2, images_per_class=7, size_range=((64, 48), (96, 80)))
+    return root
+
+
+def images(url: str) -> dict[str, bytes]:
+    return {s["__key__"]: s["jpg"] for ref in ss.open_dataset(url).shards for s in ref.reader()}
+
+
+def source_images(root) -> dict[str, bytes]:
+    return {p.relative_to(root).with_suffix("").as_posix(): p.read_bytes() for p in sorted(root.rglob("*.jpg"))}
+
+
+def test_pack_shrinks_what_is_larger_and_keeps_the_rest(folder, tmp_path):
+    dst = str(tmp_path / "ds")
+    summary = ss.pack(str(folder), dst, max_side=72, quality=85, workers=1, progress=False)
+    sources, packed = source_images(folder), images(dst)
+    assert set(packed) == set(sources) and summary.samples == len(sources)
+    kept = shrunk = 0
+    for key, data in packed.items():
+        size = opened(sources[key]).size
+        if max(size) <= 72:
+            assert data == sources[key]  # the original bytes
+            kept += 1
+        else:
+            assert opened(data).size == shrunk_size(size, 72) and data != sources[key]
+            shrunk += 1
+    assert kept and shrunk  # the fixture has both kinds
+    assert summary.bytes_in == sum(len(d) for d in sources.values())
+    manifest = ss.open_dataset(dst).manifest
+    assert (manifest.options["max_side"], manifest.options["quality"]) == (72, 85)
+    # The labels are those of a plain pack.
+    plain = str(tmp_path / "plain")
+    ss.pack(str(folder), plain, workers=1, progress=False)
+    labels = {s["__key__"]: s["cls"] for ref in ss.open_dataset(dst).shards for s in ref.reader()}
+    assert labels == {s["__key__"]: s["cls"] for ref in ss.open_dataset(plain).shards for s in ref.reader()}
+    assert manifest.class_counts == ss.open_dataset(plain).manifest.class_counts
+    assert not verify_dataset(dst).problems
+
+
+def test_pack_with_shrinking_is_the_same_for_any_number_of_workers(folder, tmp_path, dataset_files):
+    ss.pack(str(folder), str(tmp_path / "w1"), max_side=60, shard_size="20KB", workers=1, progress=False)
+    ss.pack(str(folder), str(tmp_path / "w2"), max_side=60, shard_size="20KB", workers=2, progress=False)
+    assert dataset_files(tmp_path / "w1") == dataset_files(tmp_path / "w2")
+
+
+def test_shards_are_planned_on_the_shrunk_sizes(tmp_path):
+    """Large images shrunk 8x: a shard holds many of them, not as many as their original bytes allow."""
+    src = tmp_path / "src"
+    make_image_folder(src, num_classes=1, images_per_class=12, size_range=((480, 360), (512, 384)))
+    largest = max(p.stat().st_size for p in src.rglob("*.jpg"))
+    shard_size = 3 * largest
+    plain = ss.pack(str(src), str(tmp_path / "plain"), shard_size=shard_size, workers=1, progress=False)
+    small = ss.pack(str(src), str(tmp_path / "small"), shard_size=shard_size, max_side=64, workers=1, progress=False)
+    assert plain.shards >= 4
+    assert small.shards == 1
+
+
+def test_parts_packed_with_other_sizes_do_not_merge(folder, tmp_path):
+    dst = str(tmp_path / "parts")
+    ss.pack(str(folder), dst, max_side=72, part=(0, 2), progress=False)
+    ss.pack(str(folder), dst, max_side=80, part=(1, 2), progress=False)
+    with pytest.raises(ManifestError, match="part 1 was packed with other options"):
+        merge(dst)
+
+
+def test_bad_options_are_refused(folder, tmp_path):
+    with pytest.raises(ss.ShardstreamError, match="max_side"):
+        ss.pack(str(folder), str(tmp_path / "a"), max_side=0, progress=False)
+    with pytest.raises(ss.ShardstreamError, match="quality"):
+        ss.pack(str(folder), str(tmp_path / "b"), max_side=64, quality=101, progress=False)
+
+
+def test_cli_max_side(folder, tmp_path):
+    dst = tmp_path / "ds"
+    result = subprocess.run([sys.executable, "-m", "shardstream.cli", "pack", str(folder), str(dst),
+                             "--max-side", "50", "--quality", "80", "--quiet"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert max(max(opened(data).size) for data in images(str(dst)).values()) == 50
+    assert ss.open_dataset(str(dst)).manifest.options["quality"] == 80
