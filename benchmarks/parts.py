@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Packing in parts: 2 parts as 2 processes against one part, and the Ray executor against parts by hand.
 
-    python benchmarks/parts.py [--images 4000] [--copies 1] [--repeats 3] [--no-ray]
+    python benchmarks/parts.py [--images 4000] [--copies 1] [--repeats 3] [--no-ray] [--pin]
                                [--data ~/.cache/shardstream-bench] [--out results.json]
 
 Every contender packs the same synthetic image folder (benchmarks/run.py makes and
@@ -22,6 +22,13 @@ lists it, to agree on the order). On a few thousand images these
 dominate; `--copies K` packs a folder of K hard links to each image (distinct names,
 the same bytes, no extra disk) to show the rate at which they are paid off.
 
+A part is one process, but not one core: it reads and compresses in one thread and
+writes and hashes in another, so on this 2-core machine one part already keeps more
+than one core busy. `--pin` runs every part under `taskset -c` on a core of its own
+(one part on core 0; part I of 2 on core I), as a scheduler that grants one CPU per
+task does (SLURM's `--cpus-per-task=1`, a Kubernetes CPU limit of 1): then the ratio
+measures how the parts scale, not the baseline's idle core.
+
 Targets (issue #10): 2 parts >= 1.8x the rate of one part; Ray's time at most 1.1x
 the parts by hand. Every figure is the median of --repeats rounds, the contenders
 taking turns after one untimed warm-up round; outputs are removed before and sync()ed
@@ -41,16 +48,22 @@ import contenders as c  # noqa: E402
 from run import Contender, dataset_stats, ensure_images, loadavg, machine, measure, write_results  # noqa: E402
 
 CLI = [sys.executable, "-m", "shardstream.cli", "pack"]
+PIN = False  # --pin: every part on a core of its own (taskset)
 OPTIONS = ["--workers", "1", "--shard-size", c.SHARD_SIZE, "--quiet"]
 
 
+def _on_core(core: int) -> list[str]:
+    return ["taskset", "-c", str(core % (os.cpu_count() or 1))] if PIN else []
+
+
 def pack_one_part(src: str, dst: str) -> int:
-    subprocess.run([*CLI, src, dst, *OPTIONS], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run([*_on_core(0), *CLI, src, dst, *OPTIONS], check=True, stdout=subprocess.DEVNULL)
     return _samples(dst)
 
 
 def pack_parts_by_hand(src: str, dst: str, parts: int) -> int:
-    procs = [subprocess.Popen([*CLI, src, dst, "--part", f"{i}/{parts}", *OPTIONS], stdout=subprocess.DEVNULL)
+    procs = [subprocess.Popen([*_on_core(i), *CLI, src, dst, "--part", f"{i}/{parts}", *OPTIONS],
+                              stdout=subprocess.DEVNULL)
              for i in range(parts)]
     codes = [p.wait() for p in procs]
     if any(codes):
@@ -111,7 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="JSON results file")
     p.add_argument("--copies", type=int, default=1, help="hard links per image: a K times larger input")
     p.add_argument("--no-ray", action="store_true", help="leave out the Ray executor")
+    p.add_argument("--pin", action="store_true", help="run every part on a core of its own (taskset)")
     args = p.parse_args(argv)
+    global PIN
+    PIN = args.pin
 
     data = os.path.expanduser(args.data)
     info = machine()
@@ -144,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict = {"date": datetime.date.today().isoformat(),
                      "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-                     "machine": info, "dataset": stats, "repeats": args.repeats, "loadavg_before": loadavg()}
+                     "machine": info, "dataset": stats, "repeats": args.repeats, "pinned": PIN,
+                     "loadavg_before": loadavg()}
     measure("parts", group, args.repeats)
     results["loadavg_after"] = loadavg()
     for g in group:
