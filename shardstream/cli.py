@@ -92,6 +92,18 @@ def cmd_merge(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_index(args: argparse.Namespace) -> int:
+    from .adopt import index_tars
+
+    manifest = index_tars(args.source, workers=args.workers, overwrite=args.overwrite, progress=not args.quiet,
+                          storage_options=_storage_options(args.storage_options))
+    fields = sorted({f for s in manifest.shards for f in s.fields})
+    print(f"indexed {manifest.samples:,} samples in {len(manifest.shards)} shards "
+          f"({sum(s.bytes for s in manifest.shards) / 1e6:,.1f} MB); fields {', '.join(fields)}; "
+          f"{len(manifest.classes)} classes")
+    return 0
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .verify import inspect_dataset
 
@@ -221,6 +233,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dst")
     p.set_defaults(run=cmd_merge)
 
+    p = sub.add_parser("index", help="make WebDataset .tar shards a dataset in place: an index each, a manifest")
+    p.add_argument("source", help="folder or URL prefix of .tar shards, a brace pattern, or one shard's URL")
+    p.add_argument("--workers", type=int, default=8, help="shards read at once (default 8)")
+    p.add_argument("--overwrite", action="store_true", help="replace a manifest already there")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(run=cmd_index)
+
     p = sub.add_parser("inspect", help="what a packed dataset holds")
     p.add_argument("dataset")
     p.add_argument("--json", action="store_true")
@@ -258,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fsspec options as JSON")
     p.set_defaults(run=cmd_bench)
 
-    for name in ("pack", "merge", "inspect", "verify"):
+    for name in ("pack", "merge", "index", "inspect", "verify"):
         sub.choices[name].add_argument(
             "--storage-options", default=os.environ.get("SHARDSTREAM_STORAGE_OPTIONS"),
             help="fsspec options as JSON, e.g. '{\"endpoint_url\": \"http://127.0.0.1:9000\"}'",

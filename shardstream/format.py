@@ -7,6 +7,7 @@ a damaged one fails here with a message naming the file, not later with a KeyErr
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -271,6 +272,32 @@ class ShardIndex:
                 raise E("frames and samples do not cover the same bytes", url=url)
         if not all(isinstance(k, str) for k in self.keys):
             raise E("keys must be strings", url=url)
+
+
+def label_of(cls: bytes) -> int:
+    """A sample's class for the index: its `cls` field as an integer, -1 if it is not one."""
+    try:
+        return int(cls)
+    except ValueError:
+        return -1
+
+
+def weight_of(weight: bytes) -> float:
+    """A sample's sampling weight for the index: its `weight` field as a number, NaN if it is not one."""
+    try:
+        return float(weight)
+    except ValueError:
+        return math.nan
+
+
+def label_column(labels: list[int]) -> np.ndarray | None:
+    """The index's `labels` (None when no sample has a class)."""
+    return np.asarray(labels, dtype=np.int64) if any(x >= 0 for x in labels) else None
+
+
+def weight_column(weights: list[float]) -> np.ndarray | None:
+    """The index's `weights` (None when no sample has one)."""
+    return None if all(math.isnan(w) for w in weights) else np.asarray(weights, dtype=np.float64)
 
 
 def _labels(data: Any, n: int, url: str) -> np.ndarray | None:

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import zlib
+import math
 import threading
+import zlib
 from typing import BinaryIO, Iterator
 
 import numpy as np
@@ -28,7 +29,7 @@ import zstandard
 
 from . import tario
 from .errors import CorruptIndexError, CorruptShardError, ShardstreamError
-from .format import INDEX_SUFFIX, ShardIndex, ShardInfo
+from .format import INDEX_SUFFIX, ShardIndex, ShardInfo, label_column, label_of, weight_column, weight_of
 from .storage import Store, split_url
 
 __all__ = ["ShardReader", "StreamTarReader", "open_shard", "Sample"]
@@ -420,7 +421,9 @@ class StreamTarReader:
                     "random access needs an index; compressed tars without one are read front to back only",
                     url=self.url,
                 )
-            self._reader = ShardReader(self.store, self.name, index=scan_index(self.store, self.name))
+            with self.store.open(self.name) as f:
+                index, _ = scan_tar(CountingReader(f), self.url)
+            self._reader = ShardReader(self.store, self.name, index=index)
         return self._reader
 
     def __len__(self) -> int:
@@ -433,21 +436,45 @@ class StreamTarReader:
         return self._indexed()[i]
 
 
-def scan_index(store: Store, name: str) -> ShardIndex:
-    """Build the index of a plain `.tar` by one pass over it."""
-    url = store.url(name)
+class CountingReader:
+    """Reads through to `f`, counting every byte on the way (and hashing it, given a hash)."""
+
+    def __init__(self, f: BinaryIO, hash: "hashlib._Hash | None" = None):
+        self.f, self.hash, self.position = f, hash, 0
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.f.read(n)
+        if self.hash is not None:
+            self.hash.update(data)
+        self.position += len(data)
+        return data
+
+
+def scan_tar(f: CountingReader, url: str) -> tuple[ShardIndex, tuple[str, ...]]:
+    """The index of a plain `.tar` (sample keys and offsets, classes, weights) and its fields, by one pass."""
     keys: list[str] = []
     offsets: list[int] = []
+    labels: list[int] = []
+    weights: list[float] = []
+    fields: set[str] = set()
     end = 0
-    with store.open(name) as f:
-        for name_, _data, offset in tario.iter_stream_members(f, url=url):
-            key, _ = tario.split_name(name_)
-            if not keys or keys[-1] != key:
-                keys.append(key)
-                offsets.append(offset)
-            end = f.tell()  # the member and its padding have been read
+    for member, data, offset in tario.iter_stream_members(f, url=url):  # type: ignore[arg-type]
+        key, field = tario.split_name(member)
+        if not keys or keys[-1] != key:
+            keys.append(key)
+            offsets.append(offset)
+            labels.append(-1)
+            weights.append(math.nan)
+        if field == "cls":
+            labels[-1] = label_of(data)
+        elif field == "weight":
+            weights[-1] = weight_of(data)
+        fields.add(field)
+        end = f.position  # the member and its padding have been read
     empty = np.zeros(0, dtype=np.int64)
-    return ShardIndex(tuple(keys), np.asarray(offsets + [end], dtype=np.int64), empty, empty, "none")
+    index = ShardIndex(tuple(keys), np.asarray(offsets + [end], dtype=np.int64), empty, empty, "none",
+                       labels=label_column(labels), weights=weight_column(weights))
+    return index, tuple(sorted(fields))
 
 
 def open_shard(url: str, *, storage_options: dict | None = None) -> ShardReader | StreamTarReader:

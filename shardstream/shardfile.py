@@ -21,7 +21,7 @@ import numpy as np
 import zstandard
 
 from . import tario
-from .format import INDEX_SUFFIX, ShardIndex, ShardInfo
+from .format import INDEX_SUFFIX, ShardIndex, ShardInfo, label_column, label_of, weight_column, weight_of
 from .errors import StorageError
 from .storage import Store, scratch_file
 
@@ -76,9 +76,9 @@ def build_frame(samples: Sequence[tuple[str, list[tuple[str, bytes]]]], compress
         label, weight = -1, math.nan
         for name, data in members:
             if name == "cls":
-                label = _label(data)
+                label = label_of(data)
             elif name == "weight":
-                weight = _weight(data)
+                weight = weight_of(data)
             # Header, data and padding go into one join: the data is copied once.
             header, data, pad = member_parts(f"{key}.{name}", data)
             parts += (header, data, pad)
@@ -91,20 +91,6 @@ def build_frame(samples: Sequence[tuple[str, list[tuple[str, bytes]]]], compress
     raw = b"".join(parts)
     data = _compressor(level).compress(raw) if compression == "zstd" else raw
     return Frame(keys, sizes, fields, data, len(raw), labels, weights)
-
-
-def _label(data: bytes) -> int:
-    try:
-        return int(data)
-    except ValueError:
-        return -1
-
-
-def _weight(data: bytes) -> float:
-    try:
-        return float(data)
-    except ValueError:
-        return math.nan
 
 
 def seek_table(frames: Sequence[tuple[int, int]]) -> bytes:
@@ -266,8 +252,8 @@ class ShardFileWriter:
             comp = raw = np.zeros(0, dtype=np.int64)
         return ShardIndex(
             keys=tuple(self._keys),
-            labels=np.asarray(self._labels, dtype=np.int64) if any(x >= 0 for x in self._labels) else None,
-            weights=None if all(math.isnan(w) for w in self._weights) else np.asarray(self._weights, np.float64),
+            labels=label_column(self._labels),
+            weights=weight_column(self._weights),
             sample_offsets=np.asarray(self._sample_offsets, dtype=np.int64),
             frame_offsets=comp.astype(np.int64),
             frame_raw_offsets=raw.astype(np.int64),

@@ -168,6 +168,11 @@ def expand_braces(pattern: str) -> list[str]:
     return [name for i in range(int(lo), int(hi) + 1) for name in expand_braces(f"{head}{i:0{width}d}{tail}")]
 
 
+def names_shards(source: str) -> bool:
+    """Whether `source` names shards (one shard's URL, or a brace pattern) rather than a dataset's folder."""
+    return bool(_BRACES.search(source)) or source.endswith((".tar", ".tgz", ".gz", ".zst"))
+
+
 def resolve_source(source: "str | Sequence[str] | Mix", *, storage_options: dict[str, Any] | None = None,
                    retry: RetryPolicy | None = None) -> Source:
     """A `Source` from a dataset location, a brace pattern, a list of shard URLs, or a `Mix` of those."""
@@ -179,7 +184,7 @@ def resolve_source(source: "str | Sequence[str] | Mix", *, storage_options: dict
         parts = tuple(resolve_source(s, storage_options=options, retry=retry) for s in source.sources)
         return Source("mix", tuple(ref for p in parts for ref in p.shards), None, parts)
     if isinstance(source, str):
-        if not _BRACES.search(source) and not source.endswith((".tar", ".tgz", ".gz", ".zst")):
+        if not names_shards(source):
             return open_dataset(source, storage_options=options, retry=retry)
         urls = expand_braces(source)
     else:

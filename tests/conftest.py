@@ -62,6 +62,17 @@ def dataset_files(url: str | Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(root.iterdir()) if p.is_file()}
 
 
+def write_webdataset(samples: list[dict], out: Path, per_shard: int) -> Path:
+    """`samples` written by webdataset.ShardWriter into out/shard-NNNNNN.tar, `per_shard` a shard."""
+    import webdataset as wds
+
+    out.mkdir(parents=True, exist_ok=True)
+    with wds.ShardWriter(str(out / "shard-%06d.tar"), maxcount=per_shard, verbose=0) as sink:
+        for s in samples:
+            sink.write(dict(s))
+    return out
+
+
 @pytest.fixture(scope="session")
 def image_folder(tmp_path_factory) -> Path:
     """3 classes x 7 JPEGs plus `class_001/notes.txt`. Shared: do not modify (see image_folder_copy)."""
@@ -119,6 +130,12 @@ def read_shards_fixture():
 def source_files_fixture():
     """source_files(root) -> {relative path: bytes} of every file under root."""
     return source_files
+
+
+@pytest.fixture(name="write_webdataset")
+def write_webdataset_fixture():
+    """write_webdataset(samples, out, per_shard) -> out, holding WebDataset ShardWriter's tars."""
+    return write_webdataset
 
 
 @pytest.fixture(name="dataset_files")

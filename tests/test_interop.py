@@ -124,17 +124,12 @@ def test_webdataset_tariterators_see_our_member_names(packed_plain):
 
 
 @pytest.fixture
-def wds_shards(image_folder, tmp_path) -> tuple[Path, list[dict]]:
+def wds_shards(image_folder, tmp_path, write_webdataset) -> tuple[Path, list[dict]]:
     """image_folder written by webdataset.ShardWriter, 8 samples a shard: 3 plain .tar shards."""
     samples = source_samples(image_folder)
     for i, s in enumerate(samples):
         s["txt"] = f"caption {i}"
-    out = tmp_path / "wds"
-    out.mkdir()
-    with wds.ShardWriter(str(out / "shard-%06d.tar"), maxcount=8, verbose=0) as sink:
-        for s in samples:
-            sink.write(dict(s))
-    return out, samples
+    return write_webdataset(samples, tmp_path / "wds", 8), samples
 
 
 def test_open_shard_reads_webdataset_shardwriter(wds_shards):

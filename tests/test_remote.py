@@ -201,6 +201,25 @@ def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
     return proc.returncode, out, err
 
 
+def test_s3_webdataset_tars_indexed_in_place(moto, src, jpg_digests, tmp_path, write_webdataset):
+    """WebDataset tars on S3: `index_tars` writes their indexes and a manifest there, and then
+    DataLoader workers stream every sample once, by ranged reads, each with its bytes intact."""
+    from shardstream.adopt import index_tars
+
+    samples = [{"__key__": path.relative_to(src).with_suffix("").as_posix(), "jpg": path.read_bytes()}
+               for path in sorted(src.rglob("*.jpg"))]
+    local = write_webdataset(samples, tmp_path / "wds", 4)
+    s3 = s3fs_of(moto)
+    for path in sorted(local.glob("*.tar")):
+        s3.pipe(f"{BUCKET}/wds/{path.name}", path.read_bytes())
+    url = f"s3://{BUCKET}/wds"
+    manifest = index_tars(url, storage_options=moto.storage_options)
+    assert manifest.samples == N and len(manifest.shards) == -(-N // 4)
+    assert s3.exists(f"{BUCKET}/wds/manifest.msgpack") and s3.exists(f"{BUCKET}/wds/shard-000000.tar.idx")
+    items = H.read_items(url, storage_options=moto.storage_options, with_bytes=True)
+    assert sorted(items) == sorted([key, digest] for key, digest in jpg_digests.items())
+
+
 def test_s3_cli_inspect(moto, s3_ds, shard_names):
     status, out, err = finish(cli("inspect", s3_ds, "--json", "--storage-options", json.dumps(moto.storage_options)))
     assert status == 0, err

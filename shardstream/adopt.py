@@ -1,0 +1,122 @@
+"""Adopting WebDataset tars: index them where they lie, and write a manifest beside them.
+
+A folder of plain `.tar` shards written by WebDataset (or `tar`) streams as it is,
+but without an index each reader scans every shard before its first ranged read, and
+without a manifest the planner scans them all to count the samples. `index_tars`
+does that scan once: it writes ``<shard>.tar.idx`` beside each shard and
+``manifest.msgpack`` beside them all, and leaves the shards untouched, byte for byte,
+so WebDataset and `tar` read them as before. The folder is then a shardstream
+dataset with every guarantee of a packed one: exact sample-level splitting, `len()`,
+ranged reads, checksums, exact resume.
+
+Compressed tars (`.tar.gz`, or a `.tar.zst` of one frame) cannot be read by ranges,
+so they are refused; decompress them first, or repack the images with `pack`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Sequence
+
+import numpy as np
+
+from ._version import __version__
+from .errors import ShardstreamError
+from .format import INDEX_SUFFIX, MANIFEST_NAME, Manifest, ShardInfo
+from .reader import CountingReader, scan_tar
+from .source import expand_braces, names_shards
+from .storage import RetryPolicy, Store, split_url
+from .writer import write_manifest
+
+__all__ = ["index_tars"]
+
+_COMPRESSED = (".tar.gz", ".tgz", ".tar.zst", ".tar.bz2", ".tar.xz")
+
+
+def index_tars(source: str | Sequence[str], *, workers: int = 8, overwrite: bool = False,
+               storage_options: dict[str, Any] | None = None, progress: bool = False) -> Manifest:
+    """Index plain `.tar` shards in place and write the manifest that makes them a dataset.
+
+    `source` is a folder or URL prefix (its ``*.tar`` files, in name order), a brace
+    pattern (``shards-{000000..000099}.tar``) or a list of shard URLs, all in one folder.
+    Each shard is read once (`workers` at a time); samples are the members that share
+    a key, as WebDataset groups them; a `cls` field that holds an integer gives the
+    sample's class (the class table names classes by their numbers), a `weight` field
+    its sampling weight. Tars without samples are left out of the manifest. Returns
+    the manifest written. An existing manifest is replaced only with `overwrite`.
+    """
+    store, names = _shards(source, storage_options or {})
+    if store.exists(MANIFEST_NAME) and not overwrite:
+        raise ShardstreamError("already holds a manifest; pass overwrite=True (--overwrite) to replace it",
+                               url=store.url(MANIFEST_NAME))
+    from .progress import progress_bar
+
+    scans: list[tuple[ShardInfo, np.ndarray | None]] = []
+    pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="shardstream-index")
+    try:
+        with progress_bar(total=len(names), unit="shard", desc="index", disable=not progress) as bar:
+            for scan in pool.map(lambda name: _index_shard(store, name), names):
+                scans.append(scan)
+                bar.update(1)
+    finally:  # on an error, the shards not yet started are not read
+        pool.shutdown(wait=True, cancel_futures=True)
+    shards = tuple(info for info, _ in scans if info.samples)
+    labels = np.concatenate([lab for _, lab in scans if lab is not None] or [np.zeros(0, np.int64)])
+    labels = labels[labels >= 0]
+    counts = np.bincount(labels) if labels.size else np.zeros(0, np.int64)
+    manifest = Manifest(
+        shards=shards,
+        compression="none",
+        classes=tuple(str(i) for i in range(len(counts))),
+        class_counts=tuple(int(c) for c in counts),
+        options={"indexed_in_place": True},
+        writer=f"shardstream {__version__} (index)",
+    )
+    write_manifest(store, manifest)
+    return manifest
+
+
+def _shards(source: str | Sequence[str], options: dict[str, Any]) -> tuple[Store, list[str]]:
+    """The one folder the shards are in, and their names."""
+    if isinstance(source, str) and not names_shards(source):
+        store = Store(source, options, RetryPolicy())
+        names = store.list(".tar")
+        if not names:
+            compressed = [n for n in store.list() if n.endswith(_COMPRESSED)]
+            raise ShardstreamError("no .tar shards here" + (
+                f" (only compressed ones, such as {compressed[0]}: decompress them first)" if compressed else ""),
+                url=source)
+    else:
+        urls = expand_braces(source) if isinstance(source, str) else list(source)
+        if not urls:
+            raise ShardstreamError("no shards given")
+        parents = {split_url(url)[0] for url in urls}
+        if len(parents) > 1:
+            raise ShardstreamError(f"the shards must share one folder, for the manifest beside them: {sorted(parents)}")
+        store = Store(parents.pop(), options, RetryPolicy())
+        names = [split_url(url)[1] for url in urls]
+    refused = [n for n in names if not n.endswith(".tar")]
+    if refused:
+        raise ShardstreamError(
+            f"only plain .tar shards can be indexed in place (a compressed tar cannot be read by ranges): "
+            f"{', '.join(refused[:5])}{' ...' if len(refused) > 5 else ''}; decompress them first",
+            url=store.url(refused[0]))
+    return store, names
+
+
+def _index_shard(store: Store, name: str) -> tuple[ShardInfo, np.ndarray | None]:
+    """Scan one shard, write its index beside it; its manifest entry and its labels."""
+    with store.open(name) as f:
+        counted = CountingReader(f, hashlib.sha256())
+        index, fields = scan_tar(counted, store.url(name))
+        while counted.read(1 << 20):  # the end-of-archive blocks: the checksum covers the whole file
+            pass
+    if not len(index):
+        return ShardInfo(name, 0, counted.position, counted.position, "", "", 0, "", ()), None
+    data = index.to_bytes()
+    store.write(name + INDEX_SUFFIX, data)
+    info = ShardInfo(name=name, samples=len(index), bytes=counted.position, raw_bytes=counted.position,
+                     sha256=counted.hash.hexdigest(), index=name + INDEX_SUFFIX, index_bytes=len(data),  # type: ignore[union-attr]
+                     index_sha256=hashlib.sha256(data).hexdigest(), fields=fields)
+    return info, index.labels

@@ -1,0 +1,171 @@
+"""`shardstream index`: WebDataset tars made a dataset in place (an index each, a manifest)."""
+
+from __future__ import annotations
+
+import collections
+import gzip
+import io
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import fsspec
+import pytest
+from torch.utils.data import DataLoader
+
+import shardstream as ss
+from shardstream import CorruptShardError, ShardstreamError
+from shardstream.adopt import index_tars
+from shardstream.format import MANIFEST_NAME
+from shardstream.verify import verify_dataset
+
+wds = pytest.importorskip("webdataset")
+
+
+def source_samples(folder: Path) -> list[dict]:
+    classes = sorted(p.name for p in folder.iterdir() if p.is_dir())
+    return [{"__key__": p.relative_to(folder).with_suffix("").as_posix(), "jpg": p.read_bytes(),
+             "cls": classes.index(p.parent.name), "weight": f"{1 + i % 3}"}
+            for i, p in enumerate(sorted(folder.rglob("*.jpg")))]
+
+
+@pytest.fixture
+def wds_folder(image_folder, tmp_path, write_webdataset) -> tuple[Path, list[dict]]:
+    """image_folder written by webdataset.ShardWriter, 5 samples a shard: 5 plain tars (21 samples)."""
+    samples = source_samples(image_folder)
+    return write_webdataset(samples, tmp_path / "wds", 5), samples
+
+
+def tar_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.glob("*.tar"))}
+
+
+def test_index_makes_a_dataset_and_leaves_the_shards_alone(wds_folder):
+    folder, samples = wds_folder
+    before = tar_bytes(folder)
+    manifest = index_tars(str(folder))
+    assert tar_bytes(folder) == before  # in place: not a byte of a shard changes
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        [MANIFEST_NAME, *before, *(name + ".idx" for name in before)])
+    assert [s.name for s in manifest.shards] == sorted(before)
+    assert [s.samples for s in manifest.shards] == [5, 5, 5, 5, 1]
+    assert manifest.compression == "none" and manifest.writer.endswith("(index)")
+    # The class table: classes by number, counted.
+    assert manifest.classes == ("0", "1", "2")
+    assert manifest.class_counts == tuple(collections.Counter(s["cls"] for s in samples)[c] for c in range(3))
+    # Every sample reads back as WebDataset wrote it, sequentially and by random access.
+    source = ss.open_dataset(str(folder))
+    read = [s for ref in source.shards for s in ref.reader()]
+    assert [s["__key__"] for s in read] == [s["__key__"] for s in samples]
+    assert [s["jpg"] for s in read] == [s["jpg"] for s in samples]
+    reader = source.shards[2].reader()
+    assert [reader[i]["__key__"] for i in reversed(range(5))] == [s["__key__"] for s in samples[10:15]][::-1]
+    # The index carries each sample's class and weight, as a pack's does.
+    index = reader.index
+    assert list(index.labels) == [s["cls"] for s in samples[10:15]]
+    assert list(index.weights) == [float(s["weight"]) for s in samples[10:15]]
+    assert verify_dataset(str(folder)).ok
+    # WebDataset still reads the folder as before.
+    got = [s["__key__"] for s in wds.WebDataset(sorted(str(p) for p in folder.glob("*.tar")), shardshuffle=False)]
+    assert got == [s["__key__"] for s in samples]
+
+
+def test_indexed_tars_stream_exactly_once_at_sample_granularity(wds_folder):
+    """5 shards for 3 ranks x 2 workers: sample-level splitting, equal ranks, every sample once."""
+    folder, samples = wds_folder
+    index_tars(str(folder))
+    seen = collections.Counter()
+    for rank in range(3):
+        ds = ss.StreamingDataset(str(folder), decode=None, fields=("__key__",), shuffle=True, seed=3,
+                                 rank=rank, world_size=3, partial="drop")
+        keys = [k for (k,) in DataLoader(ds, batch_size=None, num_workers=2)]
+        assert len(keys) == len(ds) == 7  # 21 samples, 3 ranks
+        seen.update(keys)
+    assert set(seen) == {s["__key__"] for s in samples} and set(seen.values()) == {1}
+
+
+def test_index_a_brace_pattern_and_a_memory_filesystem(wds_folder):
+    folder, samples = wds_folder
+    fs = fsspec.filesystem("memory")
+    for path in sorted(folder.glob("*.tar")):
+        fs.pipe(f"/adopt/{path.name}", path.read_bytes())
+    manifest = index_tars("memory://adopt/shard-{000000..000003}.tar")
+    assert [s.samples for s in manifest.shards] == [5, 5, 5, 5]  # the pattern leaves the last shard out
+    assert fs.exists("/adopt/manifest.msgpack") and fs.exists("/adopt/shard-000000.tar.idx")
+    keys = [s["__key__"] for ref in ss.open_dataset("memory://adopt").shards for s in ref.reader()]
+    assert keys == [s["__key__"] for s in samples[:20]]
+    fs.rm("/adopt", recursive=True)
+
+
+def test_an_existing_manifest_is_kept_unless_told(wds_folder):
+    folder, _ = wds_folder
+    index_tars(str(folder))
+    first = (folder / MANIFEST_NAME).read_bytes()
+    with pytest.raises(ShardstreamError, match="already holds a manifest"):
+        index_tars(str(folder))
+    index_tars(str(folder), overwrite=True)
+    assert (folder / MANIFEST_NAME).read_bytes() == first  # the same input gives the same manifest
+
+
+def test_compressed_tars_are_refused_by_name(wds_folder, tmp_path):
+    folder, _ = wds_folder
+    gz = tmp_path / "gz"
+    gz.mkdir()
+    for path in folder.glob("*.tar"):
+        (gz / (path.name + ".gz")).write_bytes(gzip.compress(path.read_bytes()))
+    with pytest.raises(ShardstreamError, match=r"no \.tar shards here \(only compressed ones, such as "
+                                               r"shard-000000\.tar\.gz: decompress them first\)"):
+        index_tars(str(gz))
+    with pytest.raises(ShardstreamError, match=r"only plain \.tar.*shard-000001\.tar\.gz"):
+        index_tars([str(gz / "shard-000001.tar.gz")])
+    assert not (gz / MANIFEST_NAME).exists()
+
+
+def test_shards_in_two_folders_are_refused(wds_folder, tmp_path):
+    folder, _ = wds_folder
+    other = tmp_path / "other"
+    other.mkdir()
+    shutil.copy(folder / "shard-000000.tar", other / "x.tar")
+    with pytest.raises(ShardstreamError, match="must share one folder"):
+        index_tars([str(folder / "shard-000001.tar"), str(other / "x.tar")])
+
+
+def test_a_truncated_tar_names_the_shard_and_writes_no_manifest(wds_folder):
+    folder, _ = wds_folder
+    shard = folder / "shard-000002.tar"
+    shard.write_bytes(shard.read_bytes()[:3000])
+    with pytest.raises(CorruptShardError, match=r"shard-000002\.tar"):
+        index_tars(str(folder), workers=2)
+    assert not (folder / MANIFEST_NAME).exists()
+
+
+def test_long_member_names_and_empty_tars(tmp_path):
+    """pax long names (keys over 100 characters) index as they read; a tar of no files is left out."""
+    folder = tmp_path / "tars"
+    folder.mkdir()
+    key = "deep/" * 30 + "sample"
+    with tarfile.open(folder / "a.tar", "w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in ((f"{key}.txt", b"hello"), (f"{key}.cls", b"4"), ("short.txt", b"x")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, fileobj=io.BytesIO(data))
+    tarfile.open(folder / "b.tar", "w").close()
+    manifest = index_tars(str(folder))
+    assert [(s.name, s.samples) for s in manifest.shards] == [("a.tar", 2)]
+    assert manifest.class_counts == (0, 0, 0, 0, 1)
+    reader = ss.open_dataset(str(folder)).shards[0].reader()
+    assert [reader[i]["__key__"] for i in (1, 0)] == ["short", key]
+    assert reader[0]["txt"] == b"hello"
+
+
+def test_cli_index_then_verify(wds_folder):
+    folder, samples = wds_folder
+    result = subprocess.run([sys.executable, "-m", "shardstream.cli", "index", str(folder), "--quiet"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert f"indexed {len(samples)} samples in 5 shards" in result.stdout
+    result = subprocess.run([sys.executable, "-m", "shardstream.cli", "verify", str(folder), "--quiet"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
