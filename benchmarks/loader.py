@@ -34,6 +34,11 @@ ratios are between medians of the same run):
   resume owes is the interrupted run's shuffle buffer; on a few thousand images the
   default buffer (2,048) holds most of what is left, so `--shuffle-buffer 512` with
   `--images 4000` shows a dataset several times larger than its buffer, as real ones are.
+* adopt (not in the default run): WebDataset's tars as they are (a brace pattern: every
+  reader scans each plain tar before its ranged reads) against the same tars after
+  `shardstream index` (hard links to them, plus the indexes and manifest it writes),
+  raw samples (decode=None, shuffled) through a 2-worker DataLoader, from local disk and
+  over the HTTP server (50 ms a request). The index itself is timed once.
 * shrink (not in the default run): what `pack --max-side` costs once and saves every
   epoch. Pack the image folder as is and with `max_side=--max-side` (2 workers, zstd,
   fresh output each round), then the decode section's one-process pipeline over each
@@ -80,7 +85,7 @@ import shardstream as ss  # noqa: E402
 from shardstream.transforms import RandomResizedCropJPEG, crop_params  # noqa: E402
 from shardstream.writer import parse_size  # noqa: E402
 
-SECTIONS = ("decode", "loader", "remote", "resume", "shrink")
+SECTIONS = ("decode", "loader", "remote", "resume", "shrink", "adopt")
 DEFAULT_SECTIONS = ("decode", "loader", "remote", "resume")
 SHARD_SIZE = "32MB"
 BATCH = 64
@@ -419,6 +424,46 @@ def section_shrink(d: Data, repeats: int, out: dict) -> None:
     print("bytes out: " + ", ".join(f"{k} {v / 1e6:,.1f} MB" for k, v in sizes.items()), flush=True)
 
 
+def section_adopt(d: Data, repeats: int, out: dict, server: ServerProcess) -> None:
+    from shardstream.adopt import index_tars
+
+    indexed = os.path.join(d.root, "wds-indexed")
+    c.reset(indexed)
+    os.makedirs(indexed)
+    for path in d.wds_files:  # the same files: index_tars never writes to a shard
+        os.link(path, os.path.join(indexed, os.path.basename(path)))
+    t0 = time.perf_counter()
+    manifest = index_tars(indexed)
+    index_s = time.perf_counter() - t0
+    assert manifest.samples == d.n
+    pattern = "/shard-{000000..%06d}.tar" % (len(d.wds_files) - 1)
+    names = [os.path.basename(p) for p in d.wds_files]
+    assert names == ["shard-%06d.tar" % i for i in range(len(names))], names
+    raw = dict(decode=None, fields=("__key__", "jpg"), shuffle=True)
+    tars = os.path.dirname(d.wds_files[0])
+
+    def http(path: str) -> str:
+        return f"{server.url}/{os.path.relpath(path, d.root)}"
+
+    def over(src: str, remote: bool) -> Callable[[], dict]:
+        return lambda: _run_remote(lambda: ss.StreamingDataset(src, **raw), server if remote else None, workers=2)
+
+    group = [Contender("raw: WebDataset tars as they are, local", over(tars + pattern, False), expect=d.n),
+             Contender("raw: the tars indexed in place, local", over(indexed, False), expect=d.n),
+             Contender("raw: WebDataset tars as they are, HTTP 50 ms", over(http(tars) + pattern, True), expect=d.n),
+             Contender("raw: the tars indexed in place, HTTP 50 ms", over(http(indexed), True), expect=d.n)]
+    measure("adopt", group, repeats)
+    local_plain, local_indexed, http_plain, http_indexed = group
+    out["adopt"] = {"index_s": index_s, "rows": [g.row() for g in group],
+                    "table": table(f"raw samples, 2 DataLoader workers, {d.n} images, median of {repeats}", group,
+                                   local_plain)}
+    out["targets"]["adopt: indexed over tars as they are, local, per round (informative)"] = _target(
+        per_round(local_indexed, local_plain), None, None, "x")
+    out["targets"]["adopt: indexed over tars as they are, HTTP, per round (informative)"] = _target(
+        per_round(http_indexed, http_plain), None, None, "x")
+    print(f"shardstream index of {len(d.wds_files)} tars ({d.n} samples): {index_s:.2f} s", flush=True)
+
+
 def section_loader(d: Data, repeats: int, out: dict) -> None:
     group: list[Contender] = []
     for n in (0, 1, 2):
@@ -687,7 +732,7 @@ def main(argv: list[str] | None = None) -> int:
         "targets": {},
         "load_average": {},
     }
-    server = ServerProcess(d.root, LATENCY_S) if {"remote", "resume"} & set(sections) else None
+    server = ServerProcess(d.root, LATENCY_S) if {"remote", "resume", "adopt"} & set(sections) else None
     try:
         for name in sections:
             print(f"\n== {name} (load average {os.getloadavg()[0]:.1f})", flush=True)
@@ -703,6 +748,8 @@ def main(argv: list[str] | None = None) -> int:
                 section_resume(d, args.repeats, results, server)
             elif name == "shrink":
                 section_shrink(d, args.repeats, results)
+            elif name == "adopt":
+                section_adopt(d, args.repeats, results, server)
             results["load_average"][name] = {"start": la0, "end": os.getloadavg()[0],
                                              "section_s": time.perf_counter() - t0}
     finally:

@@ -9,6 +9,7 @@ counted by one scan each (sequential reads of every shard once, done lazily).
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -95,7 +96,16 @@ class Source:
             return np.concatenate([p.counts() for p in self.parts])
         if self.manifest is not None:
             return self.manifest.counts
-        return np.array([len(ref.reader()) if _random_access(ref) else _count(ref) for ref in self.shards], dtype=np.int64)
+        readers = [ref.reader() for ref in self.shards]
+        scanned = [ref for ref, reader in zip(self.shards, readers)
+                   if isinstance(reader, StreamTarReader) and ref.name.endswith(".tar") and not ref.store.local]
+        if scanned:
+            warnings.warn(f"{scanned[0].url} and {len(scanned) - 1} more remote shards have no index: every reader "
+                          "reads each of them through once before its first sample (15x slower than indexed in "
+                          "BENCHMARKS.md's 50 ms HTTP run); `shardstream index` writes the indexes once",
+                          stacklevel=3)
+        return np.array([len(reader) if _random_access(ref) else _count(reader)
+                         for ref, reader in zip(self.shards, readers)], dtype=np.int64)
 
     def labels(self) -> np.ndarray:
         """Every sample's class index, in shard order, from the shard indexes (one read each)."""
@@ -127,8 +137,8 @@ def _random_access(ref: ShardRef) -> bool:
     return ref.name.endswith(".tar") or ref.store.exists(ref.name + INDEX_SUFFIX)
 
 
-def _count(ref: ShardRef) -> int:
-    return sum(1 for _ in ref.reader())
+def _count(reader: ShardReader | StreamTarReader) -> int:
+    return sum(1 for _ in reader)
 
 
 def open_dataset(url: str, *, storage_options: dict[str, Any] | None = None,

@@ -169,3 +169,4 @@ def test_cli_index_then_verify(wds_folder):
     result = subprocess.run([sys.executable, "-m", "shardstream.cli", "verify", str(folder), "--quiet"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
+

@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import warnings
 from pathlib import Path
 
 import fsspec.asyn
@@ -220,6 +221,24 @@ def test_s3_webdataset_tars_indexed_in_place(moto, src, jpg_digests, tmp_path, w
     assert sorted(items) == sorted([key, digest] for key, digest in jpg_digests.items())
 
 
+def test_remote_tars_without_an_index_warn_and_indexed_ones_do_not(src, tmp_path, write_webdataset):
+    from shardstream.adopt import index_tars
+
+    samples = [{"__key__": path.relative_to(src).with_suffix("").as_posix(), "jpg": path.read_bytes()}
+               for path in sorted(src.rglob("*.jpg"))]
+    folder = write_webdataset(samples, tmp_path / "wds", 5)
+    with H.CountingHTTPServer(str(folder)) as server:
+        pattern = server.url + "/shard-{000000..000004}.tar"
+        with pytest.warns(UserWarning, match=r"shard-000000\.tar and 4 more remote shards have no index.*"
+                                             r"shardstream index"):
+            assert len(StreamingDataset(pattern, decode=None)) == N
+        index_tars(str(folder))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ds = StreamingDataset(server.url, decode=None, fields=("__key__",))
+            assert sorted(k for (k,) in ds) == sorted(s["__key__"] for s in samples)
+
+
 def test_s3_cli_inspect(moto, s3_ds, shard_names):
     status, out, err = finish(cli("inspect", s3_ds, "--json", "--storage-options", json.dumps(moto.storage_options)))
     assert status == 0, err
@@ -376,6 +395,30 @@ def test_http_faults_are_retried_and_every_sample_arrives_once(local_ds, jpg_dig
     result = through_faults(local_ds, lambda server: read_digests(server.url, prefetch), serial=prefetch == 0)
     check_fault_pass(*result, jpg_digests)
     assert prefetch_threads() == []
+
+
+class _Scripted(random.Random):
+    """Draws the given values first, then 0.99: with Faults, the first requests fail as told."""
+
+    def __init__(self, *values: float):
+        super().__init__(0)
+        self.values = list(values)
+
+    def random(self) -> float:
+        return self.values.pop(0) if self.values else 0.99
+
+
+def test_http_size_rides_out_a_503(local_ds, shard_names):
+    """Regression: fsspec's HTTP size() turns a 503 into FileNotFoundError, which Store.size
+    reported as "file not found" (seen when a list of shard URLs was counted through faults)."""
+    with H.CountingHTTPServer(local_ds, fail_fraction=0.5) as server:
+        # The first two requests (fsspec's HEAD, then its GET) are answered 503, the rest served.
+        server.faults.rng = _Scripted(0.0, 0.0, 0.0, 0.0)
+        store = Store(server.url, {}, RetryPolicy(attempts=3, base_delay=0.01))
+        assert store.size(shard_names[0]) == os.path.getsize(os.path.join(local_ds, shard_names[0]))
+        assert server.faults.failures == 2
+        with pytest.raises(StorageError, match="file not found"):
+            store.size("no-such-shard.tar.zst")
 
 
 def test_http_brace_pattern_through_faults(local_ds, shard_names, jpg_digests):
