@@ -146,6 +146,11 @@ class DataLoader:
 
     def _torch_loader(self) -> torch.utils.data.DataLoader:
         if self._loader is None:
+            if self.num_workers > 0:
+                # Count once, here, rather than in every worker: the workers inherit the
+                # counts (a manifest read, or a read through every tar without an index,
+                # whose indexes they then reuse).
+                self.dataset.counts()
             self._loader = torch.utils.data.DataLoader(
                 self.dataset,
                 batch_size=None,

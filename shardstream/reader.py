@@ -426,6 +426,11 @@ class StreamTarReader:
             self._reader = ShardReader(self.store, self.name, index=index)
         return self._reader
 
+    @property
+    def index(self) -> ShardIndex | None:
+        """A plain `.tar`'s index, from one scan (made on first use); None for a compressed tar."""
+        return self._indexed().index if self.name.endswith(".tar") else None
+
     def __len__(self) -> int:
         if not self.name.endswith(".tar"):
             # TypeError is Python's "no length": list(reader) and friends then just iterate.

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
 from .errors import ManifestError, ShardstreamError, StorageError
-from .format import INDEX_SUFFIX, MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ShardInfo
+from .format import INDEX_SUFFIX, MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ShardIndex, ShardInfo
 from .reader import ShardReader, StreamTarReader
 from .shardfile import FRAME_SIZE
 from .storage import RetryPolicy, Store, split_url
@@ -58,6 +58,19 @@ class Source:
     shards: tuple[ShardRef, ...]
     manifest: Manifest | None = None
     parts: tuple["Source", ...] = ()
+    # Indexes of plain tars that `counts()` found by reading them through, by shard
+    # number: readers made later, also in DataLoader workers (forked from this process,
+    # or sent this Source), use them instead of reading each tar through again.
+    scanned: dict[int, ShardIndex] = field(default_factory=dict, compare=False, repr=False)
+
+    def reader(self, shard: int) -> ShardReader | StreamTarReader:
+        """A reader of shard number `shard` (its place in `shards`)."""
+        for part in self.parts:
+            if shard < len(part.shards):
+                return part.reader(shard)
+            shard -= len(part.shards)
+        ref, index = self.shards[shard], self.scanned.get(shard)
+        return ref.reader() if index is None else ShardReader(ref.store, ref.name, index=index)
 
     @property
     def indexed(self) -> bool:
@@ -96,16 +109,19 @@ class Source:
             return np.concatenate([p.counts() for p in self.parts])
         if self.manifest is not None:
             return self.manifest.counts
-        readers = [ref.reader() for ref in self.shards]
+        readers = [self.reader(i) for i in range(len(self.shards))]
         scanned = [ref for ref, reader in zip(self.shards, readers)
                    if isinstance(reader, StreamTarReader) and ref.name.endswith(".tar") and not ref.store.local]
         if scanned:
-            warnings.warn(f"{scanned[0].url} and {len(scanned) - 1} more remote shards have no index: every reader "
-                          "reads each of them through once before its first sample (15x slower than indexed in "
-                          "BENCHMARKS.md's 50 ms HTTP run); `shardstream index` writes the indexes once",
+            warnings.warn(f"{scanned[0].url} and {len(scanned) - 1} more remote shards have no index: each is "
+                          "read through to count and index its samples before the first one is read, in every "
+                          "process that counts them; `shardstream index` writes the indexes once",
                           stacklevel=3)
-        return np.array([len(reader) if _random_access(ref) else _count(reader)
-                         for ref, reader in zip(self.shards, readers)], dtype=np.int64)
+        counts = [len(reader) if _random_access(ref) else _count(reader) for ref, reader in zip(self.shards, readers)]
+        for i, reader in enumerate(readers):
+            if isinstance(reader, StreamTarReader) and reader.index is not None:
+                self.scanned[i] = reader.index
+        return np.array(counts, dtype=np.int64)
 
     def labels(self) -> np.ndarray:
         """Every sample's class index, in shard order, from the shard indexes (one read each)."""
@@ -125,8 +141,8 @@ class Source:
 
     def _per_sample(self, table: str, missing: str, dtype: type) -> np.ndarray:
         out = []
-        for ref in self.shards:
-            index = getattr(ref.reader(), "index", None)
+        for i, ref in enumerate(self.shards):
+            index = getattr(self.reader(i), "index", None)
             if index is None or getattr(index, table) is None:
                 raise ShardstreamError(missing, url=ref.url)
             out.append(getattr(index, table))

@@ -68,7 +68,7 @@ class _Readers:
                         self._locks.append(lock)
                         self._shard_locks[shard] = lock
                 else:
-                    entry[1] = ref.reader()
+                    entry[1] = self.source.reader(shard)
             return entry[1]
 
     def release(self, shard: int) -> None:

@@ -27,6 +27,7 @@ import sys
 import threading
 import warnings
 from pathlib import Path
+from typing import Any, Callable
 
 import fsspec.asyn
 import numpy as np
@@ -237,6 +238,42 @@ def test_remote_tars_without_an_index_warn_and_indexed_ones_do_not(src, tmp_path
             warnings.simplefilter("error")
             ds = StreamingDataset(server.url, decode=None, fields=("__key__",))
             assert sorted(k for (k,) in ds) == sorted(s["__key__"] for s in samples)
+
+
+def test_tars_without_an_index_are_read_through_once(src, tmp_path, write_webdataset):
+    """Counting reads each plain tar through once (in the main process, before the workers
+    start); the DataLoader workers then read their samples by ranges with the index that
+    scan made, instead of reading each tar through again."""
+    samples = [{"__key__": path.relative_to(src).with_suffix("").as_posix(), "jpg": path.read_bytes()}
+               for path in sorted(src.rglob("*.jpg"))]
+    folder = write_webdataset(samples, tmp_path / "wds", 5)
+    names = {f"shard-{i:06d}.tar" for i in range(5)}
+    with H.CountingHTTPServer(str(folder)) as server, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the warning that there is no index
+
+        def gets_per_tar(run: Callable[[], Any]) -> dict[str, int]:
+            before = server.get_counts()
+            run()
+            return {name: n - before.get(name, 0) for name, n in server.get_counts().items() if name in names}
+
+        ds = StreamingDataset(server.url + "/shard-{000000..000004}.tar", decode=None, fields=("__key__",))
+        counting = gets_per_tar(lambda: len(ds))
+        keys: list[str] = []
+        epoch = gets_per_tar(lambda: keys.extend(k for (k,) in DataLoader(ds, batch_size=None, num_workers=2)))
+        loader = shardstream.DataLoader(ds, num_workers=2, persistent_workers=False)
+        keys_too: list[str] = []
+        again = gets_per_tar(lambda: keys_too.extend(k for (k,) in loader))
+        # Not counted yet: shardstream.DataLoader counts in this process, before its workers start.
+        fresh = StreamingDataset(server.url + "/shard-{000000..000004}.tar", decode=None, fields=("__key__",))
+        # (A for loop: list() would ask len() first, which counts in this process anyway.)
+        first = gets_per_tar(lambda: sum(1 for _ in shardstream.DataLoader(fresh, num_workers=2,
+                                                                           persistent_workers=False)))
+    assert sorted(keys) == sorted(keys_too) == sorted(s["__key__"] for s in samples)
+    assert first == {name: counting[name] + 1 for name in names}
+    assert set(counting) == names and min(counting.values()) >= 1
+    # Each tar (a few KB, far less than one read piece) is then one ranged read.
+    assert epoch == {name: 1 for name in names}
+    assert again == {name: 1 for name in names}
 
 
 def test_s3_cli_inspect(moto, s3_ds, shard_names):
