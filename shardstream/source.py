@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -25,6 +26,9 @@ if TYPE_CHECKING:
     from .sampling import Mix
 
 __all__ = ["Source", "ShardRef", "open_dataset", "resolve_source", "expand_braces"]
+
+
+COUNT_THREADS = 8  # remote shards counted at once, where there is no manifest
 
 
 @dataclass(frozen=True)
@@ -109,19 +113,26 @@ class Source:
             return np.concatenate([p.counts() for p in self.parts])
         if self.manifest is not None:
             return self.manifest.counts
-        readers = [self.reader(i) for i in range(len(self.shards))]
-        scanned = [ref for ref, reader in zip(self.shards, readers)
+        def count(shard: int) -> tuple[ShardReader | StreamTarReader, int]:
+            ref, reader = self.shards[shard], self.reader(shard)
+            return reader, len(reader) if _random_access(ref) else _count(reader)
+
+        if len(self.shards) < 2 or all(ref.store.local for ref in self.shards):
+            counted = [count(i) for i in range(len(self.shards))]
+        else:  # each remote shard costs round trips (a look for its index, a read through): overlap them
+            with ThreadPoolExecutor(min(COUNT_THREADS, len(self.shards)), thread_name_prefix="shardstream-count") as pool:
+                counted = list(pool.map(count, range(len(self.shards))))
+        scanned = [ref for ref, (reader, _) in zip(self.shards, counted)
                    if isinstance(reader, StreamTarReader) and ref.name.endswith(".tar") and not ref.store.local]
         if scanned:
             warnings.warn(f"{scanned[0].url} and {len(scanned) - 1} more remote shards have no index: each is "
                           "read through to count and index its samples before the first one is read, in every "
                           "process that counts them; `shardstream index` writes the indexes once",
                           stacklevel=3)
-        counts = [len(reader) if _random_access(ref) else _count(reader) for ref, reader in zip(self.shards, readers)]
-        for i, reader in enumerate(readers):
+        for i, (reader, _) in enumerate(counted):
             if isinstance(reader, StreamTarReader) and reader.index is not None:
                 self.scanned[i] = reader.index
-        return np.array(counts, dtype=np.int64)
+        return np.array([n for _, n in counted], dtype=np.int64)
 
     def labels(self) -> np.ndarray:
         """Every sample's class index, in shard order, from the shard indexes (one read each)."""

@@ -466,7 +466,8 @@ def test_http_brace_pattern_through_faults(local_ds, shard_names, jpg_digests):
     `_random_access`, `ShardRef.reader`) and the read failed with "random access needs an index".
     """
     pattern = f"shard-{{000000..{len(shard_names) - 1:06d}}}.tar.zst"
-    result = through_faults(local_ds, lambda server: read_digests(f"{server.url}/{pattern}", 0), serial=True)
+    # Not serial: shards without a manifest are counted several at once.
+    result = through_faults(local_ds, lambda server: read_digests(f"{server.url}/{pattern}", 0), serial=False)
     check_fault_pass(*result, jpg_digests, only_reads=False)
 
 
