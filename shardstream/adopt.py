@@ -56,7 +56,8 @@ def index_tars(source: str | Sequence[str], *, workers: int = 8, overwrite: bool
     pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="shardstream-index")
     try:
         with progress_bar(total=len(names), unit="shard", desc="index", disable=not progress) as bar:
-            for scan in pool.map(lambda name: _index_shard(store, name), names):
+            # A transient storage error mid-read reads the shard again, from the start.
+            for scan in pool.map(lambda name: store.retry.call(_index_shard, store, name, url=store.url(name)), names):
                 scans.append(scan)
                 bar.update(1)
     finally:  # on an error, the shards not yet started are not read

@@ -26,7 +26,7 @@ from typing import Any, BinaryIO, Iterable, Mapping
 import fsspec
 import fsspec.asyn
 
-from .errors import StorageError
+from .errors import ShardstreamError, StorageError
 
 __all__ = ["Store", "RetryPolicy", "IOStats", "io_stats", "is_local", "is_transient", "split_url"]
 
@@ -410,7 +410,7 @@ class RetryPolicy:
                 return fn(*args)
             except Exception as error:  # classified right below; unknown errors propagate
                 if not is_transient(error):
-                    if isinstance(error, (FileNotFoundError, OSError)):
+                    if isinstance(error, (OSError, ShardstreamError)):  # already says what went wrong
                         raise
                     raise StorageError(f"{type(error).__name__}: {error}", url=url) from error
                 if attempt + 1 == self.attempts:
