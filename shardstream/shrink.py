@@ -74,5 +74,7 @@ def shrink_image(data: bytes, max_side: int, quality: int = DEFAULT_QUALITY, *, 
             return out.getvalue()
     except PackError:
         raise
+    except Image.DecompressionBombError as e:  # Pillow's limit on pixels, which decoding would hold in memory
+        raise PackError(f"too large to shrink safely: {e}", url=path) from e
     except (OSError, ValueError, SyntaxError) as e:
         raise PackError(f"cannot shrink the image: {e}", url=path) from e

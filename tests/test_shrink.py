@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import struct
 import subprocess
 import sys
 
@@ -105,6 +106,14 @@ def test_an_image_that_cannot_be_shrunk_names_the_file():
         shrink_image(gif, 100, path="/data/a.png")
     with pytest.raises(PackError, match=r"/data/b\.jpg"):
         shrink_image(b"\xff\xd8\xff\xe0 not really", 100, path="/data/b.jpg")
+
+
+def test_a_decompression_bomb_is_refused_by_name():
+    data = bytearray(encode(photo(64, 48), "JPEG"))
+    sof = data.find(b"\xff\xc0")
+    struct.pack_into(">HH", data, sof + 5, 20000, 20000)  # the header now claims 400 megapixels
+    with pytest.raises(PackError, match=r"^/data/huge\.jpg: too large to shrink safely"):
+        shrink_image(bytes(data), 100, path="/data/huge.jpg")
 
 
 # -- through pack --------------------------------------------------------------------------------
