@@ -47,9 +47,8 @@ def index_tars(source: str | Sequence[str], *, workers: int = 8, overwrite: bool
     the manifest written. An existing manifest is replaced only with `overwrite`.
     """
     store, names = _shards(source, storage_options or {})
-    if store.exists(MANIFEST_NAME) and not overwrite:
-        raise ShardstreamError("already holds a manifest; pass overwrite=True (--overwrite) to replace it",
-                               url=store.url(MANIFEST_NAME))
+    if store.exists(MANIFEST_NAME):
+        _check_replaceable(store, overwrite)
     from .progress import progress_bar
 
     scans: list[tuple[ShardInfo, np.ndarray | None]] = []
@@ -76,6 +75,20 @@ def index_tars(source: str | Sequence[str], *, workers: int = 8, overwrite: bool
     )
     write_manifest(store, manifest)
     return manifest
+
+
+def _check_replaceable(store: Store, overwrite: bool) -> None:
+    """Refuse to replace a manifest unless told to, and never one that `pack` wrote."""
+    url = store.url(MANIFEST_NAME)
+    if not overwrite:
+        raise ShardstreamError("already holds a manifest; pass overwrite=True (--overwrite) to replace it", url=url)
+    try:
+        existing = Manifest.from_bytes(store.read(MANIFEST_NAME), url)
+    except ShardstreamError:
+        return  # unreadable: nothing is lost by replacing it
+    if not existing.options.get("indexed_in_place"):
+        raise ShardstreamError(f"a dataset written by {existing.writer}, already indexed; replacing its manifest "
+                               "would lose its class names and pack record", url=url)
 
 
 def _shards(source: str | Sequence[str], options: dict[str, Any]) -> tuple[Store, list[str]]:

@@ -109,6 +109,15 @@ def test_an_existing_manifest_is_kept_unless_told(wds_folder):
     assert (folder / MANIFEST_NAME).read_bytes() == first  # the same input gives the same manifest
 
 
+def test_a_packed_dataset_keeps_its_manifest_even_with_overwrite(packed_plain, tmp_path):
+    folder = tmp_path / "packed"
+    shutil.copytree(packed_plain, folder)
+    before = (folder / MANIFEST_NAME).read_bytes()
+    with pytest.raises(ShardstreamError, match="already indexed; replacing its manifest would lose"):
+        index_tars(str(folder), overwrite=True)
+    assert (folder / MANIFEST_NAME).read_bytes() == before
+
+
 def test_compressed_tars_are_refused_by_name(wds_folder, tmp_path):
     folder, _ = wds_folder
     gz = tmp_path / "gz"
