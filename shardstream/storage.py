@@ -26,6 +26,7 @@ from typing import Any, BinaryIO, Iterable, Mapping
 import fsspec
 import fsspec.asyn
 
+from . import http_ranges
 from .errors import ShardstreamError, StorageError
 
 __all__ = ["Store", "RetryPolicy", "IOStats", "io_stats", "is_local", "is_transient", "split_url"]
@@ -139,6 +140,12 @@ class Store:
     def local(self) -> bool:
         return is_local(self.root)
 
+    @property
+    def _ranged_http(self) -> bool:
+        """Whether reads go through `http_ranges` (http(s), no options it would not honour)."""
+        return (self.root.startswith(("http://", "https://")) and set(self.options) <= {"headers"}
+                and http_ranges.available())
+
     def url(self, name: str) -> str:
         """The full URL (or path) of the file `name` in this store."""
         if self.local:
@@ -178,6 +185,9 @@ class Store:
         return data
 
     def _remote_read(self, name: str, start: int | None, end: int | None) -> bytes:
+        if self._ranged_http:
+            return http_ranges.read_range(self.url(name), start, end, headers=self.options.get("headers", {}),
+                                          connect_s=HTTP_CONNECT_TIMEOUT_S, read_s=HTTP_READ_TIMEOUT_S)
         fs, path = self._fs_path(name)
         if start is None and end is None:
             return fs.cat_file(path)
@@ -208,12 +218,12 @@ class Store:
         return True
 
     def _remote_info(self, name: str) -> dict:
-        fs, path = self._fs_path(name)
         if self.root.startswith(("http://", "https://")):
             # fsspec's HTTP info() turns every failure (a 503 too) into FileNotFoundError;
             # a one-byte read tells "not found" (404) from a transient error.
-            fs.cat_file(path, start=0, end=1)
-            return {"name": path}
+            self._remote_read(name, 0, 1)
+            return {"name": self.url(name)}
+        fs, path = self._fs_path(name)
         return fs.info(path)
 
     def size(self, name: str) -> int:

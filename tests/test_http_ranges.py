@@ -1,0 +1,110 @@
+"""Ranged HTTP reads through urllib3 (`http_ranges`), against real local HTTP servers."""
+
+from __future__ import annotations
+
+import http.server
+import multiprocessing
+import threading
+from pathlib import Path
+
+import pytest
+
+from shardstream import StorageError
+from shardstream.http_ranges import HTTPStatusError, read_range
+from shardstream.storage import RetryPolicy, Store, is_transient
+
+try:
+    from . import _remote_helpers as H
+except ImportError:
+    import _remote_helpers as H
+
+DATA = bytes(range(256)) * 40  # 10,240 bytes
+
+
+@pytest.fixture
+def folder(tmp_path) -> Path:
+    (tmp_path / "blob.bin").write_bytes(DATA)
+    return tmp_path
+
+
+class _Recorder(http.server.SimpleHTTPRequestHandler):
+    """Python's file server, which ignores Range (answers 200 with the whole file), and records headers."""
+
+    seen: list = []
+    protocol_version = "HTTP/1.0"  # a connection per request: no handler thread outlives the test
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        self.seen.append(dict(self.headers))
+        super().do_GET()
+
+
+@pytest.fixture
+def plain_server(folder):
+    handler = type("Handler", (_Recorder,), {"seen": [], "directory": str(folder)})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), lambda *a: handler(*a, directory=str(folder)))
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", handler.seen
+    server.shutdown()
+    server.server_close()
+    thread.join(5)
+
+
+def test_ranges_as_cat_file_gives_them(folder):
+    with H.CountingHTTPServer(str(folder)) as server:
+        url = f"{server.url}/blob.bin"
+        assert read_range(url, None, None) == DATA
+        assert read_range(url, 10, 20) == DATA[10:20]
+        assert read_range(url, 10_000, None) == DATA[10_000:]
+        assert read_range(url, 10_000, 20_000) == DATA[10_000:]  # past the end: up to the end
+        assert server.gets("blob.bin") == 4
+
+
+def test_a_server_that_ignores_ranges_and_headers_passed_through(plain_server):
+    url, seen = plain_server
+    assert read_range(f"{url}/blob.bin", 100, 200, headers={"X-Token": "abc"}) == DATA[100:200]
+    assert seen[-1]["X-Token"] == "abc" and seen[-1]["Range"] == "bytes=100-199"
+    store = Store(url, {"headers": {"X-Token": "xyz"}})
+    assert store.read("blob.bin", 5, 9) == DATA[5:9]
+    assert seen[-1]["X-Token"] == "xyz"
+
+
+def test_errors_are_classified_for_the_retry_policy(folder):
+    with H.CountingHTTPServer(str(folder), fail_fraction=1.0, seed=0) as server:
+        errors = []
+        for _ in range(8):  # every request fails: half 503s, half dropped connections
+            with pytest.raises(Exception) as info:
+                read_range(f"{server.url}/blob.bin", 0, 10)
+            errors.append(info.value)
+        assert all(is_transient(e) for e in errors)
+        assert any(isinstance(e, HTTPStatusError) and e.status == 503 for e in errors)
+        assert any(not isinstance(e, HTTPStatusError) for e in errors)  # a dropped connection
+    with H.CountingHTTPServer(str(folder)) as server:
+        with pytest.raises(FileNotFoundError):
+            read_range(f"{server.url}/missing.bin", 0, 10)
+        store = Store(server.url, {}, RetryPolicy(attempts=2, base_delay=0.001))
+        with pytest.raises(StorageError, match=r"missing\.bin: file not found"):
+            store.read("missing.bin", 0, 10)
+        assert server.gets("blob.bin") == 0
+
+
+def _child_reads(url: str, queue) -> None:
+    queue.put(read_range(url, 0, 16))
+
+
+def test_a_forked_child_reads_on_its_own_connections(folder):
+    with H.CountingHTTPServer(str(folder)) as server:
+        url = f"{server.url}/blob.bin"
+        assert read_range(url, 0, 16) == DATA[:16]  # the parent's pool holds a connection now
+        context = multiprocessing.get_context("fork")
+        queue = context.Queue()
+        child = context.Process(target=_child_reads, args=(url, queue))
+        child.start()
+        assert queue.get(timeout=30) == DATA[:16]
+        child.join(30)
+        assert child.exitcode == 0
+        assert read_range(url, 16, 32) == DATA[16:32]  # and the parent's connection still works
