@@ -28,8 +28,20 @@ except ImportError:  # then fsspec reads HTTP too
 
 __all__ = ["HTTPStatusError", "available", "read_range"]
 
-_pool: list = [None, None]  # [pid, urllib3.PoolManager] of this process
+_pool: list = [None]  # this process's urllib3.PoolManager, made on first use
 _lock = threading.Lock()
+
+
+def _forget_in_child() -> None:
+    """A forked child opens its own connections, never its parent's; a thread of the
+    parent may have held the lock at the fork, so the child gets a new one too."""
+    global _lock
+    _lock = threading.Lock()
+    _pool[0] = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 class HTTPStatusError(OSError):
@@ -45,12 +57,11 @@ def available() -> bool:
     return urllib3 is not None
 
 
-def _manager(connect_s: float, read_s: float) -> "urllib3.PoolManager":
+def _manager() -> "urllib3.PoolManager":
     with _lock:
-        if _pool[0] != os.getpid():  # a forked child opens its own connections, never its parent's
-            timeout = urllib3.Timeout(connect=connect_s, read=read_s)
-            _pool[:] = [os.getpid(), urllib3.PoolManager(maxsize=32, retries=False, timeout=timeout)]
-        return _pool[1]
+        if _pool[0] is None:
+            _pool[0] = urllib3.PoolManager(maxsize=32, retries=False)
+        return _pool[0]
 
 
 def read_range(url: str, start: int | None, end: int | None, *, headers: Mapping[str, str] = {},
@@ -63,7 +74,8 @@ def read_range(url: str, start: int | None, end: int | None, *, headers: Mapping
     request_headers = dict(headers)
     if start is not None or end is not None:
         request_headers["Range"] = f"bytes={start or 0}-{'' if end is None else end - 1}"
-    response = _manager(connect_s, read_s).request("GET", url, headers=request_headers, preload_content=False)
+    response = _manager().request("GET", url, headers=request_headers, preload_content=False,
+                                  timeout=urllib3.Timeout(connect=connect_s, read=read_s))
     try:
         if response.status == 404:
             raise FileNotFoundError(url)
