@@ -19,29 +19,44 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Mapping
+from typing import Any, Callable, Mapping
 
 try:
     import urllib3
 except ImportError:  # then fsspec reads HTTP too
     urllib3 = None  # type: ignore[assignment]
 
-__all__ = ["HTTPStatusError", "available", "read_range"]
-
-_pool: list = [None]  # this process's urllib3.PoolManager, made on first use
-_lock = threading.Lock()
+__all__ = ["HTTPStatusError", "PerProcess", "available", "read_range"]
 
 
-def _forget_in_child() -> None:
-    """A forked child opens its own connections, never its parent's; a thread of the
-    parent may have held the lock at the fork, so the child gets a new one too."""
-    global _lock
-    _lock = threading.Lock()
-    _pool[0] = None
+class PerProcess:
+    """A value made on first use in each process: a forked child makes its own (connections
+    must not be shared with the parent), and gets a new lock (a parent's thread may have held
+    the old one at the fork)."""
+
+    _all: list["PerProcess"] = []
+
+    def __init__(self, make: Callable[[], Any]):
+        self.make = make
+        self._lock = threading.Lock()
+        self._value: Any = None
+        PerProcess._all.append(self)
+
+    def get(self) -> Any:
+        with self._lock:
+            if self._value is None:
+                self._value = self.make()
+            return self._value
+
+    def _forget(self) -> None:
+        self._lock = threading.Lock()
+        self._value = None
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_in_child)
+    os.register_at_fork(after_in_child=lambda: [holder._forget() for holder in PerProcess._all])
+
+_pool = PerProcess(lambda: urllib3.PoolManager(maxsize=32, retries=False))
 
 
 class HTTPStatusError(OSError):
@@ -57,13 +72,6 @@ def available() -> bool:
     return urllib3 is not None
 
 
-def _manager() -> "urllib3.PoolManager":
-    with _lock:
-        if _pool[0] is None:
-            _pool[0] = urllib3.PoolManager(maxsize=32, retries=False)
-        return _pool[0]
-
-
 def read_range(url: str, start: int | None, end: int | None, *, headers: Mapping[str, str] = {},
                connect_s: float = 10.0, read_s: float = 20.0) -> bytes:
     """Bytes [start, end) of `url` (to its end when `end` is None; the whole file when both are None).
@@ -74,7 +82,7 @@ def read_range(url: str, start: int | None, end: int | None, *, headers: Mapping
     request_headers = dict(headers)
     if start is not None or end is not None:
         request_headers["Range"] = f"bytes={start or 0}-{'' if end is None else end - 1}"
-    response = _manager().request("GET", url, headers=request_headers, preload_content=False,
+    response = _pool.get().request("GET", url, headers=request_headers, preload_content=False,
                                   timeout=urllib3.Timeout(connect=connect_s, read=read_s))
     try:
         if response.status == 404:

@@ -26,7 +26,7 @@ from typing import Any, BinaryIO, Iterable, Mapping
 import fsspec
 import fsspec.asyn
 
-from . import http_ranges
+from . import http_ranges, s3_ranges
 from .errors import ShardstreamError, StorageError
 
 __all__ = ["Store", "RetryPolicy", "IOStats", "io_stats", "is_local", "is_transient", "split_url"]
@@ -141,10 +141,14 @@ class Store:
         return is_local(self.root)
 
     @property
-    def _ranged_http(self) -> bool:
-        """Whether reads go through `http_ranges` (http(s), no options it would not honour)."""
-        return (self.root.startswith(("http://", "https://")) and set(self.options) <= {"headers"}
-                and http_ranges.available())
+    def _direct(self) -> str | None:
+        """Which module reads ranges without fsspec: "http" (`http_ranges`), "s3" (`s3_ranges`),
+        or None (fsspec: other protocols, and options those modules would not honour)."""
+        if self.root.startswith(("http://", "https://")) and set(self.options) <= {"headers"}:
+            return "http" if http_ranges.available() else None
+        if self.root.startswith("s3://") and s3_ranges.supports(self.options):
+            return "s3"
+        return None
 
     def url(self, name: str) -> str:
         """The full URL (or path) of the file `name` in this store."""
@@ -185,9 +189,13 @@ class Store:
         return data
 
     def _remote_read(self, name: str, start: int | None, end: int | None) -> bytes:
-        if self._ranged_http:
+        direct = self._direct
+        if direct == "http":
             return http_ranges.read_range(self.url(name), start, end, headers=self.options.get("headers", {}),
                                           connect_s=HTTP_CONNECT_TIMEOUT_S, read_s=HTTP_READ_TIMEOUT_S)
+        if direct == "s3":
+            return s3_ranges.read_range(self.url(name), start, end, self.options,
+                                        connect_s=HTTP_CONNECT_TIMEOUT_S, read_s=HTTP_READ_TIMEOUT_S)
         fs, path = self._fs_path(name)
         if start is None and end is None:
             return fs.cat_file(path)

@@ -1,0 +1,69 @@
+"""Ranged S3 reads through botocore (`s3_ranges`), against moto's S3 server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+
+from shardstream import StorageError
+from shardstream.s3_ranges import read_range, supports
+from shardstream.storage import Store
+from shardstream.testing import MotoS3Server
+
+DATA = bytes(range(256)) * 40  # 10,240 bytes
+BUCKET = "ranges"
+
+
+@pytest.fixture(scope="module")
+def moto():
+    import s3fs
+
+    with MotoS3Server() as server:
+        fs = s3fs.S3FileSystem(**server.storage_options)
+        fs.call_s3("create_bucket", Bucket=BUCKET)
+        fs.pipe(f"{BUCKET}/dir/blob.bin", DATA)
+        yield server
+
+
+def test_ranges_as_cat_file_gives_them(moto):
+    url, options = f"s3://{BUCKET}/dir/blob.bin", moto.storage_options
+    assert read_range(url, None, None, options) == DATA
+    assert read_range(url, 10, 20, options) == DATA[10:20]
+    assert read_range(url, 10_000, None, options) == DATA[10_000:]
+    assert read_range(url, 10_000, 20_000, options) == DATA[10_000:]  # past the end: up to the end
+    assert read_range(url, 20_000, 30_000, options) == b""  # wholly past the end
+
+
+def test_a_missing_object_is_not_found(moto):
+    with pytest.raises(FileNotFoundError):
+        read_range(f"s3://{BUCKET}/dir/missing.bin", 0, 10, moto.storage_options)
+    with pytest.raises(StorageError, match=r"missing\.bin: file not found"):
+        Store(f"s3://{BUCKET}/dir", moto.storage_options).read("missing.bin", 0, 10)
+
+
+def test_which_stores_read_through_botocore(moto):
+    assert supports(moto.storage_options) and supports({}) and supports({"anon": True})
+    assert not supports({"requester_pays": True}) and not supports({"client_kwargs": {"verify": False}})
+    # A store with an option botocore is not given reads through s3fs, with the same result.
+    options = {**moto.storage_options, "default_block_size": 1 << 20}
+    store = Store(f"s3://{BUCKET}/dir", options)
+    assert store._direct is None and store.read("blob.bin", 5, 9) == DATA[5:9]
+    assert Store(f"s3://{BUCKET}/dir", moto.storage_options)._direct == "s3"
+
+
+def _child_reads(url: str, options: dict, queue) -> None:
+    queue.put(read_range(url, 0, 16, options))
+
+
+def test_a_forked_child_reads_with_its_own_client(moto):
+    url, options = f"s3://{BUCKET}/dir/blob.bin", moto.storage_options
+    assert read_range(url, 0, 16, options) == DATA[:16]  # the parent holds a client and a connection
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_child_reads, args=(url, options, queue))
+    child.start()
+    assert queue.get(timeout=60) == DATA[:16]
+    child.join(60)
+    assert child.exitcode == 0
+    assert read_range(url, 16, 32, options) == DATA[16:32]
