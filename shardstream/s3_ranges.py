@@ -27,7 +27,7 @@ try:
     import botocore.session
     from botocore import UNSIGNED
     from botocore.exceptions import ClientError
-except ImportError:  # then s3fs reads S3 too (it needs botocore itself, so S3 is not usable at all)
+except ImportError:  # no botocore means no s3fs either: S3 is not readable at all
     botocore = None  # type: ignore[assignment]
 
 __all__ = ["supports", "read_range"]
