@@ -265,7 +265,7 @@ class Store:
                 raise
             # fsspec's HTTP size() turns every failure (a 503 too) into FileNotFoundError,
             # as info() does: a one-byte read raises again on a 404 and is retried on a 5xx.
-            fs.cat_file(path, start=0, end=1)
+            self._remote_read(name, 0, 1)
             raise ConnectionError("the size lookup failed, though the file is there") from None
         if size is None:
             raise StorageError("the server does not report a size", url=self.url(name))
