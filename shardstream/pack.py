@@ -44,8 +44,8 @@ from .errors import PackError, ShardstreamError
 from .format import INDEX_SUFFIX, MANIFEST_NAME, Manifest, ShardInfo
 from .journal import Journal
 from .listing import Listing, SourceFile, list_source
-from .shrink import DEFAULT_QUALITY, shrink_image, shrunk_size
 from .shardfile import FRAME_SIZE, IMAGE_LEVEL, Frame, ShardFileWriter, build_frame
+from .shrink import DEFAULT_QUALITY, shrink_image, shrunk_size
 from .storage import Store
 from .writer import check_compression, parse_size, shard_name, write_manifest
 
