@@ -17,14 +17,12 @@ are (retried). urllib3 does not retry by itself here: every retry is counted.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 import threading
 from typing import Any, Callable, Mapping
 
-try:
-    import urllib3
-except ImportError:  # then fsspec reads HTTP too
-    urllib3 = None  # type: ignore[assignment]
 
 __all__ = ["HTTPStatusError", "PerProcess", "available", "read_range"]
 
@@ -56,7 +54,13 @@ class PerProcess:
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=lambda: [holder._forget() for holder in PerProcess._all])
 
-_pool = PerProcess(lambda: urllib3.PoolManager(maxsize=32, retries=False))
+def _pool_manager() -> Any:
+    import urllib3  # when first used, as botocore in s3_ranges
+
+    return urllib3.PoolManager(maxsize=32, retries=False)
+
+
+_pool = PerProcess(_pool_manager)
 
 
 class HTTPStatusError(OSError):
@@ -67,9 +71,10 @@ class HTTPStatusError(OSError):
         self.status = status
 
 
+@functools.cache
 def available() -> bool:
     """Whether urllib3 is installed (it comes with botocore, requests and most environments)."""
-    return urllib3 is not None
+    return importlib.util.find_spec("urllib3") is not None
 
 
 def read_range(url: str, start: int | None, end: int | None, *, headers: Mapping[str, str] = {},
@@ -82,6 +87,8 @@ def read_range(url: str, start: int | None, end: int | None, *, headers: Mapping
     request_headers = dict(headers)
     if start is not None or end is not None:
         request_headers["Range"] = f"bytes={start or 0}-{'' if end is None else end - 1}"
+    import urllib3
+
     response = _pool.get().request("GET", url, headers=request_headers, preload_content=False,
                                   timeout=urllib3.Timeout(connect=connect_s, read=read_s))
     try:

@@ -16,19 +16,14 @@ here: `RetryPolicy` does, and counts every retry.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 import threading
 from typing import Any, Mapping
 
 from .http_ranges import PerProcess
 
-try:
-    import botocore.config
-    import botocore.session
-    from botocore import UNSIGNED
-    from botocore.exceptions import ClientError
-except ImportError:  # no botocore means no s3fs either: S3 is not readable at all
-    botocore = None  # type: ignore[assignment]
 
 __all__ = ["supports", "read_range"]
 
@@ -39,8 +34,15 @@ _clients = PerProcess(lambda: (threading.Lock(), {}))  # options (as JSON) -> cl
 
 def supports(options: Mapping[str, Any]) -> bool:
     """Whether botocore is installed and `options` (s3fs's) hold nothing this module would ignore."""
-    return (botocore is not None and set(options) <= _OPTIONS
-            and set(options.get("client_kwargs") or {}) <= _CLIENT_KWARGS)
+    return (set(options) <= _OPTIONS and set(options.get("client_kwargs") or {}) <= _CLIENT_KWARGS
+            and _installed())
+
+
+@functools.cache
+def _installed() -> bool:
+    # botocore is imported when first used: it takes a quarter of a second, which every
+    # `shardstream` command and DataLoader worker would otherwise pay.
+    return importlib.util.find_spec("botocore") is not None
 
 
 def _client(options: Mapping[str, Any], connect_s: float, read_s: float) -> Any:
@@ -48,6 +50,10 @@ def _client(options: Mapping[str, Any], connect_s: float, read_s: float) -> Any:
     key = json.dumps(options, sort_keys=True, default=str)
     with lock:  # botocore's clients are thread-safe; making one is not
         if key not in clients:
+            import botocore.config
+            import botocore.session
+            from botocore import UNSIGNED
+
             config = {"max_pool_connections": 32, "retries": {"total_max_attempts": 1},
                       "connect_timeout": connect_s, "read_timeout": read_s}
             if options.get("anon"):
@@ -68,6 +74,8 @@ def read_range(url: str, start: int | None, end: int | None, options: Mapping[st
     request: dict[str, Any] = {"Bucket": bucket, "Key": key}
     if start is not None or end is not None:
         request["Range"] = f"bytes={start or 0}-{'' if end is None else end - 1}"
+    from botocore.exceptions import ClientError
+
     try:
         response = _client(options, connect_s, read_s).get_object(**request)
     except ClientError as e:
