@@ -47,6 +47,9 @@ def index_tars(source: str | Sequence[str], *, workers: int = 8, overwrite: bool
     the manifest written. An existing manifest is replaced only with `overwrite`.
     """
     store, names = _shards(source, storage_options or {})
+    if store.root.startswith(("http://", "https://")):
+        raise ShardstreamError("cannot write indexes over HTTP: index the tars where they can be written "
+                               "(a local folder, S3), then serve the folder", url=store.root)
     if store.exists(MANIFEST_NAME):
         _check_replaceable(store, overwrite)
     from .progress import progress_bar

@@ -391,7 +391,7 @@ def is_transient(error: BaseException) -> bool:
         return False
     status = _http_status(error)
     if status is not None:
-        return status >= 500 or status in (408, 429)
+        return (status >= 500 and status != 501) or status in (408, 429)  # 501: the server never will
     if isinstance(error, (ConnectionError, TimeoutError, OSError)):
         return True  # resets, broken pipes, EIO: the request may well succeed again
     module = type(error).__module__

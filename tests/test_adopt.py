@@ -132,6 +132,11 @@ def test_compressed_tars_are_refused_by_name(wds_folder, tmp_path):
     assert not (gz / MANIFEST_NAME).exists()
 
 
+def test_a_read_only_location_is_refused_before_any_read():
+    with pytest.raises(ShardstreamError, match="cannot write indexes over HTTP"):
+        index_tars("http://127.0.0.1:9/wds/shard-{000000..000003}.tar")
+
+
 def test_shards_in_two_folders_are_refused(wds_folder, tmp_path):
     folder, _ = wds_folder
     other = tmp_path / "other"

@@ -92,6 +92,12 @@ def test_errors_are_classified_for_the_retry_policy(folder):
         assert server.gets("blob.bin") == 0
 
 
+@pytest.mark.parametrize("status, transient", [(500, True), (502, True), (503, True), (408, True), (429, True),
+                                                (501, False), (400, False), (416, False)])
+def test_which_statuses_are_retried(status, transient):
+    assert is_transient(HTTPStatusError(status, "http://x/y")) is transient
+
+
 def _child_reads(url: str, queue) -> None:
     queue.put(read_range(url, 0, 16))
 
