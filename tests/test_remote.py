@@ -75,6 +75,13 @@ def src(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def samples(src) -> list[dict]:
+    """The source images as WebDataset samples (key and jpg bytes), in sorted order."""
+    return [{"__key__": path.relative_to(src).with_suffix("").as_posix(), "jpg": path.read_bytes()}
+            for path in sorted(src.rglob("*.jpg"))]
+
+
+@pytest.fixture(scope="module")
 def jpg_digests(src) -> dict[str, str]:
     """sha256 of each source JPEG, by sample key (``class_xxx/img_xxxxx``)."""
     out = {p.relative_to(src).with_suffix("").as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
@@ -203,13 +210,11 @@ def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
     return proc.returncode, out, err
 
 
-def test_s3_webdataset_tars_indexed_in_place(moto, src, jpg_digests, tmp_path, write_webdataset):
+def test_s3_webdataset_tars_indexed_in_place(moto, samples, jpg_digests, tmp_path, write_webdataset):
     """WebDataset tars on S3: `index_tars` writes their indexes and a manifest there, and then
     DataLoader workers stream every sample once, by ranged reads, each with its bytes intact."""
     from shardstream.adopt import index_tars
 
-    samples = [{"__key__": path.relative_to(src).with_suffix("").as_posix(), "jpg": path.read_bytes()}
-               for path in sorted(src.rglob("*.jpg"))]
     local = write_webdataset(samples, tmp_path / "wds", 4)
     s3 = s3fs_of(moto)
     for path in sorted(local.glob("*.tar")):
@@ -222,11 +227,9 @@ def test_s3_webdataset_tars_indexed_in_place(moto, src, jpg_digests, tmp_path, w
     assert sorted(items) == sorted([key, digest] for key, digest in jpg_digests.items())
 
 
-def test_remote_tars_without_an_index_warn_and_indexed_ones_do_not(src, tmp_path, write_webdataset):
+def test_remote_tars_without_an_index_warn_and_indexed_ones_do_not(samples, tmp_path, write_webdataset):
     from shardstream.adopt import index_tars
 
-    samples = [{"__key__": path.relative_to(src).with_suffix("").as_posix(), "jpg": path.read_bytes()}
-               for path in sorted(src.rglob("*.jpg"))]
     folder = write_webdataset(samples, tmp_path / "wds", 5)
     with H.CountingHTTPServer(str(folder)) as server:
         pattern = server.url + "/shard-{000000..000004}.tar"
@@ -240,12 +243,10 @@ def test_remote_tars_without_an_index_warn_and_indexed_ones_do_not(src, tmp_path
             assert sorted(k for (k,) in ds) == sorted(s["__key__"] for s in samples)
 
 
-def test_tars_without_an_index_are_read_through_once(src, tmp_path, write_webdataset):
+def test_tars_without_an_index_are_read_through_once(samples, tmp_path, write_webdataset):
     """Counting reads each plain tar through once (in the main process, before the workers
     start); the DataLoader workers then read their samples by ranges with the index that
     scan made, instead of reading each tar through again."""
-    samples = [{"__key__": path.relative_to(src).with_suffix("").as_posix(), "jpg": path.read_bytes()}
-               for path in sorted(src.rglob("*.jpg"))]
     folder = write_webdataset(samples, tmp_path / "wds", 5)
     names = {f"shard-{i:06d}.tar" for i in range(5)}
     with H.CountingHTTPServer(str(folder)) as server, warnings.catch_warnings():
