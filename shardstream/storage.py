@@ -20,14 +20,18 @@ import select
 import tempfile
 import threading
 import time
+import sys
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Iterable, Mapping
-
-import fsspec
-import fsspec.asyn
+from typing import TYPE_CHECKING, Any, BinaryIO, Iterable, Mapping
 
 from . import http_ranges, s3_ranges
 from .errors import ShardstreamError, StorageError
+
+if TYPE_CHECKING:
+    import fsspec
+
+# fsspec is imported where a remote store first needs it: it takes about 0.1 s, which
+# every command on local files and every process a local pack starts would pay.
 
 __all__ = ["Store", "RetryPolicy", "IOStats", "io_stats", "is_local", "is_transient", "split_url"]
 
@@ -46,6 +50,8 @@ def preload_driver(url: str) -> None:
     worker's first batch.
     """
     if not is_local(url):
+        import fsspec
+
         try:
             fsspec.get_filesystem_class(url.split("://", 1)[0])
         except (ImportError, ValueError):
@@ -88,7 +94,8 @@ _parent_loop: list[Any] = [None]
 
 
 def _remember_loop() -> None:
-    _parent_loop[0] = fsspec.asyn.loop[0]
+    asyn = sys.modules.get("fsspec.asyn")  # not imported: no loop to hand over
+    _parent_loop[0] = asyn.loop[0] if asyn is not None else None
 
 
 def _detach_loop_in_child() -> None:
@@ -157,6 +164,8 @@ class Store:
         return posixpath.join(self.root.rstrip("/"), name)
 
     def _fs_path(self, name: str) -> tuple[fsspec.AbstractFileSystem, str]:
+        import fsspec.core
+
         fs, path = fsspec.core.url_to_fs(self.url(name), **_with_timeouts(self.root, self.options))
         return fs, path
 
