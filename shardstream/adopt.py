@@ -10,7 +10,8 @@ dataset with every guarantee of a packed one: exact sample-level splitting, `len
 ranged reads, checksums, exact resume.
 
 Compressed tars (`.tar.gz`, or a `.tar.zst` of one frame) cannot be read by ranges,
-so they are refused; decompress them first, or repack the images with `pack`.
+so `index_tars` refuses them. `repack_tars` rewrites tars of any kind as shardstream
+shards instead: every sample, every field's bytes, in their order.
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ import numpy as np
 from ._version import __version__
 from .errors import ShardstreamError
 from .format import INDEX_SUFFIX, MANIFEST_NAME, Manifest, ShardInfo
-from .reader import CountingReader, scan_tar
+from .reader import CountingReader, StreamTarReader, scan_tar
+from .shardfile import IMAGE_LEVEL
 from .source import expand_braces, names_shards
 from .storage import RetryPolicy, Store, split_url
 from .writer import write_manifest
 
-__all__ = ["index_tars"]
+__all__ = ["index_tars", "repack_tars"]
 
 _COMPRESSED = (".tar.gz", ".tgz", ".tar.zst", ".tar.bz2", ".tar.xz")
 
@@ -80,6 +82,38 @@ def index_tars(source: str | Sequence[str], *, workers: int = 8, overwrite: bool
     return manifest
 
 
+def repack_tars(source: str | Sequence[str], dst: str, *, shard_size: int | str = "256MB",
+                compression: str = "zstd", level: int = IMAGE_LEVEL,
+                storage_options: dict[str, Any] | None = None, progress: bool = False) -> Manifest:
+    """Rewrite tars written by other tools (`.tar`, `.tar.gz`, `.tar.zst`, ...) as a shardstream dataset at `dst`.
+
+    `source` is as for `index_tars`, but compressed tars are welcome: each is read
+    once, front to back, and every sample goes to `dst` with its key and its fields'
+    bytes unchanged, in order, through `ShardWriter` (zstd frames, indexes, a manifest;
+    a `cls` field must then hold an integer, and keys must be unique). The shards are
+    read one after another; the output is the same whatever the machine.
+    """
+    from .progress import progress_bar
+    from .writer import ShardWriter
+
+    options = storage_options or {}
+    store, names = _shards(source, options, compressed=True)
+    if Store(dst, options).exists(MANIFEST_NAME):
+        raise ShardstreamError("already holds a dataset", url=Store(dst, options).url(MANIFEST_NAME))
+    writer = ShardWriter(dst, shard_size, compression=compression, level=level, storage_options=options)
+    try:
+        with progress_bar(total=len(names), unit="shard", desc="repack", disable=not progress) as bar:
+            for name in names:
+                for sample in StreamTarReader(store, name):
+                    sample.pop("__url__", None)
+                    writer.write(sample)
+                bar.update(1)
+    except BaseException:
+        writer.abort()  # no manifest, no partial shard
+        raise
+    return writer.close()
+
+
 def _check_replaceable(store: Store, overwrite: bool) -> None:
     """Refuse to replace a manifest unless told to, and never one that `pack` wrote."""
     url = store.url(MANIFEST_NAME)
@@ -94,11 +128,12 @@ def _check_replaceable(store: Store, overwrite: bool) -> None:
                                "would lose its class names and pack record", url=url)
 
 
-def _shards(source: str | Sequence[str], options: dict[str, Any]) -> tuple[Store, list[str]]:
-    """The one folder the shards are in, and their names."""
+def _shards(source: str | Sequence[str], options: dict[str, Any], *,
+            compressed: bool = False) -> tuple[Store, list[str]]:
+    """The one folder the shards are in, and their names (plain tars only, unless `compressed`)."""
     if isinstance(source, str) and not names_shards(source):
         store = Store(source, options, RetryPolicy())
-        names = store.list(".tar")
+        names = [n for n in store.list() if n.endswith((".tar", *(_COMPRESSED if compressed else ())))]
         if not names:
             compressed = [n for n in store.list() if n.endswith(_COMPRESSED)]
             raise ShardstreamError("no .tar shards here" + (
@@ -113,7 +148,10 @@ def _shards(source: str | Sequence[str], options: dict[str, Any]) -> tuple[Store
             raise ShardstreamError(f"the shards must share one folder, for the manifest beside them: {sorted(parents)}")
         store = Store(parents.pop(), options, RetryPolicy())
         names = [split_url(url)[1] for url in urls]
-    refused = [n for n in names if not n.endswith(".tar")]
+    refused = [n for n in names if not n.endswith((".tar", *(_COMPRESSED if compressed else ())))]
+    if refused and compressed:
+        raise ShardstreamError(f"not tars: {', '.join(refused[:5])}{' ...' if len(refused) > 5 else ''}",
+                               url=store.url(refused[0]))
     if refused:
         raise ShardstreamError(
             f"only plain .tar shards can be indexed in place (a compressed tar cannot be read by ranges): "

@@ -104,6 +104,17 @@ def cmd_index(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_repack(args: argparse.Namespace) -> int:
+    from .adopt import repack_tars
+
+    manifest = repack_tars(args.source, args.dst, shard_size=args.shard_size, compression=args.compression,
+                           level=args.level, progress=not args.quiet,
+                           storage_options=_storage_options(args.storage_options))
+    print(f"repacked {manifest.samples:,} samples into {len(manifest.shards)} shards "
+          f"({sum(s.bytes for s in manifest.shards) / 1e6:,.1f} MB)")
+    return 0
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .verify import inspect_dataset
 
@@ -240,6 +251,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=cmd_index)
 
+    p = sub.add_parser("repack", help="rewrite other tools' tars (.tar, .tar.gz, .tar.zst) as a shardstream dataset")
+    p.add_argument("source", help="folder or URL prefix of tars, a brace pattern, or one shard's URL")
+    p.add_argument("dst", help="output folder or fsspec URL")
+    p.add_argument("--shard-size", default="256MB", help="uncompressed bytes per shard (default 256MB)")
+    p.add_argument("--compression", choices=("zstd", "none"), default="zstd")
+    p.add_argument("--level", type=int, default=IMAGE_LEVEL, help=f"zstd level (default {IMAGE_LEVEL})")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(run=cmd_repack)
+
     p = sub.add_parser("inspect", help="what a packed dataset holds")
     p.add_argument("dataset")
     p.add_argument("--json", action="store_true")
@@ -277,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fsspec options as JSON")
     p.set_defaults(run=cmd_bench)
 
-    for name in ("pack", "merge", "index", "inspect", "verify"):
+    for name in ("pack", "merge", "index", "repack", "inspect", "verify"):
         sub.choices[name].add_argument(
             "--storage-options", default=os.environ.get("SHARDSTREAM_STORAGE_OPTIONS"),
             help="fsspec options as JSON, e.g. '{\"endpoint_url\": \"http://127.0.0.1:9000\"}'",

@@ -1,4 +1,5 @@
-"""`shardstream index`: WebDataset tars made a dataset in place (an index each, a manifest)."""
+"""`shardstream index` and `repack`: WebDataset tars made a dataset, in place (an index each, a
+manifest) or rewritten (any tar, compressed or not)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ from pathlib import Path
 
 import fsspec
 import pytest
+import zstandard
 from torch.utils.data import DataLoader
 
 import shardstream as ss
 from shardstream import CorruptShardError, ShardstreamError
-from shardstream.adopt import index_tars
+from shardstream.adopt import index_tars, repack_tars
 from shardstream.format import MANIFEST_NAME
 from shardstream.verify import verify_dataset
 
@@ -184,3 +186,50 @@ def test_cli_index_then_verify(wds_folder):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
 
+
+
+def compress_some(folder: Path) -> None:
+    """Turn the tars of `folder` into .tar.gz, .tar.zst and plain .tar, in turn."""
+    for i, path in enumerate(sorted(folder.glob("*.tar"))):
+        if i % 3 == 0:
+            (folder / (path.name + ".gz")).write_bytes(gzip.compress(path.read_bytes()))
+            path.unlink()
+        elif i % 3 == 1:
+            (folder / (path.name + ".zst")).write_bytes(zstandard.ZstdCompressor().compress(path.read_bytes()))
+            path.unlink()
+
+
+def test_repack_rewrites_any_tars_sample_for_sample(wds_folder, tmp_path):
+    folder, samples = wds_folder
+    compress_some(folder)
+    assert {p.suffix for p in folder.iterdir()} == {".gz", ".zst", ".tar"}
+    manifest = repack_tars(str(folder), str(tmp_path / "out"), shard_size="20KB")
+    assert manifest.samples == len(samples) and len(manifest.shards) > 1
+    read = [s for ref in ss.open_dataset(str(tmp_path / "out")).shards for s in ref.reader()]
+    assert [s["__key__"] for s in read] == [s["__key__"] for s in samples]  # in order
+    for got, want in zip(read, samples):
+        assert (got["jpg"], got["cls"], got["weight"]) == (want["jpg"], str(want["cls"]).encode(), want["weight"].encode())
+    assert manifest.class_counts == tuple(collections.Counter(s["cls"] for s in samples)[c] for c in range(3))
+    assert verify_dataset(str(tmp_path / "out")).ok
+
+
+def test_repack_refuses_a_dataset_and_leaves_none_on_a_bad_tar(wds_folder, tmp_path, packed):
+    folder, _ = wds_folder
+    with pytest.raises(ShardstreamError, match="already holds a dataset"):
+        repack_tars(str(folder), packed)
+    shard = folder / "shard-000002.tar"
+    shard.write_bytes(gzip.compress(shard.read_bytes())[:2000])  # a cut .gz under a .tar name: garbage
+    (folder / "shard-000003.tar.gz").write_bytes(gzip.compress((folder / "shard-000003.tar").read_bytes())[:-40])
+    (folder / "shard-000003.tar").unlink()
+    with pytest.raises(CorruptShardError, match=r"shard-00000[23]\.tar"):
+        repack_tars(str(folder), str(tmp_path / "out"))
+    assert not (tmp_path / "out" / MANIFEST_NAME).exists()
+
+
+def test_cli_repack(wds_folder, tmp_path):
+    folder, samples = wds_folder
+    compress_some(folder)
+    result = subprocess.run([sys.executable, "-m", "shardstream.cli", "repack", str(folder), str(tmp_path / "out"),
+                             "--quiet"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert f"repacked {len(samples)} samples into 1 shards" in result.stdout
