@@ -131,9 +131,10 @@ def _check_replaceable(store: Store, overwrite: bool) -> None:
 def _shards(source: str | Sequence[str], options: dict[str, Any], *,
             compressed: bool = False) -> tuple[Store, list[str]]:
     """The one folder the shards are in, and their names (plain tars only, unless `compressed`)."""
+    kinds = (".tar", *_COMPRESSED) if compressed else (".tar",)
     if isinstance(source, str) and not names_shards(source):
         store = Store(source, options, RetryPolicy())
-        names = [n for n in store.list() if n.endswith((".tar", *(_COMPRESSED if compressed else ())))]
+        names = [n for n in store.list() if n.endswith(kinds)]
         if not names:
             compressed = [n for n in store.list() if n.endswith(_COMPRESSED)]
             raise ShardstreamError("no .tar shards here" + (
@@ -148,7 +149,7 @@ def _shards(source: str | Sequence[str], options: dict[str, Any], *,
             raise ShardstreamError(f"the shards must share one folder, for the manifest beside them: {sorted(parents)}")
         store = Store(parents.pop(), options, RetryPolicy())
         names = [split_url(url)[1] for url in urls]
-    refused = [n for n in names if not n.endswith((".tar", *(_COMPRESSED if compressed else ())))]
+    refused = [n for n in names if not n.endswith(kinds)]
     if refused and compressed:
         raise ShardstreamError(f"not tars: {', '.join(refused[:5])}{' ...' if len(refused) > 5 else ''}",
                                url=store.url(refused[0]))

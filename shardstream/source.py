@@ -114,8 +114,8 @@ class Source:
         if self.manifest is not None:
             return self.manifest.counts
         def count(shard: int) -> tuple[ShardReader | StreamTarReader, int]:
-            ref, reader = self.shards[shard], self.reader(shard)
-            return reader, len(reader) if _random_access(ref) else _count(reader)
+            reader = self.reader(shard)
+            return reader, _count(reader)
 
         if len(self.shards) < 2 or all(ref.store.local for ref in self.shards):
             counted = [count(i) for i in range(len(self.shards))]
@@ -160,12 +160,15 @@ class Source:
         return np.concatenate(out) if out else np.zeros(0, dtype=dtype)
 
 
-def _random_access(ref: ShardRef) -> bool:
-    return ref.name.endswith(".tar") or ref.store.exists(ref.name + INDEX_SUFFIX)
-
-
 def _count(reader: ShardReader | StreamTarReader) -> int:
-    return sum(1 for _ in reader)
+    """Samples in a shard: from its index (a plain tar's is made by one scan), or else by reading it through.
+
+    Whether it has an index was settled when the reader was made; asking storage again
+    would cost another request per shard.
+    """
+    if isinstance(reader, StreamTarReader) and reader.index is None:
+        return sum(1 for _ in reader)
+    return len(reader)
 
 
 def open_dataset(url: str, *, storage_options: dict[str, Any] | None = None,
