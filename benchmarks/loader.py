@@ -82,6 +82,7 @@ import contenders as c  # noqa: E402
 import run as pack_bench  # noqa: E402  (ensure_images, dataset_stats, machine)
 
 import shardstream as ss  # noqa: E402
+from shardstream import decode as ss_decode  # noqa: E402
 from shardstream.transforms import RandomResizedCropJPEG, crop_params  # noqa: E402
 from shardstream.writer import parse_size  # noqa: E402
 
@@ -231,6 +232,19 @@ def wds_pipeline(urls: list[str], *, decode: bool = True, batch_size: int | None
     return pipeline.batched(batch_size) if batch_size else pipeline
 
 
+def without_region_decoder(run: Callable[[], dict]) -> Callable[[], dict]:
+    """`run` with JPEG crops decoded whole, as where the _jpegregion extension is not built."""
+
+    def whole() -> dict:
+        saved, ss_decode._jpegregion = ss_decode._jpegregion, None
+        try:
+            return run()
+        finally:
+            ss_decode._jpegregion = saved
+
+    return whole
+
+
 def torch_loader(dataset: Any, workers: int) -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers, persistent_workers=False)
 
@@ -367,8 +381,15 @@ def section_decode(d: Data, repeats: int, out: dict) -> None:
         Contender(f"bare loop: PIL decode + crop on bytes in memory ({len(subset)} images)", bare_pil,
                   expect=len(subset), note="diagnostic: the WebDataset side's per-image work without a loader"),
     ]
+    if ss_decode.REGION_DECODER:
+        group.append(Contender("shardstream StreamingDataset (in-process), whole-image decode",
+                               without_region_decoder(lambda: drain(lambda: ss_dataset(d.ss_path))), expect=d.n,
+                               note="diagnostic: the region decoder (_jpegregion) switched off"))
     measure("decode", group, repeats)
-    ssc, wdsc, barec, pilc = group
+    ssc, wdsc, barec, pilc = group[:4]
+    if len(group) > 4:
+        out["targets"]["decode: region decode vs whole-image decode, per round (informative)"] = _target(
+            per_round(ssc, group[4]), None, None, "x")
     out["decode"] = {"rows": [g.row() for g in group],
                      "table": table(f"decode, one process, shuffled, {d.n} images, median of {repeats}", group, wdsc)}
     overhead = ssc.median / barec.median - 1

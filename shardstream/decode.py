@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import pickle
 import tokenize
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import msgpack
 import numpy as np
@@ -31,7 +32,16 @@ try:
 except ImportError:  # optional (the `fast` extra): Pillow decodes instead
     simplejpeg = None
 
-__all__ = ["Decoder", "decode_image", "decode_rgb", "image_size", "is_jpeg", "IMAGE_EXTENSIONS", "IMAGE_MODES"]
+try:
+    from . import _jpegregion
+except ImportError:  # the C extension was not built (no libjpeg-turbo headers or compiler at install)
+    _jpegregion = None
+
+#: Whether JPEG crops are decoded region only (the `_jpegregion` extension is built).
+REGION_DECODER = _jpegregion is not None
+
+__all__ = ["Decoder", "DecodedCrop", "decode_image", "decode_rgb", "decode_rgb_crop", "image_size", "is_jpeg",
+           "jpeg_crop_decoder", "IMAGE_EXTENSIONS", "IMAGE_MODES", "REGION_DECODER"]
 
 IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp", "ppm", "pgm", "bmp", "gif", "tif", "tiff"})
 IMAGE_MODES = (None, "pil", "rgb8")
@@ -84,15 +94,79 @@ def decode_rgb(data: bytes, at_least: tuple[int, int] | None = None, *, use_simp
             if at_least is None:
                 return simplejpeg.decode_jpeg(data, colorspace="RGB")
             height, width, _, _ = simplejpeg.decode_jpeg_header(data)
-            # Powers of two only: libjpeg-turbo also scales by 3/8, 5/8, ..., which was
-            # slower than no scaling at all here (28.6 vs 24.3 ms for a 1600x1200 JPEG
-            # at 5/8), and Pillow would give other pixels.
-            k = next((k for k in (8, 4, 2) if -(-width // k) >= at_least[0] and -(-height // k) >= at_least[1]), 1)
+            k = jpeg_reduction((width, height), at_least)
             return simplejpeg.decode_jpeg(data, colorspace="RGB", min_width=-(-width // k),
                                           min_height=-(-height // k))
         except ValueError:
             pass  # CMYK, arithmetic coding, damage: Pillow decodes it or raises the error
     return np.array(_pil_rgb(data, at_least))
+
+
+def jpeg_crop_decoder() -> str:
+    """Which library decodes JPEG crops in this process, in words (for reports)."""
+    if _jpegregion is not None:
+        return "libjpeg-turbo, region only (shardstream._jpegregion)"
+    if simplejpeg is not None:
+        return "simplejpeg, whole images (the _jpegregion extension is not built)"
+    return "Pillow, whole images (neither _jpegregion nor simplejpeg is available)"
+
+
+def jpeg_reduction(size: tuple[int, int], at_least: tuple[int, int]) -> int:
+    """The largest DCT reduction (8, 4, 2, else 1) that keeps an image of `size` at least `at_least`.
+
+    Powers of two only: libjpeg-turbo also scales by 3/8, 5/8, ..., which was slower
+    than no scaling at all here (28.6 vs 24.3 ms for a 1600x1200 JPEG at 5/8), and
+    Pillow's `draft` would give other pixels.
+    """
+    width, height = size
+    return next((k for k in (8, 4, 2) if -(-width // k) >= at_least[0] and -(-height // k) >= at_least[1]), 1)
+
+
+class DecodedCrop(NamedTuple):
+    """Decoded pixels holding a crop's box, and where the box lies in them."""
+
+    pixels: np.ndarray  # RGB uint8, (height, width, 3)
+    box: tuple[float, float, float, float]  # top, left, height, width, in `pixels`' coordinates
+    reduced: bool  # decoded at a DCT reduction: the box's edges may fall between pixels
+
+
+def decode_rgb_crop(data: bytes, size: tuple[int, int], box: tuple[int, int, int, int],
+                    at_least: tuple[int, int], margin: int = 0) -> DecodedCrop:
+    """The part of the image in `data` (of `size`, width by height) that holds `box`.
+
+    `box` is (top, left, height, width) in full-size pixels; the image is decoded at
+    the smallest DCT reduction that keeps it at least `at_least`, as `decode_rgb`
+    decodes it. A JPEG is decoded region only where the `_jpegregion` extension is
+    built: the rows above the box are only entropy-decoded, the rows below not at all,
+    the columns beside it not transformed; the pixels are those of the whole decode.
+    At a reduction, `margin` decoded pixels around the box are kept as well (a
+    resampling filter reads beyond a box whose edges fall between pixels); at full
+    scale the box is whole pixels and nothing around it is kept. Other formats, and
+    JPEGs the extension refuses (CMYK, damage), are decoded whole.
+    """
+    if _jpegregion is not None and is_jpeg(data):
+        k = jpeg_reduction(size, at_least)
+        scaled = (-(-size[0] // k), -(-size[1] // k))  # libjpeg rounds a reduction's size up
+        try:
+            return _decode_region(data, size, scaled, box, k, margin if k > 1 else 0)
+        except ValueError:
+            pass  # decoded whole below, by simplejpeg or Pillow, which raise what they raise
+    pixels = decode_rgb(data, at_least)
+    sy, sx = pixels.shape[0] / size[1], pixels.shape[1] / size[0]
+    top, left, height, width = box
+    return DecodedCrop(pixels, (top * sy, left * sx, height * sy, width * sx), pixels.shape[:2] != (size[1], size[0]))
+
+
+def _decode_region(data: bytes, size: tuple[int, int], scaled: tuple[int, int], box: tuple[int, int, int, int],
+                   k: int, margin: int) -> DecodedCrop:
+    sy, sx = scaled[1] / size[1], scaled[0] / size[0]
+    top, left, height, width = box[0] * sy, box[1] * sx, box[2] * sy, box[3] * sx
+    y0, x0 = max(0, math.floor(top) - margin), max(0, math.floor(left) - margin)
+    y1 = min(scaled[1], math.ceil(top + height) + margin)
+    x1 = min(scaled[0], math.ceil(left + width) + margin)
+    pixels = np.empty((y1 - y0, x1 - x0, 3), np.uint8)
+    _jpegregion.decode_region(data, pixels, k, y0, x0, y1 - y0, x1 - x0)
+    return DecodedCrop(pixels, (top - y0, left - x0, height, width), k > 1)
 
 
 def _pil_rgb(data: bytes, at_least: tuple[int, int] | None = None) -> Image.Image:

@@ -16,6 +16,7 @@ import time
 import torch
 
 from .dataset import StreamingDataset
+from .decode import jpeg_crop_decoder
 from .loader import DataLoader, Normalize
 from .pack import pack
 from .synthetic import make_image_folder
@@ -57,18 +58,20 @@ def run_demo(images: int = 400, classes: int = 4, workers: int = 2, keep: str | 
                   f"waited {100 * s.wait_fraction:.0f}% of the time; each image exactly once")
 
         loader.set_epoch(2)
+        after = max(0, min(3, len(loader) - 1))  # a few batches in, and at least one left to resume onto
         it = iter(loader)
-        for _ in range(3):
+        for _ in range(after):
             next(it)
         state = loader.state_dict()
         del it
-        expected = [keys for _, _, keys in loader][3:]
+        expected = [keys for _, _, keys in loader][after:]
         resumed = DataLoader(StreamingDataset(dst, shuffle=True, seed=0, decode=RandomResizedCropJPEG(224),
                                               fields=("jpg", "cls", "__key__")), batch_size=32, num_workers=workers)
         resumed.load_state_dict(state)
         got = [keys for _, _, keys in resumed]
-        print(f"5. resumed epoch 2 after 3 batches from a {len(str(state))}-byte state: "
+        print(f"5. resumed epoch 2 after {after} batches from a {len(str(state))}-byte state: "
               f"{'the same' if got == expected else 'DIFFERENT'} {len(got)} batches as the uninterrupted run")
+        print(f"   JPEG crops decoded by {jpeg_crop_decoder()}")
         print(f"   device: {'cuda' if torch.cuda.is_available() else 'cpu (no CUDA here)'}; files in {root}"
               + ("" if keep else " (removed)"))
     finally:

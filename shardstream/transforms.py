@@ -5,21 +5,27 @@ on a decoded image does, with the same distribution of crops as torchvision (the
 `scale`/`ratio` sampling, ten tries, then the central fallback), but in fewer steps:
 
 * the image size comes from the JPEG header, before anything is decoded;
+* only the part of the JPEG that holds the crop is decoded, where the `_jpegregion`
+  extension is built (libjpeg-turbo's partial decoding: the rows above the crop are
+  only entropy-decoded, the rows below not at all; `decode.decode_rgb_crop`);
 * DCT-domain downscaling when the crop is at least twice the output size, so large
   photos are decoded at a fraction of their resolution;
-* the crop is copied once, channels-last, and resized in one antialiased bilinear pass
+* the crop is resized channels-last in one antialiased bilinear pass
   (`torch.nn.functional.interpolate`, as torchvision's tensor transforms do; its
-  vectorised uint8 kernel needs the channels-last layout; after a DCT reduction the box
-  falls between pixels, and Pillow's resize takes it exactly);
+  vectorised uint8 kernel needs the channels-last layout, which a region decode gives
+  as it is); after a DCT reduction the box falls between pixels, and Pillow's resize
+  takes it exactly;
 * the output (224 x 224, small) is mirrored and laid out CHW afterwards.
 
-JPEGs are decoded by simplejpeg (libjpeg-turbo) where it is installed (the `fast`
-extra), otherwise, and for every other format, by Pillow (`decode.decode_rgb`); both
-give the same pixels for the same scale (both are libjpeg-turbo). Measured on 400
-ImageNet-sized JPEGs of the benchmark set (one core): simplejpeg decode 1.29-1.47 ms;
-the crop's resize with the flip and layout 0.31 ms from a strided view, 0.27 ms from
-the channels-last copy (Pillow's resize alone 1.0 ms); the whole transform in
-BENCHMARKS.md.
+JPEGs are decoded by the region decoder, else by simplejpeg (libjpeg-turbo) where it
+is installed (the `fast` extra), else, and for every other format, by Pillow
+(`decode.decode_rgb`); all give the same pixels for the same scale (all are
+libjpeg-turbo; a DCT-reduced crop resized from a region may differ by one level, the
+float rounding of the box's offset in Pillow's filter). Measured on 400 ImageNet-sized JPEGs of the benchmark set (one core):
+simplejpeg's whole decode 1.29-1.47 ms; a region decode of torchvision's crops
+about 20% less than a whole decode by the same library; the crop's resize with the
+flip and layout 0.27 ms from a channels-last copy (Pillow's resize alone 1.0 ms); the
+whole transform in BENCHMARKS.md.
 
 Randomness comes from torch's generator, which the dataset seeds per sample from
 (seed, epoch, sample), so augmentation is reproducible and resumption exact. Output
@@ -37,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from .decode import decode_rgb, image_size
+from .decode import decode_rgb_crop, image_size
 
 __all__ = ["RandomResizedCropJPEG", "CenterCropJPEG", "CropPlan", "crop_params", "crop_resize"]
 
@@ -78,21 +84,25 @@ class CropPlan(NamedTuple):
 
 def crop_resize(data: bytes, plan: CropPlan) -> torch.Tensor:
     """The crop `plan` describes of the image in `data`, resized, maybe mirrored: uint8 CHW."""
-    (top, left, h, w), full, size = plan.box, plan.full, plan.size
-    # Decode at the smallest scale that keeps the crop at least the output size.
+    (_, _, h, w), full, size = plan.box, plan.full, plan.size
+    # Decode at the smallest scale that keeps the crop at least the output size, and only
+    # the part that holds the crop (where the region decoder is built). Around a reduced
+    # box, keep what the bilinear filter reads: its support is the downscale factor.
     want = (max(1, full[0] * size[0] // max(w, 1)), max(1, full[1] * size[1] // max(h, 1)))
-    array = decode_rgb(data, (min(want[0], full[0]), min(want[1], full[1])))
-    if array.shape[:2] == (full[1], full[0]):
+    margin = math.ceil(max(h / size[1], w / size[0])) + 1
+    crop = decode_rgb_crop(data, full, plan.box, (min(want[0], full[0]), min(want[1], full[1])), margin)
+    if not crop.reduced:
         # Full scale: torch's antialiased bilinear kernel (torchvision's tensor transforms
-        # use it), on a channels-last copy of the crop, which its uint8 kernel vectorises.
-        region = torch.from_numpy(array)[top : top + h, left : left + w].permute(2, 0, 1).unsqueeze(0)
+        # use it), on a channels-last copy of the crop, which its uint8 kernel vectorises
+        # (a region decode already gives exactly the crop, channels-last: no copy then).
+        y, x = round(crop.box[0]), round(crop.box[1])
+        region = torch.from_numpy(crop.pixels)[y : y + h, x : x + w].permute(2, 0, 1).unsqueeze(0)
         region = region.contiguous(memory_format=torch.channels_last)
         out = F.interpolate(region, size=(size[1], size[0]), mode="bilinear", antialias=True)[0]
     else:
         # DCT-reduced: the box falls between pixels, which Pillow's resize takes exactly.
-        sy, sx = array.shape[0] / full[1], array.shape[1] / full[0]
-        resized = Image.fromarray(array).resize(size, Image.Resampling.BILINEAR,
-                                                box=(left * sx, top * sy, (left + w) * sx, (top + h) * sy))
+        y, x, bh, bw = crop.box
+        resized = Image.fromarray(crop.pixels).resize(size, Image.Resampling.BILINEAR, box=(x, y, x + bw, y + bh))
         out = torch.from_numpy(np.asarray(resized).copy()).permute(2, 0, 1)
     if plan.flip:
         out = out.flip(-1)

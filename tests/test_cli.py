@@ -135,3 +135,17 @@ def test_usage_errors(tmp_path):
     missing = cli("pack", tmp_path / "nope", tmp_path / "ds", "--quiet")
     assert missing.returncode == 1 and "nope" in missing.stderr
     assert cli("inspect", tmp_path / "nothing").returncode == 1
+
+
+def test_demo_runs_the_whole_path(tmp_path):
+    """The README's first command: make, pack, verify, two epochs through 2 workers with each image exactly
+    once (the demo asserts it), and a resume onto the same batches; it says which library decodes the crops."""
+    result = cli("demo", "--images", 48, "--classes", 3, "--workers", 2, "--keep", tmp_path / "demo")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "made 48 ImageNet-like JPEGs" in out
+    assert "48 images decoded, ok" in out
+    assert out.count("each image exactly once") == 2
+    assert "the same 1 batches as the uninterrupted run" in out
+    assert "JPEG crops decoded by " in out
+    assert (tmp_path / "demo" / "shards").is_dir()
