@@ -69,14 +69,29 @@ def is_jpeg(data: bytes | memoryview) -> bool:
 
 
 def image_size(data: bytes) -> tuple[int, int]:
-    """(width, height) of the image in `data`, from its header."""
+    """(width, height) of the image in `data`, from its header.
+
+    An image of more pixels than Pillow's decompression-bomb limit raises
+    `PIL.Image.DecompressionBombError`, whichever library reads the header, as Pillow
+    does when it opens one: a few kilobytes of JPEG can claim 65,535 x 65,535 pixels.
+    """
     if simplejpeg is not None and is_jpeg(data):
         try:
             height, width, _, _ = simplejpeg.decode_jpeg_header(data)
-            return width, height
         except ValueError:
             pass  # Pillow reads it, or raises its own error
+        else:
+            return _within_pixel_limit(width, height)
     return Image.open(io.BytesIO(data)).size
+
+
+def _within_pixel_limit(width: int, height: int) -> tuple[int, int]:
+    limit = Image.MAX_IMAGE_PIXELS
+    if limit is not None and width * height > 2 * limit:
+        raise Image.DecompressionBombError(
+            f"image of {width * height} pixels ({width}x{height}) exceeds the limit of {2 * limit} pixels, "
+            f"could be a decompression bomb (PIL.Image.MAX_IMAGE_PIXELS sets the limit)")
+    return width, height
 
 
 def decode_rgb(data: bytes, at_least: tuple[int, int] | None = None, *, use_simplejpeg: bool = True) -> np.ndarray:
@@ -91,9 +106,10 @@ def decode_rgb(data: bytes, at_least: tuple[int, int] | None = None, *, use_simp
     """
     if use_simplejpeg and simplejpeg is not None and is_jpeg(data):
         try:
+            height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+            _within_pixel_limit(width, height)
             if at_least is None:
                 return simplejpeg.decode_jpeg(data, colorspace="RGB")
-            height, width, _, _ = simplejpeg.decode_jpeg_header(data)
             k = jpeg_reduction((width, height), at_least)
             return simplejpeg.decode_jpeg(data, colorspace="RGB", min_width=-(-width // k),
                                           min_height=-(-height // k))

@@ -1091,6 +1091,28 @@ def test_mutated_jpeg_decodes_or_is_decode_error(edits, cut, insert):
         assert image.dtype == torch.uint8 and image.ndim == 3 and image.shape[0] == 3
 
 
+@FUZZ
+@given(edits=st.lists(st.tuples(st.integers(0, len(JPEG) - 1), st.integers(1, 255)), min_size=1, max_size=6),
+       cut=st.integers(0, len(JPEG)), insert=st.binary(max_size=64), seed=st.integers(0, 2**31))
+def test_mutated_jpeg_through_the_fused_crop_decodes_or_is_decode_error(edits, cut, insert, seed):
+    """The same through `RandomResizedCropJPEG`, whose region decoder (C, libjpeg-turbo) and header reading
+    take the mutated bytes first: an image of the output size or a DecodeError, never a crash or another error."""
+    from shardstream.transforms import RandomResizedCropJPEG
+
+    data = bytearray(JPEG)
+    for offset, mask in edits:
+        data[offset] ^= mask
+    data[cut:cut] = insert
+    torch.manual_seed(seed)
+    outcome = _decode("jpg", bytes(data), images=RandomResizedCropJPEG(16))
+    assert outcome.kind in ("samples", "error"), (outcome.label, outcome.detail)
+    if outcome.kind == "error":
+        assert outcome.label == "DecodeError"
+    else:
+        image = outcome.samples[0]["jpg"]
+        assert image.dtype == torch.uint8 and image.shape == (3, 16, 16)
+
+
 def _npy_bytes(array: np.ndarray) -> bytes:
     out = io.BytesIO()
     np.save(out, array)

@@ -283,3 +283,36 @@ def test_region_decoder_runs_in_threads_at_once():
     with ThreadPoolExecutor(4) as pool:
         many = list(pool.map(lambda b: decode_rgb_crop(data, (1203, 857), b, (1203, 857)).pixels, boxes))
     assert all(np.array_equal(a, b) for a, b in zip(one, many))
+
+
+def _claiming(data: bytes, width: int, height: int) -> bytes:
+    """`data` with its frame header (SOF0) claiming another size."""
+    at = data.index(b"\xff\xc0")
+    return data[: at + 5] + height.to_bytes(2, "big") + width.to_bytes(2, "big") + data[at + 9 :]
+
+
+@pytest.mark.parametrize("decode", ["rgb8", RandomResizedCropJPEG(32), CenterCropJPEG(32, 40)], ids=str)
+def test_a_jpeg_claiming_billions_of_pixels_is_refused_before_decoding(decode):
+    """A few kilobytes of JPEG can claim 65,535 x 65,535 pixels (12.9 GB of RGB): past Pillow's bomb limit it is
+    a DecodeError naming the sample, from the header alone, whichever decoder would run."""
+    from shardstream import DecodeError
+    from shardstream.decode import Decoder
+
+    import tracemalloc
+
+    bomb = _claiming(_jpeg_variants()[0], 60000, 60000)
+    tracemalloc.start()  # numpy reports its buffers to tracemalloc
+    try:
+        with pytest.raises(DecodeError, match="decompression bomb") as info:
+            Decoder(images=decode)({"__key__": "k1", "__url__": "s.tar", "jpg": bomb})
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert "k1" in str(info.value)
+    assert peak < 50 << 20, f"{peak >> 20} MB allocated before refusing"
+    # Within the limit the same header edit is only damage, which the decoders treat as they always did (Pillow
+    # fills what is missing): not a bomb.
+    try:
+        Decoder(images=decode)({"__key__": "k1", "__url__": "s.tar", "jpg": _claiming(_jpeg_variants()[0], 900, 700)})
+    except DecodeError as e:
+        assert "bomb" not in str(e)
