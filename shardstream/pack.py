@@ -3,9 +3,14 @@
 The work is planned before it starts, from the file listing and file sizes alone:
 the sorted listing is shuffled with `seed`, cut into shards of about `shard_size`
 bytes, and each shard into frames of about `frame_size`. A frame (a few images) is
-the unit of parallel work: worker processes read, check and compress frames, and the
-parent appends them in order. The output therefore depends only on the input and the
+the unit of parallel work: workers read, check and compress frames, and the caller
+appends them in order. The output therefore depends only on the input and the
 options, never on `workers`, and parallelism does not need many shards.
+
+The workers are threads when the images are large (a mean of `THREADS_FROM_BYTES`
+or more): reading, zstd, SHA-256 and writing release the GIL, and no frame then
+crosses a pipe. They are processes when the images are small, where the per-image
+Python work (about 50 µs) would hold the GIL for most of the time (BENCHMARKS.md).
 
 Nothing is lost silently: every file of the source is packed, skipped with a reason
 (recorded in the manifest), or counted as not an image.
@@ -16,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
+import itertools
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -25,6 +31,8 @@ import struct
 import threading
 import time
 import warnings
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.pool import ExceptionWithTraceback, MaybeEncodingError
 from multiprocessing.reduction import ForkingPickler
@@ -165,22 +173,31 @@ def check_image(data: bytes, path: str) -> None:
     if _plain_jpeg(data):
         return
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data)) as image:
-                if image.format == "JPEG":
-                    if b"\xff\xd9" not in data[-64:]:
-                        image.load()
-                elif image.format == "PNG":
-                    image.verify()
-                else:
+        with Image.open(io.BytesIO(data)) as image:
+            _within_bomb_limit(image.size)
+            if image.format == "JPEG":
+                if b"\xff\xd9" not in data[-64:]:
                     image.load()
+            elif image.format == "PNG":
+                image.verify()
+            else:
+                image.load()
     except Image.UnidentifiedImageError as e:
         raise PackError("not a readable image: unknown or damaged format", url=path) from e
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         # No object reprs in the reason: it goes into the manifest, which must be reproducible.
         reason = re.sub(r" at 0x[0-9a-fA-F]+", "", str(e))
         raise PackError(f"not a readable image: {reason}", url=path) from e
+
+
+def _within_bomb_limit(size: tuple[int, int]) -> None:
+    # What Pillow warns about (DecompressionBombWarning) as an error, in Pillow's words,
+    # without changing the warning filters, which threads share (`pack` turns the
+    # warning itself into an error for its whole run, see `_bomb_warnings_raise`).
+    pixels, limit = size[0] * size[1], Image.MAX_IMAGE_PIXELS
+    if limit is not None and pixels > limit:
+        raise Image.DecompressionBombWarning(
+            f"Image size ({pixels} pixels) exceeds limit of {limit} pixels, could be decompression bomb DOS attack.")
 
 
 # -- planning ---------------------------------------------------------------------------
@@ -282,7 +299,7 @@ def order(listing: Listing, opts: PackOptions) -> list[SourceFile]:
     return entries
 
 
-# -- the work of one frame (runs in worker processes) ----------------------------------------
+# -- the work of one frame (runs in the workers) ------------------------------------------------
 
 
 @dataclass
@@ -328,10 +345,36 @@ def _pool_context() -> multiprocessing.context.BaseContext:
     return multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
 
 
-def _results(jobs: list[Any], workers: int, context: multiprocessing.context.BaseContext) -> Iterator[FrameResult]:
-    if workers <= 1:
-        yield from map(build_job, jobs)
-        return
+# Threads pay from this mean image size up: measured on 4,000 JPEGs each (2 workers),
+# threads took 0.83-0.89 s against 1.04-1.33 s for processes at 114 KB, broke even at
+# 29 KB, and took twice as long at 2 KB (0.28-0.34 s against 0.15-0.16 s).
+THREADS_FROM_BYTES = 64 << 10
+
+
+def threads_pay(entries: list[SourceFile]) -> bool:
+    """Whether threads beat processes as workers for these files: large images (see the module doc)."""
+    return bool(entries) and sum(entry.size for entry in entries) >= THREADS_FROM_BYTES * len(entries)
+
+
+def _thread_results(jobs: list[Any], workers: int) -> Iterator[FrameResult]:
+    """`build_job` over `jobs` in `workers` threads, results in plan order, at most 4 per
+    worker built ahead; a job's exception is raised at its place in that order."""
+    with ThreadPoolExecutor(workers, thread_name_prefix="shardstream-pack") as pool:
+        pending = iter(jobs)
+        ahead: deque[Future[FrameResult]] = deque(pool.submit(build_job, job) for job in
+                                                  itertools.islice(pending, 4 * workers))
+        try:
+            while ahead:
+                result = ahead.popleft().result()
+                ahead.extend(pool.submit(build_job, job) for job in itertools.islice(pending, 1))
+                yield result
+        finally:
+            for future in ahead:
+                future.cancel()
+
+
+def _process_results(jobs: list[Any], workers: int, context: multiprocessing.context.BaseContext
+                     ) -> Iterator[FrameResult]:
     pool = _FramePool(jobs, workers, context)
     try:
         yield from pool
@@ -626,12 +669,19 @@ def pack(
     bytes_in = 0
     writer: ShardFileWriter | None = None
     shard_skips: list[tuple[str, str]] = []
-    context = _pool_context()  # before the progress bar starts its monitor thread
+    results: Iterator[FrameResult]
+    if workers == 1:
+        results = map(build_job, jobs)
+    elif threads_pay(entries):
+        results = _thread_results(jobs, workers)
+    else:  # the context is chosen before the progress bar starts its monitor thread
+        results = _process_results(jobs, workers, _pool_context())
+    results = _bomb_warnings_raise(results)
     bar = _progress(len(entries), progress)
     bar.update(sum(s.samples + len(k) for s, k in done.values()))
     current = -1
     try:
-        for result in _results(jobs, workers, context):
+        for result in results:
             if writer is not None and result.shard != current:
                 _finish(writer, current, shard_skips, finished, journal)
                 writer, shard_skips = None, []
@@ -652,6 +702,7 @@ def pack(
         raise
     finally:
         bar.close()
+        results.close()  # the workers stop now, not when the generator is collected
 
     shards = [finished[s][0] for s in sorted(finished) if finished[s][0].samples]
     skipped = [skip for s in sorted(finished) for skip in finished[s][1]]
@@ -684,6 +735,15 @@ def pack(
         skipped=skipped,
         ignored=len(listing.ignored),
     )
+
+
+def _bomb_warnings_raise(results: Iterator[FrameResult]) -> Iterator[FrameResult]:
+    """`results`, with Pillow's DecompressionBombWarning an error wherever they are built:
+    the filter is set once, here, for the threads (which share it) and the processes
+    (which inherit it when they start, on the first result), never changed while they run."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        yield from results
 
 
 def _finish(writer: ShardFileWriter, shard: int, skipped: list[tuple[str, str]],

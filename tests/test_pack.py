@@ -62,6 +62,14 @@ def write_text_as_jpeg(folder: Path, rel: str) -> Path:
     return path
 
 
+@pytest.fixture(params=["threads", "processes"])
+def pool_kind(request, monkeypatch):
+    """Workers as threads (large images) or processes (small ones): both kinds, whatever the images' size."""
+    pack_module = sys.modules["shardstream.pack"]
+    monkeypatch.setattr(pack_module, "THREADS_FROM_BYTES", 0 if request.param == "threads" else 1 << 40)
+    return request.param
+
+
 def no_parts_left(dst: Path) -> bool:
     return not [p for p in dst.rglob("*") if p.name.endswith(".part")]
 
@@ -69,7 +77,7 @@ def no_parts_left(dst: Path) -> bool:
 # -- determinism and order -------------------------------------------------------------------------
 
 
-def test_same_output_for_any_number_of_workers(image_folder, tmp_path, dataset_files):
+def test_same_output_for_any_number_of_workers(image_folder, tmp_path, dataset_files, pool_kind):
     one = run_pack(image_folder, tmp_path / "w1", workers=1)
     two = run_pack(image_folder, tmp_path / "w2", workers=2)
     assert one.samples == two.samples == 21 and one.shards == two.shards >= 2
@@ -80,7 +88,7 @@ def test_same_output_for_any_number_of_workers(image_folder, tmp_path, dataset_f
         assert files1[name] == files2[name], name
 
 
-def test_same_output_for_any_number_of_workers_with_skips(image_folder_copy, tmp_path, dataset_files):
+def test_same_output_for_any_number_of_workers_with_skips(image_folder_copy, tmp_path, dataset_files, pool_kind):
     write_truncated_jpeg(image_folder_copy, "class_000/zz_truncated.jpg")
     write_truncated_jpeg(image_folder_copy, "class_002/aa_truncated.jpg")
     run_pack(image_folder_copy, tmp_path / "w1", workers=1, on_error="skip", shard_size="20KB")
@@ -267,7 +275,7 @@ def test_non_ascii_names_round_trip(image_folder_copy, tmp_path):
 
 
 @pytest.mark.parametrize("kind,workers", [("truncated", 1), ("text", 1), ("truncated", 2)])
-def test_corrupt_image_fails_the_pack(image_folder_copy, tmp_path, kind, workers):
+def test_corrupt_image_fails_the_pack(image_folder_copy, tmp_path, kind, workers, pool_kind):
     folder = image_folder_copy
     rel = "class_001/zz_bad.jpg"
     bad = write_truncated_jpeg(folder, rel) if kind == "truncated" else write_text_as_jpeg(folder, rel)
@@ -301,6 +309,50 @@ def test_corrupt_images_skipped_and_recorded(image_folder_copy, tmp_path):
     assert set(got) == set(sorted_keys(folder)) - {"class_000/zz_truncated", "class_002/zz_text"}
     for key, sample in got.items():
         assert sample["jpg"] == (folder / f"{key}.jpg").read_bytes()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_image_over_the_pixel_limit_is_skipped_with_pillows_reason(image_folder_copy, tmp_path, monkeypatch, workers,
+                                                                   pool_kind):
+    """Over Pillow's MAX_IMAGE_PIXELS (where Pillow only warns, below twice the limit) an image is refused: a
+    skip with Pillow's own words under on_error="skip", from threads and processes alike; the warning filters
+    are the caller's again afterwards."""
+    import warnings
+
+    from PIL import Image
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 10_000)
+    Image.new("RGB", (120, 100), (9, 9, 9)).save(image_folder_copy / "class_001" / "big.png")  # 12,000 pixels
+    filters = list(warnings.filters)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_pack(image_folder_copy, tmp_path / "ds", on_error="skip", workers=workers)
+    [(path, reason)] = open_dataset(str(tmp_path / "ds")).manifest.skipped
+    assert path == "class_001/big.png"
+    assert "exceeds limit of 10000 pixels" in reason and "12000" in reason
+    assert not [w for w in caught if issubclass(w.category, Image.DecompressionBombWarning)]
+    assert warnings.filters == filters
+
+
+def test_check_image_refuses_an_image_over_the_pixel_limit(monkeypatch):
+    from PIL import Image
+
+    from shardstream.pack import check_image
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 10_000)
+    png = io.BytesIO()
+    Image.new("RGB", (120, 100)).save(png, "PNG")
+    with pytest.warns(Image.DecompressionBombWarning), pytest.raises(PackError, match="exceeds limit of 10000 pixels"):
+        check_image(png.getvalue(), "big.png")  # Pillow warns, as it does outside shardstream; the check refuses
+    check_image(_small_png(), "small.png")  # within the limit: no error
+
+
+def _small_png() -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (20, 20)).save(out, "PNG")
+    return out.getvalue()
 
 
 def test_missing_file_in_list_is_skipped(image_folder, tmp_path):
