@@ -1,19 +1,37 @@
 """Build step for the one optional C extension; everything else is in pyproject.toml.
 
 `shardstream._jpegregion` decodes only the rows and columns of a JPEG that a crop
-needs, through libjpeg-turbo (the `libjpeg-turbo8-dev` / `libjpeg62-turbo-dev` /
-`libjpeg-turbo-devel` package, and a C compiler). It is optional: where it does not
-build, pip warns and goes on, and shardstream decodes whole images instead
-(`shardstream.decode.REGION_DECODER` says which).
+needs, through libjpeg-turbo (1.5 or later: the `libjpeg-dev` or `libjpeg62-turbo-dev`
+package on Debian and Ubuntu, `libjpeg-turbo-devel` on Fedora, `jpeg-turbo` in
+Homebrew, found through pkg-config where it is installed), and a C compiler. It is
+optional: where it does not build, pip warns and goes on, and shardstream decodes
+whole images instead (`shardstream.decode.REGION_DECODER` says which).
 """
 
+import shutil
+import subprocess
+
 from setuptools import Extension, setup
+
+
+def pkg_config(flag: str) -> list[str]:
+    """What pkg-config says of libjpeg for `flag`, without the flag's prefix; nothing if it cannot say."""
+    if shutil.which("pkg-config") is None:
+        return []
+    try:
+        out = subprocess.run(["pkg-config", flag, "libjpeg"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [item[2:] for item in out.stdout.split()] if out.returncode == 0 else []
+
 
 setup(
     ext_modules=[
         Extension(
             "shardstream._jpegregion",
             ["shardstream/_jpegregion.c"],
+            include_dirs=pkg_config("--cflags-only-I"),
+            library_dirs=pkg_config("--libs-only-L"),
             libraries=["jpeg"],
             extra_compile_args=["-O2"],
             optional=True,
