@@ -144,6 +144,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         decode_images=not args.no_decode,
         progress=not args.quiet,
         storage_options=_storage_options(args.storage_options),
+        workers=args.workers,
     )
     for problem in report.problems:
         print(f"PROBLEM {problem}")
@@ -268,6 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="check checksums, indexes and that every image decodes")
     p.add_argument("dataset")
     p.add_argument("--no-decode", action="store_true", help="skip decoding images")
+    p.add_argument("--workers", type=int, default=None,
+                   help="shards checked at once, in threads (default: one per core; at least 4 for remote storage)")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(run=cmd_verify)
 

@@ -25,7 +25,7 @@ import msgpack
 import numpy as np
 from PIL import Image
 
-from .errors import DecodeError
+from .errors import DecodeError, reason
 
 try:
     import simplejpeg
@@ -57,7 +57,7 @@ def decode_image(data: bytes, mode: str | None, *, url: str = "", key: str = "")
             return _pil_rgb(data)
         return hwc_to_chw_tensor(decode_rgb(data))
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-        raise DecodeError(f"cannot decode image: {e}", url=url or None, key=key or None) from e
+        raise DecodeError(f"cannot decode image: {reason(e)}", url=url or None, key=key or None) from e
 
 
 _SOI = b"\xff\xd8"  # a JPEG's first bytes
@@ -280,7 +280,8 @@ class Decoder:
             except DecodeError:
                 raise
             except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
-                raise DecodeError(f"cannot decode image field {name!r}: {e}", url=url or None, key=key or None) from e
+                raise DecodeError(f"cannot decode image field {name!r}: {reason(e)}", url=url or None,
+                                  key=key or None) from e
         if ext in PICKLE_EXTENSIONS:
             if not self.allow_pickle:
                 raise DecodeError(
@@ -296,4 +297,4 @@ class Decoder:
         try:
             return decoder(data)
         except _FIELD_ERRORS as e:
-            raise DecodeError(f"cannot decode field {name!r}: {e}", url=url or None, key=key or None) from e
+            raise DecodeError(f"cannot decode field {name!r}: {reason(e)}", url=url or None, key=key or None) from e

@@ -8,6 +8,8 @@ and fixed without a debugger.
 
 from __future__ import annotations
 
+import re
+
 
 class ShardstreamError(Exception):
     """Base of every error shardstream raises on bad data or bad input.
@@ -71,3 +73,12 @@ class StorageError(ShardstreamError):
 
 class PackError(ShardstreamError):
     """Packing could not proceed: bad source, unreadable or corrupt input file."""
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def reason(error: BaseException) -> str:
+    """`error`'s message without object addresses (Pillow names ``<_io.BytesIO object at 0x...>``):
+    the same bad input gives the same words in every run, in reports and manifests alike."""
+    return _ADDRESS.sub("", str(error))

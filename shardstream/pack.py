@@ -26,7 +26,6 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import queue
-import re
 import struct
 import threading
 import time
@@ -48,7 +47,7 @@ from PIL import Image
 
 from . import tario
 from .decode import image_size, is_jpeg
-from .errors import PackError, ShardstreamError
+from .errors import PackError, ShardstreamError, reason
 from .format import INDEX_SUFFIX, MANIFEST_NAME, Manifest, ShardInfo
 from .journal import Journal
 from .listing import Listing, SourceFile, list_source
@@ -185,9 +184,8 @@ def check_image(data: bytes, path: str) -> None:
     except Image.UnidentifiedImageError as e:
         raise PackError("not a readable image: unknown or damaged format", url=path) from e
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        # No object reprs in the reason: it goes into the manifest, which must be reproducible.
-        reason = re.sub(r" at 0x[0-9a-fA-F]+", "", str(e))
-        raise PackError(f"not a readable image: {reason}", url=path) from e
+        # The reason goes into the manifest, which must be reproducible.
+        raise PackError(f"not a readable image: {reason(e)}", url=path) from e
 
 
 def _within_bomb_limit(size: tuple[int, int]) -> None:

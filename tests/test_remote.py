@@ -482,7 +482,7 @@ def test_http_cli_verify_through_faults(local_ds, shard_names):
     """
     assert longest_failure_run(SERIAL_SEED) < ATTEMPTS
     with fault_server(local_ds) as server:
-        status, out, err = finish(cli("verify", server.url, "--quiet"))
+        status, out, err = finish(cli("verify", server.url, "--quiet", "--workers", "1"))
         assert server.faults.failures > 0
     assert status == 0, out + err
     assert f"verified {len(shard_names)} shards, {N} samples, {N} images decoded: ok" in out
