@@ -189,6 +189,14 @@ def _region_variants() -> list[bytes]:
         buf = io.BytesIO()
         coarse.save(buf, format="JPEG", quality=85, subsampling=subsampling)
         out.append(buf.getvalue())
+    # 4:4:0 and 4:1:1, which Pillow does not write; their upsampling took partial decodes the longest to get
+    # right in libjpeg-turbo.
+    import simplejpeg
+
+    for size, subsampling in (((210, 157), "440"), ((301, 199), "411")):
+        coarse = Image.fromarray((rng.random((9, 13, 3)) * 255).astype(np.uint8)).resize(size, Image.BICUBIC)
+        out.append(simplejpeg.encode_jpeg(np.ascontiguousarray(np.asarray(coarse)), quality=85,
+                                          colorsubsampling=subsampling))
     return out
 
 
