@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+from concurrent.futures import Future
 from multiprocessing.context import get_spawning_popen
 from typing import Any, Callable, Iterator, Sequence
 
@@ -25,6 +26,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from .cache import ShardCache
 from .collate import default_collate
 from .decode import Decoder
+from .decode_ahead import DecodeAhead
 from .errors import MissingFieldError, ShardstreamError
 from .policy import ErrorPolicy, guarded
 from .plan import (Layout, deal_chunks, epoch_sequence, items_of, read_order, round_robin_delivered,
@@ -35,6 +37,7 @@ from .shared import SharedState
 from .source import Source, resolve_source
 from .stream import read_samples, reorder
 from .storage import RetryPolicy, io_stats, preload_driver
+from .threads import ordered_map
 from .world import World
 from .writer import parse_size
 
@@ -93,6 +96,13 @@ class StreamingDataset(IterableDataset):
             source mixes datasets by weight. Both keep every guarantee but
             exactly-once, which weighted draws replace by design.
         allow_pickle: decode ``.pyd``/``.pth`` fields with pickle (trusted data only).
+        decode_threads: decode images in this many threads of the iterating process
+            (the main process with ``num_workers=0``, or each DataLoader worker), ahead
+            of the consumer and in its order. The random draws (crops, `transform`)
+            stay in the iterating thread, so the samples are those of 0 (the default),
+            bit for bit. For ``decode="rgb8"``/``"pil"`` and the fused transforms;
+            decode_ahead.py says why and how fast. In the main process, torch's own
+            intra-op threads compete with these: ``torch.set_num_threads(1)``.
     """
 
     def __init__(
@@ -119,6 +129,7 @@ class StreamingDataset(IterableDataset):
         on_error: str | ErrorPolicy = "raise",
         sampling: Sampling | None = None,
         allow_pickle: bool = False,
+        decode_threads: int = 0,
     ) -> None:
         super().__init__()
         if partial not in ("pad", "drop"):
@@ -144,6 +155,10 @@ class StreamingDataset(IterableDataset):
         self.retry = retry
         self._cache = ShardCache(os.path.abspath(cache_dir), parse_size(cache_limit)) if cache_dir else None
         self._decoder = Decoder(images=decode, allow_pickle=allow_pickle)
+        if decode_threads < 0:
+            raise ValueError(f"decode_threads must be 0 or more, not {decode_threads}")
+        self.decode_threads = decode_threads
+        self._ahead = DecodeAhead(decode, allow_pickle) if decode_threads else None
         self._resolved: Source | None = None
         self._counts: np.ndarray | None = None
         self.on_error = ErrorPolicy.of(on_error)
@@ -344,8 +359,13 @@ class StreamingDataset(IterableDataset):
         ordered = reorder(zip(needed.tolist(), samples), remaining)
         in_worker = get_worker_info() is not None
         ids = mine[remaining].tolist()
-        items = guarded(zip(ordered, ids), lambda pair: self._prepare(pair[0], pair[1], epoch, in_worker),
-                        self.on_error, len(mine), lambda: self._shared.add_skip(world.worker))
+        on_skip = lambda: self._shared.add_skip(world.worker)  # noqa: E731
+        if self.decode_threads:
+            items = guarded(self._decoded_ahead(zip(ordered, ids), epoch, in_worker),
+                            lambda future: self._complete(future, in_worker), self.on_error, len(mine), on_skip)
+        else:
+            items = guarded(zip(ordered, ids), lambda pair: self._prepare(pair[0], pair[1], epoch, in_worker),
+                            self.on_error, len(mine), on_skip)
         if self.batch_size is not None:
             items = _batches(items, self.batch_size, self.drop_last, self.collate_fn)
         return items
@@ -407,9 +427,53 @@ class StreamingDataset(IterableDataset):
             sample = self._decoder(sample)
             if self.transform is not None:
                 sample = self.transform(sample)
+        return self._picked(sample)
+
+    def _picked(self, sample: dict[str, Any]) -> Any:
         if self.fields is None:
             return sample
         return tuple(_pick(sample, spec) for spec in self.fields)
+
+    # -- decode_threads: the same samples, their pixels decoded in threads (decode_ahead.py) --
+
+    def _decoded_ahead(self, pairs: Iterator[tuple[dict[str, Any], int]], epoch: int,
+                       in_worker: bool) -> Iterator[Future[_Staged]]:
+        """The samples' draws here, in order; their pixels in `decode_threads` threads."""
+        assert self._ahead is not None
+        ahead = self._ahead
+
+        def draw(sample: dict[str, Any], sample_id: int) -> _Staged:
+            if "__error__" in sample:
+                return _Staged(error=sample["__error__"])
+            try:
+                with _seeded(_sample_seed(self.seed, epoch, sample_id), in_worker):
+                    decoded, images = ahead.draw(sample)
+                    state = torch.default_generator.get_state() if self.transform is not None else None
+            except ShardstreamError as error:
+                return _Staged(error=error)
+            return _Staged(decoded, images, state)
+
+        def pixels(staged: _Staged) -> _Staged:
+            if staged.error is not None:
+                return staged
+            try:
+                return _Staged(ahead.pixels(staged.sample, staged.images), {}, staged.state)
+            except ShardstreamError as error:
+                return _Staged(error=error)
+
+        return ordered_map(pixels, (draw(sample, sample_id) for sample, sample_id in pairs), self.decode_threads,
+                           name="shardstream-decode")
+
+    def _complete(self, future: Future[_Staged], in_worker: bool) -> Any:
+        staged = future.result()
+        if staged.error is not None:
+            raise staged.error
+        sample = staged.sample
+        if self.transform is not None:
+            assert staged.state is not None
+            with _resumed(staged.state, in_worker):
+                sample = self.transform(sample)
+        return self._picked(sample)
 
     # -- resumption ------------------------------------------------------------------------
 
@@ -492,6 +556,16 @@ def _urls(source: Any) -> list[str]:
     return [source] if isinstance(source, str) else [str(url) for url in source]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Staged:
+    """A sample between its draws and its pixels (`decode_threads`), or its error."""
+
+    sample: dict[str, Any] = dataclasses.field(default_factory=dict)
+    images: dict[str, Any] = dataclasses.field(default_factory=dict)  # image fields left to decode
+    state: torch.Tensor | None = None  # the generator after the draws, for the transform
+    error: ShardstreamError | None = None
+
+
 def _sample_seed(seed: int, epoch: int, sample_id: int) -> int:
     """splitmix64 of the triple: cheap, and well spread for consecutive ids."""
     x = (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + sample_id + 1) & 0xFFFFFFFFFFFFFFFF
@@ -500,17 +574,28 @@ def _sample_seed(seed: int, epoch: int, sample_id: int) -> int:
     return (x ^ (x >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
-@contextlib.contextmanager
-def _seeded(seed: int, in_worker: bool) -> Iterator[None]:
+def _seeded(seed: int, in_worker: bool) -> contextlib.AbstractContextManager[None]:
     # The CPU generator only: torch.manual_seed also queues CUDA seeding, which costs
     # ~0.8 ms per call, as much as decoding a small image.
+    return _generator_as(lambda generator: generator.manual_seed(seed), in_worker)
+
+
+def _resumed(state: torch.Tensor, in_worker: bool) -> contextlib.AbstractContextManager[None]:
+    """The generator as a sample's draws left it (`decode_threads`: the transform comes later)."""
+    return _generator_as(lambda generator: generator.set_state(state), in_worker)
+
+
+@contextlib.contextmanager
+def _generator_as(setup: Callable[[torch.Generator], Any], in_worker: bool) -> Iterator[None]:
+    """torch's CPU generator set up for a sample; in the main process the caller's state is
+    put back after, so that the training loop's own random numbers do not depend on ours."""
     generator = torch.default_generator
     if in_worker:
-        generator.manual_seed(seed)
+        setup(generator)
         yield
         return
     state = generator.get_state()
-    generator.manual_seed(seed)
+    setup(generator)
     try:
         yield
     finally:

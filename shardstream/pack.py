@@ -18,10 +18,10 @@ Nothing is lost silently: every file of the source is packed, skipped with a rea
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import io
-import itertools
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -30,8 +30,6 @@ import struct
 import threading
 import time
 import warnings
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.pool import ExceptionWithTraceback, MaybeEncodingError
 from multiprocessing.reduction import ForkingPickler
@@ -54,6 +52,7 @@ from .listing import Listing, SourceFile, list_source
 from .shardfile import FRAME_SIZE, IMAGE_LEVEL, Frame, ShardFileWriter, build_frame
 from .shrink import DEFAULT_QUALITY, shrink_image, shrunk_size
 from .storage import Store
+from .threads import ordered_map
 from .writer import check_compression, parse_size, shard_name, write_manifest
 
 __all__ = ["pack", "PackSummary", "check_image"]
@@ -355,20 +354,11 @@ def threads_pay(entries: list[SourceFile]) -> bool:
 
 
 def _thread_results(jobs: list[Any], workers: int) -> Iterator[FrameResult]:
-    """`build_job` over `jobs` in `workers` threads, results in plan order, at most 4 per
-    worker built ahead; a job's exception is raised at its place in that order."""
-    with ThreadPoolExecutor(workers, thread_name_prefix="shardstream-pack") as pool:
-        pending = iter(jobs)
-        ahead: deque[Future[FrameResult]] = deque(pool.submit(build_job, job) for job in
-                                                  itertools.islice(pending, 4 * workers))
-        try:
-            while ahead:
-                result = ahead.popleft().result()
-                ahead.extend(pool.submit(build_job, job) for job in itertools.islice(pending, 1))
-                yield result
-        finally:
-            for future in ahead:
-                future.cancel()
+    """`build_job` over `jobs` in `workers` threads, results in plan order; a job's
+    exception is raised at its place in that order."""
+    with contextlib.closing(ordered_map(build_job, jobs, workers, name="shardstream-pack")) as futures:
+        for future in futures:
+            yield future.result()
 
 
 def _process_results(jobs: list[Any], workers: int, context: multiprocessing.context.BaseContext

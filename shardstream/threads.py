@@ -1,0 +1,41 @@
+"""Work in threads, results in order: for the work that releases the GIL.
+
+Two users: `pack` builds frames in threads when the images are large (reading, zstd and
+SHA-256 release the GIL), and `StreamingDataset(decode_threads=N)` decodes images in
+threads (libjpeg-turbo, Pillow and torch release it). Both need the results in the
+order of the inputs, a bounded number in flight, and clean cancellation.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Iterable, Iterator, TypeVar
+
+__all__ = ["ordered_map"]
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def ordered_map(function: Callable[[T], R], items: Iterable[T], threads: int, *, ahead: int | None = None,
+                name: str = "shardstream") -> Iterator[Future[R]]:
+    """`function` over `items` in `threads` threads; the futures, in the order of `items`.
+
+    At most `ahead` calls (default 4 per thread) are submitted beyond the future last
+    yielded, which bounds memory. `items` is drawn in the caller's thread, as the window
+    moves. Closing the iterator cancels the calls not started and waits for the running ones.
+    """
+    ahead = ahead or 4 * threads
+    with ThreadPoolExecutor(threads, thread_name_prefix=name) as pool:
+        pending = iter(items)
+        window = deque(pool.submit(function, item) for item in itertools.islice(pending, ahead))
+        try:
+            while window:
+                future = window.popleft()
+                window.extend(pool.submit(function, item) for item in itertools.islice(pending, 1))
+                yield future
+        finally:
+            for future in window:
+                future.cancel()

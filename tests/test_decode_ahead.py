@@ -1,0 +1,150 @@
+"""`StreamingDataset(decode_threads=N)`: images decoded in threads give the samples of one thread, bit for bit."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+import torch
+
+from shardstream import CenterCropJPEG, DecodeError, RandomResizedCropJPEG, ShardWriter, StreamingDataset
+from shardstream.policy import ErrorPolicy
+from shardstream.synthetic import synthetic_jpeg
+
+SAMPLES = 40
+BAD = {"s011", "s027"}  # truncated JPEGs in the `damaged` dataset
+
+
+def _write(dst, bad: set[str] = frozenset()) -> str:
+    with ShardWriter(str(dst), max_samples=7) as writer:
+        for i in range(SAMPLES):
+            key = f"s{i:03d}"
+            jpg = synthetic_jpeg(i, 72 + 8 * (i % 5), 56 + 4 * (i % 3))
+            writer.write({"__key__": key, "jpg": jpg[: len(jpg) // 3] if key in bad else jpg, "cls": i % 4})
+    return str(dst)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> str:
+    return _write(tmp_path_factory.mktemp("ahead") / "ds")
+
+
+@pytest.fixture(scope="module")
+def damaged(tmp_path_factory) -> str:
+    return _write(tmp_path_factory.mktemp("ahead") / "bad", BAD)
+
+
+def noisy(sample: dict) -> dict:
+    """A transform that draws from torch's generator after the crop did."""
+    sample["noise"] = int(torch.randint(0, 1 << 30, (1,)))
+    return sample
+
+
+def same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("decode", [RandomResizedCropJPEG(24), CenterCropJPEG(24, 28), "rgb8"], ids=str)
+def test_threads_give_the_samples_of_one_thread(data, decode):
+    def run(threads: int) -> list:
+        ds = StreamingDataset(data, shuffle=True, seed=3, decode=decode, transform=noisy,
+                              fields=("jpg", "cls", "noise", "__key__"), decode_threads=threads)
+        ds.set_epoch(1)
+        return list(ds)
+
+    one, three = run(0), run(3)
+    assert len(one) == SAMPLES and len({s[3] for s in one}) == SAMPLES
+    assert same(one, three)
+    assert len({s[2] for s in one}) == SAMPLES  # the transform's draws differ per sample, yet agree between runs
+
+
+def test_threads_in_dataloader_workers_batched(data):
+    """Two worker processes, each decoding in two threads, batching in the worker: the batches of no threads."""
+    def run(threads: int) -> list:
+        ds = StreamingDataset(data, shuffle=True, decode=RandomResizedCropJPEG(16), transform=noisy,
+                              fields=("jpg", "cls", "noise"), batch_size=6, decode_threads=threads)
+        return list(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2))
+
+    plain, threaded = run(0), run(2)
+    assert sum(len(batch[1]) for batch in plain) == SAMPLES
+    assert same(plain, threaded)
+
+
+def test_the_callers_generator_is_left_alone(data):
+    """In the main process the draws run under each sample's seed, and the caller's generator carries on as if
+    nothing had been drawn."""
+    torch.manual_seed(11)
+    list(StreamingDataset(data, shuffle=True, decode=RandomResizedCropJPEG(16), transform=noisy, decode_threads=2))
+    after = torch.rand(4)
+    torch.manual_seed(11)
+    assert torch.equal(after, torch.rand(4))
+
+
+def test_a_bad_image_raises_at_its_place_naming_it(damaged):
+    def first_error(threads: int) -> tuple[int, str | None, str | None, str]:
+        got = 0
+        with pytest.raises(DecodeError) as info:
+            for _ in StreamingDataset(damaged, decode=RandomResizedCropJPEG(16), decode_threads=threads):
+                got += 1
+        error = info.value
+        found = got, error.key, error.url, str(error)
+        del info, error
+        gc.collect()  # the traceback held the stream's generators, and with them its threads
+        return found
+
+    (n0, key0, url0, text0), (n2, key2, url2, text2) = first_error(0), first_error(2)
+    assert n0 == n2 == 11 and key0 == key2 == "s011" and url0 == url2
+    assert text0 == text2
+
+
+def test_skip_policy_skips_the_same_samples(damaged):
+    def run(threads: int) -> tuple[list, int]:
+        ds = StreamingDataset(damaged, shuffle=True, decode=RandomResizedCropJPEG(16), fields=("jpg", "__key__"),
+                              on_error=ErrorPolicy("skip", max_skips=5), decode_threads=threads)
+        return list(ds), ds.skipped
+
+    (one, skipped_one), (two, skipped_two) = run(0), run(2)
+    assert skipped_one == skipped_two == len(BAD)
+    assert len(one) == SAMPLES and not BAD & {key for _, key in one}
+    assert same(one, two)
+
+
+def test_a_custom_decode_callable_is_refused():
+    with pytest.raises(ValueError, match="decode_threads"):
+        StreamingDataset("unused", decode=lambda data: data, decode_threads=2)
+    with pytest.raises(ValueError, match="decode_threads"):
+        StreamingDataset("unused", decode=None, decode_threads=2)
+    with pytest.raises(ValueError, match="0 or more"):
+        StreamingDataset("unused", decode_threads=-1)
+
+
+def test_resume_mid_epoch_with_threads(data):
+    def dataset() -> StreamingDataset:
+        return StreamingDataset(data, shuffle=True, decode=RandomResizedCropJPEG(16), transform=noisy,
+                                fields=("jpg", "noise", "__key__"), decode_threads=2)
+
+    whole = list(dataset())
+    ds = dataset()
+    it = iter(ds)
+    head = [next(it) for _ in range(13)]
+    state = ds.state_dict()
+    it.close()
+    resumed = dataset()
+    resumed.load_state_dict(state)
+    assert same(head + list(resumed), whole)
+
+
+def test_stopping_early_stops_the_threads(data):
+    ds = StreamingDataset(data, decode=RandomResizedCropJPEG(16), decode_threads=3)
+    it = iter(ds)
+    next(it)
+    assert any(t.name.startswith("shardstream-decode") for t in threading.enumerate())
+    it.close()
+    del it
+    gc.collect()
+    assert not any(t.name.startswith("shardstream-decode") for t in threading.enumerate())
