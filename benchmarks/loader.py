@@ -21,7 +21,8 @@ ratios are between medians of the same run):
   0, 1, 2 (fresh loader per run, persistent workers off) over the dataset batched by
   64 and over WebDataset's pipeline `.batched(64)`; images/s and time to first batch
   (from constructing the dataset to receiving batch 1). Also `shardstream.DataLoader`
-  against the torch DataLoader over the same StreamingDataset (2 workers).
+  against the torch DataLoader over the same StreamingDataset (2 workers), and the
+  dataset with `decode_threads=2` in the loop's own process (num_workers=0).
 * remote: the packed folder served by `shardstream.testing.HTTPTestServer` with 50 ms
   per request, in a process of its own (as remote storage would be). Raw sample streaming (decode=None, fields=("__key__", "jpg"), shuffled)
   through a 1-worker DataLoader from local disk and over HTTP (default prefetch, and 0), the
@@ -216,9 +217,10 @@ def warm_files(paths: Iterable[str]) -> None:
 
 
 def ss_dataset(src: str, *, decode: Any = "crop", batch_size: int | None = None, prefetch: int | None = None,
-               fields: tuple[str, ...] = ("jpg", "cls")) -> Any:
+               fields: tuple[str, ...] = ("jpg", "cls"), decode_threads: int = 0) -> Any:
     return ss.StreamingDataset(src, shuffle=True, decode=RandomResizedCropJPEG(SIZE) if decode == "crop" else decode,
-                               fields=fields, batch_size=batch_size, prefetch=prefetch, shuffle_buffer=SHUFFLE_BUFFER)
+                               fields=fields, batch_size=batch_size, prefetch=prefetch, shuffle_buffer=SHUFFLE_BUFFER,
+                               decode_threads=decode_threads)
 
 
 def wds_pipeline(urls: list[str], *, decode: bool = True, batch_size: int | None = None) -> Any:
@@ -498,6 +500,10 @@ def section_loader(d: Data, repeats: int, out: dict) -> None:
                            lambda: drain(lambda: ss.DataLoader(ss_dataset(d.ss_path), batch_size=BATCH, num_workers=2,
                                                                persistent_workers=False)),
                            expect=d.n))
+    group.append(Contender("shardstream, torch DataLoader, 0 workers, 2 decode threads",
+                           lambda: drain(lambda: torch_loader(ss_dataset(d.ss_path, batch_size=BATCH, decode_threads=2),
+                                                              0)),
+                           expect=d.n, note="decode_threads=2: two cores in one process"))
     measure("loader", group, repeats)
     by = {g.name: g for g in group}
     s = [by[f"shardstream, torch DataLoader, {n} workers"] for n in (0, 1, 2)]
@@ -526,6 +532,11 @@ def section_loader(d: Data, repeats: int, out: dict) -> None:
         t[f"loader: time to first batch no worse than WebDataset ({n} workers)"] = _target(
             s[n].ttfb / w[n].ttfb, "<=", 1.0, "x (shardstream / WebDataset)")
     t["loader: shardstream.DataLoader wrapper overhead (informative)"] = _target(overhead * 100, None, None, "%")
+    threaded = by["shardstream, torch DataLoader, 0 workers, 2 decode threads"]
+    t["loader: 2 decode threads in one process vs 2 worker processes, per round (informative)"] = _target(
+        per_round(threaded, s[2]), None, None, "x")
+    t["loader: 2 decode threads in one process vs WebDataset's 2 workers, per round (informative)"] = _target(
+        per_round(threaded, w[2]), None, None, "x")
 
 
 class ServerProcess:
