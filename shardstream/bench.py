@@ -84,6 +84,7 @@ class BenchResult:
     bytes_per_sample: float | None  # mean stored bytes per sample (manifest), None if unknown
     memory: str  # how peak RSS was sampled: "psutil", "/proc" or "unavailable"
     rows: list[BenchRow] = field(default_factory=list)
+    decode_threads: int = 0  # decode threads in each iterating process
     tolerance: float = 0.05
 
     @property
@@ -474,6 +475,7 @@ def bench(
     device: str = "cpu",
     *,
     decode_on_device: bool = False,
+    decode_threads: int = 0,
     progress: bool = False,
     storage_options: dict[str, Any] | None = None,
     tolerance: float = 0.05,
@@ -487,8 +489,11 @@ def bench(
     `warmup` seconds (at least until its first batch) and then `seconds` of counting.
     With `decode_on_device` the workers ship JPEG bytes and the crop they drew, and
     `DecodeOnDevice(device)` decodes the batch (nvJPEG on CUDA; see `device_jpeg`): the
-    knee then says how many workers that path needs. `on_row` is called with each row as
-    it is measured.
+    knee then says how many workers that path needs. With `decode_threads` each process
+    that iterates (the main one at 0 workers, else each worker) decodes in that many
+    threads (`StreamingDataset(decode_threads=...)`): run it beside a run without, to see
+    whether threads or worker processes feed this machine faster. `on_row` is called
+    with each row as it is measured.
     """
     from .dataset import StreamingDataset
     from .loader import DataLoader
@@ -504,6 +509,9 @@ def bench(
         raise ShardstreamError("seconds must be positive and warmup non-negative")
     if decode_on_device and transform == "none":
         raise ShardstreamError("decode_on_device needs a transform to defer (train or val), not 'none'")
+    if decode_threads < 0 or (decode_threads and (transform == "none" or decode_on_device)):
+        raise ShardstreamError("decode_threads must be 0 or more, and decode images here: transform train or val, "
+                               "without decode_on_device")
     sync = _device_sync(device)
 
     probe = StreamingDataset(dataset, storage_options=storage_options)
@@ -522,13 +530,14 @@ def bench(
     def make_loader(num_workers: int) -> Any:
         ds = StreamingDataset(
             dataset, shuffle=True, decode=decode, fields=fields, storage_options=storage_options,
-            collate_fn=_list_collate if transform == "none" else None,
+            collate_fn=_list_collate if transform == "none" else None, decode_threads=decode_threads,
         )
         return DataLoader(ds, batch_size=batch_size, num_workers=num_workers, device=device,
                           transform_on_device=on_device)
 
     result = BenchResult(
-        dataset=str(dataset), batch_size=batch_size, transform=transform + (" decoded on the device" if on_device else ""),
+        dataset=str(dataset), batch_size=batch_size, decode_threads=decode_threads,
+        transform=transform + (" decoded on the device" if on_device else ""),
         device=str(device), seconds=seconds,
         warmup=warmup, samples=samples, bytes_per_sample=bytes_per_sample, memory=peak_memory_method(),
         tolerance=tolerance,

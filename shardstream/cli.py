@@ -180,11 +180,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         device=args.device,
         decode_on_device=args.decode_on_device,
+        decode_threads=args.decode_threads,
         progress=not args.quiet,
         storage_options=_storage_options(args.storage_options),
     )
     print(result.table())
-    print(f"knee: num_workers={result.knee}")
+    print(f"knee: num_workers={result.knee}" + (f" (with {result.decode_threads} decode threads per process)"
+                                                 if result.decode_threads else ""))
     if args.json:
         save_json(result, args.json)
         print(f"wrote {args.json}")
@@ -293,6 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="where batches go: cpu or cuda (default cpu)")
     p.add_argument("--decode-on-device", action="store_true",
                    help="workers ship JPEG bytes, the device decodes (nvJPEG on cuda; see README)")
+    p.add_argument("--decode-threads", type=int, default=0, metavar="N",
+                   help="decode in N threads in each process that iterates (default 0: in the iterating thread)")
     p.add_argument("--plot", default=None, metavar="PNG", help="write the curve here (needs matplotlib)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -185,6 +185,21 @@ def test_bench_with_the_decode_on_the_device_side(tiny):
         bench(tiny, workers=[0], transform="none", decode_on_device=True)
 
 
+def test_bench_with_decode_threads(tiny):
+    """Each iterating process decodes in threads (the main one at 0 workers, the worker at 1): whole batches
+    reach the consumer, the result says how many threads, and the combinations with nothing to decode in
+    threads are refused."""
+    result = bench(tiny, workers=[0, 1], batch_size=4, transform="val", seconds=0.3, warmup=0.1, decode_threads=2)
+    assert [r.num_workers for r in result.rows] == [0, 1]
+    assert all(r.images > 0 and r.images % 4 == 0 for r in result.rows)
+    assert result.decode_threads == 2 and result.to_dict()["decode_threads"] == 2
+    for bad in ({"transform": "none"}, {"decode_on_device": True}):
+        with pytest.raises(ShardstreamError, match="decode_threads"):
+            bench(tiny, workers=[0], decode_threads=2, **bad)
+    with pytest.raises(ShardstreamError, match="decode_threads"):
+        bench(tiny, workers=[0], decode_threads=-1)
+
+
 def test_bench_raw_bytes_counts_mb(tiny):
     result = bench(tiny, workers=[0], batch_size=5, transform="none", seconds=0.3, warmup=0.0)
     (row,) = result.rows
