@@ -21,11 +21,11 @@ JPEGs are decoded by the region decoder, else by simplejpeg (libjpeg-turbo) wher
 is installed (the `fast` extra), else, and for every other format, by Pillow
 (`decode.decode_rgb`); all give the same pixels for the same scale (all are
 libjpeg-turbo; a DCT-reduced crop resized from a region may differ by one level, the
-float rounding of the box's offset in Pillow's filter). Measured on 400 ImageNet-sized JPEGs of the benchmark set (one core):
-simplejpeg's whole decode 1.29-1.47 ms; a region decode of torchvision's crops
-about 20% less than a whole decode by the same library; the crop's resize with the
-flip and layout 0.27 ms from a channels-last copy (Pillow's resize alone 1.0 ms); the
-whole transform in BENCHMARKS.md.
+float rounding of the box's offset in Pillow's filter). Measured on 400 ImageNet-sized
+JPEGs of the benchmark set (one core): simplejpeg's whole decode 1.29-1.47 ms; a
+region decode of torchvision's crops about 20% less than a whole decode by the same
+library; the crop's resize with the flip and layout 0.27 ms from a channels-last copy
+(Pillow's resize alone 1.0 ms); the whole transform in BENCHMARKS.md.
 
 Randomness comes from torch's generator, which the dataset seeds per sample from
 (seed, epoch, sample), so augmentation is reproducible and resumption exact. Output
