@@ -148,3 +148,23 @@ def test_stopping_early_stops_the_threads(data):
     del it
     gc.collect()
     assert not any(t.name.startswith("shardstream-decode") for t in threading.enumerate())
+
+
+def test_persistent_workers_follow_set_epoch_with_threads(data):
+    """Workers that live across epochs start a pool of decode threads per epoch: two epochs, each the
+    samples of no threads for that epoch."""
+    def epochs(threads: int) -> list:
+        ds = StreamingDataset(data, shuffle=True, decode=RandomResizedCropJPEG(16), fields=("jpg", "__key__"),
+                              batch_size=8, decode_threads=threads)
+        loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
+        out = []
+        for epoch in (0, 1):
+            ds.set_epoch(epoch)
+            out.append(list(loader))
+        del loader
+        gc.collect()
+        return out
+
+    plain, threaded = epochs(0), epochs(2)
+    assert same(plain, threaded)
+    assert not same(plain[0], plain[1])  # the epochs differ
