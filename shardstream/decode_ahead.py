@@ -20,8 +20,8 @@ shared-memory tensor, pickling, page faults), about 0.3-0.5 ms of CPU an image o
 project's 2-core machine; decode threads in the process that consumes pay none of it.
 Measured on 2,000 ImageNet-sized JPEGs with `RandomResizedCropJPEG(224)` and batches
 of 64 on 2 cores (BENCHMARKS.md): two decode threads in one process 926 img/s, a torch
-DataLoader with 2 worker processes 863 (1.04x per round), first batch 0.12 against
-0.35 s; an ad hoc script before it, four alternating rounds without batching: one
+DataLoader with 2 worker processes 863 (1.04x per round; 1.11x in a second run), first
+batch 0.12 against 0.35 s; an ad hoc script before it, four alternating rounds without batching: one
 thread 557-606 img/s, two decode threads 1,032-1,099, 2 worker processes 917-963.
 """
 
