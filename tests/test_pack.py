@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import io
 import os
 import re
@@ -311,9 +312,19 @@ def test_corrupt_images_skipped_and_recorded(image_folder_copy, tmp_path):
         assert sample["jpg"] == (folder / f"{key}.jpg").read_bytes()
 
 
+@functools.cache
+def _png_over_the_pixel_limit() -> bytes:
+    """9,500 x 9,500 pixels (above Pillow's default MAX_IMAGE_PIXELS, below twice it) in 11 KB: the limit need not
+    be lowered, which worker processes started by forkserver would not see."""
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("1", (9500, 9500)).save(out, "PNG")
+    return out.getvalue()
+
+
 @pytest.mark.parametrize("workers", [1, 2])
-def test_image_over_the_pixel_limit_is_skipped_with_pillows_reason(image_folder_copy, tmp_path, monkeypatch, workers,
-                                                                   pool_kind):
+def test_image_over_the_pixel_limit_is_skipped_with_pillows_reason(image_folder_copy, tmp_path, workers, pool_kind):
     """Over Pillow's MAX_IMAGE_PIXELS (where Pillow only warns, below twice the limit) an image is refused: a
     skip with Pillow's own words under on_error="skip", from threads and processes alike; the warning filters
     are the caller's again afterwards."""
@@ -321,15 +332,14 @@ def test_image_over_the_pixel_limit_is_skipped_with_pillows_reason(image_folder_
 
     from PIL import Image
 
-    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 10_000)
-    Image.new("RGB", (120, 100), (9, 9, 9)).save(image_folder_copy / "class_001" / "big.png")  # 12,000 pixels
+    (image_folder_copy / "class_001" / "big.png").write_bytes(_png_over_the_pixel_limit())
     filters = list(warnings.filters)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         run_pack(image_folder_copy, tmp_path / "ds", on_error="skip", workers=workers)
     [(path, reason)] = open_dataset(str(tmp_path / "ds")).manifest.skipped
     assert path == "class_001/big.png"
-    assert "exceeds limit of 10000 pixels" in reason and "12000" in reason
+    assert f"exceeds limit of {Image.MAX_IMAGE_PIXELS} pixels" in reason and "90250000" in reason
     assert not [w for w in caught if issubclass(w.category, Image.DecompressionBombWarning)]
     assert warnings.filters == filters
 
