@@ -16,8 +16,8 @@ shards instead: every sample, every field's bytes, in their order.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 import numpy as np
@@ -29,6 +29,7 @@ from .reader import CountingReader, StreamTarReader, scan_tar
 from .shardfile import IMAGE_LEVEL
 from .source import expand_braces, names_shards
 from .storage import RetryPolicy, Store, split_url
+from .threads import ordered_map
 from .writer import write_manifest
 
 __all__ = ["index_tars", "repack_tars"]
@@ -57,15 +58,15 @@ def index_tars(source: str | Sequence[str], *, workers: int = 8, overwrite: bool
     from .progress import progress_bar
 
     scans: list[tuple[ShardInfo, np.ndarray | None]] = []
-    pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="shardstream-index")
-    try:
-        with progress_bar(total=len(names), unit="shard", desc="index", disable=not progress) as bar:
-            # A transient storage error mid-read reads the shard again, from the start.
-            for scan in pool.map(lambda name: store.retry.call(_index_shard, store, name, url=store.url(name)), names):
-                scans.append(scan)
-                bar.update(1)
-    finally:  # on an error, the shards not yet started are not read
-        pool.shutdown(wait=True, cancel_futures=True)
+    # A transient storage error mid-read reads the shard again, from the start. On an
+    # error, the shards not yet started are not read.
+    futures = ordered_map(lambda name: store.retry.call(_index_shard, store, name, url=store.url(name)), names,
+                          max(1, workers), name="shardstream-index")
+    with contextlib.closing(futures), \
+            progress_bar(total=len(names), unit="shard", desc="index", disable=not progress) as bar:
+        for future in futures:
+            scans.append(future.result())
+            bar.update(1)
     shards = tuple(info for info, _ in scans if info.samples)
     labels = np.concatenate([lab for _, lab in scans if lab is not None] or [np.zeros(0, np.int64)])
     labels = labels[labels >= 0]

@@ -24,7 +24,7 @@ import threading
 from typing import Any, Callable, Mapping
 
 
-__all__ = ["HTTPStatusError", "PerProcess", "available", "read_range"]
+__all__ = ["HTTPStatusError", "PerProcess", "available", "range_header", "read_range"]
 
 
 class PerProcess:
@@ -77,6 +77,11 @@ def available() -> bool:
     return importlib.util.find_spec("urllib3") is not None
 
 
+def range_header(start: int | None, end: int | None) -> str:
+    """The HTTP ``Range`` value for bytes [start, end) (to the end of the file when `end` is None)."""
+    return f"bytes={start or 0}-{'' if end is None else end - 1}"
+
+
 def read_range(url: str, start: int | None, end: int | None, *, headers: Mapping[str, str] = {},
                connect_s: float = 10.0, read_s: float = 20.0) -> bytes:
     """Bytes [start, end) of `url` (to its end when `end` is None; the whole file when both are None).
@@ -86,7 +91,7 @@ def read_range(url: str, start: int | None, end: int | None, *, headers: Mapping
     """
     request_headers = dict(headers)
     if start is not None or end is not None:
-        request_headers["Range"] = f"bytes={start or 0}-{'' if end is None else end - 1}"
+        request_headers["Range"] = range_header(start, end)
     import urllib3
 
     response = _pool.get().request("GET", url, headers=request_headers, preload_content=False,

@@ -22,7 +22,7 @@ import json
 import threading
 from typing import Any, Mapping
 
-from .http_ranges import PerProcess
+from .http_ranges import PerProcess, range_header
 
 
 __all__ = ["supports", "read_range"]
@@ -73,7 +73,7 @@ def read_range(url: str, start: int | None, end: int | None, options: Mapping[st
     bucket, _, key = url[len("s3://"):].partition("/")
     request: dict[str, Any] = {"Bucket": bucket, "Key": key}
     if start is not None or end is not None:
-        request["Range"] = f"bytes={start or 0}-{'' if end is None else end - 1}"
+        request["Range"] = range_header(start, end)
     from botocore.exceptions import ClientError
 
     try:

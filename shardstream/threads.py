@@ -1,9 +1,10 @@
 """Work in threads, results in order: for the work that releases the GIL.
 
-Two users: `pack` builds frames in threads when the images are large (reading, zstd and
-SHA-256 release the GIL), and `StreamingDataset(decode_threads=N)` decodes images in
-threads (libjpeg-turbo, Pillow and torch release it). Both need the results in the
-order of the inputs, a bounded number in flight, and clean cancellation.
+Its users: `pack` builds frames in threads when the images are large (reading, zstd and
+SHA-256 release the GIL), `StreamingDataset(decode_threads=N)` decodes images in
+threads (libjpeg-turbo, Pillow and torch release it), and `verify` and `index` read
+shards several at once. All need the results in the order of the inputs, a bounded
+number in flight, and clean cancellation.
 """
 
 from __future__ import annotations

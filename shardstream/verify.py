@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -13,6 +13,7 @@ from .decode import IMAGE_EXTENSIONS, decode_image
 from .errors import ShardstreamError
 from .reader import ShardReader
 from .source import Source, open_dataset
+from .threads import ordered_map
 
 __all__ = ["inspect_dataset", "verify_dataset", "Problem"]
 
@@ -150,8 +151,9 @@ def verify_dataset(
         assert isinstance(reader, ShardReader)
         readers.append(reader)
     try:
-        with ThreadPoolExecutor(workers, thread_name_prefix="shardstream-verify") as pool:
-            for ref, (problems, images) in zip(source.shards, pool.map(check, readers)):
+        with contextlib.closing(ordered_map(check, readers, workers, name="shardstream-verify")) as futures:
+            for ref, future in zip(source.shards, futures):
+                problems, images = future.result()
                 report.shards += 1
                 report.problems += problems
                 report.images += images
