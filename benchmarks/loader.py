@@ -40,6 +40,14 @@ ratios are between medians of the same run):
   `shardstream index` (hard links to them, plus the indexes and manifest it writes),
   raw samples (decode=None, shuffled) through a 2-worker DataLoader, from local disk and
   over the HTTP server (50 ms a request). The index itself is timed once.
+* steady (not in the default run): what a training run of many epochs sees. Every
+  contender is one persistent-worker DataLoader (`persistent_workers=True`), made and
+  run through one untimed epoch before the timed rounds; each round then times one
+  whole epoch (`set_epoch` first, for shardstream), so the workers' start is paid once,
+  as in training, not once per figure. Decode pipelines (batch 64) with 1 and 2 workers,
+  shardstream and WebDataset, plus `shardstream.DataLoader` with 2 workers; and raw
+  streaming through one worker from local disk and over the 50 ms HTTP server (the
+  remote section's pair). Use `--images 4000`, the issues' own set size.
 * shrink (not in the default run): what `pack --max-side` costs once and saves every
   epoch. Pack the image folder as is and with `max_side=--max-side` (2 workers, zstd,
   fresh output each round), then the decode section's one-process pipeline over each
@@ -87,7 +95,7 @@ from shardstream import decode as ss_decode  # noqa: E402
 from shardstream.transforms import RandomResizedCropJPEG, crop_params  # noqa: E402
 from shardstream.writer import parse_size  # noqa: E402
 
-SECTIONS = ("decode", "loader", "remote", "resume", "shrink", "adopt")
+SECTIONS = ("decode", "loader", "remote", "resume", "shrink", "adopt", "steady")
 DEFAULT_SECTIONS = ("decode", "loader", "remote", "resume")
 SHARD_SIZE = "32MB"
 BATCH = 64
@@ -638,6 +646,94 @@ def section_remote(d: Data, repeats: int, out: dict, server: ServerProcess) -> N
         None, None, "%")
 
 
+class LiveWorkersContender(Contender):
+    """A contender whose CPU seconds count its live worker processes too: persistent
+    workers are not reaped between rounds, so `getrusage(RUSAGE_CHILDREN)` misses them."""
+
+    def __init__(self, *args: Any, skip_pid: int, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.skip_pid = skip_pid  # the HTTP server's process: not the loader's work
+
+    def once(self, record: bool = True) -> None:
+        live0 = self._live()
+        super().once(record)
+        self.cpu[-1] += self._live() - live0
+
+    def _live(self) -> float:
+        import psutil
+
+        total = 0.0
+        for child in psutil.Process().children(recursive=True):
+            if child.pid != self.skip_pid:
+                try:
+                    times = child.cpu_times()
+                except psutil.Error:
+                    continue
+                total += times.user + times.system
+        return total
+
+
+class Epochs:
+    """One persistent-worker DataLoader whose every call runs one more whole epoch."""
+
+    def __init__(self, make_ds: Callable[[], Any], workers: int, *, wrapper: bool = False):
+        self.ds = make_ds()
+        if wrapper:
+            self.loader = ss.DataLoader(self.ds, batch_size=BATCH, num_workers=workers, persistent_workers=True)
+        else:
+            self.loader = torch.utils.data.DataLoader(self.ds, batch_size=None, num_workers=workers,
+                                                      persistent_workers=workers > 0)
+        self.epoch = 0
+        self()  # the untimed epoch that starts the workers
+
+    def __call__(self) -> dict:
+        if hasattr(self.ds, "set_epoch"):
+            self.ds.set_epoch(self.epoch)
+        self.epoch += 1
+        return drain(lambda: self.loader)
+
+
+def section_steady(d: Data, repeats: int, out: dict, server: ServerProcess) -> None:
+    raw = dict(decode=None, fields=("__key__", "jpg"))
+    makers = {
+        "shardstream, torch DataLoader, 1 worker": lambda: Epochs(
+            lambda: ss_dataset(d.ss_path, batch_size=BATCH), 1),
+        "shardstream, torch DataLoader, 2 workers": lambda: Epochs(
+            lambda: ss_dataset(d.ss_path, batch_size=BATCH), 2),
+        "shardstream.DataLoader, 2 workers": lambda: Epochs(lambda: ss_dataset(d.ss_path), 2, wrapper=True),
+        "WebDataset .batched(64), torch DataLoader, 1 worker": lambda: Epochs(
+            lambda: wds_pipeline(d.wds_files, batch_size=BATCH), 1),
+        "WebDataset .batched(64), torch DataLoader, 2 workers": lambda: Epochs(
+            lambda: wds_pipeline(d.wds_files, batch_size=BATCH), 2),
+        "raw: shardstream local, 1 worker": lambda: Epochs(lambda: ss_dataset(d.ss_url(), **raw), 1),
+        "raw: shardstream HTTP 50 ms, 1 worker": lambda: Epochs(lambda: ss_dataset(d.ss_url(server.url), **raw), 1),
+    }
+    group: list[Contender] = []
+    for name, make in makers.items():
+        print(f"  [steady] starting {name} (one untimed epoch)", flush=True)
+        group.append(LiveWorkersContender(name, make(), expect=d.n, skip_pid=server.proc.pid))
+    measure("steady", group, repeats)
+    by = {g.name: g for g in group}
+    s1, s2 = by["shardstream, torch DataLoader, 1 worker"], by["shardstream, torch DataLoader, 2 workers"]
+    w2 = by["WebDataset .batched(64), torch DataLoader, 2 workers"]
+    local, remote = by["raw: shardstream local, 1 worker"], by["raw: shardstream HTTP 50 ms, 1 worker"]
+    out["steady"] = {"rows": [g.row() for g in group],
+                     "table": table(f"steady: persistent workers, one whole epoch per round after an untimed one, "
+                                    f"{d.n} images, median of {repeats}", group, w2)}
+    t = out["targets"]
+    t["steady: 2 workers >= 1.9x its own 1-worker rate"] = _target(s2.rate / s1.rate, ">=", 1.9, "x")
+    t["steady: 2 workers vs 1 worker, median of per-round ratios (informative)"] = _target(
+        per_round(s2, s1), None, None, "x")
+    t["steady: 2 workers >= 2x WebDataset's 2-worker rate"] = _target(s2.rate / w2.rate, ">=", 2.0, "x")
+    t["steady: 2 workers vs WebDataset's 2, median of per-round ratios (informative)"] = _target(
+        per_round(s2, w2), None, None, "x")
+    t["steady: raw streaming over HTTP >= 90% of local"] = _target(remote.rate / local.rate * 100, ">=", 90.0, "%")
+    t["steady: raw over HTTP vs local, median of per-round ratios (informative)"] = _target(
+        per_round(remote, local) * 100, None, None, "%")
+    for g in group:
+        g.run_fn.loader = None  # the workers go now, not at exit
+
+
 def _steady(con: Contender, i: int) -> float:
     """Run i's rate after its first item: an epoch of a few seconds, less the start that a long one hides."""
     return (con.samples - 1) / (con.wall[i] - con.first[i])
@@ -775,7 +871,7 @@ def main(argv: list[str] | None = None) -> int:
         "targets": {},
         "load_average": {},
     }
-    server = ServerProcess(d.root, LATENCY_S) if {"remote", "resume", "adopt"} & set(sections) else None
+    server = ServerProcess(d.root, LATENCY_S) if {"remote", "resume", "adopt", "steady"} & set(sections) else None
     try:
         for name in sections:
             print(f"\n== {name} (load average {os.getloadavg()[0]:.1f})", flush=True)
@@ -793,6 +889,8 @@ def main(argv: list[str] | None = None) -> int:
                 section_shrink(d, args.repeats, results)
             elif name == "adopt":
                 section_adopt(d, args.repeats, results, server)
+            elif name == "steady":
+                section_steady(d, args.repeats, results, server)
             results["load_average"][name] = {"start": la0, "end": os.getloadavg()[0],
                                              "section_s": time.perf_counter() - t0}
     finally:
