@@ -12,7 +12,8 @@ needs for its samples.
 Errors are raised for `RetryPolicy` to classify: a 404 as FileNotFoundError, 401/403
 as PermissionError, other statuses as `HTTPStatusError` (5xx, 408 and 429 retried),
 and urllib3's own errors (dropped connections, timeouts, a body cut short) as they
-are (retried). urllib3 does not retry by itself here: every retry is counted.
+are (retried). urllib3 does not retry by itself here: every retry is counted. Redirects
+are followed here (`read_range`), as fsspec's client follows them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import functools
 import importlib.util
 import os
 import threading
+import urllib.parse
 from typing import Any, Callable, Mapping
 
 
@@ -62,6 +64,8 @@ def _pool_manager() -> Any:
 
 _pool = PerProcess(_pool_manager)
 
+MAX_REDIRECTS = 5  # as browsers and fsspec's aiohttp (10) do, a bound on redirect loops
+
 
 class HTTPStatusError(OSError):
     """A response with an error status, carried as `status` (as aiohttp's errors do)."""
@@ -87,15 +91,26 @@ def read_range(url: str, start: int | None, end: int | None, *, headers: Mapping
     """Bytes [start, end) of `url` (to its end when `end` is None; the whole file when both are None).
 
     Like fsspec's `cat_file`, a range that runs past the end of the file gives the bytes
-    up to the end.
+    up to the end. Redirects (CDNs, presigned URLs) are followed, `MAX_REDIRECTS` at most,
+    with the same range; any other 3xx is an error.
     """
     request_headers = dict(headers)
     if start is not None or end is not None:
         request_headers["Range"] = range_header(start, end)
     import urllib3
 
-    response = _pool.get().request("GET", url, headers=request_headers, preload_content=False,
-                                  timeout=urllib3.Timeout(connect=connect_s, read=read_s))
+    timeout = urllib3.Timeout(connect=connect_s, read=read_s)
+    for _ in range(MAX_REDIRECTS + 1):
+        # Not urllib3's own redirects: those go through its Retry object, which is off
+        # here so that every retry is `RetryPolicy`'s, and counted.
+        response = _pool.get().request("GET", url, headers=request_headers, preload_content=False,
+                                      redirect=False, timeout=timeout)
+        location = response.get_redirect_location()
+        if not location:
+            break
+        response.drain_conn()
+        response.release_conn()
+        url = urllib.parse.urljoin(url, location)
     try:
         if response.status == 404:
             raise FileNotFoundError(url)
@@ -103,7 +118,7 @@ def read_range(url: str, start: int | None, end: int | None, *, headers: Mapping
             raise PermissionError(f"HTTP {response.status} for {url}")
         if response.status == 416:  # the range starts at or past the end
             return b""
-        if response.status >= 400:
+        if response.status >= 300:  # errors, and redirects beyond MAX_REDIRECTS or without a Location
             raise HTTPStatusError(response.status, url)
         data = response.read()
     finally:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import shardstream
 from shardstream import StorageError
 from shardstream.http_ranges import HTTPStatusError, read_range
 from shardstream.storage import RetryPolicy, Store, is_transient
@@ -90,6 +91,54 @@ def test_errors_are_classified_for_the_retry_policy(folder):
         with pytest.raises(StorageError, match=r"missing\.bin: file not found"):
             store.read("missing.bin", 0, 10)
         assert server.gets("blob.bin") == 0
+
+
+class _Redirector(http.server.BaseHTTPRequestHandler):
+    """Sends /moved/<path> on to `target` with a 302, /loop to itself, /other with a bare 304."""
+
+    target = ""
+    protocol_version = "HTTP/1.0"
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        if self.path.startswith("/moved/"):
+            self.send_response(302)
+            self.send_header("Location", self.target + self.path[len("/moved"):])
+        elif self.path == "/loop":
+            self.send_response(307)
+            self.send_header("Location", "/loop")
+        else:
+            self.send_response(304)
+        self.send_header("Content-Length", "18")
+        self.end_headers()
+        self.wfile.write(b"<html>moved</html>")
+
+
+def test_redirects_are_followed_with_the_range(folder, packed):
+    """CDNs and presigned URLs redirect: the body of a 302 is not the file's bytes."""
+    with H.CountingHTTPServer(str(folder)) as files, H.CountingHTTPServer(packed) as ds:
+        handler = type("Handler", (_Redirector,), {"target": files.url})
+        front = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        thread = threading.Thread(target=front.serve_forever, daemon=True)
+        thread.start()
+        url = f"http://127.0.0.1:{front.server_address[1]}"
+        try:
+            assert read_range(f"{url}/moved/blob.bin", 10, 20) == DATA[10:20]
+            assert files.gets("blob.bin") == 1
+            with pytest.raises(HTTPStatusError, match="307"):  # a loop ends, with an error
+                read_range(f"{url}/loop", 0, 10)
+            with pytest.raises(HTTPStatusError, match="304"):
+                read_range(f"{url}/other", 0, 10)
+            # A whole dataset behind the redirect streams as it does directly.
+            handler.target = ds.url
+            keys = sorted(s["__key__"] for s in shardstream.StreamingDataset(f"{url}/moved", decode=None))
+            assert keys == sorted(s["__key__"] for s in shardstream.StreamingDataset(packed, decode=None))
+        finally:
+            front.shutdown()
+            front.server_close()
+            thread.join(5)
 
 
 @pytest.mark.parametrize("status, transient", [(500, True), (502, True), (503, True), (408, True), (429, True),
