@@ -26,7 +26,8 @@ with still ships. Images that are not JPEGs (PNG, WebP) are decoded on the CPU t
 
 What moves with the decode: an image that fails to decode is found in the main process,
 after batching, so it raises (a `DecodeError` naming its place in the batch; nvJPEG
-fails the whole batch, and the CPU decoder then finds the culprit) rather than being
+fails the whole batch, and the CPU decoder then finds the culprit, or decodes the batch
+when nvJPEG merely does not support one of its images) rather than being
 skipped under the dataset's `on_error` policy, which sees only the workers' side.
 `shardstream verify` names the sample.
 """
@@ -34,6 +35,8 @@ skipped under the dataset's `on_error` policy, which sees only the workers' side
 from __future__ import annotations
 
 import functools
+import io
+import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Protocol, Sequence
 
@@ -111,9 +114,13 @@ class DeferDecode:
         return EncodedImage(bytes(data), self.transform.plan(data))
 
 
-def gpu_decoder_available() -> bool:
-    """Whether torchvision's nvJPEG decoder can run here (CUDA and torchvision's image ops)."""
-    return _torchvision_decode_jpeg() is not None and torch.cuda.is_available()
+def gpu_decoder_available(device: str | torch.device = "cuda") -> bool:
+    """Whether torchvision's nvJPEG decoder runs on `device`: tried once per device on a
+    tiny JPEG, since torchvision may import and still lack its image ops or nvJPEG."""
+    device = torch.device(device)
+    if device.type != "cuda" or _torchvision_decode_jpeg() is None or not torch.cuda.is_available():
+        return False
+    return _decodes_on(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.cache
@@ -123,6 +130,34 @@ def _torchvision_decode_jpeg() -> Callable[..., Any] | None:
     except Exception:  # not installed, or built against another torch: its ops fail to load
         return None
     return decode_jpeg
+
+
+@functools.cache
+def _decodes_on(index: int) -> bool:
+    decode_jpeg = _torchvision_decode_jpeg()
+    probe = io.BytesIO()
+    Image.new("RGB", (16, 16), (200, 30, 30)).save(probe, "JPEG")
+    try:
+        decoded = decode_jpeg([torch.frombuffer(bytearray(probe.getvalue()), dtype=torch.uint8)], mode="RGB",
+                              device=torch.device("cuda", index))
+        return tuple(decoded[0].shape) == (3, 16, 16)
+    except Exception as e:  # no nvJPEG, ops that failed to load, a driver too old: the CPU decodes
+        warnings.warn(f"torchvision's GPU JPEG decoder does not run on cuda:{index} ({type(e).__name__}: {e}); "
+                      "DecodeOnDevice decodes on the CPU", RuntimeWarning, stacklevel=3)
+        return False
+
+
+@functools.cache
+def _decode_stream(index: int) -> torch.cuda.Stream:
+    """The stream nvJPEG decodes under, on device `index`, used for nothing else.
+
+    torchvision allocates the decoded images on the current stream and nvJPEG writes them
+    from a stream of its own that does not wait for it (pytorch/vision#9606): under the
+    loader's copy stream, a block freed there by the previous batch's still-queued kernels
+    could be overwritten early. Under this stream, whose every output is handed on with
+    `record_stream`, no block is reused before the kernels that read it are done.
+    """
+    return torch.cuda.Stream(device=index)
 
 
 @dataclass(frozen=True)
@@ -141,7 +176,7 @@ class DecodeOnDevice:
     @property
     def on_gpu(self) -> bool:
         """Whether batches will be decoded by nvJPEG (else on the CPU)."""
-        return torch.device(self.device).type == "cuda" and gpu_decoder_available()
+        return gpu_decoder_available(self.device)
 
     def decode(self, batch: EncodedBatch) -> torch.Tensor:
         if not isinstance(batch, EncodedBatch):
@@ -170,16 +205,37 @@ def _decode_cpu(batch: EncodedBatch, which: Iterable[int]) -> torch.Tensor:
 
 
 def _decode_gpu(batch: EncodedBatch, device: torch.device) -> torch.Tensor:
-    decode_jpeg = _torchvision_decode_jpeg()
-    assert decode_jpeg is not None
     jpegs = [i for i, t in enumerate(batch.encoded()) if is_jpeg(t[:2].numpy())]
     try:
-        return decode_then_crop(batch, lambda encoded: decode_jpeg(encoded, mode="RGB", device=device), jpegs,
+        return decode_then_crop(batch, lambda encoded: _nvjpeg(encoded, device), jpegs,
                                 lambda others: _decode_cpu(batch, others).to(device, non_blocking=True))
-    except RuntimeError:
-        # nvJPEG fails the whole batch on one bad image: the CPU decoder names it.
-        _decode_cpu(batch, jpegs)
-        raise
+    except RuntimeError as e:
+        # nvJPEG refuses a whole batch for one image it cannot take: a damaged one (the
+        # CPU decoder then raises, naming it), or a valid one it does not support (CMYK,
+        # arithmetic coding, some subsamplings), which the CPU decodes.
+        out = _decode_cpu(batch, range(len(batch))).to(device, non_blocking=True)
+        _warn_once(f"nvJPEG refused a batch ({e}); it was decoded on the CPU")
+        return out
+
+
+def _nvjpeg(encoded: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """`encoded` decoded by nvJPEG under its own stream (`_decode_stream`), ready for the caller's stream."""
+    decode_jpeg = _torchvision_decode_jpeg()
+    assert decode_jpeg is not None
+    caller = torch.cuda.current_stream(device)
+    stream = _decode_stream(device.index if device.index is not None else torch.cuda.current_device())
+    stream.wait_stream(caller)
+    with torch.cuda.stream(stream):
+        images = decode_jpeg(encoded, mode="RGB", device=device)
+    caller.wait_stream(stream)
+    for image in images:
+        image.record_stream(caller)  # read by the crops queued on the caller's stream
+    return images
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
 def decode_then_crop(batch: EncodedBatch, decode_all: Callable[[list[torch.Tensor]], list[torch.Tensor]],

@@ -19,7 +19,9 @@ with what a training loop needs on top:
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -74,9 +76,7 @@ class Normalize:
     dtype: torch.dtype = torch.float32
 
     def normalize(self, images: torch.Tensor) -> torch.Tensor:
-        shape = (1, -1, 1, 1) if images.dim() == 4 else (-1, 1, 1)
-        mean = torch.tensor(self.mean, device=images.device, dtype=self.dtype).view(shape) * 255
-        inv_std = 1.0 / (torch.tensor(self.std, device=images.device, dtype=self.dtype).view(shape) * 255)
+        mean, inv_std = _normalize_constants(tuple(self.mean), tuple(self.std), images.device, self.dtype, images.dim())
         out = (images.to(self.dtype) - mean) * inv_std
         if self.channels_last and out.dim() == 4:
             out = out.contiguous(memory_format=torch.channels_last)
@@ -86,6 +86,18 @@ class Normalize:
         if isinstance(batch, torch.Tensor):
             return self.normalize(batch)
         return map_field(batch, self.field, self.normalize)
+
+
+@functools.lru_cache(maxsize=64)
+def _normalize_constants(mean: tuple[float, ...], std: tuple[float, ...], device: torch.device, dtype: torch.dtype,
+                         dims: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """255 * mean and 1 / (255 * std), shaped for `dims`-dimensional images, made once per
+    device: ``torch.tensor(..., device="cuda")`` copies synchronously, which would stall
+    the host on every batch behind the copy just issued."""
+    shape = (1, -1, 1, 1) if dims == 4 else (-1, 1, 1)
+    mean_t = torch.tensor(mean, device=device, dtype=dtype).view(shape) * 255
+    inv_std = 1.0 / (torch.tensor(std, device=device, dtype=dtype).view(shape) * 255)
+    return mean_t, inv_std
 
 
 def _chain(transforms: Callable[[Any], Any] | Sequence[Callable[[Any], Any]] | None) -> Callable[[Any], Any] | None:
@@ -186,7 +198,8 @@ class DataLoader:
         self.stats = LoaderStats()
         start = time.perf_counter()
         self._delivered = self.dataset.resumed_items(self.num_workers)
-        source = iter(self._torch_loader())
+        with torch.cuda.device(self.device) if self._use_cuda() else contextlib.nullcontext():
+            source = iter(self._torch_loader())  # torch's pin-memory thread pins on the current device
         batches = self._on_device(source) if self._use_cuda() else self._on_host(source)
         while True:
             t0 = time.perf_counter()
@@ -241,6 +254,7 @@ class DataLoader:
         consumer = torch.cuda.current_stream(self.device)
         consumer.wait_event(event)
         for t in tensors(batch):
-            t.record_stream(consumer)  # memory stays allocated until the consumer is done
+            if t.is_cuda:  # a transform may leave some on the host
+                t.record_stream(consumer)  # memory stays allocated until the consumer is done
         return batch
 
