@@ -6,6 +6,10 @@ yields a good sample of the same worker in its place, so every rank still yields
 same number of samples and batches and DDP cannot hang; past a cap (more than
 `max_skips` samples, or more than `max_fraction` of a worker's planned samples in an
 epoch) it raises, because a dataset that bad should stop a run, not quietly shrink it.
+
+Storage failures are not bad samples: a `StorageError` (a shard that is gone, access
+denied, an error that outlasted the retries) raises under either policy, since skipping
+it would drop every sample of a shard without the data being at fault.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
-from .errors import ShardstreamError
+from .errors import ShardstreamError, StorageError
 
 __all__ = ["ErrorPolicy", "TooManyErrors", "guarded"]
 
@@ -57,7 +61,7 @@ def guarded(inputs: Iterable[Any], prepare: Callable[[Any], Any], policy: ErrorP
         try:
             result = prepare(item)
         except ShardstreamError as error:
-            if policy.mode == "raise":
+            if policy.mode == "raise" or isinstance(error, StorageError):
                 raise
             skips += 1
             on_skip()

@@ -18,7 +18,7 @@ from typing import Any, BinaryIO, Iterable, Iterator
 import numpy as np
 
 from .cache import ShardCache
-from .errors import ShardstreamError
+from .errors import ShardstreamError, StorageError
 from .reader import READ_BYTES, Sample, ShardReader, StreamTarReader
 from .source import Source
 
@@ -96,11 +96,15 @@ def read_tolerant(reader: ShardReader | StreamTarReader, first: int, stop: int) 
     """
     try:
         return list(reader.read(first, stop))
+    except StorageError:
+        raise  # storage, not the data: never a skip (see policy.py)
     except ShardstreamError:
         out: list[Sample] = []
         for i in range(first, stop):
             try:
                 out.extend(reader.read(i, i + 1))
+            except StorageError:
+                raise
             except ShardstreamError as error:
                 out.append({"__error__": error, "__key__": error.key or f"#{i}", "__url__": reader.url})
         return out

@@ -344,6 +344,23 @@ def test_skip_keeps_every_rank_at_its_planned_count(corrupt_dataset, num_workers
         assert len(logged) == 2 and all(any(k in m for m in logged) for k in bad), logged
 
 
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_skip_is_for_bad_data_not_for_storage(tmp_path, prefetch):
+    """A shard that is gone is not a bad sample: it raises a StorageError naming it under
+    "skip" too, rather than quietly dropping a shard's samples within the skip cap."""
+    url = str(tmp_path / "ds")
+    with shardstream.ShardWriter(url, shard_size="12KB") as w:
+        for i in range(N_SKIP):
+            w.write({"__key__": f"s{i:03d}", "jpg": synthetic_jpeg(i, 32, 24, quality=70), "cls": i % 3})
+    gone = shardstream.open_dataset(url).shards[1].name
+    os.remove(os.path.join(url, gone))
+    dataset = StreamingDataset(url, decode=None, fields=("__key__",), prefetch=prefetch,
+                               on_error=ErrorPolicy(mode="skip", max_skips=N_SKIP))
+    with pytest.raises(shardstream.StorageError, match=gone):
+        list(dataset)
+    assert dataset.skipped == 0
+
+
 def test_skip_over_the_cap_raises_too_many_errors(corrupt_dataset, caplog):
     url, _, _ = corrupt_dataset
     capped = _skip_dataset(url, on_error=ErrorPolicy(mode="skip", max_skips=1), rank=0, world_size=1)
