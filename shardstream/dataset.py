@@ -316,6 +316,7 @@ class StreamingDataset(IterableDataset):
         # Planned here, eagerly, not in the generator: a DataLoader worker calls iter()
         # when it starts, and torchdata's StatefulDataLoader asks for the worker's state
         # right after, before the first item.
+        counted = io_stats.snapshot()  # this iteration's storage work counts from here (io_stats())
         world = self.world()
         loaded, self._loaded_position = self._loaded_position, None
         if loaded is None and self._worker_resume:  # a worker's own state applies to one iteration
@@ -330,16 +331,17 @@ class StreamingDataset(IterableDataset):
             stream = self._epoch_items(world, block, layout, segment, worker, done, epoch)
         self._delivered = delivered
         self._position = (epoch, worker, done)
-        return self._yield(world, stream, resume_id)
+        return self._yield(world, stream, resume_id, counted)
 
-    def _yield(self, world: World, stream: Iterator[Any], resume_id: int | None) -> Iterator[Any]:
+    def _yield(self, world: World, stream: Iterator[Any], resume_id: int | None,
+               counted: dict[str, float]) -> Iterator[Any]:
         for item in stream:
             self._delivered += 1  # counts what the consumer received (main-process iteration)
             epoch, worker, done = self._position
             self._position = (epoch, worker, done + 1)
-            self._shared.publish_io(world.worker, io_stats.snapshot())
+            counted = self._count_io(world.worker, counted)
             yield item
-        self._shared.publish_io(world.worker, io_stats.snapshot())
+        self._count_io(world.worker, counted)
         if resume_id is not None:  # the resumed epoch is complete: later passes start afresh
             self._shared.finish_resume(resume_id, world.worker)
         if not self._worker_resume:  # a worker's own state stays until its next iteration (see _worker_state)
@@ -407,9 +409,16 @@ class StreamingDataset(IterableDataset):
             block = self._rank_block(world, epoch)[0]
 
     def io_stats(self) -> dict[str, float]:
-        """Storage counters (requests, bytes, retries, wait_s, cache hits and misses),
-        summed over the processes that iterate this dataset (the workers, or this process)."""
+        """Storage counters (requests, bytes, retries, wait_s, cache hits and misses) of this
+        dataset's iterations, summed over the processes that ran them (the workers, or this
+        process) and over epochs. The counters themselves are per process: two datasets
+        iterated at the same time in one process would each count the other's reads too."""
         return self._shared.io()
+
+    def _count_io(self, worker: int, since: dict[str, float]) -> dict[str, float]:
+        now = io_stats.snapshot()
+        self._shared.add_io(worker, since, now)
+        return now
 
     @property
     def skipped(self) -> int:

@@ -81,11 +81,16 @@ class SharedState:
     def skips(self) -> int:
         return int(sum(self._ints[_SKIPS : _SKIPS + SLOTS]))
 
-    def publish_io(self, worker: int, snapshot: dict[str, float]) -> None:
+    def add_io(self, worker: int, before: dict[str, float], after: dict[str, float]) -> None:
+        """Add what a process's storage counters gained from `before` to `after` to `worker`'s slot.
+
+        Differences, not the counters themselves: a forked worker starts with its parent's
+        counts, later epochs' workers start afresh, and other datasets of the process count
+        outside this dataset's iterations."""
         if worker < SLOTS:
             base = worker * len(IO_FIELDS)
             for i, name in enumerate(IO_FIELDS):
-                self._floats[base + i] = snapshot[name]
+                self._floats[base + i] += after[name] - before[name]
 
     def io(self) -> dict[str, float]:
         totals = dict.fromkeys(IO_FIELDS, 0.0)

@@ -613,6 +613,27 @@ def test_prefetch_fetches_each_frame_once_one_request_per_piece(tmp_path):
         assert counts[ref.name + ".idx"] == 1
 
 
+def test_dataset_io_stats_count_every_process_and_epoch_once(local_ds):
+    """`io_stats()` sums the storage work of this dataset's iterations: forked workers do not
+    re-count their parent's reads, and each epoch's workers add to the earlier epochs'."""
+    with H.CountingHTTPServer(local_ds) as server:
+        ds = StreamingDataset(server.url, decode=None, fields=("__key__",), prefetch=2)
+        ds.resolve()  # the manifest: read before any iteration, so not the iterations' work
+        before = sum(server.get_counts().values())
+        list(ds)  # in this process
+        for epoch in (1, 2):  # two epochs through 2 fresh workers each
+            ds.set_epoch(epoch)
+            list(DataLoader(ds, batch_size=None, num_workers=2))
+        gets = sum(server.get_counts().values()) - before
+        other = StreamingDataset(local_ds, decode=None, fields=("__key__",))
+        list(other)  # one local epoch: its own reads only, none of the first dataset's
+    assert gets > 6
+    assert ds.io_stats()["requests"] == gets
+    stored = sum(f.stat().st_size for f in Path(local_ds).iterdir())
+    assert ds.io_stats()["bytes"] > 2 * stored  # three epochs' worth
+    assert 0 < other.io_stats()["bytes"] <= stored
+
+
 def test_scattered_samples_are_read_in_few_requests(tmp_path):
     """A plan that wants scattered samples (a resume late in an epoch, say) reads nearby ones with one request
     for their span, dropping the samples between, and not one request each; the samples are those asked for."""
