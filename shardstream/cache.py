@@ -11,8 +11,9 @@ processes:
 * **No torn files.** Shards are downloaded under a temporary name, verified against
   the manifest's SHA-256, and renamed into place.
 * **Bounded.** Before a download, least-recently-used shards are evicted until the new
-  one fits under `limit`. A shard being read holds a shared lock and is never evicted,
-  so the limit is exceeded only when the shards in use alone exceed it.
+  one fits under `limit`, and again when a reader is done with a shard. A shard being
+  read holds a shared lock and is never evicted, so the limit is exceeded only while the
+  shards in use (the one being read and the `prefetch` downloaded ahead) alone exceed it.
 * **Self-healing.** The first use of a cached shard in each process re-hashes it; a
   file damaged on disk is deleted and fetched again.
 """
@@ -160,6 +161,10 @@ class ShardCache:
             finally:
                 if os.path.exists(tmp):
                     os.remove(tmp)
+
+    def trim(self) -> None:
+        """Evict least-recently-used shards not in use until the cache is within its limit."""
+        self._make_room(self.root, 0)
 
     def _make_room(self, folder: str, incoming: int) -> None:
         """Evict least-recently-used shards not in use until `incoming` bytes fit."""

@@ -79,6 +79,8 @@ class _Readers:
         if lock is not None:
             lock.close()
             self._locks.remove(lock)
+            assert self.cache is not None
+            self.cache.trim()  # shards in use may have pushed it over its limit: back under it now
         del entry
 
     def close(self) -> None:
@@ -169,6 +171,11 @@ def read_samples(source: Source, ids: np.ndarray, counts: np.ndarray, prefetch: 
             sizes = _ramp(piece_bytes)
             try:
                 for shard, stretch, final in _stretches(runs):
+                    # With a cache, planning a shard's pieces downloads it and holds it: plan one
+                    # shard at a time, so that only the `prefetch` shards `open_ahead` downloads
+                    # are held beside it (its pieces are local reads, quick to have in turn).
+                    while cache is not None and any(s != shard for s, *_ in ahead):
+                        yield from finish_one()
                     open_ahead(rank_of[shard])
                     for a, b, keep, last, size in _planned_pieces(readers, shard, stretch, sizes):
                         future = pool.submit(_read_piece, read, readers, shard, a, b, keep)
@@ -181,6 +188,7 @@ def read_samples(source: Source, ids: np.ndarray, counts: np.ndarray, prefetch: 
             finally:
                 for *_, future in ahead:
                     future.cancel()
+                openers.shutdown(wait=False, cancel_futures=True)  # downloads not yet started
     finally:
         readers.close()
 

@@ -758,7 +758,13 @@ def cache_folder(cache_dir: Path) -> Path:
 
 
 def folder_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    total = 0
+    for p in folder.rglob("*"):
+        try:
+            total += p.stat().st_size if p.is_file() else 0
+        except FileNotFoundError:  # evicted meanwhile by a thread downloading ahead
+            pass
+    return total
 
 
 def test_cache_processes_opening_each_others_shards_in_use_do_not_wait_for_each_other(local_ds, tmp_path):
@@ -860,6 +866,26 @@ def test_cache_stays_within_its_limit_plus_shards_in_use(local_ds, shard_names, 
     folder = cache_folder(cache_dir)
     assert folder_bytes(cache_dir) <= bound, sorted(p.name for p in folder.iterdir())
     assert not list(folder.glob("*.part")) and not list(folder.glob(".*.part"))
+
+
+@pytest.mark.parametrize("prefetch", [1, 3])
+def test_cache_with_prefetch_holds_only_the_shards_it_downloads_ahead(local_ds, shard_names, prefetch, tmp_path):
+    """Regression: planning pieces ahead downloaded and held up to 32 pieces' shards, far past
+    the limit, and the cache stayed over it after the shards were released."""
+    cache_dir = tmp_path / "cache"
+    sizes = {n: Path(local_ds, n).stat().st_size + Path(local_ds, n + ".idx").stat().st_size for n in shard_names}
+    largest = max(sizes.values())
+    limit = largest + 100
+    in_use = (prefetch + 1) * largest  # the shard being read, and `prefetch` downloaded ahead
+    assert len(shard_names) > prefetch + 3 and limit + in_use < sum(sizes.values())
+    peak = 0
+    with H.CountingHTTPServer(local_ds) as server:
+        ds = StreamingDataset(server.url, decode=None, fields=("__key__",), prefetch=prefetch,
+                              cache_dir=str(cache_dir), cache_limit=limit)
+        for _ in ds:
+            peak = max(peak, folder_bytes(cache_dir))
+    assert peak <= max(limit, in_use), f"{peak} bytes cached at most; in use {in_use}, limit {limit}"
+    assert folder_bytes(cache_dir) <= limit  # released shards are evicted back under the limit
 
 
 def test_cache_heals_a_damaged_index(local_ds, shard_names, jpg_digests, tmp_path):
