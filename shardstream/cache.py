@@ -9,7 +9,8 @@ processes:
   lock and then finds the file there. The exclusive lock is only ever tried, never
   waited for, so processes holding shards in use cannot wait for each other.
 * **No torn files.** Shards are downloaded under a temporary name, verified against
-  the manifest's SHA-256, and renamed into place.
+  the manifest's SHA-256 (downloaded again on a mismatch, `DOWNLOAD_ATTEMPTS` times in
+  all, then an error naming the file), and renamed into place.
 * **Bounded.** Before a download, least-recently-used shards are evicted until the new
   one fits under `limit`, and again when a reader is done with a shard. A shard being
   read holds a shared lock and is never evicted, so the limit is exceeded only while the
@@ -37,6 +38,7 @@ from .storage import Store, io_stats
 __all__ = ["ShardCache"]
 
 CHUNK = 16 << 20  # bytes per ranged request when downloading
+DOWNLOAD_ATTEMPTS = 3  # whole downloads of a file before its checksum mismatch is an error
 
 _verified: set[str] = set()  # cached files this process has hashed
 _damaged: dict[str, tuple] = {}  # cached files that failed the hash: their (inode, mtime) then
@@ -146,21 +148,15 @@ class ShardCache:
         folder = os.path.dirname(path)
         for name, size, digest in ((ref.name, ref.info.bytes, ref.info.sha256),
                                    (ref.info.index, ref.info.index_bytes, ref.info.index_sha256)):
-            fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".part")
-            try:
-                hasher = hashlib.sha256()
-                with os.fdopen(fd, "wb") as f:
-                    for start in range(0, size, CHUNK):
-                        data = ref.store.read(name, start, min(size, start + CHUNK))
-                        hasher.update(data)
-                        f.write(data)
-                if hasher.hexdigest() != digest:
-                    raise StorageError("downloaded file does not match the manifest's checksum",
-                                       url=ref.store.url(name))
-                os.replace(tmp, os.path.join(folder, name))
-            finally:
-                if os.path.exists(tmp):
-                    os.remove(tmp)
+            # Bytes damaged on the way, or an object caught while being replaced, download
+            # whole again; a checksum that never matches is the data's, and raises.
+            for attempt in range(1, DOWNLOAD_ATTEMPTS + 1):
+                if _download_file(ref.store, name, size, digest, folder):
+                    break
+                if attempt == DOWNLOAD_ATTEMPTS:
+                    raise StorageError(f"downloaded file does not match the manifest's checksum "
+                                       f"({DOWNLOAD_ATTEMPTS} downloads)", url=ref.store.url(name))
+                io_stats.add(retries=1)
 
     def trim(self) -> None:
         """Evict least-recently-used shards not in use until the cache is within its limit."""
@@ -201,6 +197,25 @@ class ShardCache:
                 except FileNotFoundError:
                     pass
             return True
+
+
+def _download_file(store: Store, name: str, size: int, digest: str, folder: str) -> bool:
+    """Download `name` into `folder` if its SHA-256 is `digest`; False (nothing kept) if not."""
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".part")
+    try:
+        hasher = hashlib.sha256()
+        with os.fdopen(fd, "wb") as f:
+            for start in range(0, size, CHUNK):
+                data = store.read(name, start, min(size, start + CHUNK))
+                hasher.update(data)
+                f.write(data)
+        if hasher.hexdigest() != digest:
+            return False
+        os.replace(tmp, os.path.join(folder, name))
+        return True
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def _sha256(path: str) -> str:

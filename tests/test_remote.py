@@ -888,6 +888,51 @@ def test_cache_with_prefetch_holds_only_the_shards_it_downloads_ahead(local_ds, 
     assert folder_bytes(cache_dir) <= limit  # released shards are evicted back under the limit
 
 
+def _damaging_server(root: str, name: str, damaged: str, times: int) -> H.CountingHTTPServer:
+    """A server whose first `times` GETs of `name` send the file at `damaged` instead."""
+    server = H.CountingHTTPServer(root)
+    sent = collections.Counter()
+
+    class Damaging(server.server.RequestHandlerClass):  # type: ignore[misc,name-defined]
+        def _path(self) -> str | None:
+            path = super()._path()
+            if path is not None and os.path.basename(path) == name and self.command == "GET":
+                sent[name] += 1
+                if sent[name] <= times:
+                    return damaged
+            return path
+
+    server.server.RequestHandlerClass = Damaging
+    return server
+
+
+@pytest.mark.parametrize("damaged_downloads", [1, 3])
+def test_cache_downloads_a_damaged_shard_again_then_gives_up_naming_it(local_ds, shard_names, jpg_digests,
+                                                                       damaged_downloads, tmp_path):
+    """A download whose checksum does not match (damaged on the way, or the object caught while being
+    replaced) is fetched again, up to DOWNLOAD_ATTEMPTS times in all; then a StorageError names it."""
+    from shardstream.cache import DOWNLOAD_ATTEMPTS
+
+    victim = shard_names[1]
+    damaged = tmp_path / "damaged"
+    data = bytearray(Path(local_ds, victim).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    damaged.write_bytes(data)
+    io_stats.reset()
+    with _damaging_server(local_ds, victim, str(damaged), damaged_downloads) as server:
+        ds = StreamingDataset(server.url, decode=None, fields=("__key__", "jpg"), cache_dir=str(tmp_path / "cache"),
+                              cache_limit="1GB", prefetch=0)
+        if damaged_downloads < DOWNLOAD_ATTEMPTS:
+            got = {key: hashlib.sha256(jpg).hexdigest() for key, jpg in ds}
+            assert got == jpg_digests
+            assert server.gets(victim) == damaged_downloads + 1
+        else:
+            with pytest.raises(StorageError, match=f"{re.escape(victim)}.*checksum"):
+                list(ds)
+            assert server.gets(victim) == DOWNLOAD_ATTEMPTS
+    assert io_stats.retries == min(damaged_downloads, DOWNLOAD_ATTEMPTS - 1)
+
+
 def test_cache_heals_a_damaged_index(local_ds, shard_names, jpg_digests, tmp_path):
     """Regression: only the cached shard was re-hashed, so a cached index damaged on disk was
     never fetched again and every later process failed with CorruptIndexError."""
