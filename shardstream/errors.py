@@ -79,6 +79,10 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 def reason(error: BaseException) -> str:
-    """`error`'s message without object addresses (Pillow names ``<_io.BytesIO object at 0x...>``):
-    the same bad input gives the same words in every run, in reports and manifests alike."""
+    """`error`'s message without object addresses (Pillow names ``<_io.BytesIO object at 0x...>``)
+    and, for a failed file operation, without the file's path (the caller names the file
+    by its path in the source): the same bad input gives the same words in every run and
+    wherever the source lies, in reports and manifests alike."""
+    if isinstance(error, OSError) and error.strerror and error.filename is not None:
+        return error.strerror
     return _ADDRESS.sub("", str(error))

@@ -290,6 +290,25 @@ def weight_of(weight: bytes) -> float:
         return math.nan
 
 
+_MAX_WEIGHT = float(np.finfo(np.float32).max)  # the index keeps weights as float32
+
+
+def check_weight(data: bytes, *, url: str | None = None, key: str | None = None,
+                 offset: int | None = None) -> float:
+    """A `weight` field's value, refused unless it is a finite, non-negative number within
+    float32's range: what an index may hold, so that every index written can be read.
+    Errors name the shard (`url`), sample and offset where given."""
+    try:
+        weight = float(data)
+    except ValueError:
+        raise ShardstreamError(f"weight must be a number, not {data[:20]!r}", url=url, key=key,
+                               offset=offset) from None
+    if not (math.isfinite(weight) and 0 <= weight <= _MAX_WEIGHT):
+        raise ShardstreamError(f"weight must be finite and non-negative, not {weight}", url=url, key=key,
+                               offset=offset)
+    return weight
+
+
 def label_column(labels: list[int]) -> np.ndarray | None:
     """The index's `labels` (None when no sample has a class)."""
     return np.asarray(labels, dtype=np.int64) if any(x >= 0 for x in labels) else None

@@ -9,10 +9,11 @@ from __future__ import annotations
 import csv
 import os
 from dataclasses import dataclass
+from typing import Iterator
 
 from .errors import PackError
 
-__all__ = ["Listing", "SourceFile", "list_source", "IMAGE_FIELDS"]
+__all__ = ["Listing", "SourceFile", "list_source", "printable", "IMAGE_FIELDS"]
 
 # File extension -> field name. The field says what the bytes are, so .jpeg and .JPG
 # become `jpg`, which is what WebDataset's decoders and `fields=("jpg", "cls")` expect.
@@ -70,43 +71,97 @@ def list_source(src: str) -> Listing:
 
 def _list_folder(root: str) -> Listing:
     classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
+    for name in classes:
+        if printable(name) != name:
+            raise PackError("class folder name is not UTF-8", url=printable(os.path.join(root, name)))
     files: list[SourceFile] = []
     ignored: list[str] = [e.name for e in os.scandir(root) if e.is_file()]
     for hidden in sorted(e.name for e in os.scandir(root) if e.is_dir() and e.name.startswith(".")):
         # Not a class, but its files are counted: nothing in the source goes unaccounted.
-        for folder, _, names in os.walk(os.path.join(root, hidden)):
+        for folder, names in _walk(os.path.join(root, hidden)):
             ignored += [os.path.relpath(os.path.join(folder, n), root).replace(os.sep, "/") for n in names]
     for label, name in enumerate(classes):
-        for folder, dirs, names in os.walk(os.path.join(root, name)):
-            dirs.sort()
+        for folder, names in _walk(os.path.join(root, name)):
             # Slicing, not os.path.relpath: relpath normalises both paths on every call,
             # 30 µs a file, which is minutes on a dataset of millions.
             prefix = folder[len(root) :].lstrip(os.sep).replace(os.sep, "/") + "/"
-            for file in sorted(names):
-                path = os.path.join(folder, file)
+            for file in names:
                 rel = prefix + file
                 field = IMAGE_FIELDS.get(os.path.splitext(file)[1].lower())
                 if field is None:
                     ignored.append(rel)
                     continue
-                files.append(SourceFile(rel, _key(rel), field, label, os.path.getsize(path)))
+                files.append(SourceFile(rel, _key(rel), field, label, _size(os.path.join(folder, file))))
     if not files:
         raise PackError("no images found (expected one subfolder of images per class)", url=root)
     return Listing(root, tuple(_unique_keys(files)), tuple(classes), tuple(sorted(ignored)))
 
 
+def _walk(top: str) -> Iterator[tuple[str, list[str]]]:
+    """(folder, sorted file names) for `top` and every folder below it, in sorted order.
+
+    Symlinked folders are followed, as the class folders themselves are (and as
+    torchvision's ImageFolder does), each real folder at most once per walk, so a link
+    to an ancestor cannot loop.
+    """
+    visited = {os.path.realpath(top)}
+    for folder, dirs, names in os.walk(top, followlinks=True):
+        kept = []
+        for d in sorted(dirs):
+            real = os.path.realpath(os.path.join(folder, d))
+            if real not in visited:
+                visited.add(real)
+                kept.append(d)
+        dirs[:] = kept
+        yield folder, sorted(names)
+
+
+def _size(path: str) -> int:
+    # A file that cannot be looked up (a dangling symlink) is reported when packing
+    # reaches it, under the error policy, like a missing file of a file list.
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def printable(path: str) -> str:
+    """`path` as text that encodes as UTF-8: the bytes of a file name that is not UTF-8
+    (which Python keeps as lone surrogates) are shown as ``\\xNN``."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
+def _read_rows(path: str) -> list[tuple[str, str | None]]:
+    """The (path, label or None) rows of a file list; blank lines and `#` comments left out."""
+    rows: list[tuple[str, str | None]] = []
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            for number, row in enumerate(csv.reader(f), 1):
+                if not row or not row[0].strip() or row[0].startswith("#"):
+                    continue
+                if len(row) > 2:
+                    raise PackError(f"line {number}: expected 'path[,label]', got {len(row)} columns", url=path)
+                rows.append((row[0].strip(), row[1].strip() if len(row) == 2 else None))
+    except UnicodeDecodeError as e:
+        raise PackError(f"the file list is not UTF-8 text (byte {e.start})", url=path) from None
+    return rows
+
+
+def _is_header(first_cell: str, root: str) -> bool:
+    """Whether the first row is a header (`path,label`, `image,label`, `filename`, ...):
+    its path cell has no image extension and names no existing file. Such a row names
+    nothing to pack or skip, so dropping it loses no sample, and a header's label
+    cell never becomes a class (which would renumber integer labels as names)."""
+    if os.path.splitext(first_cell)[1].lower() in IMAGE_FIELDS:
+        return False
+    return not os.path.lexists(first_cell if os.path.isabs(first_cell) else os.path.join(root, first_cell))
+
+
 def _list_file(path: str) -> Listing:
     root = os.path.dirname(os.path.abspath(path))
-    rows: list[tuple[str, str | None]] = []
-    with open(path, newline="", encoding="utf-8") as f:
-        for number, row in enumerate(csv.reader(f), 1):
-            if not row or not row[0].strip() or row[0].startswith("#"):
-                continue
-            if len(row) > 2:
-                raise PackError(f"line {number}: expected 'path[,label]', got {len(row)} columns", url=path)
-            rows.append((row[0].strip(), row[1].strip() if len(row) == 2 else None))
-    if rows and rows[0][1] is not None and rows[0][0].lower() == "path":
-        rows = rows[1:]  # a CSV header
+    rows = _read_rows(path)
+    if rows and _is_header(rows[0][0], root):
+        rows = rows[1:]
     labels = {label for _, label in rows if label is not None}
     if labels and any(label is None for _, label in rows):
         raise PackError("some lines have a label and some do not", url=path)

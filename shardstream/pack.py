@@ -48,7 +48,7 @@ from .decode import image_size, is_jpeg
 from .errors import PackError, ShardstreamError, reason
 from .format import INDEX_SUFFIX, MANIFEST_NAME, Manifest, ShardInfo
 from .journal import Journal
-from .listing import Listing, SourceFile, list_source
+from .listing import Listing, SourceFile, list_source, printable
 from .shardfile import FRAME_SIZE, IMAGE_LEVEL, Frame, ShardFileWriter, build_frame
 from .shrink import DEFAULT_QUALITY, shrink_image, shrunk_size
 from .storage import Store
@@ -283,7 +283,8 @@ def listing_fingerprint(entries: list[SourceFile]) -> str:
     """Identifies the ordered input, so that parts and resumes can check they agree."""
     digest = hashlib.sha256()
     for e in entries:
-        digest.update(f"{e.path}\0{e.size}\0{e.label}\n".encode())
+        # surrogateescape: a file name that is not UTF-8 is skipped later, not an error here
+        digest.update(f"{e.path}\0{e.size}\0{e.label}\n".encode("utf-8", "surrogateescape"))
     return digest.hexdigest()
 
 
@@ -313,6 +314,8 @@ def build_job(job: tuple[int, list[SourceFile], str, PackOptions, bool]) -> Fram
     for entry in entries:
         path = os.path.join(root, entry.path)
         try:
+            if printable(entry.path) != entry.path:  # its key could not be written into a tar
+                raise PackError("file name is not UTF-8", url=printable(path))
             with open(path, "rb") as f:
                 data = f.read()
             check_image(data, path)
@@ -320,10 +323,11 @@ def build_job(job: tuple[int, list[SourceFile], str, PackOptions, bool]) -> Fram
             if opts.max_side is not None:
                 data = shrink_image(data, opts.max_side, opts.quality, path=path)
         except (OSError, PackError) as e:
-            reason = e.detail if isinstance(e, PackError) else f"unreadable: {e}"
+            # The manifest records the reason, which must be reproducible: no absolute path.
+            why = e.detail if isinstance(e, PackError) else f"unreadable: {reason(e)}"
             if not skip:
-                raise PackError(reason, url=path) from None
-            skipped.append((entry.path, reason))
+                raise PackError(why, url=printable(path)) from None
+            skipped.append((printable(entry.path), why))
             continue
         bytes_in += read
         fields = [(entry.field, data)]
@@ -630,7 +634,10 @@ def pack(
                        max_side, quality)
     store = Store(dst, storage_options or {})
     target = MANIFEST_NAME if part is None else part_manifest_name(*part)
-    if store.exists(target):
+    # A finished part rerun with `resume` (a scheduler's retry after the part, or its
+    # merge, failed) has nothing left to do; the caller then merges as the part would have.
+    finished_part = part is not None and resume and not overwrite and store.exists(target)
+    if store.exists(target) and not finished_part:
         if not overwrite:
             raise ShardstreamError("already holds a dataset; pass overwrite=True (--overwrite) to replace it",
                                    url=store.url(target))
@@ -638,6 +645,8 @@ def pack(
     listing = list_source(src)
     entries = order(listing, opts)
     fingerprint = listing_fingerprint(entries)
+    if part is not None and finished_part:
+        return _finished_part_summary(store, target, {**opts.as_dict(), "part": list(part), "listing": fingerprint})
     if part is not None:
         entries = part_slice(entries, *part)
     shrunk = None if max_side is None else shrunk_estimates(entries, listing.root, max_side)
@@ -697,7 +706,7 @@ def pack(
     counts = np.zeros(len(listing.classes), dtype=np.int64)
     skipped_paths = {p for p, _ in skipped}
     for entry in entries:
-        if entry.label is not None and entry.path not in skipped_paths:
+        if entry.label is not None and printable(entry.path) not in skipped_paths:
             counts[entry.label] += 1
     options = opts.as_dict() if part is None else {**opts.as_dict(), "part": list(part), "listing": fingerprint}
     manifest = Manifest(
@@ -722,6 +731,24 @@ def pack(
         seconds=time.perf_counter() - start,
         skipped=skipped,
         ignored=len(listing.ignored),
+    )
+
+
+def _finished_part_summary(store: Store, name: str, options: dict[str, Any]) -> PackSummary:
+    """What the finished part manifest `name` holds, once it is checked to be this very run's
+    (the same options and source listing): a retry must not pass off another pack as done."""
+    manifest = Manifest.from_bytes(store.read(name), store.url(name))
+    if manifest.options != options:
+        raise ShardstreamError("already holds this part, packed from another source or with other options; "
+                               "pass overwrite=True (--overwrite) to replace it", url=store.url(name))
+    return PackSummary(
+        samples=manifest.samples,
+        shards=len(manifest.shards),
+        bytes_in=0,
+        bytes_out=sum(s.bytes + s.index_bytes for s in manifest.shards),
+        seconds=0.0,
+        skipped=list(manifest.skipped),
+        ignored=manifest.ignored,
     )
 
 

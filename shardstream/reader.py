@@ -29,7 +29,7 @@ import zstandard
 
 from . import tario
 from .errors import CorruptIndexError, CorruptShardError, ShardstreamError
-from .format import INDEX_SUFFIX, ShardIndex, ShardInfo, label_column, label_of, weight_column, weight_of
+from .format import INDEX_SUFFIX, ShardIndex, ShardInfo, check_weight, label_column, label_of, weight_column
 from .storage import Store, split_url
 
 __all__ = ["ShardReader", "StreamTarReader", "open_shard", "Sample"]
@@ -472,8 +472,8 @@ def scan_tar(f: CountingReader, url: str) -> tuple[ShardIndex, tuple[str, ...]]:
             weights.append(math.nan)
         if field == "cls":
             labels[-1] = label_of(data)
-        elif field == "weight":
-            weights[-1] = weight_of(data)
+        elif field == "weight":  # checked as ShardWriter checks it: every index written can be read
+            weights[-1] = check_weight(data, url=url, key=key, offset=offset)
         fields.add(field)
         end = f.position  # the member and its padding have been read
     empty = np.zeros(0, dtype=np.int64)

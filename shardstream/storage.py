@@ -449,13 +449,37 @@ class RetryPolicy:
         raise AssertionError("unreachable")
 
 
+def _umask_by_setting() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+# Read by setting it once, at import, for systems without /proc (see `_umask`).
+_IMPORT_UMASK = _umask_by_setting()
+
+
+def _umask() -> int:
+    """The process umask, read without changing it (Linux's /proc/self/status).
+
+    `os.umask` can only read it by setting it: between that call and the one that
+    restores it, a file another thread creates gets mode 0666.
+    """
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return _IMPORT_UMASK
+
+
 def scratch_file(store: Store, name: str) -> tuple[str, BinaryIO]:
     """A new temporary file for `name` on its way into `store`, open for writing.
 
     Its mode follows the umask like any new file (mkstemp alone would give 0600).
     """
     fd, path = tempfile.mkstemp(dir=store.scratch_dir(), prefix=f".{name}.", suffix=".part")
-    umask = os.umask(0)
-    os.umask(umask)
-    os.fchmod(fd, 0o666 & ~umask)
+    os.fchmod(fd, 0o666 & ~_umask())
     return path, os.fdopen(fd, "wb")

@@ -29,6 +29,7 @@ END_OF_ARCHIVE = bytes(2 * BLOCK)
 MAX_MEMBER_SIZE = 1 << 31  # 2 GiB: no single field of a training sample is larger
 
 _REGULAR = (b"0", b"\0", b"7")
+_NAME_RECORDS = (b"x", b"g", b"L")  # pax (per member, global) and GNU long-name records
 
 
 def padded(size: int) -> int:
@@ -113,8 +114,12 @@ def _number(field: bytes, url: str, offset: int) -> int:
         raise CorruptShardError(f"bad tar header: size field {field!r}", url=url, offset=offset) from None
 
 
-def parse_header(block: bytes | memoryview, url: str, offset: int, verify: bool) -> Header | None:
-    """Decode one 512-byte header block; None for an all-zero (end of archive) block."""
+def parse_header(block: bytes | memoryview, url: str, offset: int, verify: bool,
+                 renamed: bool = False) -> Header | None:
+    """Decode one 512-byte header block; None for an all-zero (end of archive) block.
+
+    `renamed`: a pax or GNU long-name record before this header gives the member's name.
+    """
     block = bytes(block)
     if len(block) < BLOCK:
         raise CorruptShardError("truncated tar header", url=url, offset=offset)
@@ -135,11 +140,15 @@ def parse_header(block: bytes | memoryview, url: str, offset: int, verify: bool)
         prefix = block[345:500].split(b"\0", 1)[0]
         if prefix:
             name = prefix + b"/" + name
+    kind = block[156:157]
+    if renamed or kind in _NAME_RECORDS:
+        # A name that is never used: GNU tar cuts a long name's ustar field mid-character.
+        return Header(name.decode("utf-8", "replace"), size, kind, offset)
     try:
         text = name.decode("utf-8")
     except UnicodeDecodeError:
         raise CorruptShardError("tar member name is not UTF-8", url=url, offset=offset) from None
-    return Header(text, size, block[156:157], offset)
+    return Header(text, size, kind, offset)
 
 
 def _pax_path(data: bytes, url: str, offset: int) -> str | None:
@@ -172,7 +181,7 @@ def iter_members(
     """
     pos, end, long_name = 0, len(buf), None
     while pos + BLOCK <= end:
-        header = parse_header(buf[pos : pos + BLOCK], url, base + pos, verify)
+        header = parse_header(buf[pos : pos + BLOCK], url, base + pos, verify, long_name is not None)
         if header is None:
             raise CorruptShardError("an all-zero (end-of-archive) block inside a sample", url=url, offset=base + pos)
         start = pos + BLOCK
@@ -281,7 +290,7 @@ def iter_stream_members(f: BinaryIO, *, url: str, verify: bool = True) -> Iterat
         block = read(BLOCK)
         if not block:
             return  # EOF without an end-of-archive block: accepted, as GNU tar does
-        header = parse_header(block, url, offset, verify)
+        header = parse_header(block, url, offset, verify, long_name is not None)
         if header is None:
             return
         data = read(header.size)

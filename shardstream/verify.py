@@ -66,15 +66,16 @@ class VerifyReport:
         return not self.problems
 
 
-def _file_sha256(store: Any, name: str, size: int) -> tuple[str, int]:
-    """Hash the first `size` bytes (the manifest's size) by ranged reads, each retried
-    like any read; returns the digest and how many bytes there were (fewer if short).
+def _file_sha256(store: Any, name: str) -> tuple[str, int]:
+    """Hash the whole file by ranged reads, each retried like any read, up to the first
+    empty read (the end); returns the digest and the file's size.
 
     Ranged reads, not a size request: some servers (fsspec over HTTP) report a failed
-    size request as a missing file, and S3 refuses ranges past the end."""
+    size request as a missing file. To the end, not to the manifest's size: bytes
+    appended to a shard (a botched copy) must fail verification."""
     digest, read = hashlib.sha256(), 0
-    while read < size:
-        data = store.read(name, read, min(size, read + (16 << 20)))
+    while True:
+        data = store.read(name, read, read + (16 << 20))
         if not data:
             break
         digest.update(data)
@@ -87,7 +88,7 @@ def verify_shard(reader: ShardReader, decode_images: bool = True) -> Iterator[Pr
     info = reader.info
     assert info is not None
     try:
-        digest, size = _file_sha256(reader.store, reader.name, info.bytes)
+        digest, size = _file_sha256(reader.store, reader.name)
     except ShardstreamError as e:
         yield Problem(info.name, None, str(e))
         return

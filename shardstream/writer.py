@@ -9,13 +9,12 @@ that lists a missing or half-written shard.
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any, Sequence
 
 from .errors import ShardstreamError
 from .fields import encode_sample
-from .format import COMPRESSIONS, MANIFEST_NAME, SHARD_SUFFIX, Manifest, ShardInfo
+from .format import COMPRESSIONS, MANIFEST_NAME, SHARD_SUFFIX, Manifest, ShardInfo, check_weight
 from .shardfile import FRAME_SIZE, LEVEL, MIN_LEVEL, ShardFileWriter, build_frame
 from .storage import Store
 from . import tario
@@ -29,7 +28,7 @@ def parse_size(size: int | str) -> int:
     """Bytes from an int or a string such as ``"256MB"`` or ``"1.5GiB"``."""
     if isinstance(size, int):
         return size
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", size)
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*", size)
     if not match or match.group(2).upper() not in _UNITS:
         raise ShardstreamError(f"bad size {size!r}: use bytes or a unit such as 256MB, 1GiB")
     return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
@@ -183,14 +182,8 @@ class ShardWriter:
 
 
 def _check_weight(key: str, fields: list[tuple[str, bytes]]) -> None:
-    """A `weight` field (the sample's sampling weight, kept in the shard index) must be a
-    finite, non-negative number: checked before anything is queued."""
+    """A `weight` field (the sample's sampling weight, kept in the shard index) is checked
+    before anything is queued."""
     data = dict(fields).get("weight")
-    if data is None:
-        return
-    try:
-        weight = float(data)
-    except ValueError:
-        raise ShardstreamError(f"weight must be a number, not {data[:20]!r}", key=key) from None
-    if not (math.isfinite(weight) and weight >= 0):
-        raise ShardstreamError(f"weight must be finite and non-negative, not {weight}", key=key)
+    if data is not None:
+        check_weight(data, key=key)

@@ -176,6 +176,69 @@ def test_long_member_names_and_empty_tars(tmp_path):
     assert reader[0]["txt"] == b"hello"
 
 
+def _with_name_field(header: bytes, name: bytes) -> bytes:
+    """A 512-byte ustar header with its name field set to `name` (cut at 100 bytes), checksum redone."""
+    block = bytearray(header)
+    block[:100] = name[:100].ljust(100, b"\0")
+    block[148:156] = b" " * 8
+    block[148:156] = b"%06o\0 " % sum(block)
+    return bytes(block)
+
+
+def gnu_pax_tar(members: list[tuple[str, bytes]]) -> bytes:
+    """A pax tar as GNU tar writes it: each long name in a pax `path` record, and the name cut
+    to the 100-byte ustar field as bytes, mid-character where it falls (tarfile writes '?'s)."""
+    out = []
+    for name, data in members:
+        header = tarfile.TarInfo(name)
+        header.size = len(data)
+        raw = header.tobuf(format=tarfile.PAX_FORMAT, encoding="utf-8", errors="strict")
+        if len(raw) > 512:  # a pax record, then the member's own header
+            cut = name.encode()
+            raw = (_with_name_field(raw[:512], b"./PaxHeaders/" + cut) + raw[512:-512]
+                   + _with_name_field(raw[-512:], cut))
+        out += [raw, data, bytes(-len(data) % 512)]
+    return b"".join(out) + bytes(1024)
+
+
+def test_pax_names_gnu_tar_cuts_mid_character(tmp_path):
+    """GNU tar's pax tars keep a long non-ASCII name's first 100 bytes in the ustar field, cut
+    mid-character; the pax `path` record replaces that name, so it must not be refused."""
+    folder = tmp_path / "tars"
+    folder.mkdir()
+    key = "d/x" + "é" * 60  # 123 bytes: the 100th byte is the first half of an 'é'
+    tar = gnu_pax_tar([(f"{key}.cls", b"1"), (f"{key}.jpg", b"\xff\xd8fake\xff\xd9"), ("short.txt", b"x")])
+    (folder / "a.tar").write_bytes(tar)
+    assert [m.name for m in tarfile.open(folder / "a.tar")] == [f"{key}.cls", f"{key}.jpg", "short.txt"]
+    assert [s["__key__"] for s in ss.open_shard(str(folder / "a.tar"))] == [key, "short"]  # streamed, no index
+    manifest = index_tars(str(folder))
+    assert manifest.samples == 2 and manifest.class_counts == (0, 1)
+    reader = ss.open_dataset(str(folder)).shards[0].reader()
+    assert (reader[0]["__key__"], reader[0]["jpg"]) == (key, b"\xff\xd8fake\xff\xd9")
+    # A name that is used, and is not UTF-8, is still refused.
+    bad = tmp_path / "bad.tar"
+    bad.write_bytes(_with_name_field(tar[-2048:-1536], b"caf\xe9.txt") + tar[-1536:])
+    with pytest.raises(CorruptShardError, match="not UTF-8"):
+        list(ss.open_shard(str(bad)))
+
+
+@pytest.mark.parametrize("weight", [b"-1", b"inf", b"1e39", b"heavy"])
+def test_index_refuses_a_weight_its_reader_would_refuse(tmp_path, weight):
+    """`index` checks a `weight` member as ShardWriter does, naming the tar and sample, rather than
+    write an index that its own reader then refuses (a negative, infinite or float32-overflowing weight)."""
+    folder = tmp_path / "tars"
+    folder.mkdir()
+    with tarfile.open(folder / "a.tar", "w") as tar:
+        for key, value in (("s0", b"0.5"), ("s1", weight)):
+            for field, data in (("txt", b"hello"), ("weight", value)):
+                info = tarfile.TarInfo(f"{key}.{field}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    with pytest.raises(ShardstreamError, match=r"a\.tar, sample 's1', byte \d+: weight must be"):
+        index_tars(str(folder))
+    assert not (folder / MANIFEST_NAME).exists() and not (folder / "a.tar.idx").exists()
+
+
 def test_cli_index_then_verify(wds_folder):
     folder, samples = wds_folder
     result = subprocess.run([sys.executable, "-m", "shardstream.cli", "index", str(folder), "--quiet"],

@@ -85,6 +85,19 @@ def test_verify_names_a_corrupted_shard(request, tmp_path, dataset):
     assert "sha256" in checked.stdout
 
 
+def test_verify_names_bytes_appended_to_a_shard(packed, tmp_path):
+    """A shard with bytes appended (a botched copy, two uploads concatenated) is not the shard
+    the manifest lists, though its first `bytes` bytes are: verify names it and both sizes."""
+    copy = tmp_path / "ds"
+    shutil.copytree(packed, copy)
+    shard = open_dataset(str(copy)).manifest.shards[0]
+    with open(copy / shard.name, "ab") as f:
+        f.write(b"GARBAGE-GARBAGE")
+    checked = cli("verify", copy, "--quiet")
+    assert checked.returncode == 1 and problem_shards(checked.stdout) == {shard.name}
+    assert f"file is {shard.bytes + 15} bytes, the manifest says {shard.bytes}" in checked.stdout
+
+
 def test_verify_missing_shard_and_missing_manifest(packed, tmp_path):
     copy = tmp_path / "ds"
     shutil.copytree(packed, copy)
@@ -136,6 +149,9 @@ def test_usage_errors(tmp_path):
     missing = cli("pack", tmp_path / "nope", tmp_path / "ds", "--quiet")
     assert missing.returncode == 1 and "nope" in missing.stderr
     assert cli("inspect", tmp_path / "nothing").returncode == 1
+    for size in ("1.2.3MB", ".MB", "12XB"):  # a clean error naming the value, never a traceback
+        bad = cli("pack", tmp_path / "nope", tmp_path / "ds", "--shard-size", size, "--quiet")
+        assert bad.returncode == 1 and bad.stderr.startswith(f"shardstream pack: error: bad size {size!r}"), bad.stderr
 
 
 def test_demo_runs_the_whole_path(tmp_path):

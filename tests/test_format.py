@@ -551,6 +551,9 @@ BAD_SAMPLES = {
     "empty field": {"__key__": "a", "": b"x"},
     "unencodable value": {"__key__": "a", "bin": object()},
     "cls not an integer": {"__key__": "a", "cls": "cat"},
+    "negative weight": {"__key__": "a", "txt": "x", "weight": "-1"},
+    "infinite weight": {"__key__": "a", "txt": "x", "weight": "inf"},
+    "weight beyond float32": {"__key__": "a", "txt": "x", "weight": "1e39"},  # the index would hold inf
     "json not serialisable": {"__key__": "a", "json": {"x": object()}},
 }
 
@@ -647,6 +650,23 @@ def test_writer_failure_leaves_no_manifest_and_no_partial_shard(tmp_path):
 
 
 # -- compression and on-disk layout ------------------------------------------------------------------------
+
+
+def test_written_files_follow_the_umask_without_setting_it(tmp_path, monkeypatch):
+    """Reading the umask with os.umask sets it for a moment, and a file another thread creates
+    then (`index` writes from 8 threads) comes out world-writable: it is read, never set."""
+    old = os.umask(0o027)
+    try:
+        def no_umask(mask):
+            raise AssertionError("the process umask was set while writing")
+
+        monkeypatch.setattr(os, "umask", no_umask)
+        write_samples(tmp_path / "ds", blob_samples(3))
+    finally:
+        monkeypatch.undo()
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "ds").iterdir() if p.is_file()}
+    assert modes and set(modes.values()) == {0o640}, modes
 
 
 def test_uncompressed_shards_are_plain_tar(packed_plain, image_folder):

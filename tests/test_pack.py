@@ -272,6 +272,49 @@ def test_non_ascii_names_round_trip(image_folder_copy, tmp_path):
     assert got["class_000/café"]["jpg"] == (folder / "class_000" / "café.jpg").read_bytes()
 
 
+
+def test_symlinked_subfolders_are_followed_once(image_folder_copy, tmp_path):
+    """A linked folder inside a class is packed like a real one (as the class folders
+    themselves, and torchvision's ImageFolder, follow links); a link back up cannot loop."""
+    folder = image_folder_copy
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    extra = sorted((folder / "class_002").glob("*.jpg"))[:2]
+    for i, path in enumerate(extra):
+        shutil.copy(path, elsewhere / f"linked_{i}.jpg")
+    (folder / "class_000" / "linked").symlink_to(elsewhere, target_is_directory=True)
+    (elsewhere / "loop").symlink_to(folder / "class_000", target_is_directory=True)
+    run_pack(folder, tmp_path / "ds")
+    manifest = open_dataset(str(tmp_path / "ds")).manifest
+    got = samples_by_key(tmp_path / "ds")
+    assert manifest.samples == 23 and manifest.class_counts == (9, 7, 7) and manifest.ignored == 1
+    for i, path in enumerate(extra):
+        assert got[f"class_000/linked/linked_{i}"]["jpg"] == path.read_bytes()
+        assert int(got[f"class_000/linked/linked_{i}"]["cls"]) == 0
+
+
+@pytest.mark.parametrize("header", ["image,label", "filename,class", "path,label"])
+def test_file_list_header_is_recognised_whatever_its_words(image_folder, tmp_path, header):
+    """A header row is dropped whatever it says: its label cell never becomes a class (which
+    would turn the integer labels 0..10 into names sorted as strings, "10" before "2")."""
+    files = sorted(image_folder.rglob("*.jpg"))[:11]
+    lst = tmp_path / "list.csv"
+    lst.write_text("\n".join([header] + [f"{p.as_posix()},{i}" for i, p in enumerate(files)]) + "\n")
+    run_pack(lst, tmp_path / "ds", shuffle=False)
+    manifest = open_dataset(str(tmp_path / "ds")).manifest
+    assert manifest.classes == tuple(str(i) for i in range(11)) and manifest.ignored == 0
+    by_bytes = {s["jpg"]: int(s["cls"]) for ref in open_dataset(str(tmp_path / "ds")).shards for s in ref.reader()}
+    assert by_bytes == {p.read_bytes(): i for i, p in enumerate(files)}
+
+
+def test_file_list_header_with_named_labels(image_folder, tmp_path):
+    files = sorted(image_folder.rglob("*.jpg"))[:4]
+    lst = tmp_path / "list.csv"
+    lst.write_text("image,label\n" + "".join(f"{p},{('cat', 'dog')[i % 2]}\n" for i, p in enumerate(files)))
+    run_pack(lst, tmp_path / "ds")
+    manifest = open_dataset(str(tmp_path / "ds")).manifest
+    assert manifest.classes == ("cat", "dog") and manifest.samples == 4 and manifest.ignored == 0
+
 # -- corrupt input --------------------------------------------------------------------------------------
 
 
@@ -392,6 +435,46 @@ def test_a_shard_of_only_bad_images_is_left_out(image_folder_copy, tmp_path):
     assert sorted(p.name for p in (tmp_path / "ds").glob("shard-*.tar.zst")) == sorted(names)
     assert len(keys_in_order(tmp_path / "ds")) == 15
 
+
+
+def test_dangling_symlink_is_skipped_or_named(image_folder_copy, tmp_path):
+    folder = image_folder_copy
+    (folder / "class_001" / "dangling.jpg").symlink_to(tmp_path / "nowhere.jpg")
+    with pytest.raises(PackError, match="dangling.jpg"):
+        run_pack(folder, tmp_path / "fail")
+    run_pack(folder, tmp_path / "ds", on_error="skip")
+    manifest = open_dataset(str(tmp_path / "ds")).manifest
+    assert manifest.skipped == (("class_001/dangling.jpg", "unreadable: No such file or directory"),)
+    assert manifest.samples == 21 and manifest.class_counts == (7, 7, 7)
+
+
+def test_file_name_that_is_not_utf8_is_skipped_or_named(image_folder_copy, tmp_path):
+    folder = image_folder_copy
+    data = (folder / "class_002" / "img_00000.jpg").read_bytes()
+    try:
+        (folder / "class_002" / os.fsdecode(b"caf\xe9.jpg")).write_bytes(data)  # Latin-1, as old archives hold
+    except (OSError, UnicodeError):
+        pytest.skip("this file system refuses file names that are not UTF-8")
+    with pytest.raises(PackError, match=re.escape("caf\\xe9.jpg")) as info:
+        run_pack(folder, tmp_path / "fail")
+    assert "not UTF-8" in str(info.value)
+    run_pack(folder, tmp_path / "ds", on_error="skip")
+    manifest = open_dataset(str(tmp_path / "ds")).manifest
+    assert manifest.skipped == (("class_002/caf\\xe9.jpg", "file name is not UTF-8"),)
+    assert manifest.samples == 21 and manifest.class_counts == (7, 7, 7)
+
+
+def test_skip_reasons_do_not_depend_on_where_the_source_lies(image_folder, tmp_path, dataset_files):
+    """A skip reason names no absolute path: the same source packed from two places (or
+    parts on machines with other mount points) gives the same manifest, byte for byte."""
+    for place in ("one", "two"):
+        (tmp_path / place).mkdir()
+        shutil.copy(sorted(image_folder.rglob("*.jpg"))[0], tmp_path / place / "a.jpg")
+        (tmp_path / place / "list.txt").write_text("a.jpg\nmissing.jpg\n")
+        run_pack(tmp_path / place / "list.txt", tmp_path / f"ds_{place}", on_error="skip")
+    assert dataset_files(tmp_path / "ds_one") == dataset_files(tmp_path / "ds_two")
+    [(path, reason)] = open_dataset(str(tmp_path / "ds_one")).manifest.skipped
+    assert (path, reason) == ("missing.jpg", "unreadable: No such file or directory")
 
 # -- crash safety -------------------------------------------------------------------------------------
 

@@ -123,3 +123,21 @@ def test_cli_last_part_to_finish_merges(source, tmp_path):
     result = cli("pack", str(source / "src"), other, "--shard-size", "8KB", "--part", "1/2", "--seed", "7", "--quiet")
     assert result.returncode == 1 and "do not merge" in result.stderr and "other options" in result.stderr
     assert not os.path.exists(os.path.join(other, "manifest.msgpack"))
+
+
+def test_cli_resume_of_a_finished_part_is_a_no_op_that_merges(source, tmp_path):
+    """A scheduler's retry (SLURM, Kubernetes OnFailure) reruns the same `--part I/N --resume`
+    line after a part finished but its merge did not: the rerun repacks nothing and merges."""
+    dst = str(tmp_path / "parts")
+    line = ("pack", str(source / "src"), dst, "--shard-size", "8KB", "--quiet", "--resume")
+    assert cli(*line, "--part", "0/2").returncode == 0
+    assert cli(*line, "--part", "1/2", "--no-merge").returncode == 0  # as if it died before merging
+    parts = files(dst)
+    result = cli(*line, "--part", "1/2")
+    assert result.returncode == 0 and "all 2 parts done: merged 21 samples" in result.stdout, result.stderr
+    assert {name: data for name, data in files(dst).items() if name != "manifest.msgpack"} == parts
+    assert samples(dst) == samples(str(source / "single"))
+    # A finished part is not passed off as another run's: other options are refused, and nothing changes.
+    result = cli(*line, "--part", "1/2", "--seed", "7")
+    assert result.returncode == 1 and "other options" in result.stderr and "--overwrite" in result.stderr
+    assert {name: data for name, data in files(dst).items() if name != "manifest.msgpack"} == parts
