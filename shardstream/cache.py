@@ -172,11 +172,13 @@ class ShardCache:
                 full = os.path.join(base, name)
                 try:
                     st = os.stat(full)
-                except FileNotFoundError:
+                except FileNotFoundError:  # evicted meanwhile (by another process, or thread)
                     continue
-                index = full + ".idx"
-                size = st.st_size + (os.path.getsize(index) if os.path.exists(index) else 0)
-                entries.append((st.st_mtime, full, size))
+                try:
+                    index_bytes = os.path.getsize(full + ".idx")
+                except FileNotFoundError:
+                    index_bytes = 0
+                entries.append((st.st_mtime, full, st.st_size + index_bytes))
         total = sum(size for _, _, size in entries)
         for _, full, size in sorted(entries):
             if total + incoming <= self.limit:

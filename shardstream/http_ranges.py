@@ -1,7 +1,7 @@
 """Ranged reads over HTTP(S) through urllib3: the reads that stream shards from http(s):// sources.
 
 fsspec's HTTP filesystem (aiohttp, driven by an event loop in its own thread) still
-does everything else over HTTP: sizes, listings, sequential opens, and the reads of a
+does everything else over HTTP: sizes, listings, and the reads of a
 store given options other than ``headers``. The reads that stream samples come here
 because they are the hot path and measurement says so: 8 MB ranges from a server 50 ms
 away, 6 at a time, cost 1.2-1.8 ms of CPU per MB through fsspec and aiohttp (most of

@@ -13,6 +13,7 @@ makes one such call per zstd frame.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import posixpath
 import random
@@ -62,6 +63,7 @@ def preload_driver(url: str) -> None:
 # gets lost should fail fast and be retried by RetryPolicy instead. The limits are per
 # read, so a slow large transfer is unaffected. Options given by the user
 # (client_kwargs={"timeout": ...}) win.
+OPEN_BLOCK_BYTES = 8 << 20  # bytes per ranged request of a remote file read front to back (`Store.open`)
 HTTP_CONNECT_TIMEOUT_S = 10.0
 HTTP_READ_TIMEOUT_S = 20.0
 
@@ -211,12 +213,16 @@ class Store:
         return fs.cat_file(path, start=start, end=end)
 
     def open(self, name: str) -> BinaryIO:
-        """A binary file object for sequential reading."""
+        """A binary file object for sequential reading.
+
+        A remote file is read in `OPEN_BLOCK_BYTES` ranges through `read`, each retried
+        and counted as any read is (fsspec's file objects retry nothing, and its HTTP
+        one reports a 503 as a missing file); nothing is fetched before the first read.
+        """
+        if not self.local:
+            return io.BufferedReader(_RangedFile(self, name), buffer_size=OPEN_BLOCK_BYTES)  # type: ignore[return-value]
         try:
-            if self.local:
-                return open(self.url(name), "rb")
-            fs, path = self._fs_path(name)
-            return fs.open(path, "rb")
+            return open(self.url(name), "rb")
         except FileNotFoundError as e:
             raise StorageError("file not found", url=self.url(name)) from e
         except OSError as e:
@@ -392,6 +398,29 @@ class IOStats:
 
 _stats_lock = threading.Lock()
 io_stats = IOStats()
+
+
+class _RangedFile(io.RawIOBase):
+    """A remote file read front to back by ranged `Store.read`s (retried, counted).
+
+    A range that comes back short is the end of the file: the HTTP and S3 clients raise,
+    and are retried, on a body cut short, and answer a range past the end with nothing.
+    """
+
+    def __init__(self, store: Store, name: str):
+        self.store, self.name, self.position, self.at_end = store, name, 0, False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        if self.at_end or not len(buffer):
+            return 0
+        data = self.store.read(self.name, self.position, self.position + len(buffer))
+        buffer[: len(data)] = data
+        self.position += len(data)
+        self.at_end = len(data) < len(buffer)  # no request past the end
+        return len(data)
 
 
 def is_transient(error: BaseException) -> bool:

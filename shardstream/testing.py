@@ -101,6 +101,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 end = min(size, int(match.group(2)) + 1) if match.group(2) else size
             else:
                 start = max(0, size - int(match.group(2)))
+            if start >= size:  # a range past the end: 416, as real servers answer (RFC 9110)
+                self.send_response(416)
+                self.send_header("Content-Range", f"bytes */{size}")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
             self.send_response(206)
             self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
         else:
