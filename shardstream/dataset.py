@@ -167,6 +167,9 @@ class StreamingDataset(IterableDataset):
         self._shared = SharedState()  # epoch and counters, seen by the workers too
         self._resume: ResumeState | None = None
         self._resume_id = 0
+        # The resume state the pass in progress (or the one just completed) started from: the
+        # epoch's earlier layouts stay finished for state_dict until the next pass or epoch.
+        self._pass_resume: ResumeState | None = None
         self._delivered: int | None = 0
         # In a DataLoader worker: its place in the plan (epoch, plan worker, items yielded),
         # for torchdata's StatefulDataLoader, which loads each worker's own back into it.
@@ -288,6 +291,14 @@ class StreamingDataset(IterableDataset):
             self._translated = (resume, layout, endless_onto(resume, layout, len(remaining), full))
         return self._translated[2]
 
+    def _state_resume(self, world: World) -> ResumeState | None:
+        """The resume state `state_dict` builds on: the one that applies to reading with
+        `world`'s layout; once the resumed pass is complete, the one it started from (until
+        the next pass or epoch), so that a state taken at the end of an epoch resumed onto
+        another layout still counts the earlier layouts' items and says the epoch is complete."""
+        resume = self._resume_for(world)
+        return resume if resume is not None else self._pass_resume
+
     def _rank_block(self, world: World, epoch: int | None = None) -> tuple[np.ndarray, Layout, int, int, int]:
         """This rank's samples of the current segment, its layout, segment number, items already
         delivered, and the epoch (that of a loaded resume state, else the dataset's)."""
@@ -322,6 +333,7 @@ class StreamingDataset(IterableDataset):
         if loaded is None and self._worker_resume:  # a worker's own state applies to one iteration
             self._resume, self._worker_resume = None, False
         block, layout, segment, delivered, epoch = self._rank_block(world)
+        self._pass_resume = self._active_resume(world)
         resume_id = self._resume_id if self._resume is not None and not self._worker_resume else None
         items = [items_of(len(p), layout) for p in deal_chunks(len(block), world.workers, layout.chunk)]
         worker, done = loaded or self._start(world, items, delivered)
@@ -397,7 +409,9 @@ class StreamingDataset(IterableDataset):
             length = len(block) if k == 0 else len(self._rank_block(world, epoch + k)[0])
             return items_of(len(deal_chunks(length, world.workers, layout.chunk)[worker]), layout)
 
-        if items_in(0) == 0 or items_in(1) == 0:
+        # What is left of a resumed epoch may hold nothing for this worker (`locate` passes
+        # it); a whole epoch must hold something, or the worker would never yield.
+        if items_in(1) == 0:
             raise ValueError("an endless stream needs at least one item per worker and epoch")
         passed, done = locate(done, items_in)
         if passed:
@@ -517,10 +531,22 @@ class StreamingDataset(IterableDataset):
             return 0
         return resume.current.delivered if resume.current.layout == self.layout(world) else 0
 
-    def forget_resume(self) -> None:
-        """Start the next iteration at the beginning of the epoch."""
+    def start_pass(self, num_workers: int = 0) -> int:
+        """A DataLoader with `num_workers` workers begins an iteration driven from this process:
+        its items of the current epoch already delivered (see `resumed_items`)."""
+        self._pass_resume = self._active_resume(self._world_with(num_workers))
+        return self.resumed_items(num_workers)
+
+    def finish_pass(self) -> None:
+        """The iteration is complete: the next starts the epoch afresh. Until it does, or
+        another epoch is set, `state_dict` still describes the completed one."""
         self._resume = None
         self._delivered = 0
+
+    def forget_resume(self) -> None:
+        """Start the next iteration at the beginning of the epoch."""
+        self.finish_pass()
+        self._pass_resume = None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state` on the next iteration (exactly, or elastically if the layout changed)."""
@@ -530,6 +556,7 @@ class StreamingDataset(IterableDataset):
             return
         self._shared.epoch = resume.epoch
         self._resume = resume
+        self._pass_resume = None
         self._resume_id = self._shared.new_resume()
         self._delivered = None
 
@@ -553,6 +580,7 @@ class StreamingDataset(IterableDataset):
                 "elastic resume, checkpoint shardstream.DataLoader's state_dict() instead")
         self._shared.epoch = resume.epoch  # the same value from every worker
         self._resume = resume
+        self._pass_resume = None
         self._loaded_position = resume.position
         self._worker_resume = True
         self._delivered = None

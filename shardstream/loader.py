@@ -197,7 +197,7 @@ class DataLoader:
     def __iter__(self) -> Iterator[Any]:
         self.stats = LoaderStats()
         start = time.perf_counter()
-        self._delivered = self.dataset.resumed_items(self.num_workers)
+        self._delivered = self.dataset.start_pass(self.num_workers)
         with torch.cuda.device(self.device) if self._use_cuda() else contextlib.nullcontext():
             source = iter(self._torch_loader())  # torch's pin-memory thread pins on the current device
         batches = self._on_device(source) if self._use_cuda() else self._on_host(source)
@@ -217,7 +217,7 @@ class DataLoader:
             self._delivered += 1
             yield batch
         self.stats.elapsed_s = time.perf_counter() - start
-        self.dataset.forget_resume()  # the epoch is complete; workers forgot it too
+        self.dataset.finish_pass()  # the epoch is complete; workers forgot it too
 
     def _use_cuda(self) -> bool:
         return self.device is not None and self.device.type == "cuda" and torch.cuda.is_available()

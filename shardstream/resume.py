@@ -120,7 +120,7 @@ class ResumeState:
     def current_of(cls, dataset: "StreamingDataset", world: "World", delivered: int) -> "ResumeState":
         """The state of `dataset` after this rank received `delivered` items of the current layout."""
         layout = dataset.layout(world)
-        resume = dataset._resume_for(world)
+        resume = dataset._state_resume(world)
         epoch = resume.epoch if resume is not None else dataset.epoch
         return cls(_fingerprint_of(dataset), dataset.seed, dataset.shuffle, epoch,
                    _finished_before(resume, layout), Segment(layout, delivered))
@@ -171,9 +171,13 @@ def plan_items(sequence_length: int, layout: Layout) -> list[int]:
 
 def locate(done: int, items_of_epoch: Callable[[int], int]) -> tuple[int, int]:
     """(epochs passed, items into the next) for a plan worker that handed over `done`
-    items since an epoch began, epoch k holding `items_of_epoch(k)` of them."""
+    items since an epoch began, epoch k holding `items_of_epoch(k)` of them.
+
+    The first epoch, the rest of a resumed one, may hold no items of this worker: it is
+    passed at once. A later, whole epoch without items stops the count (the caller
+    refuses those), rather than looping forever."""
     k = 0
-    while done >= items_of_epoch(k) > 0:
+    while done >= items_of_epoch(k) and (k == 0 or items_of_epoch(k) > 0):
         done -= items_of_epoch(k)
         k += 1
     return k, done

@@ -377,6 +377,144 @@ def test_after_a_resumed_epoch_the_next_pass_is_full(url, num_workers):
     assert len(resumed) == len(full)
 
 
+def loader_keys(loader) -> list[tuple[str, ...]]:
+    return [D.freeze(b) for b in loader]
+
+
+def resumed_to_the_end(url, state, num_workers):
+    """A shardstream.DataLoader restored from `state` and run to the end of the epoch: its
+    batches, and the state it gives there (the usual end-of-epoch checkpoint)."""
+    loader = shardstream.DataLoader(dataset(url), num_workers=num_workers, persistent_workers=False)
+    loader.load_state_dict(json.loads(json.dumps(state)))
+    loader.set_epoch(0)
+    rest = loader_keys(loader)
+    return rest, json.loads(json.dumps(loader.state_dict()))
+
+
+def assert_epoch_complete(url, state, num_workers, full):
+    """Restored from `state`, epoch 0 has nothing left, and the next pass is whole again."""
+    loader = shardstream.DataLoader(dataset(url), num_workers=num_workers, persistent_workers=False)
+    loader.load_state_dict(state)
+    loader.set_epoch(0)
+    assert len(loader) == 0
+    assert loader_keys(loader) == [], "a complete epoch yields nothing more"
+    assert loader_keys(loader) == full, "the next pass is the whole epoch"
+
+
+@pytest.mark.parametrize(("first", "second"), [(2, 0), (0, 2)])
+def test_end_of_epoch_state_after_an_elastic_resume(url, keys, first, second):
+    """An epoch interrupted, resumed onto another num_workers and run to its end: the state
+    then says the epoch is complete, in either layout (it counted only the items since the
+    change, and forgot the earlier layout's: restored, it yielded samples again)."""
+    loader = shardstream.DataLoader(dataset(url), num_workers=first, persistent_workers=False)
+    loader.set_epoch(0)
+    it = iter(loader)
+    head = [D.freeze(next(it)) for _ in range(4)]
+    state = loader.state_dict()
+    it.close()
+
+    rest, end = resumed_to_the_end(url, state, second)
+    assert sorted(D.flat(head + rest)) == sorted(keys), "every sample of the epoch once"
+    assert end["epoch"] == 0 and len(end["finished"]) == 1
+    for num_workers in (first, second):
+        full = loader_keys(shardstream.DataLoader(dataset(url), num_workers=num_workers))
+        assert_epoch_complete(url, end, num_workers, full)
+
+
+def test_end_of_epoch_state_after_two_resumes(url, keys):
+    """2 workers -> 0 workers, checkpointed mid-way -> 0 workers again, to the end of the epoch."""
+    full = loader_keys(shardstream.DataLoader(dataset(url), num_workers=0))
+    head = D.take(dataset(url), 2, 3)
+    state = dataset(url).state_dict(delivered=3, num_workers=2)
+    loader = shardstream.DataLoader(dataset(url))
+    loader.load_state_dict(state)
+    it = iter(loader)
+    middle = [D.freeze(next(it)) for _ in range(2)]
+    state = loader.state_dict()
+    it.close()
+
+    rest, end = resumed_to_the_end(url, state, 0)
+    assert sorted(D.flat(head + middle + rest)) == sorted(keys)
+    assert end["current"]["delivered"] == len(middle + rest)
+    assert_epoch_complete(url, end, 0, full)
+
+
+def test_end_of_epoch_state_after_a_world_size_change(url, interrupted):
+    """2 ranks x 2 workers -> 3 ranks in process, each to the end of the epoch: restored,
+    every rank has nothing left of the epoch."""
+    _, state = interrupted(3)
+    ends = []
+    for rank in range(3):
+        ds = dataset(url, rank=rank, world_size=3)
+        ds.load_state_dict(state)
+        list(ds)
+        ends.append(ds.state_dict())
+    assert ends[0] == ends[1] == ends[2]
+    for rank in range(3):
+        ds = dataset(url, rank=rank, world_size=3)
+        ds.load_state_dict(json.loads(json.dumps(ends[0])))
+        assert len(ds) == 0 and list(ds) == []
+
+
+def test_end_of_epoch_state_of_a_later_pass_is_fresh(url):
+    """After a resumed epoch is complete, another pass of the same epoch starts afresh, and so does
+    its state: the earlier layouts' segments no longer apply."""
+    state = dataset(url).state_dict(delivered=3, num_workers=2)  # 3 items of 2 workers
+    loader = shardstream.DataLoader(dataset(url))
+    loader.load_state_dict(state)
+    loader_keys(loader)
+    full = loader_keys(loader)
+    again = loader.state_dict()
+    assert again["finished"] == [] and again["current"]["delivered"] == len(full)
+    loader.set_epoch(1)
+    assert loader.state_dict()["finished"] == [] and loader.state_dict()["epoch"] == 1
+
+
+def endless(url, **kwargs):
+    return dataset(url, batch_size=4, seed=5, sampling=shardstream.Sampling(resampled=True), **kwargs)
+
+
+def per_worker(url, state, epoch, rank, world_size, num_workers, rounds):
+    """`rounds` items of each loader worker of an endless DataLoader (its round robin is
+    regular: the streams never end), started from `state`, else at `epoch`."""
+    import itertools
+
+    ds = endless(url, rank=rank, world_size=world_size)
+    if state is not None:
+        ds.load_state_dict(state)
+    else:
+        ds.set_epoch(epoch)
+    it = iter(D.loader(ds, num_workers))
+    try:
+        items = [D.freeze(b) for b in itertools.islice(it, rounds * num_workers)]
+    finally:
+        it._shutdown_workers()
+    return [items[w::num_workers] for w in range(num_workers)]
+
+
+@pytest.mark.parametrize(("world_size", "num_workers", "k"), [(1, 2, 5), (1, 3, 4), (2, 2, 5)])
+def test_endless_resume_onto_more_workers_near_the_end_of_an_epoch(url, keys, world_size, num_workers, k):
+    """An endless stream checkpointed after 5 of the 6 batches of epoch 0 in one process, resumed onto more
+    workers: the samples left of epoch 0 go to some workers only, the others have none left of it (it raised
+    "needs at least one item per worker and epoch"). Each worker yields its share of what is left of epoch 0,
+    each unconsumed sample once, then exactly what it yields of epoch 1 and on in a run started at epoch 1."""
+    old = endless(url)
+    head = D.flat(D.take_main(old, k))
+    state = json.loads(json.dumps(old.state_dict()))
+    missing = keys - set(head)
+    assert len(head) == 4 * k and 0 < len(missing) < num_workers * world_size * 4
+    rest_of_epoch = []
+    for rank in range(world_size):
+        resumed = per_worker(url, state, None, rank, world_size, num_workers, rounds=8)
+        later = per_worker(url, None, 1, rank, world_size, num_workers, rounds=8)
+        for got, expected in zip(resumed, later):
+            lead = next(j for j in range(len(got)) if got[j:] == expected[: len(got) - j])
+            assert lead <= 1, "at most one batch of epoch 0 is left per worker"
+            rest_of_epoch += D.flat(got[:lead])
+    assert set(rest_of_epoch) == missing, "every sample of epoch 0 not yet consumed comes, nothing else"
+    assert len(rest_of_epoch) == D.ceil_div(len(missing), world_size) * world_size, "once each, plus padding"
+
+
 # -- torchdata's StatefulDataLoader --------------------------------------------------------------------
 
 
