@@ -83,7 +83,7 @@ class StreamingDataset(IterableDataset):
             and several must be in flight (6 measured best at 50 ms of latency).
         retry: how transient storage errors (5xx, throttling, resets, timeouts) are
             retried: `RetryPolicy(attempts, base_delay, max_delay)`, exponential
-            backoff with jitter; default `RetryPolicy()` (6 attempts).
+            backoff with jitter; default `RetryPolicy()` (10 attempts, about 33 s at most).
         cache_dir, cache_limit: keep whole remote shards in this local folder, at most
             `cache_limit` bytes ("50GB"), shared safely by all workers and ranks of a
             machine; without `cache_dir`, shards stream from storage into memory by

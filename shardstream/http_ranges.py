@@ -68,11 +68,13 @@ MAX_REDIRECTS = 5  # as browsers and fsspec's aiohttp (10) do, a bound on redire
 
 
 class HTTPStatusError(OSError):
-    """A response with an error status, carried as `status` (as aiohttp's errors do)."""
+    """A response with an error status, carried as `status` (as aiohttp's errors do), and
+    its headers (`Retry-After` is what `RetryPolicy` reads)."""
 
-    def __init__(self, status: int, url: str):
+    def __init__(self, status: int, url: str, headers: Mapping[str, str] | None = None):
         super().__init__(f"HTTP {status} for {url}")
         self.status = status
+        self.headers = dict(headers or {})
 
 
 @functools.cache
@@ -119,7 +121,7 @@ def read_range(url: str, start: int | None, end: int | None, *, headers: Mapping
         if response.status == 416:  # the range starts at or past the end
             return b""
         if response.status >= 300:  # errors, and redirects beyond MAX_REDIRECTS or without a Location
-            raise HTTPStatusError(response.status, url)
+            raise HTTPStatusError(response.status, url, response.headers)
         data = response.read()
     finally:
         response.drain_conn()  # an error's body too: the connection goes back to the pool clean

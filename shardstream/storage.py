@@ -436,6 +436,23 @@ def is_transient(error: BaseException) -> bool:
     return module.startswith(("aiohttp", "botocore", "urllib3", "requests")) or "Timeout" in type(error).__name__
 
 
+def retry_after(error: BaseException) -> float | None:
+    """The seconds a server's ``Retry-After`` header asks to wait, where the error carries it
+    (urllib3's and aiohttp's `headers`, botocore's response metadata); None if it does not,
+    or gives an HTTP date (not worth a clock-skew guess)."""
+    headers = getattr(error, "headers", None)
+    response = getattr(error, "response", None)
+    if headers is None and isinstance(response, dict):
+        headers = response.get("ResponseMetadata", {}).get("HTTPHeaders")
+    if not headers:
+        return None
+    value = next((v for k, v in dict(headers).items() if str(k).lower() == "retry-after"), None)
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None
+
+
 def _http_status(error: BaseException) -> int | None:
     status = getattr(error, "status", None)  # aiohttp
     if isinstance(status, int):
@@ -451,14 +468,29 @@ def _http_status(error: BaseException) -> int | None:
 class RetryPolicy:
     """Exponential backoff with full jitter, bounded in attempts.
 
-    A transient error is retried up to `attempts` times in all, waiting a random time
-    up to ``min(max_delay, base_delay * 2**try)`` between tries; then, or on a
+    A transient error is tried up to `attempts` times in all, waiting a random time up
+    to ``min(max_delay, base_delay * 2**try)`` between tries, or as long as a server's
+    ``Retry-After`` asks where that is longer (up to `max_delay`); then, or on a
     permanent error, the last error is raised. A retry is counted, never a skip.
+
+    The defaults wait up to about 33 s in all (16 s on average) before giving up: object
+    stores throttle (S3's 503 SlowDown) and blip for seconds at a time, and a training
+    run that dies of a two-second blip loses far more than it would have waited.
     """
 
-    attempts: int = 6
-    base_delay: float = 0.05
-    max_delay: float = 4.0
+    attempts: int = 10
+    base_delay: float = 0.1
+    max_delay: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1 or self.base_delay < 0 or self.max_delay < 0:
+            raise ValueError(f"RetryPolicy needs attempts >= 1 and delays >= 0, not {self}")
+
+    def delay(self, attempt: int, error: BaseException | None = None) -> float:
+        """Seconds to wait after failed try number `attempt` (from 0)."""
+        backoff = random.uniform(0, min(self.max_delay, self.base_delay * 2**attempt))
+        asked = retry_after(error) if error is not None else None
+        return backoff if asked is None else max(backoff, min(asked, self.max_delay))
 
     def call(self, fn: Any, *args: Any, url: str) -> Any:
         for attempt in range(self.attempts):
@@ -474,8 +506,8 @@ class RetryPolicy:
                         f"failed after {self.attempts} attempts: {type(error).__name__}: {error}", url=url
                     ) from error
                 io_stats.add(retries=1)
-                time.sleep(random.uniform(0, min(self.max_delay, self.base_delay * 2**attempt)))
-        raise AssertionError("unreachable")
+                time.sleep(self.delay(attempt, error))
+        raise AssertionError("unreachable")  # attempts >= 1: the loop returns or raises
 
 
 def _umask_by_setting() -> int:

@@ -141,6 +141,57 @@ def test_redirects_are_followed_with_the_range(folder, packed):
             thread.join(5)
 
 
+class _Throttling(http.server.BaseHTTPRequestHandler):
+    """Answers 429 with ``Retry-After: 1`` twice, then the data."""
+
+    protocol_version = "HTTP/1.0"
+    answered = 0
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        type(self).answered += 1
+        if type(self).answered <= 2:
+            self.send_response(429)
+            self.send_header("Retry-After", "1")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", "5")
+        self.end_headers()
+        self.wfile.write(b"hello")
+
+
+def test_retry_after_is_honoured_up_to_the_policy_cap(monkeypatch):
+    waits: list[float] = []
+    monkeypatch.setattr("shardstream.storage.time.sleep", waits.append)
+    handler = type("Handler", (_Throttling,), {"answered": 0})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        store = Store(url, {}, RetryPolicy(attempts=4, base_delay=0.001, max_delay=5))
+        assert store.read("x", 0, 5) == b"hello"
+        assert waits == [1.0, 1.0]  # the server's 1 s, not the 1-2 ms of the backoff
+        handler.answered = 0
+        waits.clear()
+        capped = Store(url, {}, RetryPolicy(attempts=4, base_delay=0.001, max_delay=0.25))
+        assert capped.read("x", 0, 5) == b"hello"
+        assert waits == [0.25, 0.25]  # a server cannot stall a run past the policy's cap
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def test_a_retry_policy_must_try_at_least_once():
+    with pytest.raises(ValueError, match="attempts >= 1"):
+        RetryPolicy(attempts=0)
+
+
 @pytest.mark.parametrize("status, transient", [(500, True), (502, True), (503, True), (408, True), (429, True),
                                                 (501, False), (400, False), (416, False)])
 def test_which_statuses_are_retried(status, transient):

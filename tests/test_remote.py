@@ -411,9 +411,9 @@ def test_s3_missing_shard_object_is_a_storage_error_naming_it(moto, s3_ds, shard
 
 LATENCY_S = 0.005
 FAIL_FRACTION = 0.25
-# A read fails for good only when all 6 tries of the default RetryPolicy fail. When this
+# A read fails for good only when all tries of the default RetryPolicy fail. When this
 # process reads serially (prefetch=0), the tries of one read meet consecutive decisions of
-# the server's seeded fault sequence, so a seed whose sequence holds no run of 6 failures
+# the server's seeded fault sequence, so a seed whose sequence holds no run of ATTEMPTS failures
 # makes a serial pass certain to succeed (checked by `longest_failure_run`).
 SERIAL_SEED = 1
 ATTEMPTS = RetryPolicy().attempts
@@ -542,16 +542,22 @@ def test_http_cli_verify_through_faults(local_ds, shard_names):
     assert f"verified {len(shard_names)} shards, {N} samples, {N} images decoded: ok" in out
 
 
-def test_http_always_failing_server_gives_up_naming_the_url(local_ds):
+def test_http_always_failing_server_gives_up_naming_the_url(local_ds, monkeypatch):
+    waits: list[float] = []  # the backoff is recorded, not slept: the default waits ~16 s
+    monkeypatch.setattr("shardstream.storage.time.sleep", waits.append)
     with H.CountingHTTPServer(local_ds, fail_fraction=1.0, seed=0) as server:
         expected = f"{server.url}/{MANIFEST_NAME}"
         io_stats.reset()
         with pytest.raises(StorageError) as info:
             list(key_dataset(server.url))
+        policy = RetryPolicy()
         assert info.value.url == expected
-        assert info.value.detail.startswith(f"failed after {RetryPolicy().attempts} attempts")
-        assert io_stats.retries == RetryPolicy().attempts - 1
-        assert server.faults.failures == server.faults.requests >= RetryPolicy().attempts
+        assert info.value.detail.startswith(f"failed after {policy.attempts} attempts")
+        assert io_stats.retries == policy.attempts - 1 == len(waits)
+        assert server.faults.failures == server.faults.requests >= policy.attempts
+        # Full jitter under an exponential cap, which the default lets grow to seconds.
+        assert all(0 <= w <= min(policy.max_delay, policy.base_delay * 2**i) for i, w in enumerate(waits))
+        assert sum(min(policy.max_delay, policy.base_delay * 2**i) for i in range(len(waits))) > 20
 
         # A smaller policy, given to a Store and to a dataset.
         quick = RetryPolicy(attempts=2, base_delay=0.001, max_delay=0.001)
