@@ -16,7 +16,8 @@ processes:
   read holds a shared lock and is never evicted, so the limit is exceeded only while the
   shards in use (the one being read and the `prefetch` downloaded ahead) alone exceed it.
 * **Self-healing.** The first use of a cached shard in each process re-hashes it; a
-  file damaged on disk is deleted and fetched again.
+  file damaged on disk is deleted and fetched again. A download's temporary file left by
+  a killed process is deleted once it has not been written for 10 minutes.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ __all__ = ["ShardCache"]
 
 CHUNK = 16 << 20  # bytes per ranged request when downloading
 DOWNLOAD_ATTEMPTS = 3  # whole downloads of a file before its checksum mismatch is an error
+# A live download writes a CHUNK at least every read timeout (20 s) times the retries (~33 s).
+ABANDONED_PART_S = 600
 
 _verified: set[str] = set()  # cached files this process has hashed
 _damaged: dict[str, tuple] = {}  # cached files that failed the hash: their (inode, mtime) then
@@ -165,9 +168,13 @@ class ShardCache:
     def _make_room(self, folder: str, incoming: int) -> None:
         """Evict least-recently-used shards not in use until `incoming` bytes fit."""
         entries = []
+        now = time.time()
         for base, _, names in os.walk(self.root):
             for name in names:
-                if name.endswith((".lock", ".part", ".idx")):
+                if name.endswith(".part"):
+                    _remove_if_abandoned(os.path.join(base, name), now)
+                    continue
+                if name.endswith((".lock", ".idx")):
                     continue
                 full = os.path.join(base, name)
                 try:
@@ -199,6 +206,16 @@ class ShardCache:
                 except FileNotFoundError:
                     pass
             return True
+
+
+def _remove_if_abandoned(part: str, now: float) -> None:
+    """Delete a download's temporary file left by a process killed mid-download (training
+    jobs are preempted): untouched for `ABANDONED_PART_S`, no live download owns it."""
+    try:
+        if now - os.stat(part).st_mtime > ABANDONED_PART_S:
+            os.remove(part)
+    except FileNotFoundError:
+        pass
 
 
 def _download_file(store: Store, name: str, size: int, digest: str, folder: str) -> bool:

@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -991,6 +992,23 @@ def test_cache_downloads_a_damaged_shard_again_then_gives_up_naming_it(local_ds,
                 list(ds)
             assert server.gets(victim) == DOWNLOAD_ATTEMPTS
     assert io_stats.retries == min(damaged_downloads, DOWNLOAD_ATTEMPTS - 1)
+
+
+def test_cache_deletes_downloads_abandoned_by_killed_processes(local_ds, shard_names, tmp_path):
+    """A process killed mid-download leaves its temporary file; one not written for 10 minutes is
+    deleted when the cache next makes room, and a recent one (a live download) is kept."""
+    cache_dir = tmp_path / "cache"
+    with H.CountingHTTPServer(local_ds) as server:
+        H.run_ranks(server.url, 1, num_workers=0, cache_dir=str(cache_dir), cache_limit="1GB")
+        folder = cache_folder(cache_dir)
+        abandoned, live = folder / f".{shard_names[0]}.x1.part", folder / f".{shard_names[1]}.x2.part"
+        for part in (abandoned, live):
+            part.write_bytes(b"\0" * 1000)
+        os.utime(abandoned, (time.time() - 3600, time.time() - 3600))
+        for name in shard_names[:2]:  # evicted by hand, so that reading again makes room
+            (folder / name).unlink()
+        H.run_ranks(server.url, 1, num_workers=0, cache_dir=str(cache_dir), cache_limit="1GB")
+    assert not abandoned.exists() and live.exists()
 
 
 def test_cache_heals_a_damaged_index(local_ds, shard_names, jpg_digests, tmp_path):
