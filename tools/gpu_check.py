@@ -223,7 +223,11 @@ def check_gpu_side(report: Report, data: str, plain: list[Any], args: argparse.N
                 err = max(err, float((images.cpu().double() - reference_normalize(ref_images)).abs().max()))
 
         n = 0
+        arrived = []  # sums taken on the consumer stream the moment a batch arrives
         for i, (images, labels, keys) in enumerate(loader):
+            # Read at once, before any other work: a batch handed over without the consumer
+            # stream waiting for its copy (a missing event wait) would be read half-copied.
+            arrived.append(images.reshape(len(images), -1).to(torch.int64).sum(1) if transform is None else None)
             busy(a, 20)  # the consumer stream is busy while the copy stream runs ahead
             if hold:
                 held.append((images, labels, keys))
@@ -233,10 +237,14 @@ def check_gpu_side(report: Report, data: str, plain: list[Any], args: argparse.N
         torch.cuda.synchronize()
         for i, batch in enumerate(held):
             check(i, *batch)
+        for i, sums in enumerate(arrived):
+            if sums is not None:
+                ok &= torch.equal(sums.cpu(), plain[i][0].reshape(len(plain[i][0]), -1).to(torch.int64).sum(1))
         return ok and n == len(plain) and loader.stats.batches == n, err, n
 
     ok, _, n = compare(None, hold=True)
-    report.verdict("(a) cuda: device batches == cpu batches (uint8, labels, keys)", ok, f"{n} of {len(plain)} batches")
+    report.verdict("(a) cuda: device batches == cpu batches (uint8, labels, keys; also read on arrival)", ok,
+                   f"{n} of {len(plain)} batches")
     ok, err, n = compare(Normalize(field=0), hold=False)
     report.verdict("(a) cuda: Normalize on device vs cpu", ok and err <= NORMALIZE_TOL,
                    f"max |diff| {err:.2e} (tol {NORMALIZE_TOL:g}), {n} batches")
