@@ -695,6 +695,36 @@ def test_dataset_io_stats_count_every_process_and_epoch_once(local_ds):
     assert 0 < other.io_stats()["bytes"] <= stored
 
 
+def test_later_epochs_read_no_index_again(local_ds, shard_names, monkeypatch):
+    """A process keeps the checked indexes of remote shards: later epochs, in this process
+    or in DataLoader workers forked from it, fetch no index, only samples; past the memory
+    cap the least recently used are dropped and fetched again."""
+    from shardstream import reader
+
+    def index_gets(server) -> int:
+        return sum(n for name, n in server.get_counts().items() if name.endswith(".idx"))
+
+    with H.CountingHTTPServer(local_ds) as server:
+        ds = StreamingDataset(server.url, decode=None, fields=("__key__",), shuffle=True)
+        first = sorted(k for (k,) in ds)
+        assert index_gets(server) == len(shard_names)
+        ds.set_epoch(1)
+        assert sorted(k for (k,) in ds) == first
+        loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
+        for epoch in (2, 3):  # forked workers inherit what this process knows, and keep it
+            ds.set_epoch(epoch)
+            assert sorted(k for (k,) in loader) == first
+        assert index_gets(server) == len(shard_names)  # none after the first epoch's
+        del loader
+    with H.CountingHTTPServer(local_ds) as server:  # another URL: nothing known yet
+        monkeypatch.setattr(reader, "_index_memo", reader._IndexMemo(limit=1))  # keeps none
+        ds = StreamingDataset(server.url, decode=None, fields=("__key__",))
+        for epoch in (0, 1):
+            ds.set_epoch(epoch)
+            assert sorted(k for (k,) in ds) == first
+        assert index_gets(server) == 2 * len(shard_names)
+
+
 def test_scattered_samples_are_read_in_few_requests(tmp_path):
     """A plan that wants scattered samples (a resume late in an epoch, say) reads nearby ones with one request
     for their span, dropping the samples between, and not one request each; the samples are those asked for."""
