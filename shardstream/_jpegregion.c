@@ -64,6 +64,14 @@ static int decode(const unsigned char *data, size_t size, int denom, JDIMENSION 
     cinfo.out_color_space = JCS_RGB;
     cinfo.scale_num = 1;
     cinfo.scale_denom = (unsigned int)denom;
+    if (denom > 1 && cinfo.max_h_samp_factor * cinfo.max_v_samp_factor > 4) {
+        /* 4:1:0 and rarer: skipping and cropping at a reduction gave other pixels than the
+           whole decode (up to 71 levels); the caller decodes those whole. */
+        snprintf(message, JMSG_LENGTH_MAX, "sampling %dx%d is not decoded by region at a reduction",
+                 cinfo.max_h_samp_factor, cinfo.max_v_samp_factor);
+        jpeg_destroy_decompress(&cinfo);
+        return -1;
+    }
     jpeg_start_decompress(&cinfo);
     if (cinfo.output_components != 3 || top + height > cinfo.output_height || left + width > cinfo.output_width) {
         snprintf(message, JMSG_LENGTH_MAX, "region %ux%u at (%u, %u) is outside the %ux%u image", width, height,
@@ -77,6 +85,12 @@ static int decode(const unsigned char *data, size_t size, int denom, JDIMENSION 
        without this). jpeg_crop_scanline then widens the span to whole iMCUs. */
     JDIMENSION x = left > 0 ? left - 1 : 0;
     JDIMENSION right = left + width + 1 < cinfo.output_width ? left + width + 1 : cinfo.output_width;
+    if (right - x < 3) {
+        /* A span of two columns at an edge holds one chroma column of a 4:2:0 image,
+           which h2v2 fancy upsampling takes for the image's edge (16 levels off). */
+        right = x + 3 < cinfo.output_width ? x + 3 : cinfo.output_width;
+        x = right > 3 ? right - 3 : 0;
+    }
     JDIMENSION span = right - x;
     jpeg_crop_scanline(&cinfo, &x, &span);
     size_t skip = (size_t)(left - x) * 3, row_bytes = (size_t)width * 3;

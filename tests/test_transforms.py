@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import io
 import itertools
 import math
@@ -129,11 +130,12 @@ def _jpeg_variants() -> list[bytes]:
     return out + [grey.getvalue()]
 
 
-@pytest.mark.parametrize("at_least", [None, (467, 301), (300, 100), (200, 140), (100, 60), (1, 1)])
+@pytest.mark.parametrize("at_least", [None, (467, 301), (300, 100), (200, 140), (100, 60), (117, 76), (1, 1)])
 def test_simplejpeg_and_pillow_decode_the_same_pixels(at_least):
     """JPEGs are decoded by simplejpeg where it is installed, by Pillow otherwise: the same pixels at every
-    scale (both are libjpeg-turbo, and only power-of-two DCT reductions are used), so augmentation does not
-    depend on which one a worker has."""
+    scale (both are libjpeg-turbo, only power-of-two DCT reductions are used, and both choose them by
+    Pillow's `draft` rule: (117, 76) of a 467 x 301 image was 1/4 for simplejpeg and 1/2 for Pillow), so
+    augmentation does not depend on which one a worker has."""
     pytest.importorskip("simplejpeg")
     from shardstream.decode import decode_rgb
 
@@ -324,3 +326,99 @@ def test_a_jpeg_claiming_billions_of_pixels_is_refused_before_decoding(decode):
         Decoder(images=decode)({"__key__": "k1", "__url__": "s.tar", "jpg": _claiming(_jpeg_variants()[0], 900, 700)})
     except DecodeError as e:
         assert "bomb" not in str(e)
+
+
+# JPEGs Pillow cannot write (cjpeg's -sample option, libjpeg-turbo 2.1): 4:4:1 (luma 1x4), which simplejpeg's
+# header reader refuses with a KeyError, and 4:1:0 (luma 4x2), which the region decoder refuses at a reduction.
+JPEG_441 = base64.b64decode(
+    "/9j/4AAQSkZJRgABAQAAAQABAAD/2wBDAAMCAgMCAgMDAwMEAwMEBQgFBQQEBQoHBwYIDAoMDAsKCwsNDhIQDQ4RDgsLEBYQ"
+    "ERMUFRUVDA8XGBYUGBIUFRT/2wBDAQMEBAUEBQkFBQkUDQsNFBQUFBQUFBQUFBQUFBQUFBQUFBQUFBQUFBQUFBQUFBQUFBQU"
+    "FBQUFBQUFBQUFBQUFBT/wAARCAAgABADARQAAhEBAxEB/8QAHwAAAQUBAQEBAQEAAAAAAAAAAAECAwQFBgcICQoL/8QAtRAA"
+    "AgEDAwIEAwUFBAQAAAF9AQIDAAQRBRIhMUEGE1FhByJxFDKBkaEII0KxwRVS0fAkM2JyggkKFhcYGRolJicoKSo0NTY3ODk6"
+    "Q0RFRkdISUpTVFVWV1hZWmNkZWZnaGlqc3R1dnd4eXqDhIWGh4iJipKTlJWWl5iZmqKjpKWmp6ipqrKztLW2t7i5usLDxMXG"
+    "x8jJytLT1NXW19jZ2uHi4+Tl5ufo6erx8vP09fb3+Pn6/8QAHwEAAwEBAQEBAQEBAQAAAAAAAAECAwQFBgcICQoL/8QAtREA"
+    "AgECBAQDBAcFBAQAAQJ3AAECAxEEBSExBhJBUQdhcRMiMoEIFEKRobHBCSMzUvAVYnLRChYkNOEl8RcYGRomJygpKjU2Nzg5"
+    "OkNERUZHSElKU1RVVldYWVpjZGVmZ2hpanN0dXZ3eHl6goOEhYaHiImKkpOUlZaXmJmaoqOkpaanqKmqsrO0tba3uLm6wsPE"
+    "xcbHyMnK0tPU1dbX2Nna4uPk5ebn6Onq8vP09fb3+Pn6/9oADAMBAAIRAxEAPwD4E8I+FPufJ+leyeEfCn3Pkr2Twj4U+58n"
+    "6V7J4R8Kfc+St+Q/N+H+Pfh98+P/AAj4U+58leyeEfCn3Pk/SvZPCPhT7nyV7J4R8Kfc+T9KOQ/pjh/j34ffP//Z"
+)
+JPEG_410 = base64.b64decode(
+    "/9j/4AAQSkZJRgABAQAAAQABAAD/2wBDAAUDBAQEAwUEBAQFBQUGBwwIBwcHBw8LCwkMEQ8SEhEPERETFhwXExQaFRERGCEY"
+    "Gh0dHx8fExciJCIeJBweHx7/2wBDAQUFBQcGBw4ICA4eFBEUHh4eHh4eHh4eHh4eHh4eHh4eHh4eHh4eHh4eHh4eHh4eHh4e"
+    "Hh4eHh4eHh4eHh4eHh7/wAARCAAwAEADAUIAAhEBAxEB/8QAHwAAAQUBAQEBAQEAAAAAAAAAAAECAwQFBgcICQoL/8QAtRAA"
+    "AgEDAwIEAwUFBAQAAAF9AQIDAAQRBRIhMUEGE1FhByJxFDKBkaEII0KxwRVS0fAkM2JyggkKFhcYGRolJicoKSo0NTY3ODk6"
+    "Q0RFRkdISUpTVFVWV1hZWmNkZWZnaGlqc3R1dnd4eXqDhIWGh4iJipKTlJWWl5iZmqKjpKWmp6ipqrKztLW2t7i5usLDxMXG"
+    "x8jJytLT1NXW19jZ2uHi4+Tl5ufo6erx8vP09fb3+Pn6/8QAHwEAAwEBAQEBAQEBAQAAAAAAAAECAwQFBgcICQoL/8QAtREA"
+    "AgECBAQDBAcFBAQAAQJ3AAECAxEEBSExBhJBUQdhcRMiMoEIFEKRobHBCSMzUvAVYnLRChYkNOEl8RcYGRomJygpKjU2Nzg5"
+    "OkNERUZHSElKU1RVVldYWVpjZGVmZ2hpanN0dXZ3eHl6goOEhYaHiImKkpOUlZaXmJmaoqOkpaanqKmqsrO0tba3uLm6wsPE"
+    "xcbHyMnK0tPU1dbX2Nna4uPk5ebn6Onq8vP09fb3+Pn6/9oADAMBAAIRAxEAPwD5KgsfatCCx9qv29h0+WtC3sP9mq1vY9OK"
+    "0bex6cVpW9h0+WtG3sOny1406vtD18jzC1tTEt9P6fLWhb6f/s1oW+nf7NaFvp3+zUdvp/8As1pW+n9PlrRt9O6fLWlb6d0+"
+    "WuSeF5z9iyPM7W1PK7ax9q07ax6cVp21h04rTtrDp8tZlrY9OK1bWx6cVqWth0+WtS1sOny1hg6vtD+Y8lzC1tTHttP6fLWn"
+    "baf0+WtO207p8tadtp3T5ap2un9PlrUtdP6fLWpa6d0+WtS107p8tfU4PC85+tZLmdrani9rY9OK1rWx6fLWta2HT5a1rWw6"
+    "cViWlj04rXtLHpxWvaWHT5a17Sw6fLXwuS1faWP5syjMLW1Mu10/p8tatrp/T5a0ktIoI/MlIVc4zimGSaX5YE8pfX+I/wCH"
+    "+easWmn9PlrQaGO1i3uMk/dXuTVNbaW5k3ykn0HYfStO007p8terxTn08twscLhnarU69Yx7+r2Xz6pH67w7jFOSk9kf/9k="
+)
+
+
+def test_a_subsampling_simplejpeg_does_not_know_is_decoded_by_pillow():
+    """Regression: simplejpeg raised KeyError on a valid 4:4:1 JPEG, which escaped as neither a decoded image
+    nor a DecodeError, so on_error="skip" could not skip it and the run died."""
+    from shardstream.decode import Decoder, image_size
+
+    assert image_size(JPEG_441) == (16, 32)
+    pillow = np.asarray(Image.open(io.BytesIO(JPEG_441)).convert("RGB"))
+    assert np.array_equal(decode_rgb(JPEG_441), pillow)
+    out = Decoder(images="rgb8")({"__key__": "k", "__url__": "u", "jpg": JPEG_441})["jpg"]
+    assert tuple(out.shape) in ((3, 32, 16), (32, 16, 3))
+    assert RandomResizedCropJPEG(8)(JPEG_441).shape == (3, 8, 8)
+
+
+@needs_region_decoder
+def test_region_decoder_edge_columns_and_samplings_it_refuses():
+    """Regressions: a one-column box at the first (or, width 2 mod 16, last) column of a 4:2:0 JPEG was up to
+    16 levels off (a two-column span holds one chroma column); 4:1:0 at a DCT reduction was up to 71 levels off
+    and is now refused, so the whole decode takes over with the right pixels."""
+    from shardstream import _jpegregion
+
+    rng = np.random.default_rng(1)
+    for width in (20, 18):
+        data = jpeg((rng.random((16, width, 3)) * 255).astype(np.uint8), quality=90)  # Pillow's default: 4:2:0
+        whole = decode_rgb(data)
+        for left in (0, width - 1):
+            out = np.empty((16, 1, 3), np.uint8)
+            _jpegregion.decode_region(data, out, 1, 0, left, 16, 1)
+            assert np.array_equal(out, whole[:, left : left + 1]), (width, left)
+    with pytest.raises(ValueError, match="not decoded by region"):
+        _jpegregion.decode_region(JPEG_410, np.empty((10, 10, 3), np.uint8), 2, 3, 3, 10, 10)
+    crop = decode_rgb_crop(JPEG_410, (64, 48), (6, 6, 20, 20), (32, 24))
+    whole = decode_rgb(JPEG_410, (32, 24))
+    assert crop.reduced and np.array_equal(crop.pixels, whole)
+
+
+def test_center_crop_larger_than_the_resize_is_refused():
+    """Regression: size > resize made a negative box, whose slice took the image's last rows (black where
+    torchvision's CenterCrop would pad)."""
+    with pytest.raises(ValueError, match="size <= resize"):
+        CenterCropJPEG(size=288, resize=256)
+
+
+def test_crop_params_match_torchvision_draw_for_draw_in_float32():
+    """torchvision computes the aspect in float32 (torch.log, torch.exp); in float64 seed 26928 on a
+    4032 x 3024 image gave a crop one pixel wider, at another place."""
+    def torchvision_params(width, height, generator):  # torchvision's RandomResizedCrop.get_params
+        area = height * width
+        log_ratio = torch.log(torch.tensor((3 / 4, 4 / 3)))
+        for _ in range(10):
+            target_area = area * torch.empty(1).uniform_(0.08, 1.0, generator=generator).item()
+            aspect_ratio = torch.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1], generator=generator)).item()
+            w = int(round(math.sqrt(target_area * aspect_ratio)))
+            h = int(round(math.sqrt(target_area / aspect_ratio)))
+            if 0 < w <= width and 0 < h <= height:
+                i = torch.randint(0, height - h + 1, size=(1,), generator=generator).item()
+                j = torch.randint(0, width - w + 1, size=(1,), generator=generator).item()
+                return i, j, h, w
+        raise AssertionError("no fallback expected for these sizes")
+
+    for seed in [26928, *range(300)]:
+        ours = crop_params(4032, 3024, (0.08, 1.0), (3 / 4, 4 / 3), torch.Generator().manual_seed(seed))
+        assert ours == torchvision_params(4032, 3024, torch.Generator().manual_seed(seed)), seed
