@@ -195,10 +195,12 @@ class StreamingDataset(IterableDataset):
         return World.detect(self.rank, self.world_size)
 
     def __getstate__(self) -> dict[str, Any]:
-        # A worker started by spawn or forkserver cannot see the parent's process group:
-        # pin the rank and world size detected here, in the process that pickles.
+        # A DataLoader worker started by spawn or forkserver cannot see the parent's process
+        # group: pin the rank and world size of that group. Only of a process group: a
+        # launcher's own spawn (mp.spawn of the training processes, which then join a group)
+        # must leave each child to find its rank, and children inherit torchrun's variables.
         state = self.__dict__.copy()
-        if get_worker_info() is None and get_spawning_popen() is not None:  # starting a worker, not a copy
+        if get_worker_info() is None and get_spawning_popen() is not None and _in_process_group():
             world = World.detect(self.rank, self.world_size)
             state["rank"], state["world_size"] = world.rank, world.size
         return state
@@ -584,6 +586,12 @@ class StreamingDataset(IterableDataset):
         self._loaded_position = resume.position
         self._worker_resume = True
         self._delivered = None
+
+
+def _in_process_group() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
 
 
 def _urls(source: Any) -> list[str]:

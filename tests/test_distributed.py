@@ -268,6 +268,19 @@ def test_gloo_epoch_with_workers_not_forked_from_the_rank(gloo, keys, url, conte
     assert gloo[context] == gloo["epoch"]  # the same split and order as forked workers give
 
 
+def test_a_dataset_handed_to_mp_spawn_finds_each_child_s_rank(url, keys, tmp_path):
+    """Regression: the launcher's own spawn pinned its rank 0 of 1 into the dataset (a pin meant for
+    DataLoader workers of a rank), so both training processes read the whole dataset."""
+    import torch.multiprocessing as mp
+
+    dataset = D.key_dataset(url, **OPTS)  # no rank given: each child's process group decides
+    mp.spawn(D.spawned_rank_keys, args=(free_port(), dataset, str(tmp_path)), nprocs=2)
+    got = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(2)]
+    assert len(got[0]) == len(got[1]) == D.ceil_div(N, 2)
+    assert set(got[0]) | set(got[1]) == keys
+    assert len(set(got[0]) & set(got[1])) == D.ceil_div(N, 2) * 2 - N  # the padding only
+
+
 def test_torchrun_environment(url, keys, monkeypatch):
     """Without a process group, RANK/WORLD_SIZE (as torchrun sets them) decide, in workers too."""
     by_rank = []
