@@ -38,7 +38,11 @@ def tensors(batch: Any) -> Iterator[torch.Tensor]:
 
 
 def count_samples(batch: Any) -> int:
-    """Samples in a batch: the leading dimension of its first tensor (1 if none)."""
+    """Samples in a batch: a list of samples (what ``collate_fn=list`` makes) by its length,
+    else the leading dimension of its first tensor (1 if none). A collated list of fields
+    (torch's collate of tuples) holds tensors, and counts by them."""
+    if isinstance(batch, list) and batch and not isinstance(batch[0], torch.Tensor):
+        return len(batch)
     for t in tensors(batch):
         return int(t.shape[0]) if t.dim() else 1
     return len(batch) if isinstance(batch, list) else 1

@@ -93,8 +93,9 @@ class StreamingDataset(IterableDataset):
             yields a good sample in its place (counts stay equal per rank), raising past
             a cap; an `ErrorPolicy` sets the cap.
         sampling: class-weighted draws and the epoch size (`Sampling`); a `Mix` as the
-            source mixes datasets by weight. Both keep every guarantee but
-            exactly-once, which weighted draws replace by design.
+            source mixes datasets by weight (with a `Mix`, only the epoch size and
+            `resampled` apply, not class or sample weights). Both keep every guarantee
+            but exactly-once, which weighted draws replace by design.
         allow_pickle: decode ``.pyd``/``.pth`` fields with pickle (trusted data only).
         decode_threads: decode images in this many threads of the iterating process
             (the main process with ``num_workers=0``, or each DataLoader worker), ahead
@@ -162,6 +163,12 @@ class StreamingDataset(IterableDataset):
         self._resolved: Source | None = None
         self._counts: np.ndarray | None = None
         self.on_error = ErrorPolicy.of(on_error)
+        if isinstance(source, Mix) and sampling is not None and sampling.weighted:
+            # A mix draws each source's own epoch sequence by the mix's weights; weights per
+            # class or sample of the mixed whole have no sequence to act on (and were ignored).
+            raise ValueError("class_weights and sample_weights do not apply to a Mix: weight the sources "
+                             "(Mix(weights=...)), or sample each dataset by weight on its own; "
+                             "Sampling(samples_per_epoch=..., resampled=...) does apply")
         self.sampling = sampling
         self._sample_weights: np.ndarray | None = None  # draw weights, once per process
         self._shared = SharedState()  # epoch and counters, seen by the workers too

@@ -201,21 +201,25 @@ class DataLoader:
         with torch.cuda.device(self.device) if self._use_cuda() else contextlib.nullcontext():
             source = iter(self._torch_loader())  # torch's pin-memory thread pins on the current device
         batches = self._on_device(source) if self._use_cuda() else self._on_host(source)
+        # The consumer has waited since it asked for the first batch: through resolving the
+        # source and starting the workers above, not only inside next().
+        t0 = start
         while True:
-            t0 = time.perf_counter()
             try:
                 batch = next(batches)
             except StopIteration:
+                self.stats.wait_s += time.perf_counter() - t0
                 break
             now = time.perf_counter()
             self.stats.wait_s += now - t0
             if self.stats.batches == 0:
                 self.stats.first_batch_s = now - start
             self.stats.batches += 1
-            self.stats.samples += count_samples(batch)
+            self.stats.samples += count_samples(batch) if self.dataset.batch_size is not None else 1
             self.stats.elapsed_s = now - start
             self._delivered += 1
             yield batch
+            t0 = time.perf_counter()
         self.stats.elapsed_s = time.perf_counter() - start
         self.dataset.finish_pass()  # the epoch is complete; workers forgot it too
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 import collections
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
 import torch
 
 import shardstream
@@ -53,6 +55,30 @@ def test_stats_count_what_the_loop_received(packed):
     assert 0 < stats.first_batch_s <= stats.elapsed_s
     assert 0 <= stats.wait_s <= stats.elapsed_s and 0 <= stats.wait_fraction <= 1
     assert stats.samples_per_s == pytest.approx(stats.samples / stats.elapsed_s)
+
+
+@pytest.mark.parametrize("batching", ["samples", "lists"])
+def test_stats_count_samples_whatever_an_item_is(packed, batching):
+    """Regression: samples were counted by the first tensor's leading dimension, so an unbatched
+    image (3, H, W) counted 3 and a collate_fn=list batch of 4 counted 3."""
+    dataset = StreamingDataset(packed, decode=RandomResizedCropJPEG(SIZE), fields=("jpg", "cls"),
+                               **({"batch_size": BATCH, "collate_fn": list} if batching == "lists" else {}))
+    loader = DataLoader(dataset, num_workers=0)
+    items = list(loader)
+    expected = int(shardstream.open_dataset(packed).counts().sum())
+    assert sum(len(b) for b in items) == expected if batching == "lists" else len(items) == expected
+    assert loader.stats.samples == expected
+
+
+def test_stats_wait_counts_the_start_of_the_epoch(packed):
+    """The loop waits for its first batch from the moment it asks: through counting the shards and
+    starting the workers too, not only inside the first next() after them."""
+    loader = DataLoader(images(packed, RandomResizedCropJPEG(SIZE)), num_workers=2, persistent_workers=False)
+    for _ in loader:
+        time.sleep(0.01)  # the loop's own work: not waiting
+    stats = loader.stats
+    assert stats.wait_s >= stats.first_batch_s
+    assert stats.wait_s + 0.01 * stats.batches <= stats.elapsed_s + 1e-3
 
 
 def test_normalize_is_the_formula_on_any_field():

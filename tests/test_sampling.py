@@ -131,6 +131,14 @@ def test_mix_proportions_hold_per_window(imbalanced, small):
     assert all(abs(f - 0.3) <= 1 / 50 + 1e-9 for f in fractions)
 
 
+@pytest.mark.parametrize("sampling", [Sampling(class_weights="balanced"), Sampling(sample_weights=np.ones(3))])
+def test_weights_on_a_mix_are_refused_not_ignored(imbalanced, small, sampling):
+    """Regression: class and sample weights given with a Mix were silently ignored (class 0, weighted 0,
+    still made most draws)."""
+    with pytest.raises(ValueError, match="do not apply to a Mix"):
+        ss.StreamingDataset(Mix([imbalanced, small], weights=[0.5, 0.5]), sampling=sampling)
+
+
 def test_mix_proportions_across_ranks_and_workers(imbalanced, small):
     import torch
 
