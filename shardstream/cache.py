@@ -40,7 +40,9 @@ __all__ = ["ShardCache"]
 
 CHUNK = 16 << 20  # bytes per ranged request when downloading
 DOWNLOAD_ATTEMPTS = 3  # whole downloads of a file before its checksum mismatch is an error
-# A live download writes a CHUNK at least every read timeout (20 s) times the retries (~33 s).
+# A live download writes its file a CHUNK at a time, and one read gives up within about
+# four minutes (10 tries of up to 20 s each, plus up to 33 s of backoff): a temporary file
+# untouched for ten minutes has no live download behind it.
 ABANDONED_PART_S = 600
 
 _verified: set[str] = set()  # cached files this process has hashed
