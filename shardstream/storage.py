@@ -59,11 +59,12 @@ def preload_driver(url: str) -> None:
             pass  # an unknown or uninstalled protocol: the first real request says so, naming the URL
 
 
+OPEN_BLOCK_BYTES = 8 << 20  # bytes per ranged request of a remote file read front to back (`Store.open`)
+
 # aiohttp (fsspec's HTTP) waits up to 300 s for a response by default. A request that
 # gets lost should fail fast and be retried by RetryPolicy instead. The limits are per
 # read, so a slow large transfer is unaffected. Options given by the user
 # (client_kwargs={"timeout": ...}) win.
-OPEN_BLOCK_BYTES = 8 << 20  # bytes per ranged request of a remote file read front to back (`Store.open`)
 HTTP_CONNECT_TIMEOUT_S = 10.0
 HTTP_READ_TIMEOUT_S = 20.0
 
