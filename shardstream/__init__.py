@@ -24,6 +24,7 @@ from .errors import (
 )
 from .format import Manifest, ShardInfo
 from .pack import PackSummary, pack
+from .policy import ErrorPolicy, TooManyErrors
 from .reader import ShardReader, StreamTarReader, open_shard
 from .source import Source, open_dataset
 from .storage import RetryPolicy
@@ -51,6 +52,7 @@ __all__ = [
     "CorruptIndexError",
     "CorruptShardError",
     "DecodeError",
+    "ErrorPolicy",
     "Manifest",
     "ManifestError",
     "MissingFieldError",
@@ -64,6 +66,7 @@ __all__ = [
     "StorageError",
     "Source",
     "StreamTarReader",
+    "TooManyErrors",
     "open_dataset",
     "open_shard",
     "pack",

@@ -14,6 +14,9 @@ images for a fixed time, looping over epochs (`set_epoch`) if the dataset is sma
   workers are being forked (until the first batch). RSS counts pages shared by forked
   workers once per process, so the sum overstates what they use together.
 
+The 0-worker run iterates in this process with ``torch.set_num_threads(1)``, as
+DataLoader workers do (and as README advises beside decode threads).
+
 The **knee** is the smallest worker count whose rate is within 5% of the best rate
 (`find_knee`): more workers than that buy nothing but memory.
 
@@ -22,6 +25,7 @@ Use ``shardstream bench DATASET --workers 0,1,2,4,8`` or `bench` from Python.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import math
@@ -492,8 +496,9 @@ def bench(
     knee then says how many workers that path needs. With `decode_threads` each process
     that iterates (the main one at 0 workers, else each worker) decodes in that many
     threads (`StreamingDataset(decode_threads=...)`): run it beside a run without, to see
-    whether threads or worker processes feed this machine faster. `on_row` is called
-    with each row as it is measured.
+    whether threads or worker processes feed this machine faster. The 0-worker run
+    iterates in this process with `torch.set_num_threads(1)`, as DataLoader workers run
+    (restored after). `on_row` is called with each row as it is measured.
     """
     from .dataset import StreamingDataset
     from .loader import DataLoader
@@ -547,8 +552,9 @@ def bench(
     before = set(_TreeRSS().descendants())  # processes that are not ours to count
     try:
         for n in workers:
-            row, payload = _run_one(make_loader, n, seconds=seconds, warmup=warmup, raw=transform == "none",
-                                    sync=sync, progress=bar, exclude=before)
+            with _torch_threads(1) if n == 0 else contextlib.nullcontext():
+                row, payload = _run_one(make_loader, n, seconds=seconds, warmup=warmup, raw=transform == "none",
+                                        sync=sync, progress=bar, exclude=before)
             if bytes_per_sample is not None:
                 row.mb_per_s = row.images_per_s * bytes_per_sample / _MB
             elif transform == "none":
@@ -559,6 +565,24 @@ def bench(
     finally:
         bar.close()
     return result
+
+
+@contextlib.contextmanager
+def _torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to `n` for a while, then back as they were.
+
+    The 0-worker run iterates in this process; DataLoader workers run with one thread
+    each, and with torch's default here every resize starts OpenMP threads that spin
+    beside it (with 2 decode threads at 0 workers: 77 against 1087 img/s, one
+    alternation), so the 0-worker row would measure that, not what the loader can do."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _prime(dataset: Any) -> None:

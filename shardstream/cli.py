@@ -1,7 +1,9 @@
 """The `shardstream` command: pack, inspect, verify, demo.
 
 Each subcommand is a thin layer over a library function; the CLI parses arguments,
-prints, and turns a `ShardstreamError` into a one-line message and exit status 1.
+prints, and turns a `ShardstreamError`, or an `OSError` on a path it was given (a
+file where a folder should be, a folder that cannot be made), into a one-line message
+and exit status 1.
 """
 
 from __future__ import annotations
@@ -16,7 +18,16 @@ from .errors import ShardstreamError
 
 
 def _storage_options(text: str | None) -> dict:
-    return json.loads(text) if text else {}
+    """--storage-options (or SHARDSTREAM_STORAGE_OPTIONS, its default): a JSON object."""
+    if not text:
+        return {}
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ShardstreamError(f"--storage-options (or SHARDSTREAM_STORAGE_OPTIONS) is not JSON: {e}: {text!r}") from None
+    if not isinstance(options, dict):
+        raise ShardstreamError(f"--storage-options (or SHARDSTREAM_STORAGE_OPTIONS) must be a JSON object, not {text!r}")
+    return options
 
 
 def cmd_pack(args: argparse.Namespace) -> int:
@@ -156,14 +167,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    run_demo(images=args.images, classes=args.classes, workers=args.workers, keep=args.keep)
-    return 0
+    failed = run_demo(images=args.images, classes=args.classes, workers=args.workers, keep=args.keep)
+    for check in failed:
+        print(f"shardstream demo: check failed: {check}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import bench, save_json
 
     plot = args.plot
+    for option, path in (("--json", args.json), ("--plot", plot)):
+        if path is not None:
+            _writable_file(path, option)
     if plot is not None:
         try:
             import matplotlib  # noqa: F401
@@ -185,6 +201,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         storage_options=_storage_options(args.storage_options),
     )
     print(result.table())
+    if 0 in args.workers:
+        print("num_workers=0 ran in this process with torch.set_num_threads(1), as DataLoader workers run")
     print(f"knee: num_workers={result.knee}" + (f" (with {result.decode_threads} decode threads per process)"
                                                  if result.decode_threads else ""))
     if args.json:
@@ -194,6 +212,35 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result.plot(plot)
         print(f"wrote {plot}")
     return 0
+
+
+def _positive_int(text: str) -> int:
+    return _int_at_least(text, 1, "a positive integer")
+
+
+def _count(text: str) -> int:
+    return _int_at_least(text, 0, "a non-negative integer")
+
+
+def _int_at_least(text: str, least: int, what: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = least - 1
+    if value < least:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+    return value
+
+
+def _writable_file(path: str, option: str) -> None:
+    """Fail now, not after the whole benchmark ran, if `path` cannot be written."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ShardstreamError(f"{option} {path}: is a folder, not a file")
+    if not os.path.isdir(folder):
+        raise ShardstreamError(f"{option} {path}: there is no folder {folder}")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ShardstreamError(f"{option} {path}: not writable")
 
 
 def _worker_counts(text: str) -> list[int]:
@@ -217,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", help="image folder (one subfolder per class) or a .txt/.csv list of path[,label]")
     p.add_argument("dst", help="output folder or fsspec URL (s3://bucket/prefix)")
     p.add_argument("--shard-size", default="256MB", help="uncompressed bytes per shard (default 256MB)")
-    p.add_argument("--max-samples", type=int, default=None, help="at most this many samples per shard")
+    p.add_argument("--max-samples", type=_positive_int, default=None, help="at most this many samples per shard")
     p.add_argument("--compression", choices=("zstd", "none"), default="zstd")
     p.add_argument("--level", type=int, default=IMAGE_LEVEL,
                    help=f"zstd level, {MIN_LEVEL}..22 (default {IMAGE_LEVEL}, a fast level: image files do not "
@@ -239,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-merge", action="store_true", help="with --part: do not merge, even as the last part")
     p.add_argument("--executor", choices=("local", "ray"), default="local",
                    help="ray: run --parts parts as Ray tasks on the cluster ray.init() finds, then merge")
-    p.add_argument("--parts", type=int, default=4, help="with --executor ray: how many parts (default 4)")
+    p.add_argument("--parts", type=_positive_int, default=4, help="with --executor ray: how many parts (default 4)")
     p.add_argument("--ray-address", default=None, help="with --executor ray: the cluster (default: RAY_ADDRESS or local)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=cmd_pack)
@@ -250,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("index", help="make WebDataset .tar shards a dataset in place: an index each, a manifest")
     p.add_argument("source", help="folder or URL prefix of .tar shards, a brace pattern, or one shard's URL")
-    p.add_argument("--workers", type=int, default=8, help="shards read at once (default 8)")
+    p.add_argument("--workers", type=_positive_int, default=8, help="shards read at once (default 8)")
     p.add_argument("--overwrite", action="store_true", help="replace a manifest already there")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=cmd_index)
@@ -272,23 +319,24 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="check checksums, indexes and that every image decodes")
     p.add_argument("dataset")
     p.add_argument("--no-decode", action="store_true", help="skip decoding images")
-    p.add_argument("--workers", type=int, default=None,
+    p.add_argument("--workers", type=_positive_int, default=None,
                    help="shards checked at once, in threads (default: one per core; at least 4 for remote storage)")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(run=cmd_verify)
 
     p = sub.add_parser("demo", help="make a small image folder, pack it, stream it, report speed")
-    p.add_argument("--images", type=int, default=400)
-    p.add_argument("--classes", type=int, default=4)
-    p.add_argument("--workers", type=int, default=2, help="DataLoader workers")
+    p.add_argument("--images", type=_positive_int, default=400)
+    p.add_argument("--classes", type=_positive_int, default=4)
+    p.add_argument("--workers", type=_count, default=2, help="DataLoader workers")
     p.add_argument("--keep", default=None, help="keep the files in this folder")
     p.set_defaults(run=cmd_demo)
 
     p = sub.add_parser("bench", help="measure loader throughput per num_workers and find the knee")
     p.add_argument("dataset", help="packed dataset (folder or fsspec URL), brace pattern or shard URL")
     p.add_argument("--workers", type=_worker_counts, default=[0, 1, 2, 4, 8],
-                   help="num_workers values to try, comma-separated (default 0,1,2,4,8)")
-    p.add_argument("--batch-size", type=int, default=64)
+                   help="num_workers values to try, comma-separated (default 0,1,2,4,8); 0 iterates in this "
+                   "process with torch.set_num_threads(1), as DataLoader workers do")
+    p.add_argument("--batch-size", type=_positive_int, default=64)
     p.add_argument("--transform", choices=("train", "val", "none"), default="train",
                    help="train: RandomResizedCropJPEG(224); val: CenterCropJPEG(224); none: raw bytes")
     p.add_argument("--seconds", type=float, default=5.0, help="measured seconds per worker count (default 5)")
@@ -296,7 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="where batches go: cpu or cuda (default cpu)")
     p.add_argument("--decode-on-device", action="store_true",
                    help="workers ship JPEG bytes, the device decodes (nvJPEG on cuda; see README)")
-    p.add_argument("--decode-threads", type=int, default=0, metavar="N",
+    p.add_argument("--decode-threads", type=_count, default=0, metavar="N",
                    help="decode in N threads in each process that iterates (default 0: in the iterating thread)")
     p.add_argument("--plot", default=None, metavar="PNG", help="write the curve here (needs matplotlib)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
@@ -319,6 +367,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.run(args))
     except ShardstreamError as e:
         print(f"shardstream {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # a file or folder the command was given: missing, not a folder, not writable
+        where = f"{e.filename}: " if e.filename is not None else ""
+        print(f"shardstream {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"shardstream {args.command}: interrupted", file=sys.stderr)

@@ -17,6 +17,8 @@ import torch
 
 from .dataset import StreamingDataset
 from .decode import jpeg_crop_decoder
+from .errors import ShardstreamError
+from .listing import list_source
 from .loader import DataLoader, Normalize
 from .pack import pack
 from .synthetic import make_image_folder
@@ -24,17 +26,29 @@ from .transforms import RandomResizedCropJPEG
 from .verify import verify_dataset
 
 
-def run_demo(images: int = 400, classes: int = 4, workers: int = 2, keep: str | None = None) -> None:
+def run_demo(images: int = 400, classes: int = 4, workers: int = 2, keep: str | None = None) -> list[str]:
+    """Run the demo, printing each step; returns the checks that failed (none, normally).
+
+    With `keep`, a folder an earlier demo kept is used again if it holds the images this
+    run would make, and refused if not (a ShardstreamError), so that the counts checked
+    and printed are those of the images there.
+    """
+    if keep is not None and os.path.exists(keep) and not os.path.isdir(keep):
+        raise ShardstreamError("--keep needs a folder, and this is a file", url=keep)
     root = keep or tempfile.mkdtemp(prefix="shardstream-demo-")
     os.makedirs(root, exist_ok=True)
     src, dst = os.path.join(root, "images"), os.path.join(root, "shards")
+    failed: list[str] = []
     try:
         t = time.perf_counter()
         per_class = max(1, images // classes)
-        if not os.path.isdir(src):
-            make_image_folder(src, num_classes=classes, images_per_class=per_class, seed=0, workers=2)
         total = per_class * classes
-        print(f"1. made {total} ImageNet-like JPEGs in {src} ({time.perf_counter() - t:.1f} s)")
+        if os.path.isdir(src):
+            _check_kept_images(src, total, classes)
+            print(f"1. reused the {total} ImageNet-like JPEGs an earlier demo made in {src}")
+        else:
+            make_image_folder(src, num_classes=classes, images_per_class=per_class, seed=0, workers=2)
+            print(f"1. made {total} ImageNet-like JPEGs in {src} ({time.perf_counter() - t:.1f} s)")
 
         summary = pack(src, dst, shard_size="8MB", overwrite=True, progress=False)
         print(f"2. {summary}".replace("\n", "\n   "))
@@ -42,6 +56,8 @@ def run_demo(images: int = 400, classes: int = 4, workers: int = 2, keep: str | 
         report = verify_dataset(dst)
         print(f"3. verify: {report.shards} shards, {report.images} images decoded, "
               f"{'ok' if report.ok else report.problems}")
+        if not report.ok or report.images != total:
+            failed.append(f"verify ({len(report.problems)} problems, {report.images} of {total} images decoded)")
 
         dataset = StreamingDataset(dst, shuffle=True, seed=0, decode=RandomResizedCropJPEG(224),
                                    fields=("jpg", "cls", "__key__"))
@@ -52,10 +68,13 @@ def run_demo(images: int = 400, classes: int = 4, workers: int = 2, keep: str | 
             for images_, labels, keys in loader:
                 seen += keys
             s = loader.stats
-            assert len(seen) == len(set(seen)) == total, "every image exactly once"
+            once = len(seen) == len(set(seen)) == total
+            if not once:
+                failed.append(f"epoch {epoch}: {len(seen)} images, {len(set(seen))} different, not each of {total} once")
             print(f"4. epoch {epoch}: {s.batches} batches of {tuple(images_.shape[1:])} float images, "
                   f"{s.samples_per_s:,.0f} img/s with {workers} workers, first batch after {s.first_batch_s:.2f} s, "
-                  f"waited {100 * s.wait_fraction:.0f}% of the time; each image exactly once")
+                  f"waited {100 * s.wait_fraction:.0f}% of the time; "
+                  + ("each image exactly once" if once else "NOT each image exactly once"))
 
         loader.set_epoch(2)
         after = max(0, min(3, len(loader) - 1))  # a few batches in, and at least one left to resume onto
@@ -71,9 +90,22 @@ def run_demo(images: int = 400, classes: int = 4, workers: int = 2, keep: str | 
         got = [keys for _, _, keys in resumed]
         print(f"5. resumed epoch 2 after {after} batches from a {len(str(state))}-byte state: "
               f"{'the same' if got == expected else 'DIFFERENT'} {len(got)} batches as the uninterrupted run")
+        if got != expected:
+            failed.append(f"resume: {len(got)} batches, not the {len(expected)} of the uninterrupted run")
         print(f"   JPEG crops decoded by {jpeg_crop_decoder()}")
         print(f"   device: {'cuda' if torch.cuda.is_available() else 'cpu (no CUDA here)'}; files in {root}"
               + ("" if keep else " (removed)"))
     finally:
         if keep is None:
             shutil.rmtree(root, ignore_errors=True)
+    return failed
+
+
+def _check_kept_images(src: str, total: int, classes: int) -> None:
+    """Refuse a kept image folder that does not hold what this run would make (another
+    --images or --classes, or a demo stopped while making them): the checks would fail."""
+    listing = list_source(src)
+    if (len(listing.files), len(listing.classes)) != (total, classes):
+        raise ShardstreamError(f"holds {len(listing.files)} images in {len(listing.classes)} classes (kept by an "
+                               f"earlier demo), not the {total} in {classes} this run makes; remove it, or give "
+                               "--keep another folder", url=src)

@@ -33,7 +33,7 @@ import warnings
 from dataclasses import dataclass, field
 from multiprocessing.pool import ExceptionWithTraceback, MaybeEncodingError
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 try:
     import fcntl
@@ -49,6 +49,7 @@ from .errors import PackError, ShardstreamError, reason
 from .format import INDEX_SUFFIX, MANIFEST_NAME, Manifest, ShardInfo
 from .journal import Journal
 from .listing import Listing, SourceFile, list_source, printable
+from .parts import other_packs
 from .shardfile import FRAME_SIZE, IMAGE_LEVEL, Frame, ShardFileWriter, build_frame
 from .shrink import DEFAULT_QUALITY, shrink_image, shrunk_size
 from .storage import Store
@@ -255,9 +256,19 @@ def plan_frames(entries: list[SourceFile], opts: PackOptions,
     return jobs
 
 
-def _remove_dataset(store: Store, manifest_name: str) -> None:
+def _siblings_shard(part: tuple[int, int] | None) -> Callable[[str], bool]:
+    """Whether a shard name is another part's of this pack (of the same number of parts),
+    which that part, perhaps at work at once with this one (Ray), writes and must keep."""
+    if part is None:
+        return lambda name: False
+    others = tuple(f"shard-p{i:05d}-" for i in range(part[1]) if i != part[0])
+    return lambda name: name.startswith(others)
+
+
+def _remove_dataset(store: Store, manifest_name: str, keep: Callable[[str], bool] = lambda name: False) -> None:
     """Remove a dataset's manifest first (so a crash cannot leave it listing replaced
-    shards), then the shards and indexes it listed, so no stale shard stays behind."""
+    shards), then the shards and indexes it listed (but those `keep` says), so no stale
+    shard stays behind."""
     try:
         old = Manifest.from_bytes(store.read(manifest_name), store.url(manifest_name))
     except ShardstreamError:
@@ -265,8 +276,36 @@ def _remove_dataset(store: Store, manifest_name: str) -> None:
     store.remove(manifest_name)
     if old is not None:
         for shard in old.shards:
+            if keep(shard.name):
+                continue
             store.remove(shard.name)
             store.remove(shard.index)
+
+
+def _clear_other_packs(store: Store, part: tuple[int, int] | None, *, overwrite: bool, finished_part: bool) -> None:
+    """Refuse (or, with `overwrite`, remove) what another pack left in `store` that this one
+    would overwrite or mix with (`parts.other_packs`): a part's shard names do not say how
+    many parts there are, so part 0 of 3 would overwrite part 0 of 2's shards."""
+    manifests, shards = other_packs(store, None if part is None else part[1])
+    # The merge of this very pack's parts: still true for a finished part's no-op rerun,
+    # stale once a part is packed again (the last part to finish merges anew).
+    stale_merge = (part is not None and not finished_part and MANIFEST_NAME not in manifests
+                   and store.exists(MANIFEST_NAME))
+    found = ([MANIFEST_NAME] if stale_merge else []) + manifests + shards
+    if not found:
+        return
+    if not overwrite:
+        this = "a single pack" if part is None else f"part {part[0]} of {part[1]}"
+        listed = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+        raise ShardstreamError(f"already holds another pack ({listed}), which {this} would overwrite or mix with; "
+                               "pass overwrite=True (--overwrite) to replace it", url=store.root)
+    if stale_merge:
+        store.remove(MANIFEST_NAME)  # its shards are this pack's other parts: they stay
+    for name in manifests:
+        _remove_dataset(store, name, keep=_siblings_shard(part))
+    for name in shards:
+        store.remove(name)
+        store.remove(name + INDEX_SUFFIX)
 
 
 def part_manifest_name(index: int, parts: int) -> str:
@@ -642,6 +681,7 @@ def pack(
             raise ShardstreamError("already holds a dataset; pass overwrite=True (--overwrite) to replace it",
                                    url=store.url(target))
         _remove_dataset(store, target)
+    _clear_other_packs(store, part, overwrite=overwrite, finished_part=finished_part)
     listing = list_source(src)
     entries = order(listing, opts)
     fingerprint = listing_fingerprint(entries)

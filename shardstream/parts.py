@@ -13,14 +13,15 @@ import re
 from typing import Any
 
 from .errors import ManifestError, ShardstreamError
-from .format import Manifest
+from .format import MANIFEST_NAME, Manifest
 from .storage import Store
 from .journal import FOLDER as JOURNAL_FOLDER, remove_journal_folder
 from .writer import write_manifest
 
-__all__ = ["merge", "missing_parts"]
+__all__ = ["merge", "missing_parts", "other_packs"]
 
 _PART = re.compile(r"manifest\.part-(\d{5})-of-(\d{5})\.msgpack")
+_PART_SHARD = re.compile(r"shard-p(\d{5})-\d{6}\.tar(\.zst)?")
 
 
 def _part_manifests(store: Store) -> dict[int, tuple[int, str]]:
@@ -31,6 +32,37 @@ def _part_manifests(store: Store) -> dict[int, tuple[int, str]]:
         if match:
             found[int(match.group(1))] = (int(match.group(2)), name)
     return found
+
+
+def other_packs(store: Store, parts: int | None) -> tuple[list[str], list[str]]:
+    """What in `store` another pack left, which a pack in `parts` parts (None: a single
+    pack) would overwrite or mix with: (manifest names, shard names).
+
+    Part shard names hold the part's number but not the number of parts (FORMAT.md), so
+    part 0 of 3 writes the very names part 0 of 2 wrote; the manifests, which say how many
+    parts they belong to, tell whose the files are. Listed: part manifests of another
+    number of parts (every part manifest, for a single pack); the dataset manifest unless
+    it merges `parts` parts (a single pack checks its own manifest itself); part shards
+    numbered `parts` or more, which no part of this pack writes (shards of lower numbers
+    may be another part of this pack at work, and cannot be told apart).
+    """
+    manifests = [name for name in store.list(".msgpack")
+                 if (match := _PART.fullmatch(name)) and int(match.group(2)) != parts]
+    if parts is None:
+        return manifests, []
+    if store.exists(MANIFEST_NAME) and _merged_parts(store) != parts:
+        manifests.insert(0, MANIFEST_NAME)
+    shards = [name for name in store.list() if (match := _PART_SHARD.fullmatch(name)) and int(match.group(1)) >= parts]
+    return manifests, shards
+
+
+def _merged_parts(store: Store) -> int | None:
+    """How many parts the dataset manifest in `store` merges (None: a single pack's, or unreadable)."""
+    try:
+        parts = Manifest.from_bytes(store.read(MANIFEST_NAME), store.url(MANIFEST_NAME)).options.get("parts")
+    except ShardstreamError:
+        return None  # not this pack's: listed, so that --overwrite replaces it
+    return parts if isinstance(parts, int) else None
 
 
 def missing_parts(dst: str, parts: int, *, storage_options: dict[str, Any] | None = None) -> list[int]:

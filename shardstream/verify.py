@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import posixpath
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -107,7 +108,10 @@ def verify_shard(reader: ShardReader, decode_images: bool = True) -> Iterator[Pr
                         yield Problem(info.name, key, e.detail)
                     yield 1
     except ShardstreamError as e:
-        yield Problem(info.name, e.key, e.detail + (f" (byte {e.offset})" if e.offset is not None else ""))
+        # The error may be about another file than the shard (its index): name that file.
+        other = e.url is not None and e.url != reader.url
+        yield Problem(info.name, e.key, (f"{posixpath.basename(e.url)}: " if other else "") + e.detail
+                      + (f" (byte {e.offset})" if e.offset is not None else ""))
 
 
 def verify_dataset(

@@ -254,3 +254,28 @@ def test_memory_counts_child_processes(method):
     finally:
         child.stdin.close()
         child.wait(timeout=30)
+
+
+def test_bench_runs_zero_workers_with_one_torch_thread(tiny, monkeypatch):
+    """The 0-worker run iterates in this process: with torch's one intra-op thread, as a DataLoader worker
+    runs (torch's default there starts OpenMP threads beside each resize), and torch's setting is restored."""
+    import torch
+
+    import shardstream.bench as bench_module
+
+    threads = {}
+    run_one = bench_module._run_one
+
+    def recording(make_loader, num_workers, **kwargs):
+        threads[num_workers] = torch.get_num_threads()
+        return run_one(make_loader, num_workers, **kwargs)
+
+    monkeypatch.setattr(bench_module, "_run_one", recording)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        bench(tiny, workers=[0, 1], batch_size=4, transform="val", seconds=0.2, warmup=0.0)
+        assert threads == {0: 1, 1: 2}
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -196,3 +196,78 @@ def test_verify_in_threads_reports_what_one_thread_reports(tmp_path):
     assert any(p.shard == shards[3].name and "sha256" in p.message for p in one.problems)
     # The flipped shard's 4 images are never reached (its frame fails its checksum); the 2 bad ones were tried.
     assert (one.shards, one.samples, one.images) == (three.shards, three.samples, three.images) == (6, 24, 20)
+
+
+def test_bad_paths_and_arguments_are_one_line_errors(packed, image_folder, tmp_path):
+    """A file where a dataset folder should be, a destination that cannot be made, bad JSON in
+    --storage-options, a --json that cannot be written, counts that make no sense: one line naming the
+    problem, never a traceback."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a dataset\n")
+    cases = [
+        (("inspect", a_file), 1, str(a_file)),
+        (("verify", a_file, "--quiet"), 1, str(a_file)),
+        (("bench", a_file, "--quiet"), 1, str(a_file)),
+        (("pack", image_folder, a_file, "--quiet"), 1, str(a_file)),
+        (("pack", image_folder, a_file / "ds", "--quiet"), 1, str(a_file)),
+        (("inspect", packed, "--storage-options", "{bad"), 1, "--storage-options"),
+        (("inspect", packed, "--storage-options", "[1]"), 1, "--storage-options"),
+        # checked before the benchmark runs (1000 s a worker count: the cli() timeout would end it)
+        (("bench", packed, "--json", tmp_path / "nope" / "x.json", "--seconds", 1000, "--quiet"), 1, "nope"),
+        (("demo", "--classes", 0), 2, "--classes"),
+        (("demo", "--workers", -1), 2, "--workers"),
+        (("demo", "--images", 8, "--keep", a_file), 1, str(a_file)),
+    ]
+    for args, status, named in cases:
+        result = cli(*args)
+        assert result.returncode == status, (args, result.stderr)
+        assert "Traceback" not in result.stderr, (args, result.stderr)
+        last = result.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"shardstream {args[0]}: error:") and named in last, (args, result.stderr)
+
+
+def test_demo_reuses_a_kept_folder_only_if_it_holds_what_it_would_make(tmp_path):
+    """A rerun with --keep says it reused the images (it made none) and counts them; a rerun with another
+    --images is refused, naming what the folder holds, instead of failing its own exactly-once check."""
+    keep = tmp_path / "demo"
+    first = cli("demo", "--images", 12, "--classes", 3, "--workers", 0, "--keep", keep)
+    assert first.returncode == 0 and "made 12 ImageNet-like JPEGs" in first.stdout, first.stderr
+    other = cli("demo", "--images", 24, "--classes", 3, "--workers", 0, "--keep", keep)
+    assert other.returncode == 1 and "Traceback" not in other.stderr
+    assert "holds 12 images in 3 classes" in other.stderr and "not the 24" in other.stderr
+    again = cli("demo", "--images", 12, "--classes", 3, "--workers", 0, "--keep", keep)
+    assert again.returncode == 0, again.stderr
+    assert "reused the 12 ImageNet-like JPEGs" in again.stdout and "made 12" not in again.stdout
+    assert "12 images decoded, ok" in again.stdout and again.stdout.count("each image exactly once") == 2
+
+
+def test_demo_exits_non_zero_when_a_check_fails(tmp_path, monkeypatch, capsys):
+    from shardstream import cli as cli_module
+    from shardstream import demo
+    from shardstream.verify import Problem, VerifyReport
+
+    broken = VerifyReport(shards=1, samples=6, images=6, problems=[Problem("shard-000000.tar.zst", None, "bad")])
+    monkeypatch.setattr(demo, "verify_dataset", lambda url: broken)
+    status = cli_module.main(["demo", "--images", "6", "--classes", "3", "--workers", "0", "--keep", str(tmp_path / "d")])
+    assert status == 1 and "shardstream demo: check failed: verify" in capsys.readouterr().err
+
+
+def test_verify_names_a_missing_index(packed, tmp_path):
+    """The shard is there, its index is not: verify names the index, not the shard, as missing."""
+    copy = tmp_path / "ds"
+    shutil.copytree(packed, copy)
+    shard = open_dataset(str(copy)).manifest.shards[0]
+    (copy / shard.index).unlink()
+    checked = cli("verify", copy, "--quiet")
+    assert checked.returncode == 1 and problem_shards(checked.stdout) == {shard.name}
+    assert f"PROBLEM {shard.name}: {shard.index}: file not found" in checked.stdout, checked.stdout
+
+
+def test_the_error_policy_names_the_readme_uses_are_public():
+    """README: `ErrorPolicy(mode="skip", max_skips=N)` ... raises `TooManyErrors`."""
+    import shardstream as ss
+    from shardstream.policy import ErrorPolicy, TooManyErrors
+
+    assert ss.ErrorPolicy is ErrorPolicy and ss.TooManyErrors is TooManyErrors
+    assert {"ErrorPolicy", "TooManyErrors"} <= set(ss.__all__)
+    assert ss.ErrorPolicy(mode="skip", max_skips=3).max_skips == 3

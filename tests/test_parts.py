@@ -141,3 +141,34 @@ def test_cli_resume_of_a_finished_part_is_a_no_op_that_merges(source, tmp_path):
     result = cli(*line, "--part", "1/2", "--seed", "7")
     assert result.returncode == 1 and "other options" in result.stderr and "--overwrite" in result.stderr
     assert {name: data for name, data in files(dst).items() if name != "manifest.msgpack"} == parts
+
+
+def test_a_part_refuses_another_pack_without_overwrite(source, tmp_path):
+    """Part shard names say the part's number, not how many parts there are: part 0 of 3 would overwrite
+    part 0 of 2's shards, and part 0 of 1 a single pack's manifest. Without --overwrite a part refuses a
+    destination that holds another pack, naming it; with --overwrite it replaces it whole."""
+    src, dst = str(source / "src"), str(tmp_path / "parts")
+    for part in ("0/2", "1/2"):
+        assert cli("pack", src, dst, "--shard-size", "8KB", "--part", part, "--quiet").returncode == 0
+    merged = files(dst)
+    result = cli("pack", src, dst, "--shard-size", "8KB", "--part", "0/3", "--quiet")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "manifest.part-00000-of-00002.msgpack" in result.stderr and "--overwrite" in result.stderr
+    assert files(dst) == merged
+    # The same part again, finished, with --resume: a no-op that merges as before.
+    result = cli("pack", src, dst, "--shard-size", "8KB", "--part", "1/2", "--quiet", "--resume")
+    assert result.returncode == 0 and "all 2 parts done" in result.stdout, result.stderr
+    assert files(dst) == merged
+
+    single = str(source / "single")
+    before = files(single)
+    result = cli("pack", src, single, "--shard-size", "8KB", "--part", "0/1", "--quiet")
+    assert result.returncode == 1 and "manifest.msgpack" in result.stderr and "--overwrite" in result.stderr
+    assert files(single) == before
+
+    for part in ("0/3", "1/3", "2/3"):
+        result = cli("pack", src, dst, "--shard-size", "8KB", "--part", part, "--quiet", "--overwrite")
+        assert result.returncode == 0, result.stderr
+    assert "all 3 parts done: merged 21 samples" in result.stdout
+    assert not [name for name in files(dst) if "-of-00002" in name]
+    assert samples(dst) == samples(single)
