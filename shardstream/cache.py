@@ -57,8 +57,9 @@ class ShardCache:
     limit: int
 
     def folder(self, store: Store) -> str:
-        # One subfolder per dataset location, so datasets can share a cache folder.
-        return os.path.join(self.root, hashlib.sha256(store.root.encode()).hexdigest()[:16])
+        # One subfolder per dataset location, so datasets can share a cache folder (not per
+        # token: an HTTP(S) root's query string may rotate while the files stay).
+        return os.path.join(self.root, hashlib.sha256(store.location.encode()).hexdigest()[:16])
 
     def open(self, ref: ShardRef) -> tuple[ShardReader, BinaryIO]:
         """A reader over the cached copy of `ref`, and the shared lock that keeps it there.

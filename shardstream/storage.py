@@ -123,14 +123,24 @@ def _local_path(url: str) -> str:
 
 
 def split_url(url: str) -> tuple[str, str]:
-    """Split a file URL into (parent location, file name)."""
+    """Split a file URL into (parent location, file name); an HTTP(S) query string stays
+    with the parent (`Store.url` puts it back on every file's URL)."""
+    url, query = _split_query(url)
     url = url.rstrip("/")
     if "://" in url:
         scheme, rest = url.split("://", 1)
         parent, _, name = rest.rpartition("/")
-        return f"{scheme}://{parent}", name
+        return f"{scheme}://{parent}{query}", name
     parent, name = os.path.split(url)
     return parent or ".", name
+
+
+def _split_query(url: str) -> tuple[str, str]:
+    """(URL without its query, ``?query`` or "") for HTTP(S); other URLs have no query."""
+    if url.startswith(("http://", "https://")) and "?" in url:
+        base, query = url.split("?", 1)
+        return base, "?" + query
+    return url, ""
 
 
 @dataclass(frozen=True)
@@ -160,11 +170,22 @@ class Store:
             return "s3"
         return None
 
+    @property
+    def location(self) -> str:
+        """The root without an HTTP(S) query string: where the files are, whatever token
+        (which may rotate) grants access to them."""
+        return _split_query(self.root)[0]
+
     def url(self, name: str) -> str:
-        """The full URL (or path) of the file `name` in this store."""
+        """The full URL (or path) of the file `name` in this store.
+
+        An HTTP(S) root's query string (a token, an Azure SAS signature: one for every file
+        below the root) goes on each file's URL, after its name.
+        """
         if self.local:
             return os.path.join(_local_path(self.root), name)
-        return posixpath.join(self.root.rstrip("/"), name)
+        base, query = _split_query(self.root)
+        return posixpath.join(base.rstrip("/"), name) + query
 
     def _fs_path(self, name: str) -> tuple[fsspec.AbstractFileSystem, str]:
         import fsspec.core

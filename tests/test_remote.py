@@ -725,6 +725,27 @@ def test_later_epochs_read_no_index_again(local_ds, shard_names, monkeypatch):
         assert index_gets(server) == 2 * len(shard_names)
 
 
+def test_an_http_root_with_a_query_string_puts_it_on_every_file(local_ds, jpg_digests, tmp_path):
+    """A token in the dataset URL's query (an Azure SAS signature, say) grants every file below the root:
+    each request carries it after the file's name, and the cache keys on the location, not the token."""
+    with H.CountingHTTPServer(local_ds) as server:
+        queries: list[str] = []
+
+        class Recording(server.server.RequestHandlerClass):  # type: ignore[misc,name-defined]
+            def _path(self) -> str | None:
+                queries.append(self.path.partition("?")[2])
+                return super()._path()
+
+        server.server.RequestHandlerClass = Recording
+        for token in ("sig=abc%2Fdef&sv=1", "sig=rotated"):
+            ds = StreamingDataset(f"{server.url}?{token}", decode=None, fields=("__key__", "jpg"),
+                                  cache_dir=str(tmp_path / "cache"), cache_limit="1GB")
+            assert {key: hashlib.sha256(jpg).hexdigest() for key, jpg in ds} == jpg_digests
+            assert queries and set(queries) == {token}
+            queries.clear()
+    assert len([p for p in (tmp_path / "cache").iterdir() if p.is_dir()]) == 1  # one location
+
+
 def test_scattered_samples_are_read_in_few_requests(tmp_path):
     """A plan that wants scattered samples (a resume late in an epoch, say) reads nearby ones with one request
     for their span, dropping the samples between, and not one request each; the samples are those asked for."""
