@@ -673,27 +673,32 @@ def pack(
                        max_side, quality)
     store = Store(dst, storage_options or {})
     target = MANIFEST_NAME if part is None else part_manifest_name(*part)
-    # A finished part rerun with `resume` (a scheduler's retry after the part, or its
-    # merge, failed) has nothing left to do; the caller then merges as the part would have.
-    finished_part = part is not None and resume and not overwrite and store.exists(target)
-    if store.exists(target) and not finished_part:
+    # A finished pack or part rerun with `resume` (a scheduler's retry after the pack, a
+    # part's merge, or clearing the journal failed) has nothing left to do but tidy up; a
+    # part's caller then merges as the part would have.
+    finished = resume and not overwrite and store.exists(target)
+    if store.exists(target) and not finished:
         if not overwrite:
             raise ShardstreamError("already holds a dataset; pass overwrite=True (--overwrite) to replace it",
                                    url=store.url(target))
         _remove_dataset(store, target)
-    _clear_other_packs(store, part, overwrite=overwrite, finished_part=finished_part)
+    _clear_other_packs(store, part, overwrite=overwrite, finished_part=finished)
     listing = list_source(src)
     entries = order(listing, opts)
     fingerprint = listing_fingerprint(entries)
-    if part is not None and finished_part:
-        return _finished_part_summary(store, target, {**opts.as_dict(), "part": list(part), "listing": fingerprint})
+    journal = Journal(store, "main" if part is None else f"part-{part[0]:05d}-of-{part[1]:05d}")
+    if finished:
+        summary = _finished_summary(store, target, opts.as_dict() if part is None else
+                                    {**opts.as_dict(), "part": list(part), "listing": fingerprint})
+        journal.clear(remove_folder=part is None)  # a kill between the manifest and this left it
+        return summary
     if part is not None:
         entries = part_slice(entries, *part)
     shrunk = None if max_side is None else shrunk_estimates(entries, listing.root, max_side)
     planned = plan_frames(entries, opts, shrunk)
     store.makedirs()
-    journal = Journal(store, "main" if part is None else f"part-{part[0]:05d}-of-{part[1]:05d}")
-    plan_record = {"options": opts.as_dict(), "listing": fingerprint, "part": list(part or ())}
+    # on_error decides which files are skipped, so a resume must keep it.
+    plan_record = {"options": opts.as_dict(), "listing": fingerprint, "part": list(part or ()), "on_error": on_error}
     done = journal.start(plan_record, resume)
     jobs = [(shard, frame, listing.root, opts, on_error == "skip") for shard, frame in planned if shard not in done]
     if resume:  # a killed run's half-written shards, which this run writes again
@@ -774,12 +779,13 @@ def pack(
     )
 
 
-def _finished_part_summary(store: Store, name: str, options: dict[str, Any]) -> PackSummary:
-    """What the finished part manifest `name` holds, once it is checked to be this very run's
-    (the same options and source listing): a retry must not pass off another pack as done."""
+def _finished_summary(store: Store, name: str, options: dict[str, Any]) -> PackSummary:
+    """What the finished (part) manifest `name` holds, once it is checked to be this very
+    run's (the same options; a part's, the same source listing too): a retry must not pass
+    off another pack as done."""
     manifest = Manifest.from_bytes(store.read(name), store.url(name))
     if manifest.options != options:
-        raise ShardstreamError("already holds this part, packed from another source or with other options; "
+        raise ShardstreamError("already holds a pack made from another source or with other options; "
                                "pass overwrite=True (--overwrite) to replace it", url=store.url(name))
     return PackSummary(
         samples=manifest.samples,

@@ -422,10 +422,9 @@ def resume_reference(resume_source, tmp_path_factory) -> dict[str, bytes]:
     return visible_files(dst)
 
 
-@pytest.mark.parametrize("workers", [1, 2])
-def test_resume_after_sigkill_is_byte_identical(resume_source, resume_reference, tmp_path, workers):
-    dst = tmp_path / "ds"
-    proc = subprocess.Popen(_cli_pack(resume_source, dst, workers), start_new_session=True, env=_child_env(),
+def _killed_pack(src: Path, dst: Path, workers: int, *extra: str) -> None:
+    """`shardstream pack` into `dst`, SIGKILLed (with its worker processes) once two shards are out."""
+    proc = subprocess.Popen(_cli_pack(src, dst, workers, *extra), start_new_session=True, env=_child_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + CHILD_TIMEOUT
@@ -443,6 +442,12 @@ def test_resume_after_sigkill_is_byte_identical(resume_source, resume_reference,
         stderr = proc.stderr.read().decode()
         proc.stderr.close()
     assert proc.returncode == -signal.SIGKILL, f"the pack ended before it could be killed: {stderr[-1000:]}"
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_resume_after_sigkill_is_byte_identical(resume_source, resume_reference, tmp_path, workers):
+    dst = tmp_path / "ds"
+    _killed_pack(resume_source, dst, workers)
     published = assert_no_partial_dataset(dst)
     assert 2 <= len(published) < len([n for n in resume_reference if n.endswith(".tar.zst")])
 
@@ -453,3 +458,30 @@ def test_resume_after_sigkill_is_byte_identical(resume_source, resume_reference,
     # No hidden leftovers: the journal is gone, and the killed run's half-written files with it.
     hidden = sorted(p.relative_to(dst).as_posix() for p in dst.rglob("*") if p.relative_to(dst).as_posix()[0] == ".")
     assert not hidden, f"left behind: {hidden}"
+
+
+def test_resume_refuses_another_error_policy(resume_source, tmp_path):
+    """Regression: on_error decides which files are skipped, but a resume with another policy went on."""
+    dst = tmp_path / "ds"
+    _killed_pack(resume_source, dst, 1, "--on-error", "skip")
+    resumed = subprocess.run(_cli_pack(resume_source, dst, 1, "--resume", "--on-error", "fail"),
+                             capture_output=True, text=True, timeout=CHILD_TIMEOUT, env=_child_env())
+    assert resumed.returncode != 0 and "cannot resume" in resumed.stderr
+
+
+def test_resume_of_a_finished_pack_tidies_up_and_refuses_another(resume_source, resume_reference, tmp_path):
+    """A scheduler's retry of a pack that finished (perhaps killed between writing the manifest and
+    clearing its journal) succeeds without packing, and removes the journal; with other options it refuses."""
+    dst = tmp_path / "ds"
+    subprocess.run(_cli_pack(resume_source, dst, 1), check=True, capture_output=True, timeout=CHILD_TIMEOUT,
+                   env=_child_env())
+    leftover = dst / ".shardstream-pack" / "main" / "plan.msgpack"
+    leftover.parent.mkdir(parents=True)
+    leftover.write_bytes(b"left by a kill")
+    again = subprocess.run(_cli_pack(resume_source, dst, 1, "--resume"), capture_output=True, text=True,
+                           timeout=CHILD_TIMEOUT, env=_child_env())
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert visible_files(dst) == resume_reference and not (dst / ".shardstream-pack").exists()
+    other = subprocess.run(_cli_pack(resume_source, dst, 1, "--resume", "--seed", "5"), capture_output=True,
+                           text=True, timeout=CHILD_TIMEOUT, env=_child_env())
+    assert other.returncode != 0 and "other options" in other.stderr
