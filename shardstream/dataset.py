@@ -458,7 +458,7 @@ class StreamingDataset(IterableDataset):
         with _seeded(_sample_seed(self.seed, epoch, sample_id), in_worker):
             sample = self._decoder(sample)
             if self.transform is not None:
-                sample = self.transform(sample)
+                sample = _transformed(self.transform, sample)
         return self._picked(sample)
 
     def _picked(self, sample: dict[str, Any]) -> Any:
@@ -504,7 +504,7 @@ class StreamingDataset(IterableDataset):
         if self.transform is not None:
             assert staged.state is not None
             with _resumed(staged.state, in_worker):
-                sample = self.transform(sample)
+                sample = _transformed(self.transform, sample)
         return self._picked(sample)
 
     # -- resumption ------------------------------------------------------------------------
@@ -593,6 +593,16 @@ class StreamingDataset(IterableDataset):
         self._loaded_position = resume.position
         self._worker_resume = True
         self._delivered = None
+
+
+def _transformed(transform: Callable[[Any], Any], sample: dict[str, Any]) -> Any:
+    """`transform(sample)`; an error it raises keeps its type (it is the user's code, not bad
+    data, so no error policy skips it) and gains a note naming the sample."""
+    try:
+        return transform(sample)
+    except Exception as e:
+        e.add_note(f"shardstream: in the transform of sample {sample.get('__key__')!r} of {sample.get('__url__')}")
+        raise
 
 
 def _in_process_group() -> bool:

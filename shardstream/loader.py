@@ -210,6 +210,11 @@ class DataLoader:
             except StopIteration:
                 self.stats.wait_s += time.perf_counter() - t0
                 break
+            except BaseException:
+                # A worker that died (or raised) leaves torch's persistent workers unusable:
+                # the next epoch starts fresh ones instead of raising the same error again.
+                self._loader = None
+                raise
             now = time.perf_counter()
             self.stats.wait_s += now - t0
             if self.stats.batches == 0:

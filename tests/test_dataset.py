@@ -12,6 +12,7 @@ import gc
 import io
 import os
 import pickle
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -548,3 +549,29 @@ def test_dataset_pickles_and_deep_copies(url):
     for clone in (pickle.loads(pickle.dumps(ds)), copy.deepcopy(ds)):
         assert clone.epoch == 4
         assert D.run(clone, 0) == D.run(ds, 0)
+
+
+class _FailsOn:
+    """A user transform with a bug that shows on one sample."""
+
+    def __init__(self, key: str):
+        self.key = key
+
+    def __call__(self, sample: dict) -> str:
+        if sample["__key__"] == self.key:
+            raise ValueError("a bug in the user's transform")
+        return sample["__key__"]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_an_error_in_the_users_transform_names_the_sample(packed, num_workers):
+    """It keeps its type (the user's code, which no error policy skips) and says which sample it met."""
+    key = sorted(s["__key__"] for ref in shardstream.open_dataset(packed).shards for s in ref.reader())[3]
+    ds = shardstream.StreamingDataset(packed, decode=None, transform=_FailsOn(key))
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=num_workers)
+    with pytest.raises(ValueError) as info:
+        list(loader)
+    text = "".join(traceback.format_exception(info.value))
+    del info, loader  # the traceback holds the failed epoch's generator, its threads and queues
+    gc.collect()
+    assert "a bug in the user's transform" in text and f"in the transform of sample {key!r}" in text
