@@ -80,6 +80,10 @@ class ShardCache:
             raise
         return ShardReader(Store(folder), ref.name, ref.info), lock
 
+    def forget(self, ref: ShardRef) -> None:
+        """Check the cached copy of `ref` again at its next `open` (it was found damaged)."""
+        _verified.discard(os.path.join(self.folder(ref.store), ref.name))
+
     def _acquire(self, lock: BinaryIO, path: str, ref: ShardRef) -> None:
         """Hold a shared lock on `lock` with a verified copy of `ref` at `path`.
 

@@ -18,7 +18,7 @@ from typing import Any, BinaryIO, Iterable, Iterator
 import numpy as np
 
 from .cache import ShardCache
-from .errors import ShardstreamError, StorageError
+from .errors import CorruptIndexError, CorruptShardError, ShardstreamError, StorageError
 from .reader import READ_BYTES, Sample, ShardReader, StreamTarReader
 from .source import Source
 
@@ -83,6 +83,13 @@ class _Readers:
             self.cache.trim()  # shards in use may have pushed it over its limit: back under it now
         del entry
 
+    def heal(self, shard: int) -> None:
+        """Drop `shard`'s cached copy, found damaged on disk after it was checked: the
+        next `get` hashes it again, and downloads it again when the hash says so."""
+        assert self.cache is not None
+        self.release(shard)
+        self.cache.forget(self.source.shards[shard])
+
     def close(self) -> None:
         with self._guard:
             for lock in self._locks:
@@ -135,7 +142,7 @@ def read_samples(source: Source, ids: np.ndarray, counts: np.ndarray, prefetch: 
         last_run = {shard: n for n, (shard, _, _) in enumerate(runs)}
         if prefetch <= 0 or not source.indexed:
             for n, (shard, first, stop) in enumerate(runs):
-                yield from read(readers.get(shard), first, stop)
+                yield from _read_healing(read, readers, shard, first, stop)
                 if last_run[shard] == n:
                     readers.release(shard)
             return
@@ -266,8 +273,27 @@ def _coalesce(reader: ShardReader, stretch: list[tuple[int, int]], gap: int) -> 
 
 
 def _read_piece(read: Any, readers: _Readers, shard: int, a: int, b: int, keep: np.ndarray | None) -> list[Sample]:
-    samples = list(read(readers.get(shard), a, b))
+    samples = list(_read_healing(read, readers, shard, a, b))
     return samples if keep is None else [s for s, k in zip(samples, keep.tolist()) if k]
+
+
+def _read_healing(read: Any, readers: _Readers, shard: int, a: int, b: int) -> Iterator[Sample]:
+    """Samples [a, b) of `shard` by `read`. A cached copy is hashed once per process and
+    then trusted; one damaged on disk after that fails its frame checksums here, and is
+    then checked and downloaded again before `read` goes on: it is not the data's fault,
+    so no error policy should see it."""
+    if readers.cache is None or readers.source.shards[shard].store.local:
+        yield from read(readers.get(shard), a, b)
+        return
+    done = 0
+    try:
+        for sample in _read(readers.get(shard), a, b):
+            yield sample
+            done += 1
+        return
+    except (CorruptShardError, CorruptIndexError):
+        readers.heal(shard)
+    yield from read(readers.get(shard), a + done, b)
 
 
 def _open(readers: _Readers, shard: int) -> None:

@@ -1062,6 +1062,27 @@ def test_cache_deletes_downloads_abandoned_by_killed_processes(local_ds, shard_n
     assert not abandoned.exists() and live.exists()
 
 
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_cache_heals_a_copy_damaged_after_it_was_checked(local_ds, shard_names, jpg_digests, tmp_path, prefetch):
+    """Regression: a process hashes a cached copy once and then trusts it, so a copy damaged on disk
+    later failed every epoch (or, under "skip", was replaced by duplicates) until the process restarted.
+    Its frame checksums now send it back to be checked and downloaded again."""
+    cache_dir = tmp_path / "cache"
+    with H.CountingHTTPServer(local_ds) as server:
+        ds = StreamingDataset(server.url, decode=None, fields=("__key__", "jpg"), cache_dir=str(cache_dir),
+                              cache_limit="1GB", prefetch=prefetch)
+        assert {key: hashlib.sha256(jpg).hexdigest() for key, jpg in ds} == jpg_digests
+        victim = cache_folder(cache_dir) / shard_names[0]
+        with open(victim, "r+b") as f:  # in place: same inode, size and (nearly) mtime
+            f.seek(victim.stat().st_size // 2)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        ds.set_epoch(1)
+        assert {key: hashlib.sha256(jpg).hexdigest() for key, jpg in ds} == jpg_digests
+        assert server.gets(shard_names[0]) == 2 and server.gets(shard_names[1]) == 1
+
+
 def test_cache_heals_a_damaged_index(local_ds, shard_names, jpg_digests, tmp_path):
     """Regression: only the cached shard was re-hashed, so a cached index damaged on disk was
     never fetched again and every later process failed with CorruptIndexError."""
