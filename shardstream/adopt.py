@@ -16,6 +16,7 @@ shards instead: every sample, every field's bytes, in their order.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 from typing import Any, Sequence
@@ -157,8 +158,12 @@ def _shards(source: str | Sequence[str], options: dict[str, Any], *,
     if refused:
         raise ShardstreamError(
             f"only plain .tar shards can be indexed in place (a compressed tar cannot be read by ranges): "
-            f"{', '.join(refused[:5])}{' ...' if len(refused) > 5 else ''}; decompress them first",
+            f"{', '.join(refused[:5])}{' ...' if len(refused) > 5 else ''}; decompress them first, or "
+            "`shardstream repack` them into a new dataset",
             url=store.url(refused[0]))
+    repeated = sorted(n for n, count in collections.Counter(names).items() if count > 1)
+    if repeated:  # a manifest listing a shard twice is refused by every reader
+        raise ShardstreamError(f"shards listed more than once: {', '.join(repeated[:5])}", url=store.url(repeated[0]))
     return store, names
 
 

@@ -17,9 +17,11 @@ then hold ~10 GB.
 
 from __future__ import annotations
 
+import bz2
 import collections
 import gzip
 import hashlib
+import lzma
 import math
 import os
 import threading
@@ -418,7 +420,7 @@ if hasattr(os, "register_at_fork"):
 
 
 class StreamTarReader:
-    """A tar shard without our index (`.tar`, `.tar.gz`/`.tgz`, `.tar.zst`), read front to back."""
+    """A tar shard without our index (`.tar`, `.tar.gz`/`.tgz`, `.tar.zst`, `.tar.bz2`, `.tar.xz`), read front to back."""
 
     def __init__(self, store: Store, name: str):
         self.store = store
@@ -435,6 +437,10 @@ class StreamTarReader:
         if self.name.endswith(".zst"):
             walker = ZstdFrameWalker(f, self.url)
             return _decompressor().stream_reader(walker, read_across_frames=True, closefd=True)  # type: ignore
+        if self.name.endswith((".bz2", ".tbz2")):
+            return bz2.BZ2File(f)  # type: ignore[return-value]
+        if self.name.endswith((".xz", ".txz")):
+            return lzma.LZMAFile(f)  # type: ignore[return-value]
         return f
 
     def __iter__(self) -> Iterator[Sample]:
@@ -444,8 +450,12 @@ class StreamTarReader:
                 for sample, _ in tario.group_samples(members, url=self.url):
                     sample["__url__"] = self.url
                     yield sample
-        except (zstandard.ZstdError, gzip.BadGzipFile, EOFError, zlib.error) as e:
+        except (zstandard.ZstdError, gzip.BadGzipFile, EOFError, zlib.error, lzma.LZMAError) as e:
             raise CorruptShardError(f"bad compressed stream: {e}", url=self.url) from e
+        except OSError as e:
+            if self.name.endswith((".bz2", ".tbz2")):  # bz2 reports a damaged stream as an OSError
+                raise CorruptShardError(f"bad compressed stream: {e}", url=self.url) from e
+            raise
 
     def read(self, start: int, stop: int) -> Iterator[Sample]:
         """The samples [start, stop) in order.

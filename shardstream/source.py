@@ -210,7 +210,7 @@ def expand_braces(pattern: str) -> list[str]:
 
 def names_shards(source: str) -> bool:
     """Whether `source` names shards (one shard's URL, or a brace pattern) rather than a dataset's folder."""
-    return bool(_BRACES.search(source)) or source.endswith((".tar", ".tgz", ".gz", ".zst"))
+    return bool(_BRACES.search(source)) or source.endswith((".tar", ".tgz", ".gz", ".zst", ".bz2", ".xz"))
 
 
 def resolve_source(source: "str | Sequence[str] | Mix", *, storage_options: dict[str, Any] | None = None,

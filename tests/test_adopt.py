@@ -3,9 +3,11 @@ manifest) or rewritten (any tar, compressed or not)."""
 
 from __future__ import annotations
 
+import bz2
 import collections
 import gzip
 import io
+import lzma
 import shutil
 import subprocess
 import sys
@@ -251,14 +253,16 @@ def test_cli_index_then_verify(wds_folder):
 
 
 
-def compress_some(folder: Path) -> None:
-    """Turn the tars of `folder` into .tar.gz, .tar.zst and plain .tar, in turn."""
+COMPRESSORS = {".gz": gzip.compress, ".zst": lambda data: zstandard.ZstdCompressor().compress(data),
+               ".bz2": bz2.compress, ".xz": lzma.compress, ".tar": None}
+
+
+def compress_some(folder: Path, kinds: tuple[str, ...] = (".gz", ".zst", ".tar")) -> None:
+    """Turn the tars of `folder` into those `kinds` (of COMPRESSORS), in turn."""
     for i, path in enumerate(sorted(folder.glob("*.tar"))):
-        if i % 3 == 0:
-            (folder / (path.name + ".gz")).write_bytes(gzip.compress(path.read_bytes()))
-            path.unlink()
-        elif i % 3 == 1:
-            (folder / (path.name + ".zst")).write_bytes(zstandard.ZstdCompressor().compress(path.read_bytes()))
+        compress = COMPRESSORS[kinds[i % len(kinds)]]
+        if compress is not None:
+            (folder / (path.name + kinds[i % len(kinds)])).write_bytes(compress(path.read_bytes()))
             path.unlink()
 
 
@@ -274,6 +278,25 @@ def test_repack_rewrites_any_tars_sample_for_sample(wds_folder, tmp_path):
         assert (got["jpg"], got["cls"], got["weight"]) == (want["jpg"], str(want["cls"]).encode(), want["weight"].encode())
     assert manifest.class_counts == tuple(collections.Counter(s["cls"] for s in samples)[c] for c in range(3))
     assert verify_dataset(str(tmp_path / "out")).ok
+
+
+def test_repack_reads_bz2_and_xz_tars_too(wds_folder, tmp_path):
+    """Regression: .tar.bz2 and .tar.xz were picked up from the folder, then failed as bad tar headers."""
+    folder, samples = wds_folder
+    compress_some(folder, (".bz2", ".xz"))
+    assert {p.suffix for p in folder.iterdir()} == {".bz2", ".xz"}
+    repack_tars(str(folder), str(tmp_path / "out"), shard_size="20KB")
+    read = [s for ref in ss.open_dataset(str(tmp_path / "out")).shards for s in ref.reader()]
+    assert [(s["__key__"], s["jpg"]) for s in read] == [(s["__key__"], s["jpg"]) for s in samples]
+
+
+def test_index_refuses_a_shard_listed_twice(wds_folder):
+    """Regression: the manifest it wrote listed the shard twice, which every reader then refused."""
+    folder, _ = wds_folder
+    name = sorted(p.name for p in folder.glob("*.tar"))[0]
+    with pytest.raises(ShardstreamError, match=f"listed more than once: {name}"):
+        index_tars([str(folder / name), str(folder / name)])
+    assert not (folder / MANIFEST_NAME).exists()
 
 
 def test_repack_refuses_a_dataset_and_leaves_none_on_a_bad_tar(wds_folder, tmp_path, packed):
