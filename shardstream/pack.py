@@ -318,6 +318,20 @@ def part_slice(entries: list[SourceFile], index: int, parts: int) -> list[Source
     return entries[index * n // parts : (index + 1) * n // parts]
 
 
+def _modified_stamp(root: str, entries: list[SourceFile]) -> str:
+    """A digest of the files' modification times, for `--resume` to refuse a source whose
+    files changed in place (one stat a file; parts do not compare it: their copies of the
+    source may be made at other times)."""
+    digest = hashlib.sha256()
+    for e in entries:
+        try:
+            stamp = os.stat(os.path.join(root, e.path)).st_mtime_ns
+        except OSError:
+            stamp = -1  # unreadable: packing reports it under the error policy
+        digest.update(f"{stamp}\n".encode())
+    return digest.hexdigest()
+
+
 def listing_fingerprint(entries: list[SourceFile]) -> str:
     """Identifies the ordered input, so that parts and resumes can check they agree."""
     digest = hashlib.sha256()
@@ -697,8 +711,10 @@ def pack(
     shrunk = None if max_side is None else shrunk_estimates(entries, listing.root, max_side)
     planned = plan_frames(entries, opts, shrunk)
     store.makedirs()
-    # on_error decides which files are skipped, so a resume must keep it.
-    plan_record = {"options": opts.as_dict(), "listing": fingerprint, "part": list(part or ()), "on_error": on_error}
+    # on_error decides which files are skipped, so a resume must keep it; the files' times
+    # catch a source edited in place (the listing has only names and sizes).
+    plan_record = {"options": opts.as_dict(), "listing": fingerprint, "part": list(part or ()), "on_error": on_error,
+                   "modified": _modified_stamp(listing.root, entries)}
     done = journal.start(plan_record, resume)
     jobs = [(shard, frame, listing.root, opts, on_error == "skip") for shard, frame in planned if shard not in done]
     if resume:  # a killed run's half-written shards, which this run writes again

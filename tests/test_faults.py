@@ -474,6 +474,22 @@ def test_resume_refuses_another_error_policy(resume_source, tmp_path):
     assert resumed.returncode != 0 and "cannot resume" in resumed.stderr
 
 
+def test_resume_refuses_a_source_changed_in_place(make_folder, tmp_path):
+    """Regression: the listing has names and sizes only, so a file rewritten at the same size after
+    the kill was packed into a mix of old and new shards."""
+    src = make_folder(num_classes=3, images_per_class=40, seed=12)
+    dst = tmp_path / "ds"
+    _killed_pack(src, dst, 1)
+    victim = sorted(src.rglob("*.jpg"))[-1]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    os.utime(victim, ns=(victim.stat().st_atime_ns, victim.stat().st_mtime_ns + 10**9))
+    resumed = subprocess.run(_cli_pack(src, dst, 1, "--resume"), capture_output=True, text=True,
+                             timeout=CHILD_TIMEOUT, env=_child_env())
+    assert resumed.returncode != 0 and "cannot resume" in resumed.stderr
+
+
 def test_resume_of_a_finished_pack_tidies_up_and_refuses_another(resume_source, resume_reference, tmp_path):
     """A scheduler's retry of a pack that finished (perhaps killed between writing the manifest and
     clearing its journal) succeeds without packing, and removes the journal; with other options it refuses."""
