@@ -32,7 +32,7 @@ class ShardstreamError(Exception):
         self.offset = offset
         where = []
         if url is not None:
-            where.append(url)
+            where.append(shown_url(url))
         if key is not None:
             where.append(f"sample {key!r}")
         if offset is not None:
@@ -45,6 +45,14 @@ class ShardstreamError(Exception):
 
 def _rebuild(cls, message, url, key, offset):  # type: ignore[no-untyped-def]
     return cls(message, url=url, key=key, offset=offset)
+
+
+def shown_url(url: str) -> str:
+    """`url` as messages show it: an HTTP(S) query string (a token, a SAS signature) hidden,
+    since messages end up in logs; the exception's `url` attribute keeps it whole."""
+    if url.startswith(("http://", "https://")) and "?" in url:
+        return url.split("?", 1)[0] + "?..."
+    return url
 
 
 class CorruptShardError(ShardstreamError):

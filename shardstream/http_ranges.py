@@ -25,6 +25,8 @@ import threading
 import urllib.parse
 from typing import Any, Callable, Mapping
 
+from .errors import shown_url
+
 
 __all__ = ["HTTPStatusError", "PerProcess", "available", "range_header", "read_range"]
 
@@ -72,7 +74,7 @@ class HTTPStatusError(OSError):
     its headers (`Retry-After` is what `RetryPolicy` reads)."""
 
     def __init__(self, status: int, url: str, headers: Mapping[str, str] | None = None):
-        super().__init__(f"HTTP {status} for {url}")
+        super().__init__(f"HTTP {status} for {shown_url(url)}")
         self.status = status
         self.headers = dict(headers or {})
 
@@ -115,9 +117,9 @@ def read_range(url: str, start: int | None, end: int | None, *, headers: Mapping
         url = urllib.parse.urljoin(url, location)
     try:
         if response.status == 404:
-            raise FileNotFoundError(url)
+            raise FileNotFoundError(shown_url(url))
         if response.status in (401, 403):
-            raise PermissionError(f"HTTP {response.status} for {url}")
+            raise PermissionError(f"HTTP {response.status} for {shown_url(url)}")
         if response.status == 416:  # the range starts at or past the end
             return b""
         if response.status >= 300:  # errors, and redirects beyond MAX_REDIRECTS or without a Location

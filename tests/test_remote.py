@@ -743,6 +743,9 @@ def test_an_http_root_with_a_query_string_puts_it_on_every_file(local_ds, jpg_di
             assert {key: hashlib.sha256(jpg).hexdigest() for key, jpg in ds} == jpg_digests
             assert queries and set(queries) == {token}
             queries.clear()
+        with pytest.raises(shardstream.ShardstreamError) as info:  # messages reach logs: no token in them
+            list(StreamingDataset(f"{server.url}/nothing-here?sig=secret", decode=None))
+        assert "secret" not in str(info.value) and "secret" in info.value.url
     assert len([p for p in (tmp_path / "cache").iterdir() if p.is_dir()]) == 1  # one location
 
 
