@@ -20,11 +20,15 @@ __all__ = ["encode_field", "encode_sample"]
 
 
 def _encode_int(value: Any) -> bytes:
+    # int() would truncate 3.7 to 3 and turn True into 1: an integer, or its text, only.
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer, str)):
+        raise TypeError(f"an integer is needed, not {value!r}")
     return str(int(value)).encode("ascii")
 
 
 def _encode_json(value: Any) -> bytes:
-    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    # allow_nan=False: NaN and Infinity are not JSON, and other readers refuse them.
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False).encode("utf-8")
 
 
 def _encode_msgpack(value: Any) -> bytes:
@@ -42,7 +46,10 @@ def _encode_float(value: Any) -> bytes:
 
 
 def _encode_text(value: Any) -> bytes:
-    return str(value).encode("utf-8")
+    # str() of None, an array or a dict would store a printout (an array's elided), not data.
+    if not isinstance(value, str):
+        raise TypeError(f"txt holds text: pass a str, not {type(value).__name__}")
+    return value.encode("utf-8")
 
 
 ENCODERS: dict[str, Callable[[Any], bytes]] = {
@@ -92,7 +99,7 @@ def encode_sample(sample: dict[str, Any]) -> tuple[str, list[tuple[str, bytes]]]
     for name in sorted(sample):
         if name.startswith("__"):
             continue
-        if not name or "/" in name:
+        if not name or "/" in name or "\0" in name:  # a NUL would cut the tar member's name
             raise ShardstreamError(f"bad field name {name!r}", key=key)
         fields.append((name, encode_field(name, sample[name], key=key)))
     if not fields:
@@ -106,3 +113,7 @@ def _check_key(key: str) -> None:
     last = key.rsplit("/", 1)[-1]
     if "." in last or key.startswith("/") or ".." in key.split("/") or "\0" in key:
         raise ShardstreamError(f"bad sample key {key!r}: no dots in the last part, no absolute or '..' paths")
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: no tar header or index could hold it
+        raise ShardstreamError(f"bad sample key {key!r}: not encodable as UTF-8") from None

@@ -318,13 +318,14 @@ class Store:
         """A local directory for files on their way into this store.
 
         Local stores get a hidden folder inside the root, so that the final rename is
-        atomic (same file system); remote stores get a system temporary folder.
+        atomic (same file system); remote stores the system's temporary folder itself (a
+        folder made per file was left behind, empty, for every file uploaded).
         """
         if self.local:
             path = os.path.join(_local_path(self.root), ".shardstream-tmp")
             os.makedirs(path, exist_ok=True)
             return path
-        return tempfile.mkdtemp(prefix="shardstream-")
+        return tempfile.gettempdir()
 
     def put(self, local_file: str, name: str) -> None:
         """Move a finished local file into the store under `name`, atomically.

@@ -24,6 +24,11 @@ __all__ = ["ShardWriter", "parse_size", "shard_name", "write_manifest"]
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
+# Class indexes are kept as int32 in indexes, and a class table is made up to the largest:
+# 2**24 (16.7 million) classes is past any dataset's, and keeps that table in memory.
+MAX_CLASS = (1 << 24) - 1
+
+
 def parse_size(size: int | str) -> int:
     """Bytes from an int or a string such as ``"256MB"`` or ``"1.5GiB"``."""
     if isinstance(size, int):
@@ -92,6 +97,7 @@ class ShardWriter:
         self._pending: list[tuple[str, list[tuple[str, bytes]]]] = []
         self._pending_bytes = 0
         self._closed = False
+        self._manifest: Manifest | None = None
 
     def __enter__(self) -> "ShardWriter":
         return self
@@ -140,7 +146,7 @@ class ShardWriter:
             label = int(data)
         except ValueError:
             raise ShardstreamError(f"cls must be an integer class index, not {data[:20]!r}", key=key) from None
-        if label < 0 or (self.classes and label >= len(self.classes)):
+        if label < 0 or label > MAX_CLASS or (self.classes and label >= len(self.classes)):
             raise ShardstreamError(f"class index {label} outside 0..{len(self.classes) - 1 if self.classes else 'inf'}",
                                    key=key)
         return label
@@ -156,10 +162,11 @@ class ShardWriter:
             self.shards.append(self._shard.finish())
         self._shard = None
 
-    def close(self) -> Manifest:
-        """Finish the last shard and write the manifest; returns it."""
+    def close(self) -> Manifest | None:
+        """Finish the last shard and write the manifest; returns it (None when already closed,
+        as at the end of a `with` block that called `close()` itself)."""
         if self._closed:
-            raise ShardstreamError("close() called twice")
+            return self._manifest
         self._finish_shard()
         self._closed = True
         n = max([len(self.classes) - 1, *self._class_counts]) + 1 if (self.classes or self._class_counts) else 0
@@ -172,6 +179,7 @@ class ShardWriter:
                      "frame_size": self.frame_size},
         )
         write_manifest(self.store, manifest)
+        self._manifest = manifest
         return manifest
 
     def abort(self) -> None:

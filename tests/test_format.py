@@ -17,7 +17,7 @@ import pytest
 import zstandard
 
 import shardstream
-from shardstream import ShardWriter, open_dataset, open_shard
+from shardstream import ShardWriter, StreamingDataset, open_dataset, open_shard
 from shardstream.decode import Decoder
 from shardstream.errors import CorruptIndexError, ManifestError, ShardstreamError
 from shardstream.format import MANIFEST_NAME, Manifest, ShardIndex, ShardInfo
@@ -610,11 +610,33 @@ def test_writer_keys_that_need_a_pax_record(tmp_path, compression, key):
 def test_writer_after_close(tmp_path):
     writer = ShardWriter(str(tmp_path / "ds"))
     writer.write({"__key__": "a", "txt": "x"})
-    writer.close()
+    manifest = writer.close()
     with pytest.raises(ShardstreamError):
         writer.write({"__key__": "b", "txt": "x"})
-    with pytest.raises(ShardstreamError):
-        writer.close()
+    assert writer.close() is manifest  # closing again is nothing, as when a `with` block closed it itself
+    with ShardWriter(str(tmp_path / "ds2")) as inside:
+        inside.write({"__key__": "a", "txt": "x"})
+        inside.close()  # regression: the block's exit raised "close() called twice"
+    assert shardstream.open_dataset(str(tmp_path / "ds2")).manifest.samples == 1
+
+
+@pytest.mark.parametrize("sample, words", [
+    ({"__key__": "k", "a\0b": b"x"}, "bad field name"),  # the tar member's name would end at the NUL
+    ({"__key__": "k\udcff", "txt": "x"}, "not encodable"),  # no tar header or index can hold it
+    ({"__key__": "k", "cls": 3.7}, "integer"),  # was stored as 3
+    ({"__key__": "k", "cls": True}, "integer"),
+    ({"__key__": "k", "cls": 1 << 40}, "class index"),  # was wrapped into int32 in the index
+    ({"__key__": "k", "txt": None}, "str"),  # was stored as the text "None"
+    ({"__key__": "k", "txt": np.arange(5000)}, "str"),  # was its elided printout
+    ({"__key__": "k", "json": {"x": float("nan")}}, "JSON"),  # NaN is not JSON
+])
+def test_writer_refuses_values_it_would_store_wrongly(tmp_path, sample, words):
+    """Found in review: each of these was written without an error, and read back as something else
+    (or, for the key, left a shard without an index)."""
+    with pytest.raises(ShardstreamError, match=words):
+        with ShardWriter(str(tmp_path / "ds")) as writer:
+            writer.write(sample)
+    assert not (tmp_path / "ds" / MANIFEST_NAME).exists()
 
 
 def test_writer_empty_dataset(tmp_path):
@@ -778,3 +800,15 @@ def test_samples_per_frame_estimates_what_the_indexes_record(tmp_path, lo, hi, f
     frames = sum(len(ref.reader().index.frame_offsets) - 1 for ref in source.shards)
     actual = source.manifest.samples / frames
     assert actual / 1.5 <= source.samples_per_frame() <= max(1.0, actual * 1.5), (source.samples_per_frame(), actual)
+
+
+def test_writing_to_a_remote_store_leaves_no_temporary_folders(monkeypatch, tmp_path):
+    """Regression: every file uploaded (shard, index, manifest) left an empty folder in /tmp."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the system's temporary folder, here
+    with ShardWriter("memory://leftovers/ds", max_samples=2) as writer:
+        for i in range(5):
+            writer.write({"__key__": f"k{i}", "txt": "x"})
+    assert list(tmp_path.iterdir()) == []
+    assert len(list(StreamingDataset("memory://leftovers/ds", decode=None))) == 5
