@@ -47,6 +47,7 @@ ABANDONED_PART_S = 600
 
 _verified: set[str] = set()  # cached files this process has hashed
 _damaged: dict[str, tuple] = {}  # cached files that failed the hash: their (inode, mtime) then
+_over_limit: set[str] = set()  # cache roots this process last left over their limit
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ class ShardCache:
                 continue
             if not self._check(path, ref):
                 io_stats.add(cache_misses=1)
-                self._make_room(os.path.dirname(path), ref.info.bytes + ref.info.index_bytes)
+                self._make_room(ref.info.bytes + ref.info.index_bytes)
                 self._download(ref, path)
                 _verified.add(path)
             # Downgrade so readers can share. flock converts by unlocking first, so an
@@ -169,10 +170,13 @@ class ShardCache:
                 io_stats.add(retries=1)
 
     def trim(self) -> None:
-        """Evict least-recently-used shards not in use until the cache is within its limit."""
-        self._make_room(self.root, 0)
+        """Evict least-recently-used shards not in use until the cache is within its limit,
+        if this process last left it over (its shards in use could not be evicted then):
+        a walk of the whole cache on every shard released would be work for nothing."""
+        if self.root in _over_limit:
+            self._make_room(0)
 
-    def _make_room(self, folder: str, incoming: int) -> None:
+    def _make_room(self, incoming: int) -> None:
         """Evict least-recently-used shards not in use until `incoming` bytes fit."""
         entries = []
         now = time.time()
@@ -196,9 +200,13 @@ class ShardCache:
         total = sum(size for _, _, size in entries)
         for _, full, size in sorted(entries):
             if total + incoming <= self.limit:
-                return
+                break
             if self._evict(full):
                 total -= size
+        if total + incoming > self.limit:
+            _over_limit.add(self.root)
+        else:
+            _over_limit.discard(self.root)
 
     @staticmethod
     def _evict(path: str) -> bool:

@@ -46,13 +46,13 @@ def other_packs(store: Store, parts: int | None) -> tuple[list[str], list[str]]:
     numbered `parts` or more, which no part of this pack writes (shards of lower numbers
     may be another part of this pack at work, and cannot be told apart).
     """
-    manifests = [name for name in store.list(".msgpack")
-                 if (match := _PART.fullmatch(name)) and int(match.group(2)) != parts]
+    names = store.list()  # one listing answers all three questions (one request, remotely)
+    manifests = [name for name in names if (match := _PART.fullmatch(name)) and int(match.group(2)) != parts]
     if parts is None:
         return manifests, []
-    if store.exists(MANIFEST_NAME) and _merged_parts(store) != parts:
+    if MANIFEST_NAME in names and _merged_parts(store) != parts:
         manifests.insert(0, MANIFEST_NAME)
-    shards = [name for name in store.list() if (match := _PART_SHARD.fullmatch(name)) and int(match.group(1)) >= parts]
+    shards = [name for name in names if (match := _PART_SHARD.fullmatch(name)) and int(match.group(1)) >= parts]
     return manifests, shards
 
 
