@@ -13,6 +13,7 @@ from typing import Any
 
 from ._version import __version__
 from .errors import (
+    BracePatternError,
     CorruptIndexError,
     CorruptShardError,
     DecodeError,
@@ -49,6 +50,7 @@ _LAZY = {
 
 __all__ = [
     "__version__",
+    "BracePatternError",
     "CorruptIndexError",
     "CorruptShardError",
     "DecodeError",

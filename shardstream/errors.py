@@ -79,6 +79,10 @@ class StorageError(ShardstreamError):
     """Reading or writing storage failed after the allowed retries."""
 
 
+class BracePatternError(ShardstreamError, ValueError):
+    """A brace pattern that names no shards: unbalanced braces, a range of mixed kinds, or too many names."""
+
+
 class PackError(ShardstreamError):
     """Packing could not proceed: bad source, unreadable or corrupt input file."""
 

@@ -8,7 +8,6 @@ counted by one scan each (sequential reads of every shard once, done lazily).
 
 from __future__ import annotations
 
-import re
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
+from .braces import expand_braces, names_shards
 from .errors import ManifestError, ShardstreamError, StorageError
 from .format import INDEX_SUFFIX, MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ShardIndex, ShardInfo
 from .reader import ShardReader, StreamTarReader
@@ -25,7 +25,7 @@ from .storage import RetryPolicy, Store, split_url
 if TYPE_CHECKING:
     from .sampling import Mix
 
-__all__ = ["Source", "ShardRef", "open_dataset", "resolve_source", "expand_braces"]
+__all__ = ["Source", "ShardRef", "open_dataset", "resolve_source"]
 
 
 COUNT_THREADS = 8  # remote shards counted at once, where there is no manifest
@@ -192,25 +192,6 @@ def open_dataset(url: str, *, storage_options: dict[str, Any] | None = None,
         raise ManifestError("no manifest: not a packed dataset (or packing has not finished)", url=manifest_url) from e
     manifest = Manifest.from_bytes(data, manifest_url)
     return Source(url, tuple(ShardRef(store, s.name, s) for s in manifest.shards), manifest)
-
-
-_BRACES = re.compile(r"\{(\d+)\.\.(\d+)\}")
-
-
-def expand_braces(pattern: str) -> list[str]:
-    """Expand ``shards-{000..099}.tar`` (zero padding kept) into a list of names."""
-    match = _BRACES.search(pattern)
-    if match is None:
-        return [pattern]
-    lo, hi = match.group(1), match.group(2)
-    width = len(lo) if lo.startswith("0") else 0
-    head, tail = pattern[: match.start()], pattern[match.end() :]
-    return [name for i in range(int(lo), int(hi) + 1) for name in expand_braces(f"{head}{i:0{width}d}{tail}")]
-
-
-def names_shards(source: str) -> bool:
-    """Whether `source` names shards (one shard's URL, or a brace pattern) rather than a dataset's folder."""
-    return bool(_BRACES.search(source)) or source.endswith((".tar", ".tgz", ".gz", ".zst", ".bz2", ".xz"))
 
 
 def resolve_source(source: "str | Sequence[str] | Mix", *, storage_options: dict[str, Any] | None = None,

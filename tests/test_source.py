@@ -1,0 +1,200 @@
+"""Brace patterns (`shardstream.braces.expand_braces`): WebDataset's patterns, expanded as its
+`braceexpand` dependency expands them, refused clearly when malformed, and read end to end."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DataLoader
+
+from shardstream import ShardstreamError, StreamingDataset
+from shardstream import BracePatternError
+from shardstream.braces import expand_braces, names_shards
+from shardstream.source import resolve_source
+
+# Patterns whose names must be braceexpand's, in its order.
+SAME_AS_BRACEEXPAND = [
+    "shard-{000000..000003}.tar",
+    "{train,val}",
+    "{train,val}-{0..2}.tar",
+    "{1..3}{a,b}{x,y}",
+    "a{b,c{d,e}f}g",
+    "python{2.{5..7},3.{2,3}}",
+    "{a,{b,c}}{1..2}",
+    "{{a,b},{c,d}}",
+    "{0..10..2}", "{0..10..-3}", "{10..0..3}", "{0..3..0}", "{5..-5..3}",
+    "{9..0}", "{-2..2}", "{2..-1}", "{0..0}", "{7..7}",
+    "{07..10}", "{1..010}", "{-05..5}", "{00..3}", "{-0..3}", "{0..-03}", "{1..100..33}",
+    "{a..e}", "{e..a}", "{a..z..5}", "{Y..c}", "{c..Y}", "{A..A}", "{z..A..7}", "{A..z..-10}",
+    "x\\{a,b\\}y", "{a\\,b,c}", "\\{0..2\\}", "{a,b}\\}", "a\\\\b{1,2}",
+    "{}", "{a}", "x{a{1,2}}", "{,a}", "{a,}", "{,}", "{1.5..3}", "{..}", "{a..}", "{-..-}",
+    "s3://bucket/a-{0..3}.tar",
+    "https://host/d/{train,val}-{000..002}.tar?token=abc",
+    "https://host/a-{0..1}.tar?sig=x{1,2}",
+    "gs://b/{a..c}/{0..1}.tar",
+    "pipe:curl -s http://h/a-{0..2}.tar",
+    "no-braces-here.tar",
+]
+
+
+@pytest.mark.parametrize("pattern", SAME_AS_BRACEEXPAND)
+def test_expand_braces_matches_braceexpand(pattern):
+    braceexpand = pytest.importorskip("braceexpand")
+    assert expand_braces(pattern) == list(braceexpand.braceexpand(pattern))
+
+
+@pytest.mark.parametrize(("pattern", "names"), [
+    ("s-{0..2}.tar", ["s-0.tar", "s-1.tar", "s-2.tar"]),
+    ("s-{000..002}.tar", ["s-000.tar", "s-001.tar", "s-002.tar"]),
+    ("{train,val}-{0..1}", ["train-0", "train-1", "val-0", "val-1"]),  # the last brace varies fastest
+    ("{0..9..4}", ["0", "4", "8"]),
+    ("{3..1}", ["3", "2", "1"]),
+    ("{08..10}", ["08", "09", "10"]),
+    ("{8..010}", ["008", "009", "010"]),
+    ("{a..c}{Y..Z}", ["aY", "aZ", "bY", "bZ", "cY", "cZ"]),
+    ("v{1,2.{0,1}}", ["v1", "v2.0", "v2.1"]),
+    (r"lit\{0..1\}-{0,1}", ["lit{0..1}-0", "lit{0..1}-1"]),
+    ("s3://bucket/a-{0..1}.tar", ["s3://bucket/a-0.tar", "s3://bucket/a-1.tar"]),
+    ("https://h/{a,b}.tar?token=t", ["https://h/a.tar?token=t", "https://h/b.tar?token=t"]),
+    ("data/{v1}/s.tar", ["data/{v1}/s.tar"]),  # braces around neither a list nor a range stay
+])
+def test_expand_braces_examples(pattern, names):
+    assert expand_braces(pattern) == names
+
+
+def test_where_braceexpand_differs_on_purpose():
+    # No braces: a URL as it is (braceexpand drops the backslashes of C:\data\shard.tar).
+    assert expand_braces(r"C:\data\shard.tar") == [r"C:\data\shard.tar"]
+    # An escaped backslash inside braces is one backslash (braceexpand 0.1.7 unescapes nested
+    # text once per level, and loses it).
+    assert expand_braces(r"{a\\b,c}") == ["a\\b", "c"]
+    assert expand_braces(r"x\\{0,1}") == ["x\\0", "x\\1"]
+
+
+# A small alphabet, so that random strings are often patterns: no backslash (see above).
+_PIECES = ["{", "}", ",", "..", "a", "Z", "0", "1", "09", "-", "x", "."]
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(st.lists(st.sampled_from(_PIECES), max_size=14).map("".join))
+def test_random_patterns_agree_with_braceexpand(pattern):
+    braceexpand = pytest.importorskip("braceexpand")
+    try:
+        theirs: list[str] | None = list(braceexpand.braceexpand(pattern))
+    except braceexpand.UnbalancedBracesError:
+        theirs = None
+    try:
+        mine = expand_braces(pattern)
+    except BracePatternError as e:  # where braceexpand fails too, or where it makes names of no shard
+        assert theirs is None or "closes no" in e.detail or "is not a range" in e.detail, (pattern, theirs)
+        return
+    assert mine == theirs
+
+
+@pytest.mark.parametrize(("pattern", "words"), [
+    ("shard-{0..3.tar", "never closed"),
+    ("shard-0..3}.tar", "closes no"),
+    ("a}{b.tar", "closes no"),  # braceexpand: the name "a}{b.tar"
+    ("{a,{b}.tar", "never closed"),
+    ("s-{1..a}.tar", "{1..a} is not a range"),
+    ("s-{a..1}.tar", "is not a range"),
+    ("s-{a..c..x}.tar", "is not a range"),
+    ("s-{aa..c}.tar", "is not a range"),
+    ("s-{0..9999999}.tar", "expands to 10,000,000 names, more than the limit of 1,000,000"),
+    ("s-{0..999999999999999999}.tar", "more than the limit"),  # counted, never made
+    ("s" + "{a,b}" * 21 + ".tar", "expands to 2,097,152 names"),
+    ("{" * 100 + "}" * 100, "nested more than"),
+])
+def test_malformed_patterns_are_refused(pattern, words):
+    with pytest.raises(BracePatternError) as info:
+        expand_braces(pattern)
+    assert isinstance(info.value, ShardstreamError) and isinstance(info.value, ValueError)
+    assert words in str(info.value)
+    assert info.value.url == pattern and str(info.value).startswith(pattern + ": ")
+
+
+def test_the_limit_is_an_argument_and_a_query_stays_out_of_the_message():
+    assert len(expand_braces("s-{0..9}.tar", limit=10)) == 10
+    with pytest.raises(BracePatternError, match="11 names, more than the limit of 10"):
+        expand_braces("s-{0..10}.tar", limit=10)
+    pattern = "https://h/s-{0..3.tar?token=secret"
+    with pytest.raises(BracePatternError) as info:
+        expand_braces(pattern)
+    assert "secret" not in str(info.value) and info.value.url == pattern
+
+
+@pytest.mark.parametrize(("source", "shards"), [
+    ("data/ds", False),
+    ("s3://bucket/ds", False),
+    ("data/{v1}", False),  # braces that stand for themselves: a folder
+    ("data/{a,b}", True),
+    ("data/s-{0..3}", True),
+    ("data/s-{0..3", True),  # malformed: expanding it says what is wrong
+    ("data/s-0.tar", True),
+])
+def test_names_shards(source, shards):
+    assert names_shards(source) is shards
+
+
+def test_resolve_source_refuses_a_malformed_pattern(tmp_path):
+    for pattern in (f"{tmp_path}/s-{{0..a}}", f"{tmp_path}/s-{{0..3.tar"):
+        with pytest.raises(BracePatternError):
+            resolve_source(pattern)
+
+
+# -- end to end: a product pattern over real shards ------------------------------------------------
+
+
+def write_tar(path: Path, keys: list[str]) -> None:
+    """A plain tar (no index, no manifest) with one ``.cls`` member per sample."""
+    with tarfile.open(path, "w") as tar:
+        for key in keys:
+            data = b"0"
+            info = tarfile.TarInfo(f"{key}.cls")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+@pytest.fixture
+def split_shards(tmp_path) -> tuple[str, list[str]]:
+    """train/ and val/, 4 shards each of 3, 5, 2, 7 samples; the pattern picks shards 0 and 2 of
+    each by a list and a stepped range. Returns the pattern and its keys, in pattern order."""
+    sizes = [3, 5, 2, 7]
+    picked = []
+    for split in ("train", "val"):
+        (tmp_path / split).mkdir()
+        for shard, size in enumerate(sizes):
+            keys = [f"{split}_{shard}_{i:02d}" for i in range(size)]
+            write_tar(tmp_path / split / f"shard-{shard:02d}.tar", keys)
+            if shard % 2 == 0:
+                picked.extend(keys)
+    return f"{tmp_path}/{{train,val}}/shard-{{00..03..2}}.tar", picked
+
+
+def keys_of(ds: StreamingDataset) -> list[str]:
+    return [item[0] for item in ds]
+
+
+def test_a_product_pattern_reads_every_sample_once(split_shards):
+    pattern, picked = split_shards
+    source = resolve_source(pattern)
+    assert [ref.url.split("/")[-2:] for ref in source.shards] == [
+        ["train", "shard-00.tar"], ["train", "shard-02.tar"], ["val", "shard-00.tar"], ["val", "shard-02.tar"]]
+    assert list(source.counts()) == [3, 2, 3, 2]
+    # In order, unshuffled: the shards in the pattern's order.
+    ds = StreamingDataset(pattern, decode=None, fields=("__key__",))
+    assert keys_of(ds) == picked
+    # Shuffled over two ranks: every sample once (10 samples, no padding).
+    got = []
+    for rank in range(2):
+        got += keys_of(StreamingDataset(pattern, decode=None, fields=("__key__",), shuffle=True, seed=3,
+                                        rank=rank, world_size=2))
+    assert sorted(got) == sorted(picked)
+    # In DataLoader workers, which get the pattern, not its names.
+    loader = DataLoader(StreamingDataset(pattern, decode=None, fields=("__key__",)), batch_size=None, num_workers=2)
+    assert sorted(item[0] for item in loader) == sorted(picked)
