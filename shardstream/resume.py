@@ -16,19 +16,21 @@ items, bit for bit, as the uninterrupted run.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, dataclass
+import numbers
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 from .errors import ShardstreamError
-from .plan import Layout, consumed_positions, deal_chunks, items_of, remaining_after, split_ranks
+from .plan import PARTIAL, Layout, consumed_positions, deal_chunks, items_of, remaining_after, split_ranks
 
 if TYPE_CHECKING:
     from .dataset import StreamingDataset
     from .world import World
 
-__all__ = ["ResumeState", "Segment", "current_sequence", "endless_onto", "fingerprint"]
+__all__ = ["ResumeState", "Segment", "check_counts", "current_sequence", "endless_onto", "fingerprint"]
 
 STATE_VERSION = 1
 
@@ -48,10 +50,21 @@ class Segment:
         return out
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "Segment":
+    def from_dict(cls, raw: Any, field: str) -> "Segment":
+        """The segment stored at `field` of a resume state, each value checked (see `_int`)."""
+        raw = _dict(raw, field)
+        layout = _layout(_entry(raw, "layout", field), f"{field}.layout")
+        delivered = _int(_entry(raw, "delivered", field), f"{field}.delivered", minimum=0)
         per_worker = raw.get("per_worker")
-        return cls(Layout(**raw["layout"]), int(raw["delivered"]),
-                   None if per_worker is None else tuple(int(x) for x in per_worker))
+        if per_worker is None:
+            return cls(layout, delivered)
+        counts = _list(per_worker, f"{field}.per_worker")
+        done = tuple(_int(n, f"{field}.per_worker[{w}]", minimum=0) for w, n in enumerate(counts))
+        if len(done) != layout.workers:
+            raise _invalid(f"{field}.per_worker", f"one count per worker of its layout ({layout.workers})", per_worker)
+        if sum(done) != delivered:
+            raise _invalid(f"{field}.delivered", f"the sum of {field}.per_worker ({sum(done)})", delivered)
+        return cls(layout, delivered, done)
 
 
 def fingerprint(counts: np.ndarray, names: list[str]) -> str:
@@ -89,21 +102,25 @@ class ResumeState:
         return out
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], dataset: "StreamingDataset") -> "ResumeState":
-        try:
-            if raw["version"] != STATE_VERSION:
-                raise ShardstreamError(f"resume state version {raw['version']} is not {STATE_VERSION}")
-            state = cls(
-                dataset=str(raw["dataset"]),
-                seed=int(raw["seed"]),
-                shuffle=bool(raw["shuffle"]),
-                epoch=int(raw["epoch"]),
-                finished=tuple(Segment.from_dict(s) for s in raw["finished"]),
-                current=Segment.from_dict(raw["current"]),
-                position=_position(raw.get("position")),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise ShardstreamError(f"not a shardstream resume state: {e!r}") from e
+    def from_dict(cls, raw: Any, dataset: "StreamingDataset") -> "ResumeState":
+        """`raw` checked and read: every field's type and bounds, and that it was taken of
+        `dataset` with its seed. Whether its counts fit in the epoch is `check_counts`'s part."""
+        raw = _dict(raw, "the state")
+        version = _int(_entry(raw, "version", ""), "version")
+        if version != STATE_VERSION:
+            raise ShardstreamError(f"resume state version {version} is not {STATE_VERSION}")
+        current = Segment.from_dict(_entry(raw, "current", ""), "current")
+        state = cls(
+            dataset=_str(_entry(raw, "dataset", ""), "dataset"),
+            # Any int: seeds and epochs are masked to 64 bits (plan.rng_for), and set_epoch takes any.
+            seed=_int(_entry(raw, "seed", ""), "seed"),
+            shuffle=_bool(_entry(raw, "shuffle", ""), "shuffle"),
+            epoch=_int(_entry(raw, "epoch", ""), "epoch"),
+            finished=tuple(Segment.from_dict(s, f"finished[{i}]")
+                           for i, s in enumerate(_list(_entry(raw, "finished", ""), "finished"))),
+            current=current,
+            position=_position(raw.get("position"), current.layout.workers),
+        )
         mine = _fingerprint_of(dataset)
         if state.dataset != mine:
             raise ShardstreamError(
@@ -126,13 +143,86 @@ class ResumeState:
                    _finished_before(resume, layout), Segment(layout, delivered))
 
 
-def _position(raw: Any) -> tuple[int, int] | None:
+def _position(raw: Any, workers: int) -> tuple[int, int] | None:
+    """A worker state's (plan worker, items it yielded); the worker one of the current layout's."""
     if raw is None:
         return None
-    worker, done = (int(x) for x in raw)
-    if worker < 0 or done < 0:
-        raise ValueError(f"bad worker position {raw!r}")
-    return worker, done
+    pair = _list(raw, "position")
+    if len(pair) != 2:
+        raise _invalid("position", "[plan worker, items yielded]", raw)
+    return (_int(pair[0], "position[0] (the plan worker)", minimum=0, below=workers),
+            _int(pair[1], "position[1] (items yielded)", minimum=0))
+
+
+# -- reading a state: each value checked, the error naming the field and what it must be ------------
+
+
+def _invalid(field: str, expected: str, value: Any) -> ShardstreamError:
+    return ShardstreamError(f"invalid resume state: {field} must be {expected}, not {value!r}")
+
+
+def _entry(raw: Mapping[str, Any], key: str, field: str) -> Any:
+    if key not in raw:
+        raise ShardstreamError(f"invalid resume state: {f'{field}.' if field else ''}{key} is missing")
+    return raw[key]
+
+
+def _dict(raw: Any, field: str) -> Mapping[str, Any]:
+    if not isinstance(raw, Mapping):
+        raise _invalid(field, "a dict", raw)
+    return raw
+
+
+def _list(raw: Any, field: str) -> list[Any]:
+    if not isinstance(raw, Sequence) or isinstance(raw, (str, bytes)):
+        raise _invalid(field, "a list", raw)
+    return list(raw)
+
+
+def _str(raw: Any, field: str) -> str:
+    if not isinstance(raw, str):
+        raise _invalid(field, "a string", raw)
+    return raw
+
+
+def _bool(raw: Any, field: str) -> bool:
+    if not isinstance(raw, (bool, np.bool_)):
+        raise _invalid(field, "true or false", raw)
+    return bool(raw)
+
+
+def _int(raw: Any, field: str, minimum: int | None = None, below: int | None = None) -> int:
+    """An int (numpy's too; not a bool, a float or a string) within [minimum, below)."""
+    bounds = ([f">= {minimum}"] if minimum is not None else []) + ([f"< {below}"] if below is not None else [])
+    expected = " ".join(["an int", " and ".join(bounds)]).strip()
+    if isinstance(raw, (bool, np.bool_)) or not isinstance(raw, numbers.Integral):
+        raise _invalid(field, expected, raw)
+    if (minimum is not None and raw < minimum) or (below is not None and raw >= below):
+        raise _invalid(field, expected, raw)
+    return int(raw)
+
+
+def _layout(raw: Any, field: str) -> Layout:
+    """A layout; a key left out takes Layout's default, as before these checks."""
+    raw = _dict(raw, field)
+    names = {f.name: f.default for f in fields(Layout)}
+    unknown = sorted(set(raw) - set(names), key=str)
+    if unknown:
+        raise ShardstreamError(f"invalid resume state: {field} has unknown keys {unknown}; a layout has "
+                               f"{sorted(names)}")
+    value = {**names, **raw}
+    batch_size, partial = value["batch_size"], value["partial"]
+    if partial not in PARTIAL:
+        raise _invalid(f"{field}.partial", f"one of {PARTIAL}", partial)
+    return Layout(
+        world_size=_int(value["world_size"], f"{field}.world_size", minimum=1),
+        workers=_int(value["workers"], f"{field}.workers", minimum=1),
+        batch_size=None if batch_size is None else _int(batch_size, f"{field}.batch_size", minimum=1),
+        drop_last=_bool(value["drop_last"], f"{field}.drop_last"),
+        partial=partial,
+        shuffle=_bool(value["shuffle"], f"{field}.shuffle"),
+        buffer=_int(value["buffer"], f"{field}.buffer"),  # any int: 1 or less means no buffer
+    )
 
 
 def _fingerprint_of(dataset: "StreamingDataset") -> str:
@@ -161,6 +251,32 @@ def current_sequence(sequence: np.ndarray, resume: ResumeState | None, layout: L
             len(sequence), segment.layout, seed, epoch, segment.delivered, number, segment.per_worker))
     delivered = resume.current.delivered if resume is not None and resume.current.layout == layout else 0
     return sequence, len(finished), delivered
+
+
+def check_counts(sequence: np.ndarray, resume: ResumeState, endless: bool) -> None:
+    """Refuse a state whose counts exceed what its layouts hold of the resumed epoch, whose
+    sequence is `sequence`: each segment reads what the segments before it left. In an
+    endless stream the current segment's counts run on into later epochs: no bound there."""
+    segments = resume.finished + (resume.current,)
+    for number, segment in enumerate(segments):
+        current = number == len(resume.finished)
+        field = "current" if current else f"finished[{number}]"
+        items = plan_items(len(sequence), segment.layout)
+        left = f"{field}.layout makes of the {len(sequence)} samples of epoch {resume.epoch} left to it"
+        for w, done in enumerate(segment.per_worker or ()):
+            if done > items[w] and not (current and endless):
+                raise _invalid(f"{field}.per_worker[{w}]", f"at most {items[w]} (plan worker {w}'s items {left})", done)
+        if segment.delivered > sum(items) and not (current and endless):
+            raise _invalid(f"{field}.delivered", f"at most {sum(items)} (the items per rank {left})", segment.delivered)
+        if current and resume.position is not None and not endless:
+            worker, done = resume.position
+            if done > items[worker]:
+                raise _invalid("position[1] (items yielded)", f"at most {items[worker]} (plan worker {worker}'s "
+                               f"items {left})", done)
+        if not current:
+            sequence = remaining_after(sequence, consumed_positions(
+                len(sequence), segment.layout, resume.seed, resume.epoch, segment.delivered, number,
+                segment.per_worker))
 
 
 def plan_items(sequence_length: int, layout: Layout) -> list[int]:

@@ -8,6 +8,7 @@ batches exactly.
 from __future__ import annotations
 
 import collections
+import pickle
 import subprocess
 import sys
 import time
@@ -79,6 +80,43 @@ def test_stats_wait_counts_the_start_of_the_epoch(packed):
     stats = loader.stats
     assert stats.wait_s >= stats.first_batch_s
     assert stats.wait_s + 0.01 * stats.batches <= stats.elapsed_s + 1e-3
+
+
+def keys_of(packed: str, **kwargs) -> StreamingDataset:
+    return StreamingDataset(packed, shuffle=True, seed=3, decode=None, fields=("__key__",), **kwargs)
+
+
+def test_timeout_without_workers_is_ignored(packed):
+    """Regression: timeout=1 with num_workers=0 failed at the first iteration on torch's assertion
+    "_SingleProcessDataLoaderIter requires timeout == 0". torch documents timeout as the limit for
+    collecting a batch from workers: with none there is nothing to time out on. With workers it applies."""
+    expected = [tuple(item) for item in DataLoader(keys_of(packed), num_workers=0)]
+    assert [tuple(item) for item in DataLoader(keys_of(packed), num_workers=0, timeout=1)] == expected
+    with_workers = DataLoader(keys_of(packed), num_workers=2, timeout=60, persistent_workers=False)
+    assert with_workers.timeout == 60
+    assert sorted(tuple(item) for item in with_workers) == sorted(expected)
+
+
+def test_a_negative_timeout_is_refused_at_construction(packed):
+    with pytest.raises(ValueError, match="timeout must be 0 or more seconds, not -1"):
+        DataLoader(keys_of(packed), num_workers=2, timeout=-1)
+
+
+@pytest.mark.filterwarnings("ignore:Got pickle error:UserWarning")
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+@pytest.mark.parametrize("argument", ["transform", "collate_fn", "decode"])
+def test_an_unpicklable_argument_is_named_when_workers_are_not_forked(packed, method, argument):
+    """Regression: a lambda under spawn or forkserver gave pickle's own error, which names a lambda but not
+    the argument it was passed as, nor why it must pickle. The error keeps its type and gains a note."""
+    kwargs = {"transform": dict(transform=lambda sample: sample), "collate_fn": dict(collate_fn=lambda b: b),
+              "decode": dict(decode=lambda data: data)}[argument]
+    dataset = StreamingDataset(packed, fields=("__key__",), batch_size=2, **{"decode": None, **kwargs})
+    loader = DataLoader(dataset, num_workers=1, multiprocessing_context=method)
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)) as raised:
+        next(iter(loader))
+    notes = "\n".join(getattr(raised.value, "__notes__", []))
+    assert f"the dataset's {argument} argument cannot be pickled" in notes
+    assert f"DataLoader workers started by '{method}' receive the dataset pickled" in notes
 
 
 def test_normalize_is_the_formula_on_any_field():

@@ -8,6 +8,7 @@ dataset (and DataLoader) continues from it.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -330,6 +331,108 @@ def test_state_from_another_dataset_or_seed_is_refused(url, src, tmp_path):
     with pytest.raises(ShardstreamError):
         ds2.load_state_dict({**state, "seed": 123})
     assert [D.freeze(i) for i in ds2] == [D.freeze(i) for i in dataset(url)]
+
+
+# -- a state is checked where it is loaded ------------------------------------------------------------------
+
+
+def _broken(state, path, value):
+    """A deep copy of `state` with the entry at `path` (keys and list indexes) set to `value`."""
+    state = copy.deepcopy(state)
+    place = state
+    for key in path[:-1]:
+        place = place[key]
+    place[path[-1]] = value
+    return state
+
+
+MALFORMED = [
+    (("current", "delivered"), -1, r"current\.delivered must be an int >= 0, not -1"),
+    (("current", "delivered"), 2.0, r"current\.delivered must be an int >= 0, not 2\.0"),
+    (("current", "delivered"), "2", r"current\.delivered must be an int >= 0, not '2'"),
+    (("current", "delivered"), True, r"current\.delivered must be an int >= 0, not True"),
+    (("current", "delivered"), None, r"current\.delivered must be an int >= 0, not None"),
+    (("current", "per_worker"), [1, 1], r"current\.per_worker must be one count per worker of its layout \(1\)"),
+    (("current", "per_worker"), [3], r"current\.delivered must be the sum of current\.per_worker \(3\), not 2"),
+    (("current", "layout", "world_size"), 0, r"current\.layout\.world_size must be an int >= 1, not 0"),
+    (("current", "layout", "workers"), -1, r"current\.layout\.workers must be an int >= 1, not -1"),
+    (("current", "layout", "batch_size"), 0, r"current\.layout\.batch_size must be an int >= 1, not 0"),
+    (("current", "layout", "partial"), "repeat", r"current\.layout\.partial must be one of \('pad', 'drop'\)"),
+    (("current", "layout", "drop_last"), "no", r"current\.layout\.drop_last must be true or false, not 'no'"),
+    (("current", "layout", "nonsense"), 1, r"current\.layout has unknown keys \['nonsense'\]"),
+    (("epoch",), "0", r"epoch must be an int, not '0'"),
+    (("finished",), {}, r"finished must be a list, not \{\}"),
+    (("position",), [1, 0], r"position\[0\] \(the plan worker\) must be an int >= 0 and < 1, not 1"),
+    (("position",), [0, -1], r"position\[1\] \(items yielded\) must be an int >= 0, not -1"),
+]
+
+
+@pytest.mark.parametrize(("path", "value", "message"), MALFORMED,
+                         ids=[f"{'.'.join(map(str, path))}={value!r}" for path, value, _ in MALFORMED])
+def test_a_malformed_state_is_refused_naming_the_field(url, path, value, message):
+    """Regression: a negative, fractional or non-int count loaded silently (and resumed at the wrong place),
+    and a zero worker count or batch size failed later, deep inside the plan, with ZeroDivisionError."""
+    ds = dataset(url)
+    D.take_main(ds, 2)
+    resumed = dataset(url)
+    with pytest.raises(ShardstreamError, match=message):
+        resumed.load_state_dict(_broken(ds.state_dict(), path, value))
+    assert len(resumed) == len(dataset(url)), "a refused state leaves the dataset as it was"
+
+
+def test_counts_beyond_the_epoch_are_refused_at_load(url):
+    """Regression: a count past the end of the epoch loaded, then len() raised "__len__() should return >= 0"
+    and iterating raised ValueError from the plan's round robin. The bound is what the state's own layout (2 real
+    DataLoader workers here) holds of the epoch; exactly the end of the epoch is a state like any other."""
+    def make():
+        return shardstream.DataLoader(dataset(url), num_workers=2, persistent_workers=False)
+
+    total = len(make())
+    loader = make()
+    it = iter(loader)
+    next(it), next(it)
+    state = loader.state_dict()
+    it.close()
+    assert state["current"]["layout"]["workers"] == 2
+
+    fresh = make()
+    with pytest.raises(ShardstreamError, match=rf"current\.delivered must be at most {total} .*, not {total + 1}"):
+        fresh.load_state_dict(_broken(state, ("current", "delivered"), total + 1))
+    fresh.load_state_dict(_broken(state, ("current", "delivered"), total))
+    assert len(fresh) == 0 and list(fresh) == [], "the epoch is complete"
+
+
+def test_counts_of_earlier_layouts_are_checked_against_what_they_had_left(url, interrupted):
+    """An elastic state's finished segments are bounded by their own layout, the current one by what the
+    finished ones left of the epoch."""
+    _, state = interrupted(3)  # 2 ranks x 2 workers, 3 items each
+    ds = dataset(url, rank=0, world_size=3)
+    ds.load_state_dict(state)
+    D.take_main(ds, 1)
+    elastic = ds.state_dict()
+    assert len(elastic["finished"]) == 1
+    per_rank = len(dataset(url, rank=0, world_size=2))
+    with pytest.raises(ShardstreamError, match=rf"finished\[0\]\.delivered must be at most {per_rank} "):
+        dataset(url, rank=0, world_size=3).load_state_dict(_broken(elastic, ("finished", 0, "delivered"), per_rank + 1))
+    resumed = dataset(url, rank=0, world_size=3)
+    resumed.load_state_dict(elastic)
+    bound = elastic["current"]["delivered"] + len(resumed)  # what 3 ranks have of what 2x2 left of the epoch
+    with pytest.raises(ShardstreamError, match=rf"current\.delivered must be at most {bound} \(.* left to it\)"):
+        dataset(url, rank=0, world_size=3).load_state_dict(_broken(elastic, ("current", "delivered"), bound + 1))
+    resumed.load_state_dict(_broken(elastic, ("current", "delivered"), bound))
+    assert len(resumed) == 0
+
+
+def test_an_endless_streams_count_may_span_epochs(url):
+    """The bound is one epoch's items except in an endless stream, whose count runs on into later epochs."""
+    full = D.take_main(endless(url), 20)
+    ds = endless(url)
+    D.take_main(ds, 15)  # 6 batches an epoch: this is in epoch 2
+    state = json.loads(json.dumps(ds.state_dict()))
+    assert state["current"]["delivered"] == 15
+    resumed = endless(url)
+    resumed.load_state_dict(state)
+    assert D.take_main(resumed, 5) == full[15:]
 
 
 # -- known bugs ------------------------------------------------------------------------------------------------
