@@ -10,6 +10,9 @@ The optimised hot paths each have a general counterpart that they must match exa
   plain-tar header checksums in one vectorised pass; with `scan_sample` returning None
   every sample goes through `_parse_sample` (`tario.iter_members`), the general parser.
 * `pack` runs workers in `_FramePool`; the reference is `multiprocessing.Pool.imap`.
+* `ShardReader` cuts samples out of pieces in C (`_tarcut`: zstd frames decompressed
+  into a reused buffer, fields copied straight out); the reference does it in Python
+  (python-zstandard, then `_samples` as above).
 * `ShardReader` reads local shards in pieces of `LOCAL_READ_BYTES` (2 MB); the
   reference reads them in `READ_BYTES` (8 MB) pieces, as remote ones are.
 
@@ -49,9 +52,10 @@ def _patch() -> list[tuple[Any, str, Any]]:
     reader = sys.modules["shardstream.reader"]
     saved = [(m, n, getattr(m, n)) for m, n in ((tario, "_header"), (tario, "scan_sample"),
                                                 (tario, "member_parts"), (pack, "_results"),
-                                                (reader, "LOCAL_READ_BYTES"))]
+                                                (reader, "LOCAL_READ_BYTES"), (reader, "_tarcut"))]
 
     reader.LOCAL_READ_BYTES = reader.READ_BYTES
+    reader._tarcut = None
 
     tario._header = tario._tarfile_header
     tario.scan_sample = lambda buf, a, b, key: None

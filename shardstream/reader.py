@@ -26,7 +26,7 @@ import math
 import os
 import threading
 import zlib
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Iterable, Iterator
 
 import numpy as np
 import zstandard
@@ -35,6 +35,14 @@ from . import tario
 from .errors import CorruptIndexError, CorruptShardError, ShardstreamError
 from .format import INDEX_SUFFIX, ShardIndex, ShardInfo, check_weight, label_column, label_of, weight_column
 from .storage import Store, split_url
+
+try:  # the C hot path for cutting samples (setup.py); without it, the same in Python
+    from . import _tarcut
+except ImportError:  # pragma: no cover - exercised where the extension is not built
+    _tarcut = None
+
+#: Whether samples are cut out of shards in C (the `_tarcut` extension is built).
+TARCUT = _tarcut is not None
 
 __all__ = ["ShardReader", "StreamTarReader", "open_shard", "Sample"]
 
@@ -146,6 +154,47 @@ def _thread_decompressor() -> zstandard.ZstdDecompressor:
     return dctx
 
 
+def _thread_tarcut() -> object:
+    """This thread's `_tarcut` context (a zstd context and its reused output buffer)."""
+    context = getattr(_local, "tarcut", None)
+    if context is None:
+        context = _local.tarcut = _tarcut.new_context()
+    return context
+
+
+class _PieceBuffers:
+    """Read buffers handed from one range read to the next, per thread.
+
+    A fresh 2 MB buffer for every piece costs page faults that showed up in raw
+    reading (BENCHMARKS.md); a buffer is lent to one generator at a time, so two
+    ranges read interleaved in one thread never share one.
+    """
+
+    KEEP = 4  # per thread: more than a thread's readers interleave in practice
+
+    def take(self, size: int) -> bytearray:
+        free = self._free()
+        for j, buffer in enumerate(free):
+            if len(buffer) >= size:
+                return free.pop(j)
+        return bytearray(size)
+
+    def give(self, buffer: bytearray) -> None:
+        free = self._free()
+        if len(free) < self.KEEP:
+            free.append(buffer)
+
+    @staticmethod
+    def _free() -> list[bytearray]:
+        free = getattr(_local, "buffers", None)
+        if free is None:
+            free = _local.buffers = []
+        return free
+
+
+_buffers = _PieceBuffers()
+
+
 class ShardReader:
     """An indexed shard: ``len(reader)``, ``iter(reader)``, ``reader[i]``, ``reader.read(a, b)``.
 
@@ -244,19 +293,26 @@ class ShardReader:
     # -- uncompressed shards: the tar stream is the file ---------------------------
 
     def _read_plain(self, start: int, stop: int) -> Iterator[Sample]:
-        offsets = self.index.sample_offsets
+        index = self.index
+        offsets = index.sample_offsets
         step = LOCAL_READ_BYTES if self.store.local else READ_BYTES
-        a = start
-        while a < stop:
-            # Fetch a run of whole samples of about READ_BYTES per request.
-            b = int(np.searchsorted(offsets, offsets[a] + step, side="right")) - 1
-            b = min(max(b, a + 1), stop)
-            base = int(offsets[a])
-            buf = self.store.read(self.name, base, int(offsets[b]))
-            if len(buf) != offsets[b] - base:
-                raise CorruptShardError("shard is shorter than its index says", url=self.url, offset=len(buf) + base)
-            yield from self._samples(buf, base, a, b, base)
-            a = b
+        buffer = _buffers.take(step) if self.store.local else None
+        try:
+            a = start
+            while a < stop:
+                # Fetch a run of whole samples of about READ_BYTES per request.
+                b = int(np.searchsorted(offsets, offsets[a] + step, side="right")) - 1
+                b = min(max(b, a + 1), stop)
+                base = int(offsets[a])
+                piece, buffer = self._fetch(base, int(offsets[b]) - base, buffer)
+                samples = None
+                if _tarcut is not None:  # None: a sample in another layout, or a damaged header
+                    samples = _tarcut.cut_samples(piece, base, offsets[a : b + 1].tolist(), index.keys[a:b], self.url)
+                yield from samples if samples is not None else self._samples(piece, base, a, b, base)
+                a = b
+        finally:
+            if buffer is not None:
+                _buffers.give(buffer)
 
     # -- zstd shards: whole samples per frame ----------------------------------------
 
@@ -265,23 +321,65 @@ class ShardReader:
         first, last = index.frame_of(start), index.frame_of(stop - 1)
         comp, raw = index.frame_offsets, index.frame_raw_offsets
         step = LOCAL_READ_BYTES if self.store.local else READ_BYTES
-        f = first
-        while f <= last:
-            # Fetch a run of frames of about READ_BYTES per request.
-            g = int(np.searchsorted(comp, comp[f] + step, side="right")) - 1
-            g = min(max(g, f + 1), last + 1)
-            buf = self.store.read(self.name, int(comp[f]), int(comp[g]))
-            if len(buf) != comp[g] - comp[f]:
-                raise CorruptShardError("shard is shorter than its index says", url=self.url, offset=int(comp[f]) + len(buf))
-            view = memoryview(buf)
-            for frame in range(f, g):
-                data = self._decompress(view[comp[frame] - comp[f] : comp[frame + 1] - comp[f]], frame)
-                lo = max(start, int(np.searchsorted(index.sample_offsets, raw[frame], side="left")))
-                hi = min(stop, int(np.searchsorted(index.sample_offsets, raw[frame + 1], side="left")))
-                yield from self._samples(data, int(raw[frame]), lo, hi, int(comp[frame]))
-            f = g
+        buffer = _buffers.take(step) if self.store.local else None
+        try:
+            f = first
+            while f <= last:
+                # Fetch a run of frames of about READ_BYTES per request.
+                g = int(np.searchsorted(comp, comp[f] + step, side="right")) - 1
+                g = min(max(g, f + 1), last + 1)
+                begin = int(comp[f])
+                piece, buffer = self._fetch(begin, int(comp[g]) - begin, buffer)
+                for frame in range(f, g):
+                    lo = max(start, int(np.searchsorted(index.sample_offsets, raw[frame], side="left")))
+                    hi = min(stop, int(np.searchsorted(index.sample_offsets, raw[frame + 1], side="left")))
+                    yield from self._frame_samples(piece[comp[frame] - begin : comp[frame + 1] - begin], frame, lo, hi)
+                f = g
+        finally:
+            if buffer is not None:
+                _buffers.give(buffer)
 
-    def _decompress(self, frame: memoryview, i: int) -> bytes:
+    def _fetch(self, begin: int, size: int, buffer: bytearray | None) -> tuple[memoryview, bytearray | None]:
+        """Bytes [begin, begin + size) of the shard, and the buffer to pass next time.
+
+        A local file is read into `buffer` (`Store.read_into`; grown for a piece larger
+        than it), which the caller reuses piece after piece; a remote one into fresh bytes.
+        """
+        if buffer is None:
+            piece = memoryview(self.store.read(self.name, begin, begin + size))
+        else:
+            if len(buffer) < size:  # one frame or sample larger than a piece
+                buffer = bytearray(size)
+            piece = memoryview(buffer)[:size]
+            piece = piece[: self.store.read_into(self.name, begin, piece)]
+        if len(piece) != size:
+            raise CorruptShardError("shard is shorter than its index says", url=self.url, offset=begin + len(piece))
+        return piece, buffer
+
+    def _frame_samples(self, frame: memoryview, i: int, start: int, stop: int) -> Iterable[Sample]:
+        """Samples [start, stop) of zstd frame i.
+
+        In C where `_tarcut` is built: the frame is decompressed into a buffer the thread
+        reuses and each field copied out of it into its own bytes, about 1.5x faster raw
+        reading than below (BENCHMARKS.md). A sample `_tarcut` does not handle sends the
+        frame to the Python path, which parses every layout and raises the precise error.
+        """
+        index = self.index
+        expected = self._check_frame(frame, i)
+        base = int(index.frame_raw_offsets[i])
+        if _tarcut is not None:
+            try:
+                samples = _tarcut.frame_samples(_thread_tarcut(), frame, expected, base,
+                                                index.sample_offsets[start : stop + 1].tolist(),
+                                                index.keys[start:stop], self.url)
+            except _tarcut.FrameError as e:
+                raise CorruptShardError(f"bad zstd frame {i}: {e}", url=self.url, offset=int(index.frame_offsets[i])) from e
+            if samples is not None:
+                return samples
+        return self._samples(self._decompress(frame, i), base, start, stop, int(index.frame_offsets[i]))
+
+    def _check_frame(self, frame: memoryview, i: int) -> int:
+        """Frame i's uncompressed size, once its header agrees with the index and the format."""
         index = self.index
         expected = int(index.frame_raw_offsets[i + 1] - index.frame_raw_offsets[i])
         offset = int(index.frame_offsets[i])
@@ -292,10 +390,17 @@ class ShardReader:
                 raise CorruptShardError(f"zstd frame {i} has no content checksum (the format requires one)",
                                         url=self.url, offset=offset)
             declared = zstandard.frame_content_size(frame)
-            if declared != expected:
-                raise CorruptShardError(
-                    f"zstd frame {i} declares {declared} bytes, the index {expected}", url=self.url, offset=offset
-                )
+        except zstandard.ZstdError as e:
+            raise CorruptShardError(f"bad zstd frame {i}: {e}", url=self.url, offset=offset) from e
+        if declared != expected:
+            raise CorruptShardError(f"zstd frame {i} declares {declared} bytes, the index {expected}",
+                                    url=self.url, offset=offset)
+        return expected
+
+    def _decompress(self, frame: memoryview, i: int) -> bytes:
+        expected = self._check_frame(frame, i)
+        offset = int(self.index.frame_offsets[i])
+        try:
             data = _thread_decompressor().decompress(frame, max_output_size=expected)
         except zstandard.ZstdError as e:
             raise CorruptShardError(f"bad zstd frame {i}: {e}", url=self.url, offset=offset) from e
@@ -303,7 +408,7 @@ class ShardReader:
             raise CorruptShardError(f"zstd frame {i} holds {len(data)} bytes, expected {expected}", url=self.url, offset=offset)
         return data
 
-    def _samples(self, buf: bytes, base: int, start: int, stop: int, file_offset: int) -> Iterator[Sample]:
+    def _samples(self, buf: bytes | memoryview, base: int, start: int, stop: int, file_offset: int) -> Iterator[Sample]:
         """Parse samples [start, stop) out of `buf`, which begins at raw offset `base`."""
         index, url = self.index, self.url
         if type(buf) is not bytes:

@@ -200,48 +200,58 @@ def iter_members(
         raise CorruptShardError("truncated tar stream", url=url, offset=base + pos)
 
 
+def common_member(block: bytes, pos: int, key: str) -> tuple[str, int] | None:
+    """(field, data size) of the header at ``block[pos : pos + 512]``, if it is a member of
+    sample `key` in the common layout, else None.
+
+    The common layout: a regular ustar member with a short name (no pax or long-name
+    record, no name prefix) of the key the index expects. Anything else, including a
+    header that would not parse, gives None, and the caller parses the sample with
+    `iter_members`, which handles every layout and raises the precise error. Header
+    checksums are not checked here (see `checksums_ok`).
+    """
+    if block[pos] == 0 or block[pos + 156] != 48 or block[pos + 345] != 0 or block[pos + 257 : pos + 262] != b"ustar":
+        return None  # an end block, another member type, a name prefix, or not ustar
+    field = block[pos + 124 : pos + 136]
+    if field[0] == 0x80:
+        return None
+    text = field.rstrip(b"\0 ").lstrip(b" ")
+    try:
+        size = int(text, 8) if text else 0
+        nul = block.find(b"\0", pos, pos + 100)
+        name = block[pos : nul if nul >= 0 else pos + 100].decode("utf-8")
+    except ValueError:  # includes UnicodeDecodeError
+        return None
+    if size < 0 or size > MAX_MEMBER_SIZE:
+        return None
+    dot = name.find(".", name.rfind("/") + 1)
+    if dot < 0:
+        return ("", size) if name == key else None
+    return (name[dot + 1 :], size) if name[:dot] == key else None
+
+
 def scan_sample(buf: bytes, a: int, b: int, key: str) -> list[tuple[str, int, int]] | None:
     """The fast path for one sample of an indexed shard: [(field, data start, data end)].
 
-    `buf[a:b]` should hold the members of the sample `key`. Handles the common layout
-    only: regular ustar members with short names, no pax or long-name records, the keys
-    the index expects, nothing left over. It returns None for anything else, and then
-    the caller parses the sample with `iter_members`, which handles every layout and
-    raises the precise error; where it returns a list, `iter_members` would have given
-    the same members. Header checksums are not checked here (see `checksums_ok`).
+    `buf[a:b]` should hold the members of the sample `key`, all in the layout
+    `common_member` accepts, and nothing else; otherwise None. Where it returns a list,
+    `iter_members` would have given the same members.
     """
     end = min(b, len(buf))
     if a < 0 or a >= end:
         return None
     members = []
     pos = a
-    try:
-        while pos + BLOCK <= end:
-            if buf[pos] == 0 or buf[pos + 156] != 48 or buf[pos + 345] != 0 or buf[pos + 257 : pos + 262] != b"ustar":
-                return None  # an end block, another member type, a name prefix, or not ustar
-            field = buf[pos + 124 : pos + 136]
-            if field[0] == 0x80:
-                return None
-            text = field.rstrip(b"\0 ").lstrip(b" ")
-            size = int(text, 8) if text else 0
-            start = pos + BLOCK
-            stop = start + size
-            if size < 0 or size > MAX_MEMBER_SIZE or stop > end:
-                return None
-            nul = buf.find(b"\0", pos, pos + 100)
-            name = buf[pos : nul if nul >= 0 else pos + 100].decode("utf-8")
-            dot = name.find(".", name.rfind("/") + 1)
-            if dot < 0:
-                if name != key:
-                    return None
-                members.append(("", start, stop))
-            else:
-                if name[:dot] != key:
-                    return None
-                members.append((name[dot + 1 :], start, stop))
-            pos = start + (size + BLOCK - 1) // BLOCK * BLOCK
-    except (IndexError, ValueError):  # ValueError includes UnicodeDecodeError
-        return None
+    while pos + BLOCK <= end:
+        member = common_member(buf, pos, key)
+        if member is None:
+            return None
+        field, size = member
+        start = pos + BLOCK
+        if start + size > end:
+            return None
+        members.append((field, start, start + size))
+        pos = start + padded(size)
     if pos != end or not members:
         return None
     return members

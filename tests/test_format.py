@@ -18,6 +18,7 @@ import zstandard
 
 import shardstream
 from shardstream import ShardWriter, StreamingDataset, open_dataset, open_shard
+from shardstream import reader as reader_module
 from shardstream.decode import Decoder
 from shardstream.errors import CorruptIndexError, ManifestError, ShardstreamError
 from shardstream.format import MANIFEST_NAME, Manifest, ShardIndex, ShardInfo
@@ -400,6 +401,79 @@ def test_damaged_shard_raises_corrupt_shard(request, tmp_path, dataset, damage):
     path.write_bytes(DAMAGE[damage](path.read_bytes()))
     with pytest.raises((shardstream.CorruptShardError, CorruptIndexError), match=name):
         list(open_dataset(str(copy)).shards[0].reader())
+
+
+@pytest.mark.parametrize("where", ["payload", "checksum"])
+def test_damaged_frame_yields_none_of_its_samples(tmp_path, where):
+    """The frame's checksum is checked before any of its samples is handed out, when it is
+    read whole and when one sample of it is read alone, in C (`_tarcut`) and in Python."""
+    samples = blob_samples(24, lo=500, hi=3000)
+    write_samples(tmp_path / "ds", samples, frame_size=8000)
+    ref = open_dataset(str(tmp_path / "ds")).shards[0]
+    index = ref.reader().index
+    frames = index.frame_offsets.tolist()
+    assert len(frames) > 4, "the test needs several frames in the shard"
+    path = tmp_path / "ds" / ref.name
+    data = bytearray(path.read_bytes())
+    pos = (frames[2] + frames[3]) // 2 if where == "payload" else frames[3] - 1  # frame 2's data, or its checksum
+    data[pos] ^= 0x10
+    path.write_bytes(bytes(data))
+    in_frame = [i for i in range(len(samples)) if index.frame_of(i) == 2]
+    before = in_frame[0]
+    got: list[dict] = []
+    with pytest.raises(shardstream.CorruptShardError, match="frame 2"):
+        for sample in ref.reader():
+            got.append(sample)
+    assert [s["bin"] for s in got] == [s["bin"] for s in samples[:before]]
+    for i in in_frame:
+        with pytest.raises(shardstream.CorruptShardError, match="frame 2"):
+            ref.reader()[i]
+    if reader_module.TARCUT:
+        reader_module_tarcut, reader_module._tarcut = reader_module._tarcut, None
+        try:
+            with pytest.raises(shardstream.CorruptShardError, match="frame 2"):
+                list(ref.reader())
+        finally:
+            reader_module._tarcut = reader_module_tarcut
+
+
+@pytest.mark.skipif(not reader_module.TARCUT, reason="the _tarcut extension is not built")
+@pytest.mark.parametrize("compression", ["zstd", "none"])
+def test_tarcut_cuts_the_common_layout_and_refuses_the_rest(tmp_path, compression):
+    """The C hot path really cuts what ShardWriter writes (a fallback every time would only be slow),
+    and hands a damaged header back to the Python parser instead of guessing."""
+    from shardstream import _tarcut
+
+    samples = blob_samples(40, lo=50, hi=5000)
+    write_samples(tmp_path / "ds", samples, compression=compression, frame_size=8000)
+    ref = open_dataset(str(tmp_path / "ds")).shards[0]
+    index, url = ref.reader().index, ref.reader().url
+    data = (tmp_path / "ds" / ref.name).read_bytes()
+    offsets, keys = index.sample_offsets.tolist(), list(index.keys)
+    expected = [{"__key__": s["__key__"], "__url__": url, "bin": s["bin"], "cls": str(s["cls"]).encode()}
+                for s in samples]
+    if compression == "zstd":
+        context, got = _tarcut.new_context(), []
+        comp, raw = index.frame_offsets.tolist(), index.frame_raw_offsets.tolist()
+        for f in range(len(comp) - 1):
+            inside = [i for i in range(len(keys)) if raw[f] <= offsets[i] < raw[f + 1]]
+            lo, hi = inside[0], inside[-1] + 1
+            got += _tarcut.frame_samples(context, data[comp[f] : comp[f + 1]], raw[f + 1] - raw[f], raw[f],
+                                         offsets[lo : hi + 1], keys[lo:hi], url)
+        assert got == expected
+        with pytest.raises(_tarcut.FrameError, match="checksum"):
+            frame = bytearray(data[comp[0] : comp[1]])
+            frame[len(frame) // 2] ^= 1
+            _tarcut.frame_samples(context, bytes(frame), raw[1] - raw[0], 0, offsets[:2], keys[:1], url)
+        return
+    assert _tarcut.cut_samples(data, 0, offsets, keys, url) == expected
+    damaged = bytearray(data)
+    damaged[offsets[3] + 1] ^= 1  # a name byte: the header checksum no longer matches
+    assert _tarcut.cut_samples(bytes(damaged), 0, offsets, keys, url) is None
+    (tmp_path / "ds" / ref.name).write_bytes(bytes(damaged))
+    with pytest.raises(shardstream.CorruptShardError, match="checksum"):  # the Python parser names it
+        list(ref.reader())
+    assert _tarcut.cut_samples(data, 0, [offsets[0], offsets[2]], keys[:1], url) is None  # sample 0 over two samples
 
 
 # -- ShardWriter -------------------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ CI runs 60 derandomized examples per target. For a long, randomized run:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import io
@@ -55,7 +56,7 @@ import threading
 import traceback
 import tracemalloc
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import msgpack
 import numpy as np
@@ -68,6 +69,7 @@ from hypothesis import strategies as st
 import shardstream
 from shardstream import CorruptIndexError, DecodeError, ManifestError, ShardstreamError
 from shardstream.decode import Decoder
+from shardstream import reader as reader_module
 from shardstream.format import MANIFEST_NAME, Manifest, ShardIndex
 from shardstream.shardfile import seek_table
 from shardstream.synthetic import synthetic_jpeg
@@ -702,6 +704,34 @@ def test_mutated_shard_files(corpora, compression, data):
 def test_hostile_tar_streams(corpora, compression, data):
     """Byte flips and forged (checksum-valid) tar headers behind valid zstd frames and checksums."""
     _fuzz_one(corpora[compression], data, "raw")
+
+
+@contextlib.contextmanager
+def python_cut() -> Iterator[None]:
+    """Read without the `_tarcut` extension: the Python parser and python-zstandard."""
+    saved, reader_module._tarcut = reader_module._tarcut, None
+    try:
+        yield
+    finally:
+        reader_module._tarcut = saved
+
+
+@pytest.mark.skipif(not reader_module.TARCUT, reason="the _tarcut extension is not built")
+@pytest.mark.parametrize("family", ("shard", "raw"))
+@pytest.mark.parametrize("compression", COMPRESSIONS)
+@FUZZ
+@given(data=st.data())
+def test_c_and_python_cut_agree(corpora, compression, family, data):
+    """`_tarcut` handles the common layout and hands anything else to the Python parser: on every
+    damaged or hostile shard both give the same samples, or errors of the same class."""
+    corpus = corpora[compression]
+    m = draw_mutation(HypothesisChooser(data), corpus, family)
+    _, fast = run_mutation(corpus, m, family)
+    with python_cut():
+        _, slow = run_mutation(corpus, m, family)
+    for path in fast:
+        assert (fast[path].kind, fast[path].label) == (slow[path].kind, slow[path].label), (m, path, fast[path], slow[path])
+        assert fast[path].samples == slow[path].samples, (m, path)
 
 
 @pytest.mark.parametrize("compression", COMPRESSIONS)
