@@ -1,7 +1,10 @@
 """What a pack source holds: an image folder (one subfolder per class) or a file list.
 
 The listing decides sample keys, fields and labels, and is the same on every machine
-that sees the same files: it depends on relative paths only.
+that sees the same files: it depends on relative paths only. A file's field is what its
+name's extension gives; what its bytes really are is known when it is read:
+`sniff_image` tells, so that `pack` refuses a format it does not store and reports a
+name that lies about one it does.
 """
 
 from __future__ import annotations
@@ -13,11 +16,51 @@ from typing import Iterator
 
 from .errors import PackError
 
-__all__ = ["Listing", "SourceFile", "list_source", "printable", "IMAGE_FIELDS"]
+__all__ = ["Listing", "SourceFile", "Repeat", "list_source", "printable", "sniff_image", "IMAGE_FIELDS"]
 
-# File extension -> field name. The field says what the bytes are, so .jpeg and .JPG
-# become `jpg`, which is what WebDataset's decoders and `fields=("jpg", "cls")` expect.
+# File extension -> field name. The field says what the name says the bytes are, so .jpeg
+# and .JPG become `jpg`, which is what WebDataset's decoders and `fields=("jpg", "cls")`
+# expect. A name can lie (ImageNet holds a PNG named .JPEG): the field stays the name's,
+# so that every sample has it, and readers that sniff the bytes (Pillow, shardstream's
+# decoders) read them; `pack` reports such files, which JPEG-only decoders refuse.
 IMAGE_FIELDS = {".jpg": "jpg", ".jpeg": "jpg", ".png": "png", ".webp": "webp"}
+
+# The first bytes of image formats -> (field, format name). The formats pack stores have a
+# field, for comparing with the one the name gives; the others are named only, for the
+# message that refuses them. WebP (RIFF....WEBP) is tested apart.
+_SIGNATURES: tuple[tuple[bytes, str | None, str], ...] = (
+    (b"\xff\xd8\xff", "jpg", "JPEG"),
+    (b"\x89PNG\r\n\x1a\n", "png", "PNG"),
+    (b"GIF87a", None, "GIF"),
+    (b"GIF89a", None, "GIF"),
+    (b"BM", None, "BMP"),
+    (b"II*\x00", None, "TIFF"),
+    (b"MM\x00*", None, "TIFF"),
+    (b"\x00\x00\x01\x00", None, "ICO"),
+    (b"8BPS", None, "Photoshop"),
+    (b"\x00\x00\x00\x0cjP  \r\n\x87\n", None, "JPEG 2000"),
+    (b"\xff\x0a", None, "JPEG XL"),
+    (b"\x00\x00\x00\x0cJXL \r\n\x87\n", None, "JPEG XL"),
+)
+_ISO_BRANDS = {b"avif": "AVIF", b"avis": "AVIF", b"heic": "HEIF", b"heix": "HEIF", b"mif1": "HEIF", b"msf1": "HEIF"}
+
+
+def sniff_image(data: bytes) -> tuple[str | None, str | None]:
+    """(field, format name) of the image format `data` starts as, from its first bytes.
+
+    The field is ``"jpg"``, ``"png"`` or ``"webp"`` for the formats `pack` stores, None
+    for another format (named: ``"GIF"``, ``"BMP"``, ``"TIFF"``, ...); both are None for
+    bytes that start as no image format known here. Whether the rest is a whole, readable
+    image is `pack.check_image`'s question.
+    """
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "webp", "WebP"
+    for magic, field, name in _SIGNATURES:
+        if data.startswith(magic):
+            return field, name
+    if data[4:8] == b"ftyp" and data[8:12] in _ISO_BRANDS:
+        return None, _ISO_BRANDS[data[8:12]]
+    return None, None
 
 
 @dataclass(frozen=True)
@@ -30,11 +73,27 @@ class SourceFile:
 
 
 @dataclass(frozen=True)
+class Repeat:
+    """A row of a file list naming a file that an earlier row names: packed as listed, the
+    file would be two samples (`a` and `a_1`), seen twice an epoch. `pack` fails on it or
+    skips the later row, under its `on_error` policy."""
+
+    path: str  # as `SourceFile.path`
+    line: int  # the repeating row's line number in the list (from 1)
+    first_line: int  # the line of the row that names it first
+
+    @property
+    def reason(self) -> str:
+        return f"duplicate of line {self.first_line}"
+
+
+@dataclass(frozen=True)
 class Listing:
     root: str
     files: tuple[SourceFile, ...]
     classes: tuple[str, ...]
     ignored: tuple[str, ...]  # files that are not images, by relative path
+    repeated: tuple[Repeat, ...] = ()  # file list rows left out of `files`, as naming a file again
 
 
 def _key(relpath: str) -> str:
@@ -131,9 +190,9 @@ def printable(path: str) -> str:
     return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
-def _read_rows(path: str) -> list[tuple[str, str | None]]:
-    """The (path, label or None) rows of a file list; blank lines and `#` comments left out."""
-    rows: list[tuple[str, str | None]] = []
+def _read_rows(path: str) -> list[tuple[int, str, str | None]]:
+    """The (line number, path, label or None) rows of a file list; blank lines and `#` comments left out."""
+    rows: list[tuple[int, str, str | None]] = []
     try:
         with open(path, newline="", encoding="utf-8") as f:
             for number, row in enumerate(csv.reader(f), 1):
@@ -141,7 +200,7 @@ def _read_rows(path: str) -> list[tuple[str, str | None]]:
                     continue
                 if len(row) > 2:
                     raise PackError(f"line {number}: expected 'path[,label]', got {len(row)} columns", url=path)
-                rows.append((row[0].strip(), row[1].strip() if len(row) == 2 else None))
+                rows.append((number, row[0].strip(), row[1].strip() if len(row) == 2 else None))
     except UnicodeDecodeError as e:
         raise PackError(f"the file list is not UTF-8 text (byte {e.start})", url=path) from None
     return rows
@@ -160,10 +219,12 @@ def _is_header(first_cell: str, root: str) -> bool:
 def _list_file(path: str) -> Listing:
     root = os.path.dirname(os.path.abspath(path))
     rows = _read_rows(path)
-    if rows and _is_header(rows[0][0], root):
+    if rows and _is_header(rows[0][1], root):
         rows = rows[1:]
-    labels = {label for _, label in rows if label is not None}
-    if labels and any(label is None for _, label in rows):
+    # Classes come from every row, a repeated one too: leaving a row out (as skipping a
+    # corrupt image does) never renumbers the classes.
+    labels = {label for _, _, label in rows if label is not None}
+    if labels and any(label is None for _, _, label in rows):
         raise PackError("some lines have a label and some do not", url=path)
     if labels and all(label.lstrip("-").isdigit() for label in labels):
         # Integer labels are class indices as given.
@@ -175,10 +236,16 @@ def _list_file(path: str) -> Listing:
     else:
         classes = tuple(sorted(labels))
         index = {name: i for i, name in enumerate(classes)}
-    files, ignored = [], []
-    for file, label in rows:
+    files, ignored, repeated = [], [], []
+    first_lines: dict[str, int] = {}
+    for number, file, label in rows:
         full = file if os.path.isabs(file) else os.path.join(root, file)
+        # Normalised, so that "a.jpg", "./a.jpg" and its full path are one file, listed once.
         rel = os.path.relpath(full, root).replace(os.sep, "/")
+        if rel in first_lines:
+            repeated.append(Repeat(rel, number, first_lines[rel]))
+            continue
+        first_lines[rel] = number
         field = IMAGE_FIELDS.get(os.path.splitext(file)[1].lower())
         if field is None:
             ignored.append(rel)
@@ -188,4 +255,4 @@ def _list_file(path: str) -> Listing:
         files.append(SourceFile(rel, _key(rel), field, None if label is None else index[label], size))
     if not files:
         raise PackError("the file list names no images", url=path)
-    return Listing(root, tuple(_unique_keys(files)), classes, tuple(sorted(ignored)))
+    return Listing(root, tuple(_unique_keys(files)), classes, tuple(sorted(ignored)), tuple(repeated))

@@ -13,7 +13,10 @@ crosses a pipe. They are processes when the images are small, where the per-imag
 Python work (about 50 µs) would hold the GIL for most of the time (BENCHMARKS.md).
 
 Nothing is lost silently: every file of the source is packed, skipped with a reason
-(recorded in the manifest), or counted as not an image.
+(recorded in the manifest), or counted as not an image. An image is stored under the
+field its file name gives, byte for byte: where the name lies about a format pack
+stores (ImageNet's PNG named .JPEG), the bytes stay what they are, and the summary
+lists each such file.
 """
 
 from __future__ import annotations
@@ -48,10 +51,10 @@ from .decode import image_size, is_jpeg
 from .errors import PackError, ShardstreamError, reason
 from .format import INDEX_SUFFIX, MANIFEST_NAME, Manifest, ShardInfo
 from .journal import Journal
-from .listing import Listing, SourceFile, list_source, printable
+from .listing import Listing, SourceFile, list_source, printable, sniff_image
 from .parts import other_packs
 from .shardfile import FRAME_SIZE, IMAGE_LEVEL, Frame, ShardFileWriter, build_frame
-from .shrink import DEFAULT_QUALITY, shrink_image, shrunk_size
+from .shrink import DEFAULT_QUALITY, shrink_or_keep, shrunk_size
 from .storage import Store
 from .threads import ordered_map
 from .writer import check_compression, parse_size, shard_name, write_manifest
@@ -82,7 +85,19 @@ class PackOptions:
 
 @dataclass
 class PackSummary:
-    """What a pack did."""
+    """What a pack did.
+
+    `misnamed` lists (file, format) for each image whose content is another stored
+    format than its name says (``"PNG"`` for a PNG named .jpg): it is stored as named,
+    under the field of its name (`jpg`), byte for byte, so that ``fields=("jpg", "cls")``
+    finds every sample. Readers that tell the format from the bytes (shardstream's
+    decoders, Pillow) read it; JPEG-only decoders (nvJPEG, DALI's JPEG path) refuse it.
+    One that `max_side` shrank is encoded in its field's format and is not listed.
+    `kept_whole` lists (file, why) for each image larger than `max_side` that kept its
+    bytes (``"animated"``). Both cover, as `bytes_in` does, the shards this run packed:
+    a resumed pack does not see the earlier run's, nor does a finished pack's rerun. The
+    manifest records what was skipped.
+    """
 
     samples: int
     shards: int
@@ -91,6 +106,8 @@ class PackSummary:
     seconds: float
     skipped: list[tuple[str, str]] = field(default_factory=list)
     ignored: int = 0
+    misnamed: list[tuple[str, str]] = field(default_factory=list)
+    kept_whole: list[tuple[str, str]] = field(default_factory=list)
 
     def __str__(self) -> str:
         rate = self.samples / self.seconds if self.seconds else 0.0
@@ -100,6 +117,13 @@ class PackSummary:
             f"skipped {len(self.skipped)}, not images {self.ignored}",
         ]
         lines += [f"  skipped {path}: {reason}" for path, reason in self.skipped]
+        if self.misnamed:
+            lines.append(f"content differs from its name: {len(self.misnamed)}, stored as named: shardstream's "
+                         "decoders read them, JPEG-only decoders (nvJPEG, DALI's JPEG path) refuse them")
+            lines += [f"  {path} is {kind}" for path, kind in self.misnamed]
+        if self.kept_whole:
+            lines.append(f"kept whole, larger than max_side: {len(self.kept_whole)}")
+            lines += [f"  kept whole {path}: {why}" for path, why in self.kept_whole]
         return "\n".join(lines)
 
 
@@ -161,16 +185,25 @@ def _whole_tables(data: bytes, start: int, end: int) -> bool:
     return start == end
 
 
-def check_image(data: bytes, path: str) -> None:
-    """Raise PackError unless `data` is a readable, complete image.
+def check_image(data: bytes, path: str) -> str:
+    """The field of `data`'s true format (``"jpg"``, ``"png"`` or ``"webp"``), whatever
+    the name of its file says (`pack` stores it under its name's field all the same, and
+    reports a difference); raise PackError unless it is a readable, complete image in
+    one of these formats.
 
-    Cheap by design (a full decode would cost more than the rest of packing): the
-    header is parsed, PNG chunk checksums verified, and a JPEG that does not end with
-    its end-of-image marker is fully decoded to tell truncation from trailing bytes.
-    `verify` does the full decode of every image.
+    Cheap by design (a full decode would cost more than the rest of packing): the format
+    is told from the first bytes, the header is parsed, PNG chunk checksums verified, and
+    a JPEG that does not end with its end-of-image marker is fully decoded to tell
+    truncation from trailing bytes. `verify` does the full decode of every image.
     """
-    if _plain_jpeg(data):
-        return
+    kind, name = sniff_image(data)
+    if kind is None:
+        if name is None:
+            raise PackError("not a readable image: unknown or damaged format", url=path)
+        # Pillow would read a GIF or a BMP, but the fields pack writes hold JPEG, PNG and WebP only.
+        raise PackError(f"a {name} image: pack stores JPEG, PNG and WebP only", url=path)
+    if kind == "jpg" and _plain_jpeg(data):
+        return kind
     try:
         with Image.open(io.BytesIO(data)) as image:
             _within_bomb_limit(image.size)
@@ -186,6 +219,7 @@ def check_image(data: bytes, path: str) -> None:
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         # The reason goes into the manifest, which must be reproducible.
         raise PackError(f"not a readable image: {reason(e)}", url=path) from e
+    return kind
 
 
 def _within_bomb_limit(size: tuple[int, int]) -> None:
@@ -353,17 +387,25 @@ def order(listing: Listing, opts: PackOptions) -> list[SourceFile]:
 # -- the work of one frame (runs in the workers) ------------------------------------------------
 
 
+# The Pillow format of each image field, that a shrunk image is encoded in.
+_PILLOW_FORMATS = {"jpg": "JPEG", "png": "PNG", "webp": "WEBP"}
+
+
 @dataclass
 class FrameResult:
     shard: int
     frame: Frame
     skipped: list[tuple[str, str]]
     bytes_in: int
+    misnamed: list[tuple[str, str]] = field(default_factory=list)  # as PackSummary's
+    kept_whole: list[tuple[str, str]] = field(default_factory=list)
 
 
 def build_job(job: tuple[int, list[SourceFile], str, PackOptions, bool]) -> FrameResult:
     shard, entries, root, opts, skip = job
     samples, skipped, bytes_in = [], [], 0
+    misnamed: list[tuple[str, str]] = []
+    kept_whole: list[tuple[str, str]] = []
     for entry in entries:
         path = os.path.join(root, entry.path)
         try:
@@ -371,10 +413,13 @@ def build_job(job: tuple[int, list[SourceFile], str, PackOptions, bool]) -> Fram
                 raise PackError("file name is not UTF-8", url=printable(path))
             with open(path, "rb") as f:
                 data = f.read()
-            check_image(data, path)
+            kind = check_image(data, path)
             read = len(data)
+            kept = None
             if opts.max_side is not None:
-                data = shrink_image(data, opts.max_side, opts.quality, path=path)
+                # Encoded again, if at all, in the format of its field: then the field tells the truth.
+                data, kept = shrink_or_keep(data, opts.max_side, opts.quality, path=path,
+                                            as_format=_PILLOW_FORMATS[entry.field])
         except (OSError, PackError) as e:
             # The manifest records the reason, which must be reproducible: no absolute path.
             why = e.detail if isinstance(e, PackError) else f"unreadable: {reason(e)}"
@@ -383,11 +428,18 @@ def build_job(job: tuple[int, list[SourceFile], str, PackOptions, bool]) -> Fram
             skipped.append((printable(entry.path), why))
             continue
         bytes_in += read
+        if kind != entry.field:  # the name lies: stored as named all the same, and reported unless shrunk
+            stored, name = sniff_image(data)
+            if stored != entry.field:
+                misnamed.append((entry.path, name or kind))
+        if kept is not None:
+            kept_whole.append((entry.path, kept))
         fields = [(entry.field, data)]
         if entry.label is not None:
             fields.append(("cls", str(entry.label).encode("ascii")))
         samples.append((entry.key, sorted(fields)))
-    return FrameResult(shard, build_frame(samples, opts.compression, opts.level), skipped, bytes_in)
+    return FrameResult(shard, build_frame(samples, opts.compression, opts.level), skipped, bytes_in, misnamed,
+                       kept_whole)
 
 
 def _pool_context() -> multiprocessing.context.BaseContext:
@@ -503,8 +555,8 @@ class _FramePool:
                         _, i, error = message
                         early[i], failed_at = error, min(failed_at, i)
                     else:
-                        _, i, shard, frame_fields, skipped, bytes_in = message
-                        early[i] = FrameResult(shard, Frame(data=_recv_data(conn), **frame_fields), skipped, bytes_in)
+                        _, i, frame_fields, result_fields = message
+                        early[i] = FrameResult(frame=Frame(data=_recv_data(conn), **frame_fields), **result_fields)
                 except EOFError:
                     proc = self.procs[w]
                     proc.join(5)
@@ -584,14 +636,18 @@ def _frame_worker(tasks: Any, conn: Any) -> None:
                 out.put((_pickle_error(i, e), None))
                 continue
             frame = result.frame
-            # Every field of the Frame but its data, which follows raw (see _send_data).
-            frame_fields = {f.name: getattr(frame, f.name) for f in dataclasses.fields(frame) if f.name != "data"}
-            message = ("ok", i, result.shard, frame_fields, result.skipped, result.bytes_in)
+            # Every field of the result and of its Frame but the data, which follows raw (see _send_data).
+            message = ("ok", i, _fields_but(frame, "data"), _fields_but(result, "frame"))
             out.put((bytes(ForkingPickler.dumps(message)), frame.data))
     finally:
         out.put(None)
         sender.join()
         conn.close()
+
+
+def _fields_but(instance: Any, left_out: str) -> dict[str, Any]:
+    """A dataclass instance's fields by name, but one."""
+    return {f.name: getattr(instance, f.name) for f in dataclasses.fields(instance) if f.name != left_out}
 
 
 # Frame data goes through the pipe's file descriptor as a length and the raw bytes, and
@@ -666,18 +722,25 @@ def pack(
     `dst` is a path or fsspec URL. The same input and options give byte-identical
     shards and manifest, whatever `workers` is (default: all cores). `on_error="fail"`
     stops at the first unreadable or corrupt image, naming it; ``"skip"`` leaves it out
-    and records it in the manifest. `resume` continues an interrupted pack from its
-    last complete shard, with the same result as an uninterrupted one. `part=(i, n)`
+    and records it in the manifest. An image in a format pack does not store (GIF, BMP,
+    TIFF, ...) is such an error, and so is a file list's row that names a file an earlier
+    row names (``"skip"`` packs it once, from the first). An image in a stored format but
+    named as another (a PNG named .jpg) is stored as named (under `jpg`, byte for byte)
+    and listed in the summary's `misnamed`. `resume` continues an interrupted pack from
+    its last complete shard, with the same result as an uninterrupted one. `part=(i, n)`
     packs only the i-th of n slices of the input and writes a part manifest; run every
     part (anywhere, in any order), then `merge` (parts.py). `max_side` shrinks every
-    image whose longer side is larger to that side, encoded again at `quality` (JPEG,
-    WebP; PNG stays lossless); smaller images keep their bytes (shrink.py).
+    image whose longer side is larger to that side, encoded again in the format of its
+    field at `quality` (JPEG, WebP; PNG losslessly); smaller images, and animated ones
+    (listed in the summary's `kept_whole`), keep their bytes (shrink.py).
     """
     check_compression(compression, level)
     if on_error not in ON_ERROR:
         raise ShardstreamError(f"on_error must be one of {ON_ERROR}, not {on_error!r}")
     if part is not None and not 0 <= part[0] < part[1]:
         raise ShardstreamError(f"part must be I/N with 0 <= I < N, not {part[0]}/{part[1]}")
+    if max_samples is not None and max_samples < 1:  # 0 packed one sample a shard: no limit anyone means
+        raise ShardstreamError(f"max_samples must be a positive number of samples per shard, not {max_samples}")
     if max_side is not None and max_side < 1:
         raise ShardstreamError(f"max_side must be a positive number of pixels, not {max_side}")
     if not 1 <= quality <= 100:
@@ -698,6 +761,7 @@ def pack(
         _remove_dataset(store, target)
     _clear_other_packs(store, part, overwrite=overwrite, finished_part=finished)
     listing = list_source(src)
+    listed_skips = _repeated_rows(listing, src, on_error == "skip", part)
     entries = order(listing, opts)
     fingerprint = listing_fingerprint(entries)
     journal = Journal(store, "main" if part is None else f"part-{part[0]:05d}-of-{part[1]:05d}")
@@ -725,6 +789,8 @@ def pack(
     start = time.perf_counter()
     finished: dict[int, tuple[ShardInfo, list[tuple[str, str]]]] = dict(done)
     bytes_in = 0
+    misnamed: list[tuple[str, str]] = []
+    kept_whole: list[tuple[str, str]] = []
     writer: ShardFileWriter | None = None
     shard_skips: list[tuple[str, str]] = []
     results: Iterator[FrameResult]
@@ -749,6 +815,8 @@ def pack(
             writer.append(result.frame)
             shard_skips += result.skipped
             bytes_in += result.bytes_in
+            misnamed += result.misnamed
+            kept_whole += result.kept_whole
             bar.update(len(result.frame.keys) + len(result.skipped))
             bar.set_postfix_str(f"{bytes_in / 1e6 / max(time.perf_counter() - start, 1e-9):,.0f} MB/s", refresh=False)
         if writer is not None:
@@ -765,7 +833,8 @@ def pack(
     shards = [finished[s][0] for s in sorted(finished) if finished[s][0].samples]
     skipped = [skip for s in sorted(finished) for skip in finished[s][1]]
     counts = np.zeros(len(listing.classes), dtype=np.int64)
-    skipped_paths = {p for p, _ in skipped}
+    skipped_paths = {p for p, _ in skipped}  # not `listed_skips`: their files are packed, from their first rows
+    skipped = listed_skips + skipped
     for entry in entries:
         if entry.label is not None and printable(entry.path) not in skipped_paths:
             counts[entry.label] += 1
@@ -792,7 +861,22 @@ def pack(
         seconds=time.perf_counter() - start,
         skipped=skipped,
         ignored=len(listing.ignored),
+        misnamed=misnamed,
+        kept_whole=kept_whole,
     )
+
+
+def _repeated_rows(listing: Listing, src: str, skip: bool, part: tuple[int, int] | None) -> list[tuple[str, str]]:
+    """The skip records of a file list's rows that name a file again, or (unless `skip`)
+    PackError at the first. Every part lists the source, so part 0 alone records them,
+    and a merge holds each once."""
+    if listing.repeated and not skip:
+        first = listing.repeated[0]
+        raise PackError(f"lines {first.first_line} and {first.line} both name {first.path!r}, which would be "
+                        "packed twice; remove one (or pass on_error='skip' to pack the first)", url=src)
+    if part is not None and part[0] != 0:
+        return []
+    return [(printable(r.path), r.reason) for r in listing.repeated]
 
 
 def _finished_summary(store: Store, name: str, options: dict[str, Any]) -> PackSummary:

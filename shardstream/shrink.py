@@ -7,10 +7,19 @@ bounded resolution, once, at pack time, rather than decoded at full size every e
 An image whose longer side is at most `max_side` keeps its original bytes. A larger
 one is decoded, shrunk as Pillow's `Image.thumbnail` does it (bicubic, antialiased;
 a JPEG decoded at a DCT reduction of no less than twice the target), keeping its
-aspect ratio, and encoded again in its own format: JPEG and WebP at `quality`, PNG
-losslessly. The ICC profile is kept; other metadata (EXIF, including its orientation
-tag, which shardstream's decoders and torchvision's ignore) is dropped. Pixels are
-not rotated.
+aspect ratio, and encoded again: JPEG and WebP at `quality`, PNG losslessly. `pack`
+asks for the format of the image's field, the one its file name gives: its own
+format, unless the name lies, and then a PNG named .jpg is shrunk into a JPEG, whose
+field then says what its bytes are. Bound for another format than its own, an image
+is first converted as Pillow converts it, which is what shardstream's decoders see
+(they convert to RGB): for JPEG, alpha is dropped (RGBA and a palette with
+transparency become RGB, LA becomes L) and 16-bit grey becomes 8-bit (clipped at
+255); for PNG and WebP, a CMYK JPEG becomes RGB. The ICC profile is kept where the
+colour space stays (not from CMYK, nor from grey to RGB); other metadata (EXIF,
+including its orientation tag, which shardstream's decoders and torchvision's
+ignore) is dropped. Pixels are not rotated. An animated image (WebP, APNG) keeps its
+original bytes whatever its size: a shrunk copy would hold its first frame only, and
+`pack` counts it as kept whole.
 
 The output is a pure function of the input bytes, `max_side`, `quality` and the
 Pillow build (its libjpeg-turbo, zlib and libwebp), so a rerun on the same
@@ -29,12 +38,19 @@ from PIL import Image
 from .decode import image_size
 from .errors import PackError
 
-__all__ = ["shrink_image", "shrunk_size", "DEFAULT_QUALITY"]
+__all__ = ["shrink_image", "shrink_or_keep", "shrunk_size", "DEFAULT_QUALITY", "KEPT_ANIMATED"]
 
 DEFAULT_QUALITY = 90  # FFCV's default too: visually lossless for training, about half the bytes of 95
 
 # Formats `pack` accepts, and how each is written again.
 _SAVE_OPTIONS = {"JPEG": ("quality",), "WEBP": ("quality",), "PNG": ()}
+
+# The modes each format writes, for an image shrunk into another format than its own.
+_WRITES = {"JPEG": ("L", "RGB"), "PNG": ("1", "L", "LA", "I;16", "RGB", "RGBA"), "WEBP": ("RGB", "RGBA")}
+_GREY = frozenset({"1", "L", "LA", "La", "I", "I;16", "I;16B", "I;16L", "F"})
+_ALPHA = frozenset({"LA", "La", "PA", "RGBA", "RGBa"})
+
+KEPT_ANIMATED = "animated"  # why `shrink_or_keep` keeps a larger image's bytes
 
 
 def shrunk_size(size: tuple[int, int], max_side: int) -> tuple[int, int]:
@@ -46,18 +62,34 @@ def shrunk_size(size: tuple[int, int], max_side: int) -> tuple[int, int]:
     return max(1, round(width * max_side / longer)), max(1, round(height * max_side / longer))
 
 
-def shrink_image(data: bytes, max_side: int, quality: int = DEFAULT_QUALITY, *, path: str = "") -> bytes:
-    """`data` itself when its longer side is at most `max_side`, else the image shrunk and encoded again.
+def shrink_image(data: bytes, max_side: int, quality: int = DEFAULT_QUALITY, *, path: str = "",
+                 as_format: str | None = None) -> bytes:
+    """`data` itself when its longer side is at most `max_side` or it is animated, else the
+    image shrunk and encoded again, in `as_format` (``"JPEG"``, ``"PNG"`` or ``"WEBP"``)
+    or by default its own format.
 
     Raises PackError naming `path` for an image Pillow cannot shrink or write back.
     """
+    return shrink_or_keep(data, max_side, quality, path=path, as_format=as_format)[0]
+
+
+def shrink_or_keep(data: bytes, max_side: int, quality: int = DEFAULT_QUALITY, *, path: str = "",
+                   as_format: str | None = None) -> tuple[bytes, str | None]:
+    """`shrink_image`'s bytes, and why an image larger than `max_side` kept its own bytes
+    (`KEPT_ANIMATED`), or None when it fit or was shrunk: `pack` reports the images a
+    dataset holds larger than asked for."""
+    if as_format is not None and as_format not in _SAVE_OPTIONS:
+        raise ValueError(f"as_format must be one of {sorted(_SAVE_OPTIONS)}, not {as_format!r}")
     try:
         if max(image_size(data)) <= max_side:  # the header alone: the common case decodes nothing
-            return data
+            return data, None
         with Image.open(io.BytesIO(data)) as image:
             fmt = image.format or ""
             if fmt not in _SAVE_OPTIONS:
                 raise PackError(f"cannot shrink a {fmt or 'unknown'} image (JPEG, PNG and WebP only)", url=path)
+            if getattr(image, "n_frames", 1) > 1:  # Pillow would resize (and save) the first frame only
+                return data, KEPT_ANIMATED
+            out_fmt = as_format or fmt
             target = shrunk_size(image.size, max_side)
             icc = image.info.get("icc_profile")
             box = None
@@ -66,15 +98,28 @@ def shrink_image(data: bytes, max_side: int, quality: int = DEFAULT_QUALITY, *, 
                 box = drafted[1] if drafted else None
             elif image.mode in ("1", "P"):  # Pillow resizes these by nearest neighbour only
                 image = image.convert("RGBA" if "transparency" in image.info else ("L" if image.mode == "1" else "RGB"))
+            if out_fmt != fmt and image.mode not in _WRITES[out_fmt]:
+                image, icc = _writable(image, out_fmt, icc)
             # What Image.thumbnail does, but to exactly the size `shrunk_size` promises.
             image = image.resize(target, Image.Resampling.BICUBIC, box=box, reducing_gap=2.0)
             out = io.BytesIO()
-            extra = {name: quality for name in _SAVE_OPTIONS[fmt]}
-            image.save(out, fmt, icc_profile=icc, **extra)
-            return out.getvalue()
+            extra = {name: quality for name in _SAVE_OPTIONS[out_fmt]}
+            image.save(out, out_fmt, icc_profile=icc, **extra)
+            return out.getvalue(), None
     except PackError:
         raise
     except Image.DecompressionBombError as e:  # Pillow's limit on pixels, which decoding would hold in memory
         raise PackError(f"too large to shrink safely: {e}", url=path) from e
     except (OSError, ValueError, SyntaxError) as e:
         raise PackError(f"cannot shrink the image: {e}", url=path) from e
+
+
+def _writable(image: Image.Image, fmt: str, icc: bytes | None) -> tuple[Image.Image, bytes | None]:
+    """`image` converted to the first mode of grey or colour, with alpha or without, that
+    `fmt` writes, as Pillow converts it (which is what shardstream's decoders see: they
+    convert to RGB, dropping alpha), and the ICC profile where it still describes it."""
+    grey, alpha = image.mode in _GREY, image.mode in _ALPHA
+    wanted = (["LA"] if grey and alpha else []) + (["RGBA"] if alpha else []) + (["L"] if grey else []) + ["RGB"]
+    mode = next(m for m in wanted if m in _WRITES[fmt])
+    space_kept = image.mode != "CMYK" and (mode in _GREY) == grey
+    return image.convert(mode), icc if space_kept else None

@@ -144,6 +144,15 @@ def test_max_samples(image_folder, tmp_path):
     assert summary.shards == 5 and summary.samples == 21
 
 
+@pytest.mark.parametrize("max_samples", [0, -3])
+def test_max_samples_must_be_positive(image_folder, tmp_path, max_samples):
+    """Refused up front, as the command line refuses it and as pack refuses a bad shard size: 0 is no limit
+    that makes sense (it packed one sample a shard)."""
+    with pytest.raises(ShardstreamError, match=rf"max_samples must be a positive number.*not {max_samples}$"):
+        run_pack(image_folder, tmp_path / "ds", max_samples=max_samples)
+    assert not (tmp_path / "ds").exists()
+
+
 def test_summary_matches_manifest(image_folder, tmp_path):
     summary = run_pack(image_folder, tmp_path / "ds")
     manifest = open_dataset(str(tmp_path / "ds")).manifest
@@ -315,6 +324,52 @@ def test_file_list_header_with_named_labels(image_folder, tmp_path):
     manifest = open_dataset(str(tmp_path / "ds")).manifest
     assert manifest.classes == ("cat", "dog") and manifest.samples == 4 and manifest.ignored == 0
 
+def _list_with_a_repeated_row(folder: Path) -> tuple[Path, list[str]]:
+    """A file list in `folder` whose line 9 names again, spelt otherwise and with another label, the file of
+    line 4 (a comment and a blank line come first: line numbers are the file's)."""
+    files = [p.relative_to(folder).as_posix() for p in sorted(folder.rglob("*.jpg"))[:5]]
+    lines = ["# train split", "", "path,label"] + [f"{rel},{('cat', 'dog')[i % 2]}" for i, rel in enumerate(files)]
+    lines.append(f"./{files[0]},dog")
+    listing = folder / "train.csv"
+    listing.write_text("\n".join(lines) + "\n")
+    return listing, files
+
+
+def test_file_list_repeating_a_file_fails_naming_both_lines(image_folder_copy, tmp_path):
+    listing, files = _list_with_a_repeated_row(image_folder_copy)
+    with pytest.raises(PackError) as info:
+        run_pack(listing, tmp_path / "ds")
+    assert f"lines 4 and 9 both name {files[0]!r}" in str(info.value)
+    assert info.value.url == str(listing)
+    assert not (tmp_path / "ds" / MANIFEST_NAME).exists()
+
+
+def test_file_list_repeating_a_file_packs_it_once_under_skip(image_folder_copy, tmp_path):
+    """The file is one sample, from its first row (its label); the later row is a counted skip, so that the
+    rows still add up: packed + skipped + not images."""
+    listing, files = _list_with_a_repeated_row(image_folder_copy)
+    summary = run_pack(listing, tmp_path / "ds", on_error="skip")
+    manifest = open_dataset(str(tmp_path / "ds")).manifest
+    assert summary.skipped == list(manifest.skipped) == [(files[0], "duplicate of line 4")]
+    assert summary.samples == manifest.samples == 5 and manifest.ignored == 0
+    assert manifest.samples + len(manifest.skipped) + manifest.ignored == 6  # rows
+    got = samples_by_key(tmp_path / "ds")
+    assert sorted(got) == sorted(rel[: -len(".jpg")] for rel in files)  # no `_1` key
+    assert manifest.classes[int(got[files[0][: -len(".jpg")]]["cls"])] == "cat"
+    assert manifest.class_counts == (3, 2)
+
+
+def test_a_repeated_row_is_recorded_once_by_a_pack_in_parts(image_folder_copy, tmp_path):
+    from shardstream.parts import merge
+
+    listing, files = _list_with_a_repeated_row(image_folder_copy)
+    for index in range(3):
+        run_pack(listing, tmp_path / "ds", on_error="skip", part=(index, 3))
+    manifest = merge(str(tmp_path / "ds"))
+    assert manifest.skipped == ((files[0], "duplicate of line 4"),)
+    assert manifest.samples == 5 and manifest.class_counts == (3, 2)
+
+
 # -- corrupt input --------------------------------------------------------------------------------------
 
 
@@ -475,6 +530,113 @@ def test_skip_reasons_do_not_depend_on_where_the_source_lies(image_folder, tmp_p
     assert dataset_files(tmp_path / "ds_one") == dataset_files(tmp_path / "ds_two")
     [(path, reason)] = open_dataset(str(tmp_path / "ds_one")).manifest.skipped
     assert (path, reason) == ("missing.jpg", "unreadable: No such file or directory")
+
+# -- formats: what the name says, and what the bytes are ---------------------------------------------
+
+
+def encoded(fmt: str, size: tuple[int, int] = (40, 30), mode: str = "RGB", seed: int = 0) -> bytes:
+    """A small picture of noise in `fmt` (as Pillow names formats)."""
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).convert(mode).save(out, fmt)
+    return out.getvalue()
+
+
+def test_an_image_named_as_another_stored_format_is_stored_as_named_and_reported(image_folder_copy, tmp_path,
+                                                                                dataset_files, pool_kind):
+    """A PNG named .jpg (as ImageNet holds one) is stored under `jpg`, the field its name gives, its bytes
+    untouched, and listed in the summary with its real format; a CMYK JPEG is a JPEG like any other. The same
+    output, and the same list, for any number of workers."""
+    from shardstream.pack import check_image
+
+    folder = image_folder_copy
+    misnamed = {"class_000/zz_png.jpg": ("PNG", "jpg"), "class_001/zz_webp.png": ("WEBP", "png"),
+                "class_002/zz_jpeg.webp": ("JPEG", "webp")}
+    for i, (rel, (fmt, _)) in enumerate(misnamed.items()):
+        (folder / rel).write_bytes(encoded(fmt, seed=i))
+    (folder / "class_002" / "zz_cmyk.JPEG").write_bytes(encoded("JPEG", mode="CMYK", seed=9))
+    one = run_pack(folder, tmp_path / "w1", workers=1)
+    two = run_pack(folder, tmp_path / "w2", workers=2)
+    assert dataset_files(tmp_path / "w1") == dataset_files(tmp_path / "w2")
+    got = samples_by_key(tmp_path / "w1")
+    for rel, (fmt, field) in misnamed.items():
+        sample = got[rel.rsplit(".", 1)[0]]
+        assert set(sample) == {field, "cls"} and sample[field] == (folder / rel).read_bytes()
+        assert check_image(sample[field], rel) != field  # still what it was
+    assert got["class_002/zz_cmyk"]["jpg"] == (folder / "class_002" / "zz_cmyk.JPEG").read_bytes()
+    assert one.samples == 25 and not one.skipped
+    assert one.misnamed == two.misnamed
+    assert sorted(one.misnamed) == [("class_000/zz_png.jpg", "PNG"), ("class_001/zz_webp.png", "WebP"),
+                                    ("class_002/zz_jpeg.webp", "JPEG")]
+    text = str(one)
+    assert "content differs from its name: 3" in text and "nvJPEG" in text
+    assert text.splitlines()[-3:] == [f"  {path} is {fmt}" for path, fmt in one.misnamed]
+
+
+def test_misnamed_images_keep_the_readme_recipe_working(image_folder_copy, tmp_path):
+    """ImageNet's case: a PNG and a WebP named .jpg and a CMYK JPEG named .JPEG among JPEGs. Every sample has
+    `jpg`, so `fields=("jpg", "cls")` reads the whole epoch, and the default decoder reads each image."""
+    folder = image_folder_copy
+    (folder / "class_000" / "zz_png.jpg").write_bytes(encoded("PNG", seed=1))
+    (folder / "class_001" / "zz_webp.jpg").write_bytes(encoded("WEBP", seed=2))
+    (folder / "class_002" / "zz_cmyk.JPEG").write_bytes(encoded("JPEG", mode="CMYK", seed=3))
+    summary = run_pack(folder, tmp_path / "ds")
+    assert len(summary.misnamed) == 2
+    dataset = shardstream.StreamingDataset(str(tmp_path / "ds"), fields=("jpg", "cls"), shuffle=False)
+    shapes = [tuple(image.shape) for image, _ in dataset]
+    assert len(shapes) == 24 and (3, 30, 40) in shapes and all(shape[0] == 3 for shape in shapes)
+
+
+def test_an_image_in_a_format_pack_does_not_store_fails_or_is_skipped(image_folder_copy, tmp_path, pool_kind):
+    """A GIF named .jpg (which Pillow reads, and a JPEG decoder does not) is an error, named for what it is."""
+    folder = image_folder_copy
+    (folder / "class_001" / "zz_gif.jpg").write_bytes(encoded("GIF"))
+    (folder / "class_002" / "zz_bmp.png").write_bytes(encoded("BMP"))
+    with pytest.raises(PackError) as info:
+        run_pack(folder, tmp_path / "fail", shuffle=False)
+    assert str(info.value).endswith("zz_gif.jpg: a GIF image: pack stores JPEG, PNG and WebP only")
+    assert os.path.samefile(info.value.url, folder / "class_001" / "zz_gif.jpg")
+    summary = run_pack(folder, tmp_path / "ds", on_error="skip", workers=2)
+    manifest = open_dataset(str(tmp_path / "ds")).manifest
+    assert sorted(manifest.skipped) == sorted(summary.skipped) == [
+        ("class_001/zz_gif.jpg", "a GIF image: pack stores JPEG, PNG and WebP only"),
+        ("class_002/zz_bmp.png", "a BMP image: pack stores JPEG, PNG and WebP only"),
+    ]
+    files_in = [p for p in folder.rglob("*") if p.is_file()]
+    assert len(files_in) == manifest.samples + len(manifest.skipped) + manifest.ignored
+    assert manifest.samples == 21 and manifest.class_counts == (7, 7, 7)
+
+
+def test_resume_stores_and_reports_a_misnamed_image_as_a_clean_pack_does(image_folder_copy, tmp_path,
+                                                                         dataset_files):
+    """A pack that fails late (an image damaged), resumed once the image is whole again, gives the clean pack's
+    bytes: PNGs named .jpg stored under `jpg`, in the shard the failed run did and in those the resumed run does.
+    The resumed run lists the one it packed; the clean pack lists both."""
+    folder = image_folder_copy
+    (folder / "class_000" / "aa_png.jpg").write_bytes(encoded("PNG"))  # sorted first: in the first shard
+    (folder / "class_002" / "zz_png.jpg").write_bytes(encoded("PNG", seed=1))  # sorted last: after the damage
+    damaged = folder / "class_002" / "img_00006.jpg"
+    original, stat = damaged.read_bytes(), damaged.stat()
+    options = dict(shard_size="20KB", shuffle=False)
+    # Damaged in place, with its size and time kept: the same source listing, which a resume requires.
+    damaged.write_bytes(bytes(len(original)))
+    os.utime(damaged, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    with pytest.raises(PackError, match="img_00006.jpg"):
+        run_pack(folder, tmp_path / "ds", **options)
+    assert list((tmp_path / "ds").glob("shard-000000.tar.zst")), "no shard was done before the failure"
+    damaged.write_bytes(original)
+    os.utime(damaged, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    resumed = run_pack(folder, tmp_path / "ds", resume=True, **options)
+    clean = run_pack(folder, tmp_path / "clean", **options)
+    assert dataset_files(tmp_path / "ds") == dataset_files(tmp_path / "clean")
+    got = samples_by_key(tmp_path / "ds")
+    assert got["class_000/aa_png"] == {"jpg": encoded("PNG"), "cls": b"0"}
+    assert got["class_002/zz_png"] == {"jpg": encoded("PNG", seed=1), "cls": b"2"}
+    assert clean.misnamed == [("class_000/aa_png.jpg", "PNG"), ("class_002/zz_png.jpg", "PNG")]
+    assert resumed.misnamed == [("class_002/zz_png.jpg", "PNG")]
+
 
 # -- crash safety -------------------------------------------------------------------------------------
 

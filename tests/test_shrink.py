@@ -203,3 +203,128 @@ def test_cli_max_side(folder, tmp_path):
     assert result.returncode == 0, result.stderr
     assert max(max(opened(data).size) for data in images(str(dst)).values()) == 50
     assert ss.open_dataset(str(dst)).manifest.options["quality"] == 80
+
+
+# -- animated images and misnamed ones ------------------------------------------------------------
+
+
+def animated(fmt: str, size: tuple[int, int] = (200, 100), frames: int = 3) -> bytes:
+    """An animation of `frames` different pictures: an animated WebP, or an APNG for PNG."""
+    pictures = [photo(*size, seed=i) for i in range(frames)]
+    return encode(pictures[0], fmt, save_all=True, append_images=pictures[1:], duration=100, loop=0)
+
+
+def frames_of(data: bytes) -> list[bytes]:
+    image = opened(data)
+    out = []
+    for i in range(getattr(image, "n_frames", 1)):
+        image.seek(i)
+        out.append(image.convert("RGB").tobytes())
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["WEBP", "PNG"])
+def test_an_animated_image_keeps_its_bytes_and_every_frame(fmt):
+    data = animated(fmt)
+    assert len(set(frames_of(data))) == 3
+    assert shrink_image(data, 50) is data
+
+    from shardstream.shrink import KEPT_ANIMATED, shrink_or_keep
+
+    assert shrink_or_keep(data, 50) == (data, KEPT_ANIMATED)
+    # One frame alone is no animation: it shrinks.
+    still = encode(photo(200, 100), fmt)
+    shrunk, kept = shrink_or_keep(still, 50)
+    assert kept is None and opened(shrunk).size == (50, 25)
+
+
+def test_pack_keeps_animated_images_whole_and_counts_them(folder, tmp_path):
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(folder, src)
+    (src / "class_000" / "moving.webp").write_bytes(animated("WEBP"))
+    (src / "class_001" / "moving.png").write_bytes(animated("PNG"))
+    (src / "class_001" / "small.png").write_bytes(animated("PNG", size=(40, 30)))  # fits: nothing to report
+    dst = str(tmp_path / "ds")
+    summary = ss.pack(str(src), dst, max_side=72, workers=2, progress=False)
+    samples = {s["__key__"]: s for ref in ss.open_dataset(dst).shards for s in ref.reader()}
+    for rel, field in [("class_000/moving.webp", "webp"), ("class_001/moving.png", "png")]:
+        stored = samples[rel.rsplit(".", 1)[0]][field]
+        assert len(frames_of(stored)) == 3 and stored == (src / rel).read_bytes()
+    assert summary.samples == 17 and not summary.skipped
+    assert sorted(summary.kept_whole) == [("class_000/moving.webp", "animated"), ("class_001/moving.png", "animated")]
+    assert "kept whole, larger than max_side: 2" in str(summary)
+
+
+def test_pack_shrinks_a_misnamed_image_into_the_format_of_its_field(tmp_path):
+    """A PNG named .jpg that is shrunk is encoded as a JPEG (RGB, its alpha dropped), and a JPEG named .png as a
+    PNG: stored under the field of their names, which then tells the truth, and not listed. One that fits keeps
+    its bytes, under its name's field, and is listed."""
+    src = tmp_path / "src" / "class_0"
+    src.mkdir(parents=True)
+    (src / "png_named.jpg").write_bytes(encode(photo(200, 100), "PNG"))
+    (src / "rgba_named.jpg").write_bytes(encode(photo(200, 100, "RGBA", seed=3), "PNG"))
+    (src / "jpeg_named.png").write_bytes(encode(photo(200, 100, seed=1), "JPEG", quality=95))
+    (src / "plain.jpg").write_bytes(encode(photo(200, 100, seed=2), "JPEG", quality=95))
+    small = encode(photo(40, 20, seed=4), "PNG")
+    (src / "small_png_named.jpg").write_bytes(small)
+    dst = str(tmp_path / "ds")
+    summary = ss.pack(str(src.parent), dst, max_side=50, workers=1, progress=False)
+    samples = {s["__key__"]: s for ref in ss.open_dataset(dst).shards for s in ref.reader()}
+    for key, field, fmt in [("png_named", "jpg", "JPEG"), ("rgba_named", "jpg", "JPEG"),
+                            ("jpeg_named", "png", "PNG"), ("plain", "jpg", "JPEG")]:
+        sample = samples[f"class_0/{key}"]
+        assert set(sample) == {"__key__", "__url__", field, "cls"}
+        image = opened(sample[field])
+        assert (image.format, image.mode, image.size) == (fmt, "RGB", (50, 25))
+    assert samples["class_0/small_png_named"]["jpg"] == small
+    assert not verify_dataset(dst).problems
+    assert summary.misnamed == [("class_0/small_png_named.jpg", "PNG")]
+
+
+# A picture in each mode a PNG or WebP opens in, and the mode its JPEG has: what shardstream's decoders make of
+# it (they convert to RGB, dropping alpha), in grey where it is grey.
+_INTO_JPEG = {
+    "RGBA PNG": (lambda: encode(photo(200, 100, "RGBA"), "PNG"), "RGB"),
+    "palette PNG with transparency": (lambda: encode(photo(200, 100, "P"), "PNG", transparency=0), "RGB"),
+    "palette PNG": (lambda: encode(photo(200, 100, "P"), "PNG"), "RGB"),
+    "LA PNG": (lambda: encode(photo(200, 100, "LA"), "PNG"), "L"),
+    "L PNG": (lambda: encode(photo(200, 100, "L"), "PNG"), "L"),
+    "1 PNG": (lambda: encode(photo(200, 100, "1"), "PNG"), "L"),
+    "16-bit PNG": (lambda: encode(Image.fromarray((np.asarray(photo(200, 100, "L"), np.uint16) * 3)), "PNG"), "L"),
+    "RGBA WebP": (lambda: encode(photo(200, 100, "RGBA"), "WEBP", lossless=True), "RGB"),
+}
+
+
+@pytest.mark.parametrize("source", list(_INTO_JPEG))
+def test_shrinking_into_jpeg_drops_alpha_as_the_decoders_do(source):
+    make, mode = _INTO_JPEG[source]
+    data = make()
+    shrunk = opened(shrink_image(data, 50, 95, as_format="JPEG"))
+    assert (shrunk.format, shrunk.mode, shrunk.size) == ("JPEG", mode, (50, 25))
+    # The decoders' view of the original, shrunk: alpha dropped, not composited on any background.
+    decoded = opened(data)
+    if decoded.mode in ("1", "P"):  # as shrink.py resizes these
+        decoded = decoded.convert("RGBA" if "transparency" in decoded.info else "RGB")
+    expected = decoded.convert(mode).resize((50, 25), Image.Resampling.BICUBIC, reducing_gap=2.0)
+    assert difference(shrunk, expected) < 8  # JPEG's loss at 95, with chroma subsampling; a composite on black is 65
+    assert shrink_image(data, 50, 95, as_format="JPEG") == shrink_image(data, 50, 95, as_format="JPEG")
+
+
+def test_shrinking_into_another_format_keeps_the_icc_profile_only_where_it_still_fits():
+    srgb = ImageCms.ImageCmsProfile(ImageCms.createProfile("sRGB")).tobytes()
+    rgba = encode(photo(200, 100, "RGBA"), "PNG", icc_profile=srgb)
+    assert opened(shrink_image(rgba, 50, as_format="JPEG")).info.get("icc_profile") == srgb
+    cmyk_profile = b"a CMYK profile, as far as this test goes"
+    cmyk = encode(photo(200, 100, "CMYK"), "JPEG", quality=95, icc_profile=cmyk_profile)
+    assert opened(cmyk).info["icc_profile"] == cmyk_profile
+    for fmt in ("PNG", "WEBP"):
+        shrunk = opened(shrink_image(cmyk, 50, as_format=fmt))
+        assert (shrunk.format, shrunk.mode, shrunk.size) == (fmt, "RGB", (50, 25))
+        assert "icc_profile" not in shrunk.info or not shrunk.info["icc_profile"]
+    # In its own format, a CMYK JPEG stays CMYK, profile and all, as before.
+    own = opened(shrink_image(cmyk, 50))
+    assert (own.format, own.mode, own.info.get("icc_profile")) == ("JPEG", "CMYK", cmyk_profile)
+    with pytest.raises(ValueError, match="as_format"):
+        shrink_image(rgba, 50, as_format="GIF")
