@@ -9,7 +9,8 @@ The optimised hot paths each have a general counterpart that they must match exa
 * `ShardReader._samples` parses the common layout with `tario.scan_sample` and checks
   plain-tar header checksums in one vectorised pass; with `scan_sample` returning None
   every sample goes through `_parse_sample` (`tario.iter_members`), the general parser.
-* `pack` runs workers in `_FramePool`; the reference is `multiprocessing.Pool.imap`.
+* `pack` runs process workers in `_FramePool`; the reference is `multiprocessing.Pool.imap`
+  (threads, for large images, are not switched).
 * `ShardReader` cuts samples out of pieces in C (`_tarcut`: zstd frames decompressed
   into a reused buffer, fields copied straight out); the reference does it in Python
   (python-zstandard, then `_samples` as above).
@@ -51,7 +52,7 @@ def _patch() -> list[tuple[Any, str, Any]]:
     pack = sys.modules["shardstream.pack"]
     reader = sys.modules["shardstream.reader"]
     saved = [(m, n, getattr(m, n)) for m, n in ((tario, "_header"), (tario, "scan_sample"),
-                                                (tario, "member_parts"), (pack, "_results"),
+                                                (tario, "member_parts"), (pack, "_process_results"),
                                                 (reader, "LOCAL_READ_BYTES"), (reader, "_tarcut"))]
 
     reader.LOCAL_READ_BYTES = reader.READ_BYTES
@@ -65,11 +66,8 @@ def _patch() -> list[tuple[Any, str, Any]]:
     tario.member_parts = lambda name, data: (b"".join(parts(name, data)), b"", b"")
 
     def results(jobs: list[Any], workers: int, context: Any) -> Iterator[Any]:
-        if workers <= 1:
-            yield from map(pack.build_job, jobs)
-            return
         with context.Pool(workers) as pool:
             yield from pool.imap(pack.build_job, jobs, chunksize=1)
 
-    pack._results = results
+    pack._process_results = results
     return saved
