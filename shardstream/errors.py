@@ -15,7 +15,7 @@ class ShardstreamError(Exception):
     """Base of every error shardstream raises on bad data or bad input.
 
     `url`, `key` and `offset` locate the problem when known; they are also part
-    of the message.
+    of the message, which shows no HTTP(S) query string (`shown_url`, `scrubbed`).
     """
 
     def __init__(
@@ -26,6 +26,7 @@ class ShardstreamError(Exception):
         key: str | None = None,
         offset: int | None = None,
     ) -> None:
+        message = scrubbed(message)  # it may quote another library's error, whole URL and all
         self.detail = message
         self.url = url
         self.key = key
@@ -53,6 +54,18 @@ def shown_url(url: str) -> str:
     if url.startswith(("http://", "https://")) and "?" in url:
         return url.split("?", 1)[0] + "?..."
     return url
+
+
+# The query string of an HTTP(S) URL inside text: a whole URL (aiohttp's "url='https://host/f?sig=...'",
+# requests' "for url: https://..."), or the path that urllib3's "Max retries exceeded with url: /f?sig=..."
+# names. It runs to the first blank or quote; one already shown as "?..." is left as it is.
+_QUERY = re.compile(r"""((?:https?://|\burl: /)[^\s?#'"<>]*)\?(?!\.\.\.)[^\s'"<>]+""", re.IGNORECASE)
+
+
+def scrubbed(text: str) -> str:
+    """`text` with the query string of every HTTP(S) URL in it shown as ``?...``, as `shown_url`
+    shows one: another library's error message, quoted in ours, may name the URL whole."""
+    return _QUERY.sub(r"\1?...", text)
 
 
 class CorruptShardError(ShardstreamError):
@@ -97,4 +110,4 @@ def reason(error: BaseException) -> str:
     wherever the source lies, in reports and manifests alike."""
     if isinstance(error, OSError) and error.strerror and error.filename is not None:
         return error.strerror
-    return _ADDRESS.sub("", str(error))
+    return scrubbed(_ADDRESS.sub("", str(error)))

@@ -7,17 +7,31 @@ by CPU. Each part runs as one Ray task; the bar advances as parts finish, by the
 sample counts; `merge` runs last. The source must be readable at the same path on
 every node (a shared file system), and `dst` reachable from all of them (``s3://``,
 or a shared folder).
+
+When a part fails (or the caller is interrupted), the other parts are cancelled, and
+the call returns only once they have stopped: parts left running would hold the
+cluster for nothing, and race a retry that writes the same destination.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+from .errors import PackError, ShardstreamError, reason
 from .format import Manifest
 from .pack import PackSummary, pack
 from .parts import merge
 
 __all__ = ["pack_with_ray"]
+
+log = logging.getLogger("shardstream")
+
+# `ray.cancel` raises KeyboardInterrupt in a running part, which a part blocked in a
+# system call (a read from a hung file system) never sees: after CANCEL_GRACE_S such a
+# part is cancelled by force (its worker process killed), and waited for STOP_WAIT_S more.
+CANCEL_GRACE_S = 5.0
+STOP_WAIT_S = 60.0
 
 
 def _pack_part(src: str, dst: str, part: tuple[int, int], options: dict[str, Any]) -> PackSummary:
@@ -45,11 +59,44 @@ def pack_with_ray(src: str, dst: str, *, parts: int, address: str | None = None,
     pending = {task.remote(src, dst, (i, parts), options): i for i in range(parts)}
     summaries: dict[int, PackSummary] = {}
     with progress_bar(total=parts, unit="part", desc="pack (ray)", disable=not progress) as bar:
-        while pending:
-            done, _ = ray.wait(list(pending), num_returns=1)
-            for ref in done:
-                index = pending.pop(ref)
-                summaries[index] = ray.get(ref)  # re-raises a part's error, naming the file
-                bar.update(1)
-                bar.set_postfix_str(f"{sum(s.samples for s in summaries.values()):,} samples", refresh=False)
+        try:
+            while pending:
+                done, _ = ray.wait(list(pending), num_returns=1)
+                for ref in done:
+                    index = pending.pop(ref)
+                    try:
+                        summaries[index] = ray.get(ref)
+                    except Exception as e:
+                        raise _part_error(ray, e, index, parts) from e
+                    bar.update(1)
+                    bar.set_postfix_str(f"{sum(s.samples for s in summaries.values()):,} samples", refresh=False)
+        except BaseException:
+            _stop(ray, pending)
+            raise
     return merge(dst, storage_options=options.get("storage_options")), [summaries[i] for i in range(parts)]
+
+
+def _part_error(ray: Any, error: Exception, index: int, parts: int) -> ShardstreamError:
+    """What part `index` raised (Ray wraps it in a RayTaskError), saying which part it was."""
+    cause = getattr(error, "cause", None) if isinstance(error, ray.exceptions.RayTaskError) else None
+    cause = cause if isinstance(cause, BaseException) else error
+    if isinstance(cause, ShardstreamError):  # it names the file: the same error, with the part
+        return type(cause)(f"{cause.detail} (part {index} of {parts})", url=cause.url, key=cause.key,
+                           offset=cause.offset)
+    return PackError(f"part {index} of {parts} failed: {type(cause).__name__}: {reason(cause)}")
+
+
+def _stop(ray: Any, parts: dict[Any, int]) -> None:
+    """Cancel `parts` (Ray object refs -> part numbers) and wait until they have stopped:
+    asked first, by force after CANCEL_GRACE_S (see there)."""
+    refs = list(parts)
+    for ref in refs:
+        ray.cancel(ref)  # a queued part never starts; a running one gets a KeyboardInterrupt
+    _, running = ray.wait(refs, num_returns=len(refs), timeout=CANCEL_GRACE_S)
+    for ref in running:
+        ray.cancel(ref, force=True)
+    if running:
+        _, running = ray.wait(running, num_returns=len(running), timeout=STOP_WAIT_S)
+    if running:
+        log.warning("parts %s did not stop within %.0f s of being cancelled, and may still write to the destination",
+                    sorted(parts[ref] for ref in running), CANCEL_GRACE_S + STOP_WAIT_S)

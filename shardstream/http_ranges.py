@@ -14,21 +14,35 @@ as PermissionError, other statuses as `HTTPStatusError` (5xx, 408 and 429 retrie
 and urllib3's own errors (dropped connections, timeouts, a body cut short) as they
 are (retried). urllib3 does not retry by itself here: every retry is counted. Redirects
 are followed here (`read_range`), as fsspec's client follows them.
+
+The timeouts bound each wait on the socket, so a server that trickles a byte now and
+then would hold a reader forever; each request also has a deadline (`deadline_s`),
+past which it fails with `RequestDeadlineError` (retried). A thread of this process
+(`_Watchdog`) ends a body read that outlives it by shutting its socket: reading the
+body in steps and looking at the clock between them would cost a copy of every byte
+(0.25-0.3 ms of CPU per MB more, measured on loopback). The headers are read inside
+urllib3 and http.client, out of reach: a deadline that passes while they trickle in
+fails the request once they are in.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
+import itertools
 import os
+import socket
 import threading
+import time
 import urllib.parse
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from .errors import shown_url
 
 
-__all__ = ["HTTPStatusError", "PerProcess", "available", "range_header", "read_range"]
+__all__ = ["HTTPStatusError", "PerProcess", "RequestDeadlineError", "available", "deadline_s", "range_header",
+           "read_body", "read_range"]
 
 
 class PerProcess:
@@ -69,6 +83,144 @@ _pool = PerProcess(_pool_manager)
 MAX_REDIRECTS = 5  # as browsers and fsspec's aiohttp (10) do, a bound on redirect loops
 
 
+# How long a request may take in all: the connect timeout, one read timeout for its first
+# byte, and one more for every DEADLINE_BYTES_PER_READ it moves (the timeouts of 10 s and
+# 20 s give an 8 MB range 190 s: about 45 KB/s at the least). A slow link is left
+# alone; a server that trickles a byte within every read timeout is not.
+DEADLINE_BYTES_PER_READ = 1 << 20
+
+
+def deadline_s(size: int, connect_s: float, read_s: float) -> float:
+    """Seconds a request moving `size` bytes may take in all, with these timeouts."""
+    return connect_s + read_s * (1 + size / DEADLINE_BYTES_PER_READ)
+
+
+class RequestDeadlineError(TimeoutError):
+    """A request outlived its deadline (`deadline_s`): transient, so retried."""
+
+
+# How long the watchdog's thread outlives the last read it watched, so that reads one
+# after another reuse it: a thread started and ended per read cost about 0.5 ms of CPU
+# a read (1 MB ranges, one at a time, from a local server: 0.75 ms a read before there
+# were deadlines, 1.3 ms with a thread per read, within noise of 0.75 ms with this wait).
+IDLE_S = 0.05
+
+
+class _Watchdog:
+    """Stops reads that outlive their deadline, from one thread.
+
+    The thread runs only while watched reads are in flight, and ends `IDLE_S` after the
+    last: an idle process holds none, a forked child starts without one (`PerProcess`),
+    and no read waits for it to end.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._watched: dict[int, tuple[float, Callable[[], None]]] = {}
+        self._expired: set[int] = set()
+        self._tickets = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._waking = float("inf")  # when the thread wakes up next, unless told
+
+    @contextlib.contextmanager
+    def watch(self, deadline: float, stop: Callable[[], None]) -> Iterator[Callable[[], bool]]:
+        """Call `stop` from the watchdog's thread if the block still runs at `deadline`
+        (`time.monotonic`); yields a function that tells whether it did."""
+        with self._cond:
+            ticket = next(self._tickets)
+            self._watched[ticket] = (deadline, stop)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="shardstream-deadlines", daemon=True)
+                self._thread.start()
+            elif deadline < self._waking:
+                self._cond.notify()
+        try:
+            yield lambda: ticket in self._expired
+        finally:
+            with self._cond:
+                self._watched.pop(ticket, None)
+                self._expired.discard(ticket)
+                if not self._watched:
+                    self._cond.notify()  # it may be waiting for this read's deadline: now it idles
+
+    def _run(self) -> None:
+        with self._cond:
+            try:
+                idle_since = None
+                while True:
+                    now = time.monotonic()
+                    if self._watched:
+                        idle_since = None
+                        ticket, (self._waking, stop) = min(self._watched.items(), key=lambda item: item[1][0])
+                        if self._waking <= now:
+                            del self._watched[ticket]
+                            self._expired.add(ticket)
+                            stop()
+                            continue
+                    else:
+                        idle_since = now if idle_since is None else idle_since
+                        self._waking = idle_since + IDLE_S
+                        if self._waking <= now:
+                            return
+                    self._cond.wait(self._waking - now)
+            finally:
+                self._thread, self._waking = None, float("inf")  # the next watched read starts another
+
+
+_watchdog = PerProcess(_Watchdog)
+
+
+def _stop(response: Any) -> None:
+    """End a read of urllib3's `response` blocked in another thread (it fails, as if the
+    connection had dropped): its socket is shut down for reading."""
+    try:
+        response.shutdown()  # urllib3 2.3 and later
+        return
+    except (AttributeError, ValueError, RuntimeError, OSError):
+        pass
+    sock = getattr(getattr(response, "connection", None), "sock", None)
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RD)
+
+
+def read_body(response: Any, read: Callable[..., bytes], url: str, started: float, size: int | None,
+              connect_s: float, read_s: float) -> bytes:
+    """The body of urllib3's `response` through `read` (the response's own, or botocore's, which
+    wraps it), within the deadline of a request that began at `started` and moves `size` bytes.
+
+    Its headers are in by now: only their reads' timeouts bound those, and a deadline
+    already past fails the request here. A body of unknown size (no Content-Length) is
+    read a block at a time, each block within a deadline of its own.
+    """
+    if size is not None:
+        return _within(response, read, url, started, started + deadline_s(size, connect_s, read_s))
+    blocks: list[bytes] = []
+    deadline = started + deadline_s(DEADLINE_BYTES_PER_READ, connect_s, read_s)
+    while block := _within(response, functools.partial(read, DEADLINE_BYTES_PER_READ), url, started, deadline):
+        blocks.append(block)
+        started = time.monotonic()
+        deadline = started + deadline_s(DEADLINE_BYTES_PER_READ, 0.0, read_s)
+    return b"".join(blocks)
+
+
+def _within(response: Any, read: Callable[[], bytes], url: str, started: float, deadline: float) -> bytes:
+    """`read()`, ended by shutting down `response`'s socket if it runs past `deadline`."""
+    cause = None
+    if time.monotonic() < deadline:
+        with _watchdog.get().watch(deadline, functools.partial(_stop, response)) as expired:
+            try:
+                data = read()
+            except Exception as e:  # the failure of a read the watchdog ended is the deadline's
+                if not expired():
+                    raise
+                cause = e
+            else:
+                if not expired():  # past it, a body without a length ends where the socket was shut
+                    return data
+    raise RequestDeadlineError(f"no whole response from {shown_url(url)} in {deadline - started:.3g} s") from cause
+
+
 class HTTPStatusError(OSError):
     """A response with an error status, carried as `status` (as aiohttp's errors do), and
     its headers (`Retry-After` is what `RetryPolicy` reads)."""
@@ -96,7 +248,8 @@ def read_range(url: str, start: int | None, end: int | None, *, headers: Mapping
 
     Like fsspec's `cat_file`, a range that runs past the end of the file gives the bytes
     up to the end. Redirects (CDNs, presigned URLs) are followed, `MAX_REDIRECTS` at most,
-    with the same range; any other 3xx is an error.
+    with the same range; any other 3xx is an error. `connect_s` and `read_s` bound each
+    wait on the socket, `deadline_s` of them the whole request, redirects and all.
     """
     request_headers = dict(headers)
     if start is not None or end is not None:
@@ -104,6 +257,7 @@ def read_range(url: str, start: int | None, end: int | None, *, headers: Mapping
     import urllib3
 
     timeout = urllib3.Timeout(connect=connect_s, read=read_s)
+    started = time.monotonic()
     for _ in range(MAX_REDIRECTS + 1):
         # Not urllib3's own redirects: those go through its Retry object, which is off
         # here so that every retry is `RetryPolicy`'s, and counted.
@@ -112,9 +266,9 @@ def read_range(url: str, start: int | None, end: int | None, *, headers: Mapping
         location = response.get_redirect_location()
         if not location:
             break
-        response.drain_conn()
-        response.release_conn()
+        _release(response, url, started, started + deadline_s(0, connect_s, read_s))
         url = urllib.parse.urljoin(url, location)
+    size = _content_length(response)
     try:
         if response.status == 404:
             raise FileNotFoundError(shown_url(url))
@@ -124,10 +278,29 @@ def read_range(url: str, start: int | None, end: int | None, *, headers: Mapping
             return b""
         if response.status >= 300:  # errors, and redirects beyond MAX_REDIRECTS or without a Location
             raise HTTPStatusError(response.status, url, response.headers)
-        data = response.read()
+        data = read_body(response, response.read, url, started, size, connect_s, read_s)
     finally:
-        response.drain_conn()  # an error's body too: the connection goes back to the pool clean
-        response.release_conn()
+        # An error's body too: the connection goes back to the pool clean.
+        _release(response, url, started, started + deadline_s(size or 0, connect_s, read_s))
     if response.status == 200 and (start or end is not None):  # a server that ignores ranges sends it all
         data = data[start or 0 : end]
     return data
+
+
+def _content_length(response: Any) -> int | None:
+    try:
+        return int(response.headers["Content-Length"])
+    except (KeyError, ValueError):
+        return None
+
+
+def _release(response: Any, url: str, started: float, deadline: float) -> None:
+    """Give `response`'s connection back to the pool, with what is left of its body (an
+    error's, a redirect's) read by `deadline`, or else closed: it must not answer the
+    next request with this one's bytes."""
+    if not response.closed:  # a body read to its end closes; then there is nothing to wait for
+        try:
+            _within(response, response.drain_conn, url, started, deadline)
+        except RequestDeadlineError:
+            response.close()
+    response.release_conn()

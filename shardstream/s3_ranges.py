@@ -11,7 +11,8 @@ Options understood, by s3fs's names: `key`, `secret`, `token`, `anon`, `endpoint
 and `client_kwargs` holding `endpoint_url` and `region_name`. Anything not given comes
 from botocore's usual chain (the AWS environment variables, `AWS_ENDPOINT_URL` among
 them, ~/.aws, instance roles), as it does for s3fs. botocore does not retry by itself
-here: `RetryPolicy` does, and counts every retry.
+here: `RetryPolicy` does, and counts every retry. Each request has a deadline, as
+over HTTP (`http_ranges.deadline_s`).
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ import functools
 import importlib.util
 import json
 import threading
+import time
 from typing import Any, Mapping
 
-from .http_ranges import PerProcess, range_header
+from .http_ranges import PerProcess, range_header, read_body
 
 
 __all__ = ["supports", "read_range"]
@@ -76,6 +78,7 @@ def read_range(url: str, start: int | None, end: int | None, options: Mapping[st
         request["Range"] = range_header(start, end)
     from botocore.exceptions import ClientError
 
+    started = time.monotonic()
     try:
         response = _client(options, connect_s, read_s).get_object(**request)
     except ClientError as e:
@@ -90,6 +93,9 @@ def read_range(url: str, start: int | None, end: int | None, options: Mapping[st
         raise  # RetryPolicy reads the status: 5xx and throttling are retried
     body = response["Body"]
     try:
-        return body.read()
+        # botocore's body wraps urllib3's response (`_raw_stream`, a private name), whose
+        # socket the deadline shuts; were it gone, a read past the deadline would still fail, once done.
+        return read_body(getattr(body, "_raw_stream", None), body.read, url, started,
+                         response.get("ContentLength"), connect_s, read_s)
     finally:
         body.close()

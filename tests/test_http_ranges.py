@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import multiprocessing
 import threading
+import time
 from pathlib import Path
 
 import pytest
+import urllib3
 
 import shardstream
-from shardstream import StorageError
-from shardstream.http_ranges import HTTPStatusError, read_range
+from shardstream import StorageError, storage
+from shardstream.http_ranges import HTTPStatusError, RequestDeadlineError, read_range
 from shardstream.storage import RetryPolicy, Store, is_transient
 
 try:
@@ -214,3 +217,139 @@ def test_a_forked_child_reads_on_its_own_connections(folder):
         child.join(30)
         assert child.exitcode == 0
         assert read_range(url, 16, 32) == DATA[16:32]  # and the parent's connection still works
+
+
+class _Served(http.server.BaseHTTPRequestHandler):
+    """A handler for `serving`: quiet, a connection per request, each GET's path recorded."""
+
+    protocol_version = "HTTP/1.0"
+    stopping = threading.Event()  # set when the server stops
+    requests: list = []
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        self.requests.append(self.path)
+        self.answer()
+
+    def answer(self) -> None:
+        raise NotImplementedError
+
+
+@contextlib.contextmanager
+def serving(handler: type[_Served], **attributes: object):
+    """(URL, paths requested) of a server on 127.0.0.1 answering with `handler` given
+    `attributes`; on exit, stopped and its handlers told to stop."""
+    handler = type("Handler", (handler,), {"stopping": threading.Event(), "requests": [], **attributes})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", handler.requests
+    finally:
+        handler.stopping.set()
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+class _Trickler(_Served):
+    """Answers with the first `size` bytes of DATA, one every `interval` seconds (all at once
+    if 0), with a Content-Length unless `length` is False (then the body ends where the
+    connection does). Each byte comes well within a read timeout of 1 s."""
+
+    size, interval, length = 200, 0.1, True
+
+    def answer(self) -> None:
+        self.send_response(200)
+        if self.length:
+            self.send_header("Content-Length", str(self.size))
+        self.end_headers()
+        try:
+            if not self.interval:
+                self.wfile.write(DATA[: self.size])
+            for i in range(self.size if self.interval else 0):
+                if self.stopping.wait(self.interval):
+                    return
+                self.wfile.write(DATA[i : i + 1])
+        except OSError:
+            pass  # the client gave up: what the tests expect of it
+
+
+def trickling(**settings: object):
+    """`serving` a `_Trickler` with `settings`."""
+    return serving(_Trickler, **settings)
+
+
+def test_a_trickling_server_fails_the_request_at_its_deadline(monkeypatch):
+    """Every byte comes within the read timeout; the whole would take 20 s. The deadline of
+    200 bytes with timeouts of 0.5 s and 1 s is about 1.5 s."""
+    with trickling() as (url, requests):
+        started = time.monotonic()
+        with pytest.raises(RequestDeadlineError, match=r"no whole response from http://.*/blob\.bin"):
+            read_range(f"{url}/blob.bin", 0, 200, connect_s=0.5, read_s=1.0)
+        assert time.monotonic() - started < 15
+        assert is_transient(RequestDeadlineError())
+        # Through a store: retried as any timeout is, then a StorageError naming the file.
+        monkeypatch.setattr(storage, "HTTP_CONNECT_TIMEOUT_S", 0.5)
+        monkeypatch.setattr(storage, "HTTP_READ_TIMEOUT_S", 1.0)
+        store = Store(f"{url}/data", {}, RetryPolicy(attempts=2, base_delay=0.001))
+        with pytest.raises(StorageError, match=r"data/blob\.bin: failed after 2 attempts: RequestDeadlineError"):
+            store.read("blob.bin", 0, 200)
+        assert requests == ["/blob.bin"] + ["/data/blob.bin"] * 2
+
+
+def test_a_body_without_a_length_is_read_whole_and_within_deadlines():
+    """A body that ends where the connection does is read a block at a time, each within
+    its deadline (2.5 s for the first here, against 20 s for the trickle)."""
+    with trickling(interval=0, length=False) as (url, _):
+        assert read_range(f"{url}/blob.bin", None, None) == DATA[:200]
+        assert read_range(f"{url}/blob.bin", 10, 20) == DATA[10:20]  # the server ignores the range
+    with trickling(length=False) as (url, _):
+        started = time.monotonic()
+        with pytest.raises(RequestDeadlineError):
+            read_range(f"{url}/blob.bin", None, None, connect_s=0.5, read_s=1.0)
+        assert time.monotonic() - started < 15
+
+
+class _Refuser(_Served):
+    """Answers every request with `status` (and a short body)."""
+
+    status = 503
+
+    def answer(self) -> None:
+        self.send_response(self.status)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"no")
+
+
+@pytest.fixture(scope="module")
+def fsspec_loop():
+    """fsspec's IO thread, started before the tests that use it (it lives on, as fsspec's)."""
+    import fsspec.asyn
+
+    fsspec.asyn.get_loop()
+
+
+@pytest.mark.parametrize("status", [403, 503])
+def test_a_token_in_the_url_stays_out_of_messages(status, fsspec_loop):
+    """Messages hide an HTTP(S) URL's query (a token, a SAS signature), the messages of other
+    libraries quoted in ours too: aiohttp's (fsspec's HTTP client, which reads for a store
+    with options urllib3's reads do not take, and looks up sizes) name the whole URL,
+    urllib3's its path and query. The errors' `url` keeps the token."""
+    with serving(_Refuser, status=status) as (url, _):
+        store = Store(f"{url}/data?token=secret", {"block_size": 1 << 20}, RetryPolicy(attempts=2, base_delay=0.001))
+        for call in (lambda: store.read("blob.bin", 0, 10), lambda: store.size("blob.bin"),
+                     lambda: store.exists("blob.bin"), lambda: store.open("blob.bin").read(10)):
+            with pytest.raises(StorageError, match=f"{status}") as info:
+                call()
+            assert "secret" not in str(info.value) and "blob.bin?..." in str(info.value)
+            assert info.value.url == f"{url}/data/blob.bin?token=secret"
+        pool = urllib3.PoolManager(retries=urllib3.Retry(total=0, status_forcelist=[status]))
+        with pytest.raises(StorageError, match=r"with url: /data/blob\.bin\?\.\.\. ") as info:
+            RetryPolicy(attempts=1).call(pool.request, "GET", store.url("blob.bin"), url=store.url("blob.bin"))
+        assert "secret" not in str(info.value) and "secret" in info.value.url
+        pool.clear()

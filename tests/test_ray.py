@@ -5,6 +5,11 @@ Ray is an optional extra (`pip install 'shardstream[ray]'`); without it these te
 
 from __future__ import annotations
 
+import errno
+import os
+import threading
+import time
+
 import pytest
 
 import shardstream as ss
@@ -35,3 +40,61 @@ def test_ray_parts_equal_a_single_pack(tmp_path, local_ray):
     assert len(summaries) == 3
     assert keys(str(tmp_path / "ray")) == keys(str(tmp_path / "single"))
     assert (manifest.classes, manifest.class_counts) == (single.classes, single.class_counts)
+
+
+def _reader_present(fifo: str) -> int | None:
+    """A write end of `fifo` if some process has it open for reading (then its open() returns), else None."""
+    try:
+        return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno != errno.ENXIO:
+            raise
+        return None
+
+
+def _wait_for_reader(fifo: str, timeout: float = 120) -> int:
+    deadline = time.monotonic() + timeout
+    while (fd := _reader_present(fifo)) is None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no part opened {fifo} in {timeout} s")
+        time.sleep(0.05)
+    return fd
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+def test_a_failing_part_stops_the_others_before_the_call_returns(tmp_path, local_ray, monkeypatch):
+    """Part 0 of 2 reads a file that is not an image; part 1 one that never ends (a named pipe
+    with a writer that writes nothing), and blocks in a read no KeyboardInterrupt ends.
+    Part 0's file is fed only once part 1 blocks. The call must raise naming part 0, and
+    return only once part 1 has stopped: by then no process reads the pipe."""
+    from shardstream import executors
+
+    monkeypatch.setattr(executors, "CANCEL_GRACE_S", 0.5)  # the blocked part needs force anyway
+    (tmp_path / "src" / "a").mkdir(parents=True)
+    bad, endless = str(tmp_path / "src" / "a" / "0.jpg"), str(tmp_path / "src" / "a" / "1.jpg")
+    os.mkfifo(bad)
+    os.mkfifo(endless)
+    held: list[int] = []
+
+    def feed() -> None:
+        try:
+            held.append(_wait_for_reader(endless))  # part 1 is in its read now
+        finally:  # part 0 is fed even if part 1 never started, so that the call ends
+            fd = _wait_for_reader(bad)
+            os.write(fd, b"not an image")
+            os.close(fd)
+
+    feeder = threading.Thread(target=feed, daemon=True)
+    feeder.start()
+    try:
+        with pytest.raises(ss.PackError, match=r"0\.jpg: .*\(part 0 of 2\)") as info:
+            executors.pack_with_ray(str(tmp_path / "src"), str(tmp_path / "ray"), parts=2, shuffle=False,
+                                    progress=False)
+        feeder.join(10)
+        assert "1.jpg" not in str(info.value)
+        assert held, "part 1 never started reading"
+        with pytest.raises(BrokenPipeError):  # no reader left: part 1 has stopped
+            os.write(held[0], b"x")
+    finally:
+        for fd in held:
+            os.close(fd)  # a part still reading sees the end of its file, and fails

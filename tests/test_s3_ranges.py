@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import multiprocessing
+import time
 
 import pytest
 
 from shardstream import StorageError
+from shardstream.http_ranges import RequestDeadlineError
 from shardstream.s3_ranges import read_range, supports
 from shardstream.storage import Store
 from shardstream.testing import MotoS3Server
+
+try:  # tests/ may or may not be a package
+    from .test_http_ranges import trickling
+except ImportError:
+    from test_http_ranges import trickling
 
 DATA = bytes(range(256)) * 40  # 10,240 bytes
 BUCKET = "ranges"
@@ -67,3 +74,16 @@ def test_a_forked_child_reads_with_its_own_client(moto):
     child.join(60)
     assert child.exitcode == 0
     assert read_range(url, 16, 32, options) == DATA[16:32]
+
+
+def test_a_trickling_server_fails_the_request_at_its_deadline():
+    """An S3 endpoint whose every byte comes within the read timeout (1 s), the whole in 20 s:
+    the request fails at its deadline (about 1.5 s), a timeout that `RetryPolicy` retries."""
+    with trickling() as (endpoint, requests):
+        options = {"key": "testing", "secret": "testing",
+                   "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+        started = time.monotonic()
+        with pytest.raises(RequestDeadlineError, match=r"no whole response from s3://ranges/dir/blob\.bin"):
+            read_range(f"s3://{BUCKET}/dir/blob.bin", 0, 200, options, connect_s=0.5, read_s=1.0)
+        assert time.monotonic() - started < 15
+        assert len(requests) == 1
