@@ -171,6 +171,7 @@ class _PieceBuffers:
     """
 
     KEEP = 4  # per thread: more than a thread's readers interleave in practice
+    KEEP_BYTES = 4 * LOCAL_READ_BYTES  # a buffer grown for one huge frame is not kept
 
     def take(self, size: int) -> bytearray:
         free = self._free()
@@ -181,7 +182,7 @@ class _PieceBuffers:
 
     def give(self, buffer: bytearray) -> None:
         free = self._free()
-        if len(free) < self.KEEP:
+        if len(free) < self.KEEP and len(buffer) <= self.KEEP_BYTES:
             free.append(buffer)
 
     @staticmethod

@@ -886,3 +886,22 @@ def test_writing_to_a_remote_store_leaves_no_temporary_folders(monkeypatch, tmp_
             writer.write({"__key__": f"k{i}", "txt": "x"})
     assert list(tmp_path.iterdir()) == []
     assert len(list(StreamingDataset("memory://leftovers/ds", decode=None))) == 5
+
+
+def test_read_buffers_are_reused_but_a_huge_one_is_not_kept(tmp_path):
+    """Local pieces are read into a buffer the thread reuses; one grown for a frame far
+    larger than a piece is dropped after use instead of pinning its memory."""
+    rng = np.random.default_rng(1)
+    big = reader_module._buffers.KEEP_BYTES + 1000
+    samples = [{"__key__": "small", "bin": rng.bytes(1000)}, {"__key__": "huge", "bin": rng.bytes(big)}]
+    write_samples(tmp_path / "ds", samples, compression="none")
+    reader = open_dataset(str(tmp_path / "ds")).shards[0].reader()
+    free = reader_module._buffers._free()
+    free.clear()
+    assert reader[0]["bin"] == samples[0]["bin"]
+    assert len(free) == 1 and len(free[0]) == reader_module.LOCAL_READ_BYTES
+    kept = free[0]
+    assert reader[0]["bin"] == samples[0]["bin"]
+    assert free == [kept] and free[0] is kept  # the same buffer again, not a fresh one
+    assert reader[1]["bin"] == samples[1]["bin"]
+    assert all(len(b) <= reader_module._buffers.KEEP_BYTES for b in free)
