@@ -38,6 +38,7 @@ typedef struct ZSTD_DCtx_s ZSTD_DCtx;
 ZSTD_DCtx *ZSTD_createDCtx(void);
 size_t ZSTD_freeDCtx(ZSTD_DCtx *dctx);
 size_t ZSTD_decompressDCtx(ZSTD_DCtx *dctx, void *dst, size_t dst_capacity, const void *src, size_t src_size);
+size_t ZSTD_findFrameCompressedSize(const void *src, size_t src_size);
 unsigned ZSTD_isError(size_t code);
 const char *ZSTD_getErrorName(size_t code);
 #endif
@@ -111,8 +112,13 @@ static PyObject *cut_one(const unsigned char *buf, Py_ssize_t pos, Py_ssize_t en
     PyObject *sample = NULL, *field = NULL, *data = NULL;
     int members = 0;
 
-    if (key_utf8 == NULL)
-        return NULL;
+    if (key_utf8 == NULL) {
+        /* A lone surrogate: no member name matches it, and the Python parser says so. */
+        if (!PyErr_ExceptionMatches(PyExc_UnicodeEncodeError))
+            return NULL;
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
     if (key_len == 0 || dotted(key_utf8, key_len))
         Py_RETURN_NONE;
     sample = PyDict_New();
@@ -142,7 +148,8 @@ static PyObject *cut_one(const unsigned char *buf, Py_ssize_t pos, Py_ssize_t en
             PyErr_Clear(); /* not UTF-8: the Python parser names the error */
             goto other;
         }
-        PyUnicode_InternInPlace(&field);
+        /* Not interned: Python 3.12 makes interned strings immortal, so every distinct
+         * field name of a shard would be kept for the life of the process. */
         data = PyBytes_FromStringAndSize((const char *)h + BLOCK, (Py_ssize_t)size);
         if (data == NULL || PyDict_SetItem(sample, field, data) < 0)
             goto error;
@@ -166,6 +173,24 @@ error:
     return NULL;
 }
 
+/* Offset `item` of the index less `base`, into *out: 1 if it is an int within Py_ssize_t
+ * and the difference one too, 0 if not (the caller returns None), -1 with an exception
+ * set for an item that is not an int. */
+static int relative(PyObject *item, Py_ssize_t base, Py_ssize_t *out)
+{
+    Py_ssize_t value = PyLong_AsSsize_t(item);
+    if (value == -1 && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError))
+            return -1;
+        PyErr_Clear();
+        return 0;
+    }
+    if ((base > 0 && value < PY_SSIZE_T_MIN + base) || (base < 0 && value > PY_SSIZE_T_MAX + base))
+        return 0;
+    *out = value - base;
+    return 1;
+}
+
 /* Samples k of `keys`, each from offsets[k] to offsets[k + 1] (minus `base`) of buf. */
 static PyObject *cut(const unsigned char *buf, Py_ssize_t len, Py_ssize_t base, PyObject *offsets, PyObject *keys,
                      PyObject *url, int verify)
@@ -174,8 +199,8 @@ static PyObject *cut(const unsigned char *buf, Py_ssize_t len, Py_ssize_t base, 
     Py_ssize_t n, k;
 
     offsets_fast = PySequence_Fast(offsets, "offsets must be a sequence");
-    keys_fast = PySequence_Fast(keys, "keys must be a sequence");
-    if (offsets_fast == NULL || keys_fast == NULL)
+    keys_fast = offsets_fast == NULL ? NULL : PySequence_Fast(keys, "keys must be a sequence");
+    if (keys_fast == NULL)
         goto done;
     n = PySequence_Fast_GET_SIZE(keys_fast);
     if (PySequence_Fast_GET_SIZE(offsets_fast) != n + 1) {
@@ -186,21 +211,37 @@ static PyObject *cut(const unsigned char *buf, Py_ssize_t len, Py_ssize_t base, 
     if (result == NULL)
         goto done;
     for (k = 0; k < n; k++) {
-        Py_ssize_t a = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(offsets_fast, k)) - base;
-        Py_ssize_t b = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(offsets_fast, k + 1)) - base;
-        PyObject *key = PySequence_Fast_GET_ITEM(keys_fast, k), *sample;
-        if (PyErr_Occurred())
-            goto fail;
-        if (!PyUnicode_Check(key)) {
-            PyErr_SetString(PyExc_TypeError, "keys must be str");
+        /* A list given here is the list itself, and any allocation below can run a
+         * finalizer (the garbage collector) that changes it: its size is checked again
+         * for every sample, and the items used are held, not borrowed. */
+        PyObject *key, *start, *stop, *sample;
+        Py_ssize_t a = 0, b = 0;
+        int in_a, in_b;
+        if (PySequence_Fast_GET_SIZE(keys_fast) != n || PySequence_Fast_GET_SIZE(offsets_fast) != n + 1) {
+            PyErr_SetString(PyExc_RuntimeError, "keys or offsets changed size during the call");
             goto fail;
         }
-        if (a < 0 || b > len || a >= b) {
+        key = Py_NewRef(PySequence_Fast_GET_ITEM(keys_fast, k));
+        start = Py_NewRef(PySequence_Fast_GET_ITEM(offsets_fast, k));
+        stop = Py_NewRef(PySequence_Fast_GET_ITEM(offsets_fast, k + 1));
+        in_a = relative(start, base, &a);
+        in_b = in_a < 0 ? -1 : relative(stop, base, &b);
+        Py_DECREF(start);
+        Py_DECREF(stop);
+        if (in_b < 0 || !PyUnicode_Check(key)) {
+            if (in_b >= 0)
+                PyErr_SetString(PyExc_TypeError, "keys must be str");
+            Py_DECREF(key);
+            goto fail;
+        }
+        if (!in_a || !in_b || a < 0 || b > len || a >= b) {
+            Py_DECREF(key);
             Py_CLEAR(result);
             result = Py_NewRef(Py_None);
             goto done;
         }
         sample = cut_one(buf, a, b, key, url, verify);
+        Py_DECREF(key);
         if (sample == NULL)
             goto fail;
         if (sample == Py_None) {
@@ -243,6 +284,7 @@ typedef struct {
     ZSTD_DCtx *dctx;
     unsigned char *scratch;
     size_t capacity;
+    int busy; /* a call is using it: the GIL is dropped while it decompresses */
 } Context;
 
 static void context_free(PyObject *capsule)
@@ -281,55 +323,75 @@ static PyObject *new_context(PyObject *self, PyObject *unused)
 PyDoc_STRVAR(frame_samples_doc,
              "frame_samples(context, frame, size, base, offsets, keys, url) -> list[dict] | None\n\n"
              "Decompress the zstd frame `frame`, which must hold exactly `size` bytes (its content\n"
-             "checksum is checked), then cut samples out of it as cut_samples does, the frame\n"
+             "checksum is checked; bytes after the first frame are ignored, as python-zstandard's\n"
+             "decompress() ignores them), then cut samples out of it as cut_samples does, the frame\n"
              "beginning at stream offset `base` (tar header checksums are not checked: the frame's\n"
-             "covers them). Raises FrameError for a frame zstd refuses.");
+             "covers them). Raises FrameError for a frame zstd refuses, RuntimeError if `context`\n"
+             "is in use by another call (another thread's).");
 
 static PyObject *frame_samples(PyObject *self, PyObject *args)
 {
-    PyObject *capsule, *offsets, *keys, *url, *result;
+    PyObject *capsule, *offsets, *keys, *url, *result = NULL;
     Py_buffer frame;
     Py_ssize_t size, base;
     Context *ctx;
-    size_t got;
+    size_t got, frame_len;
+    int released = 0;
 
     if (!PyArg_ParseTuple(args, "Oy*nnOOU", &capsule, &frame, &size, &base, &offsets, &keys, &url))
         return NULL;
     ctx = PyCapsule_GetPointer(capsule, "shardstream._tarcut.Context");
-    if (ctx == NULL || size < 0) {
-        if (ctx != NULL)
-            PyErr_SetString(PyExc_ValueError, "size must be >= 0");
-        PyBuffer_Release(&frame);
-        return NULL;
+    if (ctx == NULL)
+        goto done;
+    if (size < 0) {
+        PyErr_SetString(PyExc_ValueError, "size must be >= 0");
+        goto done;
     }
+    /* One call at a time: another thread (the GIL is dropped below) or a call made from
+     * inside this one would decompress into, or free, the buffer this one is using. */
+    if (ctx->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "this context is in use by another call (one context per thread)");
+        goto done;
+    }
+    ctx->busy = 1;
     if ((size_t)size > ctx->capacity || ctx->scratch == NULL) {
         unsigned char *grown = malloc(size ? (size_t)size : 1);
         if (grown == NULL) {
-            PyBuffer_Release(&frame);
-            return PyErr_NoMemory();
+            PyErr_NoMemory();
+            goto unlock;
         }
         free(ctx->scratch);
         ctx->scratch = grown;
         ctx->capacity = (size_t)size;
     }
     Py_BEGIN_ALLOW_THREADS
-    got = ZSTD_decompressDCtx(ctx->dctx, ctx->scratch, (size_t)size, frame.buf, (size_t)frame.len);
+    /* The first frame only, as python-zstandard's decompress() reads it: bytes after it
+     * in the index's span (another frame, garbage) are ignored by the Python path too. */
+    frame_len = ZSTD_findFrameCompressedSize(frame.buf, (size_t)frame.len);
+    got = ZSTD_isError(frame_len) ? frame_len
+                                  : ZSTD_decompressDCtx(ctx->dctx, ctx->scratch, (size_t)size, frame.buf, frame_len);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&frame);
+    released = 1;
     if (ZSTD_isError(got)) {
         PyErr_SetString(FrameError, ZSTD_getErrorName(got));
-        return NULL;
+        goto unlock;
     }
     if (got != (size_t)size) {
         PyErr_Format(FrameError, "the frame holds %zu bytes, expected %zd", got, size);
-        return NULL;
+        goto unlock;
     }
     result = cut(ctx->scratch, size, base, offsets, keys, url, 0);
-    if (ctx->capacity > KEEP_SCRATCH) {
+unlock:
+    if (ctx->capacity > KEEP_SCRATCH) { /* on every path: a failed huge frame's buffer too */
         free(ctx->scratch);
         ctx->scratch = NULL;
         ctx->capacity = 0;
     }
+    ctx->busy = 0;
+done:
+    if (!released)
+        PyBuffer_Release(&frame);
     return result;
 }
 

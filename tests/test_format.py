@@ -905,3 +905,228 @@ def test_read_buffers_are_reused_but_a_huge_one_is_not_kept(tmp_path):
     assert free == [kept] and free[0] is kept  # the same buffer again, not a fresh one
     assert reader[1]["bin"] == samples[1]["bin"]
     assert all(len(b) <= reader_module._buffers.KEEP_BYTES for b in free)
+
+
+# -- _tarcut against the Python parser: unusual headers, hostile callers -------------------------------------
+
+needs_tarcut = pytest.mark.skipif(not reader_module.TARCUT, reason="the _tarcut extension is not built")
+
+
+def _raw_member(name: bytes, data: bytes, size_field: bytes | None = None) -> bytes:
+    """A regular ustar member written byte by byte (tarfile would refuse some of these fields),
+    with a checksum in tarfile's layout."""
+    h = bytearray(512)
+    h[: len(name)] = name
+    h[100:124] = b"0000644\0" + b"0000000\0" + b"0000000\0"
+    field = size_field if size_field is not None else b"%011o\0" % len(data)
+    h[124 : 124 + len(field)] = field
+    h[136:148] = b"00000000000\0"
+    h[156:157] = b"0"
+    h[257:265] = b"ustar\x0000"
+    h[148:156] = b" " * 8
+    h[148:156] = b"%06o\0 " % sum(h)
+    return bytes(h) + data + bytes(-len(data) % 512)
+
+
+def _raw_reader(tmp_path, samples: list[bytes], keys: list[str], compression: str,
+                frame_tail: bytes = b"") -> reader_module.ShardReader:
+    """A reader of a one-frame shard holding `samples` (each its tar members), indexed as `keys`;
+    `frame_tail`: bytes after the zstd frame inside the span the index gives it."""
+    from shardstream.storage import Store
+
+    stream = b"".join(samples)
+    offsets = np.cumsum([0] + [len(s) for s in samples]).astype(np.int64)
+    if compression == "zstd":
+        data = zstandard.ZstdCompressor(write_checksum=True, write_content_size=True).compress(stream) + frame_tail
+        frames, raw = np.array([0, len(data)], np.int64), np.array([0, len(stream)], np.int64)
+    else:
+        data, frames, raw = stream + bytes(EOA), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    name = "s" + shardstream.format.SHARD_SUFFIX[compression]
+    (tmp_path / name).write_bytes(data)
+    index = ShardIndex(keys=tuple(keys), sample_offsets=offsets, frame_offsets=frames, frame_raw_offsets=raw,
+                       compression=compression)
+    return reader_module.ShardReader(Store(str(tmp_path)), name, index=index)
+
+
+def _read_both_ways(reader: reader_module.ShardReader) -> tuple[object, object]:
+    """What reading every sample gives, with `_tarcut` and with the Python parser: the samples
+    (fields as bytes) or the class of the error."""
+    def outcome():
+        try:
+            return [{k: bytes(v) if isinstance(v, (bytes, memoryview)) else v for k, v in s.items()} for s in reader]
+        except ShardstreamError as e:
+            return type(e).__name__
+    fast = outcome()
+    saved, reader_module._tarcut = reader_module._tarcut, None
+    try:
+        return fast, outcome()
+    finally:
+        reader_module._tarcut = saved
+
+
+_D = b"hello world"
+UNUSUAL_HEADERS = {  # the C path takes some, hands the rest to the Python parser: the result is the same
+    "repeated field": ([_raw_member(b"k.txt", _D) + _raw_member(b"k.txt", b"again")], ["k"]),
+    "member named the key": ([_raw_member(b"k", _D)], ["k"]),
+    "field named __key__": ([_raw_member(b"k.__key__", _D)], ["k"]),
+    "size with leading spaces": ([_raw_member(b"k.txt", _D, b"        013\0")], ["k"]),
+    "size with a tab": ([_raw_member(b"k.txt", _D, b"\t0000000013\0")], ["k"]),
+    "size with +": ([_raw_member(b"k.txt", _D, b"+0000000013\0")], ["k"]),
+    "size with _": ([_raw_member(b"k.txt", _D, b"0000_000013\0")], ["k"]),
+    "size of 12 digits": ([_raw_member(b"k.txt", _D, b"000000000013")], ["k"]),
+    "size field empty": ([_raw_member(b"k.txt", b"", b"\0" * 12)], ["k"]),
+    "size then spaces": ([_raw_member(b"k.txt", _D, b"13          ")], ["k"]),
+    "size over the limit": ([_raw_member(b"k.txt", _D, b"20000000001\0")], ["k"]),
+    "name of 100 bytes, no NUL": ([_raw_member(b"k." + b"x" * 98, _D)], ["k"]),
+    "key with a slash": ([_raw_member(b"a/b.c.d", _D)], ["a/b"]),
+    "key with a dot": ([_raw_member(b"a.b.c", _D)], ["a.b"]),
+    "field with a slash": ([_raw_member(b"k.x/y", _D)], ["k"]),
+    "field not UTF-8": ([_raw_member(b"k.\xff", _D)], ["k"]),
+    "name not UTF-8": ([_raw_member(b"\xff.txt", _D)], ["\udcff"]),
+    "empty field": ([_raw_member(b"k.", _D)], ["k"]),
+}
+
+
+@needs_tarcut
+@pytest.mark.parametrize("compression", ["zstd", "none"])
+@pytest.mark.parametrize("case", list(UNUSUAL_HEADERS))
+def test_tarcut_and_python_agree_on_unusual_headers(tmp_path, compression, case):
+    """Regression (a key that is not UTF-8 raised UnicodeEncodeError in C, CorruptShardError in Python)."""
+    samples, keys = UNUSUAL_HEADERS[case]
+    fast, slow = _read_both_ways(_raw_reader(tmp_path, samples, keys, compression))
+    assert fast == slow
+
+
+@needs_tarcut
+@pytest.mark.parametrize("tail", [b"\0garbage", b"\x28", "another frame"])
+def test_tarcut_reads_only_the_first_zstd_frame_of_a_span(tmp_path, tail):
+    """Regression: bytes after the frame in the span the index gives it made the C path raise
+    (it decompressed every frame of the span) where python-zstandard reads the first frame."""
+    if tail == "another frame":
+        tail = zstandard.ZstdCompressor(write_checksum=True).compress(b"more")
+    samples = [_raw_member(b"a.txt", _D), _raw_member(b"b.txt", _D * 3)]
+    fast, slow = _read_both_ways(_raw_reader(tmp_path, samples, ["a", "b"], "zstd", frame_tail=tail))
+    assert fast == slow and isinstance(fast, list) and fast[1]["txt"] == _D * 3
+
+
+@needs_tarcut
+def test_tarcut_returns_none_for_what_it_cannot_represent():
+    """Regression: a key with a lone surrogate raised UnicodeEncodeError, an offset beyond
+    Py_ssize_t OverflowError, and offsets near its limits overflowed `offset - base` (undefined
+    behaviour); each is now None, for the Python parser to judge."""
+    from shardstream import _tarcut
+
+    buf = _raw_member(b"k.txt", _D)
+    n = len(buf)
+    assert _tarcut.cut_samples(buf, 0, [0, n], ["k"], "u") == [{"__key__": "k", "__url__": "u", "txt": _D}]
+    assert _tarcut.cut_samples(buf, 0, [0, n], ["\udcff"], "u") is None
+    assert _tarcut.cut_samples(buf, 0, [0, 2**70], ["k"], "u") is None
+    assert _tarcut.cut_samples(buf, -2, [2**63 - 1, 2**63 - 1], ["k"], "u") is None
+    assert _tarcut.cut_samples(buf, 2**62, [-(2**63), 0], ["k"], "u") is None
+    with pytest.raises(TypeError):
+        _tarcut.cut_samples(buf, 0, [0, 1.5], ["k"], "u")
+
+
+@needs_tarcut
+def test_tarcut_context_refuses_a_second_call_while_in_use():
+    """Regression: a context used by two calls at once (two threads: the GIL is dropped while a
+    frame decompresses; or a call from inside another) shared its buffer, and one call freed or
+    overwrote what the other was reading (a segfault, wrong samples, checksum errors)."""
+    from shardstream import _tarcut
+
+    compress = zstandard.ZstdCompressor(write_checksum=True, write_content_size=True, level=1).compress
+    small, huge = _raw_member(b"k.txt", _D), _raw_member(b"k.bin", b"\1" * (20 << 20))
+    context, inner = _tarcut.new_context(), []
+
+    def offsets():  # runs inside the outer call, once its frame is decompressed
+        try:
+            inner.append(_tarcut.frame_samples(context, compress(huge), len(huge), 0, [0, len(huge)], ["k"], "u"))
+        except RuntimeError as e:
+            inner.append(e)
+        yield from (0, len(small))
+
+    got = _tarcut.frame_samples(context, compress(small), len(small), 0, offsets(), ["k"], "u")
+    assert got == [{"__key__": "k", "__url__": "u", "txt": _D}]
+    assert isinstance(inner[0], RuntimeError) and "in use" in str(inner[0])
+    assert _tarcut.frame_samples(context, compress(huge), len(huge), 0, [0, len(huge)], ["k"], "u")[0]["bin"][:3] == b"\1\1\1"
+
+
+@needs_tarcut
+def test_tarcut_survives_its_lists_changing_during_the_call():
+    """Regression: the keys list was read item by item (borrowed) while samples were built; a
+    finalizer run by the garbage collector inside the call that emptied it made the C code read
+    freed memory (a segfault); now the call notices and raises. Run in a child process, so that a
+    crash fails only this test."""
+    import subprocess
+    import sys
+
+    code = f"""
+import gc
+from shardstream import _tarcut
+buf = {b"".join(_raw_member(b"k%d.txt" % i, _D) for i in range(10))!r}
+keys = ["k%d" % i for i in range(10)]
+class Trap:
+    def __init__(self): self.me = self  # a cycle: only the collector frees it
+    def __del__(self): keys.clear()
+def offsets():
+    yield from range(0, 11 * 1024, 1024)
+    Trap()  # garbage from now on: the next collection, inside the call, empties `keys`
+gc.set_threshold(1, 1, 1)
+try:
+    got = _tarcut.cut_samples(buf, 0, offsets(), keys, "u")
+    print([s["__key__"] for s in got])
+except RuntimeError as e:
+    print(e)
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() in ("keys or offsets changed size during the call", str([f"k{i}" for i in range(10)]))
+
+
+@needs_tarcut
+def test_tarcut_frees_a_huge_frame_buffer_after_a_failed_frame():
+    """Regression: the buffer grown for a frame over 16 MB was freed after a frame read well but
+    kept (pinned for the life of the thread) after one zstd refused."""
+    import ctypes
+
+    from shardstream import _tarcut
+
+    try:
+        mallinfo2 = ctypes.CDLL(None).mallinfo2
+    except (AttributeError, OSError):
+        pytest.skip("needs glibc's mallinfo2")
+
+    class MallInfo(ctypes.Structure):
+        _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    mallinfo2.restype = MallInfo
+
+    def in_use() -> int:
+        info = mallinfo2()
+        return info.uordblks + info.hblkhd
+
+    huge = _raw_member(b"k.bin", b"\1" * (40 << 20))
+    frame = bytearray(zstandard.ZstdCompressor(write_checksum=True, write_content_size=True, level=1).compress(huge))
+    frame[-1] ^= 1  # the content checksum: the frame decompresses whole, then fails
+    frame = bytes(frame)
+    context = _tarcut.new_context()
+    before = in_use()
+    with pytest.raises(_tarcut.FrameError, match="checksum"):
+        _tarcut.frame_samples(context, frame, len(huge), 0, [0, len(huge)], ["k"], "u")
+    assert in_use() - before < (8 << 20)
+
+
+@needs_tarcut
+def test_tarcut_field_names_are_not_immortal():
+    """Regression: field names were interned, and Python 3.12 makes interned strings immortal, so
+    a shard with a distinct field name per sample grew the process by every name it read."""
+    import sys
+
+    from shardstream import _tarcut
+
+    buf = _raw_member(b"k.field_0123456789_unusual", _D)
+    (sample,) = _tarcut.cut_samples(buf, 0, [0, len(buf)], ["k"], "u")
+    name = next(k for k in sample if k.startswith("field_"))
+    assert sys.getrefcount(name) < 100
