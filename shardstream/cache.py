@@ -12,9 +12,13 @@ processes:
   the manifest's SHA-256 (downloaded again on a mismatch, `DOWNLOAD_ATTEMPTS` times in
   all, then an error naming the file), and renamed into place.
 * **Bounded.** Before a download, least-recently-used shards are evicted until the new
-  one fits under `limit`, and again when a reader is done with a shard. A shard being
-  read holds a shared lock and is never evicted, so the limit is exceeded only while the
-  shards in use (the one being read and the `prefetch` downloaded ahead) alone exceed it.
+  one fits under `limit`, counting the downloads this process has in flight (their
+  temporary files are not yet the size they will be). A shard being read holds a shared
+  lock and is never evicted, so the limit is exceeded only while the shards in use (the
+  one being read and the `prefetch` downloaded ahead) alone exceed it, or while other
+  processes' downloads, which this one cannot count, are landing. When a reader is done
+  with a shard the cache is trimmed back under `limit`, if this process last saw it over
+  or has landed a download since it last looked.
 * **Self-healing.** The first use of a cached shard in each process re-hashes it; a
   file damaged on disk is deleted and fetched again. A download's temporary file left by
   a killed process is deleted once it has not been written for 10 minutes.
@@ -27,9 +31,11 @@ import hashlib
 import os
 import random
 import tempfile
+import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import BinaryIO, Callable
 
 from .errors import StorageError
 from .reader import ShardReader
@@ -47,7 +53,23 @@ ABANDONED_PART_S = 600
 
 _verified: set[str] = set()  # cached files this process has hashed
 _damaged: dict[str, tuple] = {}  # cached files that failed the hash: their (inode, mtime) then
-_over_limit: set[str] = set()  # cache roots this process last left over their limit
+_over_limit: set[str] = set()  # cache roots this process last left over their limit, or has added to since
+# Bytes this process is downloading into each cache root, counted by `_make_room` until they land.
+# `_room` makes a walk of the cache, and a download landing (file renamed into place, its bytes
+# no longer in flight), happen one at a time: a walk taken while a download lands would count
+# its bytes twice, or not at all, and the verdict on `_over_limit` would be wrong.
+_in_flight: Counter[str] = Counter()
+_room = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    global _room
+    _room = threading.Lock()  # a parent's thread may have held it at the fork
+    _in_flight.clear()  # the parent's downloads: their threads are not in this process
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @dataclass(frozen=True)
@@ -109,7 +131,6 @@ class ShardCache:
                 continue
             if not self._check(path, ref):
                 io_stats.add(cache_misses=1)
-                self._make_room(ref.info.bytes + ref.info.index_bytes)
                 self._download(ref, path)
                 _verified.add(path)
             # Downgrade so readers can share. flock converts by unlocking first, so an
@@ -155,29 +176,54 @@ class ShardCache:
             return False
 
     def _download(self, ref: ShardRef, path: str) -> None:
+        """Make room for the shard and its index, and download them into place."""
         assert ref.info is not None
         folder = os.path.dirname(path)
-        for name, size, digest in ((ref.name, ref.info.bytes, ref.info.sha256),
-                                   (ref.info.index, ref.info.index_bytes, ref.info.index_sha256)):
-            # Bytes damaged on the way, or an object caught while being replaced, download
-            # whole again; a checksum that never matches is the data's, and raises.
-            for attempt in range(1, DOWNLOAD_ATTEMPTS + 1):
-                if _download_file(ref.store, name, size, digest, folder):
-                    break
-                if attempt == DOWNLOAD_ATTEMPTS:
-                    raise StorageError(f"downloaded file does not match the manifest's checksum "
-                                       f"({DOWNLOAD_ATTEMPTS} downloads)", url=ref.store.url(name))
-                io_stats.add(retries=1)
+        pending = ref.info.bytes + ref.info.index_bytes
+        self._make_room(pending)  # counted as in flight from here until each file lands
+
+        def land(tmp: str, name: str, size: int) -> None:
+            nonlocal pending
+            with _room:
+                os.replace(tmp, os.path.join(folder, name))
+                _in_flight[self.root] -= size
+                pending -= size
+                # The walk that made room for this download may have been the last one; a later
+                # walk by another process could not count it. Trim on the next release.
+                _over_limit.add(self.root)
+
+        try:
+            for name, size, digest in ((ref.name, ref.info.bytes, ref.info.sha256),
+                                       (ref.info.index, ref.info.index_bytes, ref.info.index_sha256)):
+                # Bytes damaged on the way, or an object caught while being replaced, download
+                # whole again; a checksum that never matches is the data's, and raises.
+                for attempt in range(1, DOWNLOAD_ATTEMPTS + 1):
+                    if _download_file(ref.store, name, size, digest, folder, land):
+                        break
+                    if attempt == DOWNLOAD_ATTEMPTS:
+                        raise StorageError(f"downloaded file does not match the manifest's checksum "
+                                           f"({DOWNLOAD_ATTEMPTS} downloads)", url=ref.store.url(name))
+                    io_stats.add(retries=1)
+        finally:
+            with _room:  # what did not land is no longer coming
+                _in_flight[self.root] -= pending
 
     def trim(self) -> None:
         """Evict least-recently-used shards not in use until the cache is within its limit,
-        if this process last left it over (its shards in use could not be evicted then):
-        a walk of the whole cache on every shard released would be work for nothing."""
+        if this process last left it over (its shards in use could not be evicted then) or
+        has landed a download since: a walk of the whole cache on every shard released
+        would be work for nothing."""
         if self.root in _over_limit:
             self._make_room(0)
 
     def _make_room(self, incoming: int) -> None:
-        """Evict least-recently-used shards not in use until `incoming` bytes fit."""
+        """Evict least-recently-used shards not in use until `incoming` more bytes fit beside
+        those on disk and those this process has in flight; count `incoming` as in flight."""
+        with _room:
+            self._make_room_locked(incoming)
+            _in_flight[self.root] += incoming
+
+    def _make_room_locked(self, incoming: int) -> None:
         entries = []
         now = time.time()
         for base, _, names in os.walk(self.root):
@@ -197,7 +243,7 @@ class ShardCache:
                 except FileNotFoundError:
                     index_bytes = 0
                 entries.append((st.st_mtime, full, st.st_size + index_bytes))
-        total = sum(size for _, _, size in entries)
+        total = sum(size for _, _, size in entries) + _in_flight[self.root]
         for _, full, size in sorted(entries):
             if total + incoming <= self.limit:
                 break
@@ -233,8 +279,10 @@ def _remove_if_abandoned(part: str, now: float) -> None:
         pass
 
 
-def _download_file(store: Store, name: str, size: int, digest: str, folder: str) -> bool:
-    """Download `name` into `folder` if its SHA-256 is `digest`; False (nothing kept) if not."""
+def _download_file(store: Store, name: str, size: int, digest: str, folder: str,
+                   land: Callable[[str, str, int], None]) -> bool:
+    """Download `name` into `folder` if its SHA-256 is `digest`, put in place by
+    `land(temporary path, name, size)`; False (nothing kept) if not."""
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".part")
     try:
         hasher = hashlib.sha256()
@@ -245,7 +293,7 @@ def _download_file(store: Store, name: str, size: int, digest: str, folder: str)
                 f.write(data)
         if hasher.hexdigest() != digest:
             return False
-        os.replace(tmp, os.path.join(folder, name))
+        land(tmp, name, size)
         return True
     finally:
         if os.path.exists(tmp):

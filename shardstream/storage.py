@@ -198,6 +198,22 @@ class Store:
     def _wrap(self, name: str, action: str, error: BaseException) -> StorageError:
         return StorageError(f"could not {action}: {type(error).__name__}: {error}", url=self.url(name))
 
+    @contextlib.contextmanager
+    def _errors(self, name: str, action: str) -> Iterator[None]:
+        """Turn an OSError from `action` on `name` into a StorageError naming its URL.
+
+        `RetryPolicy.call` lets a permanent OSError through as it is (a 403's PermissionError,
+        a 501's `http_ranges.HTTPStatusError`, a missing file's FileNotFoundError): every
+        method that calls it, or the file system, passes through here, so that what a store
+        raises is a StorageError.
+        """
+        try:
+            yield
+        except FileNotFoundError as e:
+            raise StorageError("file not found", url=self.url(name)) from e
+        except OSError as e:
+            raise self._wrap(name, action, e) from e
+
     # -- reading ---------------------------------------------------------------
 
     def read(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
@@ -208,7 +224,7 @@ class Store:
         naming the URL. Every read is counted in `io_stats`.
         """
         started = time.perf_counter()
-        with self._read_errors(name):
+        with self._errors(name, "read"):
             if self.local:
                 with open(self.url(name), "rb") as f:
                     if start:
@@ -234,7 +250,7 @@ class Store:
             return len(data)
         started = time.perf_counter()
         done = 0
-        with self._read_errors(name):
+        with self._errors(name, "read"):
             fd = os.open(self.url(name), os.O_RDONLY)
             try:
                 while done < len(out):
@@ -246,16 +262,6 @@ class Store:
                 os.close(fd)
         io_stats.add(requests=1, bytes=done, wait_s=time.perf_counter() - started)
         return done
-
-    @contextlib.contextmanager
-    def _read_errors(self, name: str) -> Iterator[None]:
-        """Turn an OSError from reading `name` into a StorageError naming its URL."""
-        try:
-            yield
-        except FileNotFoundError as e:
-            raise StorageError("file not found", url=self.url(name)) from e
-        except OSError as e:
-            raise self._wrap(name, "read", e) from e
 
     def _remote_read(self, name: str, start: int | None, end: int | None) -> bytes:
         direct = self._direct
@@ -308,26 +314,31 @@ class Store:
         return fs.info(path)
 
     def size(self, name: str) -> int:
-        try:
+        """The size of `name` in bytes; remote lookups are retried as reads are."""
+        with self._errors(name, "look up the size"):
             if self.local:
                 return os.path.getsize(self.url(name))
             return int(self.retry.call(self._remote_size, name, url=self.url(name)))
-        except FileNotFoundError as e:
-            raise StorageError("file not found", url=self.url(name)) from e
 
     def list(self, suffix: str = "") -> list[str]:
-        """Names of the files directly in this store that end with `suffix`, sorted."""
+        """Names of the files directly in this store that end with `suffix`, sorted; none
+        where the folder does not exist. Remote listings are retried as reads are."""
         if self.local:
             root = _local_path(self.root)
             if not os.path.isdir(root):
                 return []
             return sorted(n for n in os.listdir(root) if n.endswith(suffix) and os.path.isfile(os.path.join(root, n)))
-        fs, path = self._fs_path("")
         try:
-            entries = fs.ls(path.rstrip("/"), detail=False)
+            entries = self.retry.call(self._remote_list, url=self.url(""))
         except FileNotFoundError:
             return []
+        except OSError as e:
+            raise self._wrap("", "list", e) from e
         return sorted(posixpath.basename(e) for e in entries if e.endswith(suffix))
+
+    def _remote_list(self) -> list[str]:
+        fs, path = self._fs_path("")
+        return fs.ls(path.rstrip("/"), detail=False)
 
     def _remote_size(self, name: str) -> int:
         fs, path = self._fs_path(name)
@@ -374,11 +385,14 @@ class Store:
             if self.local:
                 os.replace(local_file, self.url(name))
                 return
-            fs, path = self._fs_path(name)
-            fs.put_file(local_file, path)
+            self.retry.call(self._remote_put, local_file, name, url=self.url(name))
             os.remove(local_file)
         except OSError as e:
             raise self._wrap(name, "write", e) from e
+
+    def _remote_put(self, local_file: str, name: str) -> None:
+        fs, path = self._fs_path(name)
+        fs.put_file(local_file, path)  # whole, so a retry uploads it whole again
 
     def write(self, name: str, data: bytes) -> None:
         """Write `data` as the file `name`, atomically (see `put`)."""
@@ -401,8 +415,14 @@ class Store:
             except FileNotFoundError:
                 pass
             return
+        # fsspec's exists() reads every failure (a 403, a 503) as "absent": ours retries, and raises.
+        if self.exists(name):
+            with self._errors(name, "remove"):
+                self.retry.call(self._remote_remove, name, url=self.url(name))
+
+    def _remote_remove(self, name: str) -> None:
         fs, path = self._fs_path(name)
-        if fs.exists(path):
+        with contextlib.suppress(FileNotFoundError):  # removed meanwhile: as asked
             fs.rm_file(path)
 
     def cleanup_scratch(self, names: Iterable[str] = ()) -> None:
