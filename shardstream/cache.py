@@ -46,10 +46,11 @@ __all__ = ["ShardCache"]
 
 CHUNK = 16 << 20  # bytes per ranged request when downloading
 DOWNLOAD_ATTEMPTS = 3  # whole downloads of a file before its checksum mismatch is an error
-# A live download writes its file a CHUNK at a time, and one read gives up within about
-# four minutes (10 tries of up to 20 s each, plus up to 33 s of backoff): a temporary file
-# untouched for ten minutes has no live download behind it.
-ABANDONED_PART_S = 600
+# A live download writes its file a CHUNK at a time. One try of a 16 MB read may take 350 s
+# on a slow link (`http_ranges.deadline_s`, counted in its share of the time when reads
+# share the link, so a few times that with prefetch): a temporary file untouched for an
+# hour has no live download behind it.
+ABANDONED_PART_S = 3600
 
 _verified: set[str] = set()  # cached files this process has hashed
 _damaged: dict[str, tuple] = {}  # cached files that failed the hash: their (inode, mtime) then

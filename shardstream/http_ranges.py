@@ -20,9 +20,10 @@ then would hold a reader forever; each request also has a deadline (`deadline_s`
 past which it fails with `RequestDeadlineError` (retried). A thread of this process
 (`_Watchdog`) ends a body read that outlives it by shutting its socket: reading the
 body in steps and looking at the clock between them would cost a copy of every byte
-(0.25-0.3 ms of CPU per MB more, measured on loopback). The headers are read inside
-urllib3 and http.client, out of reach: a deadline that passes while they trickle in
-fails the request once they are in.
+(0.25-0.3 ms of CPU per MB more, measured on loopback). The connection stays out of
+urllib3's pool until the watch is over, so that the socket shut is never another
+request's. The headers are read inside urllib3 and http.client, out of reach: a
+deadline that passes while they trickle in fails the request once they are in.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
-import itertools
 import os
 import socket
 import threading
@@ -85,13 +85,16 @@ MAX_REDIRECTS = 5  # as browsers and fsspec's aiohttp (10) do, a bound on redire
 
 # How long a request may take in all: the connect timeout, one read timeout for its first
 # byte, and one more for every DEADLINE_BYTES_PER_READ it moves (the timeouts of 10 s and
-# 20 s give an 8 MB range 190 s: about 45 KB/s at the least). A slow link is left
-# alone; a server that trickles a byte within every read timeout is not.
+# 20 s give an 8 MB range 190 s: about 45 KB/s at the least). The body's part is counted
+# in its share of the time (`_Watchdog`): a worker's 6 reads at once need those 45 KB/s
+# together, not each, and 8 workers 350 KB/s (2.8 Mbit/s). A slow link is left alone; a
+# server that trickles a byte within every read timeout is not.
 DEADLINE_BYTES_PER_READ = 1 << 20
 
 
 def deadline_s(size: int, connect_s: float, read_s: float) -> float:
-    """Seconds a request moving `size` bytes may take in all, with these timeouts."""
+    """Seconds a request moving `size` bytes may take in all, with these timeouts (its body's
+    in its share of the time, `_Watchdog`)."""
     return connect_s + read_s * (1 + size / DEADLINE_BYTES_PER_READ)
 
 
@@ -99,64 +102,92 @@ class RequestDeadlineError(TimeoutError):
     """A request outlived its deadline (`deadline_s`): transient, so retried."""
 
 
-# How long the watchdog's thread outlives the last read it watched, so that reads one
-# after another reuse it: a thread started and ended per read cost about 0.5 ms of CPU
-# a read (1 MB ranges, one at a time, from a local server: 0.75 ms a read before there
-# were deadlines, 1.3 ms with a thread per read, within noise of 0.75 ms with this wait).
-IDLE_S = 0.05
+# How often the watchdog's thread looks at the reads it watches, and how long it outlives
+# the last: it ends once it has found none watched for this long. It is not woken as each
+# read ends: woken so (as first written), it cost 150-210 us of CPU a read more than no
+# deadlines at all (1,000 ranged reads of 4 KB one after another from a local server, 2
+# busy cores: 390-440 us a read), and not woken, 30-45 us; a thread started and ended
+# per read cost about 0.5 ms of CPU a read.
+IDLE_S = 0.25
+
+
+class _Watch:
+    """A watched block: when its deadline comes (in `_Watchdog._shared`), what stops it, and
+    whether that ran."""
+
+    __slots__ = ("ends", "stop", "fired")
+
+    def __init__(self, ends: float, stop: Callable[[], None]) -> None:
+        self.ends, self.stop, self.fired = ends, stop, False
 
 
 class _Watchdog:
     """Stops reads that outlive their deadline, from one thread.
 
-    The thread runs only while watched reads are in flight, and ends `IDLE_S` after the
-    last: an idle process holds none, a forked child starts without one (`PerProcess`),
-    and no read waits for it to end.
+    A deadline is counted in the read's share of the time: while n watched reads are in
+    flight, each one's clock runs at 1/n speed. Reads at once share a link (a DataLoader
+    worker prefetches 6 pieces): counted in plain seconds, a link too slow for all of them
+    failed them all, and their retries again, where each alone met its deadline.
+
+    The thread runs only while watched reads are in flight, and ends between `IDLE_S`
+    and twice that after the last: an idle process holds none, a forked child starts
+    without one (`PerProcess`), and no read waits for it to end.
     """
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._watched: dict[int, tuple[float, Callable[[], None]]] = {}
-        self._expired: set[int] = set()
-        self._tickets = itertools.count()
+        self._watched: set[_Watch] = set()
         self._thread: threading.Thread | None = None
         self._waking = float("inf")  # when the thread wakes up next, unless told
+        self._shared = 0.0  # seconds of each watched read's share of the time, summed since the start
+        self._counted = time.monotonic()  # when `_shared` was brought up to date
+
+    def _count(self) -> float:
+        """Bring `_shared` up to date (under the lock, before `_watched` changes); the time now."""
+        now = time.monotonic()
+        if self._watched:
+            self._shared += (now - self._counted) / len(self._watched)
+        self._counted = now
+        return now
 
     @contextlib.contextmanager
-    def watch(self, deadline: float, stop: Callable[[], None]) -> Iterator[Callable[[], bool]]:
-        """Call `stop` from the watchdog's thread if the block still runs at `deadline`
-        (`time.monotonic`); yields a function that tells whether it did."""
+    def watch(self, seconds: float, stop: Callable[[], None]) -> Iterator[_Watch]:
+        """Call `stop` from the watchdog's thread if the block still runs after `seconds` of
+        its share of the time, and never once it is over; yields the watch, whose `fired`
+        says, after the block, whether it did."""
         with self._cond:
-            ticket = next(self._tickets)
-            self._watched[ticket] = (deadline, stop)
+            now = self._count()
+            watch = _Watch(self._shared + seconds, stop)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="shardstream-deadlines", daemon=True)
-                self._thread.start()
-            elif deadline < self._waking:
+                thread = threading.Thread(target=self._run, name="shardstream-deadlines", daemon=True)
+                thread.start()  # if it cannot (no memory for a stack), nothing is left half done
+                self._thread = thread
+            elif now + seconds * (len(self._watched) + 1) < self._waking:
                 self._cond.notify()
+            self._watched.add(watch)
         try:
-            yield lambda: ticket in self._expired
+            yield watch
         finally:
-            with self._cond:
-                self._watched.pop(ticket, None)
-                self._expired.discard(ticket)
-                if not self._watched:
-                    self._cond.notify()  # it may be waiting for this read's deadline: now it idles
+            with self._cond:  # `stop` runs under this lock: once this is done, it never will
+                self._count()
+                self._watched.discard(watch)
 
     def _run(self) -> None:
         with self._cond:
             try:
                 idle_since = None
                 while True:
-                    now = time.monotonic()
+                    now = self._count()
                     if self._watched:
                         idle_since = None
-                        ticket, (self._waking, stop) = min(self._watched.items(), key=lambda item: item[1][0])
-                        if self._waking <= now:
-                            del self._watched[ticket]
-                            self._expired.add(ticket)
-                            stop()
+                        first = min(self._watched, key=lambda watch: watch.ends)
+                        if first.ends <= self._shared:
+                            self._watched.discard(first)
+                            first.fired = True
+                            first.stop()
                             continue
+                        # Not woken as reads end (and the others' shares grow): it looks again in IDLE_S.
+                        self._waking = now + min((first.ends - self._shared) * len(self._watched), IDLE_S)
                     else:
                         idle_since = now if idle_since is None else idle_since
                         self._waking = idle_since + IDLE_S
@@ -194,7 +225,7 @@ def read_body(response: Any, read: Callable[..., bytes], url: str, started: floa
     read a block at a time, each block within a deadline of its own.
     """
     if size is not None:
-        return _within(response, read, url, started, started + deadline_s(size, connect_s, read_s))
+        return _within(response, read, url, started, started + deadline_s(size, connect_s, read_s), size)
     blocks: list[bytes] = []
     deadline = started + deadline_s(DEADLINE_BYTES_PER_READ, connect_s, read_s)
     while block := _within(response, functools.partial(read, DEADLINE_BYTES_PER_READ), url, started, deadline):
@@ -204,21 +235,49 @@ def read_body(response: Any, read: Callable[..., bytes], url: str, started: floa
     return b"".join(blocks)
 
 
-def _within(response: Any, read: Callable[[], bytes], url: str, started: float, deadline: float) -> bytes:
-    """`read()`, ended by shutting down `response`'s socket if it runs past `deadline`."""
-    cause = None
-    if time.monotonic() < deadline:
-        with _watchdog.get().watch(deadline, functools.partial(_stop, response)) as expired:
-            try:
-                data = read()
-            except Exception as e:  # the failure of a read the watchdog ended is the deadline's
-                if not expired():
-                    raise
-                cause = e
-            else:
-                if not expired():  # past it, a body without a length ends where the socket was shut
-                    return data
-    raise RequestDeadlineError(f"no whole response from {shown_url(url)} in {deadline - started:.3g} s") from cause
+def _within(response: Any, read: Callable[[], bytes], url: str, started: float, deadline: float,
+            size: int | None = None) -> bytes:
+    """`read()`, ended by shutting down `response`'s socket if it runs past `deadline` (as
+    `_Watchdog` counts it); what it read is kept if all `size` bytes are in, though the
+    deadline passed as they came."""
+    left, cause = deadline - time.monotonic(), None
+    if left > 0:  # else the headers came in too late
+        with _kept_from_pool(response):
+            with _watchdog.get().watch(left, functools.partial(_stop, response)) as watch:
+                try:
+                    data = read()
+                except Exception as e:  # the failure of a read the watchdog ended is the deadline's
+                    cause = e
+            if watch.fired and response is not None:
+                response.close()  # its socket is shut: no later request's to use
+        if not watch.fired:
+            if cause is not None:
+                raise cause
+            return data
+        if cause is None and size is not None and len(data) == size:
+            return data
+    # Past it, a body without a length ends where the socket was shut: not whole.
+    raise RequestDeadlineError(f"no whole response from {shown_url(url)} in {time.monotonic() - started:.3g} s "
+                               f"(deadline {deadline - started:.3g} s)") from cause
+
+
+@contextlib.contextmanager
+def _kept_from_pool(response: Any) -> Iterator[None]:
+    """Keep `response`'s connection out of urllib3's pool until the block is over, then put
+    it back if its body is done. A read that ends the body puts it back (urllib3 does, in
+    `read`), while the watchdog may still shut its socket: by then another request may
+    have taken the connection, and its response would be cut short."""
+    pool = getattr(response, "_pool", None)  # urllib3's private name, as botocore's `_raw_stream`
+    if pool is None:
+        yield
+        return
+    response._pool = None
+    try:
+        yield
+    finally:
+        response._pool = pool
+        if response.closed:
+            response.release_conn()
 
 
 class HTTPStatusError(OSError):

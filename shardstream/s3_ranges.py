@@ -78,9 +78,10 @@ def read_range(url: str, start: int | None, end: int | None, options: Mapping[st
         request["Range"] = range_header(start, end)
     from botocore.exceptions import ClientError
 
+    client = _client(options, connect_s, read_s)  # the first in a process takes most of a second: not the server's
     started = time.monotonic()
     try:
-        response = _client(options, connect_s, read_s).get_object(**request)
+        response = client.get_object(**request)
     except ClientError as e:
         code = str(e.response.get("Error", {}).get("Code", ""))
         status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")

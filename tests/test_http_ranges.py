@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import http.server
 import multiprocessing
+import socket
 import threading
 import time
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 import urllib3
 
 import shardstream
-from shardstream import StorageError, storage
+from shardstream import StorageError, http_ranges, storage
 from shardstream.http_ranges import HTTPStatusError, RequestDeadlineError, read_range
 from shardstream.storage import RetryPolicy, Store, is_transient
 
@@ -353,3 +354,221 @@ def test_a_token_in_the_url_stays_out_of_messages(status, fsspec_loop):
             RetryPolicy(attempts=1).call(pool.request, "GET", store.url("blob.bin"), url=store.url("blob.bin"))
         assert "secret" not in str(info.value) and "secret" in info.value.url
         pool.clear()
+
+
+def _watchdog_gone() -> None:
+    """Wait until the watchdog's thread of earlier reads has ended (within 2 * IDLE_S of the
+    last): the next watched read starts a new one."""
+    deadline = time.monotonic() + 10
+    while any(t.name == "shardstream-deadlines" for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the watchdog's thread outlived its reads"
+        time.sleep(0.01)
+
+
+def _pausing_socket_shutdowns(until: threading.Event, reached: threading.Event | None = None):
+    """A profile function (`threading.setprofile`) that holds the watchdog's thread as it is
+    about to shut a socket down until `until` is set, having set `reached`: the thread may be
+    preempted there, and the test chooses what happens in the meantime."""
+    def profile(frame: object, event: str, arg: object) -> None:
+        if (event == "c_call" and getattr(arg, "__name__", None) == "shutdown"
+                and isinstance(getattr(arg, "__self__", None), socket.socket)
+                and threading.current_thread().name == "shardstream-deadlines"):
+            if reached is not None:
+                reached.set()
+            until.wait(10)
+    return profile
+
+
+class _Relay(_Served):
+    """Keep-alive. /slow: 100 bytes over two seconds, then `sent` is set; any other path:
+    `asked` is set, and 5 bytes half a second later."""
+
+    protocol_version = "HTTP/1.1"
+    timeout = 10
+    sent = asked = threading.Event()
+
+    def answer(self) -> None:
+        if self.path == "/slow":
+            self.send_response(200)
+            self.send_header("Content-Length", "100")
+            self.end_headers()
+            for _ in range(20):
+                if self.stopping.wait(0.1):
+                    return
+                self.wfile.write(b"x" * 5)
+                self.wfile.flush()
+            self.sent.set()
+        else:
+            self.asked.set()
+            self.stopping.wait(0.5)
+            self.send_response(200)
+            self.send_header("Content-Length", "5")
+            self.end_headers()
+            self.wfile.write(b"hello")
+
+
+def test_a_read_that_ends_as_the_watchdog_stops_it_keeps_its_bytes_and_harms_no_later_request():
+    """The deadline (1 s) passes mid-body; the watchdog's thread is held just before it shuts
+    the socket, while the body comes in whole and a later request goes out. The whole body
+    is the read's; the later request must not be on the connection whose socket is then
+    shut (urllib3 puts a connection back in its pool as a read ends the body)."""
+    _watchdog_gone()
+    sent, asked = threading.Event(), threading.Event()
+    threading.setprofile(_pausing_socket_shutdowns(until=asked))
+    try:
+        with serving(_Relay, sent=sent, asked=asked) as (url, _):
+            first: list = []
+
+            def read_slowly() -> None:
+                try:
+                    first.append(read_range(f"{url}/slow", 0, 100, connect_s=0.5, read_s=0.5))
+                except Exception as e:
+                    first.append(e)
+
+            reader = threading.Thread(target=read_slowly)
+            reader.start()
+            assert sent.wait(30)
+            time.sleep(0.2)  # the read takes in the last bytes
+            assert read_range(f"{url}/other", 0, 5) == b"hello"
+            reader.join(30)
+            assert first == [b"x" * 100]
+    finally:
+        threading.setprofile(None)  # type: ignore[arg-type]
+        http_ranges._pool.get().clear()  # the server's keep-alive handlers end
+
+
+class _SharedLink(_Served):
+    """Sends `size` bytes; all its connections together get `rate` bytes/s, 4 KB in turn."""
+
+    size, rate = 256 << 10, 600_000
+    lock = threading.Lock()
+    next_free = [0.0]
+
+    def answer(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", str(self.size))
+        self.end_headers()
+        try:
+            for _ in range(self.size // 4096):
+                with self.lock:
+                    self.next_free[0] = slot = max(time.monotonic(), self.next_free[0]) + 4096 / self.rate
+                if self.stopping.wait(max(0.0, slot - time.monotonic())):
+                    return
+                self.wfile.write(bytes(4096))
+        except OSError:
+            pass
+
+
+def test_reads_that_share_a_slow_link_each_have_their_deadline_in_their_share_of_the_time():
+    """Alone, a read of the link takes 0.44 s, within its deadline of 1.45 s; six at once
+    take 2.6 s, all of them, and must not all fail (and all fail again, retried). Reads that
+    trickle still fail, six at once too."""
+    with serving(_SharedLink, lock=threading.Lock(), next_free=[0.0]) as (url, _):
+        results: list = []
+
+        def read() -> None:
+            try:
+                results.append(len(read_range(f"{url}/x", 0, 256 << 10, connect_s=0.2, read_s=1.0)))
+            except Exception as e:
+                results.append(e)
+
+        readers = [threading.Thread(target=read) for _ in range(6)]
+        for thread in readers:
+            thread.start()
+        for thread in readers:
+            thread.join(60)
+        assert results == [256 << 10] * 6
+    with trickling() as (url, _):
+        took: list = []
+
+        def trickled() -> None:
+            started = time.monotonic()
+            with pytest.raises(RequestDeadlineError):
+                read_range(f"{url}/blob.bin", 0, 200, connect_s=0.5, read_s=1.0)
+            took.append(time.monotonic() - started)
+
+        readers = [threading.Thread(target=trickled) for _ in range(6)]
+        for thread in readers:
+            thread.start()
+        for thread in readers:
+            thread.join(60)
+        assert len(took) == 6 and max(took) < 18  # 6 x 1.5 s of their shares, not the trickle's 20 s
+
+
+def test_a_read_after_the_watchdog_thread_could_not_start_is_watched(monkeypatch):
+    """A thread that cannot start (no memory for its stack) fails that read; the next read
+    starts one, and is stopped at its deadline."""
+    _watchdog_gone()
+    start = threading.Thread.start
+
+    def fail_once(thread: threading.Thread) -> None:
+        if thread.name == "shardstream-deadlines":
+            monkeypatch.setattr(threading.Thread, "start", start)
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", fail_once)
+    with trickling() as (url, _):
+        with pytest.raises(RuntimeError, match="can't start new thread"):
+            read_range(f"{url}/blob.bin", 0, 200, connect_s=0.5, read_s=1.0)
+        started = time.monotonic()
+        with pytest.raises(RequestDeadlineError):
+            read_range(f"{url}/blob.bin", 0, 200, connect_s=0.5, read_s=1.0)
+        assert time.monotonic() - started < 15  # the trickle takes 20 s
+
+
+def test_a_read_that_starts_as_the_watchdog_thread_idles_out_is_watched():
+    """The thread ends once it has watched nothing for IDLE_S: reads that start about then,
+    as it decides to end or has just ended, are stopped at their deadlines all the same."""
+    with trickling(interval=0) as (fast, _), trickling(interval=0.05) as (slow, _):
+        for pause in (0.9, 1.0, 1.1, 1.9, 2.0, 2.1):
+            assert read_range(f"{fast}/blob.bin", 0, 200) == DATA[:200]
+            time.sleep(pause * http_ranges.IDLE_S)
+            started = time.monotonic()
+            with pytest.raises(RequestDeadlineError):
+                read_range(f"{slow}/blob.bin", 0, 200, connect_s=0.1, read_s=0.3)
+            assert time.monotonic() - started < 8  # the trickle takes 10 s
+
+
+def _child_meets_deadlines(slow: str, fast: str, queue) -> None:
+    threading.setprofile(None)  # type: ignore[arg-type]  # the parent's, for threads it starts
+    try:
+        read_range(slow, 0, 200, connect_s=0.5, read_s=1.0)
+        queue.put("the trickle was read whole")
+    except RequestDeadlineError:
+        queue.put(read_range(fast, 0, 200))
+    except BaseException as e:
+        queue.put(repr(e))
+
+
+def test_a_child_forked_while_the_watchdog_stops_a_read_has_a_watchdog_of_its_own():
+    """Forked as the parent's watchdog thread holds its lock, stopping a read, with a read
+    watched: the child's reads meet their deadlines all the same, and the parent's too."""
+    _watchdog_gone()
+    stopping, forked = threading.Event(), threading.Event()
+    threading.setprofile(_pausing_socket_shutdowns(until=forked, reached=stopping))
+    try:
+        with trickling() as (slow, _), trickling(interval=0) as (fast, _):
+            parent: list = []
+
+            def read() -> None:
+                with pytest.raises(RequestDeadlineError):
+                    read_range(f"{slow}/blob.bin", 0, 200, connect_s=0.5, read_s=1.0)
+                parent.append("stopped")
+
+            reader = threading.Thread(target=read)
+            reader.start()
+            assert stopping.wait(30)
+            context = multiprocessing.get_context("fork")
+            queue = context.Queue()
+            child = context.Process(target=_child_meets_deadlines,
+                                    args=(f"{slow}/blob.bin", f"{fast}/blob.bin", queue))
+            child.start()
+            forked.set()
+            assert queue.get(timeout=60) == DATA[:200]
+            child.join(60)
+            assert child.exitcode == 0
+            reader.join(30)
+            assert parent == ["stopped"]
+    finally:
+        threading.setprofile(None)  # type: ignore[arg-type]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import multiprocessing
+import subprocess
+import sys
 import time
 
 import pytest
@@ -86,4 +88,17 @@ def test_a_trickling_server_fails_the_request_at_its_deadline():
         with pytest.raises(RequestDeadlineError, match=r"no whole response from s3://ranges/dir/blob\.bin"):
             read_range(f"s3://{BUCKET}/dir/blob.bin", 0, 200, options, connect_s=0.5, read_s=1.0)
         assert time.monotonic() - started < 15
+        assert len(requests) == 1
+
+
+def test_the_deadline_counts_from_the_request_not_from_making_its_client():
+    """The first read in a process imports botocore and makes a client (most of a second
+    here): the deadline (0.3 s) is the request's, not theirs."""
+    with trickling(interval=0) as (endpoint, requests):
+        options = {"key": "testing", "secret": "testing",
+                   "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+        code = ("import sys\nfrom shardstream.s3_ranges import read_range\n"
+                f"data = read_range('s3://{BUCKET}/dir/blob.bin', 0, 200, {options!r}, connect_s=0.1, read_s=0.2)\n"
+                "assert 'botocore' in sys.modules and data == bytes(range(200)), data\n")
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
         assert len(requests) == 1
