@@ -206,7 +206,6 @@ def test_bad_paths_and_arguments_are_one_line_errors(packed, image_folder, tmp_p
     a_file.write_text("not a dataset\n")
     cases = [
         (("inspect", a_file), 1, str(a_file)),
-        (("verify", a_file, "--quiet"), 1, str(a_file)),
         (("bench", a_file, "--quiet"), 1, str(a_file)),
         (("pack", image_folder, a_file, "--quiet"), 1, str(a_file)),
         (("pack", image_folder, a_file / "ds", "--quiet"), 1, str(a_file)),
@@ -224,6 +223,11 @@ def test_bad_paths_and_arguments_are_one_line_errors(packed, image_folder, tmp_p
         assert "Traceback" not in result.stderr, (args, result.stderr)
         last = result.stderr.strip().splitlines()[-1]
         assert last.startswith(f"shardstream {args[0]}: error:") and named in last, (args, result.stderr)
+    # verify reports what it cannot read as a problem of the dataset, as for a missing folder
+    result = cli("verify", a_file, "--quiet")
+    assert result.returncode == 1 and "Traceback" not in result.stderr + result.stdout, result
+    problem = result.stdout.splitlines()[0]
+    assert problem.startswith("PROBLEM manifest:") and str(a_file) in problem and "Not a directory" in problem, result
 
 
 def test_demo_reuses_a_kept_folder_only_if_it_holds_what_it_would_make(tmp_path):
