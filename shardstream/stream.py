@@ -91,10 +91,15 @@ class _Readers:
         self.cache.forget(self.source.shards[shard])
 
     def close(self) -> None:
+        """Let go of every shard still held (an iteration ended, or stopped early), and trim
+        the cache back under its limit, as releasing them one by one would have."""
         with self._guard:
-            for lock in self._locks:
-                lock.close()
-            self._locks.clear()
+            locks, self._locks = self._locks, []
+            self._shard_locks.clear()
+        for lock in locks:
+            lock.close()
+        if locks and self.cache is not None:
+            self.cache.trim()
 
 
 def read_tolerant(reader: ShardReader | StreamTarReader, first: int, stop: int) -> list[Sample]:

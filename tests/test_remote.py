@@ -1136,6 +1136,26 @@ def test_cache_with_prefetch_holds_only_the_shards_it_downloads_ahead(local_ds, 
     assert folder_bytes(cache_dir) <= limit  # released shards are evicted back under the limit
 
 
+def test_cache_stopped_early_is_trimmed_back_under_its_limit(local_ds, shard_names, tmp_path):
+    """Regression: an iteration stopped early (a `break`, an exception in the loop) let go of
+    the shards it held, the one being read and those downloaded ahead, without trimming, so
+    the cache stayed over its limit until some later release."""
+    cache_dir = tmp_path / "cache"
+    sizes = [Path(local_ds, n).stat().st_size + Path(local_ds, n + ".idx").stat().st_size for n in shard_names]
+    limit = max(sizes) + 100
+    with H.CountingHTTPServer(local_ds) as server:
+        ds = StreamingDataset(server.url, decode=None, fields=("__key__",), prefetch=2,
+                              cache_dir=str(cache_dir), cache_limit=limit)
+        samples = iter(ds)
+        next(samples)
+        deadline = time.monotonic() + 30
+        while folder_bytes(cache_dir) <= limit:  # the shards downloaded ahead push it over
+            assert time.monotonic() < deadline, "prefetch never downloaded a shard ahead"
+            time.sleep(0.01)
+        samples.close()
+    assert folder_bytes(cache_dir) <= limit
+
+
 class Gates:
     """GETs of chosen files held at the server until opened: `arrived(name)` says a client is
     downloading it (the cache made room for it first), `open(name)` lets it through."""
