@@ -21,6 +21,7 @@ from .errors import ShardstreamError
 from .listing import list_source
 from .loader import DataLoader, Normalize
 from .pack import pack
+from .reader import TARCUT
 from .synthetic import make_image_folder
 from .transforms import RandomResizedCropJPEG
 from .verify import verify_dataset
@@ -93,6 +94,8 @@ def run_demo(images: int = 400, classes: int = 4, workers: int = 2, keep: str | 
         if got != expected:
             failed.append(f"resume: {len(got)} batches, not the {len(expected)} of the uninterrupted run")
         print(f"   JPEG crops decoded by {jpeg_crop_decoder()}")
+        print("   samples cut out of shards " + ("in C (shardstream._tarcut)" if TARCUT else
+                                              "in Python (the _tarcut extension is not built)"))
         print(f"   device: {'cuda' if torch.cuda.is_available() else 'cpu (no CUDA here)'}; files in {root}"
               + ("" if keep else " (removed)"))
     finally:

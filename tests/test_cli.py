@@ -165,6 +165,8 @@ def test_demo_runs_the_whole_path(tmp_path):
     assert out.count("each image exactly once") == 2
     assert "the same 1 batches as the uninterrupted run" in out
     assert "JPEG crops decoded by " in out
+    from shardstream.reader import TARCUT
+    assert ("samples cut out of shards in C" if TARCUT else "the _tarcut extension is not built") in out
     assert (tmp_path / "demo" / "shards").is_dir()
 
 
