@@ -75,7 +75,7 @@ def parse_seek_table(data: bytes) -> tuple[list[tuple[int, int]], int]:
 # -- round trip of a packed image folder -------------------------------------------------------
 
 
-def test_round_trip_every_sample(packed, image_folder, read_all):
+def test_round_trip_every_sample(packed, image_folder, read_all, cut):
     samples = read_all(packed)
     expected = images(image_folder)
     classes = class_dirs(image_folder)
@@ -153,7 +153,7 @@ def check_random_access(reader, n: int) -> None:
             reader[i]
 
 
-def test_random_access_packed(packed):
+def test_random_access_packed(packed, cut):
     source = open_dataset(packed)
     for ref in source.shards:
         check_random_access(ref.reader(), ref.info.samples)
@@ -161,8 +161,19 @@ def test_random_access_packed(packed):
         assert ref.reader()[ref.info.samples - 1] == list(ref.reader())[-1]
 
 
+@pytest.fixture(params=["c", "python"])
+def cut(request, monkeypatch) -> str:
+    """Each reading test run both ways: samples cut in C (`_tarcut`, where built) and in
+    Python (what an install without the extension runs)."""
+    if request.param == "c" and not reader_module.TARCUT:
+        pytest.skip("the _tarcut extension is not built")
+    if request.param == "python":
+        monkeypatch.setattr(reader_module, "_tarcut", None)
+    return request.param
+
+
 @pytest.mark.parametrize("compression", ["zstd", "none"])
-def test_random_access_every_range_across_frames(tmp_path, compression):
+def test_random_access_every_range_across_frames(tmp_path, compression, cut):
     samples = blob_samples(13)
     write_samples(tmp_path / "ds", samples, compression=compression, frame_size=4000)
     ref = open_dataset(str(tmp_path / "ds")).shards[0]
@@ -393,7 +404,7 @@ DAMAGE = {
     [(d, k) for d in ("packed", "packed_plain") for k in sorted(DAMAGE)
      if (d, k) != ("packed_plain", "byte flipped mid-file")],
 )
-def test_damaged_shard_raises_corrupt_shard(request, tmp_path, dataset, damage):
+def test_damaged_shard_raises_corrupt_shard(request, tmp_path, dataset, damage, cut):
     copy = tmp_path / "ds"
     shutil.copytree(request.getfixturevalue(dataset), copy)
     name = open_dataset(str(copy)).manifest.shards[0].name
@@ -658,7 +669,7 @@ def check_keys_round_trip(dst: Path, keys: list[str], compression: str) -> None:
 
 
 @pytest.mark.parametrize("compression", ["zstd", "none"])
-def test_writer_unusual_but_valid_keys(tmp_path, compression):
+def test_writer_unusual_but_valid_keys(tmp_path, compression, cut):
     keys = [
         "v1.2/x",  # dots in folder names are fine
         "with space/a b",
@@ -677,7 +688,7 @@ def test_writer_unusual_but_valid_keys(tmp_path, compression):
     ],
 )
 @pytest.mark.parametrize("compression", ["zstd", "none"])
-def test_writer_keys_that_need_a_pax_record(tmp_path, compression, key):
+def test_writer_keys_that_need_a_pax_record(tmp_path, compression, key, cut):
     check_keys_round_trip(tmp_path / "ds", ["short", key, "after"], compression)
 
 
