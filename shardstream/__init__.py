@@ -26,7 +26,8 @@ from .errors import (
 from .format import Manifest, ShardInfo
 from .pack import PackSummary, pack
 from .policy import ErrorPolicy, TooManyErrors
-from .reader import ShardReader, StreamTarReader, open_shard
+from .reader import ShardReader
+from .tarstream import StreamTarReader, open_shard
 from .source import Source, open_dataset
 from .storage import RetryPolicy
 from .writer import ShardWriter

@@ -27,7 +27,7 @@ from ._version import __version__
 from .braces import expand_braces, names_shards
 from .errors import ShardstreamError
 from .format import INDEX_SUFFIX, MANIFEST_NAME, Manifest, ShardInfo
-from .reader import CountingReader, StreamTarReader, scan_tar
+from .tarstream import CountingReader, StreamTarReader, scan_tar
 from .shardfile import IMAGE_LEVEL
 from .storage import RetryPolicy, Store, split_url
 from .threads import ordered_map

@@ -18,7 +18,8 @@ import numpy as np
 from .braces import expand_braces, names_shards
 from .errors import ManifestError, ShardstreamError, StorageError
 from .format import INDEX_SUFFIX, MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ShardIndex, ShardInfo
-from .reader import ShardReader, StreamTarReader
+from .reader import ShardReader
+from .tarstream import StreamTarReader
 from .shardfile import FRAME_SIZE
 from .storage import RetryPolicy, Store, split_url
 

@@ -19,7 +19,8 @@ import numpy as np
 
 from .cache import ShardCache
 from .errors import CorruptIndexError, CorruptShardError, ShardstreamError, StorageError
-from .reader import READ_BYTES, Sample, ShardReader, StreamTarReader
+from .reader import READ_BYTES, Sample, ShardReader
+from .tarstream import StreamTarReader
 from .source import Source
 
 __all__ = ["read_samples", "reorder", "sample_runs"]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from shardstream import ShardstreamError, open_dataset, open_shard
-from shardstream.reader import StreamTarReader
+from shardstream.tarstream import StreamTarReader
 from shardstream.source import resolve_source
 
 wds = pytest.importorskip("webdataset")
