@@ -49,6 +49,7 @@ _SAVE_OPTIONS = {"JPEG": ("quality",), "WEBP": ("quality",), "PNG": ()}
 _WRITES = {"JPEG": ("L", "RGB"), "PNG": ("1", "L", "LA", "I;16", "RGB", "RGBA"), "WEBP": ("RGB", "RGBA")}
 _GREY = frozenset({"1", "L", "LA", "La", "I", "I;16", "I;16B", "I;16L", "F"})
 _ALPHA = frozenset({"LA", "La", "PA", "RGBA", "RGBa"})
+_DEEP_GREY = frozenset({"I;16", "I;16B", "I;16L"})  # 16-bit PNGs
 
 KEPT_ANIMATED = "animated"  # why `shrink_or_keep` keeps a larger image's bytes
 
@@ -98,10 +99,15 @@ def shrink_or_keep(data: bytes, max_side: int, quality: int = DEFAULT_QUALITY, *
                 box = drafted[1] if drafted else None
             elif image.mode in ("1", "P"):  # Pillow resizes these by nearest neighbour only
                 image = image.convert("RGBA" if "transparency" in image.info else ("L" if image.mode == "1" else "RGB"))
+            deep = image.mode in _DEEP_GREY
+            if deep:  # Pillow resizes 32-bit integer grey, not 16-bit: widen, and narrow again below
+                image = image.convert("I")
             if out_fmt != fmt and image.mode not in _WRITES[out_fmt]:
                 image, icc = _writable(image, out_fmt, icc)
             # What Image.thumbnail does, but to exactly the size `shrunk_size` promises.
             image = image.resize(target, Image.Resampling.BICUBIC, box=box, reducing_gap=2.0)
+            if deep and image.mode == "I":  # back to 16 bits, the overshoot of the bicubic clipped
+                image = image.convert("I;16")
             out = io.BytesIO()
             extra = {name: quality for name in _SAVE_OPTIONS[out_fmt]}
             image.save(out, out_fmt, icc_profile=icc, **extra)

@@ -328,3 +328,21 @@ def test_shrinking_into_another_format_keeps_the_icc_profile_only_where_it_still
     assert (own.format, own.mode, own.info.get("icc_profile")) == ("JPEG", "CMYK", cmyk_profile)
     with pytest.raises(ValueError, match="as_format"):
         shrink_image(rgba, 50, as_format="GIF")
+
+
+def test_a_16_bit_grey_png_is_shrunk_keeping_its_16_bits():
+    """Regression: Pillow cannot resize 16-bit grey, so `--max-side` failed on such a PNG
+    ("image has wrong mode"). It is widened to 32 bits for the resize and written back as
+    a 16-bit PNG, its values those of the same resize on the widened image."""
+    y, x = np.mgrid[0:240, 0:320]
+    values = ((x * 200 + y * 37) % 65536).astype(np.uint16)
+    source = Image.fromarray(values)
+    assert source.mode == "I;16"
+    out = io.BytesIO()
+    source.save(out, "PNG")
+    shrunk = Image.open(io.BytesIO(shrink_image(out.getvalue(), 160)))
+    assert shrunk.format == "PNG" and shrunk.mode == "I;16" and shrunk.size == (160, 120)
+    reference = source.convert("I").resize((160, 120), Image.Resampling.BICUBIC, reducing_gap=2.0)
+    expected = np.clip(np.asarray(reference, dtype=np.int64), 0, 65535)
+    assert np.array_equal(np.asarray(shrunk, dtype=np.int64), expected)
+    assert int(np.asarray(shrunk).max()) > 255  # still 16 bits, not squeezed into 8
