@@ -38,7 +38,7 @@ from PIL import Image
 from .decode import image_size
 from .errors import PackError
 
-__all__ = ["shrink_image", "shrink_or_keep", "shrunk_size", "DEFAULT_QUALITY", "KEPT_ANIMATED"]
+__all__ = ["shrink_image", "shrink_or_keep", "shrunk_size", "DEFAULT_QUALITY", "KEPT_ANIMATED", "KEPT_PICTURES"]
 
 DEFAULT_QUALITY = 90  # FFCV's default too: visually lossless for training, about half the bytes of 95
 
@@ -52,6 +52,7 @@ _ALPHA = frozenset({"LA", "La", "PA", "RGBA", "RGBa"})
 _DEEP_GREY = frozenset({"I;16", "I;16B", "I;16L"})  # 16-bit PNGs
 
 KEPT_ANIMATED = "animated"  # why `shrink_or_keep` keeps a larger image's bytes
+KEPT_PICTURES = "several pictures (MPO)"
 
 
 def shrunk_size(size: tuple[int, int], max_side: int) -> tuple[int, int]:
@@ -77,8 +78,8 @@ def shrink_image(data: bytes, max_side: int, quality: int = DEFAULT_QUALITY, *, 
 def shrink_or_keep(data: bytes, max_side: int, quality: int = DEFAULT_QUALITY, *, path: str = "",
                    as_format: str | None = None) -> tuple[bytes, str | None]:
     """`shrink_image`'s bytes, and why an image larger than `max_side` kept its own bytes
-    (`KEPT_ANIMATED`), or None when it fit or was shrunk: `pack` reports the images a
-    dataset holds larger than asked for."""
+    (`KEPT_ANIMATED`, `KEPT_PICTURES`), or None when it fit or was shrunk: `pack` reports
+    the images a dataset holds larger than asked for."""
     if as_format is not None and as_format not in _SAVE_OPTIONS:
         raise ValueError(f"as_format must be one of {sorted(_SAVE_OPTIONS)}, not {as_format!r}")
     try:
@@ -86,6 +87,10 @@ def shrink_or_keep(data: bytes, max_side: int, quality: int = DEFAULT_QUALITY, *
             return data, None
         with Image.open(io.BytesIO(data)) as image:
             fmt = image.format or ""
+            if fmt == "MPO":  # a JPEG holding more pictures after the first (stereo, depth: cameras write them)
+                if getattr(image, "n_frames", 1) > 1:  # shrinking would keep the first only
+                    return data, KEPT_PICTURES
+                fmt = "JPEG"
             if fmt not in _SAVE_OPTIONS:
                 raise PackError(f"cannot shrink a {fmt or 'unknown'} image (JPEG, PNG and WebP only)", url=path)
             if getattr(image, "n_frames", 1) > 1:  # Pillow would resize (and save) the first frame only

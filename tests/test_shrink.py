@@ -346,3 +346,19 @@ def test_a_16_bit_grey_png_is_shrunk_keeping_its_16_bits():
     expected = np.clip(np.asarray(reference, dtype=np.int64), 0, 65535)
     assert np.array_equal(np.asarray(shrunk, dtype=np.int64), expected)
     assert int(np.asarray(shrunk).max()) > 255  # still 16 bits, not squeezed into 8
+
+
+def test_a_camera_mpo_keeps_every_picture():
+    """Regression: a JPEG holding several pictures (MPO: stereo cameras, depth maps) was
+    refused by `--max-side` ("cannot shrink a MPO image"). It keeps its bytes, every picture,
+    as an animated image does, and says why."""
+    from shardstream.shrink import KEPT_PICTURES, shrink_or_keep
+
+    rng = np.random.default_rng(3)
+    left, right = (Image.fromarray(rng.integers(0, 255, (240, 320, 3), dtype=np.uint8)) for _ in range(2))
+    out = io.BytesIO()
+    left.save(out, "MPO", save_all=True, append_images=[right])
+    data = out.getvalue()
+    assert Image.open(io.BytesIO(data)).format == "MPO"
+    assert shrink_or_keep(data, 160) == (data, KEPT_PICTURES)
+    assert shrink_or_keep(data, 320) == (data, None)  # fits: nothing to say
