@@ -20,7 +20,7 @@ import collections
 import hashlib
 import os
 import threading
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator, TypeVar
 
 import numpy as np
 import zstandard
@@ -60,22 +60,26 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 
 
 _local = threading.local()
+T = TypeVar("T")
+
+
+def _per_thread(name: str, make: Callable[[], T]) -> T:
+    """This thread's `name`, made on first use: prefetch threads share readers, and
+    decompression contexts and read buffers are not for two threads at once."""
+    value = getattr(_local, name, None)
+    if value is None:
+        value = make()
+        setattr(_local, name, value)
+    return value
 
 
 def _thread_decompressor() -> zstandard.ZstdDecompressor:
-    # Decompression contexts are not thread-safe, and prefetch threads share readers.
-    dctx = getattr(_local, "dctx", None)
-    if dctx is None:
-        dctx = _local.dctx = _decompressor()
-    return dctx
+    return _per_thread("dctx", _decompressor)
 
 
 def _thread_tarcut() -> object:
     """This thread's `_tarcut` context (a zstd context and its reused output buffer)."""
-    context = getattr(_local, "tarcut", None)
-    if context is None:
-        context = _local.tarcut = _tarcut.new_context()
-    return context
+    return _per_thread("tarcut", _tarcut.new_context)
 
 
 class _PieceBuffers:
@@ -103,10 +107,7 @@ class _PieceBuffers:
 
     @staticmethod
     def _free() -> list[bytearray]:
-        free = getattr(_local, "buffers", None)
-        if free is None:
-            free = _local.buffers = []
-        return free
+        return _per_thread("buffers", list)
 
 
 _buffers = _PieceBuffers()
@@ -293,7 +294,7 @@ class ShardReader:
                 raise CorruptShardError(f"bad zstd frame {i}: {e}", url=self.url, offset=int(index.frame_offsets[i])) from e
             if samples is not None:
                 return samples
-        return self._samples(self._decompress(frame, i), base, start, stop, int(index.frame_offsets[i]))
+        return self._samples(self._decompress(frame, i, expected), base, start, stop, int(index.frame_offsets[i]))
 
     def _check_frame(self, frame: memoryview, i: int) -> int:
         """Frame i's uncompressed size, once its header agrees with the index and the format."""
@@ -314,8 +315,8 @@ class ShardReader:
                                     url=self.url, offset=offset)
         return expected
 
-    def _decompress(self, frame: memoryview, i: int) -> bytes:
-        expected = self._check_frame(frame, i)
+    def _decompress(self, frame: memoryview, i: int, expected: int) -> bytes:
+        """Frame i, whose header `_check_frame` has passed (`expected`: its size), decompressed."""
         offset = int(self.index.frame_offsets[i])
         try:
             data = _thread_decompressor().decompress(frame, max_output_size=expected)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -10,6 +11,7 @@ import shutil
 import struct
 import tarfile
 from pathlib import Path
+from typing import Iterator
 
 import msgpack
 import numpy as np
@@ -159,6 +161,16 @@ def test_random_access_packed(packed, cut):
         check_random_access(ref.reader(), ref.info.samples)
         # A fresh reader (index not yet loaded) answers the same for one sample.
         assert ref.reader()[ref.info.samples - 1] == list(ref.reader())[-1]
+
+
+@contextlib.contextmanager
+def python_cut() -> Iterator[None]:
+    """Read without the `_tarcut` extension: the Python parser and python-zstandard."""
+    saved, reader_module._tarcut = reader_module._tarcut, None
+    try:
+        yield
+    finally:
+        reader_module._tarcut = saved
 
 
 @pytest.fixture(params=["c", "python"])
@@ -440,12 +452,8 @@ def test_damaged_frame_yields_none_of_its_samples(tmp_path, where):
         with pytest.raises(shardstream.CorruptShardError, match="frame 2"):
             ref.reader()[i]
     if reader_module.TARCUT:
-        reader_module_tarcut, reader_module._tarcut = reader_module._tarcut, None
-        try:
-            with pytest.raises(shardstream.CorruptShardError, match="frame 2"):
-                list(ref.reader())
-        finally:
-            reader_module._tarcut = reader_module_tarcut
+        with python_cut(), pytest.raises(shardstream.CorruptShardError, match="frame 2"):
+            list(ref.reader())
 
 
 @pytest.mark.skipif(not reader_module.TARCUT, reason="the _tarcut extension is not built")
@@ -968,11 +976,8 @@ def _read_both_ways(reader: reader_module.ShardReader) -> tuple[object, object]:
         except ShardstreamError as e:
             return type(e).__name__
     fast = outcome()
-    saved, reader_module._tarcut = reader_module._tarcut, None
-    try:
+    with python_cut():
         return fast, outcome()
-    finally:
-        reader_module._tarcut = saved
 
 
 _D = b"hello world"
