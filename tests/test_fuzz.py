@@ -43,7 +43,6 @@ CI runs 60 derandomized examples per target. For a long, randomized run:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import io
@@ -56,7 +55,7 @@ import threading
 import traceback
 import tracemalloc
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import msgpack
 import numpy as np
@@ -73,6 +72,11 @@ from shardstream import reader as reader_module
 from shardstream.format import MANIFEST_NAME, Manifest, ShardIndex
 from shardstream.shardfile import seek_table
 from shardstream.synthetic import synthetic_jpeg
+
+try:  # tests/ may or may not be a package
+    from .test_format import python_cut
+except ImportError:
+    from test_format import python_cut
 
 # -- settings --------------------------------------------------------------------------------------
 
@@ -704,16 +708,6 @@ def test_mutated_shard_files(corpora, compression, data):
 def test_hostile_tar_streams(corpora, compression, data):
     """Byte flips and forged (checksum-valid) tar headers behind valid zstd frames and checksums."""
     _fuzz_one(corpora[compression], data, "raw")
-
-
-@contextlib.contextmanager
-def python_cut() -> Iterator[None]:
-    """Read without the `_tarcut` extension: the Python parser and python-zstandard."""
-    saved, reader_module._tarcut = reader_module._tarcut, None
-    try:
-        yield
-    finally:
-        reader_module._tarcut = saved
 
 
 @pytest.mark.skipif(not reader_module.TARCUT, reason="the _tarcut extension is not built")
