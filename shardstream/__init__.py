@@ -29,7 +29,7 @@ from .policy import ErrorPolicy, TooManyErrors
 from .reader import ShardReader
 from .tarstream import StreamTarReader, open_shard
 from .source import Source, open_dataset
-from .storage import RetryPolicy
+from .retry import RetryPolicy
 from .writer import ShardWriter
 
 # Public names that need torch, by the module that defines them.

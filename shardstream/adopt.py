@@ -29,7 +29,8 @@ from .errors import ShardstreamError
 from .format import INDEX_SUFFIX, MANIFEST_NAME, Manifest, ShardInfo
 from .tarstream import CountingReader, StreamTarReader, scan_tar
 from .shardfile import IMAGE_LEVEL
-from .storage import RetryPolicy, Store, split_url
+from .retry import RetryPolicy
+from .storage import Store, split_url
 from .threads import ordered_map
 from .writer import write_manifest
 

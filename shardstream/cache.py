@@ -38,9 +38,10 @@ from dataclasses import dataclass
 from typing import BinaryIO, Callable
 
 from .errors import StorageError
+from .iostats import io_stats
 from .reader import ShardReader
 from .source import ShardRef
-from .storage import Store, io_stats
+from .storage import Store
 
 __all__ = ["ShardCache"]
 

@@ -29,6 +29,7 @@ from .collate import default_collate
 from .decode import Decoder
 from .decode_ahead import DecodeAhead
 from .errors import MissingFieldError, ShardstreamError
+from .iostats import io_stats
 from .policy import ErrorPolicy, guarded
 from .plan import (Layout, deal_chunks, epoch_sequence, items_of, read_order, round_robin_delivered,
                    round_robin_next, split_ranks, worker_plan)
@@ -37,7 +38,8 @@ from .sampling import Mix, Sampling, class_sample_weights, mixed_sequence, sized
 from .shared import SharedState
 from .source import Source, resolve_source
 from .stream import read_samples, reorder
-from .storage import RetryPolicy, io_stats, preload_driver
+from .retry import RetryPolicy
+from .storage import preload_driver
 from .threads import ordered_map
 from .world import World
 from .writer import parse_size

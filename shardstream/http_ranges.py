@@ -18,7 +18,7 @@ are followed here (`read_range`), as fsspec's client follows them.
 The timeouts bound each wait on the socket, so a server that trickles a byte now and
 then would hold a reader forever; each request also has a deadline (`deadline_s`),
 past which it fails with `RequestDeadlineError` (retried). A thread of this process
-(`_Watchdog`) ends a body read that outlives it by shutting its socket: reading the
+(`Watchdog`) ends a body read that outlives it by shutting its socket: reading the
 body in steps and looking at the clock between them would cost a copy of every byte
 (0.25-0.3 ms of CPU per MB more, measured on loopback). The connection stays out of
 urllib3's pool until the watch is over, so that the socket shut is never another
@@ -39,6 +39,7 @@ import urllib.parse
 from typing import Any, Callable, Iterator, Mapping
 
 from .errors import shown_url
+from .watchdog import Watchdog
 
 
 __all__ = ["HTTPStatusError", "PerProcess", "RequestDeadlineError", "available", "deadline_s", "range_header",
@@ -86,7 +87,7 @@ MAX_REDIRECTS = 5  # as browsers and fsspec's aiohttp (10) do, a bound on redire
 # How long a request may take in all: the connect timeout, one read timeout for its first
 # byte, and one more for every DEADLINE_BYTES_PER_READ it moves (the timeouts of 10 s and
 # 20 s give an 8 MB range 190 s: about 45 KB/s at the least). The body's part is counted
-# in its share of the time (`_Watchdog`): a worker's 6 reads at once need those 45 KB/s
+# in its share of the time (`Watchdog`): a worker's 6 reads at once need those 45 KB/s
 # together, not each, and 8 workers 350 KB/s (2.8 Mbit/s). A slow link is left alone; a
 # server that trickles a byte within every read timeout is not.
 DEADLINE_BYTES_PER_READ = 1 << 20
@@ -94,7 +95,7 @@ DEADLINE_BYTES_PER_READ = 1 << 20
 
 def deadline_s(size: int, connect_s: float, read_s: float) -> float:
     """Seconds a request moving `size` bytes may take in all, with these timeouts (its body's
-    in its share of the time, `_Watchdog`)."""
+    in its share of the time, `Watchdog`)."""
     return connect_s + read_s * (1 + size / DEADLINE_BYTES_PER_READ)
 
 
@@ -102,103 +103,7 @@ class RequestDeadlineError(TimeoutError):
     """A request outlived its deadline (`deadline_s`): transient, so retried."""
 
 
-# How often the watchdog's thread looks at the reads it watches, and how long it outlives
-# the last: it ends once it has found none watched for this long. It is not woken as each
-# read ends: woken so (as first written), it cost 150-210 us of CPU a read more than no
-# deadlines at all (1,000 ranged reads of 4 KB one after another from a local server, 2
-# busy cores: 390-440 us a read), and not woken, 30-45 us; a thread started and ended
-# per read cost about 0.5 ms of CPU a read.
-IDLE_S = 0.25
-
-
-class _Watch:
-    """A watched block: when its deadline comes (in `_Watchdog._shared`), what stops it, and
-    whether that ran."""
-
-    __slots__ = ("ends", "stop", "fired")
-
-    def __init__(self, ends: float, stop: Callable[[], None]) -> None:
-        self.ends, self.stop, self.fired = ends, stop, False
-
-
-class _Watchdog:
-    """Stops reads that outlive their deadline, from one thread.
-
-    A deadline is counted in the read's share of the time: while n watched reads are in
-    flight, each one's clock runs at 1/n speed. Reads at once share a link (a DataLoader
-    worker prefetches 6 pieces): counted in plain seconds, a link too slow for all of them
-    failed them all, and their retries again, where each alone met its deadline.
-
-    The thread runs only while watched reads are in flight, and ends between `IDLE_S`
-    and twice that after the last: an idle process holds none, a forked child starts
-    without one (`PerProcess`), and no read waits for it to end.
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._watched: set[_Watch] = set()
-        self._thread: threading.Thread | None = None
-        self._waking = float("inf")  # when the thread wakes up next, unless told
-        self._shared = 0.0  # seconds of each watched read's share of the time, summed since the start
-        self._counted = time.monotonic()  # when `_shared` was brought up to date
-
-    def _count(self) -> float:
-        """Bring `_shared` up to date (under the lock, before `_watched` changes); the time now."""
-        now = time.monotonic()
-        if self._watched:
-            self._shared += (now - self._counted) / len(self._watched)
-        self._counted = now
-        return now
-
-    @contextlib.contextmanager
-    def watch(self, seconds: float, stop: Callable[[], None]) -> Iterator[_Watch]:
-        """Call `stop` from the watchdog's thread if the block still runs after `seconds` of
-        its share of the time, and never once it is over; yields the watch, whose `fired`
-        says, after the block, whether it did."""
-        with self._cond:
-            now = self._count()
-            watch = _Watch(self._shared + seconds, stop)
-            if self._thread is None:
-                thread = threading.Thread(target=self._run, name="shardstream-deadlines", daemon=True)
-                thread.start()  # if it cannot (no memory for a stack), nothing is left half done
-                self._thread = thread
-            elif now + seconds * (len(self._watched) + 1) < self._waking:
-                self._cond.notify()
-            self._watched.add(watch)
-        try:
-            yield watch
-        finally:
-            with self._cond:  # `stop` runs under this lock: once this is done, it never will
-                self._count()
-                self._watched.discard(watch)
-
-    def _run(self) -> None:
-        with self._cond:
-            try:
-                idle_since = None
-                while True:
-                    now = self._count()
-                    if self._watched:
-                        idle_since = None
-                        first = min(self._watched, key=lambda watch: watch.ends)
-                        if first.ends <= self._shared:
-                            self._watched.discard(first)
-                            first.fired = True
-                            first.stop()
-                            continue
-                        # Not woken as reads end (and the others' shares grow): it looks again in IDLE_S.
-                        self._waking = now + min((first.ends - self._shared) * len(self._watched), IDLE_S)
-                    else:
-                        idle_since = now if idle_since is None else idle_since
-                        self._waking = idle_since + IDLE_S
-                        if self._waking <= now:
-                            return
-                    self._cond.wait(self._waking - now)
-            finally:
-                self._thread, self._waking = None, float("inf")  # the next watched read starts another
-
-
-_watchdog = PerProcess(_Watchdog)
+_watchdog = PerProcess(Watchdog)
 
 
 def _stop(response: Any) -> None:
@@ -238,7 +143,7 @@ def read_body(response: Any, read: Callable[..., bytes], url: str, started: floa
 def _within(response: Any, read: Callable[[], bytes], url: str, started: float, deadline: float,
             size: int | None = None) -> bytes:
     """`read()`, ended by shutting down `response`'s socket if it runs past `deadline` (as
-    `_Watchdog` counts it); what it read is kept if all `size` bytes are in, though the
+    `Watchdog` counts it); what it read is kept if all `size` bytes are in, though the
     deadline passed as they came."""
     left, cause = deadline - time.monotonic(), None
     if left > 0:  # else the headers came in too late

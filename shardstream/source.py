@@ -21,7 +21,8 @@ from .format import INDEX_SUFFIX, MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, S
 from .reader import ShardReader
 from .tarstream import StreamTarReader
 from .shardfile import FRAME_SIZE
-from .storage import RetryPolicy, Store, split_url
+from .retry import RetryPolicy
+from .storage import Store, split_url
 
 if TYPE_CHECKING:
     from .sampling import Mix

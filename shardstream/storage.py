@@ -8,6 +8,9 @@ names files relative to a store and never touches fsspec directly.
 Local paths bypass fsspec on the read path: a plain `open` + `seek` + `read` costs a
 few microseconds, fsspec's LocalFileSystem several times that, and the raw reader
 makes one such call per zstd frame.
+
+What a store uses but does not own lives below it: which errors are retried and how
+(`retry`), and the per-process I/O counters every read adds to (`iostats`).
 """
 
 from __future__ import annotations
@@ -16,17 +19,17 @@ import contextlib
 import io
 import os
 import posixpath
-import random
 import select
 import tempfile
-import threading
 import time
 import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO, Iterable, Iterator, Mapping
 
 from . import http_ranges, s3_ranges
-from .errors import ShardstreamError, StorageError
+from .errors import StorageError
+from .iostats import io_stats
+from .retry import RetryPolicy
 
 if TYPE_CHECKING:
     import fsspec
@@ -34,7 +37,7 @@ if TYPE_CHECKING:
 # fsspec is imported where a remote store first needs it: it takes about 0.1 s, which
 # every command on local files and every process a local pack starts would pay.
 
-__all__ = ["Store", "RetryPolicy", "IOStats", "io_stats", "is_local", "is_transient", "split_url"]
+__all__ = ["Store", "is_local", "split_url"]
 
 
 def is_local(url: str) -> bool:
@@ -445,40 +448,6 @@ class Store:
             os.rmdir(path)  # only if empty; another writer may still be using it
 
 
-@dataclass
-class IOStats:
-    """What this process asked of storage: read them to tell a slow run's cause.
-
-    `wait_s` is time spent inside storage calls (in the worker's reading thread or its
-    prefetch threads); `cache_*` count shard lookups in a local cache.
-    """
-
-    requests: int = 0
-    bytes: int = 0
-    retries: int = 0
-    wait_s: float = 0.0
-    cache_hits: int = 0
-    cache_misses: int = 0
-
-    def add(self, **amounts: float) -> None:
-        with _stats_lock:
-            for name, amount in amounts.items():
-                setattr(self, name, getattr(self, name) + amount)
-
-    def snapshot(self) -> dict[str, float]:
-        with _stats_lock:
-            return dict(self.__dict__)
-
-    def reset(self) -> None:
-        with _stats_lock:
-            for name in self.__dict__:
-                setattr(self, name, type(getattr(self, name))())
-
-
-_stats_lock = threading.Lock()
-io_stats = IOStats()
-
-
 class _RangedFile(io.RawIOBase):
     """A remote file read front to back by ranged `Store.read`s (retried, counted).
 
@@ -500,93 +469,6 @@ class _RangedFile(io.RawIOBase):
         self.position += len(data)
         self.at_end = len(data) < len(buffer)  # no request past the end
         return len(data)
-
-
-def is_transient(error: BaseException) -> bool:
-    """Errors worth retrying: 5xx, throttling, timeouts, dropped connections."""
-    if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
-        return False
-    status = _http_status(error)
-    if status is not None:
-        return (status >= 500 and status != 501) or status in (408, 429)  # 501: the server never will
-    if isinstance(error, (ConnectionError, TimeoutError, OSError)):
-        return True  # resets, broken pipes, EIO: the request may well succeed again
-    module = type(error).__module__
-    return module.startswith(("aiohttp", "botocore", "urllib3", "requests")) or "Timeout" in type(error).__name__
-
-
-def retry_after(error: BaseException) -> float | None:
-    """The seconds a server's ``Retry-After`` header asks to wait, where the error carries it
-    (urllib3's and aiohttp's `headers`, botocore's response metadata); None if it does not,
-    or gives an HTTP date (not worth a clock-skew guess)."""
-    headers = getattr(error, "headers", None)
-    response = getattr(error, "response", None)
-    if headers is None and isinstance(response, dict):
-        headers = response.get("ResponseMetadata", {}).get("HTTPHeaders")
-    if not headers:
-        return None
-    value = next((v for k, v in dict(headers).items() if str(k).lower() == "retry-after"), None)
-    try:
-        return max(0.0, float(value)) if value is not None else None
-    except ValueError:
-        return None
-
-
-def _http_status(error: BaseException) -> int | None:
-    status = getattr(error, "status", None)  # aiohttp
-    if isinstance(status, int):
-        return status
-    response = getattr(error, "response", None)  # botocore
-    if isinstance(response, dict):
-        code = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        return code if isinstance(code, int) else None
-    return None
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """Exponential backoff with full jitter, bounded in attempts.
-
-    A transient error is tried up to `attempts` times in all, waiting a random time up
-    to ``min(max_delay, base_delay * 2**try)`` between tries, or as long as a server's
-    ``Retry-After`` asks where that is longer (up to `max_delay`); then, or on a
-    permanent error, the last error is raised. A retry is counted, never a skip.
-
-    The defaults wait up to about 33 s in all (16 s on average) before giving up: object
-    stores throttle (S3's 503 SlowDown) and blip for seconds at a time, and a training
-    run that dies of a two-second blip loses far more than it would have waited.
-    """
-
-    attempts: int = 10
-    base_delay: float = 0.1
-    max_delay: float = 10.0
-
-    def __post_init__(self) -> None:
-        if self.attempts < 1 or self.base_delay < 0 or self.max_delay < 0:
-            raise ValueError(f"RetryPolicy needs attempts >= 1 and delays >= 0, not {self}")
-
-    def delay(self, attempt: int, error: BaseException | None = None) -> float:
-        """Seconds to wait after failed try number `attempt` (from 0)."""
-        backoff = random.uniform(0, min(self.max_delay, self.base_delay * 2**attempt))
-        asked = retry_after(error) if error is not None else None
-        return backoff if asked is None else max(backoff, min(asked, self.max_delay))
-
-    def call(self, fn: Any, *args: Any, url: str) -> Any:
-        for attempt in range(self.attempts):
-            try:
-                return fn(*args)
-            except Exception as error:  # classified right below; unknown errors propagate
-                if not is_transient(error):
-                    if isinstance(error, (OSError, ShardstreamError)):  # already says what went wrong
-                        raise
-                    raise StorageError(f"{type(error).__name__}: {error}", url=url) from error
-                if attempt + 1 == self.attempts:
-                    raise StorageError(
-                        f"failed after {self.attempts} attempts: {type(error).__name__}: {error}", url=url
-                    ) from error
-                io_stats.add(retries=1)
-                time.sleep(self.delay(attempt, error))
-        raise AssertionError("unreachable")  # attempts >= 1: the loop returns or raises
 
 
 def _umask_by_setting() -> int:

@@ -14,9 +14,10 @@ import pytest
 import urllib3
 
 import shardstream
-from shardstream import StorageError, http_ranges, storage
+from shardstream import StorageError, http_ranges, storage, watchdog
 from shardstream.http_ranges import HTTPStatusError, RequestDeadlineError, read_range
-from shardstream.storage import RetryPolicy, Store, is_transient
+from shardstream.retry import RetryPolicy, is_transient
+from shardstream.storage import Store
 
 try:
     from . import _remote_helpers as H
@@ -523,7 +524,7 @@ def test_a_read_that_starts_as_the_watchdog_thread_idles_out_is_watched():
     with trickling(interval=0) as (fast, _), trickling(interval=0.05) as (slow, _):
         for pause in (0.9, 1.0, 1.1, 1.9, 2.0, 2.1):
             assert read_range(f"{fast}/blob.bin", 0, 200) == DATA[:200]
-            time.sleep(pause * http_ranges.IDLE_S)
+            time.sleep(pause * watchdog.IDLE_S)
             started = time.monotonic()
             with pytest.raises(RequestDeadlineError):
                 read_range(f"{slow}/blob.bin", 0, 200, connect_s=0.1, read_s=0.3)

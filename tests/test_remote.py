@@ -38,8 +38,10 @@ from torch.utils.data import DataLoader
 import shardstream
 from shardstream import ManifestError, StorageError, StreamingDataset
 from shardstream.format import MANIFEST_NAME
+from shardstream.iostats import io_stats
 from shardstream.plan import epoch_sequence, split_ranks
-from shardstream.storage import RetryPolicy, Store, io_stats
+from shardstream.retry import RetryPolicy
+from shardstream.storage import Store
 from shardstream.synthetic import make_image_folder
 from shardstream.testing import Faults, MotoS3Server
 

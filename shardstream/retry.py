@@ -1,0 +1,108 @@
+"""Retries of storage requests: which errors are worth another try, and how long to wait.
+
+`RetryPolicy` wraps every remote request a `Store` makes; `is_transient` decides from
+the error alone (its type, or the HTTP status aiohttp, botocore, `http_ranges` and
+`s3_ranges` attach to it) whether the request may succeed again, and `retry_after`
+reads how long a throttling server asks to wait. They live apart from the store
+because they know nothing of where bytes live: only errors, clocks and counts (every
+retry is counted in `io_stats`).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ShardstreamError, StorageError
+from .iostats import io_stats
+
+__all__ = ["RetryPolicy", "is_transient", "retry_after"]
+
+
+def is_transient(error: BaseException) -> bool:
+    """Errors worth retrying: 5xx, throttling, timeouts, dropped connections."""
+    if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
+        return False
+    status = _http_status(error)
+    if status is not None:
+        return (status >= 500 and status != 501) or status in (408, 429)  # 501: the server never will
+    if isinstance(error, (ConnectionError, TimeoutError, OSError)):
+        return True  # resets, broken pipes, EIO: the request may well succeed again
+    module = type(error).__module__
+    return module.startswith(("aiohttp", "botocore", "urllib3", "requests")) or "Timeout" in type(error).__name__
+
+
+def retry_after(error: BaseException) -> float | None:
+    """The seconds a server's ``Retry-After`` header asks to wait, where the error carries it
+    (urllib3's and aiohttp's `headers`, botocore's response metadata); None if it does not,
+    or gives an HTTP date (not worth a clock-skew guess)."""
+    headers = getattr(error, "headers", None)
+    response = getattr(error, "response", None)
+    if headers is None and isinstance(response, dict):
+        headers = response.get("ResponseMetadata", {}).get("HTTPHeaders")
+    if not headers:
+        return None
+    value = next((v for k, v in dict(headers).items() if str(k).lower() == "retry-after"), None)
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _http_status(error: BaseException) -> int | None:
+    status = getattr(error, "status", None)  # aiohttp
+    if isinstance(status, int):
+        return status
+    response = getattr(error, "response", None)  # botocore
+    if isinstance(response, dict):
+        code = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return code if isinstance(code, int) else None
+    return None
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Exponential backoff with full jitter, bounded in attempts.
+
+    A transient error is tried up to `attempts` times in all, waiting a random time up
+    to ``min(max_delay, base_delay * 2**try)`` between tries, or as long as a server's
+    ``Retry-After`` asks where that is longer (up to `max_delay`); then, or on a
+    permanent error, the last error is raised. A retry is counted, never a skip.
+
+    The defaults wait up to about 33 s in all (16 s on average) before giving up: object
+    stores throttle (S3's 503 SlowDown) and blip for seconds at a time, and a training
+    run that dies of a two-second blip loses far more than it would have waited.
+    """
+
+    attempts: int = 10
+    base_delay: float = 0.1
+    max_delay: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1 or self.base_delay < 0 or self.max_delay < 0:
+            raise ValueError(f"RetryPolicy needs attempts >= 1 and delays >= 0, not {self}")
+
+    def delay(self, attempt: int, error: BaseException | None = None) -> float:
+        """Seconds to wait after failed try number `attempt` (from 0)."""
+        backoff = random.uniform(0, min(self.max_delay, self.base_delay * 2**attempt))
+        asked = retry_after(error) if error is not None else None
+        return backoff if asked is None else max(backoff, min(asked, self.max_delay))
+
+    def call(self, fn: Any, *args: Any, url: str) -> Any:
+        for attempt in range(self.attempts):
+            try:
+                return fn(*args)
+            except Exception as error:  # classified right below; unknown errors propagate
+                if not is_transient(error):
+                    if isinstance(error, (OSError, ShardstreamError)):  # already says what went wrong
+                        raise
+                    raise StorageError(f"{type(error).__name__}: {error}", url=url) from error
+                if attempt + 1 == self.attempts:
+                    raise StorageError(
+                        f"failed after {self.attempts} attempts: {type(error).__name__}: {error}", url=url
+                    ) from error
+                io_stats.add(retries=1)
+                time.sleep(self.delay(attempt, error))
+        raise AssertionError("unreachable")  # attempts >= 1: the loop returns or raises
