@@ -52,7 +52,7 @@ def _patch() -> list[tuple[Any, str, Any]]:
     pack = sys.modules["shardstream.pack"]
     reader = sys.modules["shardstream.reader"]
     saved = [(m, n, getattr(m, n)) for m, n in ((tario, "_header"), (tario, "scan_sample"),
-                                                (tario, "member_parts"), (pack, "_process_results"),
+                                                (tario, "member_parts"), (pack, "process_results"),
                                                 (reader, "LOCAL_READ_BYTES"), (reader, "_tarcut"))]
 
     reader.LOCAL_READ_BYTES = reader.READ_BYTES
@@ -69,5 +69,5 @@ def _patch() -> list[tuple[Any, str, Any]]:
         with context.Pool(workers) as pool:
             yield from pool.imap(pack.build_job, jobs, chunksize=1)
 
-    pack._process_results = results
+    pack.process_results = results
     return saved

@@ -66,8 +66,8 @@ def write_text_as_jpeg(folder: Path, rel: str) -> Path:
 @pytest.fixture(params=["threads", "processes"])
 def pool_kind(request, monkeypatch):
     """Workers as threads (large images) or processes (small ones): both kinds, whatever the images' size."""
-    pack_module = sys.modules["shardstream.pack"]
-    monkeypatch.setattr(pack_module, "THREADS_FROM_BYTES", 0 if request.param == "threads" else 1 << 40)
+    framepool = sys.modules["shardstream.framepool"]
+    monkeypatch.setattr(framepool, "THREADS_FROM_BYTES", 0 if request.param == "threads" else 1 << 40)
     return request.param
 
 
@@ -445,7 +445,7 @@ def test_image_over_the_pixel_limit_is_skipped_with_pillows_reason(image_folder_
 def test_check_image_refuses_an_image_over_the_pixel_limit(monkeypatch):
     from PIL import Image
 
-    from shardstream.pack import check_image
+    from shardstream.imagecheck import check_image
 
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 10_000)
     png = io.BytesIO()
@@ -549,7 +549,7 @@ def test_an_image_named_as_another_stored_format_is_stored_as_named_and_reported
     """A PNG named .jpg (as ImageNet holds one) is stored under `jpg`, the field its name gives, its bytes
     untouched, and listed in the summary with its real format; a CMYK JPEG is a JPEG like any other. The same
     output, and the same list, for any number of workers."""
-    from shardstream.pack import check_image
+    from shardstream.imagecheck import check_image
 
     folder = image_folder_copy
     misnamed = {"class_000/zz_png.jpg": ("PNG", "jpg"), "class_001/zz_webp.png": ("WEBP", "png"),
@@ -817,7 +817,7 @@ def test_jpeg_fast_check_accepts_only_what_pillow_opens():
     accepts opens with Pillow."""
     from PIL import Image
 
-    from shardstream.pack import _plain_jpeg
+    from shardstream.imagecheck import _plain_jpeg
 
     rng = np.random.default_rng(1)
     jpegs = _jpegs_of_every_kind()

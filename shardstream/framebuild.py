@@ -1,0 +1,78 @@
+"""The work of one frame, run in the pack workers: read its files, check them, shrink them, build its bytes.
+
+A frame (a few images) is the unit of parallel work. `build_job` is a function of its
+job alone (shard number, entries, source root, options, whether to skip bad files), and
+its `FrameResult` carries all that the caller needs to append the frame and account for
+it (skips, bytes read, misnamed and kept-whole files), so it runs the same in the
+caller, in a thread or in a process (framepool.py), and the output does not depend on
+where it ran.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from .errors import PackError, reason
+from .imagecheck import check_image
+from .listing import SourceFile, printable, sniff_image
+from .packplan import PackOptions
+from .shardfile import Frame, build_frame
+from .shrink import shrink_or_keep
+
+__all__ = ["FrameResult", "build_job"]
+
+
+# The Pillow format of each image field, that a shrunk image is encoded in.
+_PILLOW_FORMATS = {"jpg": "JPEG", "png": "PNG", "webp": "WEBP"}
+
+
+@dataclass
+class FrameResult:
+    shard: int
+    frame: Frame
+    skipped: list[tuple[str, str]]
+    bytes_in: int
+    misnamed: list[tuple[str, str]] = field(default_factory=list)  # as PackSummary's
+    kept_whole: list[tuple[str, str]] = field(default_factory=list)
+
+
+def build_job(job: tuple[int, list[SourceFile], str, PackOptions, bool]) -> FrameResult:
+    shard, entries, root, opts, skip = job
+    samples, skipped, bytes_in = [], [], 0
+    misnamed: list[tuple[str, str]] = []
+    kept_whole: list[tuple[str, str]] = []
+    for entry in entries:
+        path = os.path.join(root, entry.path)
+        try:
+            if printable(entry.path) != entry.path:  # its key could not be written into a tar
+                raise PackError("file name is not UTF-8", url=printable(path))
+            with open(path, "rb") as f:
+                data = f.read()
+            kind = check_image(data, path)
+            read = len(data)
+            kept = None
+            if opts.max_side is not None:
+                # Encoded again, if at all, in the format of its field: then the field tells the truth.
+                data, kept = shrink_or_keep(data, opts.max_side, opts.quality, path=path,
+                                            as_format=_PILLOW_FORMATS[entry.field])
+        except (OSError, PackError) as e:
+            # The manifest records the reason, which must be reproducible: no absolute path.
+            why = e.detail if isinstance(e, PackError) else f"unreadable: {reason(e)}"
+            if not skip:
+                raise PackError(why, url=printable(path)) from None
+            skipped.append((printable(entry.path), why))
+            continue
+        bytes_in += read
+        if kind != entry.field:  # the name lies: stored as named all the same, and reported unless shrunk
+            stored, name = sniff_image(data)
+            if stored != entry.field:
+                misnamed.append((entry.path, name or kind))
+        if kept is not None:
+            kept_whole.append((entry.path, kept))
+        fields = [(entry.field, data)]
+        if entry.label is not None:
+            fields.append(("cls", str(entry.label).encode("ascii")))
+        samples.append((entry.key, sorted(fields)))
+    return FrameResult(shard, build_frame(samples, opts.compression, opts.level), skipped, bytes_in, misnamed,
+                       kept_whole)

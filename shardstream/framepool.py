@@ -1,0 +1,292 @@
+"""Building frames in parallel: `build_job` over a pack's jobs in threads or processes, results in plan order.
+
+The workers are threads when the images are large (a mean of `THREADS_FROM_BYTES`
+or more): reading, zstd, SHA-256 and writing release the GIL, and no frame then
+crosses a pipe. They are processes when the images are small, where the per-image
+Python work (about 50 µs) would hold the GIL for most of the time (BENCHMARKS.md).
+Either way a job's result, or its exception, comes back at its place in the plan, so
+the caller appends frames in order and the output does not depend on the workers.
+
+Processes run in `_FramePool`, not `multiprocessing.Pool`, and a frame's data crosses
+the pipe raw, read straight into its final buffer: the transport costs what it must
+(see `_FramePool`, `_send_data`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import multiprocessing
+import multiprocessing.connection
+import os
+import queue
+import struct
+import threading
+from multiprocessing.pool import ExceptionWithTraceback, MaybeEncodingError
+from multiprocessing.reduction import ForkingPickler
+from typing import Any, Iterator
+
+try:
+    import fcntl
+except ImportError:  # not POSIX
+    fcntl = None  # type: ignore[assignment]
+
+from .errors import ShardstreamError
+from .framebuild import FrameResult, build_job
+from .listing import SourceFile
+from .shardfile import Frame
+from .threads import ordered_map
+
+__all__ = ["THREADS_FROM_BYTES", "threads_pay", "pool_context", "thread_results", "process_results"]
+
+
+def pool_context() -> multiprocessing.context.BaseContext:
+    # fork starts in milliseconds, but forking a process that runs threads can deadlock
+    # the child; fall back to forkserver then (and on platforms without fork).
+    methods = multiprocessing.get_all_start_methods()
+    if "fork" in methods and threading.active_count() == 1:
+        return multiprocessing.get_context("fork")
+    return multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+
+
+# Threads pay from this mean image size up: measured on 4,000 JPEGs each (2 workers),
+# threads took 0.83-0.89 s against 1.04-1.33 s for processes at 114 KB, broke even at
+# 29 KB, and took twice as long at 2 KB (0.28-0.34 s against 0.15-0.16 s).
+THREADS_FROM_BYTES = 64 << 10
+
+
+def threads_pay(entries: list[SourceFile]) -> bool:
+    """Whether threads beat processes as workers for these files: large images (see the module doc)."""
+    return bool(entries) and sum(entry.size for entry in entries) >= THREADS_FROM_BYTES * len(entries)
+
+
+def thread_results(jobs: list[Any], workers: int) -> Iterator[FrameResult]:
+    """`build_job` over `jobs` in `workers` threads, results in plan order; a job's
+    exception is raised at its place in that order."""
+    with contextlib.closing(ordered_map(build_job, jobs, workers, name="shardstream-pack")) as futures:
+        for future in futures:
+            yield future.result()
+
+
+def process_results(jobs: list[Any], workers: int, context: multiprocessing.context.BaseContext
+                     ) -> Iterator[FrameResult]:
+    pool = _FramePool(jobs, workers, context)
+    try:
+        yield from pool
+        pool.close(wait=True)
+    finally:
+        pool.close(wait=False)
+
+
+class _FramePool:
+    """Worker processes that build frames; their results in plan order.
+
+    Like `Pool.imap(build_job, jobs, chunksize=1)`: jobs go to whichever worker is free
+    (at most `DEPTH` queued per worker), results come back in plan order, and a worker's
+    exception is re-raised in the parent at its job's place in that order. Results that
+    arrive early wait in the parent, and no job more than `window` ahead of the next one
+    due is handed out, which bounds the memory that a slow worker can make the others
+    hold up.
+
+    Not `multiprocessing.Pool`: its worker-handler thread wakes up whenever a result
+    waits in the result pipe, which with results of ~1 MB is nearly always, and then
+    burns about as much CPU as a worker (tens of thousands of wake-ups per 4,000 images;
+    BENCHMARKS.md). Here the parent sleeps in `connection.wait` until a result is there.
+    """
+
+    DEPTH = 2  # jobs sent to a worker and not yet answered
+
+    def __init__(self, jobs: list[Any], workers: int, context: multiprocessing.context.BaseContext):
+        self.jobs = jobs
+        self.window = 4 * workers
+        self.procs: list[Any] = []
+        self.tasks: list[Any] = []  # parent -> worker: (job number, job)
+        self.results: list[Any] = []  # worker -> parent
+        try:
+            for w in range(workers):
+                task_recv, task_send = context.Pipe(duplex=False)
+                result_recv, result_send = context.Pipe(duplex=False)
+                _grow_pipe(result_send.fileno())
+                proc = context.Process(target=_frame_worker, args=(task_recv, result_send), daemon=True,
+                                       name=f"shardstream-pack-{w}")
+                proc.start()
+                task_recv.close()
+                result_send.close()
+                self.procs.append(proc)
+                self.tasks.append(task_send)
+                self.results.append(result_recv)
+        except BaseException:
+            self.close(wait=False)
+            raise
+
+    def __iter__(self) -> Iterator[FrameResult]:
+        count, workers = len(self.jobs), len(self.procs)
+        outstanding = [0] * workers
+        early: dict[int, Any] = {}  # job number -> FrameResult, or the exception to raise there
+        next_job = next_due = 0
+        failed_at = count  # no job at or after a failed one is sent
+
+        def top_up() -> None:
+            nonlocal next_job
+            for w in range(workers):
+                while (outstanding[w] < self.DEPTH and next_job < min(count, failed_at)
+                       and next_job < next_due + self.window):
+                    self.tasks[w].send((next_job, self.jobs[next_job]))
+                    outstanding[w] += 1
+                    next_job += 1
+
+        top_up()
+        while next_due < count:
+            if next_due in early:
+                result = early.pop(next_due)
+                if isinstance(result, BaseException):
+                    raise result
+                next_due += 1
+                top_up()
+                yield result
+                continue
+            for conn in multiprocessing.connection.wait(self.results):
+                w = self.results.index(conn)
+                try:
+                    message = conn.recv()
+                    if message[0] == "error":
+                        _, i, error = message
+                        early[i], failed_at = error, min(failed_at, i)
+                    else:
+                        _, i, frame_fields, result_fields = message
+                        early[i] = FrameResult(frame=Frame(data=_recv_data(conn), **frame_fields), **result_fields)
+                except EOFError:
+                    proc = self.procs[w]
+                    proc.join(5)
+                    raise ShardstreamError(
+                        f"pack worker process {proc.name} exited unexpectedly (exit code {proc.exitcode})"
+                    ) from None
+                outstanding[w] -= 1
+            top_up()
+
+    def close(self, wait: bool) -> None:
+        """Stop the workers: let them exit (`wait`, after the last result), or end them now."""
+        if wait:
+            for conn in self.tasks:
+                try:
+                    conn.send(None)
+                except OSError:
+                    pass
+        for conn in self.tasks + self.results:
+            conn.close()
+        for proc in self.procs:
+            if wait:
+                proc.join(10)
+            if proc.is_alive():
+                proc.terminate()
+            proc.join()
+        self.procs, self.tasks, self.results = [], [], []
+
+
+def _grow_pipe(fd: int) -> None:
+    # A result is ~1 MB; the default 64 KB pipe makes each one take 16 round trips
+    # between worker and parent. Best effort (Linux only; the limit may be lower).
+    if fcntl is not None and hasattr(fcntl, "F_SETPIPE_SZ"):
+        for size in (4 << 20, 1 << 20):
+            try:
+                fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, size)
+                return
+            except OSError:
+                continue
+
+
+def _frame_worker(tasks: Any, conn: Any) -> None:
+    """A worker process: build the jobs that come down `tasks`, send each result to `conn`.
+
+    A thread sends, so that the next frame is built while the parent reads the last one,
+    and so that this loop is always back at `tasks.recv()` soon: the parent may be
+    blocked sending a job here, and must never wait on a worker that waits on it.
+    """
+    out: queue.Queue = queue.Queue()  # bounded by the parent: DEPTH jobs at a time
+    broken = threading.Event()
+
+    def send() -> None:
+        while (item := out.get()) is not None:
+            if broken.is_set():
+                continue  # the parent has gone: drain, and let the main loop notice
+            payload, data = item
+            try:
+                conn.send_bytes(payload)
+                if data is not None:
+                    _send_data(conn, data)
+            except OSError:
+                broken.set()
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    try:
+        while not broken.is_set():
+            try:
+                task = tasks.recv()
+            except (EOFError, OSError):
+                break
+            if task is None:
+                break
+            i, job = task
+            try:
+                result = build_job(job)
+            except Exception as e:  # as Pool does: the parent re-raises it
+                out.put((_pickle_error(i, e), None))
+                continue
+            frame = result.frame
+            # Every field of the result and of its Frame but the data, which follows raw (see _send_data).
+            message = ("ok", i, _fields_but(frame, "data"), _fields_but(result, "frame"))
+            out.put((bytes(ForkingPickler.dumps(message)), frame.data))
+    finally:
+        out.put(None)
+        sender.join()
+        conn.close()
+
+
+def _fields_but(instance: Any, left_out: str) -> dict[str, Any]:
+    """A dataclass instance's fields by name, but one."""
+    return {f.name: getattr(instance, f.name) for f in dataclasses.fields(instance) if f.name != left_out}
+
+
+# Frame data goes through the pipe's file descriptor as a length and the raw bytes, and
+# is read straight into its final buffer: Connection.recv_bytes would copy it twice more.
+_RAW_PIPES = os.name == "posix"
+
+
+def _send_data(conn: Any, data: bytes) -> None:
+    if not _RAW_PIPES:
+        conn.send_bytes(data)
+        return
+    fd = conn.fileno()
+    for chunk in (struct.pack("<Q", len(data)), data):
+        view = memoryview(chunk)
+        while view:
+            view = view[os.write(fd, view) :]
+
+
+def _recv_data(conn: Any) -> bytes | bytearray:
+    if not _RAW_PIPES:
+        return conn.recv_bytes()
+    fd = conn.fileno()
+    head = b""
+    while len(head) < 8:
+        chunk = os.read(fd, 8 - len(head))
+        if not chunk:
+            raise EOFError
+        head += chunk
+    size = struct.unpack("<Q", head)[0]
+    data = bytearray(size)
+    view, got = memoryview(data), 0
+    while got < size:
+        n = os.readv(fd, [view[got:]])
+        if not n:
+            raise EOFError
+        got += n
+    return data
+
+
+def _pickle_error(i: int, e: Exception) -> bytes:
+    try:
+        return bytes(ForkingPickler.dumps(("error", i, ExceptionWithTraceback(e, e.__traceback__))))
+    except Exception as failed:  # an exception that does not pickle, reported as Pool reports it
+        return bytes(ForkingPickler.dumps(("error", i, MaybeEncodingError(failed, e))))

@@ -1,0 +1,115 @@
+"""The plan of a pack: the options that decide its bytes, the sample order, and its cut into frames.
+
+The work is planned before it starts, from the file listing and file sizes alone: the
+sorted listing is shuffled with `seed` (`order`), a part takes its contiguous slice of
+that order (`part_slice`), and `plan_frames` cuts it into shards of about `shard_size`
+bytes and each shard into frames of about `frame_size`. Only the listing, the options
+and (when images shrink) the image headers go in, so a rerun, a resumed pack and every
+part compute the same plan, whatever `workers` is. Apart from pack.py, which runs the
+plan, so that the workers (framebuild.py), which get `PackOptions` with each job, do
+not import the orchestration.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import tario
+from .decode import image_size
+from .listing import Listing, SourceFile
+from .shrink import DEFAULT_QUALITY, shrunk_size
+
+__all__ = ["PackOptions", "order", "part_slice", "plan_frames", "shrunk_estimates"]
+
+
+@dataclass(frozen=True)
+class PackOptions:
+    """What decides the bytes of the output (recorded in the manifest)."""
+
+    shard_size: int
+    max_samples: int | None
+    compression: str
+    level: int
+    seed: int
+    shuffle: bool
+    frame_size: int
+    prefix: str
+    max_side: int | None = None  # shrink larger images (shrink.py); None keeps every file's bytes
+    quality: int = DEFAULT_QUALITY  # of images shrunk to JPEG or WebP
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def order(listing: Listing, opts: PackOptions) -> list[SourceFile]:
+    """The sample order: sorted by path, then shuffled by `seed` unless told not to."""
+    entries = sorted(listing.files, key=lambda e: e.path)
+    if opts.shuffle:
+        perm = np.random.default_rng(opts.seed).permutation(len(entries))
+        entries = [entries[i] for i in perm]
+    return entries
+
+
+def part_slice(entries: list[SourceFile], index: int, parts: int) -> list[SourceFile]:
+    """The index-th of `parts` contiguous slices of the (already shuffled) sample order."""
+    n = len(entries)
+    return entries[index * n // parts : (index + 1) * n // parts]
+
+
+def _estimated_size(entry: SourceFile, file_bytes: int | None = None) -> int:
+    # The planner needs only a deterministic size, not the exact tar layout.
+    file_bytes = entry.size if file_bytes is None else file_bytes
+    return tario.BLOCK + tario.padded(file_bytes) + (2 * tario.BLOCK if entry.label is not None else 0)
+
+
+def shrunk_estimates(entries: list[SourceFile], root: str, max_side: int) -> dict[str, int]:
+    """Each file's expected size after shrinking to `max_side`, for planning only.
+
+    The file's size scaled by the share of pixels kept, from the image header (the
+    first 64 KB). Unreadable headers count at full size: the work step reports them.
+    """
+    estimates = {}
+    for entry in entries:
+        try:
+            with open(os.path.join(root, entry.path), "rb") as f:
+                size = image_size(f.read(1 << 16))
+        except Exception:  # noqa: BLE001 - any failure means: plan it at its full size
+            continue
+        width, height = shrunk_size(size, max_side)
+        estimates[entry.path] = max(1, entry.size * width * height // max(1, size[0] * size[1]))
+    return estimates
+
+
+def plan_frames(entries: list[SourceFile], opts: PackOptions,
+                file_bytes: dict[str, int] | None = None) -> list[tuple[int, list[SourceFile]]]:
+    """Cut the ordered entries into (shard number, frame entries) jobs.
+
+    `file_bytes` overrides the expected size of some files (those that will shrink).
+    """
+    jobs: list[tuple[int, list[SourceFile]]] = []
+    shard, shard_bytes, shard_count = 0, 0, 0
+    frame: list[SourceFile] = []
+    frame_bytes = 0
+    for entry in entries:
+        size = _estimated_size(entry, (file_bytes or {}).get(entry.path))
+        full = shard_count and (
+            shard_bytes + size > opts.shard_size or (opts.max_samples is not None and shard_count >= opts.max_samples)
+        )
+        if full:
+            if frame:
+                jobs.append((shard, frame))
+            shard, shard_bytes, shard_count, frame, frame_bytes = shard + 1, 0, 0, [], 0
+        frame.append(entry)
+        frame_bytes += size
+        shard_bytes += size
+        shard_count += 1
+        if frame_bytes >= opts.frame_size:
+            jobs.append((shard, frame))
+            frame, frame_bytes = [], 0
+    if frame:
+        jobs.append((shard, frame))
+    return jobs
