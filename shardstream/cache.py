@@ -12,20 +12,21 @@ processes:
   the manifest's SHA-256 (downloaded again on a mismatch, `DOWNLOAD_ATTEMPTS` times in
   all, then an error naming the file), and renamed into place.
 * **Bounded.** Before a download, least-recently-used shards are evicted until the new
-  one fits under `limit`, counting the downloads this process has in flight (their
-  temporary files are not yet the size they will be). A shard being read holds a shared
-  lock and is never evicted, so the limit is exceeded only while the shards in use (the
-  one being read and the `prefetch` downloaded ahead) alone exceed it, or while other
-  processes' downloads, which this one cannot count, are landing. When a reader is done
-  with a shard the cache is trimmed back under `limit`, if this process last saw it over
-  or has landed a download since it last looked.
+  one fits under `limit`, and its temporary files are created at their full size (sparse)
+  before anyone else looks: every process's walk of the cache counts every download in
+  flight, its own and the others'. Walks and landings take turns under a lock file at
+  the cache's root. A shard being read holds a shared lock and is never evicted, so the
+  limit is exceeded only while the shards in use (the ones being read and the `prefetch`
+  downloaded ahead, in every process) alone exceed it; a walk that leaves the cache over
+  its limit says so in a marker file, and every release trims while the marker is there.
 * **Self-healing.** The first use of a cached shard in each process re-hashes it; a
   file damaged on disk is deleted and fetched again. A download's temporary file left by
-  a killed process is deleted once it has not been written for 10 minutes.
+  a killed process is deleted once it has not been written for an hour.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import os
@@ -33,9 +34,8 @@ import random
 import tempfile
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass
-from typing import BinaryIO, Callable
+from typing import BinaryIO, Iterator
 
 from .errors import StorageError
 from .iostats import io_stats
@@ -55,19 +55,17 @@ ABANDONED_PART_S = 3600
 
 _verified: set[str] = set()  # cached files this process has hashed
 _damaged: dict[str, tuple] = {}  # cached files that failed the hash: their (inode, mtime) then
-_over_limit: set[str] = set()  # cache roots this process last left over their limit, or has added to since
-# Bytes this process is downloading into each cache root, counted by `_make_room` until they land.
-# `_room` makes a walk of the cache, and a download landing (file renamed into place, its bytes
-# no longer in flight), happen one at a time: a walk taken while a download lands would count
-# its bytes twice, or not at all, and the verdict on `_over_limit` would be wrong.
-_in_flight: Counter[str] = Counter()
+# The threads of this process take turns at the room lock file: a POSIX lock (`lockf`) is held by a
+# process, not a thread, and is not inherited by a forked child (a forked DataLoader worker must not
+# keep a lock its parent's thread held at the fork, as an inherited `flock` would).
 _room = threading.Lock()
+ROOM_LOCK = ".room.lock"  # at the cache's root: one walk, or one landing, at a time
+OVER_LIMIT = ".over-limit"  # at the cache's root while the last walk left it over its limit
 
 
 def _after_fork_in_child() -> None:
     global _room
     _room = threading.Lock()  # a parent's thread may have held it at the fork
-    _in_flight.clear()  # the parent's downloads: their threads are not in this process
 
 
 if hasattr(os, "register_at_fork"):
@@ -181,80 +179,84 @@ class ShardCache:
         """Make room for the shard and its index, and download them into place."""
         assert ref.info is not None
         folder = os.path.dirname(path)
-        pending = ref.info.bytes + ref.info.index_bytes
-        self._make_room(pending)  # counted as in flight from here until each file lands
-
-        def land(tmp: str, name: str, size: int) -> None:
-            nonlocal pending
-            with _room:
-                os.replace(tmp, os.path.join(folder, name))
-                _in_flight[self.root] -= size
-                pending -= size
-                # The walk that made room for this download may have been the last one; a later
-                # walk by another process could not count it. Trim on the next release.
-                _over_limit.add(self.root)
-
+        files = ((ref.name, ref.info.bytes, ref.info.sha256),
+                 (ref.info.index, ref.info.index_bytes, ref.info.index_sha256))
+        parts: list[str] = []
         try:
-            for name, size, digest in ((ref.name, ref.info.bytes, ref.info.sha256),
-                                       (ref.info.index, ref.info.index_bytes, ref.info.index_sha256)):
+            with self._turn():
+                self._make_room(ref.info.bytes + ref.info.index_bytes)
+                for name, size, _ in files:  # reserved: counted by every walk from here on
+                    parts.append(_reserve(folder, name, size))
+            for (name, size, digest), part in zip(files, parts):
                 # Bytes damaged on the way, or an object caught while being replaced, download
                 # whole again; a checksum that never matches is the data's, and raises.
                 for attempt in range(1, DOWNLOAD_ATTEMPTS + 1):
-                    if _download_file(ref.store, name, size, digest, folder, land):
+                    if _download_into(ref.store, name, size, digest, part):
                         break
                     if attempt == DOWNLOAD_ATTEMPTS:
                         raise StorageError(f"downloaded file does not match the manifest's checksum "
                                            f"({DOWNLOAD_ATTEMPTS} downloads)", url=ref.store.url(name))
                     io_stats.add(retries=1)
+                with self._turn():  # a walk sees the file under one name or the other, never neither
+                    os.replace(part, os.path.join(folder, name))
         finally:
-            with _room:  # what did not land is no longer coming
-                _in_flight[self.root] -= pending
+            for part in parts:  # what did not land is no longer coming
+                try:
+                    os.remove(part)
+                except FileNotFoundError:
+                    pass
 
     def trim(self) -> None:
         """Evict least-recently-used shards not in use until the cache is within its limit,
-        if this process last left it over (its shards in use could not be evicted then) or
-        has landed a download since: a walk of the whole cache on every shard released
-        would be work for nothing."""
-        if self.root in _over_limit:
-            self._make_room(0)
+        if the last walk of it (by any process) left it over: its shards in use could not be
+        evicted then. A walk of the whole cache on every shard released would be work for
+        nothing."""
+        if os.path.exists(os.path.join(self.root, OVER_LIMIT)):
+            with self._turn():
+                self._make_room(0)
+
+    @contextlib.contextmanager
+    def _turn(self) -> Iterator[None]:
+        """Hold the cache's room lock: across threads by `_room`, across processes by `lockf`."""
+        with _room, open(os.path.join(self.root, ROOM_LOCK), "a+b") as lock:
+            fcntl.lockf(lock, fcntl.LOCK_EX)
+            yield  # closing the file lets go of the lock
 
     def _make_room(self, incoming: int) -> None:
         """Evict least-recently-used shards not in use until `incoming` more bytes fit beside
-        those on disk and those this process has in flight; count `incoming` as in flight."""
-        with _room:
-            self._make_room_locked(incoming)
-            _in_flight[self.root] += incoming
-
-    def _make_room_locked(self, incoming: int) -> None:
+        those on disk, downloads in flight included; mark the cache over its limit if they
+        do not. Called in `_turn`."""
         entries = []
+        reserved = 0
         now = time.time()
         for base, _, names in os.walk(self.root):
             for name in names:
-                if name.endswith(".part"):
-                    _remove_if_abandoned(os.path.join(base, name), now)
-                    continue
-                if name.endswith((".lock", ".idx")):
-                    continue
                 full = os.path.join(base, name)
+                if name.endswith(".part"):
+                    reserved += _reserved_bytes(full, now)
+                    continue
+                if name.endswith((".lock", ".idx")) or name == OVER_LIMIT:
+                    continue
                 try:
                     st = os.stat(full)
-                except FileNotFoundError:  # evicted meanwhile (by another process, or thread)
+                except FileNotFoundError:  # evicted meanwhile by hand
                     continue
                 try:
                     index_bytes = os.path.getsize(full + ".idx")
                 except FileNotFoundError:
                     index_bytes = 0
                 entries.append((st.st_mtime, full, st.st_size + index_bytes))
-        total = sum(size for _, _, size in entries) + _in_flight[self.root]
+        total = sum(size for _, _, size in entries) + reserved
         for _, full, size in sorted(entries):
             if total + incoming <= self.limit:
                 break
             if self._evict(full):
                 total -= size
+        marker = os.path.join(self.root, OVER_LIMIT)
         if total + incoming > self.limit:
-            _over_limit.add(self.root)
-        else:
-            _over_limit.discard(self.root)
+            open(marker, "ab").close()
+        elif os.path.exists(marker):
+            os.remove(marker)
 
     @staticmethod
     def _evict(path: str) -> bool:
@@ -271,35 +273,40 @@ class ShardCache:
             return True
 
 
-def _remove_if_abandoned(part: str, now: float) -> None:
-    """Delete a download's temporary file left by a process killed mid-download (training
-    jobs are preempted): untouched for `ABANDONED_PART_S`, no live download owns it."""
+def _reserved_bytes(part: str, now: float) -> int:
+    """The bytes a download's temporary file holds room for (its full size, set when it was
+    created), or 0 once deleted: a file left by a process killed mid-download (training
+    jobs are preempted) is untouched for `ABANDONED_PART_S`, and no live download owns it."""
     try:
-        if now - os.stat(part).st_mtime > ABANDONED_PART_S:
-            os.remove(part)
-    except FileNotFoundError:
+        st = os.stat(part)
+        if now - st.st_mtime <= ABANDONED_PART_S:
+            return st.st_size
+        os.remove(part)
+    except FileNotFoundError:  # landed or given up meanwhile
         pass
+    return 0
 
 
-def _download_file(store: Store, name: str, size: int, digest: str, folder: str,
-                   land: Callable[[str, str, int], None]) -> bool:
-    """Download `name` into `folder` if its SHA-256 is `digest`, put in place by
-    `land(temporary path, name, size)`; False (nothing kept) if not."""
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".part")
+def _reserve(folder: str, name: str, size: int) -> str:
+    """A temporary file for downloading `name`, already `size` bytes long (sparse), so that
+    walks of the cache count the room it will take before a byte arrives."""
+    fd, part = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".part")
     try:
-        hasher = hashlib.sha256()
-        with os.fdopen(fd, "wb") as f:
-            for start in range(0, size, CHUNK):
-                data = store.read(name, start, min(size, start + CHUNK))
-                hasher.update(data)
-                f.write(data)
-        if hasher.hexdigest() != digest:
-            return False
-        land(tmp, name, size)
-        return True
+        os.ftruncate(fd, size)
     finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        os.close(fd)
+    return part
+
+
+def _download_into(store: Store, name: str, size: int, digest: str, part: str) -> bool:
+    """Download `name` over the reserved file `part`; whether its SHA-256 is `digest`."""
+    hasher = hashlib.sha256()
+    with open(part, "r+b") as f:
+        for start in range(0, size, CHUNK):
+            data = store.read(name, start, min(size, start + CHUNK))
+            hasher.update(data)
+            f.write(data)
+    return hasher.hexdigest() == digest  # so exactly `size` bytes arrived: no reserved zeros left
 
 
 def _sha256(path: str) -> str:

@@ -1313,6 +1313,64 @@ def test_cache_shared_by_processes_downloading_at_once_ends_within_its_limit(loc
     assert folder_bytes(cache_dir) <= limit
 
 
+def test_cache_downloads_of_two_processes_make_room_for_each_other(local_ds, shard_names, tmp_path):
+    """The processes' version of the test above: a download in another process was invisible to this
+    one's walk (its temporary file was skipped, and only this process's own downloads were counted), so
+    each made room for itself alone and the cache went past its limit with only two shards in use, which
+    fit, by a released shard it should have evicted."""
+    import multiprocessing
+    from concurrent.futures import ThreadPoolExecutor
+
+    from shardstream.cache import ShardCache
+
+    cache_dir = tmp_path / "cache"
+    old, here, there = shard_names[2:4], shard_names[0], shard_names[1]
+    size = {n: Path(local_ds, n).stat().st_size + Path(local_ds, n + ".idx").stat().st_size
+            for n in old + [here, there]}
+    limit = 2 * max(size.values()) + 100  # room for two shards
+    assert size[old[1]] + size[here] + size[there] > limit
+    with H.CountingHTTPServer(local_ds) as server:
+        gates = Gates(server, [here, there])
+        source = shardstream.open_dataset(server.url)
+        refs = {ref.name: ref for ref in source.shards}
+        cache = ShardCache(str(cache_dir), limit)
+        for name in old:  # read before and released: the cache is full
+            cache.open(refs[name])[1].close()
+        context = multiprocessing.get_context("fork")
+        to_child, from_parent = context.Pipe()
+
+        def other_process() -> None:
+            try:
+                _, held = cache.open(refs[there])
+                from_parent.send("holding")
+                from_parent.recv()  # the parent has measured the cache
+                held.close()
+            except BaseException as error:
+                from_parent.send(repr(error))
+
+        child = None
+        try:
+            with ThreadPoolExecutor(1) as pool:
+                download = pool.submit(cache.open, refs[here])
+                gates.arrived(here)  # room made for it here
+                child = context.Process(target=other_process, daemon=True)
+                child.start()
+                gates.arrived(there)  # and for the other process's download there
+                gates.open()
+                held = download.result(timeout=30)[1]
+            assert to_child.poll(30) and to_child.recv() == "holding"
+            try:
+                assert folder_bytes(cache_dir) <= limit  # two shards in use, and they fit
+            finally:
+                held.close()
+                to_child.send("done")
+        finally:
+            gates.open()
+            if child is not None:
+                child.join(30)
+                child.kill()
+
+
 def _damaging_server(root: str, name: str, damaged: str, times: int) -> H.CountingHTTPServer:
     """A server whose first `times` GETs of `name` send the file at `damaged` instead."""
     server = H.CountingHTTPServer(root)
