@@ -3,8 +3,8 @@
 Each epoch every sample is yielded exactly once across all ranks and workers (plus
 declared padding), every rank yields the same number of samples and batches, and the
 order is a pure function of (seed, epoch, world size, number of workers) and the data
-(see plan.py for how). Decoding, transforms and batching run where the iterator runs:
-in the DataLoader's worker processes.
+(see plan.py for how). Decoding, transforms and batching (prepare.py) run where the
+iterator runs: in the DataLoader's worker processes.
 
 The dataset is a value: constructing it reads nothing. The source is resolved (the
 manifest read) on first use, in whichever process gets there first.
@@ -12,27 +12,25 @@ manifest read) on first use, in whichever process gets there first.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import pickle
-from concurrent.futures import Future
 from multiprocessing.context import get_spawning_popen
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
-import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from .cache import ShardCache
 from .collate import default_collate
 from .decode import Decoder
 from .decode_ahead import DecodeAhead
-from .errors import MissingFieldError, ShardstreamError
+from .errors import ShardstreamError
 from .iostats import io_stats
 from .policy import ErrorPolicy, guarded
 from .plan import (Layout, deal_chunks, epoch_sequence, items_of, read_order, round_robin_delivered,
                    round_robin_next, split_ranks, worker_plan)
+from .prepare import SamplePrep, batches
 from .resume import ResumeState, check_counts, current_sequence, endless_onto, locate
 from .sampling import Mix, Sampling, class_sample_weights, mixed_sequence, sized_sequence, weighted_sequence
 from .shared import SharedState
@@ -40,7 +38,6 @@ from .source import Source, resolve_source
 from .stream import read_samples, reorder
 from .retry import RetryPolicy
 from .storage import preload_driver
-from .threads import ordered_map
 from .world import World
 from .writer import parse_size
 
@@ -404,17 +401,16 @@ class StreamingDataset(IterableDataset):
         samples = read_samples(source, mine[needed], self.counts(), self.prefetch, self._cache,
                                tolerant=self.on_error.mode == "skip")
         ordered = reorder(zip(needed.tolist(), samples), remaining)
-        in_worker = get_worker_info() is not None
+        prep = SamplePrep(self._decoder, self.transform, self.fields, self.seed, epoch, get_worker_info() is not None,
+                          self._ahead, self.decode_threads)
         ids = mine[remaining].tolist()
         on_skip = lambda: self._shared.add_skip(world.worker)  # noqa: E731
         if self.decode_threads:
-            items = guarded(self._decoded_ahead(zip(ordered, ids), epoch, in_worker),
-                            lambda future: self._complete(future, in_worker), self.on_error, len(mine), on_skip)
+            items = guarded(prep.ahead_of(zip(ordered, ids)), prep.complete, self.on_error, len(mine), on_skip)
         else:
-            items = guarded(zip(ordered, ids), lambda pair: self._prepare(pair[0], pair[1], epoch, in_worker),
-                            self.on_error, len(mine), on_skip)
+            items = guarded(zip(ordered, ids), lambda pair: prep(*pair), self.on_error, len(mine), on_skip)
         if self.batch_size is not None:
-            items = _batches(items, self.batch_size, self.drop_last, self.collate_fn)
+            items = batches(items, self.batch_size, self.drop_last, self.collate_fn)
         return items
 
     def _start(self, world: World, items: list[int], delivered: int) -> tuple[int, int]:
@@ -471,65 +467,6 @@ class StreamingDataset(IterableDataset):
     def skipped(self) -> int:
         """Bad samples skipped so far under ``on_error="skip"``, summed over this rank's workers."""
         return self._shared.skips
-
-    def _prepare(self, sample: dict[str, Any], sample_id: int, epoch: int, in_worker: bool) -> Any:
-        if "__error__" in sample:
-            raise sample["__error__"]
-        # Random augmentations draw from torch's generator, seeded per sample from
-        # (seed, epoch, sample id): the same sample gets the same crop in a resumed run,
-        # whichever worker serves it. In the main process the caller's generator state
-        # is saved and restored around it.
-        with _seeded(_sample_seed(self.seed, epoch, sample_id), in_worker):
-            sample = self._decoder(sample)
-            if self.transform is not None:
-                sample = _transformed(self.transform, sample)
-        return self._picked(sample)
-
-    def _picked(self, sample: dict[str, Any]) -> Any:
-        if self.fields is None:
-            return sample
-        return tuple(_pick(sample, spec) for spec in self.fields)
-
-    # -- decode_threads: the same samples, their pixels decoded in threads (decode_ahead.py) --
-
-    def _decoded_ahead(self, pairs: Iterator[tuple[dict[str, Any], int]], epoch: int,
-                       in_worker: bool) -> Iterator[Future[_Staged]]:
-        """The samples' draws here, in order; their pixels in `decode_threads` threads."""
-        assert self._ahead is not None
-        ahead = self._ahead
-
-        def draw(sample: dict[str, Any], sample_id: int) -> _Staged:
-            if "__error__" in sample:
-                return _Staged(error=sample["__error__"])
-            try:
-                with _seeded(_sample_seed(self.seed, epoch, sample_id), in_worker):
-                    decoded, images = ahead.draw(sample)
-                    state = torch.default_generator.get_state() if self.transform is not None else None
-            except ShardstreamError as error:
-                return _Staged(error=error)
-            return _Staged(decoded, images, state)
-
-        def pixels(staged: _Staged) -> _Staged:
-            if staged.error is not None:
-                return staged
-            try:
-                return _Staged(ahead.pixels(staged.sample, staged.images), {}, staged.state)
-            except ShardstreamError as error:
-                return _Staged(error=error)
-
-        return ordered_map(pixels, (draw(sample, sample_id) for sample, sample_id in pairs), self.decode_threads,
-                           name="shardstream-decode")
-
-    def _complete(self, future: Future[_Staged], in_worker: bool) -> Any:
-        staged = future.result()
-        if staged.error is not None:
-            raise staged.error
-        sample = staged.sample
-        if self.transform is not None:
-            assert staged.state is not None
-            with _resumed(staged.state, in_worker):
-                sample = _transformed(self.transform, sample)
-        return self._picked(sample)
 
     # -- resumption ------------------------------------------------------------------------
 
@@ -627,16 +564,6 @@ class StreamingDataset(IterableDataset):
         self._delivered = None
 
 
-def _transformed(transform: Callable[[Any], Any], sample: dict[str, Any]) -> Any:
-    """`transform(sample)`; an error it raises keeps its type (it is the user's code, not bad
-    data, so no error policy skips it) and gains a note naming the sample."""
-    try:
-        return transform(sample)
-    except Exception as e:
-        e.add_note(f"shardstream: in the transform of sample {sample.get('__key__')!r} of {sample.get('__url__')}")
-        raise
-
-
 def _in_process_group() -> bool:
     import torch.distributed as dist
 
@@ -648,69 +575,3 @@ def _urls(source: Any) -> list[str]:
     if isinstance(source, Mix):
         return [url for part in source.sources for url in _urls(part)]
     return [source] if isinstance(source, str) else [str(url) for url in source]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Staged:
-    """A sample between its draws and its pixels (`decode_threads`), or its error."""
-
-    sample: dict[str, Any] = dataclasses.field(default_factory=dict)
-    images: dict[str, Any] = dataclasses.field(default_factory=dict)  # image fields left to decode
-    state: torch.Tensor | None = None  # the generator after the draws, for the transform
-    error: ShardstreamError | None = None
-
-
-def _sample_seed(seed: int, epoch: int, sample_id: int) -> int:
-    """splitmix64 of the triple: cheap, and well spread for consecutive ids."""
-    x = (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + sample_id + 1) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (x ^ (x >> 31)) & 0x7FFFFFFFFFFFFFFF
-
-
-def _seeded(seed: int, in_worker: bool) -> contextlib.AbstractContextManager[None]:
-    # The CPU generator only: torch.manual_seed also queues CUDA seeding, which costs
-    # ~0.8 ms per call, as much as decoding a small image.
-    return _generator_as(lambda generator: generator.manual_seed(seed), in_worker)
-
-
-def _resumed(state: torch.Tensor, in_worker: bool) -> contextlib.AbstractContextManager[None]:
-    """The generator as a sample's draws left it (`decode_threads`: the transform comes later)."""
-    return _generator_as(lambda generator: generator.set_state(state), in_worker)
-
-
-@contextlib.contextmanager
-def _generator_as(setup: Callable[[torch.Generator], Any], in_worker: bool) -> Iterator[None]:
-    """torch's CPU generator set up for a sample; in the main process the caller's state is
-    put back after, so that the training loop's own random numbers do not depend on ours."""
-    generator = torch.default_generator
-    if in_worker:
-        setup(generator)
-        yield
-        return
-    state = generator.get_state()
-    setup(generator)
-    try:
-        yield
-    finally:
-        generator.set_state(state)
-
-
-def _pick(sample: dict[str, Any], spec: str) -> Any:
-    for name in spec.split(";"):
-        if name in sample:
-            return sample[name]
-    raise MissingFieldError(f"no field {spec!r}; the sample has {sorted(k for k in sample if not k.startswith('__'))}",
-                            url=sample.get("__url__"), key=sample.get("__key__"))
-
-
-def _batches(items: Iterator[Any], size: int, drop_last: bool, collate: Callable[[list[Any]], Any]) -> Iterator[Any]:
-    batch: list[Any] = []
-    for item in items:
-        batch.append(item)
-        if len(batch) == size:
-            yield collate(batch)
-            batch = []
-    if batch and not drop_last:
-        yield collate(batch)
-
