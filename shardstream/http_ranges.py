@@ -22,8 +22,9 @@ past which it fails with `RequestDeadlineError` (retried). A thread of this proc
 body in steps and looking at the clock between them would cost a copy of every byte
 (0.25-0.3 ms of CPU per MB more, measured on loopback). The connection stays out of
 urllib3's pool until the watch is over, so that the socket shut is never another
-request's. The headers are read inside urllib3 and http.client, out of reach: a
-deadline that passes while they trickle in fails the request once they are in.
+request's. The headers are read inside urllib3 and http.client: the connections of
+this module's pools watch that read too (`_watched`), against the request's deadline
+for a response without a body (`deadline_s(0, ...)`), and shut their socket past it.
 """
 
 from __future__ import annotations
@@ -76,7 +77,42 @@ if hasattr(os, "register_at_fork"):
 def _pool_manager() -> Any:
     import urllib3  # when first used, as botocore in s3_ranges
 
-    return urllib3.PoolManager(maxsize=32, retries=False)
+    manager = urllib3.PoolManager(maxsize=32, retries=False)
+    manager.pool_classes_by_scheme = {"http": _watched(urllib3.HTTPConnectionPool),
+                                      "https": _watched(urllib3.HTTPSConnectionPool)}
+    return manager
+
+
+# When the headers of the request this thread is making are due (`read_range` sets it), and
+# whether the watchdog had to shut its socket for them.
+_headers = threading.local()
+
+
+@functools.cache
+def _watched(pool_class: type) -> type:
+    """`pool_class` whose connections read a response's headers within `_headers.due`: a
+    server that trickles a header byte within every read timeout would hold them forever."""
+
+    class Connection(pool_class.ConnectionCls):  # type: ignore[name-defined,misc]
+        def getresponse(self, *args: Any, **kwargs: Any) -> Any:
+            due = getattr(_headers, "due", None)
+            if due is None:
+                return super().getresponse(*args, **kwargs)
+            with _watchdog.get().watch(due - time.monotonic(), functools.partial(_shut, self)) as watch:
+                try:
+                    return super().getresponse(*args, **kwargs)
+                finally:
+                    _headers.late = watch.fired
+
+    return type(f"Watched{pool_class.__name__}", (pool_class,), {"ConnectionCls": Connection})
+
+
+def _shut(connection: Any) -> None:
+    """End a read of `connection`'s response headers blocked in another thread."""
+    sock = getattr(connection, "sock", None)
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
 
 
 _pool = PerProcess(_pool_manager)
@@ -125,9 +161,10 @@ def read_body(response: Any, read: Callable[..., bytes], url: str, started: floa
     """The body of urllib3's `response` through `read` (the response's own, or botocore's, which
     wraps it), within the deadline of a request that began at `started` and moves `size` bytes.
 
-    Its headers are in by now: only their reads' timeouts bound those, and a deadline
-    already past fails the request here. A body of unknown size (no Content-Length) is
-    read a block at a time, each block within a deadline of its own.
+    Its headers are in by now (for `read_range`, within their own deadline; botocore's
+    are bounded by their reads' timeouts only), and a deadline already past fails the
+    request here. A body of unknown size (no Content-Length) is read a block at a time,
+    each block within a deadline of its own.
     """
     if size is not None:
         return _within(response, read, url, started, started + deadline_s(size, connect_s, read_s), size)
@@ -225,8 +262,7 @@ def read_range(url: str, start: int | None, end: int | None, *, headers: Mapping
     for _ in range(MAX_REDIRECTS + 1):
         # Not urllib3's own redirects: those go through its Retry object, which is off
         # here so that every retry is `RetryPolicy`'s, and counted.
-        response = _pool.get().request("GET", url, headers=request_headers, preload_content=False,
-                                      redirect=False, timeout=timeout)
+        response = _request(url, request_headers, timeout, started, started + deadline_s(0, connect_s, read_s))
         location = response.get_redirect_location()
         if not location:
             break
@@ -249,6 +285,31 @@ def read_range(url: str, start: int | None, end: int | None, *, headers: Mapping
     if response.status == 200 and (start or end is not None):  # a server that ignores ranges sends it all
         data = data[start or 0 : end]
     return data
+
+
+def _request(url: str, headers: Mapping[str, str], timeout: Any, started: float, due: float) -> Any:
+    """urllib3's response to a GET of `url` (a request begun at `started`), its headers
+    read by `due`; its body is read later."""
+    _headers.due, _headers.late = due, False
+    try:
+        response = _pool.get().request("GET", url, headers=headers, preload_content=False, redirect=False,
+                                       timeout=timeout)
+    except Exception as e:
+        if _headers.late:  # the watchdog shut the socket: the failure is the deadline's
+            raise _late_headers(url, started, due) from e
+        raise
+    finally:
+        _headers.due = None
+    if _headers.late:  # http.client takes a socket shut mid-header for the end of the headers
+        response.close()
+        response.release_conn()
+        raise _late_headers(url, started, due)
+    return response
+
+
+def _late_headers(url: str, started: float, due: float) -> RequestDeadlineError:
+    return RequestDeadlineError(f"no whole response headers from {shown_url(url)} in "
+                                f"{time.monotonic() - started:.3g} s (deadline {due - started:.3g} s)")
 
 
 def _content_length(response: Any) -> int | None:

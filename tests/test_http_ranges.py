@@ -303,6 +303,38 @@ def test_a_trickling_server_fails_the_request_at_its_deadline(monkeypatch):
         assert requests == ["/blob.bin"] + ["/data/blob.bin"] * 2
 
 
+class _HeaderTrickler(_Served):
+    """Sends its status line, then one header a byte every `interval` seconds (20 s in all),
+    each byte well within a read timeout of 1 s, then an empty body."""
+
+    interval = 0.1
+
+    def answer(self) -> None:
+        try:
+            self.wfile.write(b"HTTP/1.0 200 OK\r\nX-Slow: ")
+            for _ in range(200):
+                if self.stopping.wait(self.interval):
+                    return
+                self.wfile.write(b"a")
+            self.wfile.write(b"\r\nContent-Length: 0\r\n\r\n")
+        except OSError:
+            pass  # the client gave up: what the test expects of it
+
+
+def test_headers_trickled_in_fail_the_request_at_its_deadline():
+    """Regression: only the body's read was watched, so a server trickling its headers a byte
+    within every read timeout held the reader for as long as it liked (here 20 s; forever
+    for a server stuck so). The headers' deadline with timeouts of 0.5 s and 1 s is 1.5 s."""
+    with serving(_HeaderTrickler) as (url, requests):
+        started = time.monotonic()
+        with pytest.raises(RequestDeadlineError, match=r"no whole response headers from http://.*/blob\.bin"):
+            read_range(f"{url}/blob.bin", 0, 200, connect_s=0.5, read_s=1.0)
+        assert time.monotonic() - started < 10
+        assert requests == ["/blob.bin"]
+    with serving(_HeaderTrickler, interval=0) as (url, _):  # the same headers at once: read as ever
+        assert read_range(f"{url}/blob.bin", 0, 200, connect_s=0.5, read_s=1.0) == b""
+
+
 def test_a_body_without_a_length_is_read_whole_and_within_deadlines():
     """A body that ends where the connection does is read a block at a time, each within
     its deadline (2.5 s for the first here, against 20 s for the trickle)."""
