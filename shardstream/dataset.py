@@ -31,7 +31,8 @@ from .policy import ErrorPolicy, guarded
 from .plan import (Layout, deal_chunks, epoch_sequence, items_of, read_order, round_robin_delivered,
                    round_robin_next, split_ranks, worker_plan)
 from .prepare import SamplePrep, batches
-from .resume import ResumeState, check_counts, current_sequence, endless_onto, locate
+from .resume import (ResumeState, Segment, SequenceAfter, check_counts, current_sequence, endless_onto, locate,
+                     sequence_after)
 from .sampling import Mix, Sampling, class_sample_weights, mixed_sequence, sized_sequence, weighted_sequence
 from .shared import SharedState
 from .source import Source, resolve_source
@@ -184,6 +185,7 @@ class StreamingDataset(IterableDataset):
         self._loaded_position: tuple[int, int] | None = None
         self._worker_resume = False  # the loaded state is a worker's own
         self._translated: tuple[ResumeState, Layout, ResumeState] | None = None  # see _resume_for
+        self._left: tuple[tuple[int, int, bool], tuple[Segment, ...], np.ndarray] | None = None  # see _after
 
     # -- epochs, world and layout --------------------------------------------------------
 
@@ -207,6 +209,7 @@ class StreamingDataset(IterableDataset):
         # launcher's own spawn (mp.spawn of the training processes, which then join a group)
         # must leave each child to find its rank, and children inherit torchrun's variables.
         state = self.__dict__.copy()
+        state["_left"] = None  # megabytes for a large dataset: a worker that needs it finds it again
         if get_worker_info() is None and get_spawning_popen() is not None and _in_process_group():
             world = World.detect(self.rank, self.world_size)
             state["rank"], state["world_size"] = world.rank, world.size
@@ -279,6 +282,27 @@ class StreamingDataset(IterableDataset):
             return sized_sequence(counts, seed, epoch, shuffle, n)
         return epoch_sequence(counts, seed, epoch, shuffle)
 
+    def _after(self, epoch: int) -> SequenceAfter:
+        """What earlier layouts (segments of a resumed epoch) left of `epoch`'s sequence.
+
+        The last answer is kept, and built on when asked for more segments: finding what a
+        layout read of a million samples takes about a second, and `load_state_dict`, every
+        `len()` and every iteration ask. The seed and shuffle are part of the key; the rest
+        of the sequence's making (the shards, the sampling) is fixed once the source is
+        resolved."""
+        def after(finished: tuple[Segment, ...]) -> np.ndarray:
+            key, kept = (epoch, self.seed, self.shuffle), self._left
+            if kept is not None and kept[0] == key and finished[:len(kept[1])] == kept[1]:
+                done, sequence = kept[1], kept[2]
+            else:
+                done, sequence = (), self._epoch_ids(epoch)
+            if len(finished) > len(done):
+                sequence = sequence_after(sequence, finished[len(done):], self.seed, epoch, first=len(done))
+                self._left = (key, finished, sequence)
+            return sequence
+
+        return after
+
     def _weights(self) -> np.ndarray:
         """Each sample's draw weight: its class weight times its own weight (either may be absent)."""
         if self._sample_weights is None:
@@ -315,8 +339,7 @@ class StreamingDataset(IterableDataset):
         if resume is None or not self.resampled or resume.current.layout == layout:
             return resume
         if self._translated is None or self._translated[0] is not resume or self._translated[1] != layout:
-            remaining, _, _ = current_sequence(self._epoch_ids(resume.epoch), resume, resume.current.layout,
-                                               self.seed, resume.epoch)
+            remaining, _, _ = current_sequence(self._after(resume.epoch), resume, resume.current.layout)
             full = len(self._epoch_ids(resume.epoch + 1))
             self._translated = (resume, layout, endless_onto(resume, layout, len(remaining), full))
         return self._translated[2]
@@ -337,7 +360,7 @@ class StreamingDataset(IterableDataset):
             return split_ranks(self._epoch_ids(epoch), world.size, self.partial)[world.rank], layout, 0, 0, epoch
         resume = self._resume_for(world)
         epoch = resume.epoch if resume is not None else self.epoch
-        sequence, segment, delivered = current_sequence(self._epoch_ids(epoch), resume, layout, self.seed, epoch)
+        sequence, segment, delivered = current_sequence(self._after(epoch), resume, layout)
         return split_ranks(sequence, world.size, self.partial)[world.rank], layout, segment, delivered, epoch
 
     def __len__(self) -> int:
@@ -525,10 +548,8 @@ class StreamingDataset(IterableDataset):
         is refused here, naming the field, and leaves the dataset as it was."""
         resume = ResumeState.from_dict(state, self)
         # The counts' bounds need the epoch's size: the fingerprint has just read the sample counts.
-        # This computes what the first iteration computes again: the epoch sequence (40 ms for a
-        # million samples) and, for a state of another layout, what that layout consumed (1.7 s
-        # for a million samples over 8 ranks x 8 workers with a shuffle buffer), once per load.
-        check_counts(self._epoch_ids(resume.epoch), resume, self.resampled)
+        # What earlier layouts left of the epoch is kept for `len()` and the iteration (`_after`).
+        check_counts(self._after(resume.epoch), resume, self.resampled)
         if resume.position is not None:
             self._load_worker_state(resume)
             return

@@ -30,7 +30,8 @@ if TYPE_CHECKING:
     from .dataset import StreamingDataset
     from .world import World
 
-__all__ = ["ResumeState", "Segment", "check_counts", "current_sequence", "endless_onto", "fingerprint"]
+__all__ = ["ResumeState", "Segment", "SequenceAfter", "check_counts", "current_sequence", "endless_onto",
+           "fingerprint", "sequence_after"]
 
 STATE_VERSION = 1
 
@@ -242,24 +243,37 @@ def _finished_before(resume: ResumeState | None, layout: Layout) -> tuple[Segmen
     return resume.finished + (resume.current,)
 
 
-def current_sequence(sequence: np.ndarray, resume: ResumeState | None, layout: Layout, seed: int, epoch: int
-                     ) -> tuple[np.ndarray, int, int]:
-    """(the samples still to read this epoch, the segment number, items already delivered in it)."""
-    finished = _finished_before(resume, layout)
-    for number, segment in enumerate(finished):
+# The samples of an epoch that remain after these segments (earlier layouts) read it, in order.
+SequenceAfter = Callable[[tuple[Segment, ...]], np.ndarray]
+
+
+def sequence_after(sequence: np.ndarray, finished: tuple[Segment, ...], seed: int, epoch: int,
+                   first: int = 0) -> np.ndarray:
+    """What is left of an epoch's `sequence` after the `finished` segments read it, in order:
+    each segment reads what the segments before it left. `first` is the number of the first
+    of them in the epoch (`sequence` is then what the ones before it left)."""
+    for number, segment in enumerate(finished, first):
         sequence = remaining_after(sequence, consumed_positions(
             len(sequence), segment.layout, seed, epoch, segment.delivered, number, segment.per_worker))
+    return sequence
+
+
+def current_sequence(after: SequenceAfter, resume: ResumeState | None, layout: Layout) -> tuple[np.ndarray, int, int]:
+    """(the samples still to read this epoch, the segment number, items already delivered in
+    it) for reading with `layout`, the epoch's remains given by `after` (`sequence_after`)."""
+    finished = _finished_before(resume, layout)
     delivered = resume.current.delivered if resume is not None and resume.current.layout == layout else 0
-    return sequence, len(finished), delivered
+    return after(finished), len(finished), delivered
 
 
-def check_counts(sequence: np.ndarray, resume: ResumeState, endless: bool) -> None:
+def check_counts(after: SequenceAfter, resume: ResumeState, endless: bool) -> None:
     """Refuse a state whose counts exceed what its layouts hold of the resumed epoch, whose
-    sequence is `sequence`: each segment reads what the segments before it left. In an
-    endless stream the current segment's counts run on into later epochs: no bound there."""
+    remains after earlier segments `after` gives (`sequence_after`). In an endless stream
+    the current segment's counts run on into later epochs: no bound there."""
     segments = resume.finished + (resume.current,)
     for number, segment in enumerate(segments):
         current = number == len(resume.finished)
+        sequence = after(resume.finished[:number])
         field = "current" if current else f"finished[{number}]"
         items = plan_items(len(sequence), segment.layout)
         left = f"{field}.layout makes of the {len(sequence)} samples of epoch {resume.epoch} left to it"
@@ -273,10 +287,6 @@ def check_counts(sequence: np.ndarray, resume: ResumeState, endless: bool) -> No
             if done > items[worker]:
                 raise _invalid("position[1] (items yielded)", f"at most {items[worker]} (plan worker {worker}'s "
                                f"items {left})", done)
-        if not current:
-            sequence = remaining_after(sequence, consumed_positions(
-                len(sequence), segment.layout, resume.seed, resume.epoch, segment.delivered, number,
-                segment.per_worker))
 
 
 def plan_items(sequence_length: int, layout: Layout) -> list[int]:
