@@ -174,7 +174,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import bench, save_json
+    from .bench import bench
+    from .benchresult import save_json
 
     plot = args.plot
     for option, path in (("--json", args.json), ("--plot", plot)):

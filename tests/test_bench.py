@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 import shardstream
-from shardstream.bench import BenchResult, BenchRow, _proc_descendants, _TreeRSS, bench, find_knee
+from shardstream.bench import BenchResult, BenchRow, bench, find_knee
 from shardstream.errors import ShardstreamError
+from shardstream.peakmem import TreeRSS, proc_descendants
 from shardstream.synthetic import make_image_folder
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -162,7 +163,7 @@ def test_bench_function(tiny):
         sum(s.bytes for s in shardstream.open_dataset(tiny).manifest.shards) / 16)
     assert json.loads(json.dumps(result.to_dict()))["knee"] == result.knee
     # The workers of every run are shut down before bench returns.
-    assert not [p for p in _TreeRSS().descendants() if _is_python_child(p)]
+    assert not [p for p in TreeRSS().descendants() if _is_python_child(p)]
 
 
 def _is_python_child(pid: int) -> bool:
@@ -232,7 +233,7 @@ def test_bench_cuda_unavailable(tiny):
 def test_memory_counts_child_processes(method):
     if method == "psutil":
         pytest.importorskip("psutil")
-    tree = _TreeRSS()
+    tree = TreeRSS()
     tree.method = method
     if method == "psutil":
         import psutil
@@ -249,8 +250,8 @@ def test_memory_counts_child_processes(method):
                 break
             threading.Event().wait(0.05)
         assert seen
-        assert child.pid in _proc_descendants(os.getpid())
-        assert _TreeRSS(exclude=[child.pid]).total() < tree.total()
+        assert child.pid in proc_descendants(os.getpid())
+        assert TreeRSS(exclude=[child.pid]).total() < tree.total()
     finally:
         child.stdin.close()
         child.wait(timeout=30)
