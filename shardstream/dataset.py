@@ -325,6 +325,9 @@ class StreamingDataset(IterableDataset):
         if self._worker_resume:  # a worker's own state: this process's copy alone uses it
             return self._resume
         if self._resume is not None and self._shared.resume_used_up(self._resume_id, world.workers):
+            # Read to its end by the workers of a DataLoader that does not tell this process when
+            # a pass begins or ends (torch's own): that pass started from it (see _state_resume).
+            self._pass_resume = self._resume
             self._resume = None
         return self._resume
 
@@ -350,7 +353,11 @@ class StreamingDataset(IterableDataset):
         the next pass or epoch), so that a state taken at the end of an epoch resumed onto
         another layout still counts the earlier layouts' items and says the epoch is complete."""
         resume = self._resume_for(world)
-        return resume if resume is not None else self._pass_resume
+        if resume is not None:
+            return resume
+        if self._pass_resume is not None and self._shared.later_pass():
+            self._pass_resume = None  # a worker has begun the next pass: the epoch starts afresh
+        return self._pass_resume
 
     def _rank_block(self, world: World, epoch: int | None = None) -> tuple[np.ndarray, Layout, int, int, int]:
         """This rank's samples of the current segment, its layout, segment number, items already
@@ -387,6 +394,8 @@ class StreamingDataset(IterableDataset):
             self._resume, self._worker_resume = None, False
         block, layout, segment, delivered, epoch = self._rank_block(world)
         self._pass_resume = self._active_resume(world)
+        if self._pass_resume is None:
+            self._shared.begin_pass(world.worker)
         resume_id = self._resume_id if self._resume is not None and not self._worker_resume else None
         items = [items_of(len(p), layout) for p in deal_chunks(len(block), world.workers, layout.chunk)]
         worker, done = loaded or self._start(world, items, delivered)

@@ -53,6 +53,8 @@ class SharedState:
         self._ints[_EPOCH] = value
 
     # -- resume: used up once every worker has finished the resumed epoch ------------
+    # A worker's slot: 0 while it reads the resumed pass, 1 once it has finished it, 2 once
+    # it has begun another pass after it.
 
     def new_resume(self) -> int:
         """Mark a newly loaded resume state; returns its id."""
@@ -64,6 +66,16 @@ class SharedState:
     def finish_resume(self, resume_id: int, worker: int) -> None:
         if self._ints[_RESUME_ID] == resume_id and worker < SLOTS:
             self._ints[_DONE + worker] = 1
+
+    def begin_pass(self, worker: int) -> None:
+        """`worker` begins a pass without a resume state: if it finished the resumed pass
+        before, the epoch has started afresh (`later_pass`)."""
+        if worker < SLOTS and self._ints[_DONE + worker] == 1:
+            self._ints[_DONE + worker] = 2
+
+    def later_pass(self) -> bool:
+        """Whether a worker has begun a pass after finishing the resumed one."""
+        return any(self._ints[_DONE + w] == 2 for w in range(SLOTS))
 
     def resume_used_up(self, resume_id: int, workers: int) -> bool:
         """True once all `workers` finished the resumed epoch (later passes start afresh)."""

@@ -554,6 +554,37 @@ def test_end_of_epoch_state_after_an_elastic_resume(url, keys, first, second):
         assert_epoch_complete(url, end, num_workers, full)
 
 
+@pytest.mark.parametrize("persistent", [False, True])
+def test_end_of_epoch_state_through_a_torch_dataloader_after_an_elastic_resume(url, keys, persistent):
+    """Through a plain torch DataLoader the training loop counts its items and passes them to
+    `ds.state_dict(delivered=k, num_workers=n)`; the main process never sees a pass begin or end.
+    Resumed onto 2 workers from a 1-worker state and run to the end of the epoch, the state said
+    "k items into a fresh epoch", which restored yielded samples again (RELIABILITY.md item 23).
+    A later pass of the same epoch (no set_epoch) starts afresh, and so does its state."""
+    first = dataset(url)
+    head = D.take(first, 1, 3)
+    state = json.loads(json.dumps(first.state_dict(delivered=3, num_workers=1)))
+
+    resumed = dataset(url)
+    resumed.load_state_dict(state)
+    dl = D.loader(resumed, 2, persistent_workers=persistent)
+    rest = [D.freeze(item) for item in dl]
+    assert sorted(D.flat(head + rest)) == sorted(keys), "every sample of the epoch once"
+    end = json.loads(json.dumps(resumed.state_dict(delivered=len(rest), num_workers=2)))
+    restored = dataset(url)
+    restored.load_state_dict(end)
+    assert len(restored) == 0 and list(restored) == [], "the epoch is complete"
+
+    again = iter(dl)  # the same epoch again: a whole, fresh pass
+    middle = [D.freeze(next(again)) for _ in range(2)]
+    mid_state = json.loads(json.dumps(resumed.state_dict(delivered=2, num_workers=2)))
+    if persistent:
+        again._shutdown_workers()
+    del again
+    assert mid_state == dataset(url).state_dict(delivered=2, num_workers=2)
+    assert middle == D.take(dataset(url), 2, 2)
+
+
 def test_end_of_epoch_state_after_two_resumes(url, keys):
     """2 workers -> 0 workers, checkpointed mid-way -> 0 workers again, to the end of the epoch."""
     full = loader_keys(shardstream.DataLoader(dataset(url), num_workers=0))
