@@ -1006,13 +1006,18 @@ def cache_folder(cache_dir: Path) -> Path:
 
 
 def folder_bytes(folder: Path) -> int:
-    total = 0
+    """Bytes of the files under `folder`. A download's temporary file (``.NAME.XXXX.part``) and
+    the file it becomes (``NAME``) are one file: a listing taken while it is renamed can show
+    both names, and it is counted once."""
+    sizes: dict[Path, int] = {}
     for p in folder.rglob("*"):
+        name = p.name[1:].rsplit(".", 2)[0] if p.name.endswith(".part") else p.name
         try:
-            total += p.stat().st_size if p.is_file() else 0
+            size = p.stat().st_size if p.is_file() else 0
         except FileNotFoundError:  # evicted meanwhile by a thread downloading ahead
-            pass
-    return total
+            continue
+        sizes[p.parent / name] = max(sizes.get(p.parent / name, 0), size)
+    return sum(sizes.values())
 
 
 def test_cache_processes_opening_each_others_shards_in_use_do_not_wait_for_each_other(local_ds, tmp_path):
