@@ -25,15 +25,15 @@ from .cache import ShardCache
 from .collate import default_collate
 from .decode import Decoder
 from .decode_ahead import DecodeAhead
+from .epochs import EpochSequences
 from .errors import ShardstreamError
 from .iostats import io_stats
 from .policy import ErrorPolicy, guarded
-from .plan import (Layout, deal_chunks, epoch_sequence, items_of, read_order, round_robin_delivered,
-                   round_robin_next, split_ranks, worker_plan)
+from .plan import (Layout, deal_chunks, items_of, read_order, round_robin_delivered, round_robin_next, split_ranks,
+                   worker_plan)
 from .prepare import SamplePrep, batches
-from .resume import (ResumeState, Segment, SequenceAfter, check_counts, current_sequence, endless_onto, locate,
-                     sequence_after)
-from .sampling import Mix, Sampling, class_sample_weights, mixed_sequence, sized_sequence, weighted_sequence
+from .resume import ResumeState, check_counts, current_sequence, endless_onto, locate
+from .sampling import Mix, Sampling
 from .shared import SharedState
 from .source import Source, resolve_source
 from .stream import read_samples, reorder
@@ -171,7 +171,7 @@ class StreamingDataset(IterableDataset):
                              "(Mix(weights=...)), or sample each dataset by weight on its own; "
                              "Sampling(samples_per_epoch=..., resampled=...) does apply")
         self.sampling = sampling
-        self._sample_weights: np.ndarray | None = None  # draw weights, once per process
+        self._epochs: EpochSequences | None = None  # see _sequences
         self._shared = SharedState()  # epoch and counters, seen by the workers too
         self._resume: ResumeState | None = None
         self._resume_id = 0
@@ -185,7 +185,6 @@ class StreamingDataset(IterableDataset):
         self._loaded_position: tuple[int, int] | None = None
         self._worker_resume = False  # the loaded state is a worker's own
         self._translated: tuple[ResumeState, Layout, ResumeState] | None = None  # see _resume_for
-        self._left: tuple[tuple[int, int, bool], tuple[Segment, ...], np.ndarray] | None = None  # see _after
 
     # -- epochs, world and layout --------------------------------------------------------
 
@@ -209,7 +208,6 @@ class StreamingDataset(IterableDataset):
         # launcher's own spawn (mp.spawn of the training processes, which then join a group)
         # must leave each child to find its rank, and children inherit torchrun's variables.
         state = self.__dict__.copy()
-        state["_left"] = None  # megabytes for a large dataset: a worker that needs it finds it again
         if get_worker_info() is None and get_spawning_popen() is not None and _in_process_group():
             world = World.detect(self.rank, self.world_size)
             state["rank"], state["world_size"] = world.rank, world.size
@@ -259,66 +257,15 @@ class StreamingDataset(IterableDataset):
             self._counts = self.resolve().counts()
         return self._counts
 
-    def _epoch_ids(self, epoch: int) -> np.ndarray:
-        """The epoch sequence: every sample once, or what `sampling` and a `Mix` draw."""
-        counts, seed, shuffle = self.counts(), self.seed, self.shuffle
-        n = self.sampling.samples_per_epoch if self.sampling is not None else None
-        if isinstance(self.source, Mix):
-            source = self.resolve()
-            sizes = [len(p.shards) for p in source.parts]
-            bounds = np.concatenate([[0], np.cumsum(sizes)])
-            offsets = np.concatenate([[0], np.cumsum(counts)])[bounds[:-1]]
-            part_counts = [counts[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
-
-            def sequence(i: int, k: int) -> np.ndarray:  # source i's k-th pass this epoch
-                return offsets[i] + epoch_sequence(part_counts[i], seed, epoch, shuffle, salt=(i << 20) + k)
-
-            passes = [lambda k, i=i: sequence(i, k) for i in range(len(sizes))]
-            return mixed_sequence([sequence(i, 0) for i in range(len(sizes))], self.source.weights,
-                                  n or int(counts.sum()), passes)
-        if self.sampling is not None and self.sampling.weighted:
-            return weighted_sequence(counts, self._weights(), seed, epoch, shuffle, n or int(counts.sum()))
-        if n is not None:
-            return sized_sequence(counts, seed, epoch, shuffle, n)
-        return epoch_sequence(counts, seed, epoch, shuffle)
-
-    def _after(self, epoch: int) -> SequenceAfter:
-        """What earlier layouts (segments of a resumed epoch) left of `epoch`'s sequence.
-
-        The last answer is kept, and built on when asked for more segments: finding what a
-        layout read of a million samples takes about a second, and `load_state_dict`, every
-        `len()` and every iteration ask. The seed and shuffle are part of the key; the rest
-        of the sequence's making (the shards, the sampling) is fixed once the source is
-        resolved."""
-        def after(finished: tuple[Segment, ...]) -> np.ndarray:
-            key, kept = (epoch, self.seed, self.shuffle), self._left
-            if kept is not None and kept[0] == key and finished[:len(kept[1])] == kept[1]:
-                done, sequence = kept[1], kept[2]
-            else:
-                done, sequence = (), self._epoch_ids(epoch)
-            if len(finished) > len(done):
-                sequence = sequence_after(sequence, finished[len(done):], self.seed, epoch, first=len(done))
-                self._left = (key, finished, sequence)
-            return sequence
-
-        return after
-
-    def _weights(self) -> np.ndarray:
-        """Each sample's draw weight: its class weight times its own weight (either may be absent)."""
-        if self._sample_weights is None:
-            sampling, total = self.sampling, int(self.counts().sum())
-            weights = np.ones(total)
-            if sampling.class_weights is not None:
-                weights *= class_sample_weights(self.resolve().labels(), sampling.class_weights)
-            if isinstance(sampling.sample_weights, str):
-                weights *= self.resolve().weights()
-            elif sampling.sample_weights is not None:
-                if len(sampling.sample_weights) != total:
-                    raise ValueError(f"sample_weights has {len(sampling.sample_weights)} weights; "
-                                     f"the dataset has {total} samples")
-                weights *= sampling.sample_weights
-            self._sample_weights = weights
-        return self._sample_weights
+    def _sequences(self) -> EpochSequences:
+        """The epoch sequences (epochs.py), made once per process, and again if `seed` or
+        `shuffle` have changed since."""
+        made = self._epochs
+        if made is None or (made.seed, made.shuffle) != (self.seed, self.shuffle):
+            mix = self.source.weights if isinstance(self.source, Mix) else None
+            made = self._epochs = EpochSequences(self.resolve(), self.counts(), self.seed, self.shuffle,
+                                                 self.sampling, mix)
+        return made
 
     def _active_resume(self, world: World) -> ResumeState | None:
         """The loaded resume state, unless every worker has already finished that epoch."""
@@ -342,8 +289,8 @@ class StreamingDataset(IterableDataset):
         if resume is None or not self.resampled or resume.current.layout == layout:
             return resume
         if self._translated is None or self._translated[0] is not resume or self._translated[1] != layout:
-            remaining, _, _ = current_sequence(self._after(resume.epoch), resume, resume.current.layout)
-            full = len(self._epoch_ids(resume.epoch + 1))
+            remaining, _, _ = current_sequence(self._sequences().after(resume.epoch), resume, resume.current.layout)
+            full = len(self._sequences().ids(resume.epoch + 1))
             self._translated = (resume, layout, endless_onto(resume, layout, len(remaining), full))
         return self._translated[2]
 
@@ -364,10 +311,10 @@ class StreamingDataset(IterableDataset):
         delivered, and the epoch (that of a loaded resume state, else the dataset's)."""
         layout = self.layout(world)
         if epoch is not None:  # a later epoch of an endless stream: no resume applies
-            return split_ranks(self._epoch_ids(epoch), world.size, self.partial)[world.rank], layout, 0, 0, epoch
+            return split_ranks(self._sequences().ids(epoch), world.size, self.partial)[world.rank], layout, 0, 0, epoch
         resume = self._resume_for(world)
         epoch = resume.epoch if resume is not None else self.epoch
-        sequence, segment, delivered = current_sequence(self._after(epoch), resume, layout)
+        sequence, segment, delivered = current_sequence(self._sequences().after(epoch), resume, layout)
         return split_ranks(sequence, world.size, self.partial)[world.rank], layout, segment, delivered, epoch
 
     def __len__(self) -> int:
@@ -557,8 +504,8 @@ class StreamingDataset(IterableDataset):
         is refused here, naming the field, and leaves the dataset as it was."""
         resume = ResumeState.from_dict(state, self)
         # The counts' bounds need the epoch's size: the fingerprint has just read the sample counts.
-        # What earlier layouts left of the epoch is kept for `len()` and the iteration (`_after`).
-        check_counts(self._after(resume.epoch), resume, self.resampled)
+        # What earlier layouts left of the epoch is kept for `len()` and the iteration (epochs.py).
+        check_counts(self._sequences().after(resume.epoch), resume, self.resampled)
         if resume.position is not None:
             self._load_worker_state(resume)
             return

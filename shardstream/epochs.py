@@ -1,0 +1,99 @@
+"""Which samples an epoch holds, in order: every sample once, or what `Sampling` and a `Mix` draw.
+
+An epoch's sequence is a pure function of the source's sample counts (with weighted
+draws, also its labels or per-sample weights), the seed, the epoch and the sampling
+(plan.py and sampling.py make it). `EpochSequences` makes it for one dataset in one
+process and keeps what is costly to make again: the draw weights, and what earlier
+layouts of a resumed epoch left of it (replaying what a layout read of a million
+samples takes about a second, and `load_state_dict`, every `len()` and every iteration
+ask). The plan then splits the sequence across ranks and workers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from .plan import epoch_sequence
+from .resume import Segment, SequenceAfter, sequence_after
+from .sampling import Sampling, class_sample_weights, mixed_sequence, sized_sequence, weighted_sequence
+from .source import Source
+
+__all__ = ["EpochSequences"]
+
+
+@dataclass
+class EpochSequences:
+    """The epoch sequences of `source`, drawn with `seed`, `shuffle` and `sampling`;
+    `mix_weights` are a `Mix`'s weights when `source` is a mix of datasets (its parts)."""
+
+    source: Source
+    counts: np.ndarray
+    seed: int
+    shuffle: bool
+    sampling: Sampling | None = None
+    mix_weights: Sequence[float] | None = None
+    _weights: np.ndarray | None = field(default=None, init=False, repr=False)  # draw weights
+    _left: tuple[int, tuple[Segment, ...], np.ndarray] | None = field(default=None, init=False, repr=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # `_left` can be megabytes: a DataLoader worker that needs it makes it again.
+        return {**self.__dict__, "_left": None}
+
+    def ids(self, epoch: int) -> np.ndarray:
+        """Epoch `epoch`'s sequence of global sample ids."""
+        counts, seed, shuffle = self.counts, self.seed, self.shuffle
+        n = self.sampling.samples_per_epoch if self.sampling is not None else None
+        if self.mix_weights is not None:
+            sizes = [len(part.shards) for part in self.source.parts]
+            bounds = np.concatenate([[0], np.cumsum(sizes)])
+            offsets = np.concatenate([[0], np.cumsum(counts)])[bounds[:-1]]
+            part_counts = [counts[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+            def sequence(i: int, k: int) -> np.ndarray:  # source i's k-th pass this epoch
+                return offsets[i] + epoch_sequence(part_counts[i], seed, epoch, shuffle, salt=(i << 20) + k)
+
+            passes = [lambda k, i=i: sequence(i, k) for i in range(len(sizes))]
+            return mixed_sequence([sequence(i, 0) for i in range(len(sizes))], self.mix_weights,
+                                  n or int(counts.sum()), passes)
+        if self.sampling is not None and self.sampling.weighted:
+            return weighted_sequence(counts, self._draw_weights(), seed, epoch, shuffle, n or int(counts.sum()))
+        if n is not None:
+            return sized_sequence(counts, seed, epoch, shuffle, n)
+        return epoch_sequence(counts, seed, epoch, shuffle)
+
+    def after(self, epoch: int) -> SequenceAfter:
+        """What earlier layouts (the finished segments of a resumed epoch) left of `epoch`'s
+        sequence. The last answer is kept, and built on when more segments are asked for."""
+        def after(finished: tuple[Segment, ...]) -> np.ndarray:
+            kept = self._left
+            if kept is not None and kept[0] == epoch and finished[:len(kept[1])] == kept[1]:
+                done, sequence = kept[1], kept[2]
+            else:
+                done, sequence = (), self.ids(epoch)
+            if len(finished) > len(done):
+                sequence = sequence_after(sequence, finished[len(done):], self.seed, epoch, first=len(done))
+                self._left = (epoch, finished, sequence)
+            return sequence
+
+        return after
+
+    def _draw_weights(self) -> np.ndarray:
+        """Each sample's draw weight: its class weight times its own weight (either may be absent)."""
+        if self._weights is None:
+            sampling, total = self.sampling, int(self.counts.sum())
+            assert sampling is not None
+            weights = np.ones(total)
+            if sampling.class_weights is not None:
+                weights *= class_sample_weights(self.source.labels(), sampling.class_weights)
+            if isinstance(sampling.sample_weights, str):
+                weights *= self.source.weights()
+            elif sampling.sample_weights is not None:
+                if len(sampling.sample_weights) != total:
+                    raise ValueError(f"sample_weights has {len(sampling.sample_weights)} weights; "
+                                     f"the dataset has {total} samples")
+                weights *= sampling.sample_weights
+            self._weights = weights
+        return self._weights
