@@ -108,11 +108,12 @@ def _watched(pool_class: type) -> type:
 
 
 def _shut(connection: Any) -> None:
-    """End a read of `connection`'s response headers blocked in another thread."""
+    """End a read of `connection`'s socket blocked in another thread (it reads an end of
+    stream, as if the server had closed): the socket is shut down for reading."""
     sock = getattr(connection, "sock", None)
     if sock is not None:
         with contextlib.suppress(OSError):
-            sock.shutdown(socket.SHUT_RDWR)
+            sock.shutdown(socket.SHUT_RD)
 
 
 _pool = PerProcess(_pool_manager)
@@ -150,10 +151,7 @@ def _stop(response: Any) -> None:
         return
     except (AttributeError, ValueError, RuntimeError, OSError):
         pass
-    sock = getattr(getattr(response, "connection", None), "sock", None)
-    if sock is not None:
-        with contextlib.suppress(OSError):
-            sock.shutdown(socket.SHUT_RD)
+    _shut(getattr(response, "connection", None))
 
 
 def read_body(response: Any, read: Callable[..., bytes], url: str, started: float, size: int | None,
