@@ -24,7 +24,7 @@ from .source import Source
 __all__ = ["EpochSequences"]
 
 
-@dataclass
+@dataclass(eq=False)  # holds arrays: compared by identity
 class EpochSequences:
     """The epoch sequences of `source`, drawn with `seed`, `shuffle` and `sampling`;
     `mix_weights` are a `Mix`'s weights when `source` is a mix of datasets (its parts)."""
