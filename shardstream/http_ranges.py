@@ -23,8 +23,9 @@ body in steps and looking at the clock between them would cost a copy of every b
 (0.25-0.3 ms of CPU per MB more, measured on loopback). The connection stays out of
 urllib3's pool until the watch is over, so that the socket shut is never another
 request's. The headers are read inside urllib3 and http.client: the connections of
-this module's pools watch that read too (`_watched`), against the request's deadline
-for a response without a body (`deadline_s(0, ...)`), and shut their socket past it.
+this module's pools (and of `s3_ranges`' botocore clients) watch that read too
+(`watched`, `headers_due`), against the request's deadline for a response without a
+body (`deadline_s(0, ...)`), and shut their socket past it.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ from .errors import shown_url
 from .watchdog import Watchdog
 
 
-__all__ = ["HTTPStatusError", "PerProcess", "RequestDeadlineError", "available", "deadline_s", "range_header",
-           "read_body", "read_range"]
+__all__ = ["HTTPStatusError", "PerProcess", "RequestDeadlineError", "available", "deadline_s", "headers_due",
+           "range_header", "read_body", "read_range", "watched"]
 
 
 class PerProcess:
@@ -78,20 +79,21 @@ def _pool_manager() -> Any:
     import urllib3  # when first used, as botocore in s3_ranges
 
     manager = urllib3.PoolManager(maxsize=32, retries=False)
-    manager.pool_classes_by_scheme = {"http": _watched(urllib3.HTTPConnectionPool),
-                                      "https": _watched(urllib3.HTTPSConnectionPool)}
+    manager.pool_classes_by_scheme = {"http": watched(urllib3.HTTPConnectionPool),
+                                      "https": watched(urllib3.HTTPSConnectionPool)}
     return manager
 
 
-# When the headers of the request this thread is making are due (`read_range` sets it), and
+# When the headers of the request this thread is making are due (`headers_due` sets it), and
 # whether the watchdog had to shut its socket for them.
 _headers = threading.local()
 
 
 @functools.cache
-def _watched(pool_class: type) -> type:
-    """`pool_class` whose connections read a response's headers within `_headers.due`: a
-    server that trickles a header byte within every read timeout would hold them forever."""
+def watched(pool_class: type) -> type:
+    """urllib3's `pool_class` (or a subclass, as botocore's) whose connections read a
+    response's headers by the time `headers_due` sets: a server that trickles a header
+    byte within every read timeout would hold them forever."""
 
     class Connection(pool_class.ConnectionCls):  # type: ignore[name-defined,misc]
         def getresponse(self, *args: Any, **kwargs: Any) -> Any:
@@ -288,21 +290,33 @@ def read_range(url: str, start: int | None, end: int | None, *, headers: Mapping
 def _request(url: str, headers: Mapping[str, str], timeout: Any, started: float, due: float) -> Any:
     """urllib3's response to a GET of `url` (a request begun at `started`), its headers
     read by `due`; its body is read later."""
-    _headers.due, _headers.late = due, False
-    try:
+    with headers_due(url, started, due) as late:
         response = _pool.get().request("GET", url, headers=headers, preload_content=False, redirect=False,
                                        timeout=timeout)
+        if late():
+            response.close()
+            response.release_conn()
+    return response
+
+
+@contextlib.contextmanager
+def headers_due(url: str, started: float, due: float) -> Iterator[Callable[[], bool]]:
+    """Responses read in this block, through connections of `watched` pools, have their
+    headers in by `due` (for a request to `url` begun at `started`), or fail with
+    `RequestDeadlineError`. Yields whether the deadline has passed on them: close a
+    response it passed on before the block ends, since http.client takes a socket shut
+    mid-header for the end of the headers, and what it made of them is not the server's."""
+    _headers.due, _headers.late = due, False
+    try:
+        yield lambda: bool(_headers.late)
     except Exception as e:
         if _headers.late:  # the watchdog shut the socket: the failure is the deadline's
             raise _late_headers(url, started, due) from e
         raise
     finally:
         _headers.due = None
-    if _headers.late:  # http.client takes a socket shut mid-header for the end of the headers
-        response.close()
-        response.release_conn()
+    if _headers.late:
         raise _late_headers(url, started, due)
-    return response
 
 
 def _late_headers(url: str, started: float, due: float) -> RequestDeadlineError:

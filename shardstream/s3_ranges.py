@@ -12,7 +12,8 @@ and `client_kwargs` holding `endpoint_url` and `region_name`. Anything not given
 from botocore's usual chain (the AWS environment variables, `AWS_ENDPOINT_URL` among
 them, ~/.aws, instance roles), as it does for s3fs. botocore does not retry by itself
 here: `RetryPolicy` does, and counts every retry. Each request has a deadline, as
-over HTTP (`http_ranges.deadline_s`).
+over HTTP (`http_ranges.deadline_s`), its headers' included: a client's connection
+pools are made `http_ranges.watched` when the client is made.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import threading
 import time
 from typing import Any, Mapping
 
-from .http_ranges import PerProcess, range_header, read_body
+from .http_ranges import PerProcess, deadline_s, headers_due, range_header, read_body, watched
 
 
 __all__ = ["supports", "read_range"]
@@ -63,10 +64,26 @@ def _client(options: Mapping[str, Any], connect_s: float, read_s: float) -> Any:
             kwargs = dict(options.get("client_kwargs") or {})
             if options.get("endpoint_url"):
                 kwargs.setdefault("endpoint_url", options["endpoint_url"])
-            clients[key] = botocore.session.get_session().create_client(
+            client = botocore.session.get_session().create_client(
                 "s3", aws_access_key_id=options.get("key"), aws_secret_access_key=options.get("secret"),
                 aws_session_token=options.get("token"), config=botocore.config.Config(**config), **kwargs)
+            _watch_headers(client)
+            clients[key] = client
         return clients[key]
+
+
+def _watch_headers(client: Any) -> None:
+    """Make `client`'s connections read response headers within `http_ranges.headers_due`.
+
+    botocore keeps its pool classes by scheme in `_pool_classes_by_scheme` (a private
+    name, as `_raw_stream` below), shared with its pool managers, proxies' too, which
+    make their pools from it on first use. Were it gone, header reads would be bounded
+    by their reads' timeouts only, as before."""
+    session = getattr(getattr(client, "_endpoint", None), "http_session", None)
+    classes = getattr(session, "_pool_classes_by_scheme", None)
+    if isinstance(classes, dict):
+        for scheme, pool_class in list(classes.items()):
+            classes[scheme] = watched(pool_class)
 
 
 def read_range(url: str, start: int | None, end: int | None, options: Mapping[str, Any], *,
@@ -81,7 +98,10 @@ def read_range(url: str, start: int | None, end: int | None, options: Mapping[st
     client = _client(options, connect_s, read_s)  # the first in a process takes most of a second: not the server's
     started = time.monotonic()
     try:
-        response = client.get_object(**request)
+        with headers_due(url, started, started + deadline_s(0, connect_s, read_s)) as late:
+            response = client.get_object(**request)
+            if late():
+                response["Body"].close()
     except ClientError as e:
         code = str(e.response.get("Error", {}).get("Code", ""))
         status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")

@@ -16,9 +16,9 @@ from shardstream.storage import Store
 from shardstream.testing import MotoS3Server
 
 try:  # tests/ may or may not be a package
-    from .test_http_ranges import trickling
+    from .test_http_ranges import _HeaderTrickler, serving, trickling
 except ImportError:
-    from test_http_ranges import trickling
+    from test_http_ranges import _HeaderTrickler, serving, trickling
 
 DATA = bytes(range(256)) * 40  # 10,240 bytes
 BUCKET = "ranges"
@@ -88,6 +88,20 @@ def test_a_trickling_server_fails_the_request_at_its_deadline():
         with pytest.raises(RequestDeadlineError, match=r"no whole response from s3://ranges/dir/blob\.bin"):
             read_range(f"s3://{BUCKET}/dir/blob.bin", 0, 200, options, connect_s=0.5, read_s=1.0)
         assert time.monotonic() - started < 15
+        assert len(requests) == 1
+
+
+def test_headers_trickled_in_fail_the_request_at_its_deadline():
+    """Regression: botocore's connections read the response headers with only each read's
+    timeout, so an endpoint trickling them a byte within every read timeout held the reader
+    (here 20 s). Now the request fails at its headers' deadline, 1.5 s here."""
+    with serving(_HeaderTrickler) as (endpoint, requests):
+        options = {"key": "testing", "secret": "testing",
+                   "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+        started = time.monotonic()
+        with pytest.raises(RequestDeadlineError, match=r"no whole response headers from s3://ranges/dir/blob\.bin"):
+            read_range(f"s3://{BUCKET}/dir/blob.bin", 0, 200, options, connect_s=0.5, read_s=1.0)
+        assert time.monotonic() - started < 10
         assert len(requests) == 1
 
 
