@@ -10,7 +10,8 @@ few microseconds, fsspec's LocalFileSystem several times that, and the raw reade
 makes one such call per zstd frame.
 
 What a store uses but does not own lives below it: which errors are retried and how
-(`retry`), and the per-process I/O counters every read adds to (`iostats`).
+(`retry`), the per-process I/O counters every read adds to (`iostats`), and what a
+forked child must be told about fsspec's event loop (`forkloop`).
 """
 
 from __future__ import annotations
@@ -19,13 +20,12 @@ import contextlib
 import io
 import os
 import posixpath
-import select
 import tempfile
 import time
-import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO, Iterable, Iterator, Mapping
 
+from . import forkloop  # noqa: F401 - registers the fork handlers for fsspec's event loop
 from . import http_ranges, s3_ranges
 from .errors import StorageError
 from .iostats import io_stats
@@ -83,44 +83,6 @@ def _with_timeouts(root: str, options: Mapping[str, Any]) -> dict[str, Any]:
                                         sock_read=HTTP_READ_TIMEOUT_S)
         options["client_kwargs"] = {**options.get("client_kwargs", {}), "timeout": timeout}
     return options
-
-
-# A process that has used fsspec's event loop and then forks (a DataLoader starting its
-# workers) hands the child that loop object, the epoll file it polls, and the HTTP
-# sessions of its filesystems; the loop's thread does not come along. Two things go
-# wrong in the child unless it is told so:
-# * fsspec's finalizers close the inherited sessions, unregistering their sockets from
-#   the *shared* epoll: the parent's pooled connection then never reports its response,
-#   and the parent's next request hangs until the read timeout (seen: 300 s, on the
-#   manifest read of a resume after a first iteration). The child gets a private epoll.
-# * The inherited loop still says it is running, so those finalizers hand the close to
-#   it and wait for an answer that cannot come: fsspec's `sync` waits in whole seconds,
-#   so every worker stalled 1 s at its first garbage collection (seen: every epoch's
-#   first batch 1 s late, also from local data, once the main process had read over
-#   HTTP). Marked as stopped, the loop lets the finalizers close the sockets directly.
-_parent_loop: list[Any] = [None]
-
-
-def _remember_loop() -> None:
-    asyn = sys.modules.get("fsspec.asyn")  # not imported: no loop to hand over
-    _parent_loop[0] = asyn.loop[0] if asyn is not None else None
-
-
-def _detach_loop_in_child() -> None:
-    loop, _parent_loop[0] = _parent_loop[0], None
-    if loop is None:
-        return
-    selector = getattr(getattr(loop, "_selector", None), "_selector", None)
-    if selector is not None and hasattr(select, "epoll") and isinstance(selector, select.epoll):
-        loop._selector._selector = select.epoll()  # unregister() on it fails quietly (OSError is ignored)
-        selector.close()  # this process's copy only
-    if getattr(loop, "_thread_id", None) is not None:
-        loop._thread_id = None  # its thread stayed in the parent: is_running() is now False
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_remember_loop, after_in_child=_detach_loop_in_child,
-                        after_in_parent=lambda: _parent_loop.__setitem__(0, None))
 
 
 def _local_path(url: str) -> str:
