@@ -16,9 +16,6 @@ then hold ~10 GB.
 
 from __future__ import annotations
 
-import collections
-import hashlib
-import os
 import threading
 from typing import Callable, Iterable, Iterator, TypeVar
 
@@ -28,6 +25,7 @@ import zstandard
 from . import tario
 from .errors import CorruptIndexError, CorruptShardError
 from .format import INDEX_SUFFIX, ShardIndex, ShardInfo
+from .indexes import load_index
 from .storage import Store
 
 try:  # the C hot path for cutting samples (setup.py); without it, the same in Python
@@ -38,7 +36,7 @@ except ImportError:  # pragma: no cover - exercised where the extension is not b
 #: Whether samples are cut out of shards in C (the `_tarcut` extension is built).
 TARCUT = _tarcut is not None
 
-__all__ = ["ShardReader", "Sample", "load_index"]
+__all__ = ["ShardReader", "Sample"]
 
 Sample = dict[str, object]
 
@@ -49,10 +47,6 @@ READ_BYTES = 8 << 20  # compressed bytes fetched per storage request when readin
 # piece that stays in the CPU cache while it is decompressed and cut into samples
 # makes raw reading ~10-20% cheaper than 8 MB pieces do (benchmarks/, BENCHMARKS.md).
 LOCAL_READ_BYTES = 2 << 20
-# Serialised index bytes of remote shards kept per process across epochs (`load_index`):
-# 16 MB holds the indexes of about 470,000 samples with ImageNet-like keys (34 bytes a
-# sample serialised), some 45 MB in memory (measured: 2.8x the serialised size).
-INDEX_MEMO_BYTES = 16 << 20
 
 
 def _decompressor() -> zstandard.ZstdDecompressor:
@@ -377,66 +371,3 @@ class ShardReader:
         if len(sample) == 2:
             raise CorruptIndexError(f"sample {i} has no members where the index points", url=url, key=key)
         return sample
-
-
-def load_index(store: Store, name: str, info: ShardInfo | None = None) -> ShardIndex:
-    """Read a shard's index, checking its checksum against the manifest entry if given.
-
-    A remote shard's index checked against its manifest entry is kept in memory
-    (`INDEX_MEMO_BYTES` per process): the next epoch's readers of that shard, in a
-    persistent worker or the main process, then start without a round trip for it.
-    """
-    index_name = info.index if info is not None else name + INDEX_SUFFIX
-    url = store.url(index_name)
-    key = (url, info.index_sha256) if info is not None and not store.local else None
-    if key is not None and (known := _index_memo.get(key)) is not None:
-        return known
-    data = store.read(index_name)
-    if info is not None and hashlib.sha256(data).hexdigest() != info.index_sha256:
-        raise CorruptIndexError("index checksum does not match the manifest", url=url)
-    index = ShardIndex.from_bytes(data, url)
-    if info is not None and len(index) != info.samples:
-        raise CorruptIndexError(f"index lists {len(index)} samples, the manifest {info.samples}", url=url)
-    if key is not None:
-        _index_memo.put(key, index, len(data))
-    return index
-
-
-class _IndexMemo:
-    """Checked indexes of remote shards, by URL and checksum, at most `limit` of their
-    serialised bytes (about a third of what they take in memory); least recently used
-    go first."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self._lock = threading.Lock()
-        self._items: collections.OrderedDict[tuple[str, str], tuple[ShardIndex, int]] = collections.OrderedDict()
-        self._bytes = 0
-
-    def get(self, key: tuple[str, str]) -> ShardIndex | None:
-        with self._lock:
-            item = self._items.get(key)
-            if item is None:
-                return None
-            self._items.move_to_end(key)
-            return item[0]
-
-    def put(self, key: tuple[str, str], index: ShardIndex, size: int) -> None:
-        if size > self.limit:
-            return
-        with self._lock:
-            if key in self._items:
-                return
-            self._items[key] = (index, size)
-            self._bytes += size
-            while self._bytes > self.limit:
-                _, (_, dropped) = self._items.popitem(last=False)
-                self._bytes -= dropped
-
-    def after_fork(self) -> None:
-        self._lock = threading.Lock()  # a parent's thread may have held it at the fork
-
-
-_index_memo = _IndexMemo(INDEX_MEMO_BYTES)
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_index_memo.after_fork)

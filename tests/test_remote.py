@@ -832,7 +832,7 @@ def test_later_epochs_read_no_index_again(local_ds, shard_names, monkeypatch):
     """A process keeps the checked indexes of remote shards: later epochs, in this process
     or in DataLoader workers forked from it, fetch no index, only samples; past the memory
     cap the least recently used are dropped and fetched again."""
-    from shardstream import reader
+    from shardstream import indexes
 
     def index_gets(server) -> int:
         return sum(n for name, n in server.get_counts().items() if name.endswith(".idx"))
@@ -850,7 +850,7 @@ def test_later_epochs_read_no_index_again(local_ds, shard_names, monkeypatch):
         assert index_gets(server) == len(shard_names)  # none after the first epoch's
         del loader
     with H.CountingHTTPServer(local_ds) as server:  # another URL: nothing known yet
-        monkeypatch.setattr(reader, "_index_memo", reader._IndexMemo(limit=1))  # keeps none
+        monkeypatch.setattr(indexes, "_index_memo", indexes._IndexMemo(limit=1))  # keeps none
         ds = StreamingDataset(server.url, decode=None, fields=("__key__",))
         for epoch in (0, 1):
             ds.set_epoch(epoch)
