@@ -214,17 +214,7 @@ def pack(
     field at `quality` (JPEG, WebP; PNG losslessly); smaller images, and animated ones
     (listed in the summary's `kept_whole`), keep their bytes (shrink.py).
     """
-    check_compression(compression, level)
-    if on_error not in ON_ERROR:
-        raise ShardstreamError(f"on_error must be one of {ON_ERROR}, not {on_error!r}")
-    if part is not None and not 0 <= part[0] < part[1]:
-        raise ShardstreamError(f"part must be I/N with 0 <= I < N, not {part[0]}/{part[1]}")
-    if max_samples is not None and max_samples < 1:  # 0 packed one sample a shard: no limit anyone means
-        raise ShardstreamError(f"max_samples must be a positive number of samples per shard, not {max_samples}")
-    if max_side is not None and max_side < 1:
-        raise ShardstreamError(f"max_side must be a positive number of pixels, not {max_side}")
-    if not 1 <= quality <= 100:
-        raise ShardstreamError(f"quality must be 1..100, not {quality}")
+    _check_arguments(compression, level, on_error, part, max_samples, max_side, quality)
     prefix = "shard" if part is None else f"shard-p{part[0]:05d}"
     opts = PackOptions(parse_size(shard_size), max_samples, compression, level, seed, shuffle, FRAME_SIZE, prefix,
                        max_side, quality)
@@ -233,21 +223,22 @@ def pack(
     # A finished pack or part rerun with `resume` (a scheduler's retry after the pack, a
     # part's merge, or clearing the journal failed) has nothing left to do but tidy up; a
     # part's caller then merges as the part would have.
-    finished = resume and not overwrite and store.exists(target)
-    if store.exists(target) and not finished:
+    complete = resume and not overwrite and store.exists(target)
+    if store.exists(target) and not complete:
         if not overwrite:
             raise ShardstreamError("already holds a dataset; pass overwrite=True (--overwrite) to replace it",
                                    url=store.url(target))
         _remove_dataset(store, target)
-    _clear_other_packs(store, part, overwrite=overwrite, finished_part=finished)
+    _clear_other_packs(store, part, overwrite=overwrite, finished_part=complete)
     listing = list_source(src)
     listed_skips = _repeated_rows(listing, src, on_error == "skip", part)
     entries = order(listing, opts)
     fingerprint = listing_fingerprint(entries)
+    # What the manifest records of the options; a part's also says which part of which listing.
+    options = opts.as_dict() if part is None else {**opts.as_dict(), "part": list(part), "listing": fingerprint}
     journal = Journal(store, "main" if part is None else f"part-{part[0]:05d}-of-{part[1]:05d}")
-    if finished:
-        summary = _finished_summary(store, target, opts.as_dict() if part is None else
-                                    {**opts.as_dict(), "part": list(part), "listing": fingerprint})
+    if complete:
+        summary = _finished_summary(store, target, options)
         journal.clear(remove_folder=part is None)  # a kill between the manifest and this left it
         return summary
     if part is not None:
@@ -268,11 +259,6 @@ def pack(
 
     start = time.perf_counter()
     finished: dict[int, tuple[ShardInfo, list[tuple[str, str]]]] = dict(done)
-    bytes_in = 0
-    misnamed: list[tuple[str, str]] = []
-    kept_whole: list[tuple[str, str]] = []
-    writer: ShardFileWriter | None = None
-    shard_skips: list[tuple[str, str]] = []
     results: Iterator[FrameResult]
     if workers == 1:
         results = map(build_job, jobs)
@@ -283,6 +269,64 @@ def pack(
     results = _bomb_warnings_raise(results)
     bar = _progress(len(entries), progress)
     bar.update(sum(s.samples + len(k) for s, k in done.values()))
+    try:
+        written = _write_shards(results, store, opts, finished, journal, bar, start)
+    finally:
+        bar.close()
+        results.close()  # the workers stop now, not when the generator is collected
+
+    manifest = _manifest(finished, listing, entries, listed_skips, compression, options)
+    if part is None:
+        write_manifest(store, manifest)
+    else:
+        store.write(target, manifest.to_bytes())
+    journal.clear(remove_folder=part is None)
+    return PackSummary(
+        samples=manifest.samples,
+        shards=len(manifest.shards),
+        bytes_in=written.bytes_in,
+        bytes_out=sum(s.bytes + s.index_bytes for s in manifest.shards),
+        seconds=time.perf_counter() - start,
+        skipped=list(manifest.skipped),
+        ignored=len(listing.ignored),
+        misnamed=written.misnamed,
+        kept_whole=written.kept_whole,
+    )
+
+
+def _check_arguments(compression: str, level: int, on_error: str, part: tuple[int, int] | None,
+                     max_samples: int | None, max_side: int | None, quality: int) -> None:
+    check_compression(compression, level)
+    if on_error not in ON_ERROR:
+        raise ShardstreamError(f"on_error must be one of {ON_ERROR}, not {on_error!r}")
+    if part is not None and not 0 <= part[0] < part[1]:
+        raise ShardstreamError(f"part must be I/N with 0 <= I < N, not {part[0]}/{part[1]}")
+    if max_samples is not None and max_samples < 1:  # 0 packed one sample a shard: no limit anyone means
+        raise ShardstreamError(f"max_samples must be a positive number of samples per shard, not {max_samples}")
+    if max_side is not None and max_side < 1:
+        raise ShardstreamError(f"max_side must be a positive number of pixels, not {max_side}")
+    if not 1 <= quality <= 100:
+        raise ShardstreamError(f"quality must be 1..100, not {quality}")
+
+
+@dataclass
+class _Written:
+    """What the frames written so far brought in (see `PackSummary`)."""
+
+    bytes_in: int = 0
+    misnamed: list[tuple[str, str]] = field(default_factory=list)
+    kept_whole: list[tuple[str, str]] = field(default_factory=list)
+
+
+def _write_shards(results: Iterator[FrameResult], store: Store, opts: PackOptions,
+                  finished: dict[int, tuple[ShardInfo, list[tuple[str, str]]]], journal: Journal, bar: Any,
+                  start: float) -> _Written:
+    """Append the frames, in order, to their shards, publishing (and journaling, into
+    `finished`) each shard once its last frame is in; a shard half written when an error
+    comes is dropped."""
+    written = _Written()
+    writer: ShardFileWriter | None = None
+    shard_skips: list[tuple[str, str]] = []
     current = -1
     try:
         for result in results:
@@ -291,14 +335,16 @@ def pack(
                 writer, shard_skips = None, []
             if writer is None:
                 current = result.shard
-                writer = ShardFileWriter(store, shard_name(opts.prefix, current, compression), compression, level)
+                writer = ShardFileWriter(store, shard_name(opts.prefix, current, opts.compression), opts.compression,
+                                         opts.level)
             writer.append(result.frame)
             shard_skips += result.skipped
-            bytes_in += result.bytes_in
-            misnamed += result.misnamed
-            kept_whole += result.kept_whole
+            written.bytes_in += result.bytes_in
+            written.misnamed += result.misnamed
+            written.kept_whole += result.kept_whole
             bar.update(len(result.frame.keys) + len(result.skipped))
-            bar.set_postfix_str(f"{bytes_in / 1e6 / max(time.perf_counter() - start, 1e-9):,.0f} MB/s", refresh=False)
+            bar.set_postfix_str(f"{written.bytes_in / 1e6 / max(time.perf_counter() - start, 1e-9):,.0f} MB/s",
+                                refresh=False)
         if writer is not None:
             _finish(writer, current, shard_skips, finished, journal)
             writer = None
@@ -306,43 +352,29 @@ def pack(
         if writer is not None:
             writer.abort()
         raise
-    finally:
-        bar.close()
-        results.close()  # the workers stop now, not when the generator is collected
+    return written
 
+
+def _manifest(finished: dict[int, tuple[ShardInfo, list[tuple[str, str]]]], listing: Listing,
+              entries: list[SourceFile], listed_skips: list[tuple[str, str]], compression: str,
+              options: dict[str, Any]) -> Manifest:
+    """The manifest of the shards in `finished` (those left empty by skips left out), the
+    classes with the count of their images packed, and every file skipped."""
     shards = [finished[s][0] for s in sorted(finished) if finished[s][0].samples]
     skipped = [skip for s in sorted(finished) for skip in finished[s][1]]
     counts = np.zeros(len(listing.classes), dtype=np.int64)
     skipped_paths = {p for p, _ in skipped}  # not `listed_skips`: their files are packed, from their first rows
-    skipped = listed_skips + skipped
     for entry in entries:
         if entry.label is not None and printable(entry.path) not in skipped_paths:
             counts[entry.label] += 1
-    options = opts.as_dict() if part is None else {**opts.as_dict(), "part": list(part), "listing": fingerprint}
-    manifest = Manifest(
+    return Manifest(
         shards=tuple(shards),
         compression=compression,
         classes=listing.classes,
         class_counts=tuple(int(c) for c in counts),
-        skipped=tuple(skipped),
+        skipped=tuple(listed_skips + skipped),
         ignored=len(listing.ignored),
         options=options,
-    )
-    if part is None:
-        write_manifest(store, manifest)
-    else:
-        store.write(target, manifest.to_bytes())
-    journal.clear(remove_folder=part is None)
-    return PackSummary(
-        samples=manifest.samples,
-        shards=len(shards),
-        bytes_in=bytes_in,
-        bytes_out=sum(s.bytes + s.index_bytes for s in shards),
-        seconds=time.perf_counter() - start,
-        skipped=skipped,
-        ignored=len(listing.ignored),
-        misnamed=misnamed,
-        kept_whole=kept_whole,
     )
 
 
