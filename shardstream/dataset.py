@@ -27,6 +27,7 @@ from .decode import Decoder
 from .decode_ahead import DecodeAhead
 from .epochs import EpochSequences
 from .errors import ShardstreamError
+from .headstart import HeadStart
 from .iostats import io_stats
 from .policy import ErrorPolicy, guarded
 from .plan import (Layout, deal_chunks, items_of, read_order, round_robin_delivered, round_robin_next, split_ranks,
@@ -184,6 +185,7 @@ class StreamingDataset(IterableDataset):
         self._position: tuple[int, int, int] | None = None
         self._loaded_position: tuple[int, int] | None = None
         self._worker_resume = False  # the loaded state is a worker's own
+        self._heads: tuple[int, HeadStart] | None = None  # (process id, its head start): see _head_start
         self._translated: tuple[ResumeState, Layout, ResumeState] | None = None  # see _resume_for
 
     # -- epochs, world and layout --------------------------------------------------------
@@ -208,6 +210,7 @@ class StreamingDataset(IterableDataset):
         # launcher's own spawn (mp.spawn of the training processes, which then join a group)
         # must leave each child to find its rank, and children inherit torchrun's variables.
         state = self.__dict__.copy()
+        state["_heads"] = None  # threads and their reads stay in their process
         if get_worker_info() is None and get_spawning_popen() is not None and _in_process_group():
             world = World.detect(self.rank, self.world_size)
             state["rank"], state["world_size"] = world.rank, world.size
@@ -344,8 +347,7 @@ class StreamingDataset(IterableDataset):
         if self._pass_resume is None:
             self._shared.begin_pass(world.worker)
         resume_id = self._resume_id if self._resume is not None and not self._worker_resume else None
-        items = [items_of(len(p), layout) for p in deal_chunks(len(block), world.workers, layout.chunk)]
-        worker, done = loaded or self._start(world, items, delivered)
+        worker, done = loaded or self._start(world, _items(len(block), world, layout), delivered)
         if self.resampled:
             stream = self._endless(world, block, layout, segment, worker, done, epoch)
         else:
@@ -371,14 +373,14 @@ class StreamingDataset(IterableDataset):
     def _epoch_items(self, world: World, block: np.ndarray, layout: Layout, segment: int, worker: int, done: int,
                      epoch: int) -> Iterator[Any]:
         """Plan worker `worker`'s items of `epoch`, after the first `done`: read, decode, batch."""
-        mine, perm = worker_plan(block, layout, self.seed, epoch, world.rank, worker, segment)
-        start = done * (layout.batch_size or 1)
-        remaining = perm[start:]
+        mine, remaining, needed = self._worker_reads(world, block, layout, segment, worker, done, epoch)
         source = self.resolve()
-        frontier = int(perm[:start].max()) + 1 if start and source.indexed else 0
-        needed = read_order(remaining, frontier, source.samples_per_frame())
+        head_start = self._head_start(source)
+        next_ids = None  # a process on its second iteration or later will likely see another
+        if head_start is not None and head_start.iterations > 0:
+            next_ids = lambda: self._next_epoch_reads(world, epoch)  # noqa: E731
         samples = read_samples(source, mine[needed], self.counts(), self.prefetch, self._cache,
-                               tolerant=self.on_error.mode == "skip")
+                               tolerant=self.on_error.mode == "skip", head_start=head_start, next_ids=next_ids)
         ordered = reorder(zip(needed.tolist(), samples), remaining)
         prep = SamplePrep(self._decoder, self.transform, self.fields, self.seed, epoch, get_worker_info() is not None,
                           self._ahead, self.decode_threads)
@@ -391,6 +393,36 @@ class StreamingDataset(IterableDataset):
         if self.batch_size is not None:
             items = batches(items, self.batch_size, self.drop_last, self.collate_fn)
         return items
+
+    def _worker_reads(self, world: World, block: np.ndarray, layout: Layout, segment: int, worker: int, done: int,
+                      epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Plan worker `worker`'s samples of `epoch` (global ids), the positions among them it
+        has still to yield after its first `done` items, in order, and those positions in
+        the order they are read."""
+        mine, perm = worker_plan(block, layout, self.seed, epoch, world.rank, worker, segment)
+        start = done * (layout.batch_size or 1)
+        remaining = perm[start:]
+        source = self.resolve()
+        frontier = int(perm[:start].max()) + 1 if start and source.indexed else 0
+        return mine, remaining, read_order(remaining, frontier, source.samples_per_frame())
+
+    def _head_start(self, source: Source) -> HeadStart | None:
+        """This process's head start on its next iteration (headstart.py), where one pays:
+        remote shards read without a cache, with prefetch on."""
+        if self._cache is not None or self.prefetch <= 0 or not source.indexed or \
+                all(ref.store.local for ref in source.shards):
+            return None
+        if self._heads is None or self._heads[0] != os.getpid():
+            self._heads = (os.getpid(), HeadStart())
+        return self._heads[1]
+
+    def _next_epoch_reads(self, world: World, epoch: int) -> np.ndarray:
+        """The samples this loader worker will read next, in reading order, if the next
+        iteration is `epoch + 1` from its start with the same layout (`set_epoch(epoch + 1)`)."""
+        block, layout = self._rank_block(world, epoch + 1)[0], self.layout(world)
+        worker, _ = self._start(world, _items(len(block), world, layout), 0)
+        mine, _, needed = self._worker_reads(world, block, layout, 0, worker, 0, epoch + 1)
+        return mine[needed]
 
     def _start(self, world: World, items: list[int], delivered: int) -> tuple[int, int]:
         """The plan worker this loader worker serves, and how many items that plan worker
@@ -415,7 +447,7 @@ class StreamingDataset(IterableDataset):
         worker `worker` after its first `done` items, however many epochs those span."""
         def items_in(k: int) -> int:  # the plan worker's items in epoch `epoch + k`
             length = len(block) if k == 0 else len(self._rank_block(world, epoch + k)[0])
-            return items_of(len(deal_chunks(length, world.workers, layout.chunk)[worker]), layout)
+            return _items(length, world, layout)[worker]
 
         # What is left of a resumed epoch may hold nothing for this worker (`locate` passes
         # it); a whole epoch must hold something, or the worker would never yield.
@@ -539,6 +571,11 @@ class StreamingDataset(IterableDataset):
         self._loaded_position = resume.position
         self._worker_resume = True
         self._delivered = None
+
+
+def _items(block: int, world: World, layout: Layout) -> list[int]:
+    """Items each plan worker yields from a rank block of `block` samples."""
+    return [items_of(len(p), layout) for p in deal_chunks(block, world.workers, layout.chunk)]
 
 
 def _in_process_group() -> bool:

@@ -9,40 +9,30 @@ comes within `buffer` samples of its arrival, which bounds the memory held.
 
 from __future__ import annotations
 
-import itertools
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, BinaryIO, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Iterable, Iterator
 
 import numpy as np
 
 from .cache import ShardCache
 from .errors import CorruptIndexError, CorruptShardError, ShardstreamError, StorageError
+from .pieces import PieceKey, piece_key, planned_pieces, ramp, sample_runs, stretches
 from .reader import READ_BYTES, Sample, ShardReader
 from .tarstream import StreamTarReader
 from .source import Source
 
-__all__ = ["read_samples", "reorder", "sample_runs"]
+if TYPE_CHECKING:
+    from .headstart import HeadStart
+
+__all__ = ["Readers", "read_piece", "read_samples", "read_tolerant", "read_whole", "reorder"]
 
 OPENERS = 4  # threads that open shards ahead (fetch indexes, or download into the cache)
 MAX_AHEAD = 32  # pieces in flight at most, however small
 
 
-def sample_runs(ids: np.ndarray, counts: np.ndarray) -> Iterator[tuple[int, int, int]]:
-    """Split global sample ids (any order) into runs (shard, first, stop) of consecutive samples."""
-    if not len(ids):
-        return
-    starts = np.concatenate([[0], np.cumsum(counts)])
-    shards = np.searchsorted(starts, ids, side="right") - 1
-    local = ids - starts[shards]
-    breaks = np.flatnonzero((np.diff(shards) != 0) | (np.diff(local) != 1)) + 1
-    bounds = np.concatenate([[0], breaks, [len(ids)]])
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        yield int(shards[a]), int(local[a]), int(local[b - 1]) + 1
-
-
-class _Readers:
+class Readers:
     """Shard readers of one iteration, opened once each, from any thread.
 
     With a cache, opening a shard downloads it (once per machine) and holds a shared
@@ -127,7 +117,8 @@ def read_tolerant(reader: ShardReader | StreamTarReader, first: int, stop: int) 
 
 def read_samples(source: Source, ids: np.ndarray, counts: np.ndarray, prefetch: int = 0,
                  cache: ShardCache | None = None, tolerant: bool = False,
-                 piece_bytes: int = READ_BYTES) -> Iterator[Sample]:
+                 piece_bytes: int = READ_BYTES, head_start: HeadStart | None = None,
+                 next_ids: Callable[[], np.ndarray | None] | None = None) -> Iterator[Sample]:
     """The samples `ids` (global ids), in that order, read run by run.
 
     With `prefetch` > 0 (indexed sources), pieces are fetched, decompressed and parsed
@@ -140,10 +131,15 @@ def read_samples(source: Source, ids: np.ndarray, counts: np.ndarray, prefetch: 
     so no two pieces fetch the same frame; the next shards' indexes are fetched while
     the current shard is read. The threads start with the iteration and are joined
     when it ends or is closed.
+
+    With a `head_start` (headstart.py), the pieces it read ahead are used where this
+    iteration plans the same ones. With `next_ids` as well, once every read of this
+    iteration is in, the head start begins on the first pieces of the next iteration,
+    the one that reads `next_ids()`.
     """
-    readers = _Readers(source, cache)
+    readers = Readers(source, cache)
     runs = list(sample_runs(ids, counts))
-    read = read_tolerant if tolerant else _read
+    read = read_tolerant if tolerant else read_whole
     try:
         last_run = {shard: n for n, (shard, _, _) in enumerate(runs)}
         if prefetch <= 0 or not source.indexed:
@@ -181,109 +177,69 @@ def read_samples(source: Source, ids: np.ndarray, counts: np.ndarray, prefetch: 
                     readers.release(shard)
                 return samples
 
-            sizes = _ramp(piece_bytes)
+            def begin_next() -> None:
+                nonlocal next_ids
+                if next_ids is not None and head_start is not None and all(f.done() for *_, f in ahead):
+                    head_start.begin(source, next_ids, counts, prefetch, tolerant, piece_bytes)
+                    next_ids = None
+
+            taken = head_start.take() if head_start is not None else {}
+            sizes = ramp(piece_bytes)
             try:
-                for shard, stretch, final in _stretches(runs):
+                for shard, stretch, final in stretches(runs):
                     # With a cache, planning a shard's pieces downloads it and holds it: plan one
                     # shard at a time, so that only the `prefetch` shards `open_ahead` downloads
                     # are held beside it (its pieces are local reads, quick to have in turn).
                     while cache is not None and any(s != shard for s, *_ in ahead):
                         yield from finish_one()
                     open_ahead(rank_of[shard])
-                    for a, b, keep, last, size in _planned_pieces(readers, shard, stretch, sizes):
-                        future = pool.submit(_read_piece, read, readers, shard, a, b, keep)
+                    for a, b, keep, last, size in planned_pieces(readers.get(shard), stretch, sizes):
+                        future = _taken(taken, piece_key(shard, a, b, keep, tolerant))
+                        if future is None:
+                            future = pool.submit(read_piece, read, readers, shard, a, b, keep)
                         ahead.append((shard, final and last, size, future))
                         ahead_bytes += size
                         while len(ahead) > MAX_AHEAD or (len(ahead) > prefetch and ahead_bytes > budget):
                             yield from finish_one()
                 while ahead:
-                    yield from finish_one()
+                    samples = finish_one()
+                    begin_next()  # the link is idle once this iteration's reads are in; and
+                    yield from samples  # the consumer may stop asking after the last sample
+                begin_next()
             finally:
                 for *_, future in ahead:
                     future.cancel()
+                _drop(taken)
                 openers.shutdown(wait=False, cancel_futures=True)  # downloads not yet started
     finally:
         readers.close()
 
 
-def _stretches(runs: list[tuple[int, int, int]]) -> Iterator[tuple[int, list[tuple[int, int]], bool]]:
-    """Consecutive runs of one shard, grouped: (shard, [(first, stop), ...], whether the shard is done after)."""
-    last_run = {shard: n for n, (shard, _, _) in enumerate(runs)}
-    start = 0
-    for n in range(1, len(runs) + 1):
-        if n == len(runs) or runs[n][0] != runs[start][0]:
-            yield runs[start][0], [(first, stop) for _, first, stop in runs[start:n]], last_run[runs[start][0]] == n - 1
-            start = n
+def _taken(taken: dict[PieceKey, Future[list[Sample]]], key: PieceKey) -> Future[list[Sample]] | None:
+    """The head start's read of the piece `key` if it has one that has not failed; the
+    first piece it has not read ends the head start (a wrong guess, or the end of the
+    window), and what else it read is dropped."""
+    future = taken.pop(key, None)
+    if future is None:
+        _drop(taken)
+        return None
+    if future.cancelled() or (future.done() and future.exception() is not None):
+        return None  # read again: the head start's error may have been transient
+    return future
 
 
-def _ramp(piece_bytes: int) -> Iterator[int]:
-    """Piece sizes: the first pieces small, so the first samples arrive after a short
-    transfer rather than after `prefetch` full pieces shared one link; then full size."""
-    return itertools.chain((piece_bytes >> k for k in (3, 2, 1)), itertools.repeat(piece_bytes))
+def _drop(taken: dict[PieceKey, Future[list[Sample]]]) -> None:
+    for future in taken.values():
+        future.cancel()
+    taken.clear()
 
 
-def _planned_pieces(readers: _Readers, shard: int, stretch: list[tuple[int, int]], sizes: Iterator[int]
-                    ) -> Iterator[tuple[int, int, np.ndarray | None, bool, int]]:
-    """The pieces that read a stretch of runs of one shard: (first, stop, which samples to
-    keep, is last, bytes fetched; a full piece's worth where unknown).
-
-    Runs whose bytes lie close together are read as one span, and the samples between
-    them dropped: for remote storage, a gap of up to 2 MB costs less than another
-    request (at 100 MB/s, 2 MB take 20 ms; a request waits 20-100 ms),
-    and runs that share a zstd frame then decompress it once.
-    """
-    reader = readers.get(shard)
-    try:
-        if not isinstance(reader, ShardReader):
-            raise ShardstreamError("no index")
-        gap = 0 if reader.store.local else READ_BYTES // 4
-        cuts = [(a, b, span, wanted, _fetched_bytes(reader, a, b))
-                for span, stop, wanted in _coalesce(reader, stretch, gap) for a, b in _cut(reader, span, stop, sizes)]
-    except ShardstreamError:  # no index: whole runs; a bad index: the reads meet the error in their turn
-        cuts = [(first, stop, first, None, READ_BYTES) for first, stop in stretch]
-    for k, (a, b, span, wanted, size) in enumerate(cuts):
-        keep = None if wanted is None else wanted[a - span : b - span]
-        yield a, b, (None if keep is None or keep.all() else keep), k + 1 == len(cuts), int(size)
-
-
-def _fetched_bytes(reader: ShardReader, a: int, b: int) -> int:
-    lo, hi = reader.extent(a, b)
-    return hi - lo
-
-
-def _cut(reader: ShardReader, a: int, b: int, sizes: Iterator[int]) -> Iterator[tuple[int, int]]:
-    """Samples [a, b) in pieces of the next sizes, each cut between frames."""
-    while a < b:
-        piece = next(reader.pieces(a, b, next(sizes)))
-        yield piece
-        a = piece[1]
-
-
-def _coalesce(reader: ShardReader, stretch: list[tuple[int, int]], gap: int) -> list[tuple[int, int, np.ndarray]]:
-    """Merge runs (of one shard) whose byte ranges lie within `gap` bytes into spans:
-    (first, stop, mask of the samples the runs want, from `first`)."""
-    spans: list[tuple[int, int, list[tuple[int, int]]]] = []
-    for first, stop in stretch:
-        if spans and first >= spans[-1][1] and \
-                reader.extent(first, stop)[0] - reader.extent(spans[-1][0], spans[-1][1])[1] <= gap:
-            spans[-1] = (spans[-1][0], stop, spans[-1][2] + [(first, stop)])
-        else:
-            spans.append((first, stop, [(first, stop)]))
-    out = []
-    for a, b, members in spans:
-        wanted = np.zeros(b - a, dtype=bool)
-        for first, stop in members:
-            wanted[first - a : stop - a] = True
-        out.append((a, b, wanted))
-    return out
-
-
-def _read_piece(read: Any, readers: _Readers, shard: int, a: int, b: int, keep: np.ndarray | None) -> list[Sample]:
+def read_piece(read: Any, readers: Readers, shard: int, a: int, b: int, keep: np.ndarray | None) -> list[Sample]:
     samples = list(_read_healing(read, readers, shard, a, b))
     return samples if keep is None else [s for s, k in zip(samples, keep.tolist()) if k]
 
 
-def _read_healing(read: Any, readers: _Readers, shard: int, a: int, b: int) -> Iterator[Sample]:
+def _read_healing(read: Any, readers: Readers, shard: int, a: int, b: int) -> Iterator[Sample]:
     """Samples [a, b) of `shard` by `read`. A cached copy is hashed once per process and
     then trusted; one damaged on disk after that fails its frame checksums here, and is
     then checked and downloaded again before `read` goes on: it is not the data's fault,
@@ -293,7 +249,7 @@ def _read_healing(read: Any, readers: _Readers, shard: int, a: int, b: int) -> I
         return
     done = 0
     try:
-        for sample in _read(readers.get(shard), a, b):
+        for sample in read_whole(readers.get(shard), a, b):
             yield sample
             done += 1
         return
@@ -302,14 +258,14 @@ def _read_healing(read: Any, readers: _Readers, shard: int, a: int, b: int) -> I
     yield from read(readers.get(shard), a + done, b)
 
 
-def _open(readers: _Readers, shard: int) -> None:
+def _open(readers: Readers, shard: int) -> None:
     """Open a shard ahead of need: download it (with a cache) or fetch its index."""
     reader = readers.get(shard)
     if isinstance(reader, ShardReader):
         reader.index
 
 
-def _read(reader: ShardReader | StreamTarReader, first: int, stop: int) -> Iterator[Sample]:
+def read_whole(reader: ShardReader | StreamTarReader, first: int, stop: int) -> Iterator[Sample]:
     return reader.read(first, stop)
 
 

@@ -777,7 +777,8 @@ def test_prefetch_threads_are_joined(local_ds, tmp_path, cached):
 def test_prefetch_fetches_each_frame_once_one_request_per_piece(tmp_path):
     """Streaming without a cache: every shard byte is fetched at most once (no frame by two pieces), in one
     request per prefetched piece, and the samples arrive whole and in order."""
-    from shardstream.stream import _cut, _ramp, read_samples
+    from shardstream.pieces import cut, ramp
+    from shardstream.stream import read_samples
 
     rng = random.Random(0)
     samples = [{"__key__": f"s{i:04d}", "bin": rng.randbytes(rng.randrange(500, 3000)), "cls": i % 2}
@@ -787,8 +788,8 @@ def test_prefetch_fetches_each_frame_once_one_request_per_piece(tmp_path):
             writer.write(sample)
     local = shardstream.open_dataset(str(tmp_path / "ds"))
     piece_bytes = 16000  # a few frames a piece (the first pieces smaller: the ramp)
-    sizes = _ramp(piece_bytes)
-    pieces = {ref.name: len(list(_cut(ref.reader(), 0, len(ref.reader()), sizes))) for ref in local.shards}
+    sizes = ramp(piece_bytes)
+    pieces = {ref.name: len(list(cut(ref.reader(), 0, len(ref.reader()), sizes))) for ref in local.shards}
     assert len(pieces) >= 2 and max(pieces.values()) >= 3
     data_bytes = sum(ref.reader().extent(0, len(ref.reader()))[1] - ref.reader().extent(0, 1)[0]
                      for ref in local.shards)
@@ -851,8 +852,8 @@ def test_later_epochs_read_no_index_again(local_ds, shard_names, monkeypatch):
         del loader
     with H.CountingHTTPServer(local_ds) as server:  # another URL: nothing known yet
         monkeypatch.setattr(indexes, "_index_memo", indexes._IndexMemo(limit=1))  # keeps none
-        ds = StreamingDataset(server.url, decode=None, fields=("__key__",))
-        for epoch in (0, 1):
+        for epoch in (0, 1):  # a dataset each: a second iteration would read ahead for a third
+            ds = StreamingDataset(server.url, decode=None, fields=("__key__",))
             ds.set_epoch(epoch)
             assert sorted(k for (k,) in ds) == first
         assert index_gets(server) == 2 * len(shard_names)

@@ -1,0 +1,132 @@
+"""How a worker's samples become storage requests: runs of consecutive samples, then pieces.
+
+A piece is one ranged read of at most about `piece_bytes`, cut between zstd frames, so
+no two pieces fetch the same frame. The first pieces of an iteration are small (`ramp`):
+its first samples then wait for a short transfer, not for several full pieces sharing
+one link. Nothing here reads data; a shard's index says where its samples lie.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Callable, Iterator
+
+import numpy as np
+
+from .errors import ShardstreamError
+from .reader import READ_BYTES, ShardReader
+from .tarstream import StreamTarReader
+
+__all__ = ["Piece", "PieceKey", "cut", "first_window", "piece_key", "planned_pieces", "ramp", "sample_runs",
+           "stretches"]
+
+# A planned piece: (first sample, stop, which samples of it to keep (None: all), whether it
+# is its stretch's last, bytes fetched).
+Piece = tuple[int, int, "np.ndarray | None", bool, int]
+# What a piece's read gives: shard, first sample, stop, the samples kept, whether errors
+# become samples (read_tolerant) or raise.
+PieceKey = tuple[int, int, int, "bytes | None", bool]
+
+
+def piece_key(shard: int, first: int, stop: int, keep: np.ndarray | None, tolerant: bool) -> PieceKey:
+    return shard, first, stop, None if keep is None else keep.tobytes(), tolerant
+
+
+def sample_runs(ids: np.ndarray, counts: np.ndarray) -> Iterator[tuple[int, int, int]]:
+    """Split global sample ids (any order) into runs (shard, first, stop) of consecutive samples."""
+    if not len(ids):
+        return
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    shards = np.searchsorted(starts, ids, side="right") - 1
+    local = ids - starts[shards]
+    breaks = np.flatnonzero((np.diff(shards) != 0) | (np.diff(local) != 1)) + 1
+    bounds = np.concatenate([[0], breaks, [len(ids)]])
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        yield int(shards[a]), int(local[a]), int(local[b - 1]) + 1
+
+
+def stretches(runs: list[tuple[int, int, int]]) -> Iterator[tuple[int, list[tuple[int, int]], bool]]:
+    """Consecutive runs of one shard, grouped: (shard, [(first, stop), ...], whether the shard is done after)."""
+    last_run = {shard: n for n, (shard, _, _) in enumerate(runs)}
+    start = 0
+    for n in range(1, len(runs) + 1):
+        if n == len(runs) or runs[n][0] != runs[start][0]:
+            yield runs[start][0], [(first, stop) for _, first, stop in runs[start:n]], last_run[runs[start][0]] == n - 1
+            start = n
+
+
+def ramp(piece_bytes: int) -> Iterator[int]:
+    """Piece sizes: the first pieces small, so the first samples arrive after a short
+    transfer rather than after `prefetch` full pieces shared one link; then full size."""
+    return itertools.chain((piece_bytes >> k for k in (3, 2, 1)), itertools.repeat(piece_bytes))
+
+
+def planned_pieces(reader: ShardReader | StreamTarReader, stretch: list[tuple[int, int]], sizes: Iterator[int]
+                   ) -> Iterator[tuple[int, int, np.ndarray | None, bool, int]]:
+    """The pieces that read a stretch of runs of one shard: (first, stop, which samples to
+    keep, is last, bytes fetched; a full piece's worth where unknown).
+
+    Runs whose bytes lie close together are read as one span, and the samples between
+    them dropped: for remote storage, a gap of up to 2 MB costs less than another
+    request (at 100 MB/s, 2 MB take 20 ms; a request waits 20-100 ms),
+    and runs that share a zstd frame then decompress it once.
+    """
+    try:
+        if not isinstance(reader, ShardReader):
+            raise ShardstreamError("no index")
+        gap = 0 if reader.store.local else READ_BYTES // 4
+        cuts = [(a, b, span, wanted, _fetched_bytes(reader, a, b))
+                for span, stop, wanted in _coalesce(reader, stretch, gap) for a, b in cut(reader, span, stop, sizes)]
+    except ShardstreamError:  # no index: whole runs; a bad index: the reads meet the error in their turn
+        cuts = [(first, stop, first, None, READ_BYTES) for first, stop in stretch]
+    for k, (a, b, span, wanted, size) in enumerate(cuts):
+        keep = None if wanted is None else wanted[a - span : b - span]
+        yield a, b, (None if keep is None or keep.all() else keep), k + 1 == len(cuts), int(size)
+
+
+def _fetched_bytes(reader: ShardReader, a: int, b: int) -> int:
+    lo, hi = reader.extent(a, b)
+    return hi - lo
+
+
+def cut(reader: ShardReader, a: int, b: int, sizes: Iterator[int]) -> Iterator[tuple[int, int]]:
+    """Samples [a, b) in pieces of the next sizes, each cut between frames."""
+    while a < b:
+        piece = next(reader.pieces(a, b, next(sizes)))
+        yield piece
+        a = piece[1]
+
+
+def _coalesce(reader: ShardReader, stretch: list[tuple[int, int]], gap: int) -> list[tuple[int, int, np.ndarray]]:
+    """Merge runs (of one shard) whose byte ranges lie within `gap` bytes into spans:
+    (first, stop, mask of the samples the runs want, from `first`)."""
+    spans: list[tuple[int, int, list[tuple[int, int]]]] = []
+    for first, stop in stretch:
+        if spans and first >= spans[-1][1] and \
+                reader.extent(first, stop)[0] - reader.extent(spans[-1][0], spans[-1][1])[1] <= gap:
+            spans[-1] = (spans[-1][0], stop, spans[-1][2] + [(first, stop)])
+        else:
+            spans.append((first, stop, [(first, stop)]))
+    out = []
+    for a, b, members in spans:
+        wanted = np.zeros(b - a, dtype=bool)
+        for first, stop in members:
+            wanted[first - a : stop - a] = True
+        out.append((a, b, wanted))
+    return out
+
+
+def first_window(reader_of: Callable[[int], ShardReader | StreamTarReader], runs: list[tuple[int, int, int]],
+                 prefetch: int, piece_bytes: int, max_ahead: int) -> Iterator[tuple[int, Piece]]:
+    """The pieces (shard, piece) an iteration reading `runs` has in flight when its first
+    sample is due: the same pieces, in the same order, as its own planning makes first
+    (`stream.read_samples` keeps `prefetch` in flight, or more while they are small, up
+    to half of `prefetch` full pieces' bytes and `max_ahead` pieces)."""
+    sizes, budget = ramp(piece_bytes), prefetch * piece_bytes // 2
+    count = total = 0
+    for shard, stretch, _ in stretches(runs):
+        for piece in planned_pieces(reader_of(shard), stretch, sizes):
+            if count > max_ahead or (count > prefetch and total > budget):
+                return
+            yield shard, piece
+            count, total = count + 1, total + piece[4]

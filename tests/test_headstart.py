@@ -1,0 +1,140 @@
+"""The head start (headstart.py): the next iteration's first pieces, read while the current one ends.
+
+Over a real HTTP server. The checks that the head start is used do not time anything:
+once its reads have landed, the server is made to fail every request, and the next
+epoch (one window's worth of pieces) must still arrive whole and in the planned order.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+from torch.utils.data import DataLoader
+
+import shardstream
+from shardstream.headstart import HeadStart
+from shardstream.retry import RetryPolicy
+from shardstream.stream import read_samples
+
+try:
+    from . import _remote_helpers as H
+except ImportError:  # run as a script directory (pytest's rootdir-less import mode)
+    import _remote_helpers as H
+
+N_SAMPLES = 60
+FAIL_FAST = RetryPolicy(attempts=1)
+
+
+@pytest.fixture(scope="module")
+def small_ds(tmp_path_factory) -> str:
+    """60 samples in shards of one zstd frame each: a shard is one piece, an epoch one window."""
+    dst = tmp_path_factory.mktemp("headstart") / "ds"
+    rng = random.Random(0)
+    with shardstream.ShardWriter(str(dst), shard_size="20KB", frame_size=1 << 20) as writer:
+        for i in range(N_SAMPLES):
+            writer.write({"__key__": f"s{i:03d}", "bin": rng.randbytes(rng.randrange(1000, 3000)), "cls": i % 3})
+    return str(dst)
+
+
+def shard_gets(server: H.CountingHTTPServer, names: list[str]) -> int:
+    counts = server.get_counts()
+    return sum(counts.get(name, 0) for name in names)
+
+
+def wait_for(condition, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def headstart_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("shardstream-headstart")]
+
+
+def keys_through(loader) -> list[str]:
+    return [item[0] for item in loader]
+
+
+def key_dataset(url: str, **kwargs) -> shardstream.StreamingDataset:
+    return shardstream.StreamingDataset(url, decode=None, fields=("__key__",), shuffle=True, seed=3, **kwargs)
+
+
+def test_a_persistent_worker_reads_the_next_epoch_while_this_one_ends(small_ds):
+    """Epoch 2 comes whole, in its planned order, from reads made at the end of epoch 1: the
+    server fails every request from then on. (Epoch 0 reads nothing ahead: a worker reads
+    ahead only once it has begun a second iteration.)"""
+    names = [ref.name for ref in shardstream.open_dataset(small_ds).shards]
+    assert len(names) >= 3
+    reference_loader = DataLoader(key_dataset(small_ds), batch_size=None, num_workers=1)
+    reference_loader.dataset.set_epoch(2)
+    expected = keys_through(reference_loader)
+    with H.CountingHTTPServer(small_ds, latency_s=0.01) as server:
+        ds = key_dataset(server.url, retry=FAIL_FAST)
+        loader = DataLoader(ds, batch_size=None, num_workers=1, persistent_workers=True)
+        first = keys_through(loader)
+        ds.set_epoch(1)
+        second = keys_through(loader)
+        wait_for(lambda: shard_gets(server, names) == 3 * len(names), "the head start's reads")
+        server.faults.fail_fraction = 1.0
+        ds.set_epoch(2)
+        third = keys_through(loader)  # every request fails (epoch 3's head start's do)
+        del loader
+    assert sorted(first) == sorted(second) == sorted(third) == [f"s{i:03d}" for i in range(N_SAMPLES)]
+    assert third == expected and third != second
+
+
+def test_workers_that_are_not_persistent_read_nothing_ahead(small_ds):
+    """A worker of a DataLoader without persistent workers serves one epoch and ends: it
+    reads nothing for an epoch it will not see. Two epochs read each shard twice, no more."""
+    names = [ref.name for ref in shardstream.open_dataset(small_ds).shards]
+    with H.CountingHTTPServer(small_ds) as server:
+        ds = key_dataset(server.url)
+        for epoch in range(2):
+            ds.set_epoch(epoch)
+            assert len(keys_through(DataLoader(ds, batch_size=None, num_workers=1))) == N_SAMPLES
+    assert shard_gets(server, names) == 2 * len(names)
+
+
+def test_a_wrong_guess_costs_reads_not_samples(small_ds):
+    """Rank 0 of 2: the head start reads the rank's share of epoch 2, but the next iteration
+    is epoch 5, whose pieces keep other samples. Its samples are epoch 5's, exactly: the
+    pieces the guess did not read are read anew."""
+    reference = key_dataset(small_ds, rank=0, world_size=2)
+    reference.set_epoch(5)
+    expected = [item[0] for item in reference]
+    with H.CountingHTTPServer(small_ds) as server:
+        ds = key_dataset(server.url, rank=0, world_size=2)
+        list(ds)
+        ds.set_epoch(1)
+        list(ds)  # the second iteration in this process: it reads ahead for epoch 2
+        wait_for(lambda: not headstart_threads(), "the head start's reads")
+        before = shard_gets(server, [ref.name for ref in ds.resolve().shards])
+        ds.set_epoch(5)
+        got = [item[0] for item in ds]
+        assert shard_gets(server, [ref.name for ref in ds.resolve().shards]) > before
+    assert got == expected and len(got) == N_SAMPLES // 2
+
+
+def test_a_failed_head_start_is_read_again(small_ds):
+    """Reads of the head start that failed are made again by the iteration that wanted them,
+    under its own retry policy: the samples come whole."""
+    ids = np.arange(N_SAMPLES)
+    with H.CountingHTTPServer(small_ds) as server:
+        remote = shardstream.open_dataset(server.url, retry=FAIL_FAST)
+        names = [ref.name for ref in remote.shards]
+        for ref in remote.shards:  # the indexes, read while the server answers (the memo keeps them)
+            ref.reader().index
+        server.faults.fail_fraction = 1.0
+        head = HeadStart()
+        head.begin(remote, lambda: ids, remote.counts(), 6, False, 1 << 20)
+        wait_for(lambda: server.faults.failures >= len(names), "the head start's failures")
+        server.faults.fail_fraction = 0.0
+        got = list(read_samples(remote, ids, remote.counts(), prefetch=6, head_start=head))
+        assert shard_gets(server, names) == len(names)  # each shard read once more, by the iteration
+    assert [s["__key__"] for s in got] == [f"s{i:03d}" for i in range(N_SAMPLES)]
