@@ -68,6 +68,29 @@ def scrubbed(text: str) -> str:
     return _QUERY.sub(r"\1?...", text)
 
 
+class ScrubbedError(Exception):
+    """Stands in for another library's error whose text named an HTTP(S) URL's query
+    string (`safe_cause`): its type's name and its text, the query hidden, and its traceback."""
+
+
+def safe_cause(error: BaseException) -> BaseException:
+    """`error` to chain to one of ours (``raise ... from safe_cause(error)``): itself, or
+    where its text, or that of an error it chains, names an HTTP(S) URL's query string, a
+    `ScrubbedError` that says the same with the query hidden. A chained error is printed
+    with every traceback (a DataLoader worker's too, which travels as text), and
+    tracebacks end up in logs."""
+    cause = error.__cause__ if error.__cause__ is not None or error.__suppress_context__ else error.__context__
+    safe = safe_cause(cause) if cause is not None else None
+    text = str(error)
+    if scrubbed(text) == text and safe is cause:
+        return error
+    kind = type(error)
+    stand_in = ScrubbedError(f"{kind.__module__}.{kind.__qualname__}: {scrubbed(text)}").with_traceback(
+        error.__traceback__)
+    stand_in.__cause__ = safe
+    return stand_in
+
+
 class CorruptShardError(ShardstreamError):
     """A shard's bytes are not what the format promises (tar, zstd or checksum)."""
 

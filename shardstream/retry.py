@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import ShardstreamError, StorageError
+from .errors import ShardstreamError, StorageError, safe_cause
 from .iostats import io_stats
 
 __all__ = ["RetryPolicy", "is_transient", "retry_after"]
@@ -98,11 +98,11 @@ class RetryPolicy:
                 if not is_transient(error):
                     if isinstance(error, (OSError, ShardstreamError)):  # already says what went wrong
                         raise
-                    raise StorageError(f"{type(error).__name__}: {error}", url=url) from error
+                    raise StorageError(f"{type(error).__name__}: {error}", url=url) from safe_cause(error)
                 if attempt + 1 == self.attempts:
                     raise StorageError(
                         f"failed after {self.attempts} attempts: {type(error).__name__}: {error}", url=url
-                    ) from error
+                    ) from safe_cause(error)
                 io_stats.add(retries=1)
                 time.sleep(self.delay(attempt, error))
         raise AssertionError("unreachable")  # attempts >= 1: the loop returns or raises

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Iterable, Iterator, Mapping
 
 from . import forkloop  # noqa: F401 - registers the fork handlers for fsspec's event loop
 from . import http_ranges, s3_ranges
-from .errors import StorageError
+from .errors import StorageError, safe_cause
 from .iostats import io_stats
 from .retry import RetryPolicy
 
@@ -175,9 +175,9 @@ class Store:
         try:
             yield
         except FileNotFoundError as e:
-            raise StorageError("file not found", url=self.url(name)) from e
+            raise StorageError("file not found", url=self.url(name)) from safe_cause(e)
         except OSError as e:
-            raise self._wrap(name, action, e) from e
+            raise self._wrap(name, action, e) from safe_cause(e)
 
     # -- reading ---------------------------------------------------------------
 
@@ -253,9 +253,9 @@ class Store:
         try:
             return open(self.url(name), "rb")
         except FileNotFoundError as e:
-            raise StorageError("file not found", url=self.url(name)) from e
+            raise StorageError("file not found", url=self.url(name)) from safe_cause(e)
         except OSError as e:
-            raise self._wrap(name, "open", e) from e
+            raise self._wrap(name, "open", e) from safe_cause(e)
 
     def exists(self, name: str) -> bool:
         """Whether `name` exists; remote errors other than "not found" are retried, never read as "absent"."""
@@ -266,7 +266,7 @@ class Store:
         except FileNotFoundError:
             return False
         except OSError as e:
-            raise self._wrap(name, "look up", e) from e
+            raise self._wrap(name, "look up", e) from safe_cause(e)
         return True
 
     def _remote_info(self, name: str) -> dict:
@@ -298,7 +298,7 @@ class Store:
         except FileNotFoundError:
             return []
         except OSError as e:
-            raise self._wrap("", "list", e) from e
+            raise self._wrap("", "list", e) from safe_cause(e)
         return sorted(posixpath.basename(e) for e in entries if e.endswith(suffix))
 
     def _remote_list(self) -> list[str]:
@@ -353,7 +353,7 @@ class Store:
             self.retry.call(self._remote_put, local_file, name, url=self.url(name))
             os.remove(local_file)
         except OSError as e:
-            raise self._wrap(name, "write", e) from e
+            raise self._wrap(name, "write", e) from safe_cause(e)
 
     def _remote_put(self, local_file: str, name: str) -> None:
         fs, path = self._fs_path(name)
@@ -367,7 +367,7 @@ class Store:
                 with f:
                     f.write(data)
             except OSError as e:  # disk full, quota, I/O error: name the file
-                raise StorageError(f"could not write: {e.strerror or e}", url=self.url(name)) from e
+                raise StorageError(f"could not write: {e.strerror or e}", url=self.url(name)) from safe_cause(e)
             self.put(tmp, name)
         finally:
             if os.path.exists(tmp):

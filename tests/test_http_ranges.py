@@ -8,6 +8,7 @@ import multiprocessing
 import socket
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -381,11 +382,14 @@ def test_a_token_in_the_url_stays_out_of_messages(status, fsspec_loop):
             with pytest.raises(StorageError, match=f"{status}") as info:
                 call()
             assert "secret" not in str(info.value) and "blob.bin?..." in str(info.value)
+            assert "secret" not in "".join(traceback.format_exception(info.value))  # the chained causes too
             assert info.value.url == f"{url}/data/blob.bin?token=secret"
         pool = urllib3.PoolManager(retries=urllib3.Retry(total=0, status_forcelist=[status]))
         with pytest.raises(StorageError, match=r"with url: /data/blob\.bin\?\.\.\. ") as info:
             RetryPolicy(attempts=1).call(pool.request, "GET", store.url("blob.bin"), url=store.url("blob.bin"))
         assert "secret" not in str(info.value) and "secret" in info.value.url
+        shown = "".join(traceback.format_exception(info.value))
+        assert "secret" not in shown and "urllib3.exceptions.MaxRetryError" in shown  # what the cause was stays
         pool.clear()
 
 
