@@ -30,6 +30,7 @@ from typing import Callable
 
 import numpy as np
 
+from .errors import ShardstreamError
 from .pieces import PieceKey, first_window, piece_key, sample_runs
 from .reader import Sample
 from .source import Source
@@ -45,6 +46,7 @@ class HeadStart:
         self.iterations = 0  # that have taken from it: the iterations of its dataset in this process
         self._planner: threading.Thread | None = None
         self._pieces: dict[PieceKey, Future[list[Sample]]] = {}
+        self._failure: Exception | None = None
 
     def begin(self, source: Source, next_ids: Callable[[], np.ndarray | None], counts: np.ndarray, prefetch: int,
               tolerant: bool, piece_bytes: int) -> None:
@@ -53,10 +55,7 @@ class HeadStart:
         What an earlier `begin` read and nobody took is dropped."""
         for future in self._claim().values():
             future.cancel()
-        try:
-            ids = next_ids()
-        except Exception:  # noqa: BLE001 - a guess is not worth an error here: the next iteration
-            return  # plans its own samples anyway, and meets a real error itself, where it belongs
+        ids = next_ids()
         if ids is None or not len(ids):
             return
         self._planner = threading.Thread(target=self._read, args=(source, ids, counts, prefetch, tolerant, piece_bytes),
@@ -75,8 +74,10 @@ class HeadStart:
                                                           piece_bytes, MAX_AHEAD):
                 self._pieces[piece_key(shard, a, b, keep, tolerant)] = pool.submit(read_piece, read, readers, shard,
                                                                                    a, b, keep)
-        except Exception:  # noqa: BLE001 - an index that cannot be read: the next iteration meets it itself
-            pass
+        except ShardstreamError:
+            pass  # an index that cannot be read: the next iteration reads it too, and meets the error in its turn
+        except Exception as error:  # a bug: raised to the next iteration (`take`), not lost in this thread
+            self._failure = error
         finally:
             pool.shutdown(wait=False)  # its threads end when their reads do
 
@@ -84,7 +85,11 @@ class HeadStart:
         """For an iteration beginning: the pieces the last `begin` read or is reading, now
         the caller's (this object holds none after)."""
         self.iterations += 1
-        return self._claim()
+        pieces = self._claim()
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
+        return pieces
 
     def _claim(self) -> dict[PieceKey, Future[list[Sample]]]:
         if self._planner is not None:

@@ -138,3 +138,35 @@ def test_a_failed_head_start_is_read_again(small_ds):
         got = list(read_samples(remote, ids, remote.counts(), prefetch=6, head_start=head))
         assert shard_gets(server, names) == len(names)  # each shard read once more, by the iteration
     assert [s["__key__"] for s in got] == [f"s{i:03d}" for i in range(N_SAMPLES)]
+
+
+def test_an_unreadable_index_leaves_the_error_to_the_iteration(small_ds):
+    """A head start that cannot read the indexes plans whole shards, whose reads fail too:
+    the next iteration, with the server answering again, plans and reads its own pieces."""
+    ids = np.arange(N_SAMPLES)
+    with H.CountingHTTPServer(small_ds) as server:
+        remote = shardstream.StreamingDataset(server.url, retry=FAIL_FAST).resolve()  # indexes not read yet
+        server.faults.fail_fraction = 1.0
+        head = HeadStart()
+        head.begin(remote, lambda: ids, remote.counts(), 6, False, 1 << 20)
+        wait_for(lambda: not headstart_threads(), "the head start's reads")
+        server.faults.fail_fraction = 0.0
+        got = list(read_samples(remote, ids, remote.counts(), prefetch=6, head_start=head))
+    assert [s["__key__"] for s in got] == [f"s{i:03d}" for i in range(N_SAMPLES)]
+
+
+def test_a_bug_in_the_head_start_reaches_the_next_iteration(small_ds, monkeypatch):
+    """Not lost in its thread: an unexpected error while planning is raised where the next
+    iteration takes the head start."""
+    from shardstream import headstart
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug in planning")
+
+    monkeypatch.setattr(headstart, "first_window", broken)
+    source = shardstream.open_dataset(small_ds)
+    head = HeadStart()
+    head.begin(source, lambda: np.arange(N_SAMPLES), source.counts(), 6, False, 1 << 20)
+    with pytest.raises(RuntimeError, match="a bug in planning"):
+        head.take()
+    assert head.take() == {}  # raised once
