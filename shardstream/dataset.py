@@ -12,7 +12,6 @@ manifest read) on first use, in whichever process gets there first.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import pickle
 from multiprocessing.context import get_spawning_popen
@@ -22,18 +21,18 @@ import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
 from .cache import ShardCache
+from .checkpoint import Checkpointing
 from .collate import default_collate
 from .decode import Decoder
 from .decode_ahead import DecodeAhead
 from .epochs import EpochSequences
-from .errors import ShardstreamError
 from .headstart import HeadStart
 from .iostats import io_stats
 from .policy import ErrorPolicy, guarded
 from .plan import (Layout, deal_chunks, items_of, read_order, round_robin_delivered, round_robin_next, split_ranks,
                    worker_plan)
 from .prepare import SamplePrep, batches
-from .resume import ResumeState, check_counts, current_sequence, endless_onto, locate
+from .resume import current_sequence, locate
 from .sampling import Mix, Sampling
 from .shared import SharedState
 from .source import Source, resolve_source
@@ -53,7 +52,7 @@ PREFETCH_LOCAL = 2
 PREFETCH_REMOTE = 6
 
 
-class StreamingDataset(IterableDataset):
+class StreamingDataset(Checkpointing, IterableDataset):
     """Stream samples from shards into PyTorch.
 
     Args:
@@ -83,6 +82,9 @@ class StreamingDataset(IterableDataset):
             storage request of up to 8 MB, cut between frames. Default: 2 for local
             shards, 6 for remote ones, where each request waits tens of milliseconds
             and several must be in flight (6 measured best at 50 ms of latency).
+            Remote shards read without a cache also get a head start: a process on
+            its second iteration or later reads the first pieces of the next epoch
+            (``set_epoch(epoch + 1)``) while the current one ends (headstart.py).
         retry: how transient storage errors (5xx, throttling, resets, timeouts) are
             retried: `RetryPolicy(attempts, base_delay, max_delay)`, exponential
             backoff with jitter; default `RetryPolicy()` (10 attempts, about 33 s at most).
@@ -174,19 +176,8 @@ class StreamingDataset(IterableDataset):
         self.sampling = sampling
         self._epochs: EpochSequences | None = None  # see _sequences
         self._shared = SharedState()  # epoch and counters, seen by the workers too
-        self._resume: ResumeState | None = None
-        self._resume_id = 0
-        # The resume state the pass in progress (or the one just completed) started from: the
-        # epoch's earlier layouts stay finished for state_dict until the next pass or epoch.
-        self._pass_resume: ResumeState | None = None
-        self._delivered: int | None = 0
-        # In a DataLoader worker: its place in the plan (epoch, plan worker, items yielded),
-        # for torchdata's StatefulDataLoader, which loads each worker's own back into it.
-        self._position: tuple[int, int, int] | None = None
-        self._loaded_position: tuple[int, int] | None = None
-        self._worker_resume = False  # the loaded state is a worker's own
         self._heads: tuple[int, HeadStart] | None = None  # (process id, its head start): see _head_start
-        self._translated: tuple[ResumeState, Layout, ResumeState] | None = None  # see _resume_for
+        self._init_checkpointing()
 
     # -- epochs, world and layout --------------------------------------------------------
 
@@ -269,45 +260,6 @@ class StreamingDataset(IterableDataset):
             made = self._epochs = EpochSequences(self.resolve(), self.counts(), self.seed, self.shuffle,
                                                  self.sampling, mix)
         return made
-
-    def _active_resume(self, world: World) -> ResumeState | None:
-        """The loaded resume state, unless every worker has already finished that epoch."""
-        if self._worker_resume:  # a worker's own state: this process's copy alone uses it
-            return self._resume
-        if self._resume is not None and self._shared.resume_used_up(self._resume_id, world.workers):
-            # Read to its end by the workers of a DataLoader that does not tell this process when
-            # a pass begins or ends (torch's own): that pass started from it (see _state_resume).
-            self._pass_resume = self._resume
-            self._resume = None
-        return self._resume
-
-    def _resume_for(self, world: World) -> ResumeState | None:
-        """The resume state that applies to reading with `world`'s layout.
-
-        An endless stream's state taken with another layout is re-expressed for this
-        one (`resume.endless_onto`): its epoch may then be a later one than the state's.
-        """
-        resume = self._active_resume(world)
-        layout = self.layout(world)
-        if resume is None or not self.resampled or resume.current.layout == layout:
-            return resume
-        if self._translated is None or self._translated[0] is not resume or self._translated[1] != layout:
-            remaining, _, _ = current_sequence(self._sequences().after(resume.epoch), resume, resume.current.layout)
-            full = len(self._sequences().ids(resume.epoch + 1))
-            self._translated = (resume, layout, endless_onto(resume, layout, len(remaining), full))
-        return self._translated[2]
-
-    def _state_resume(self, world: World) -> ResumeState | None:
-        """The resume state `state_dict` builds on: the one that applies to reading with
-        `world`'s layout; once the resumed pass is complete, the one it started from (until
-        the next pass or epoch), so that a state taken at the end of an epoch resumed onto
-        another layout still counts the earlier layouts' items and says the epoch is complete."""
-        resume = self._resume_for(world)
-        if resume is not None:
-            return resume
-        if self._pass_resume is not None and self._shared.later_pass():
-            self._pass_resume = None  # a worker has begun the next pass: the epoch starts afresh
-        return self._pass_resume
 
     def _rank_block(self, world: World, epoch: int | None = None) -> tuple[np.ndarray, Layout, int, int, int]:
         """This rank's samples of the current segment, its layout, segment number, items already
@@ -478,99 +430,6 @@ class StreamingDataset(IterableDataset):
     def skipped(self) -> int:
         """Bad samples skipped so far under ``on_error="skip"``, summed over this rank's workers."""
         return self._shared.skips
-
-    # -- resumption ------------------------------------------------------------------------
-
-    def _world_with(self, num_workers: int) -> World:
-        detected = self.world()
-        return World(detected.rank, detected.size, 0, max(1, num_workers))
-
-    def state_dict(self, delivered: int | None = None, num_workers: int = 0) -> dict[str, Any]:
-        """A small, plain (msgpack/JSON-serialisable) description of progress.
-
-        `delivered` is the number of items this rank's training loop has received in
-        the current epoch, through a DataLoader with `num_workers` workers; by default
-        the count of items this dataset yielded when iterated in this process (or, if
-        not iterated since `load_state_dict`, the count the loaded state had).
-        `shardstream.DataLoader` counts and passes both for you.
-
-        Called inside a DataLoader worker, as torchdata's `StatefulDataLoader` does for
-        each worker, it describes that worker's own place in the plan instead; the
-        StatefulDataLoader keeps one per worker and hands each back to its worker.
-        """
-        if delivered is None and get_worker_info() is not None:
-            return self._worker_state()
-        if delivered is None:
-            delivered = self._delivered if self._delivered is not None else self.resumed_items(num_workers)
-        return ResumeState.current_of(self, self._world_with(num_workers), delivered).to_dict()
-
-    def resumed_items(self, num_workers: int = 0) -> int:
-        """Items of the current epoch already delivered before the next iteration starts."""
-        world = self._world_with(num_workers)
-        resume = self._active_resume(world)
-        if resume is None:
-            return 0
-        return resume.current.delivered if resume.current.layout == self.layout(world) else 0
-
-    def start_pass(self, num_workers: int = 0) -> int:
-        """A DataLoader with `num_workers` workers begins an iteration driven from this process:
-        its items of the current epoch already delivered (see `resumed_items`)."""
-        self._pass_resume = self._active_resume(self._world_with(num_workers))
-        return self.resumed_items(num_workers)
-
-    def finish_pass(self) -> None:
-        """The iteration is complete: the next starts the epoch afresh. Until it does, or
-        another epoch is set, `state_dict` still describes the completed one."""
-        self._resume = None
-        self._delivered = 0
-
-    def forget_resume(self) -> None:
-        """Start the next iteration at the beginning of the epoch."""
-        self.finish_pass()
-        self._pass_resume = None
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from `state` on the next iteration (exactly, or elastically if the layout changed).
-
-        A state that is not one of this dataset's, or whose counts do not fit in its epoch,
-        is refused here, naming the field, and leaves the dataset as it was."""
-        resume = ResumeState.from_dict(state, self)
-        # The counts' bounds need the epoch's size: the fingerprint has just read the sample counts.
-        # What earlier layouts left of the epoch is kept for `len()` and the iteration (epochs.py).
-        check_counts(self._sequences().after(resume.epoch), resume, self.resampled)
-        if resume.position is not None:
-            self._load_worker_state(resume)
-            return
-        self._shared.epoch = resume.epoch
-        self._resume = resume
-        self._pass_resume = None
-        self._resume_id = self._shared.new_resume()
-        self._delivered = None
-
-    def _worker_state(self) -> dict[str, Any]:
-        world = self.world()
-        state = ResumeState.current_of(self, world, 0)
-        if self._loaded_position is not None:  # loaded, not iterated yet
-            position = self._loaded_position
-        elif self._position is not None and self._position[0] == state.epoch:  # this epoch's place, to its end
-            position = self._position[1:]
-        else:
-            position = (world.worker, 0)
-        return dataclasses.replace(state, position=position).to_dict()
-
-    def _load_worker_state(self, resume: ResumeState) -> None:
-        world = self.world()
-        if resume.current.layout != self.layout(world):
-            raise ShardstreamError(
-                f"this worker state was taken with {resume.current.layout}, and this run has {self.layout(world)}: "
-                "torchdata's StatefulDataLoader resumes with the same world size and num_workers only; for an "
-                "elastic resume, checkpoint shardstream.DataLoader's state_dict() instead")
-        self._shared.epoch = resume.epoch  # the same value from every worker
-        self._resume = resume
-        self._pass_resume = None
-        self._loaded_position = resume.position
-        self._worker_resume = True
-        self._delivered = None
 
 
 def _items(block: int, world: World, layout: Layout) -> list[int]:

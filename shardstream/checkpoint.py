@@ -1,0 +1,195 @@
+"""Checkpointing a `StreamingDataset`: `state_dict`, `load_state_dict`, and what the
+dataset keeps of a loaded state while it resumes.
+
+`Checkpointing` is the half of `StreamingDataset` that resumes. A loaded state
+(resume.py says what it holds and how an epoch continues from it, on the same layout
+or another) applies to the next pass over the epoch; through a DataLoader whose
+workers the main process does not see begin or end a pass (torch's own), the shared
+state (shared.py) says when every worker has read it to its end. Inside a DataLoader
+worker, as torchdata's `StatefulDataLoader` asks, a state describes that worker's own
+place instead (`_worker_state`).
+
+It needs of the dataset: `world()`, `layout(world)`, `epoch`, `resampled`,
+`_sequences()` (the epoch sequences) and `_shared` (the state its workers share);
+`__iter__` reads and sets what `_init_checkpointing` makes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from torch.utils.data import get_worker_info
+
+from .errors import ShardstreamError
+from .plan import Layout
+from .resume import ResumeState, check_counts, current_sequence, endless_onto
+from .world import World
+
+if TYPE_CHECKING:
+    from .epochs import EpochSequences
+    from .shared import SharedState
+
+__all__ = ["Checkpointing"]
+
+
+class Checkpointing:
+    """State dicts for a `StreamingDataset`, and the loaded state it resumes from."""
+
+    _shared: SharedState
+    epoch: int
+    resampled: bool
+
+    def world(self) -> World:  # the dataset's
+        raise NotImplementedError
+
+    def layout(self, world: World) -> Layout:  # the dataset's
+        raise NotImplementedError
+
+    def _sequences(self) -> EpochSequences:  # the dataset's
+        raise NotImplementedError
+
+    def _init_checkpointing(self) -> None:
+        """Nothing loaded, nothing delivered yet (the dataset's constructor calls this)."""
+        self._resume: ResumeState | None = None
+        self._resume_id = 0
+        # The resume state the pass in progress (or the one just completed) started from: the
+        # epoch's earlier layouts stay finished for state_dict until the next pass or epoch.
+        self._pass_resume: ResumeState | None = None
+        self._delivered: int | None = 0
+        # In a DataLoader worker: its place in the plan (epoch, plan worker, items yielded),
+        # for torchdata's StatefulDataLoader, which loads each worker's own back into it.
+        self._position: tuple[int, int, int] | None = None
+        self._loaded_position: tuple[int, int] | None = None
+        self._worker_resume = False  # the loaded state is a worker's own
+        self._translated: tuple[ResumeState, Layout, ResumeState] | None = None  # see _resume_for
+
+    def _active_resume(self, world: World) -> ResumeState | None:
+        """The loaded resume state, unless every worker has already finished that epoch."""
+        if self._worker_resume:  # a worker's own state: this process's copy alone uses it
+            return self._resume
+        if self._resume is not None and self._shared.resume_used_up(self._resume_id, world.workers):
+            # Read to its end by the workers of a DataLoader that does not tell this process when
+            # a pass begins or ends (torch's own): that pass started from it (see _state_resume).
+            self._pass_resume = self._resume
+            self._resume = None
+        return self._resume
+
+    def _resume_for(self, world: World) -> ResumeState | None:
+        """The resume state that applies to reading with `world`'s layout.
+
+        An endless stream's state taken with another layout is re-expressed for this
+        one (`resume.endless_onto`): its epoch may then be a later one than the state's.
+        """
+        resume = self._active_resume(world)
+        layout = self.layout(world)
+        if resume is None or not self.resampled or resume.current.layout == layout:
+            return resume
+        if self._translated is None or self._translated[0] is not resume or self._translated[1] != layout:
+            remaining, _, _ = current_sequence(self._sequences().after(resume.epoch), resume, resume.current.layout)
+            full = len(self._sequences().ids(resume.epoch + 1))
+            self._translated = (resume, layout, endless_onto(resume, layout, len(remaining), full))
+        return self._translated[2]
+
+    def _state_resume(self, world: World) -> ResumeState | None:
+        """The resume state `state_dict` builds on: the one that applies to reading with
+        `world`'s layout; once the resumed pass is complete, the one it started from (until
+        the next pass or epoch), so that a state taken at the end of an epoch resumed onto
+        another layout still counts the earlier layouts' items and says the epoch is complete."""
+        resume = self._resume_for(world)
+        if resume is not None:
+            return resume
+        if self._pass_resume is not None and self._shared.later_pass():
+            self._pass_resume = None  # a worker has begun the next pass: the epoch starts afresh
+        return self._pass_resume
+
+    def _world_with(self, num_workers: int) -> World:
+        detected = self.world()
+        return World(detected.rank, detected.size, 0, max(1, num_workers))
+
+    def state_dict(self, delivered: int | None = None, num_workers: int = 0) -> dict[str, Any]:
+        """A small, plain (msgpack/JSON-serialisable) description of progress.
+
+        `delivered` is the number of items this rank's training loop has received in
+        the current epoch, through a DataLoader with `num_workers` workers; by default
+        the count of items this dataset yielded when iterated in this process (or, if
+        not iterated since `load_state_dict`, the count the loaded state had).
+        `shardstream.DataLoader` counts and passes both for you.
+
+        Called inside a DataLoader worker, as torchdata's `StatefulDataLoader` does for
+        each worker, it describes that worker's own place in the plan instead; the
+        StatefulDataLoader keeps one per worker and hands each back to its worker.
+        """
+        if delivered is None and get_worker_info() is not None:
+            return self._worker_state()
+        if delivered is None:
+            delivered = self._delivered if self._delivered is not None else self.resumed_items(num_workers)
+        return ResumeState.current_of(self, self._world_with(num_workers), delivered).to_dict()
+
+    def resumed_items(self, num_workers: int = 0) -> int:
+        """Items of the current epoch already delivered before the next iteration starts."""
+        world = self._world_with(num_workers)
+        resume = self._active_resume(world)
+        if resume is None:
+            return 0
+        return resume.current.delivered if resume.current.layout == self.layout(world) else 0
+
+    def start_pass(self, num_workers: int = 0) -> int:
+        """A DataLoader with `num_workers` workers begins an iteration driven from this process:
+        its items of the current epoch already delivered (see `resumed_items`)."""
+        self._pass_resume = self._active_resume(self._world_with(num_workers))
+        return self.resumed_items(num_workers)
+
+    def finish_pass(self) -> None:
+        """The iteration is complete: the next starts the epoch afresh. Until it does, or
+        another epoch is set, `state_dict` still describes the completed one."""
+        self._resume = None
+        self._delivered = 0
+
+    def forget_resume(self) -> None:
+        """Start the next iteration at the beginning of the epoch."""
+        self.finish_pass()
+        self._pass_resume = None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state` on the next iteration (exactly, or elastically if the layout changed).
+
+        A state that is not one of this dataset's, or whose counts do not fit in its epoch,
+        is refused here, naming the field, and leaves the dataset as it was."""
+        resume = ResumeState.from_dict(state, self)
+        # The counts' bounds need the epoch's size: the fingerprint has just read the sample counts.
+        # What earlier layouts left of the epoch is kept for `len()` and the iteration (epochs.py).
+        check_counts(self._sequences().after(resume.epoch), resume, self.resampled)
+        if resume.position is not None:
+            self._load_worker_state(resume)
+            return
+        self._shared.epoch = resume.epoch
+        self._resume = resume
+        self._pass_resume = None
+        self._resume_id = self._shared.new_resume()
+        self._delivered = None
+
+    def _worker_state(self) -> dict[str, Any]:
+        world = self.world()
+        state = ResumeState.current_of(self, world, 0)
+        if self._loaded_position is not None:  # loaded, not iterated yet
+            position = self._loaded_position
+        elif self._position is not None and self._position[0] == state.epoch:  # this epoch's place, to its end
+            position = self._position[1:]
+        else:
+            position = (world.worker, 0)
+        return dataclasses.replace(state, position=position).to_dict()
+
+    def _load_worker_state(self, resume: ResumeState) -> None:
+        world = self.world()
+        if resume.current.layout != self.layout(world):
+            raise ShardstreamError(
+                f"this worker state was taken with {resume.current.layout}, and this run has {self.layout(world)}: "
+                "torchdata's StatefulDataLoader resumes with the same world size and num_workers only; for an "
+                "elastic resume, checkpoint shardstream.DataLoader's state_dict() instead")
+        self._shared.epoch = resume.epoch  # the same value from every worker
+        self._resume = resume
+        self._pass_resume = None
+        self._loaded_position = resume.position
+        self._worker_resume = True
+        self._delivered = None
