@@ -82,9 +82,10 @@ class StreamingDataset(Checkpointing, IterableDataset):
             storage request of up to 8 MB, cut between frames. Default: 2 for local
             shards, 6 for remote ones, where each request waits tens of milliseconds
             and several must be in flight (6 measured best at 50 ms of latency).
-            Remote shards read without a cache also get a head start: a process on
-            its second iteration or later reads the first pieces of the next epoch
-            (``set_epoch(epoch + 1)``) while the current one ends (headstart.py).
+            Remote shards also get a head start: a process on its second iteration
+            or later reads the first pieces of the next epoch (``set_epoch(epoch + 1)``)
+            while the current one ends, or with `cache_dir` downloads its first shard
+            (headstart.py).
         retry: how transient storage errors (5xx, throttling, resets, timeouts) are
             retried: `RetryPolicy(attempts, base_delay, max_delay)`, exponential
             backoff with jitter; default `RetryPolicy()` (10 attempts, about 33 s at most).
@@ -360,9 +361,8 @@ class StreamingDataset(Checkpointing, IterableDataset):
 
     def _head_start(self, source: Source) -> HeadStart | None:
         """This process's head start on its next iteration (headstart.py), where one pays:
-        remote shards read without a cache, with prefetch on."""
-        if self._cache is not None or self.prefetch <= 0 or not source.indexed or \
-                all(ref.store.local for ref in source.shards):
+        remote shards, with prefetch on."""
+        if self.prefetch <= 0 or not source.indexed or all(ref.store.local for ref in source.shards):
             return None
         if self._heads is None or self._heads[0] != os.getpid():
             self._heads = (os.getpid(), HeadStart())

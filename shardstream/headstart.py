@@ -17,30 +17,35 @@ A piece is known by what it reads (`pieces.piece_key`), so a wrong guess (anothe
 epoch, a resume, a changed seed) costs the bytes of one window and never a wrong
 sample. It costs memory too: at the end of an iteration a worker may hold one window
 more (`prefetch` pieces, or up to half of `prefetch` full pieces' bytes) until the next
-iteration begins. The dataset asks for a head start only where it pays: remote stores
-read without a cache (a cache's download of the next epoch's shards would hold them in
-it, beside the current ones) and with prefetch on.
+iteration begins. With a cache (`cache_dir`), the head start downloads the next
+iteration's first shard into it instead, where a cache smaller than the dataset has
+evicted it since: else each epoch would begin waiting for a whole shard's download.
+The copy stays as the cache's most recently used, and holds no lock. The dataset asks
+for a head start only where it pays: remote stores, with prefetch on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
+from .cache import ShardCache
 from .errors import ShardstreamError
 from .pieces import PieceKey, first_window, piece_key, sample_runs
 from .reader import Sample
-from .source import Source
+from .source import ShardRef, Source
 from .stream import MAX_AHEAD, Readers, read_piece, read_tolerant, read_whole
 
 __all__ = ["HeadStart"]
 
 
 class HeadStart:
-    """The pieces read ahead for the next iteration of one dataset in one process."""
+    """The head start of one dataset's next iteration in one process: the pieces read
+    ahead, or with a cache the download of its first shard."""
 
     def __init__(self) -> None:
         self.iterations = 0  # that have taken from it: the iterations of its dataset in this process
@@ -49,18 +54,31 @@ class HeadStart:
         self._failure: Exception | None = None
 
     def begin(self, source: Source, next_ids: Callable[[], np.ndarray | None], counts: np.ndarray, prefetch: int,
-              tolerant: bool, piece_bytes: int) -> None:
+              tolerant: bool, piece_bytes: int, cache: ShardCache | None = None) -> None:
         """Read, in threads of their own, the first window of the iteration that reads the
-        samples `next_ids()` names (as `stream.read_samples` would, with these settings).
-        What an earlier `begin` read and nobody took is dropped."""
+        samples `next_ids()` names (as `stream.read_samples` would, with these settings);
+        with a `cache`, download its first shard into the cache instead. What an earlier
+        `begin` read and nobody took is dropped."""
         for future in self._claim().values():
             future.cancel()
         ids = next_ids()
         if ids is None or not len(ids):
             return
-        self._planner = threading.Thread(target=self._read, args=(source, ids, counts, prefetch, tolerant, piece_bytes),
-                                         name="shardstream-headstart", daemon=True)
+        if cache is not None:
+            first = source.shards[next(sample_runs(ids, counts))[0]]
+            work, args = self._download, (cache, first)
+        else:
+            work, args = self._read, (source, ids, counts, prefetch, tolerant, piece_bytes)
+        self._planner = threading.Thread(target=work, args=args, name="shardstream-headstart", daemon=True)
         self._planner.start()
+
+    def _download(self, cache: ShardCache, ref: ShardRef) -> None:
+        # The shard's lock is let go at once: the copy stays as the cache's most recently used,
+        # and the next iteration's `cache.open` finds it (or waits for this download, not another).
+        with self._errors_kept():
+            _, lock = cache.open(ref)
+            lock.close()
+            cache.trim()
 
     def _read(self, source: Source, ids: np.ndarray, counts: np.ndarray, prefetch: int, tolerant: bool,
               piece_bytes: int) -> None:
@@ -70,16 +88,25 @@ class HeadStart:
         read = read_tolerant if tolerant else read_whole
         pool = ThreadPoolExecutor(max_workers=max(prefetch, MAX_AHEAD), thread_name_prefix="shardstream-headstart")
         try:
-            for shard, (a, b, keep, _, _) in first_window(readers.get, list(sample_runs(ids, counts)), prefetch,
-                                                          piece_bytes, MAX_AHEAD):
-                self._pieces[piece_key(shard, a, b, keep, tolerant)] = pool.submit(read_piece, read, readers, shard,
-                                                                                   a, b, keep)
-        except ShardstreamError:
-            pass  # an index that cannot be read: the next iteration reads it too, and meets the error in its turn
-        except Exception as error:  # a bug: raised to the next iteration (`take`), not lost in this thread
-            self._failure = error
+            with self._errors_kept():
+                for shard, (a, b, keep, _, _) in first_window(readers.get, list(sample_runs(ids, counts)), prefetch,
+                                                              piece_bytes, MAX_AHEAD):
+                    self._pieces[piece_key(shard, a, b, keep, tolerant)] = pool.submit(read_piece, read, readers,
+                                                                                       shard, a, b, keep)
         finally:
             pool.shutdown(wait=False)  # its threads end when their reads do
+
+    @contextlib.contextmanager
+    def _errors_kept(self) -> Iterator[None]:
+        """In the head start's thread: a storage error (or a bad index) is left to the next
+        iteration, which reads the same and meets it in its own turn; anything else is a
+        bug, raised to the next iteration when it takes the head start, not lost here."""
+        try:
+            yield
+        except ShardstreamError:
+            pass
+        except Exception as error:
+            self._failure = error
 
     def take(self) -> dict[PieceKey, Future[list[Sample]]]:
         """For an iteration beginning: the pieces the last `begin` read or is reading, now
@@ -93,7 +120,9 @@ class HeadStart:
 
     def _claim(self) -> dict[PieceKey, Future[list[Sample]]]:
         if self._planner is not None:
-            self._planner.join()  # the plan is quick; its reads go on in their own threads
+            # Planning is quick, and its reads go on in their own threads; a download into the
+            # cache is waited for, as the next iteration's first `cache.open` would wait for it.
+            self._planner.join()
             self._planner = None
         pieces, self._pieces = self._pieces, {}
         return pieces

@@ -180,7 +180,7 @@ def read_samples(source: Source, ids: np.ndarray, counts: np.ndarray, prefetch: 
             def begin_next() -> None:
                 nonlocal next_ids
                 if next_ids is not None and head_start is not None and all(f.done() for *_, f in ahead):
-                    head_start.begin(source, next_ids, counts, prefetch, tolerant, piece_bytes)
+                    head_start.begin(source, next_ids, counts, prefetch, tolerant, piece_bytes, cache)
                     next_ids = None
 
             taken = head_start.take() if head_start is not None else {}

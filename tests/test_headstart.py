@@ -7,6 +7,7 @@ epoch (one window's worth of pieces) must still arrive whole and in the planned 
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -170,3 +171,29 @@ def test_a_bug_in_the_head_start_reaches_the_next_iteration(small_ds, monkeypatc
     with pytest.raises(RuntimeError, match="a bug in planning"):
         head.take()
     assert head.take() == {}  # raised once
+
+
+def test_with_a_small_cache_the_next_epoch_s_first_shard_is_downloaded_ahead(small_ds, tmp_path):
+    """A cache of about two shards, an unshuffled epoch of 13: the first shard was evicted
+    long before an epoch ends. At the end of the second epoch in this process, the head
+    start downloads it again, so the third epoch begins on a cached copy: that epoch fetches
+    the first shard no more, and every shard after it once."""
+    names = [ref.name for ref in shardstream.open_dataset(small_ds).shards]
+    sizes = [os.path.getsize(os.path.join(small_ds, name)) + os.path.getsize(os.path.join(small_ds, name + ".idx"))
+             for name in names]
+    with H.CountingHTTPServer(small_ds) as server:
+        ds = shardstream.StreamingDataset(server.url, decode=None, fields=("__key__",), prefetch=1,
+                                          cache_dir=str(tmp_path / "cache"), cache_limit=2 * max(sizes))
+        epochs = []
+        for epoch in range(2):
+            ds.set_epoch(epoch)
+            epochs.append([key for (key,) in ds])
+        wait_for(lambda: not headstart_threads(), "the head start's download")
+        before = server.get_counts()
+        assert before[names[0]] == 3  # epochs 0 and 1, and the head start
+        ds.set_epoch(2)
+        epochs.append([key for (key,) in ds])
+        after = server.get_counts()
+    assert epochs == [[f"s{i:03d}" for i in range(N_SAMPLES)]] * 3
+    assert after[names[0]] == before[names[0]]
+    assert all(after[name] == before[name] + 1 for name in names[1:-1])
