@@ -48,6 +48,10 @@ ratios are between medians of the same run):
   shardstream and WebDataset, plus `shardstream.DataLoader` with 2 workers; and raw
   streaming through one worker from local disk and over the 50 ms HTTP server (the
   remote section's pair). Use `--images 4000`, the issues' own set size.
+* epochstart (not in the default run): the wait at the start of each epoch of a
+  persistent worker streaming raw samples over the 50 ms HTTP server, with the head
+  start on the next epoch and without it (`HeadStart.begin` patched out in the workers
+  of those loaders), without a cache and with one a third of the dataset's size.
 * shrink (not in the default run): what `pack --max-side` costs once and saves every
   epoch. Pack the image folder as is and with `max_side=--max-side` (2 workers, zstd,
   fresh output each round), then the decode section's one-process pipeline over each
@@ -74,9 +78,11 @@ import io
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -95,7 +101,7 @@ from shardstream import decode as ss_decode  # noqa: E402
 from shardstream.transforms import RandomResizedCropJPEG, crop_params  # noqa: E402
 from shardstream.writer import parse_size  # noqa: E402
 
-SECTIONS = ("decode", "loader", "remote", "resume", "shrink", "adopt", "steady")
+SECTIONS = ("decode", "loader", "remote", "resume", "shrink", "adopt", "steady", "epochstart")
 DEFAULT_SECTIONS = ("decode", "loader", "remote", "resume")
 SHARD_SIZE = "32MB"
 BATCH = 64
@@ -734,6 +740,57 @@ def section_steady(d: Data, repeats: int, out: dict, server: ServerProcess) -> N
         g.run_fn.loader = None  # the workers go now, not at exit
 
 
+def section_epochstart(d: Data, repeats: int, out: dict, server: ServerProcess) -> None:
+    """The wait at the start of each epoch of a persistent worker over HTTP (50 ms a request),
+    with the head start on the next epoch (headstart.py) and without it: raw samples through
+    one worker, without a cache and with a cache a third of the dataset's size. A loader's
+    worker is forked when it is made (the untimed epoch), so the loaders made while
+    `HeadStart.begin` is patched to do nothing keep that in their workers for good; the
+    others run the library as it is. The first timed round is each worker's second epoch,
+    when no head start has been read yet: the table's first-item column counts the later
+    rounds only."""
+    import shardstream.headstart as headstart
+
+    raw = dict(decode=None, fields=("__key__", "jpg"))
+    shard_bytes = max(os.path.getsize(os.path.join(d.ss_path, f)) for f in os.listdir(d.ss_path) if f.endswith(".zst"))
+    total = sum(os.path.getsize(os.path.join(d.ss_path, f)) for f in os.listdir(d.ss_path))
+    limit = max(total // 3, 2 * shard_bytes + (1 << 20))
+    caches = tempfile.mkdtemp(prefix="shardstream-epochstart-")
+
+    def remote(cache: str | None) -> Callable[[], Any]:
+        options = dict(cache_dir=os.path.join(caches, cache), cache_limit=limit) if cache else {}
+        return lambda: ss.StreamingDataset(d.ss_url(server.url), shuffle=True, shuffle_buffer=SHUFFLE_BUFFER,
+                                           **raw, **options)
+
+    original = headstart.HeadStart.begin
+    group: list[Contender] = []
+    try:
+        for on in (False, True):
+            headstart.HeadStart.begin = original if on else (lambda self, *args, **kwargs: None)  # type: ignore
+            for cache in (None, "on" if on else "off"):
+                name = f"HTTP 50 ms, {'cache 1/3 of the data' if cache else 'no cache'}, head start {'on' if on else 'off'}"
+                print(f"  [epochstart] starting {name} (one untimed epoch)", flush=True)
+                group.append(LiveWorkersContender(name, Epochs(remote(cache), 1), expect=d.n, skip_pid=server.proc.pid))
+    finally:
+        headstart.HeadStart.begin = original  # type: ignore[method-assign]
+    try:
+        measure("epochstart", group, repeats)
+    finally:
+        for g in group:
+            g.run_fn.loader = None  # the workers go now, not at exit
+        shutil.rmtree(caches, ignore_errors=True)
+    lines = ["| contender | median epoch s | first item, rounds 2 on (median) | first item, rounds 2 on (range) |",
+             "|---|---|---|---|"]
+    for g in group:
+        later = g.first[1:] or g.first
+        lines.append(f"| {g.name} | {g.median:.2f} | {statistics.median(later):.3f} s | "
+                     f"{min(later):.3f}-{max(later):.3f} s |")
+    text = f"**epochstart: persistent 1-worker loaders, raw samples, {d.n} images, cache limit {limit / 1e6:.0f} MB, " \
+           f"{repeats} rounds**\n\n" + "\n".join(lines)
+    print("\n" + text + "\n", flush=True)
+    out["epochstart"] = {"rows": [g.row() for g in group], "table": text, "cache_limit": limit}
+
+
 def _steady(con: Contender, i: int) -> float:
     """Run i's rate after its first item: an epoch of a few seconds, less the start that a long one hides."""
     return (con.samples - 1) / (con.wall[i] - con.first[i])
@@ -871,7 +928,8 @@ def main(argv: list[str] | None = None) -> int:
         "targets": {},
         "load_average": {},
     }
-    server = ServerProcess(d.root, LATENCY_S) if {"remote", "resume", "adopt", "steady"} & set(sections) else None
+    server = ServerProcess(d.root, LATENCY_S) if {"remote", "resume", "adopt", "steady", "epochstart"} & set(sections) \
+        else None
     try:
         for name in sections:
             print(f"\n== {name} (load average {os.getloadavg()[0]:.1f})", flush=True)
@@ -891,6 +949,8 @@ def main(argv: list[str] | None = None) -> int:
                 section_adopt(d, args.repeats, results, server)
             elif name == "steady":
                 section_steady(d, args.repeats, results, server)
+            elif name == "epochstart":
+                section_epochstart(d, args.repeats, results, server)
             results["load_average"][name] = {"start": la0, "end": os.getloadavg()[0],
                                              "section_s": time.perf_counter() - t0}
     finally:
