@@ -1,218 +1,21 @@
-"""The `shardstream` command: pack, inspect, verify, demo.
+"""The `shardstream` command: pack, merge, index, repack, inspect, verify, demo, bench.
 
-Each subcommand is a thin layer over a library function; the CLI parses arguments,
-prints, and turns a `ShardstreamError`, or an `OSError` on a path it was given (a
-file where a folder should be, a folder that cannot be made), into a one-line message
-and exit status 1.
+This module parses the arguments and runs the subcommand (commands.py, each a thin
+layer over a library function), and turns a `ShardstreamError`, or an `OSError` on a
+path it was given (a file where a folder should be, a folder that cannot be made),
+into a one-line message and exit status 1.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Sequence
 
+from .commands import (cmd_bench, cmd_demo, cmd_index, cmd_inspect, cmd_merge, cmd_pack, cmd_repack,
+                       cmd_verify)
 from .errors import ShardstreamError
-
-
-def _storage_options(text: str | None) -> dict:
-    """--storage-options (or SHARDSTREAM_STORAGE_OPTIONS, its default): a JSON object."""
-    if not text:
-        return {}
-    try:
-        options = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ShardstreamError(f"--storage-options (or SHARDSTREAM_STORAGE_OPTIONS) is not JSON: {e}: {text!r}") from None
-    if not isinstance(options, dict):
-        raise ShardstreamError(f"--storage-options (or SHARDSTREAM_STORAGE_OPTIONS) must be a JSON object, not {text!r}")
-    return options
-
-
-def cmd_pack(args: argparse.Namespace) -> int:
-    from .pack import pack
-
-    if args.executor == "ray":
-        return _pack_with_ray(args)
-    part = _part(args.part)
-    summary = pack(args.src, args.dst, workers=args.workers, part=part, progress=not args.quiet,
-                   **_pack_options(args))
-    print(summary)
-    if part is not None and not args.no_merge:
-        return _merge_if_complete(args, part[1])
-    return 0
-
-
-def _merge_if_complete(args: argparse.Namespace, parts: int) -> int:
-    """After a part: if every part is done, merge, so that the last part to finish makes the
-    dataset and no separate merge step is needed (`shardstream merge` stays, to check or redo)."""
-    from .parts import merge, missing_parts
-
-    options = _storage_options(args.storage_options)
-    missing = missing_parts(args.dst, parts, storage_options=options)
-    if missing:
-        print(f"{parts - len(missing)} of {parts} parts done; the last part to finish merges")
-        return 0
-    try:
-        manifest = merge(args.dst, storage_options=options)
-    except ShardstreamError as e:
-        print(f"shardstream: every part is done, but they do not merge: {e}", file=sys.stderr)
-        return 1
-    print(f"all {parts} parts done: merged {manifest.samples:,} samples in {len(manifest.shards)} shards")
-    return 0
-
-
-def _pack_options(args: argparse.Namespace) -> dict:
-    """The options every part of a pack shares, from the command line."""
-    return dict(shard_size=args.shard_size, max_samples=args.max_samples, compression=args.compression,
-                level=args.level, seed=args.seed, shuffle=not args.no_shuffle, on_error=args.on_error,
-                max_side=args.max_side, quality=args.quality,
-                overwrite=args.overwrite, resume=args.resume, storage_options=_storage_options(args.storage_options))
-
-
-def _pack_with_ray(args: argparse.Namespace) -> int:
-    from .executors import pack_with_ray
-
-    if args.part is not None:
-        raise ShardstreamError("--executor ray runs all parts itself; leave out --part")
-    manifest, summaries = pack_with_ray(args.src, args.dst, parts=args.parts, address=args.ray_address,
-                                        cpus_per_part=args.workers or 1, progress=not args.quiet,
-                                        **_pack_options(args))
-    seconds = max(s.seconds for s in summaries)
-    print(f"packed {manifest.samples:,} samples into {len(manifest.shards)} shards as {args.parts} Ray tasks "
-          f"(slowest part {seconds:.1f} s); skipped {len(manifest.skipped)}, not images {manifest.ignored}")
-    return 0
-
-
-def _part(text: str | None) -> tuple[int, int] | None:
-    if text is None:
-        return None
-    try:
-        index, total = (int(x) for x in text.split("/"))
-    except ValueError:
-        raise ShardstreamError(f"--part takes I/N (e.g. 0/4), not {text!r}") from None
-    return index, total
-
-
-def cmd_merge(args: argparse.Namespace) -> int:
-    from .parts import merge
-
-    manifest = merge(args.dst, storage_options=_storage_options(args.storage_options))
-    print(f"merged {manifest.options.get('parts')} parts: {manifest.samples:,} samples in {len(manifest.shards)} shards")
-    return 0
-
-
-def cmd_index(args: argparse.Namespace) -> int:
-    from .adopt import index_tars
-
-    manifest = index_tars(args.source, workers=args.workers, overwrite=args.overwrite, progress=not args.quiet,
-                          storage_options=_storage_options(args.storage_options))
-    fields = sorted({f for s in manifest.shards for f in s.fields})
-    print(f"indexed {manifest.samples:,} samples in {len(manifest.shards)} shards "
-          f"({sum(s.bytes for s in manifest.shards) / 1e6:,.1f} MB); fields {', '.join(fields)}; "
-          f"{len(manifest.classes)} classes")
-    return 0
-
-
-def cmd_repack(args: argparse.Namespace) -> int:
-    from .adopt import repack_tars
-
-    manifest = repack_tars(args.source, args.dst, shard_size=args.shard_size, compression=args.compression,
-                           level=args.level, progress=not args.quiet,
-                           storage_options=_storage_options(args.storage_options))
-    print(f"repacked {manifest.samples:,} samples into {len(manifest.shards)} shards "
-          f"({sum(s.bytes for s in manifest.shards) / 1e6:,.1f} MB)")
-    return 0
-
-
-def cmd_inspect(args: argparse.Namespace) -> int:
-    from .verify import inspect_dataset
-
-    info = inspect_dataset(args.dataset, storage_options=_storage_options(args.storage_options))
-    if args.json:
-        print(json.dumps(info, indent=2))
-        return 0
-    print(f"{info['url']}: {info['samples']:,} samples in {info['shards']} shards ({info['compression']}), "
-          f"{info['bytes'] / 1e6:,.1f} MB + {info['index_bytes'] / 1e3:,.1f} KB of index")
-    print(f"tar bytes {info['tar_bytes'] / 1e6:,.1f} MB, compression ratio {info['compression_ratio']:.3f}")
-    print(f"fields: {', '.join(info['fields'])}; written by {info['writer']} (format {info['format_version']})")
-    if info["classes"]:
-        print(f"{len(info['classes'])} classes:")
-        for name, count in info["classes"].items():
-            print(f"  {name}: {count}")
-    print(f"skipped at pack time: {len(info['skipped'])}, not images: {info['ignored']}")
-    for item in info["skipped"]:
-        print(f"  {item['file']}: {item['reason']}")
-    return 0
-
-
-def cmd_verify(args: argparse.Namespace) -> int:
-    from .verify import verify_dataset
-
-    report = verify_dataset(
-        args.dataset,
-        decode_images=not args.no_decode,
-        progress=not args.quiet,
-        storage_options=_storage_options(args.storage_options),
-        workers=args.workers,
-    )
-    for problem in report.problems:
-        print(f"PROBLEM {problem}")
-    status = "ok" if report.ok else f"{len(report.problems)} problems"
-    print(f"verified {report.shards} shards, {report.samples} samples, {report.images} images decoded: {status}")
-    return 0 if report.ok else 1
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
-
-    failed = run_demo(images=args.images, classes=args.classes, workers=args.workers, keep=args.keep)
-    for check in failed:
-        print(f"shardstream demo: check failed: {check}", file=sys.stderr)
-    return 1 if failed else 0
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import bench
-    from .benchresult import save_json
-
-    plot = args.plot
-    for option, path in (("--json", args.json), ("--plot", plot)):
-        if path is not None:
-            _writable_file(path, option)
-    if plot is not None:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            print(f"shardstream bench: --plot {plot}: matplotlib is not installed, so no curve will be drawn "
-                  "(pip install 'shardstream[plot]')", file=sys.stderr)
-            plot = None
-    result = bench(
-        args.dataset,
-        workers=args.workers,
-        batch_size=args.batch_size,
-        transform=args.transform,
-        seconds=args.seconds,
-        warmup=args.warmup,
-        device=args.device,
-        decode_on_device=args.decode_on_device,
-        decode_threads=args.decode_threads,
-        progress=not args.quiet,
-        storage_options=_storage_options(args.storage_options),
-    )
-    print(result.table())
-    if 0 in args.workers:
-        print("num_workers=0 ran in this process with torch.set_num_threads(1), as DataLoader workers run")
-    print(f"knee: num_workers={result.knee}" + (f" (with {result.decode_threads} decode threads per process)"
-                                                 if result.decode_threads else ""))
-    if args.json:
-        save_json(result, args.json)
-        print(f"wrote {args.json}")
-    if plot is not None:
-        result.plot(plot)
-        print(f"wrote {plot}")
-    return 0
 
 
 def _positive_int(text: str) -> int:
@@ -231,17 +34,6 @@ def _int_at_least(text: str, least: int, what: str) -> int:
     if value < least:
         raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
     return value
-
-
-def _writable_file(path: str, option: str) -> None:
-    """Fail now, not after the whole benchmark ran, if `path` cannot be written."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise ShardstreamError(f"{option} {path}: is a folder, not a file")
-    if not os.path.isdir(folder):
-        raise ShardstreamError(f"{option} {path}: there is no folder {folder}")
-    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise ShardstreamError(f"{option} {path}: not writable")
 
 
 def _worker_counts(text: str) -> list[int]:
