@@ -30,7 +30,8 @@ from .format import INDEX_SUFFIX, MANIFEST_NAME, Manifest, ShardInfo
 from .tarstream import CountingReader, StreamTarReader, scan_tar
 from .shardfile import IMAGE_LEVEL
 from .retry import RetryPolicy
-from .storage import Store, split_url
+from .storage import Store
+from .urls import split_url
 from .threads import ordered_map
 from .writer import write_manifest
 

@@ -38,7 +38,7 @@ from .shared import SharedState
 from .source import Source, resolve_source
 from .stream import read_samples, reorder
 from .retry import RetryPolicy
-from .storage import preload_driver
+from .urls import preload_driver
 from .world import World
 from .writer import parse_size
 

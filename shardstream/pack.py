@@ -38,6 +38,7 @@ from .journal import Journal
 from .listing import Listing, SourceFile, list_source, printable
 from .packplan import PackOptions, order, part_slice, plan_frames, shrunk_estimates
 from .parts import other_packs
+from .scratch import cleanup_scratch
 from .shardfile import FRAME_SIZE, IMAGE_LEVEL, ShardFileWriter
 from .shrink import DEFAULT_QUALITY
 from .storage import Store
@@ -254,7 +255,7 @@ def pack(
     jobs = [(shard, frame, listing.root, opts, on_error == "skip") for shard, frame in planned if shard not in done]
     if resume:  # a killed run's half-written shards, which this run writes again
         todo = {shard_name(opts.prefix, shard, compression) for shard, _ in planned if shard not in done}
-        store.cleanup_scratch([name for shard in todo for name in (shard, shard + INDEX_SUFFIX)])
+        cleanup_scratch(store, [name for shard in todo for name in (shard, shard + INDEX_SUFFIX)])
     workers = max(1, min(workers or os.cpu_count() or 1, len(jobs) or 1))
 
     start = time.perf_counter()

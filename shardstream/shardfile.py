@@ -23,7 +23,8 @@ import zstandard
 from . import tario
 from .format import INDEX_SUFFIX, ShardIndex, ShardInfo, label_column, label_of, weight_column, weight_of
 from .errors import StorageError
-from .storage import Store, scratch_file
+from .scratch import scratch_file
+from .storage import Store
 
 FRAME_SIZE = 1 << 20  # uncompressed bytes per zstd frame, before the sample that crosses it
 

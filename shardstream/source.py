@@ -22,7 +22,8 @@ from .reader import ShardReader
 from .tarstream import StreamTarReader
 from .shardfile import FRAME_SIZE
 from .retry import RetryPolicy
-from .storage import Store, split_url
+from .storage import Store
+from .urls import split_url
 
 if TYPE_CHECKING:
     from .sampling import Mix

@@ -9,7 +9,8 @@ Local paths bypass fsspec on the read path: a plain `open` + `seek` + `read` cos
 few microseconds, fsspec's LocalFileSystem several times that, and the raw reader
 makes one such call per zstd frame.
 
-What a store uses but does not own lives below it: which errors are retried and how
+What a store uses but does not own lives below it: what a URL names (`urls`), the
+scratch files that writes go through (`scratch`), which errors are retried and how
 (`retry`), the per-process I/O counters every read adds to (`iostats`), and what a
 forked child must be told about fsspec's event loop (`forkloop`).
 """
@@ -20,16 +21,17 @@ import contextlib
 import io
 import os
 import posixpath
-import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, BinaryIO, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, BinaryIO, Iterator, Mapping
 
 from . import forkloop  # noqa: F401 - registers the fork handlers for fsspec's event loop
 from . import http_ranges, s3_ranges
 from .errors import StorageError, safe_cause
 from .iostats import io_stats
 from .retry import RetryPolicy
+from .scratch import scratch_file
+from .urls import is_local, local_path, split_query
 
 if TYPE_CHECKING:
     import fsspec
@@ -37,29 +39,7 @@ if TYPE_CHECKING:
 # fsspec is imported where a remote store first needs it: it takes about 0.1 s, which
 # every command on local files and every process a local pack starts would pay.
 
-__all__ = ["Store", "is_local", "split_url"]
-
-
-def is_local(url: str) -> bool:
-    """True for plain paths and ``file://`` URLs."""
-    return "://" not in url or url.startswith("file://")
-
-
-def preload_driver(url: str) -> None:
-    """Import the fsspec implementation for `url`'s protocol now (no network).
-
-    Called in the process that builds a dataset, before DataLoader workers fork from it:
-    they inherit the module instead of each importing it on its first request (about
-    0.2-0.3 s for aiohttp, behind HTTP, or for s3fs and botocore), which delays every
-    worker's first batch.
-    """
-    if not is_local(url):
-        import fsspec
-
-        try:
-            fsspec.get_filesystem_class(url.split("://", 1)[0])
-        except (ImportError, ValueError):
-            pass  # an unknown or uninstalled protocol: the first real request says so, naming the URL
+__all__ = ["Store"]
 
 
 OPEN_BLOCK_BYTES = 8 << 20  # bytes per ranged request of a remote file read front to back (`Store.open`)
@@ -83,31 +63,6 @@ def _with_timeouts(root: str, options: Mapping[str, Any]) -> dict[str, Any]:
                                         sock_read=HTTP_READ_TIMEOUT_S)
         options["client_kwargs"] = {**options.get("client_kwargs", {}), "timeout": timeout}
     return options
-
-
-def _local_path(url: str) -> str:
-    return url[len("file://") :] if url.startswith("file://") else url
-
-
-def split_url(url: str) -> tuple[str, str]:
-    """Split a file URL into (parent location, file name); an HTTP(S) query string stays
-    with the parent (`Store.url` puts it back on every file's URL)."""
-    url, query = _split_query(url)
-    url = url.rstrip("/")
-    if "://" in url:
-        scheme, rest = url.split("://", 1)
-        parent, _, name = rest.rpartition("/")
-        return f"{scheme}://{parent}{query}", name
-    parent, name = os.path.split(url)
-    return parent or ".", name
-
-
-def _split_query(url: str) -> tuple[str, str]:
-    """(URL without its query, ``?query`` or "") for HTTP(S); other URLs have no query."""
-    if url.startswith(("http://", "https://")) and "?" in url:
-        base, query = url.split("?", 1)
-        return base, "?" + query
-    return url, ""
 
 
 @dataclass(frozen=True)
@@ -141,7 +96,7 @@ class Store:
     def location(self) -> str:
         """The root without an HTTP(S) query string: where the files are, whatever token
         (which may rotate) grants access to them."""
-        return _split_query(self.root)[0]
+        return split_query(self.root)[0]
 
     def url(self, name: str) -> str:
         """The full URL (or path) of the file `name` in this store.
@@ -150,8 +105,8 @@ class Store:
         below the root) goes on each file's URL, after its name.
         """
         if self.local:
-            return os.path.join(_local_path(self.root), name)
-        base, query = _split_query(self.root)
+            return os.path.join(local_path(self.root), name)
+        base, query = split_query(self.root)
         return posixpath.join(base.rstrip("/"), name) + query
 
     def _fs_path(self, name: str) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -289,7 +244,7 @@ class Store:
         """Names of the files directly in this store that end with `suffix`, sorted; none
         where the folder does not exist. Remote listings are retried as reads are."""
         if self.local:
-            root = _local_path(self.root)
+            root = local_path(self.root)
             if not os.path.isdir(root):
                 return []
             return sorted(n for n in os.listdir(root) if n.endswith(suffix) and os.path.isfile(os.path.join(root, n)))
@@ -324,20 +279,7 @@ class Store:
 
     def makedirs(self) -> None:
         if self.local:
-            os.makedirs(_local_path(self.root), exist_ok=True)
-
-    def scratch_dir(self) -> str:
-        """A local directory for files on their way into this store.
-
-        Local stores get a hidden folder inside the root, so that the final rename is
-        atomic (same file system); remote stores the system's temporary folder itself (a
-        folder made per file was left behind, empty, for every file uploaded).
-        """
-        if self.local:
-            path = os.path.join(_local_path(self.root), ".shardstream-tmp")
-            os.makedirs(path, exist_ok=True)
-            return path
-        return tempfile.gettempdir()
+            os.makedirs(local_path(self.root), exist_ok=True)
 
     def put(self, local_file: str, name: str) -> None:
         """Move a finished local file into the store under `name`, atomically.
@@ -390,26 +332,6 @@ class Store:
         with contextlib.suppress(FileNotFoundError):  # removed meanwhile: as asked
             fs.rm_file(path)
 
-    def cleanup_scratch(self, names: Iterable[str] = ()) -> None:
-        """Remove what killed writers of `names` left in the local scratch folder, then the folder if empty.
-
-        Only the given names' files go: other writers (the other parts of a pack, say)
-        may be writing into the same folder at this moment.
-        """
-        if not self.local:
-            return
-        path = os.path.join(_local_path(self.root), ".shardstream-tmp")
-        if not os.path.isdir(path):
-            return
-        prefixes = tuple(f".{name}." for name in names)
-        for entry in os.listdir(path):
-            if prefixes and entry.startswith(prefixes) and entry.endswith(".part"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(os.path.join(path, entry))
-        with contextlib.suppress(OSError):
-            os.rmdir(path)  # only if empty; another writer may still be using it
-
-
 class _RangedFile(io.RawIOBase):
     """A remote file read front to back by ranged `Store.read`s (retried, counted).
 
@@ -431,39 +353,3 @@ class _RangedFile(io.RawIOBase):
         self.position += len(data)
         self.at_end = len(data) < len(buffer)  # no request past the end
         return len(data)
-
-
-def _umask_by_setting() -> int:
-    umask = os.umask(0)
-    os.umask(umask)
-    return umask
-
-
-# Read by setting it once, at import, for systems without /proc (see `_umask`).
-_IMPORT_UMASK = _umask_by_setting()
-
-
-def _umask() -> int:
-    """The process umask, read without changing it (Linux's /proc/self/status).
-
-    `os.umask` can only read it by setting it: between that call and the one that
-    restores it, a file another thread creates gets mode 0666.
-    """
-    try:
-        with open("/proc/self/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    return _IMPORT_UMASK
-
-
-def scratch_file(store: Store, name: str) -> tuple[str, BinaryIO]:
-    """A new temporary file for `name` on its way into `store`, open for writing.
-
-    Its mode follows the umask like any new file (mkstemp alone would give 0600).
-    """
-    fd, path = tempfile.mkstemp(dir=store.scratch_dir(), prefix=f".{name}.", suffix=".part")
-    os.fchmod(fd, 0o666 & ~_umask())
-    return path, os.fdopen(fd, "wb")

@@ -23,7 +23,8 @@ from . import tario
 from .errors import CorruptShardError, ShardstreamError
 from .format import INDEX_SUFFIX, ShardIndex, check_weight, label_column, label_of, weight_column
 from .reader import Sample, ShardReader, _decompressor
-from .storage import Store, split_url
+from .storage import Store
+from .urls import split_url
 
 __all__ = ["StreamTarReader", "CountingReader", "scan_tar", "open_shard", "ZstdFrameWalker"]
 

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 from .errors import ShardstreamError
 from .fields import encode_sample
 from .format import COMPRESSIONS, MANIFEST_NAME, SHARD_SUFFIX, Manifest, ShardInfo, check_weight
+from .scratch import cleanup_scratch
 from .shardfile import FRAME_SIZE, LEVEL, MIN_LEVEL, ShardFileWriter, build_frame
 from .storage import Store
 from . import tario
@@ -46,7 +47,7 @@ def shard_name(prefix: str, number: int, compression: str) -> str:
 def write_manifest(store: Store, manifest: Manifest) -> None:
     """Publish the manifest: the last file written, and the one that makes a dataset."""
     store.write(MANIFEST_NAME, manifest.to_bytes())
-    store.cleanup_scratch()
+    cleanup_scratch(store)
 
 
 def check_compression(compression: str, level: int) -> None:

@@ -1,0 +1,94 @@
+"""Files on their way into a store: written whole in a scratch folder, then put in place.
+
+A local store's scratch folder is a hidden folder inside its root, so that the final
+rename is atomic (one file system); a remote store's is the system's temporary folder.
+A new scratch file gets the mode the umask gives any new file. What killed writers
+left behind is removed by name, since other writers may share the folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from typing import TYPE_CHECKING, BinaryIO, Iterable
+
+from .urls import local_path
+
+if TYPE_CHECKING:
+    from .storage import Store
+
+__all__ = ["cleanup_scratch", "scratch_dir", "scratch_file"]
+
+SCRATCH = ".shardstream-tmp"
+
+
+def scratch_dir(store: Store) -> str:
+    """A local folder for files on their way into `store`.
+
+    Local stores get a hidden folder inside the root, so that the final rename is
+    atomic (same file system); remote stores the system's temporary folder itself (a
+    folder made per file was left behind, empty, for every file uploaded).
+    """
+    if store.local:
+        path = os.path.join(local_path(store.root), SCRATCH)
+        os.makedirs(path, exist_ok=True)
+        return path
+    return tempfile.gettempdir()
+
+
+def cleanup_scratch(store: Store, names: Iterable[str] = ()) -> None:
+    """Remove what killed writers of `names` left in `store`'s local scratch folder, then
+    the folder if empty.
+
+    Only the given names' files go: other writers (the other parts of a pack, say)
+    may be writing into the same folder at this moment.
+    """
+    if not store.local:
+        return
+    path = os.path.join(local_path(store.root), SCRATCH)
+    if not os.path.isdir(path):
+        return
+    prefixes = tuple(f".{name}." for name in names)
+    for entry in os.listdir(path):
+        if prefixes and entry.startswith(prefixes) and entry.endswith(".part"):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(path, entry))
+    with contextlib.suppress(OSError):
+        os.rmdir(path)  # only if empty; another writer may still be using it
+
+
+def _umask_by_setting() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+# Read by setting it once, at import, for systems without /proc (see `_umask`).
+_IMPORT_UMASK = _umask_by_setting()
+
+
+def _umask() -> int:
+    """The process umask, read without changing it (Linux's /proc/self/status).
+
+    `os.umask` can only read it by setting it: between that call and the one that
+    restores it, a file another thread creates gets mode 0666.
+    """
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return _IMPORT_UMASK
+
+
+def scratch_file(store: Store, name: str) -> tuple[str, BinaryIO]:
+    """A new temporary file for `name` on its way into `store`, open for writing.
+
+    Its mode follows the umask like any new file (mkstemp alone would give 0600).
+    """
+    fd, path = tempfile.mkstemp(dir=scratch_dir(store), prefix=f".{name}.", suffix=".part")
+    os.fchmod(fd, 0o666 & ~_umask())
+    return path, os.fdopen(fd, "wb")
