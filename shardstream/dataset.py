@@ -331,7 +331,7 @@ class StreamingDataset(Checkpointing, IterableDataset):
         head_start = self._head_start(source)
         next_ids = None  # a process on its second iteration or later will likely see another
         if head_start is not None and head_start.iterations > 0:
-            next_ids = lambda: self._next_epoch_reads(world, epoch)  # noqa: E731
+            next_ids = lambda: self._next_epoch_reads(world, epoch, worker)  # noqa: E731
         samples = read_samples(source, mine[needed], self.counts(), self.prefetch, self._cache,
                                tolerant=self.on_error.mode == "skip", head_start=head_start, next_ids=next_ids)
         ordered = reorder(zip(needed.tolist(), samples), remaining)
@@ -368,11 +368,14 @@ class StreamingDataset(Checkpointing, IterableDataset):
             self._heads = (os.getpid(), HeadStart())
         return self._heads[1]
 
-    def _next_epoch_reads(self, world: World, epoch: int) -> np.ndarray:
-        """The samples this loader worker will read next, in reading order, if the next
-        iteration is `epoch + 1` from its start with the same layout (`set_epoch(epoch + 1)`)."""
+    def _next_epoch_reads(self, world: World, epoch: int, worker: int) -> np.ndarray:
+        """The samples this loader worker will read next, in reading order, if what comes
+        next is `epoch + 1` from its start with the same layout: the next iteration after
+        `set_epoch(epoch + 1)`, or an endless stream's next epoch, which plan worker `worker`
+        (the one this loader worker serves now) goes on into."""
         block, layout = self._rank_block(world, epoch + 1)[0], self.layout(world)
-        worker, _ = self._start(world, _items(len(block), world, layout), 0)
+        if not self.resampled:  # a new pass starts at this loader worker's own place
+            worker, _ = self._start(world, _items(len(block), world, layout), 0)
         mine, _, needed = self._worker_reads(world, block, layout, 0, worker, 0, epoch + 1)
         return mine[needed]
 

@@ -20,8 +20,9 @@ more (`prefetch` pieces, or up to half of `prefetch` full pieces' bytes) until t
 iteration begins. With a cache (`cache_dir`), the head start downloads the next
 iteration's first shard into it instead, where a cache smaller than the dataset has
 evicted it since: else each epoch would begin waiting for a whole shard's download.
-The copy stays as the cache's most recently used, and holds no lock. The dataset asks
-for a head start only where it pays: remote stores, with prefetch on.
+The copy is held (a shared lock) until the next iteration opens it, as a shard in use
+is, so the cache may go over its limit by that shard meanwhile. The dataset asks for a
+head start only where it pays: remote stores, with prefetch on.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Iterator
+from typing import BinaryIO, Callable, Iterator
 
 import numpy as np
 
@@ -37,7 +38,7 @@ from .cache import ShardCache
 from .errors import ShardstreamError
 from .pieces import PieceKey, first_window, piece_key, sample_runs
 from .reader import Sample
-from .source import ShardRef, Source
+from .source import Source
 from .stream import MAX_AHEAD, Readers, read_piece, read_tolerant, read_whole
 
 __all__ = ["HeadStart"]
@@ -51,6 +52,7 @@ class HeadStart:
         self.iterations = 0  # that have taken from it: the iterations of its dataset in this process
         self._planner: threading.Thread | None = None
         self._pieces: dict[PieceKey, Future[list[Sample]]] = {}
+        self._held: dict[int, BinaryIO] = {}  # shard: the shared lock on its copy in the cache
         self._failure: Exception | None = None
 
     def begin(self, source: Source, next_ids: Callable[[], np.ndarray | None], counts: np.ndarray, prefetch: int,
@@ -59,26 +61,28 @@ class HeadStart:
         samples `next_ids()` names (as `stream.read_samples` would, with these settings);
         with a `cache`, download its first shard into the cache instead. What an earlier
         `begin` read and nobody took is dropped."""
-        for future in self._claim().values():
+        pieces, held = self._claim()
+        for future in pieces.values():
             future.cancel()
+        for lock in held.values():
+            lock.close()
         ids = next_ids()
         if ids is None or not len(ids):
             return
         if cache is not None:
-            first = source.shards[next(sample_runs(ids, counts))[0]]
-            work, args = self._download, (cache, first)
+            work, args = self._download, (cache, source, next(sample_runs(ids, counts))[0])
         else:
             work, args = self._read, (source, ids, counts, prefetch, tolerant, piece_bytes)
         self._planner = threading.Thread(target=work, args=args, name="shardstream-headstart", daemon=True)
         self._planner.start()
 
-    def _download(self, cache: ShardCache, ref: ShardRef) -> None:
-        # The shard's lock is let go at once: the copy stays as the cache's most recently used,
-        # and the next iteration's `cache.open` finds it (or waits for this download, not another).
+    def _download(self, cache: ShardCache, source: Source, shard: int) -> None:
+        # The copy's shared lock is held until the next iteration opens the shard (`take`,
+        # `Readers.hold`): the shards this iteration still holds may keep the cache over its
+        # limit, and a trim would evict the only copy it could, this one.
         with self._errors_kept():
-            _, lock = cache.open(ref)
-            lock.close()
-            cache.trim()
+            _, lock = cache.open(source.shards[shard])
+            self._held[shard] = lock
 
     def _read(self, source: Source, ids: np.ndarray, counts: np.ndarray, prefetch: int, tolerant: bool,
               piece_bytes: int) -> None:
@@ -108,21 +112,25 @@ class HeadStart:
         except Exception as error:
             self._failure = error
 
-    def take(self) -> dict[PieceKey, Future[list[Sample]]]:
-        """For an iteration beginning: the pieces the last `begin` read or is reading, now
-        the caller's (this object holds none after)."""
+    def take(self) -> tuple[dict[PieceKey, Future[list[Sample]]], dict[int, BinaryIO]]:
+        """For an iteration beginning: the pieces the last `begin` read or is reading, and
+        the shared locks on the shards it downloaded into the cache, now the caller's (this
+        object holds none after; close the locks when done with those shards)."""
         self.iterations += 1
-        pieces = self._claim()
+        taken = self._claim()
         failure, self._failure = self._failure, None
         if failure is not None:
+            for lock in taken[1].values():
+                lock.close()
             raise failure
-        return pieces
+        return taken
 
-    def _claim(self) -> dict[PieceKey, Future[list[Sample]]]:
+    def _claim(self) -> tuple[dict[PieceKey, Future[list[Sample]]], dict[int, BinaryIO]]:
         if self._planner is not None:
             # Planning is quick, and its reads go on in their own threads; a download into the
             # cache is waited for, as the next iteration's first `cache.open` would wait for it.
             self._planner.join()
             self._planner = None
         pieces, self._pieces = self._pieces, {}
-        return pieces
+        held, self._held = self._held, {}
+        return pieces, held

@@ -46,6 +46,7 @@ class Readers:
         self._entries: dict[int, list[Any]] = {}
         self._locks: list[BinaryIO] = []
         self._shard_locks: dict[int, BinaryIO] = {}
+        self._held: dict[int, BinaryIO] = {}  # see `hold`
 
     def get(self, shard: int) -> ShardReader | StreamTarReader:
         with self._guard:
@@ -58,9 +59,22 @@ class Readers:
                     with self._guard:
                         self._locks.append(lock)
                         self._shard_locks[shard] = lock
+                        held = self._held.pop(shard, None)
+                        if held is not None:
+                            self._locks.remove(held)
+                    if held is not None:
+                        held.close()  # this iteration's own lock keeps the copy now
                 else:
                     entry[1] = self.source.reader(shard)
             return entry[1]
+
+    def hold(self, shard: int, lock: BinaryIO) -> None:
+        """Keep `lock`, a shared lock on `shard`'s cached copy (a head start's download),
+        until this iteration opens the shard itself, or ends: the copy is not evicted
+        before it is read."""
+        with self._guard:
+            self._locks.append(lock)
+            self._held[shard] = lock
 
     def release(self, shard: int) -> None:
         """Done with `shard`: drop its reader and let the cache evict it."""
@@ -87,6 +101,7 @@ class Readers:
         with self._guard:
             locks, self._locks = self._locks, []
             self._shard_locks.clear()
+            self._held.clear()
         for lock in locks:
             lock.close()
         if locks and self.cache is not None:
@@ -183,7 +198,11 @@ def read_samples(source: Source, ids: np.ndarray, counts: np.ndarray, prefetch: 
                     head_start.begin(source, next_ids, counts, prefetch, tolerant, piece_bytes, cache)
                     next_ids = None
 
-            taken = head_start.take() if head_start is not None else {}
+            taken: dict[PieceKey, Future[list[Sample]]] = {}
+            if head_start is not None:
+                taken, held = head_start.take()
+                for shard, lock in held.items():
+                    readers.hold(shard, lock)
             sizes = ramp(piece_bytes)
             try:
                 for shard, stretch, final in stretches(runs):

@@ -7,6 +7,7 @@ epoch (one window's worth of pieces) must still arrive whole and in the planned 
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import threading
@@ -170,14 +171,16 @@ def test_a_bug_in_the_head_start_reaches_the_next_iteration(small_ds, monkeypatc
     head.begin(source, lambda: np.arange(N_SAMPLES), source.counts(), 6, False, 1 << 20)
     with pytest.raises(RuntimeError, match="a bug in planning"):
         head.take()
-    assert head.take() == {}  # raised once
+    assert head.take() == ({}, {})  # raised once
 
 
 def test_with_a_small_cache_the_next_epoch_s_first_shard_is_downloaded_ahead(small_ds, tmp_path):
     """A cache of about two shards, an unshuffled epoch of 13: the first shard was evicted
     long before an epoch ends. At the end of the second epoch in this process, the head
     start downloads it again, so the third epoch begins on a cached copy: that epoch fetches
-    the first shard no more, and every shard after it once."""
+    the first shard no more, and every shard after it once. The copy is held until then:
+    the cache is over its limit meanwhile (the ending epoch's last shards), and a trim
+    would evict it."""
     names = [ref.name for ref in shardstream.open_dataset(small_ds).shards]
     sizes = [os.path.getsize(os.path.join(small_ds, name)) + os.path.getsize(os.path.join(small_ds, name + ".idx"))
              for name in names]
@@ -193,7 +196,30 @@ def test_with_a_small_cache_the_next_epoch_s_first_shard_is_downloaded_ahead(sma
         assert before[names[0]] == 3  # epochs 0 and 1, and the head start
         ds.set_epoch(2)
         epochs.append([key for (key,) in ds])
+        wait_for(lambda: not headstart_threads(), "the next head start's download")
         after = server.get_counts()
     assert epochs == [[f"s{i:03d}" for i in range(N_SAMPLES)]] * 3
-    assert after[names[0]] == before[names[0]]
+    # Epoch 2 fetched the first shard no more; the head start of epoch 3, begun as epoch 2
+    # ended (by then the cache held its last shards only), fetched it once.
+    assert after[names[0]] == before[names[0]] + 1
     assert all(after[name] == before[name] + 1 for name in names[1:-1])
+
+
+def test_an_endless_stream_reads_each_next_epoch_ahead_and_uses_it(small_ds):
+    """`Sampling(resampled=True)`: one iteration runs epoch after epoch. From its second
+    epoch on, each next epoch's pieces (here all of them: an epoch is one window) are read
+    while the current one ends, and used: four epochs fetch each shard five times (epochs
+    0 and 1, and the head starts of epochs 2, 3 and 4). The samples are
+    those of the same stream read locally."""
+    names = [ref.name for ref in shardstream.open_dataset(small_ds).shards]
+    endless = shardstream.Sampling(resampled=True)
+    expected = [key for (key,) in itertools.islice(key_dataset(small_ds, sampling=endless), 4 * N_SAMPLES)]
+    with H.CountingHTTPServer(small_ds) as server:
+        stream = iter(key_dataset(server.url, sampling=endless))
+        got = [key for (key,) in itertools.islice(stream, 4 * N_SAMPLES)]
+        wait_for(lambda: not headstart_threads(), "the head start's reads")
+        gets = shard_gets(server, names)
+        del stream
+    assert got == expected
+    assert sorted(got[N_SAMPLES : 2 * N_SAMPLES]) == [f"s{i:03d}" for i in range(N_SAMPLES)]
+    assert gets == 5 * len(names)  # without the head start 4, with it unused 7
