@@ -9,7 +9,8 @@ options, never on `workers`, and parallelism does not need many shards.
 
 The workers are threads or processes, by the images' size (framepool.py); each builds
 whole frames (framebuild.py), checking every image first (imagecheck.py), and the plan
-is made before they start (packplan.py).
+is made before they start (packplan.py). The frames are appended to their shards, and
+the manifest made, by packoutput.py.
 
 Nothing is lost silently: every file of the source is packed, skipped with a reason
 (recorded in the manifest), or counted as not an image. An image is stored under the
@@ -27,7 +28,6 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-import numpy as np
 from PIL import Image
 
 from .errors import PackError, ShardstreamError
@@ -36,10 +36,11 @@ from .framebuild import FrameResult, build_job
 from .framepool import pool_context, process_results, thread_results, threads_pay
 from .journal import Journal
 from .listing import Listing, SourceFile, list_source, printable
+from .packoutput import dataset_manifest, write_shards
 from .packplan import PackOptions, order, part_slice, plan_frames, shrunk_estimates
 from .parts import other_packs
 from .scratch import cleanup_scratch
-from .shardfile import FRAME_SIZE, IMAGE_LEVEL, ShardFileWriter
+from .shardfile import FRAME_SIZE, IMAGE_LEVEL
 from .shrink import DEFAULT_QUALITY
 from .storage import Store
 from .writer import check_compression, parse_size, shard_name, write_manifest
@@ -271,12 +272,12 @@ def pack(
     bar = _progress(len(entries), progress)
     bar.update(sum(s.samples + len(k) for s, k in done.values()))
     try:
-        written = _write_shards(results, store, opts, finished, journal, bar, start)
+        written = write_shards(results, store, opts, finished, journal, bar, start)
     finally:
         bar.close()
         results.close()  # the workers stop now, not when the generator is collected
 
-    manifest = _manifest(finished, listing, entries, listed_skips, compression, options)
+    manifest = dataset_manifest(finished, listing, entries, listed_skips, compression, options)
     if part is None:
         write_manifest(store, manifest)
     else:
@@ -308,75 +309,6 @@ def _check_arguments(compression: str, level: int, on_error: str, part: tuple[in
         raise ShardstreamError(f"max_side must be a positive number of pixels, not {max_side}")
     if not 1 <= quality <= 100:
         raise ShardstreamError(f"quality must be 1..100, not {quality}")
-
-
-@dataclass
-class _Written:
-    """What the frames written so far brought in (see `PackSummary`)."""
-
-    bytes_in: int = 0
-    misnamed: list[tuple[str, str]] = field(default_factory=list)
-    kept_whole: list[tuple[str, str]] = field(default_factory=list)
-
-
-def _write_shards(results: Iterator[FrameResult], store: Store, opts: PackOptions,
-                  finished: dict[int, tuple[ShardInfo, list[tuple[str, str]]]], journal: Journal, bar: Any,
-                  start: float) -> _Written:
-    """Append the frames, in order, to their shards, publishing (and journaling, into
-    `finished`) each shard once its last frame is in; a shard half written when an error
-    comes is dropped."""
-    written = _Written()
-    writer: ShardFileWriter | None = None
-    shard_skips: list[tuple[str, str]] = []
-    current = -1
-    try:
-        for result in results:
-            if writer is not None and result.shard != current:
-                _finish(writer, current, shard_skips, finished, journal)
-                writer, shard_skips = None, []
-            if writer is None:
-                current = result.shard
-                writer = ShardFileWriter(store, shard_name(opts.prefix, current, opts.compression), opts.compression,
-                                         opts.level)
-            writer.append(result.frame)
-            shard_skips += result.skipped
-            written.bytes_in += result.bytes_in
-            written.misnamed += result.misnamed
-            written.kept_whole += result.kept_whole
-            bar.update(len(result.frame.keys) + len(result.skipped))
-            bar.set_postfix_str(f"{written.bytes_in / 1e6 / max(time.perf_counter() - start, 1e-9):,.0f} MB/s",
-                                refresh=False)
-        if writer is not None:
-            _finish(writer, current, shard_skips, finished, journal)
-            writer = None
-    except BaseException:
-        if writer is not None:
-            writer.abort()
-        raise
-    return written
-
-
-def _manifest(finished: dict[int, tuple[ShardInfo, list[tuple[str, str]]]], listing: Listing,
-              entries: list[SourceFile], listed_skips: list[tuple[str, str]], compression: str,
-              options: dict[str, Any]) -> Manifest:
-    """The manifest of the shards in `finished` (those left empty by skips left out), the
-    classes with the count of their images packed, and every file skipped."""
-    shards = [finished[s][0] for s in sorted(finished) if finished[s][0].samples]
-    skipped = [skip for s in sorted(finished) for skip in finished[s][1]]
-    counts = np.zeros(len(listing.classes), dtype=np.int64)
-    skipped_paths = {p for p, _ in skipped}  # not `listed_skips`: their files are packed, from their first rows
-    for entry in entries:
-        if entry.label is not None and printable(entry.path) not in skipped_paths:
-            counts[entry.label] += 1
-    return Manifest(
-        shards=tuple(shards),
-        compression=compression,
-        classes=listing.classes,
-        class_counts=tuple(int(c) for c in counts),
-        skipped=tuple(listed_skips + skipped),
-        ignored=len(listing.ignored),
-        options=options,
-    )
 
 
 def _repeated_rows(listing: Listing, src: str, skip: bool, part: tuple[int, int] | None) -> list[tuple[str, str]]:
@@ -418,18 +350,6 @@ def _bomb_warnings_raise(results: Iterator[FrameResult]) -> Iterator[FrameResult
     with warnings.catch_warnings():
         warnings.simplefilter("error", Image.DecompressionBombWarning)
         yield from results
-
-
-def _finish(writer: ShardFileWriter, shard: int, skipped: list[tuple[str, str]],
-            finished: dict[int, tuple[ShardInfo, list[tuple[str, str]]]], journal: Journal) -> None:
-    """Publish a shard (or drop it if every one of its images was skipped) and journal it."""
-    if writer.samples:
-        info = writer.finish()
-    else:
-        writer.abort()
-        info = ShardInfo(writer.name, 0, 0, 0, "", "", 0, "", ())
-    finished[shard] = (info, list(skipped))
-    journal.record(shard, info, list(skipped))
 
 
 def _progress(total: int, enabled: bool) -> Any:
