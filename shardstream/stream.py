@@ -148,9 +148,9 @@ def read_samples(source: Source, ids: np.ndarray, counts: np.ndarray, prefetch: 
     when it ends or is closed.
 
     With a `head_start` (headstart.py), the pieces it read ahead are used where this
-    iteration plans the same ones. With `next_ids` as well, once every read of this
-    iteration is in, the head start begins on the first pieces of the next iteration,
-    the one that reads `next_ids()`.
+    iteration plans the same ones (with a cache: the shard it downloaded is held until
+    this iteration opens it). With `next_ids` as well, once every read of this iteration
+    is in, the head start begins on the next iteration, the one that reads `next_ids()`.
     """
     readers = Readers(source, cache)
     runs = list(sample_runs(ids, counts))

@@ -1,4 +1,5 @@
-"""The head start (headstart.py): the next iteration's first pieces, read while the current one ends.
+"""The head start (headstart.py): the next iteration's first pieces read, or with a cache its
+first shard downloaded, while the current one ends.
 
 Over a real HTTP server. The checks that the head start is used do not time anything:
 once its reads have landed, the server is made to fail every request, and the next
@@ -120,6 +121,7 @@ def test_a_wrong_guess_costs_reads_not_samples(small_ds):
         ds.set_epoch(5)
         got = [item[0] for item in ds]
         assert shard_gets(server, [ref.name for ref in ds.resolve().shards]) > before
+        wait_for(lambda: not headstart_threads(), "epoch 6's head start")  # before the server goes
     assert got == expected and len(got) == N_SAMPLES // 2
 
 
