@@ -120,6 +120,8 @@ class HeadStart:
         taken = self._claim()
         failure, self._failure = self._failure, None
         if failure is not None:
+            for future in taken[0].values():
+                future.cancel()
             for lock in taken[1].values():
                 lock.close()
             raise failure

@@ -61,8 +61,8 @@ def ramp(piece_bytes: int) -> Iterator[int]:
     return itertools.chain((piece_bytes >> k for k in (3, 2, 1)), itertools.repeat(piece_bytes))
 
 
-def planned_pieces(reader: ShardReader | StreamTarReader, stretch: list[tuple[int, int]], sizes: Iterator[int]
-                   ) -> Iterator[tuple[int, int, np.ndarray | None, bool, int]]:
+def planned_pieces(reader: ShardReader | StreamTarReader, stretch: list[tuple[int, int]],
+                   sizes: Iterator[int]) -> Iterator[Piece]:
     """The pieces that read a stretch of runs of one shard: (first, stop, which samples to
     keep, is last, bytes fetched; a full piece's worth where unknown).
 
