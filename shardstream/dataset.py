@@ -244,7 +244,7 @@ class StreamingDataset(Checkpointing, IterableDataset):
         """Pieces read ahead per worker (see the constructor)."""
         if self._prefetch is not None:
             return self._prefetch
-        return PREFETCH_LOCAL if all(ref.store.local for ref in self.resolve().shards) else PREFETCH_REMOTE
+        return PREFETCH_LOCAL if self.resolve().local else PREFETCH_REMOTE
 
     def counts(self) -> np.ndarray:
         """Samples per shard."""
@@ -362,7 +362,7 @@ class StreamingDataset(Checkpointing, IterableDataset):
     def _head_start(self, source: Source) -> HeadStart | None:
         """This process's head start on its next iteration (headstart.py), where one pays:
         remote shards, with prefetch on."""
-        if self.prefetch <= 0 or not source.indexed or all(ref.store.local for ref in source.shards):
+        if self.prefetch <= 0 or not source.indexed or source.local:
             return None
         if self._heads is None or self._heads[0] != os.getpid():
             self._heads = (os.getpid(), HeadStart())

@@ -86,6 +86,11 @@ class Source:
             return all(p.indexed for p in self.parts)
         return self.manifest is not None
 
+    @property
+    def local(self) -> bool:
+        """True when every shard is on a local file system (no request latency to hide)."""
+        return all(ref.store.local for ref in self.shards)
+
     def _manifests(self) -> list[Manifest] | None:
         """The manifests of this source (one per part), or None if any part has none."""
         manifests = [p.manifest for p in self.parts] if self.parts else [self.manifest]
@@ -120,7 +125,7 @@ class Source:
             reader = self.reader(shard)
             return reader, _count(reader)
 
-        if len(self.shards) < 2 or all(ref.store.local for ref in self.shards):
+        if len(self.shards) < 2 or self.local:
             counted = [count(i) for i in range(len(self.shards))]
         else:  # each remote shard costs round trips (a look for its index, a read through): overlap them
             with ThreadPoolExecutor(min(COUNT_THREADS, len(self.shards)), thread_name_prefix="shardstream-count") as pool:

@@ -148,7 +148,7 @@ def verify_dataset(
                     bar.update(1)
         return problems, images
 
-    local = all(ref.store.local for ref in source.shards)
+    local = source.local
     workers = max(1, min(workers or max(os.cpu_count() or 1, 1 if local else 4), len(source.shards) or 1))
     readers = []
     for ref in source.shards:
