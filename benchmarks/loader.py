@@ -45,7 +45,9 @@ ratios are between medians of the same run):
   run through one untimed epoch before the timed rounds; each round then times one
   whole epoch (`set_epoch` first, for shardstream), so the workers' start is paid once,
   as in training, not once per figure. Decode pipelines (batch 64) with 1 and 2 workers,
-  shardstream and WebDataset, plus `shardstream.DataLoader` with 2 workers; and raw
+  shardstream and WebDataset, plus `shardstream.DataLoader` with 2 workers and the
+  2-worker shardstream pipeline with torch's own collate (fresh shared memory for every
+  batch, where shardstream's reuses it: batchmemory.py); and raw
   streaming through one worker from local disk and over the 50 ms HTTP server (the
   remote section's pair). Use `--images 4000`, the issues' own set size.
 * steadyraw (not in the default run): the steady section's raw pair alone (local and
@@ -233,10 +235,10 @@ def warm_files(paths: Iterable[str]) -> None:
 
 
 def ss_dataset(src: str, *, decode: Any = "crop", batch_size: int | None = None, prefetch: int | None = None,
-               fields: tuple[str, ...] = ("jpg", "cls"), decode_threads: int = 0) -> Any:
+               fields: tuple[str, ...] = ("jpg", "cls"), decode_threads: int = 0, collate_fn: Any = None) -> Any:
     return ss.StreamingDataset(src, shuffle=True, decode=RandomResizedCropJPEG(SIZE) if decode == "crop" else decode,
                                fields=fields, batch_size=batch_size, prefetch=prefetch, shuffle_buffer=SHUFFLE_BUFFER,
-                               decode_threads=decode_threads)
+                               decode_threads=decode_threads, collate_fn=collate_fn)
 
 
 def wds_pipeline(urls: list[str], *, decode: bool = True, batch_size: int | None = None) -> Any:
@@ -710,6 +712,8 @@ def _steady_makers(d: Data, server: ServerProcess) -> dict[str, Callable[[], Epo
         "shardstream, torch DataLoader, 2 workers": lambda: Epochs(
             lambda: ss_dataset(d.ss_path, batch_size=BATCH), 2),
         "shardstream.DataLoader, 2 workers": lambda: Epochs(lambda: ss_dataset(d.ss_path), 2, wrapper=True),
+        "shardstream, torch DataLoader, 2 workers, torch's collate": lambda: Epochs(
+            lambda: ss_dataset(d.ss_path, batch_size=BATCH, collate_fn=torch.utils.data.default_collate), 2),
         "WebDataset .batched(64), torch DataLoader, 1 worker": lambda: Epochs(
             lambda: wds_pipeline(d.wds_files, batch_size=BATCH), 1),
         "WebDataset .batched(64), torch DataLoader, 2 workers": lambda: Epochs(
@@ -756,6 +760,9 @@ def section_steady(d: Data, repeats: int, out: dict, server: ServerProcess) -> N
     t["steady: 2 workers >= 2x WebDataset's 2-worker rate"] = _target(s2.rate / w2.rate, ">=", 2.0, "x")
     t["steady: 2 workers vs WebDataset's 2, median of per-round ratios (informative)"] = _target(
         per_round(s2, w2), None, None, "x")
+    fresh = by["shardstream, torch DataLoader, 2 workers, torch's collate"]
+    t["steady: 2 workers, batch memory reused vs torch's collate, median of per-round ratios (informative)"] = \
+        _target(per_round(s2, fresh), None, None, "x")
     _raw_targets("steady", by, t)
 
 

@@ -1,9 +1,10 @@
 """Collating samples into batches, in the workers.
 
-`default_collate` is torch's, extended through torch's own hook (`collate_fn_map`) by
-one type: tensors are stacked, numbers become tensors, tuples and dicts are collated
-field by field, and `EncodedImage`s (JPEGs left for the device to decode) are packed
-into one `EncodedBatch`. `pad_collate` is for variable-length sequences.
+`default_collate` is torch's, extended through torch's own hook (`collate_fn_map`):
+tensors are stacked (in a DataLoader worker, into shared memory reused from batch to
+batch: batchmemory.py), numbers become tensors, tuples and dicts are collated field by
+field, and `EncodedImage`s (JPEGs left for the device to decode) are packed into one
+`EncodedBatch`. `pad_collate` is for variable-length sequences.
 """
 
 from __future__ import annotations
@@ -13,11 +14,16 @@ from typing import Any, Sequence
 import torch
 from torch.utils.data._utils.collate import collate, default_collate_fn_map
 
+from .batchmemory import collate_tensors
 from .device_jpeg import EncodedImage, collate_encoded
 
 __all__ = ["default_collate", "pad_collate"]
 
-_COLLATE_FN_MAP = {**default_collate_fn_map, EncodedImage: lambda batch, **_: collate_encoded(batch)}
+_COLLATE_FN_MAP = {
+    **default_collate_fn_map,
+    torch.Tensor: collate_tensors,
+    EncodedImage: lambda batch, **_: collate_encoded(batch),
+}
 
 
 def default_collate(batch: Sequence[Any]) -> Any:

@@ -1,0 +1,131 @@
+"""Batches stacked into reused shared memory in DataLoader workers (batchmemory.py).
+
+Real worker processes throughout. What must hold: a batch is never overwritten while
+the training process holds it or any view of it, and memory is reused once it does not.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from shardstream.batchmemory import SLOTS, BatchMemory
+from shardstream.collate import default_collate
+
+
+def _image(i: int, j: int, side: int = 32) -> torch.Tensor:
+    return torch.full((3, side, side), (i * 7 + j) % 251, dtype=torch.uint8)
+
+
+class Batches(IterableDataset):
+    """`count` batches of 4 images (the last `short_last` of 2), stacked by `collate`, with their index."""
+
+    def __init__(self, count: int, collate=default_collate, sides: tuple[int, ...] = (32,), short_last: bool = False):
+        self.count, self.collate, self.sides, self.short_last = count, collate, sides, short_last
+
+    def __iter__(self):
+        for i in range(self.count):
+            side = self.sides[i % len(self.sides)]
+            size = 2 if self.short_last and i == self.count - 1 else 4
+            yield self.collate([(_image(i, j, side), i) for j in range(size)])
+
+
+def _expected(i: int, side: int = 32, size: int = 4) -> torch.Tensor:
+    return torch.stack([_image(i, j, side) for j in range(size)])
+
+
+def _inode(batch: torch.Tensor) -> int:
+    fd, _ = batch.untyped_storage()._share_fd_cpu_()
+    return os.fstat(fd).st_ino
+
+
+def test_memory_is_reused_once_the_training_process_lets_go():
+    inodes, count = set(), 40
+    for images, index in DataLoader(Batches(count), batch_size=None, num_workers=1):
+        assert torch.equal(images, _expected(int(index[0])))
+        inodes.add(_inode(images))
+    assert len(inodes) <= 4  # a few slots in turn, not a new buffer a batch
+
+    # What it is measured against: torch's collate makes fresh memory for every batch.
+    fresh = {_inode(images) for images, _ in DataLoader(Batches(count, collate=torch.utils.data.default_collate),
+                                                         batch_size=None, num_workers=1)}
+    assert len(fresh) == count
+
+
+def test_batches_held_by_the_training_loop_are_never_overwritten():
+    # Both workers make every batch (the dataset is not split): 2 x 48 batches held,
+    # more than the two workers' 2 x 16 slots.
+    held = list(DataLoader(Batches(3 * SLOTS), batch_size=None, num_workers=2, prefetch_factor=4))
+    assert len(held) == 2 * 3 * SLOTS
+    for images, index in held:
+        assert torch.equal(images, _expected(int(index[0])))
+
+
+def test_a_view_kept_after_its_batch_is_dropped_keeps_the_memory():
+    views = []
+    for images, index in DataLoader(Batches(3 * SLOTS), batch_size=None, num_workers=1):
+        views.append((images[1:3], int(index[0])))  # the batch itself goes at the next step
+    for view, i in views:
+        assert torch.equal(view, _expected(i)[1:3])
+
+
+def test_shapes_that_change_and_a_short_last_batch():
+    loader = DataLoader(Batches(25, sides=(16, 48, 32), short_last=True), batch_size=None, num_workers=2)
+    seen = []
+    for images, index in loader:
+        i = int(index[0])
+        side = (16, 48, 32)[i % 3]
+        assert torch.equal(images, _expected(i, side, 2 if i == 24 else 4))
+        seen.append(i)
+    assert sorted(seen) == sorted(2 * list(range(25)))  # each worker makes them all
+
+
+def test_file_system_sharing_takes_torchs_path():
+    before = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    try:
+        held = list(DataLoader(Batches(10), batch_size=None, num_workers=1))
+    finally:
+        torch.multiprocessing.set_sharing_strategy(before)
+    for images, index in held:
+        assert torch.equal(images, _expected(int(index[0])))
+
+
+def test_outside_a_worker_batches_are_plain_memory():
+    images, _ = default_collate([(_image(0, j), 0) for j in range(4)])
+    assert not images.is_shared()
+    assert torch.equal(images, _expected(0))
+
+
+def test_a_slot_is_free_only_when_released():
+    memory = BatchMemory(slots=2)
+    first = memory.tensor((4, 8), torch.uint8)
+    second = memory.tensor((4, 8), torch.uint8)
+    assert first is not None and second is not None
+    assert memory.tensor((4, 8), torch.uint8) is None  # both handed out, neither released
+    slot, handed_out = memory.handed_out(first.untyped_storage())
+    memory.board[slot] = handed_out  # what the training process writes once it let go
+    again = memory.tensor((2, 8), torch.uint8)
+    assert again is not None and again.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+    memory.board[1 - slot] = memory.handed_out(second.untyped_storage())[1]
+    larger = memory.tensor((64, 64), torch.uint8)  # too large for the free slot: it grows
+    assert larger is not None and larger.untyped_storage().nbytes() >= 64 * 64
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_stream_batches_match_torchs_collate(packed, workers):
+    from shardstream import RandomResizedCropJPEG, StreamingDataset
+
+    def epoch(collate):
+        ds = StreamingDataset(packed, shuffle=True, seed=3, decode=RandomResizedCropJPEG(24), fields=("jpg", "cls"),
+                              batch_size=4, collate_fn=collate)
+        return [(images.clone(), labels.clone()) for images, labels in
+                DataLoader(ds, batch_size=None, num_workers=workers)]
+
+    ours, torchs = epoch(None), epoch(torch.utils.data.default_collate)
+    assert len(ours) == len(torchs) > SLOTS // 4
+    for (a, la), (b, lb) in zip(ours, torchs):
+        assert torch.equal(a, b) and torch.equal(la, lb)
