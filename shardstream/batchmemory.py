@@ -10,7 +10,7 @@ shared memory against 0.7-1.1 ms into memory already touched; a DataLoader worke
 decoding and cropping ImageNet-sized JPEGs ran 7-14% faster with its batches' memory
 reused (BENCHMARKS.md).
 
-So `collate_tensors` stacks into a worker's `BatchMemory`: a few shared-memory buffers
+So `collate_tensors` stacks (and `collate.pad_collate` pads) into a worker's `BatchMemory`: a few shared-memory buffers
 (slots), each used again once the training process has let go of the batch it held.
 Letting go is seen where it happens, in the training process: a pooled buffer is
 unpickled there by `rebuild_pooled`, which keeps a weak reference to its storage (torch's
@@ -37,7 +37,7 @@ import torch.multiprocessing
 from torch.multiprocessing.reductions import StorageWeakRef, reduce_storage
 from torch.utils.data._utils.collate import collate_tensor_fn
 
-__all__ = ["BatchMemory", "collate_tensors", "rebuild_pooled"]
+__all__ = ["BatchMemory", "collate_tensors", "pooled_tensor", "rebuild_pooled"]
 
 SLOTS = 16  # buffers per worker at most: a worker's batches in flight, with a margin
 
@@ -103,13 +103,19 @@ def _worker_memory() -> BatchMemory | None:
     return _memory
 
 
+def pooled_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor | None:
+    """An uninitialised tensor in one of this DataLoader worker's reusable slots, handed out
+    until the training process lets go of it; None outside a worker, or when no slot is free."""
+    memory = _worker_memory()
+    return None if memory is None else memory.tensor(shape, dtype)
+
+
 def collate_tensors(batch: Sequence[torch.Tensor], *, collate_fn_map: dict | None = None) -> torch.Tensor:
     """Stack `batch`; in a DataLoader worker, into a reusable shared-memory slot (module doc)."""
     first = batch[0]
-    memory = _worker_memory()
-    if memory is None or type(first) is not torch.Tensor or first.layout != torch.strided:  # subclasses: torch's way
+    if type(first) is not torch.Tensor or first.layout != torch.strided:  # subclasses, sparse: torch's way
         return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
-    out = memory.tensor((len(batch), *first.shape), first.dtype)
+    out = pooled_tensor((len(batch), *first.shape), first.dtype)
     if out is None:
         return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
     return torch.stack(list(batch), 0, out=out)

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import torch
 from torch.utils.data._utils.collate import collate, default_collate_fn_map
 
-from .batchmemory import collate_tensors
+from .batchmemory import collate_tensors, pooled_tensor
 from .device_jpeg import EncodedImage, collate_encoded
 
 __all__ = ["default_collate", "pad_collate"]
@@ -43,6 +43,18 @@ def pad_collate(batch: Sequence[Any], padding_value: float = 0) -> tuple[torch.T
         raise ValueError("pad_collate needs at least one sample")
     sequences = [torch.as_tensor(item[0]) for item in batch]
     lengths = torch.tensor([len(s) for s in sequences], dtype=torch.int64)
-    padded = torch.nn.utils.rnn.pad_sequence(sequences, batch_first=True, padding_value=padding_value)
+    padded = _pad(sequences, padding_value)
     labels = default_collate([item[1] for item in batch])
     return padded, lengths, labels
+
+
+def _pad(sequences: list[torch.Tensor], padding_value: float) -> torch.Tensor:
+    """`pad_sequence(batch_first=True)`; in a DataLoader worker, into reused shared memory."""
+    first = sequences[0]
+    shape = (len(sequences), max(len(s) for s in sequences), *first.shape[1:])
+    if any(s.shape[1:] != first.shape[1:] for s in sequences) or (padded := pooled_tensor(shape, first.dtype)) is None:
+        return torch.nn.utils.rnn.pad_sequence(sequences, batch_first=True, padding_value=padding_value)
+    padded.fill_(padding_value)
+    for row, sequence in zip(padded, sequences):
+        row[: len(sequence)] = sequence
+    return padded

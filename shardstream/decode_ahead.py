@@ -15,9 +15,10 @@ the draws left it, so the samples are those of ``decode_threads=0``, bit for bit
 resume stays exact. A custom `decode` callable may draw random numbers in any order, so
 it cannot be split: `DecodeAhead` refuses it.
 
-Why threads: a DataLoader worker process pays for each batch it ships (a fresh
-shared-memory tensor, pickling, page faults), about 0.3-0.5 ms of CPU an image on this
-project's 2-core machine; decode threads in the process that consumes pay none of it.
+Why threads: a DataLoader worker process pays for each batch it ships (a shared-memory
+tensor, pickling, page faults), about 0.3-0.5 ms of CPU an image on this project's
+2-core machine as measured before workers reused their batches' memory
+(batchmemory.py); decode threads in the process that consumes pay none of it.
 Measured on 2,000 ImageNet-sized JPEGs with `RandomResizedCropJPEG(224)` and batches
 of 64 on 2 cores (BENCHMARKS.md): two decode threads in one process 926 img/s, a torch
 DataLoader with 2 worker processes 863 (1.04x per round; 1.11x in a second run), first

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from shardstream.batchmemory import SLOTS, BatchMemory
-from shardstream.collate import default_collate
+from shardstream.collate import default_collate, pad_collate
 
 
 def _image(i: int, j: int, side: int = 32) -> torch.Tensor:
@@ -129,3 +129,34 @@ def test_stream_batches_match_torchs_collate(packed, workers):
     assert len(ours) == len(torchs) > SLOTS // 4
     for (a, la), (b, lb) in zip(ours, torchs):
         assert torch.equal(a, b) and torch.equal(la, lb)
+
+
+def test_workers_started_by_spawn():
+    # A spawned worker imports shardstream afresh: its memory and its pickling are its own.
+    loader = DataLoader(Batches(12), batch_size=None, num_workers=1, multiprocessing_context="spawn")
+    inodes = set()
+    for images, index in loader:
+        assert torch.equal(images, _expected(int(index[0])))
+        inodes.add(_inode(images))
+    assert len(inodes) < 12
+
+
+class Sequences(IterableDataset):
+    """Batches of 3 sequences of lengths that change from batch to batch, padded by `pad_collate`."""
+
+    def __iter__(self):
+        for i in range(30):
+            yield pad_collate([(torch.full((1 + (i * 5 + j) % 11, 2), i, dtype=torch.int32), j) for j in range(3)],
+                              padding_value=-7)
+
+
+def test_padded_batches_reuse_memory_and_pad():
+    inodes = set()
+    for i, (padded, lengths, labels) in enumerate(DataLoader(Sequences(), batch_size=None, num_workers=1)):
+        want = [1 + (i * 5 + j) % 11 for j in range(3)]
+        assert lengths.tolist() == want and labels.tolist() == [0, 1, 2]
+        assert padded.shape == (3, max(want), 2) and padded.dtype == torch.int32
+        for row, length in zip(padded, want):
+            assert (row[:length] == i).all() and (row[length:] == -7).all()
+        inodes.add(_inode(padded))
+    assert len(inodes) < 30
