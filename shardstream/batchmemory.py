@@ -28,6 +28,7 @@ pooled; under ``file_system`` batches take torch's own path.
 from __future__ import annotations
 
 import math
+import os
 import multiprocessing.reduction
 import threading
 from typing import Any, Callable, Sequence
@@ -53,6 +54,7 @@ class BatchMemory:
         self._handed_out = [0] * slots
         self._storages: list[torch.UntypedStorage | None] = [None] * slots
         self._slot_at: dict[int, int] = {}  # a slot's storage data_ptr -> the slot
+        self.pid = os.getpid()  # the slots are shared memory: a forked child must not write them
 
     def tensor(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor | None:
         """A tensor of `shape` in a free slot, handed out until released; None if none is free."""
@@ -95,7 +97,7 @@ def _worker_memory() -> BatchMemory | None:
     global _memory
     if torch.utils.data.get_worker_info() is None or torch.multiprocessing.get_sharing_strategy() != "file_descriptor":
         return None
-    if _memory is None:
+    if _memory is None or _memory.pid != os.getpid():  # a process forked from a worker gets its own
         _memory = BatchMemory()
         # Pickling a slot's storage must say which slot it is, so that its release can
         # come back: in this worker process only, storages pickle through `_reduce_storage`.
