@@ -21,15 +21,19 @@ takes another slot, up to `SLOTS`, then falls back to torch's fresh memory. So a
 training loop that keeps every batch gets them all intact, only not faster.
 
 Releases are noticed when the next pooled batch arrives (any worker's), which is when
-they are needed. Only torch's ``file_descriptor`` sharing strategy (Linux's default) is
-pooled; under ``file_system`` batches take torch's own path.
+they are needed. A pooled batch the training process sends on to another process (a
+torch.multiprocessing queue) is never released: that process may read it after the
+training process has let go. What stays unguarded: a process forked from the training
+process while it held a batch, reading that batch through its inherited copy. Only
+torch's ``file_descriptor`` sharing strategy (Linux's default) is pooled; under
+``file_system`` batches take torch's own path.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import multiprocessing.reduction
+import os
 import threading
 from typing import Any, Callable, Sequence
 
@@ -67,6 +71,11 @@ class BatchMemory:
             storage = self._allocate(slot, nbytes)
         self._handed_out[slot] += 1
         return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape))
+
+    def give_back(self, tensor: torch.Tensor) -> None:
+        """Take back a tensor from `tensor()` that will not be shipped (its batch failed)."""
+        slot = self._slot_at[tensor.untyped_storage().data_ptr()]
+        self._handed_out[slot] -= 1
 
     def handed_out(self, storage: torch.UntypedStorage) -> tuple[int, int] | None:
         """(slot, times handed out) if `storage` is one of the slots, else None."""
@@ -120,16 +129,26 @@ def collate_tensors(batch: Sequence[torch.Tensor], *, collate_fn_map: dict | Non
     out = pooled_tensor((len(batch), *first.shape), first.dtype)
     if out is None:
         return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
-    return torch.stack(list(batch), 0, out=out)
+    try:
+        return torch.stack(list(batch), 0, out=out)
+    except BaseException:  # shapes that do not stack: torch's error, and the slot stays free
+        _memory.give_back(out)  # type: ignore[union-attr]
+        raise
 
 
 def _reduce_storage(storage: torch.UntypedStorage) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-    """torch's pickling of a storage, wrapped with the slot's release board for a pooled one."""
+    """torch's pickling of a storage; a worker's pooled slot also carries its release board.
+
+    Registered in a worker for its batches, and in the training process once a pooled
+    batch arrives: a pooled batch the training process shares on with another process
+    (a torch.multiprocessing queue) is never released, as that process may read it after
+    the training process has let go."""
     reduced = reduce_storage(storage)
-    handed = _memory.handed_out(storage) if _memory is not None else None
-    if handed is None:
-        return reduced
-    return rebuild_pooled, (reduced, _memory.board, *handed)  # type: ignore[union-attr]
+    handed = _memory.handed_out(storage) if _memory is not None and _memory.pid == os.getpid() else None
+    if handed is not None:
+        return rebuild_pooled, (reduced, _memory.board, *handed)  # type: ignore[union-attr]
+    _releases.keep(storage)
+    return reduced
 
 
 def rebuild_pooled(reduced: tuple[Callable[..., Any], tuple[Any, ...]], board: torch.Tensor, slot: int,
@@ -146,18 +165,36 @@ class _Releases:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # the pinning thread unpickles too
-        self._held: list[tuple[StorageWeakRef, torch.Tensor, int, int]] = []
+        # (weak reference, data_ptr, the worker's board, slot, times handed out)
+        self._held: list[tuple[StorageWeakRef, int, torch.Tensor, int, int]] = []
+        self._sharing_watched = False
 
     def watch(self, storage: torch.UntypedStorage, board: torch.Tensor, slot: int, handed_out: int) -> None:
+        """Release `slot` to its worker (through `board`) once `storage` has expired here."""
         with self._lock:
-            still_held = []
-            for ref, held_board, held_slot, count in self._held:
-                if ref.expired():
-                    held_board[held_slot] = count
-                else:
-                    still_held.append((ref, held_board, held_slot, count))
-            still_held.append((StorageWeakRef(storage), board, slot, handed_out))
-            self._held = still_held
+            if not self._sharing_watched:  # see _reduce_storage
+                multiprocessing.reduction.ForkingPickler.register(torch.UntypedStorage, _reduce_storage)
+                self._sharing_watched = True
+            self._release_expired()
+            self._held.append((StorageWeakRef(storage), storage.data_ptr(), board, slot, handed_out))
+
+    def keep(self, storage: torch.UntypedStorage) -> None:
+        """Never release `storage`'s slot, if it is a pooled one held here."""
+        if not self._held:
+            return
+        with self._lock:
+            self._release_expired()
+            self._held = [held for held in self._held if held[1] != storage.data_ptr()]
+
+    def _release_expired(self) -> None:
+        still_held = []
+        for held in self._held:
+            ref, _, board, slot, handed_out = held
+            if ref.expired():
+                board[slot] = handed_out
+            else:
+                still_held.append(held)
+        self._held = still_held
 
 
 _releases = _Releases()

@@ -6,12 +6,14 @@ the training process holds it or any view of it, and memory is reused once it do
 
 from __future__ import annotations
 
+import multiprocessing.resource_sharer
 import os
 
 import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from shardstream import batchmemory
 from shardstream.batchmemory import SLOTS, BatchMemory
 from shardstream.collate import default_collate, pad_collate
 
@@ -160,3 +162,50 @@ def test_padded_batches_reuse_memory_and_pad():
             assert (row[:length] == i).all() and (row[length:] == -7).all()
         inodes.add(_inode(padded))
     assert len(inodes) < 30
+
+
+def _check_later(batches, ready, go, results):
+    images, index = batches.get()
+    ready.set()
+    go.wait(60)
+    results.put(bool(torch.equal(images, _expected(int(index[0])))))
+
+
+def test_a_batch_shared_on_with_another_process_is_never_overwritten():
+    # The training process hands batch 0 to another process, lets go of it, and reads on:
+    # the worker must not write that batch's memory again, whoever else still reads it.
+    ctx = torch.multiprocessing.get_context("fork")
+    batches, results, ready, go = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
+    reader = ctx.Process(target=_check_later, args=(batches, ready, go, results))
+    reader.start()
+    try:
+        inodes = set()
+        for i, (images, index) in enumerate(DataLoader(Batches(40), batch_size=None, num_workers=1)):
+            if i == 0:
+                batches.put((images, index))
+                assert ready.wait(60)
+            inodes.add(_inode(images))
+            del images, index
+        assert len(inodes) < 40  # the other batches' memory was reused
+        go.set()
+        assert results.get(timeout=60) is True
+    finally:
+        go.set()
+        reader.join(60)
+        # Sending a storage started this process's fd-sharing thread (multiprocessing's own).
+        multiprocessing.resource_sharer.stop(timeout=5)
+
+
+def test_a_batch_that_fails_to_stack_gives_its_slot_back():
+    class Uneven(IterableDataset):
+        def __iter__(self):
+            for _ in range(2 * SLOTS):  # more failures than slots: each must give its slot back
+                try:
+                    default_collate([torch.zeros(3, 4, dtype=torch.uint8), torch.zeros(3, 5, dtype=torch.uint8)])
+                except RuntimeError as e:
+                    assert "stack expects each tensor to be equal size" in str(e)
+            batch = default_collate([_image(0, j) for j in range(4)])
+            yield batch, batchmemory._memory.handed_out(batch.untyped_storage()) is not None  # in a slot
+
+    [(images, pooled)] = list(DataLoader(Uneven(), batch_size=None, num_workers=1))
+    assert bool(pooled) and torch.equal(images, _expected(0))

@@ -167,11 +167,14 @@ def test_bench_function(tiny):
 
 
 def _is_python_child(pid: int) -> bool:
+    """A Python process, other than the resource tracker multiprocessing keeps for the whole
+    session once any test has started a process by spawn or forkserver."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"python" in f.read()
+            cmdline = f.read()
     except OSError:
         return False
+    return b"python" in cmdline and b"resource_tracker" not in cmdline
 
 
 def test_bench_with_the_decode_on_the_device_side(tiny):
