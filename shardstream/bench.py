@@ -9,6 +9,10 @@ images for a fixed time, looping over epochs (`set_epoch`) if the dataset is sma
 * **images/s** delivered to the consumer, and **MB/s** of stored (shard) bytes that
   this means: images times the manifest's mean stored bytes per sample;
 * **time to the first batch** (worker start, shard opening, shuffle buffer, decode);
+* **CPUs busy**: CPU seconds of the main process and its workers (every thread) per
+  second of the window. At the knee it says what limits the rate (`BenchResult.diagnosis`):
+  CPUs nearly all busy (85% or more) mean the work per image does, and more workers
+  cannot help; CPUs idle mean storage, the consuming loop or the device does;
 * **peak RSS** of the main process plus the worker processes it started, sampled every
   50 ms in a thread (`peakmem`: with psutil if installed, else from ``/proc``), except
   while the workers are being forked (until the first batch). RSS counts pages shared
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import time
 from typing import Any, Callable, Iterator, Sequence
 
@@ -117,6 +122,7 @@ def _run_one(
     tree = TreeRSS(exclude)
     images = payload = 0
     epoch = epochs = 0
+    cpu_start = cpu_end = None
     first_batch_s: float | None = None
     window_start: float | None = None
     now = start = time.perf_counter()
@@ -148,6 +154,7 @@ def _run_one(
                 if window_start is None:
                     if now - start >= warmup:
                         window_start = now  # the warm-up is over; count what arrives from here
+                        cpu_start = tree.cpu_seconds()
                     progress.update(min(now - start, warmup), f"num_workers={num_workers}: warm-up")
                     continue
                 images += _batch_images(batch, raw)
@@ -159,6 +166,7 @@ def _run_one(
                 progress.update(warmup + elapsed, f"num_workers={num_workers}: {images / elapsed:,.0f} img/s")
             sync()  # with CUDA: the copies of the counted batches have landed
             now = time.perf_counter()
+            cpu_end = tree.cpu_seconds()
             sampler.sample()
         finally:
             if batches is not None:
@@ -182,6 +190,7 @@ def _run_one(
         first_batch_s=round(first_batch_s, 4),
         peak_rss_mb=round(peak / _MB, 1) if peak is not None else None,
         epochs=epochs,
+        cpus_busy=round((cpu_end - cpu_start) / window, 3) if cpu_start is not None and cpu_end is not None else None,
     )
     return row, payload
 
@@ -262,7 +271,7 @@ def bench(
         transform=transform + (" decoded on the device" if on_device else ""),
         device=str(device), seconds=seconds,
         warmup=warmup, samples=samples, bytes_per_sample=bytes_per_sample, memory=peak_memory_method(),
-        tolerance=tolerance,
+        tolerance=tolerance, cpus=_cpus(),
     )
     _prime(make_loader(0).dataset)
     bar = _Progress(len(workers) * (warmup + seconds), progress)
@@ -282,6 +291,14 @@ def bench(
     finally:
         bar.close()
     return result
+
+
+def _cpus() -> int | None:
+    """CPUs this process may run on (its affinity where the OS says, else the machine's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count()
 
 
 @contextlib.contextmanager

@@ -18,6 +18,9 @@ from typing import Any
 __all__ = ["BenchResult", "BenchRow", "find_knee", "save_json"]
 
 
+CPU_BOUND = 0.85  # the share of the CPUs busy from which a rate counts as limited by them
+
+
 def find_knee(rates: dict[int, float], tolerance: float = 0.05) -> int:
     """The smallest worker count whose rate is within `tolerance` of the best rate.
 
@@ -45,6 +48,7 @@ class BenchRow:
     first_batch_s: float  # from the first request to the first batch
     peak_rss_mb: float | None  # main process + its workers; None where it cannot be measured
     epochs: int  # epochs started (warm-up included)
+    cpus_busy: float | None = None  # CPU seconds of the process tree per second of the window
 
 
 @dataclass
@@ -63,6 +67,7 @@ class BenchResult:
     rows: list[BenchRow] = field(default_factory=list)
     decode_threads: int = 0  # decode threads in each iterating process
     tolerance: float = 0.05
+    cpus: int | None = None  # CPUs this process may run on
 
     @property
     def rates(self) -> dict[int, float]:
@@ -83,9 +88,9 @@ class BenchResult:
 
     def table(self) -> str:
         """The rows as an aligned text table."""
-        headers = ("num_workers", "images/sec", "MB/s", "first batch s", "peak RSS MB")
+        headers = ("num_workers", "images/sec", "MB/s", "CPUs busy", "first batch s", "peak RSS MB")
         cells = [
-            (str(r.num_workers), f"{r.images_per_s:,.1f}", _fmt(r.mb_per_s, "{:,.1f}"),
+            (str(r.num_workers), f"{r.images_per_s:,.1f}", _fmt(r.mb_per_s, "{:,.1f}"), _fmt(r.cpus_busy, "{:.2f}"),
              f"{r.first_batch_s:.2f}", _fmt(r.peak_rss_mb, "{:,.0f}"))
             for r in self.rows
         ]
@@ -95,9 +100,26 @@ class BenchResult:
         lines += [" | ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
         return "\n".join(lines)
 
+    def diagnosis(self) -> str | None:
+        """What limits the rate at the knee, from the CPUs it kept busy (None if unmeasured).
+
+        At the knee, more workers stopped paying. If the CPUs were nearly all busy there,
+        the work per image is the limit; if not, something that more processes do not
+        speed up is: storage, the consumer, or the device."""
+        row = next((r for r in self.rows if r.num_workers == self.knee), None) if self.rows else None
+        if row is None or row.cpus_busy is None or not self.cpus:
+            return None
+        busy = f"num_workers={row.num_workers} kept {row.cpus_busy:.1f} of {self.cpus} CPUs busy"
+        if row.cpus_busy >= CPU_BOUND * self.cpus:
+            return (f"{busy}: CPU-bound. More workers cannot help; less work per image can (a cheaper "
+                    "transform, pack --max-side, the decode on the GPU) or more CPUs.")
+        return (f"{busy}: not CPU-bound. The limit is elsewhere: storage (raise prefetch, use cache_dir), "
+                "the consuming loop, or the device.")
+
     def __str__(self) -> str:
         knee = f"\nknee: num_workers={self.knee}" if self.rows else ""
-        return self.table() + knee
+        diagnosis = self.diagnosis()
+        return self.table() + knee + (f"\n{diagnosis}" if diagnosis else "")
 
     def plot(self, path: str | os.PathLike) -> None:
         """Write the images/s curve (with the knee marked) as an image; needs matplotlib."""

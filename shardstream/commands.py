@@ -206,6 +206,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print("num_workers=0 ran in this process with torch.set_num_threads(1), as DataLoader workers run")
     print(f"knee: num_workers={result.knee}" + (f" (with {result.decode_threads} decode threads per process)"
                                                  if result.decode_threads else ""))
+    diagnosis = result.diagnosis()
+    if diagnosis:
+        print(diagnosis)
     if args.json:
         save_json(result, args.json)
         print(f"wrote {args.json}")

@@ -1,4 +1,5 @@
-"""Peak resident memory of a process and the processes it started, sampled in a thread.
+"""Peak resident memory of a process and the processes it started, sampled in a thread,
+and the CPU time they use.
 
 `shardstream bench` reports, for each worker count, the peak RSS of the main process
 plus the DataLoader workers it forked. That needs readings of a whole process tree,
@@ -13,6 +14,11 @@ often enough to catch the peak, and none while a worker is being forked:
   keeping the maximum. `paused()` holds it off while the loader forks its workers, so
   that no fork happens mid-sample.
 
+`TreeRSS.cpu_seconds()` reads the same tree's CPU time (user and system, every thread),
+plus that of children that have ended and been waited for (`resource.RUSAGE_CHILDREN`),
+so that a worker ending between two readings still counts; `bench` turns two readings
+into the CPUs a worker count kept busy.
+
 RSS counts pages shared by forked workers once per process, so the sum overstates what
 they use together. Nothing here imports torch or the loader: `bench` only starts,
 pauses and stops the sampler, and reads its peak.
@@ -21,6 +27,7 @@ pauses and stops the sampler, and reads its peak.
 from __future__ import annotations
 
 import os
+import resource
 import threading
 from typing import Any, Iterable
 
@@ -140,6 +147,35 @@ class TreeRSS:
             else:
                 total += _proc_rss(pid) or 0
         return total
+
+
+    def cpu_seconds(self) -> float | None:
+        """CPU seconds used so far by this process, its descendants (except `exclude`) and its
+        ended children (None if unavailable)."""
+        if self.method == "unavailable":
+            return None
+        ended = resource.getrusage(resource.RUSAGE_CHILDREN)
+        total = ended.ru_utime + ended.ru_stime
+        for pid in [self.pid] + [p for p in self.descendants() if p not in self.exclude]:
+            if self.method == "psutil":
+                try:
+                    times = self._psutil.Process(pid).cpu_times()
+                except self._psutil.Error:
+                    continue
+                total += times.user + times.system
+            else:
+                total += _proc_cpu(pid) or 0.0
+        return total
+
+
+def _proc_cpu(pid: int) -> float | None:
+    """User plus system CPU seconds of `pid` from /proc/<pid>/stat (None if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold spaces
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14, 15
 
 
 class PeakSampler:

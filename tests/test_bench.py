@@ -23,7 +23,7 @@ from shardstream.peakmem import TreeRSS, proc_descendants
 from shardstream.synthetic import make_image_folder
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-HEADER = "num_workers | images/sec | MB/s | first batch s | peak RSS MB"
+HEADER = "num_workers | images/sec | MB/s | CPUs busy | first batch s | peak RSS MB"
 
 
 # -- find_knee ------------------------------------------------------------------------------
@@ -79,6 +79,27 @@ def test_result_table_json_and_knee():
     assert str(result).endswith("knee: num_workers=2")
     data = json.loads(json.dumps(result.to_dict()))
     assert data["knee"] == 2 and [r["num_workers"] for r in data["rows"]] == [0, 2, 4]
+    assert result.diagnosis() is None  # no CPU readings
+
+
+def _rows_with_cpu(busy_at_knee: float) -> list[BenchRow]:
+    return [BenchRow(0, 100, 1.0, 100.0, None, 0.5, None, 1, cpus_busy=1.0),
+            BenchRow(4, 390, 1.0, 390.0, None, 0.9, None, 1, cpus_busy=busy_at_knee),
+            BenchRow(8, 400, 1.0, 400.0, None, 1.1, None, 1, cpus_busy=busy_at_knee + 0.1)]
+
+
+def test_diagnosis_at_the_knee():
+    def result(busy: float, cpus: int | None = 8) -> BenchResult:
+        return BenchResult("ds", 64, "train", "cpu", 1.0, 0.2, None, None, "/proc", _rows_with_cpu(busy), cpus=cpus)
+
+    bound = result(7.2)  # 90% of 8 CPUs at the knee (4 workers)
+    assert bound.knee == 4
+    assert bound.diagnosis().startswith("num_workers=4 kept 7.2 of 8 CPUs busy: CPU-bound")
+    assert str(bound).splitlines()[-1] == bound.diagnosis()
+    assert bound.table().splitlines()[2].split("|")[3].strip() == "1.00"
+    idle = result(3.1)
+    assert "not CPU-bound" in idle.diagnosis() and "prefetch" in idle.diagnosis()
+    assert result(3.1, cpus=None).diagnosis() is None
 
 
 # -- the command and the function, on a tiny packed dataset ------------------------------------
@@ -104,6 +125,8 @@ def check_json(path: Path, workers: list[int]) -> dict:
         assert row["images"] > 0 and row["images_per_s"] > 0 and row["seconds"] > 0
         assert row["mb_per_s"] > 0 and row["first_batch_s"] > 0 and row["epochs"] >= 1
         assert row["peak_rss_mb"] is None or row["peak_rss_mb"] > 0
+        assert row["cpus_busy"] is None or 0 < row["cpus_busy"] <= data["cpus"] + 0.5  # readings have jitter
+    assert data["cpus"] >= 1
     assert data["samples"] == 16 and data["bytes_per_sample"] > 0
     assert data["knee"] == find_knee({row["num_workers"]: row["images_per_s"] for row in data["rows"]})
     return data
@@ -231,9 +254,8 @@ def test_bench_cuda_unavailable(tiny):
 # -- memory --------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs /proc")
-@pytest.mark.parametrize("method", ["/proc", "psutil"])
-def test_memory_counts_child_processes(method):
+def _tree(method: str) -> TreeRSS:
+    """A TreeRSS that reads the process tree by `method` ("/proc" or "psutil")."""
     if method == "psutil":
         pytest.importorskip("psutil")
     tree = TreeRSS()
@@ -242,6 +264,13 @@ def test_memory_counts_child_processes(method):
         import psutil
 
         tree._psutil, tree._proc = psutil, psutil.Process(os.getpid())
+    return tree
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs /proc")
+@pytest.mark.parametrize("method", ["/proc", "psutil"])
+def test_memory_counts_child_processes(method):
+    tree = _tree(method)
     alone = tree.total()
     child = subprocess.Popen([sys.executable, "-c", "import sys; x = bytearray(64 << 20); sys.stdin.read()"],
                              stdin=subprocess.PIPE)
@@ -283,3 +312,26 @@ def test_bench_runs_zero_workers_with_one_torch_thread(tiny, monkeypatch):
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs /proc")
+@pytest.mark.parametrize("method", ["/proc", "psutil"])
+def test_cpu_time_counts_children_alive_and_ended(method):
+    tree = _tree(method)
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass\nimport sys; sys.stdin.read()"
+    before = tree.cpu_seconds()
+    child = subprocess.Popen([sys.executable, "-c", spin], stdin=subprocess.PIPE)
+    try:
+        for _ in range(200):  # until the child has spun
+            if tree.cpu_seconds() - before >= 0.6:
+                break
+            threading.Event().wait(0.05)
+        alive = tree.cpu_seconds() - before
+        assert alive >= 0.6  # the live child's CPU counts
+        excluded = _tree(method)
+        excluded.exclude = {child.pid}
+        assert excluded.cpu_seconds() - before < alive
+    finally:
+        child.stdin.close()
+        child.wait(timeout=30)
+    assert tree.cpu_seconds() - before >= 0.6  # and still counts once it has ended and been waited for
