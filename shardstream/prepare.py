@@ -52,12 +52,20 @@ class SamplePrep:
             raise sample["__error__"]
         # Random augmentations draw from torch's generator, seeded per sample from
         # (seed, epoch, sample id): the same sample gets the same crop in a resumed run,
-        # whichever worker serves it.
+        # whichever worker serves it. Where nothing can draw, the seeding is left out.
+        if not self.draws:
+            return self._picked(self.decoder(sample))
         with self._seeded(sample_id):
             sample = self.decoder(sample)
             if self.transform is not None:
                 sample = _transformed(self.transform, sample)
         return self._picked(sample)
+
+    @property
+    def draws(self) -> bool:
+        """Whether preparing a sample may draw random numbers: a transform, a callable
+        decode (the fused crops draw), or unpickling (which runs any code) may."""
+        return self.transform is not None or callable(self.decoder.images) or self.decoder.allow_pickle
 
     def _seeded(self, sample_id: int) -> contextlib.AbstractContextManager[None]:
         # The CPU generator only: torch.manual_seed also queues CUDA seeding, which costs

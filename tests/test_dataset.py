@@ -575,3 +575,28 @@ def test_an_error_in_the_users_transform_names_the_sample(packed, num_workers):
     del info, loader  # the traceback holds the failed epoch's generator, its threads and queues
     gc.collect()
     assert "a bug in the user's transform" in text and f"in the transform of sample {key!r}" in text
+
+
+def test_samples_are_seeded_only_where_something_can_draw(packed):
+    from shardstream.decode import Decoder
+    from shardstream.prepare import SamplePrep
+
+    def prep(decode, transform=None, allow_pickle=False):
+        return SamplePrep(Decoder(decode, allow_pickle), transform, None, 0, 0, False)
+
+    assert not prep(None).draws and not prep("rgb8").draws and not prep("pil").draws
+    assert prep(shardstream.RandomResizedCropJPEG(8)).draws and prep("rgb8", transform=lambda s: s).draws
+    assert prep(None, allow_pickle=True).draws
+    # Either way the caller's generator is left as it was, and a transform's draws are per sample.
+    torch.manual_seed(123)
+    before = torch.default_generator.get_state()
+    plain = [s["__key__"] for s in StreamingDataset(packed, decode="rgb8")]
+    assert torch.equal(torch.default_generator.get_state(), before) and len(plain) > 0
+
+    def noisy(sample):
+        sample["noise"] = torch.rand(1).item()
+        return sample
+
+    first = {s["__key__"]: s["noise"] for s in StreamingDataset(packed, decode=None, transform=noisy)}
+    again = {s["__key__"]: s["noise"] for s in StreamingDataset(packed, decode=None, transform=noisy, shuffle=True)}
+    assert first == again and torch.equal(torch.default_generator.get_state(), before)
