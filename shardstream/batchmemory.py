@@ -10,8 +10,9 @@ shared memory against 0.7-1.1 ms into memory already touched; a DataLoader worke
 decoding and cropping ImageNet-sized JPEGs ran 7-14% faster with its batches' memory
 reused (BENCHMARKS.md).
 
-So `collate_tensors` stacks (and `collate.pad_collate` pads) into a worker's `BatchMemory`: a few shared-memory buffers
-(slots), each used again once the training process has let go of the batch it held.
+So `collate_tensors` stacks (and `collate.pad_collate` pads) into a worker's
+`BatchMemory`: a few shared-memory buffers (slots), each used again once the training
+process has let go of the batch it held.
 Letting go is seen where it happens, in the training process: a pooled buffer is
 unpickled there by `rebuild_pooled`, which keeps a weak reference to its storage (torch's
 `StorageWeakRef`, which lives as long as any view of the batch does) and, when that

@@ -52,7 +52,8 @@ def _pad(sequences: list[torch.Tensor], padding_value: float) -> torch.Tensor:
     """`pad_sequence(batch_first=True)`; in a DataLoader worker, into reused shared memory."""
     first = sequences[0]
     shape = (len(sequences), max(len(s) for s in sequences), *first.shape[1:])
-    if any(s.shape[1:] != first.shape[1:] for s in sequences) or (padded := pooled_tensor(shape, first.dtype)) is None:
+    uniform = all(s.shape[1:] == first.shape[1:] and s.dtype == first.dtype for s in sequences)
+    if not uniform or (padded := pooled_tensor(shape, first.dtype)) is None:
         return torch.nn.utils.rnn.pad_sequence(sequences, batch_first=True, padding_value=padding_value)
     padded.fill_(padding_value)
     for row, sequence in zip(padded, sequences):

@@ -424,8 +424,9 @@ class StreamingDataset(Checkpointing, IterableDataset):
     def io_stats(self) -> dict[str, float]:
         """Storage counters (requests, bytes, retries, wait_s, cache hits and misses) of this
         dataset's iterations, summed over the processes that ran them (the workers, or this
-        process) and over epochs; an iteration adds to them every 50 ms and at its end. The counters themselves are per process: two datasets
-        iterated at the same time in one process would each count the other's reads too."""
+        process) and over epochs; an iteration adds to them every 50 ms and at its end. The
+        counters themselves are per process: two datasets iterated at the same time in one
+        process would each count the other's reads too."""
         return self._shared.io()
 
     def _count_io(self, worker: int, since: dict[str, float]) -> dict[str, float]:

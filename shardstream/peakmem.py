@@ -27,9 +27,13 @@ pauses and stops the sampler, and reads its peak.
 from __future__ import annotations
 
 import os
-import resource
 import threading
 from typing import Any, Iterable
+
+try:
+    import resource
+except ImportError:  # not on Windows: ended children then go uncounted
+    resource = None  # type: ignore[assignment]
 
 __all__ = ["PeakSampler", "TreeRSS", "peak_memory_method", "proc_descendants"]
 
@@ -154,8 +158,10 @@ class TreeRSS:
         ended children (None if unavailable)."""
         if self.method == "unavailable":
             return None
-        ended = resource.getrusage(resource.RUSAGE_CHILDREN)
-        total = ended.ru_utime + ended.ru_stime
+        total = 0.0
+        if resource is not None:
+            ended = resource.getrusage(resource.RUSAGE_CHILDREN)
+            total = ended.ru_utime + ended.ru_stime
         for pid in [self.pid] + [p for p in self.descendants() if p not in self.exclude]:
             if self.method == "psutil":
                 try:
