@@ -10,8 +10,10 @@ It makes a small synthetic ImageNet-like dataset in a temporary folder
 (a) correctness: batches from ``shardstream.DataLoader(device="cuda")`` equal the CPU
     loader's batches (same dataset, seed and workers): uint8 images bit for bit, labels
     and keys, and after ``Normalize`` within 1e-6; the consumer runs a GPU kernel before
-    reading each batch so the side-stream copies really run ahead. The CPU side is
-    checked too: ``device="cpu"`` equals the plain loader, ``Normalize`` matches the
+    reading each batch so the side-stream copies really run ahead, and the device batches
+    are also kept to the end and compared then, so that a worker's reused batch memory
+    (shardstream/batchmemory.py), released here by torch's pinning thread, would show if
+    it were written again too early. The CPU side is checked too: ``device="cpu"`` equals the plain loader, ``Normalize`` matches the
     formula, every sample arrives exactly once, and decoding on the device side
     (``DecodeOnDevice("cpu")``) gives the workers' batches bit for bit;
 (b) host-to-device bandwidth of a large pinned and a large pageable tensor (GB/s,
