@@ -24,8 +24,10 @@ training loop that keeps every batch gets them all intact, only not faster.
 Releases are noticed when the next pooled batch arrives (any worker's), which is when
 they are needed. A pooled batch the training process sends on to another process (a
 torch.multiprocessing queue) is never released: that process may read it after the
-training process has let go. What stays unguarded: a process forked from the training
-process while it held a batch, reading that batch through its inherited copy. Only
+training process has let go. A process forked from the training process (another
+loader's worker) starts with nothing to release: the batches are its parent's. What
+stays unguarded: such a child reading a batch through its inherited copy after the
+parent let go of it. Only
 torch's ``file_descriptor`` sharing strategy (Linux's default) is pooled; under
 ``file_system`` batches take torch's own path.
 """
@@ -199,3 +201,14 @@ class _Releases:
 
 
 _releases = _Releases()
+
+
+def _forget_in_child() -> None:
+    """A process forked from the training process (a DataLoader's worker) holds none of its
+    batches: it must never release their slots, nor wait on a lock the pinning thread may
+    have held at the fork."""
+    global _releases
+    _releases = _Releases()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)

@@ -209,3 +209,28 @@ def test_a_batch_that_fails_to_stack_gives_its_slot_back():
 
     [(images, pooled)] = list(DataLoader(Uneven(), batch_size=None, num_workers=1))
     assert bool(pooled) and torch.equal(images, _expected(0))
+
+
+def _child_state(results):
+    held = list(batchmemory._releases._held)
+    free = batchmemory._releases._lock.acquire(timeout=5)
+    results.put((len(held), free))
+
+
+def test_a_forked_child_forgets_the_batches_its_parent_holds():
+    # A validation loader's workers may be forked while the training loader's pinning
+    # thread holds the release lock: the child must neither wait on it nor release slots.
+    ctx = torch.multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    board = torch.zeros(2, dtype=torch.int64)
+    storage = torch.zeros(8, dtype=torch.uint8).untyped_storage()
+    batchmemory._releases.watch(storage, board, 0, 1)
+    with batchmemory._releases._lock:
+        child = ctx.Process(target=_child_state, args=(results,))
+        child.start()
+        got = results.get(timeout=30)
+    child.join(30)
+    assert got == (0, True)
+    del storage
+    batchmemory._releases.keep(torch.zeros(1, dtype=torch.uint8).untyped_storage())  # releases what expired
+    assert int(board[0]) == 1 and not batchmemory._releases._held
