@@ -211,4 +211,5 @@ def _forget_in_child() -> None:
     _releases = _Releases()
 
 
-os.register_at_fork(after_in_child=_forget_in_child)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)

@@ -9,6 +9,7 @@ the retries, the cache) counts into it without depending on the others.
 
 from __future__ import annotations
 
+import os
 import threading
 from dataclasses import dataclass
 
@@ -47,3 +48,15 @@ class IOStats:
 
 _stats_lock = threading.Lock()
 io_stats = IOStats()
+
+
+def _new_lock_in_child() -> None:
+    """A forked child gets a lock of its own: a thread of the parent may have held this one
+    at the fork (a reading thread counting), and the child's first snapshot would wait on
+    it forever."""
+    global _stats_lock
+    _stats_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_lock_in_child)

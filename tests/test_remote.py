@@ -970,6 +970,29 @@ def test_forked_workers_close_inherited_sessions_without_waiting_on_the_parents_
     assert handed == 0, "the child handed the close of an inherited session to a loop without a thread"
 
 
+def test_a_worker_forked_while_a_thread_counts_io_does_not_wait_on_its_lock():
+    """A reading thread of the training process holds the I/O counters' lock for an instant
+    each time it counts; a DataLoader worker forked in that instant inherited it held, and
+    hung at its first snapshot. The lock is held here across a fork on purpose."""
+    import multiprocessing
+
+    from shardstream import iostats
+
+    def child(conn) -> None:
+        conn.send(sorted(iostats.io_stats.snapshot()))
+
+    receive, send = multiprocessing.Pipe(duplex=False)
+    with iostats._stats_lock:
+        proc = multiprocessing.get_context("fork").Process(target=child, args=(send,))
+        proc.start()
+    try:
+        assert receive.poll(30), "the forked child waited on the lock its parent held at the fork"
+        assert "requests" in receive.recv()
+    finally:
+        proc.kill()
+        proc.join(30)
+
+
 @pytest.mark.parametrize("cached", [False, True])
 def test_exact_resume_over_http(local_ds, tmp_path, cached):
     """Resumed mid-epoch over HTTP, with prefetch, 2 workers and a small shuffle buffer (the backlog the
