@@ -71,8 +71,9 @@ class StreamingDataset(Checkpointing, IterableDataset):
         transform: a callable applied to each decoded sample dict, in the worker.
         fields: yield tuples of these fields instead of dicts; ``"jpg;png"`` takes the
             first present of several.
-        batch_size: batch in the worker with `collate_fn` (default: stack tensors);
-            use with ``DataLoader(batch_size=None)``.
+        batch_size: batch in the worker with `collate_fn` (default: `default_collate`,
+            which stacks tensors, in DataLoader workers into shared memory they reuse:
+            batchmemory.py); use with ``DataLoader(batch_size=None)``.
         drop_last: drop the last partial batch.
         partial: when samples do not divide evenly over ranks: ``"pad"`` repeats
             samples from the start of the epoch (the DistributedSampler convention),
