@@ -12,7 +12,8 @@ images for a fixed time, looping over epochs (`set_epoch`) if the dataset is sma
 * **CPUs busy**: CPU seconds of the main process and its workers (every thread) per
   second of the window. At the knee it says what limits the rate (`BenchResult.diagnosis`):
   CPUs nearly all busy (85% or more) mean the work per image does, and more workers
-  cannot help; CPUs idle mean storage, the consuming loop or the device does;
+  cannot help; CPUs idle at a knee below the most workers measured mean storage, the
+  consuming loop or the device does; at the most workers measured, more may still pay;
 * **peak RSS** of the main process plus the worker processes it started, sampled every
   50 ms in a thread (`peakmem`: with psutil if installed, else from ``/proc``), except
   while the workers are being forked (until the first batch). RSS counts pages shared

@@ -103,16 +103,20 @@ class BenchResult:
     def diagnosis(self) -> str | None:
         """What limits the rate at the knee, from the CPUs it kept busy (None if unmeasured).
 
-        At the knee, more workers stopped paying. If the CPUs were nearly all busy there,
-        the work per image is the limit; if not, something that more processes do not
-        speed up is: storage, the consumer, or the device."""
+        If the CPUs were nearly all busy there, the work per image is the limit. If not,
+        and the knee is below the most workers measured (more workers stopped paying),
+        something that more processes do not speed up is: storage, the consumer, or the
+        device. At the most workers measured, with CPUs to spare, more may still pay."""
         row = next((r for r in self.rows if r.num_workers == self.knee), None) if self.rows else None
         if row is None or row.cpus_busy is None or not self.cpus:
             return None
         busy = f"num_workers={row.num_workers} kept {row.cpus_busy:.1f} of {self.cpus} CPUs busy"
         if row.cpus_busy >= CPU_BOUND * self.cpus:
-            return (f"{busy}: CPU-bound. More workers cannot help; less work per image can (a cheaper "
-                    "transform, pack --max-side, the decode on the GPU) or more CPUs.")
+            levers = "a cheaper transform, pack --max-side" + ("" if "on the device" in self.transform
+                                                               else ", the decode on the GPU")
+            return f"{busy}: CPU-bound. More workers cannot help; less work per image can ({levers}) or more CPUs."
+        if row.num_workers == max(r.num_workers for r in self.rows):
+            return f"{busy}, and it is the most workers measured: measure more workers, they may still pay."
         return (f"{busy}: not CPU-bound. The limit is elsewhere: storage (raise prefetch, use cache_dir), "
                 "the consuming loop, or the device.")
 

@@ -97,8 +97,15 @@ def test_diagnosis_at_the_knee():
     assert bound.diagnosis().startswith("num_workers=4 kept 7.2 of 8 CPUs busy: CPU-bound")
     assert str(bound).splitlines()[-1] == bound.diagnosis()
     assert bound.table().splitlines()[2].split("|")[3].strip() == "1.00"
+    assert "the decode on the GPU" in bound.diagnosis()
+    on_device = result(7.2)
+    on_device.transform = "train decoded on the device"
+    assert "CPU-bound" in on_device.diagnosis() and "GPU" not in on_device.diagnosis()
     idle = result(3.1)
     assert "not CPU-bound" in idle.diagnosis() and "prefetch" in idle.diagnosis()
+    rising = result(3.1)
+    rising.rows = rising.rows[:2]  # the knee is the most workers measured, CPUs to spare
+    assert rising.knee == 4 and "measure more workers" in rising.diagnosis()
     assert result(3.1, cpus=None).diagnosis() is None
 
 
