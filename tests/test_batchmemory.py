@@ -49,7 +49,7 @@ def test_memory_is_reused_once_the_training_process_lets_go():
     for images, index in DataLoader(Batches(count), batch_size=None, num_workers=1):
         assert torch.equal(images, _expected(int(index[0])))
         inodes.add(_inode(images))
-    assert len(inodes) <= 4  # a few slots in turn, not a new buffer a batch
+    assert len(inodes) <= 6  # a few slots in turn (about 4: see README), not a new buffer a batch
 
     # What it is measured against: torch's collate makes fresh memory for every batch.
     fresh = {_inode(images) for images, _ in DataLoader(Batches(count, collate=torch.utils.data.default_collate),
