@@ -147,6 +147,8 @@ def test_cli_bench_table_knee_and_json(tiny, tmp_path):
     assert [line.split("|")[0].strip() for line in lines[2:4]] == ["0", "1"]
     data = check_json(tmp_path / "out.json", [0, 1])
     assert f"knee: num_workers={data['knee']}" in lines
+    diagnosis = lines[lines.index(f"knee: num_workers={data['knee']}") + 1]
+    assert diagnosis.startswith(f"num_workers={data['knee']} kept ") and f"of {data['cpus']} CPUs busy" in diagnosis
     assert "bench" in done.stderr  # the progress bar
 
 
