@@ -81,18 +81,27 @@ def _listed_children(pid: int) -> list[int] | None:
     return found if listed else None
 
 
+def _stat_fields(pid: int | str) -> list[bytes] | None:
+    """The fields of /proc/<pid>/stat after "pid (comm) ": state, ppid, ... (None if it is gone).
+    The command name may hold spaces and parentheses, so the split starts at its last ")"."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat[stat.rfind(b")") + 2:].split()
+
+
 def _parents() -> dict[int, list[int]]:
     """Children by parent pid, from one scan of /proc/*/stat."""
     tree: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
+        fields = _stat_fields(entry)
         try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-            fields = stat[stat.rfind(b")") + 2:].split()  # after "pid (comm) ": state, ppid, ...
-            tree.setdefault(int(fields[1]), []).append(int(entry))
-        except (OSError, ValueError, IndexError):
+            tree.setdefault(int(fields[1]), []).append(int(entry))  # type: ignore[index]
+        except (TypeError, ValueError, IndexError):
             continue
     return tree
 
@@ -176,10 +185,8 @@ class TreeRSS:
 
 def _proc_cpu(pid: int) -> float | None:
     """User plus system CPU seconds of `pid` from /proc/<pid>/stat (None if it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold spaces
-    except OSError:
+    fields = _stat_fields(pid)
+    if fields is None:
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14, 15
 
