@@ -30,8 +30,7 @@ from .epochs import EpochSequences
 from .headstart import HeadStart
 from .iostats import io_stats
 from .policy import ErrorPolicy, guarded
-from .plan import (Layout, deal_chunks, items_of, read_order, round_robin_delivered, round_robin_next, split_ranks,
-                   worker_plan)
+from .plan import Layout, items_of, read_order, split_ranks, worker_items, worker_plan
 from .prepare import SamplePrep, batches
 from .resume import current_sequence, locate
 from .sampling import Mix, Sampling
@@ -39,6 +38,7 @@ from .shared import SharedState
 from .source import Source, resolve_source
 from .stream import read_samples, reorder
 from .retry import RetryPolicy
+from .roundrobin import endless_start, loader_start
 from .urls import preload_driver
 from .world import World
 from .writer import parse_size
@@ -303,7 +303,7 @@ class StreamingDataset(Checkpointing, IterableDataset):
         if self._pass_resume is None:
             self._shared.begin_pass(world.worker)
         resume_id = self._resume_id if self._resume is not None and not self._worker_resume else None
-        worker, done = loaded or self._start(world, _items(len(block), world, layout), delivered)
+        worker, done = loaded or self._start(world, len(block), delivered)
         if self.resampled:
             stream = self._endless(world, block, layout, segment, worker, done, epoch)
         else:
@@ -380,26 +380,16 @@ class StreamingDataset(Checkpointing, IterableDataset):
         (the one this loader worker serves now) goes on into."""
         block, layout = self._rank_block(world, epoch + 1)[0], self.layout(world)
         if not self.resampled:  # a new pass starts at this loader worker's own place
-            worker, _ = self._start(world, _items(len(block), world, layout), 0)
+            worker, _ = self._start(world, len(block), 0)
         mine, _, needed = self._worker_reads(world, block, layout, 0, worker, 0, epoch + 1)
         return mine[needed]
 
-    def _start(self, world: World, items: list[int], delivered: int) -> tuple[int, int]:
+    def _start(self, world: World, block: int, delivered: int) -> tuple[int, int]:
         """The plan worker this loader worker serves, and how many items that plan worker
-        has already handed over, after the rank received `delivered` items.
-
-        A resumed DataLoader starts its round robin at its worker 0, so loader worker i
-        serves plan worker ``(next + i) % W`` (see `round_robin_next`). An endless stream
-        never runs out, so its round robin is regular: after `delivered` items, plan
-        worker w has handed over ``delivered // W + (w < delivered % W)``, spread over
-        its epochs.
-        """
-        workers = world.workers
+        has already handed over, after the rank received `delivered` items (roundrobin.py)."""
         if self.resampled:
-            worker = (delivered + world.worker) % workers
-            return worker, delivered // workers + (1 if worker < delivered % workers else 0)
-        worker = (round_robin_next(items, delivered) + world.worker) % workers
-        return worker, round_robin_delivered(items, delivered)[worker]
+            return endless_start(world.workers, delivered, world.worker)
+        return loader_start(worker_items(block, self.layout(world)), delivered, world.worker)
 
     def _endless(self, world: World, block: np.ndarray, layout: Layout, segment: int, worker: int, done: int,
                  epoch: int) -> Iterator[Any]:
@@ -407,7 +397,7 @@ class StreamingDataset(Checkpointing, IterableDataset):
         worker `worker` after its first `done` items, however many epochs those span."""
         def items_in(k: int) -> int:  # the plan worker's items in epoch `epoch + k`
             length = len(block) if k == 0 else len(self._rank_block(world, epoch + k)[0])
-            return _items(length, world, layout)[worker]
+            return worker_items(length, layout)[worker]
 
         # What is left of a resumed epoch may hold nothing for this worker (`locate` passes
         # it); a whole epoch must hold something, or the worker would never yield.
@@ -439,11 +429,6 @@ class StreamingDataset(Checkpointing, IterableDataset):
     def skipped(self) -> int:
         """Bad samples skipped so far under ``on_error="skip"``, summed over this rank's workers."""
         return self._shared.skips
-
-
-def _items(block: int, world: World, layout: Layout) -> list[int]:
-    """Items each plan worker yields from a rank block of `block` samples."""
-    return [items_of(len(p), layout) for p in deal_chunks(block, world.workers, layout.chunk)]
 
 
 def _in_process_group() -> bool:

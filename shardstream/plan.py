@@ -33,6 +33,8 @@ from typing import Sequence
 
 import numpy as np
 
+from .roundrobin import round_robin_delivered
+
 __all__ = [
     "Layout",
     "epoch_sequence",
@@ -42,8 +44,7 @@ __all__ = [
     "worker_plan",
     "read_order",
     "items_of",
-    "round_robin_delivered",
-    "round_robin_next",
+    "worker_items",
     "consumed_positions",
     "consumed_samples",
     "remaining_after",
@@ -209,43 +210,9 @@ def items_of(samples: int, layout: Layout) -> int:
     return full + (1 if rest and not layout.drop_last else 0)
 
 
-def round_robin_delivered(items: Sequence[int], delivered: int) -> list[int]:
-    """How many items each worker had handed over once `delivered` items were received.
-
-    The DataLoader takes one item from each worker in turn, skipping workers that have
-    finished: round r gives one item from every worker with more than r items.
-    """
-    items = list(items)
-    got = [0] * len(items)
-    left = delivered
-    for r in range(max(items, default=0)):
-        active = [w for w, n in enumerate(items) if n > r]
-        if left <= len(active):
-            for w in active[:left]:
-                got[w] += 1
-            return got
-        for w in active:
-            got[w] += 1
-        left -= len(active)
-    if left > 0:
-        raise ValueError(f"{delivered} items delivered, but the workers only have {sum(items)}")
-    return got
-
-
-def round_robin_next(items: Sequence[int], delivered: int) -> int:
-    """The worker that hands over item number `delivered` (0-based); 0 when all are done.
-
-    A resumed DataLoader starts its round robin at its worker 0, so plan worker
-    ``(next + i) % workers`` is served by loader worker i: the rotation makes the
-    resumed sequence continue exactly where the interrupted one stopped.
-    """
-    left = delivered
-    for r in range(max(items, default=0)):
-        active = [w for w, n in enumerate(items) if n > r]
-        if left < len(active):
-            return active[left]
-        left -= len(active)
-    return 0
+def worker_items(block: int, layout: Layout) -> list[int]:
+    """Items each plan worker yields from a rank block of `block` samples."""
+    return [items_of(len(chunk), layout) for chunk in deal_chunks(block, layout.workers, layout.chunk)]
 
 
 def samples_of_items(n_items: int, samples: int, layout: Layout) -> int:
@@ -266,7 +233,7 @@ def consumed_positions(n: int, layout: Layout, seed: int, epoch: int, delivered:
     taken = []
     for rank in range(layout.world_size):
         plans = [worker_plan(blocks[rank], layout, seed, epoch, rank, w, segment) for w in range(layout.workers)]
-        items = [items_of(len(mine), layout) for mine, _ in plans]
+        items = worker_items(len(blocks[rank]), layout)
         got = list(per_worker) if per_worker is not None else round_robin_delivered(items, delivered)
         taken += [mine[perm[: samples_of_items(g, len(mine), layout)]] for (mine, perm), g in zip(plans, got)]
     return np.concatenate(taken) if taken else np.zeros(0, dtype=np.int64)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from .errors import ShardstreamError
-from .plan import PARTIAL, Layout, consumed_positions, deal_chunks, items_of, remaining_after, split_ranks
+from .plan import PARTIAL, Layout, consumed_positions, remaining_after, split_ranks, worker_items
 
 if TYPE_CHECKING:
     from .dataset import StreamingDataset
@@ -291,8 +291,7 @@ def check_counts(after: SequenceAfter, resume: ResumeState, endless: bool) -> No
 
 def plan_items(sequence_length: int, layout: Layout) -> list[int]:
     """Items each plan worker of a rank yields from an epoch sequence of this length."""
-    block = len(split_ranks(np.arange(sequence_length), layout.world_size, layout.partial)[0])
-    return [items_of(len(chunk), layout) for chunk in deal_chunks(block, layout.workers, layout.chunk)]
+    return worker_items(len(split_ranks(np.arange(sequence_length), layout.world_size, layout.partial)[0]), layout)
 
 
 def locate(done: int, items_of_epoch: Callable[[int], int]) -> tuple[int, int]:

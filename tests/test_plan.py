@@ -23,11 +23,12 @@ from shardstream.plan import (
     read_order,
     remaining_sequence,
     rng_for,
-    round_robin_delivered,
     samples_of_items,
     split_ranks,
+    worker_items,
     worker_plan,
 )
+from shardstream.roundrobin import endless_start, loader_start, round_robin_delivered
 
 SHAPES = [
     [],
@@ -325,6 +326,37 @@ def test_round_robin_delivered_random_large():
         assert round_robin_delivered(items, delivered) == simulate_round_robin(items, delivered)
 
 
+def polled(queues: list[list[tuple[int, int]]]) -> list[tuple[int, int]]:
+    """What a fresh DataLoader receives from workers holding these queues of items."""
+    out, rounds = [], max(map(len, queues), default=0)
+    for r in range(rounds):
+        out += [queue[r] for queue in queues if len(queue) > r]
+    return out
+
+
+def test_a_resumed_round_robin_continues_the_interrupted_one_exactly():
+    # plan worker w's items are (w, 0), (w, 1), ...; a DataLoader interrupted after
+    # `delivered` items is replaced by one whose loader worker i serves the plan worker
+    # and the position `loader_start` gives: it must receive exactly the rest
+    for workers in range(1, 5):
+        for items in itertools.product(range(4), repeat=workers):
+            whole = polled([[(w, i) for i in range(n)] for w, n in enumerate(items)])
+            for delivered in range(len(whole) + 1):
+                starts = [loader_start(items, delivered, i) for i in range(workers)]
+                assert sorted(w for w, _ in starts) == list(range(workers))  # each plan worker served once
+                resumed = polled([[(w, i) for i in range(done, items[w])] for w, done in starts])
+                assert resumed == whole[delivered:], (items, delivered)
+
+
+def test_an_endless_round_robin_resumes_regularly():
+    for workers in range(1, 5):
+        whole = polled([[(w, i) for i in range(9)] for w in range(workers)])  # never exhausted in the range
+        for delivered in range(3 * workers):
+            starts = [endless_start(workers, delivered, i) for i in range(workers)]
+            resumed = polled([[(w, i) for i in range(done, 9)] for w, done in starts])
+            assert resumed[: 2 * workers] == whole[delivered : delivered + 2 * workers]
+
+
 def test_round_robin_delivered_rejects_too_many():
     with pytest.raises(ValueError):
         round_robin_delivered([2, 1], 4)
@@ -415,7 +447,7 @@ def test_consumed_and_remaining_partition_the_epoch():
         seed, epoch = int(rng.integers(0, 1000)), int(rng.integers(0, 4))
         seq = epoch_sequence(counts, seed, epoch, layout.shuffle)
         blocks = split_ranks(seq, layout.world_size, layout.partial)
-        items = [items_of(len(p), layout) for p in deal_chunks(blocks.shape[1], layout.workers, layout.chunk)]
+        items = worker_items(blocks.shape[1], layout)
         delivered = int(rng.integers(0, sum(items) + 1))
         consumed = consumed_samples(seq, layout, seed, epoch, delivered)
         remaining = remaining_sequence(seq, consumed)

@@ -245,7 +245,7 @@ def test_resampled_elastic_resume_sees_every_sample_of_each_epoch(small, k, new_
 
     from torch.utils.data import DataLoader
 
-    from shardstream.plan import deal_chunks, items_of
+    from shardstream.plan import worker_items
 
     def make(**kw):
         return ss.StreamingDataset(small, decode=None, fields=("__key__",), shuffle=True, seed=5, batch_size=4,
@@ -263,7 +263,7 @@ def test_resampled_elastic_resume_sees_every_sample_of_each_epoch(small, k, new_
         resumed.load_state_dict(state)
         # the batches left of the epoch resumed in, on this rank (what its workers' plans hold)
         block, layout, _, _, epoch = resumed._rank_block(resumed._world_with(new_workers))
-        items = sum(items_of(len(c), layout) for c in deal_chunks(len(block), max(1, new_workers), layout.chunk))
+        items = sum(worker_items(len(block), layout))
         rest += keys(itertools.islice(DataLoader(resumed, batch_size=None, num_workers=new_workers), items))
     assert epoch == (len(head) - 8) // 63 or epoch == len(head) // 63  # the epoch some old worker had not finished
     counts = collections.Counter(head + rest)

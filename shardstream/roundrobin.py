@@ -1,0 +1,73 @@
+"""The DataLoader's round robin over its workers, as arithmetic on item counts.
+
+torch's DataLoader takes one item from each worker in turn and skips workers that have
+finished. So the items a training loop has received say exactly how many every worker
+had handed over, and which worker hands over the next: all that resuming an epoch, or
+starting a new DataLoader part-way into one, needs to know. Pure functions of lists of
+ints; plan.py and the dataset build on them.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+__all__ = ["round_robin_delivered", "round_robin_next", "loader_start", "endless_start"]
+
+
+def round_robin_delivered(items: Sequence[int], delivered: int) -> list[int]:
+    """How many items each worker had handed over once `delivered` items were received.
+
+    The DataLoader takes one item from each worker in turn, skipping workers that have
+    finished: round r gives one item from every worker with more than r items.
+    """
+    items = list(items)
+    got = [0] * len(items)
+    left = delivered
+    for r in range(max(items, default=0)):
+        active = [w for w, n in enumerate(items) if n > r]
+        if left <= len(active):
+            for w in active[:left]:
+                got[w] += 1
+            return got
+        for w in active:
+            got[w] += 1
+        left -= len(active)
+    if left > 0:
+        raise ValueError(f"{delivered} items delivered, but the workers only have {sum(items)}")
+    return got
+
+
+def round_robin_next(items: Sequence[int], delivered: int) -> int:
+    """The worker that hands over item number `delivered` (0-based); 0 when all are done.
+
+    A resumed DataLoader starts its round robin at its worker 0, so plan worker
+    ``(next + i) % workers`` is served by loader worker i: the rotation makes the
+    resumed sequence continue exactly where the interrupted one stopped.
+    """
+    left = delivered
+    for r in range(max(items, default=0)):
+        active = [w for w, n in enumerate(items) if n > r]
+        if left < len(active):
+            return active[left]
+        left -= len(active)
+    return 0
+
+
+def loader_start(items: Sequence[int], delivered: int, loader_worker: int) -> tuple[int, int]:
+    """The plan worker that DataLoader worker `loader_worker` serves, and how many items
+    that plan worker has already handed over, once the rank received `delivered` of an
+    epoch whose plan workers yield `items`.
+
+    A resumed DataLoader starts its round robin at its worker 0, so loader worker i
+    serves plan worker ``(next + i) % W`` (see `round_robin_next`).
+    """
+    worker = (round_robin_next(items, delivered) + loader_worker) % len(items)
+    return worker, round_robin_delivered(items, delivered)[worker]
+
+
+def endless_start(workers: int, delivered: int, loader_worker: int) -> tuple[int, int]:
+    """`loader_start` for an endless stream, which never runs out, so its round robin is
+    regular: after `delivered` items, plan worker w has handed over
+    ``delivered // W + (w < delivered % W)``, spread over its epochs."""
+    worker = (delivered + loader_worker) % workers
+    return worker, delivered // workers + (1 if worker < delivered % workers else 0)
