@@ -7,7 +7,6 @@ a damaged one fails here with a message naming the file, not later with a KeyErr
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -15,6 +14,7 @@ import msgpack
 import numpy as np
 
 from ._version import __version__
+from .columns import read_labels, read_weights
 from .errors import CorruptIndexError, ManifestError, ShardstreamError
 
 FORMAT_VERSION = 1
@@ -243,8 +243,8 @@ class ShardIndex:
             frame_offsets=_from_u64(_require(raw, "frame_offsets", bytes, url, E), url),
             frame_raw_offsets=_from_u64(_require(raw, "frame_raw_offsets", bytes, url, E), url),
             compression=_require(raw, "compression", str, url, E),
-            labels=_labels(raw.get("labels"), len(keys), url),
-            weights=_weights(raw.get("weights"), len(keys), url),
+            labels=read_labels(raw.get("labels"), len(keys), url),
+            weights=read_weights(raw.get("weights"), len(keys), url),
         )
         if index.compression not in COMPRESSIONS:
             raise E(f"unknown compression {index.compression!r}", url=url)
@@ -272,70 +272,6 @@ class ShardIndex:
                 raise E("frames and samples do not cover the same bytes", url=url)
         if not all(isinstance(k, str) for k in self.keys):
             raise E("keys must be strings", url=url)
-
-
-def label_of(cls: bytes) -> int:
-    """A sample's class for the index: its `cls` field as an integer, -1 if it is not one."""
-    try:
-        return int(cls)
-    except ValueError:
-        return -1
-
-
-def weight_of(weight: bytes) -> float:
-    """A sample's sampling weight for the index: its `weight` field as a number, NaN if it is not one."""
-    try:
-        return float(weight)
-    except ValueError:
-        return math.nan
-
-
-_MAX_WEIGHT = float(np.finfo(np.float32).max)  # the index keeps weights as float32
-
-
-def check_weight(data: bytes, *, url: str | None = None, key: str | None = None,
-                 offset: int | None = None) -> float:
-    """A `weight` field's value, refused unless it is a finite, non-negative number within
-    float32's range: what an index may hold, so that every index written can be read.
-    Errors name the shard (`url`), sample and offset where given."""
-    try:
-        weight = float(data)
-    except ValueError:
-        raise ShardstreamError(f"weight must be a number, not {data[:20]!r}", url=url, key=key,
-                               offset=offset) from None
-    if not (math.isfinite(weight) and 0 <= weight <= _MAX_WEIGHT):
-        raise ShardstreamError(f"weight must be finite and non-negative, not {weight}", url=url, key=key,
-                               offset=offset)
-    return weight
-
-
-def label_column(labels: list[int]) -> np.ndarray | None:
-    """The index's `labels` (None when no sample has a class)."""
-    return np.asarray(labels, dtype=np.int64) if any(x >= 0 for x in labels) else None
-
-
-def weight_column(weights: list[float]) -> np.ndarray | None:
-    """The index's `weights` (None when no sample has one)."""
-    return None if all(math.isnan(w) for w in weights) else np.asarray(weights, dtype=np.float64)
-
-
-def _labels(data: Any, n: int, url: str) -> np.ndarray | None:
-    if data is None:
-        return None
-    if not isinstance(data, bytes) or len(data) != 4 * n:
-        raise CorruptIndexError(f"labels must be {n} int32 values", url=url)
-    return np.frombuffer(data, dtype="<i4").astype(np.int64)
-
-
-def _weights(data: Any, n: int, url: str) -> np.ndarray | None:
-    if data is None:
-        return None
-    if not isinstance(data, bytes) or len(data) != 4 * n:
-        raise CorruptIndexError(f"weights must be {n} float32 values", url=url)
-    weights = np.frombuffer(data, dtype="<f4").astype(np.float64)
-    if np.any(weights < 0) or np.any(np.isinf(weights)):
-        raise CorruptIndexError("weights must be finite and non-negative (NaN: no weight)", url=url)
-    return weights
 
 
 def _u64(values: np.ndarray) -> bytes:

@@ -21,8 +21,9 @@ import numpy as np
 import zstandard
 
 from . import tario
-from .format import INDEX_SUFFIX, ShardIndex, ShardInfo, label_column, label_of, weight_column, weight_of
+from .columns import label_column, label_of, weight_column, weight_of
 from .errors import StorageError
+from .format import INDEX_SUFFIX, ShardIndex, ShardInfo
 from .scratch import scratch_file
 from .storage import Store
 

@@ -20,8 +20,9 @@ import numpy as np
 import zstandard
 
 from . import tario
+from .columns import check_weight, label_column, label_of, weight_column
 from .errors import CorruptShardError, ShardstreamError
-from .format import INDEX_SUFFIX, ShardIndex, check_weight, label_column, label_of, weight_column
+from .format import INDEX_SUFFIX, ShardIndex
 from .reader import Sample, ShardReader, _decompressor
 from .storage import Store
 from .urls import split_url

@@ -12,13 +12,14 @@ from __future__ import annotations
 import re
 from typing import Any, Sequence
 
+from . import tario
+from .columns import check_weight
 from .errors import ShardstreamError
 from .fields import encode_sample
-from .format import COMPRESSIONS, MANIFEST_NAME, SHARD_SUFFIX, Manifest, ShardInfo, check_weight
+from .format import COMPRESSIONS, MANIFEST_NAME, SHARD_SUFFIX, Manifest, ShardInfo
 from .scratch import cleanup_scratch
 from .shardfile import FRAME_SIZE, LEVEL, MIN_LEVEL, ShardFileWriter, build_frame
 from .storage import Store
-from . import tario
 
 __all__ = ["ShardWriter", "parse_size", "shard_name", "write_manifest"]
 

@@ -1,0 +1,83 @@
+"""The per-sample columns of a shard index: class labels and sampling weights.
+
+Both come from a sample's fields at pack or index time (`cls`, `weight`), are kept in
+the index as packed 32-bit arrays (FORMAT.md), and are read back checked, so that
+class-weighted sampling (sampling.py) can draw without opening a shard.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from .errors import CorruptIndexError, ShardstreamError
+
+__all__ = ["label_of", "weight_of", "check_weight", "label_column", "weight_column", "read_labels", "read_weights"]
+
+
+def label_of(cls: bytes) -> int:
+    """A sample's class for the index: its `cls` field as an integer, -1 if it is not one."""
+    try:
+        return int(cls)
+    except ValueError:
+        return -1
+
+
+def weight_of(weight: bytes) -> float:
+    """A sample's sampling weight for the index: its `weight` field as a number, NaN if it is not one."""
+    try:
+        return float(weight)
+    except ValueError:
+        return math.nan
+
+
+_MAX_WEIGHT = float(np.finfo(np.float32).max)  # the index keeps weights as float32
+
+
+def check_weight(data: bytes, *, url: str | None = None, key: str | None = None,
+                 offset: int | None = None) -> float:
+    """A `weight` field's value, refused unless it is a finite, non-negative number within
+    float32's range: what an index may hold, so that every index written can be read.
+    Errors name the shard (`url`), sample and offset where given."""
+    try:
+        weight = float(data)
+    except ValueError:
+        raise ShardstreamError(f"weight must be a number, not {data[:20]!r}", url=url, key=key,
+                               offset=offset) from None
+    if not (math.isfinite(weight) and 0 <= weight <= _MAX_WEIGHT):
+        raise ShardstreamError(f"weight must be finite and non-negative, not {weight}", url=url, key=key,
+                               offset=offset)
+    return weight
+
+
+def label_column(labels: list[int]) -> np.ndarray | None:
+    """The index's `labels` (None when no sample has a class)."""
+    return np.asarray(labels, dtype=np.int64) if any(x >= 0 for x in labels) else None
+
+
+def weight_column(weights: list[float]) -> np.ndarray | None:
+    """The index's `weights` (None when no sample has one)."""
+    return None if all(math.isnan(w) for w in weights) else np.asarray(weights, dtype=np.float64)
+
+
+def read_labels(data: Any, n: int, url: str) -> np.ndarray | None:
+    """An index's stored `labels` (int32 bytes, or None), checked: `n` of them."""
+    if data is None:
+        return None
+    if not isinstance(data, bytes) or len(data) != 4 * n:
+        raise CorruptIndexError(f"labels must be {n} int32 values", url=url)
+    return np.frombuffer(data, dtype="<i4").astype(np.int64)
+
+
+def read_weights(data: Any, n: int, url: str) -> np.ndarray | None:
+    """An index's stored `weights` (float32 bytes, NaN for none, or None), checked: `n` of them."""
+    if data is None:
+        return None
+    if not isinstance(data, bytes) or len(data) != 4 * n:
+        raise CorruptIndexError(f"weights must be {n} float32 values", url=url)
+    weights = np.frombuffer(data, dtype="<f4").astype(np.float64)
+    if np.any(weights < 0) or np.any(np.isinf(weights)):
+        raise CorruptIndexError("weights must be finite and non-negative (NaN: no weight)", url=url)
+    return weights
