@@ -48,7 +48,7 @@ __all__ = ["ShardCache"]
 CHUNK = 16 << 20  # bytes per ranged request when downloading
 DOWNLOAD_ATTEMPTS = 3  # whole downloads of a file before its checksum mismatch is an error
 # A live download writes its file a CHUNK at a time. One try of a 16 MB read may take 350 s
-# on a slow link (`http_ranges.deadline_s`, counted in its share of the time when reads
+# on a slow link (`deadlines.deadline_s`, counted in its share of the time when reads
 # share the link, so a few times that with prefetch): a temporary file untouched for an
 # hour has no live download behind it.
 ABANDONED_PART_S = 3600

@@ -12,8 +12,8 @@ and `client_kwargs` holding `endpoint_url` and `region_name`. Anything not given
 from botocore's usual chain (the AWS environment variables, `AWS_ENDPOINT_URL` among
 them, ~/.aws, instance roles), as it does for s3fs. botocore does not retry by itself
 here: `RetryPolicy` does, and counts every retry. Each request has a deadline, as
-over HTTP (`http_ranges.deadline_s`), its headers' included: a client's connection
-pools are made `http_ranges.watched` when the client is made.
+over HTTP (`deadlines.deadline_s`), its headers' included: a client's connection
+pools are made `deadlines.watched` when the client is made.
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ import threading
 import time
 from typing import Any, Mapping
 
-from .http_ranges import PerProcess, deadline_s, headers_due, range_header, read_body, watched
+from .deadlines import deadline_s, headers_due, read_body, watched
+from .http_ranges import range_header
+from .perprocess import PerProcess
 
 
 __all__ = ["supports", "read_range"]
@@ -73,7 +75,7 @@ def _client(options: Mapping[str, Any], connect_s: float, read_s: float) -> Any:
 
 
 def _watch_headers(client: Any) -> None:
-    """Make `client`'s connections read response headers within `http_ranges.headers_due`.
+    """Make `client`'s connections read response headers within `deadlines.headers_due`.
 
     botocore keeps its pool classes by scheme in `_pool_classes_by_scheme` (a private
     name, as `_raw_stream` below), shared with its pool managers, proxies' too, which

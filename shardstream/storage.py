@@ -49,7 +49,7 @@ OPEN_BLOCK_BYTES = 8 << 20  # bytes per ranged request of a remote file read fro
 # read, so a slow large transfer is unaffected. Options given by the user
 # (client_kwargs={"timeout": ...}) win. The ranged reads of `http_ranges` and
 # `s3_ranges` also give each request a deadline derived from these and its size
-# (`http_ranges.deadline_s`): a server trickling a byte per read timeout fails it.
+# (`deadlines.deadline_s`): a server trickling a byte per read timeout fails it.
 HTTP_CONNECT_TIMEOUT_S = 10.0
 HTTP_READ_TIMEOUT_S = 20.0
 

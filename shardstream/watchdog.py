@@ -1,13 +1,13 @@
 """The deadline watchdog: one thread that stops blocks (ranged reads) outliving their deadlines.
 
 A request's timeouts bound each wait on its socket, not the request: a server that
-trickles a byte within every read timeout would hold a reader forever. `http_ranges`
-gives each request a deadline (`http_ranges.deadline_s`) and watches its body read
-here; when the deadline passes, the watchdog calls the read's `stop` (which shuts its
+trickles a byte within every read timeout would hold a reader forever. deadlines.py
+gives each request a deadline (`deadlines.deadline_s`) and watches its reads here;
+when the deadline passes, the watchdog calls the read's `stop` (which shuts its
 socket) from its own thread. Deadlines are counted in each read's share of the time,
 so reads that share a slow link are not failed for sharing it. This module knows
 nothing of HTTP: only blocks, deadlines and the thread that watches them;
-`http_ranges` holds one `Watchdog` per process (`PerProcess`).
+deadlines.py holds one `Watchdog` per process (`PerProcess`).
 """
 
 from __future__ import annotations
