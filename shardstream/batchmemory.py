@@ -34,18 +34,19 @@ torch's ``file_descriptor`` sharing strategy (Linux's default) is pooled; under
 
 from __future__ import annotations
 
+import contextlib
 import math
 import multiprocessing.reduction
 import os
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.multiprocessing
 from torch.multiprocessing.reductions import StorageWeakRef, reduce_storage
 from torch.utils.data._utils.collate import collate_tensor_fn
 
-__all__ = ["BatchMemory", "collate_tensors", "pooled_tensor", "rebuild_pooled"]
+__all__ = ["BatchMemory", "collate_tensors", "one_batch", "pooled_tensor", "rebuild_pooled"]
 
 SLOTS = 16  # buffers per worker at most: a worker's batches in flight, with a margin
 
@@ -60,25 +61,41 @@ class BatchMemory:
         self._released = self.board.numpy()
         self._handed_out = [0] * slots
         self._storages: list[torch.UntypedStorage | None] = [None] * slots
-        self._slot_at: dict[int, int] = {}  # a slot's storage data_ptr -> the slot
+        self._slot_at: dict[int, int] = {}  # a slot's storage data_ptr -> the slot (never 0: see `tensor`)
+        self._batch: list[int] | None = None  # slots handed out in the open `one_batch` block
         self.pid = os.getpid()  # the slots are shared memory: a forked child must not write them
 
     def tensor(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor | None:
-        """A tensor of `shape` in a free slot, handed out until released; None if none is free."""
+        """A tensor of `shape` in a free slot, handed out until released; None if none is free,
+        or if the tensor holds nothing (every empty storage has data_ptr 0, so empty slots
+        could not be told apart; an empty tensor costs nothing to make anyway)."""
         nbytes = math.prod(shape) * dtype.itemsize
-        slot = self._free_slot(nbytes)
+        slot = self._free_slot(nbytes) if nbytes else None
         if slot is None:
             return None
         storage = self._storages[slot]
         if storage is None or storage.nbytes() < nbytes:
             storage = self._allocate(slot, nbytes)
         self._handed_out[slot] += 1
+        if self._batch is not None:
+            self._batch.append(slot)
         return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape))
 
-    def give_back(self, tensor: torch.Tensor) -> None:
-        """Take back a tensor from `tensor()` that will not be shipped (its batch failed)."""
-        slot = self._slot_at[tensor.untyped_storage().data_ptr()]
-        self._handed_out[slot] -= 1
+    @contextlib.contextmanager
+    def one_batch(self) -> Iterator[None]:
+        """Slots handed out in this block are taken back if it raises: a batch that fails
+        to collate is never shipped, so nothing would ever release them. Blocks nest."""
+        outer, self._batch = self._batch, []
+        try:
+            yield
+        except BaseException:
+            for slot in self._batch:
+                self._handed_out[slot] -= 1
+            self._batch = outer
+            raise
+        if outer is not None:
+            outer.extend(self._batch)
+        self._batch = outer
 
     def handed_out(self, storage: torch.UntypedStorage) -> tuple[int, int] | None:
         """(slot, times handed out) if `storage` is one of the slots, else None."""
@@ -117,6 +134,19 @@ def _worker_memory() -> BatchMemory | None:
     return _memory
 
 
+@contextlib.contextmanager
+def one_batch() -> Iterator[None]:
+    """`BatchMemory.one_batch` for this DataLoader worker's memory; nothing elsewhere. A
+    collate function that takes pooled tensors runs in one, so that a failure past the
+    first pooled field (a caught one: `on_error`, the user's own) does not keep its slots."""
+    memory = _worker_memory()
+    if memory is None:
+        yield
+    else:
+        with memory.one_batch():
+            yield
+
+
 def pooled_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor | None:
     """An uninitialised tensor in one of this DataLoader worker's reusable slots, handed out
     until the training process lets go of it; None outside a worker, or when no slot is free."""
@@ -129,14 +159,11 @@ def collate_tensors(batch: Sequence[torch.Tensor], *, collate_fn_map: dict | Non
     first = batch[0]
     if type(first) is not torch.Tensor or first.layout != torch.strided:  # subclasses, sparse: torch's way
         return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
-    out = pooled_tensor((len(batch), *first.shape), first.dtype)
-    if out is None:
-        return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
-    try:
+    with one_batch():  # shapes that do not stack: torch's error, and the slot stays free
+        out = pooled_tensor((len(batch), *first.shape), first.dtype)
+        if out is None:
+            return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
         return torch.stack(list(batch), 0, out=out)
-    except BaseException:  # shapes that do not stack: torch's error, and the slot stays free
-        _memory.give_back(out)  # type: ignore[union-attr]
-        raise
 
 
 def _reduce_storage(storage: torch.UntypedStorage) -> tuple[Callable[..., Any], tuple[Any, ...]]:

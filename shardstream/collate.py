@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import torch
 from torch.utils.data._utils.collate import collate, default_collate_fn_map
 
-from .batchmemory import collate_tensors, pooled_tensor
+from .batchmemory import collate_tensors, one_batch, pooled_tensor
 from .device_jpeg import EncodedImage, collate_encoded
 
 __all__ = ["default_collate", "pad_collate"]
@@ -28,7 +28,8 @@ _COLLATE_FN_MAP = {
 
 def default_collate(batch: Sequence[Any]) -> Any:
     """torch's `default_collate`, which also packs `EncodedImage`s into an `EncodedBatch`."""
-    return collate(batch, collate_fn_map=_COLLATE_FN_MAP)
+    with one_batch():  # a field that fails gives back the slots of the fields stacked before it
+        return collate(batch, collate_fn_map=_COLLATE_FN_MAP)
 
 
 def pad_collate(batch: Sequence[Any], padding_value: float = 0) -> tuple[torch.Tensor, torch.Tensor, Any]:
@@ -43,8 +44,9 @@ def pad_collate(batch: Sequence[Any], padding_value: float = 0) -> tuple[torch.T
         raise ValueError("pad_collate needs at least one sample")
     sequences = [torch.as_tensor(item[0]) for item in batch]
     lengths = torch.tensor([len(s) for s in sequences], dtype=torch.int64)
-    padded = _pad(sequences, padding_value)
-    labels = default_collate([item[1] for item in batch])
+    with one_batch():  # labels that fail to collate give the padded sequences' slot back
+        padded = _pad(sequences, padding_value)
+        labels = default_collate([item[1] for item in batch])
     return padded, lengths, labels
 
 

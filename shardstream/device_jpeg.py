@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from .batches import map_field
+from .batches import map_field, usable_device
 from .decode import is_jpeg
 from .errors import DecodeError
 from .transforms import CropPlan, crop_resize
@@ -167,7 +167,8 @@ class DecodeOnDevice:
     `field` picks the encoded batch in a tuple (an index) or dict (a key) batch; a bare
     `EncodedBatch` is decoded itself. On a CUDA device with torchvision's GPU decoder
     the batch is decoded by nvJPEG in one call; anywhere else on the CPU, exactly as
-    the fused CPU transform does, then moved to `device`.
+    the fused CPU transform does, then moved to `device` (left on the CPU, with a
+    warning, where `device` is CUDA and this machine has none).
     """
 
     device: str | torch.device = "cuda"
@@ -184,12 +185,17 @@ class DecodeOnDevice:
                             f"makes; field {self.field!r} of this batch is a {type(batch).__name__}")
         if self.on_gpu:
             return _decode_gpu(batch, torch.device(self.device))
-        return _decode_cpu(batch, range(len(batch))).to(self.device, non_blocking=True)
+        return _decode_cpu(batch, range(len(batch))).to(_target(self.device), non_blocking=True)
 
     def __call__(self, batch: Any) -> Any:
         if isinstance(batch, EncodedBatch):
             return self.decode(batch)
         return map_field(batch, self.field, self.decode)
+
+
+# Where CPU-decoded batches go: `device`, or the CPU where it is CUDA and there is none
+# (warned about once per device, not per batch).
+_target = functools.lru_cache(maxsize=8)(usable_device)
 
 
 def _decode_cpu(batch: EncodedBatch, which: Iterable[int]) -> torch.Tensor:
@@ -209,6 +215,8 @@ def _decode_gpu(batch: EncodedBatch, device: torch.device) -> torch.Tensor:
     try:
         return decode_then_crop(batch, lambda encoded: _nvjpeg(encoded, device), jpegs,
                                 lambda others: _decode_cpu(batch, others).to(device, non_blocking=True))
+    except torch.cuda.OutOfMemoryError:
+        raise  # the device's memory, not nvJPEG's refusal: decoding on the CPU would hide it
     except RuntimeError as e:
         # nvJPEG refuses a whole batch for one image it cannot take: a damaged one (the
         # CPU decoder then raises, naming it), or a valid one it does not support (CMYK,

@@ -32,7 +32,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.utils.data
 
-from .batches import count_samples, map_field, tensors, to_device
+from .batches import count_samples, map_field, tensors, to_device, usable_device
+from .collate import default_collate, pad_collate
 from .dataset import StreamingDataset
 
 __all__ = ["DataLoader", "LoaderStats", "Normalize", "to_device"]
@@ -95,11 +96,15 @@ def _normalize_constants(mean: tuple[float, ...], std: tuple[float, ...], device
                          dims: int) -> tuple[torch.Tensor, torch.Tensor]:
     """255 * mean and 1 / (255 * std), shaped for `dims`-dimensional images, made once per
     device: ``torch.tensor(..., device="cuda")`` copies synchronously, which would stall
-    the host on every batch behind the copy just issued."""
+    the host on every batch behind the copy just issued.
+
+    Computed on the host, then copied: arithmetic on the device would be kernels queued
+    on whichever stream is current at the first call, and the cached result read later
+    from other streams (the loader's copy stream) that do not wait for them."""
     shape = (1, -1, 1, 1) if dims == 4 else (-1, 1, 1)
-    mean_t = torch.tensor(mean, device=device, dtype=dtype).view(shape) * 255
-    inv_std = 1.0 / (torch.tensor(std, device=device, dtype=dtype).view(shape) * 255)
-    return mean_t, inv_std
+    mean_t = torch.tensor(mean, dtype=dtype).view(shape) * 255
+    inv_std = 1.0 / (torch.tensor(std, dtype=dtype).view(shape) * 255)
+    return mean_t.to(device), inv_std.to(device)  # a host-to-device copy from pageable memory: synchronous
 
 
 def _start_method(context: str | multiprocessing.context.BaseContext | None) -> str:
@@ -130,7 +135,8 @@ class DataLoader:
     crosses the process boundary as one message. Defaults: persistent workers when
     `num_workers` > 0; pinned memory when `device` is CUDA. `transform_on_device` is a
     callable, or a sequence of them applied in order (``[DecodeOnDevice("cuda"),
-    Normalize()]``), run on each batch once it is on `device`.
+    Normalize()]``), run on each batch once it is on `device`. A CUDA `device` on a
+    machine without CUDA keeps batches on the CPU, with a warning: the same script runs.
     """
 
     def __init__(
@@ -151,10 +157,11 @@ class DataLoader:
         self.dataset = copy.copy(dataset)  # shares the epoch with the caller's dataset
         if batch_size is not None:
             self.dataset.batch_size = batch_size
-        self.device = torch.device(device) if device is not None else None
+        self.device = usable_device(device) if device is not None else None  # CUDA asked for, none here: the CPU
         cuda = self.device is not None and self.device.type == "cuda"
         self.num_workers = num_workers
         self.pin_memory = cuda if pin_memory is None else pin_memory and torch.cuda.is_available()
+        self._copy_stream: torch.cuda.Stream | None = None  # see _on_device
         self.persistent_workers = num_workers > 0 if persistent_workers is None else persistent_workers
         self.prefetch_factor = prefetch_factor if num_workers > 0 else None
         self.prefetch_to_device = max(1, prefetch_to_device)
@@ -221,6 +228,7 @@ class DataLoader:
                     self.dataset.explain_pickling(error, _start_method(self.multiprocessing_context))
                 raise
         batches = self._on_device(source) if self._use_cuda() else self._on_host(source)
+        by_fields = self.dataset.collate_fn in (default_collate, pad_collate, torch.utils.data.default_collate)
         # The consumer has waited since it asked for the first batch: through resolving the
         # source and starting the workers above, not only inside next().
         t0 = start
@@ -240,7 +248,7 @@ class DataLoader:
             if self.stats.batches == 0:
                 self.stats.first_batch_s = now - start
             self.stats.batches += 1
-            self.stats.samples += count_samples(batch) if self.dataset.batch_size is not None else 1
+            self.stats.samples += count_samples(batch, by_fields) if self.dataset.batch_size is not None else 1
             self.stats.elapsed_s = now - start
             self._delivered += 1
             yield batch
@@ -249,7 +257,7 @@ class DataLoader:
         self.dataset.finish_pass()  # the epoch is complete; workers forgot it too
 
     def _use_cuda(self) -> bool:
-        return self.device is not None and self.device.type == "cuda" and torch.cuda.is_available()
+        return self.device is not None and self.device.type == "cuda"
 
     def _on_host(self, source: Iterator[Any]) -> Iterator[Any]:
         for batch in source:
@@ -260,7 +268,12 @@ class DataLoader:
     def _on_device(self, source: Iterator[Any]) -> Iterator[Any]:
         device = self.device
         assert device is not None
-        copy_stream = torch.cuda.Stream(device=device)
+        # One stream for the loader's life, not one per epoch: the caching allocator reuses a
+        # freed block only on the stream it was allocated on, so each epoch's own stream
+        # would leave the last one's cached device batches reserved and of no use.
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device=device)
+        copy_stream = self._copy_stream
         pending: deque[tuple[Any, torch.cuda.Event]] = deque()
 
         def issue(batch: Any) -> None:

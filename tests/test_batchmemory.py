@@ -211,6 +211,59 @@ def test_a_batch_that_fails_to_stack_gives_its_slot_back():
     assert bool(pooled) and torch.equal(images, _expected(0))
 
 
+def test_a_batch_whose_later_field_fails_gives_every_slot_back():
+    class LaterFieldFails(IterableDataset):
+        def __iter__(self):
+            for _ in range(2 * SLOTS):  # the images stack into a slot, then the labels fail (a None)
+                with pytest.raises((TypeError, RuntimeError)):
+                    default_collate([(_image(0, 0), 1), (_image(0, 1), None)])
+                with pytest.raises((TypeError, RuntimeError)):
+                    pad_collate([(torch.zeros(3, 2), 1), (torch.zeros(5, 2), None)])
+            memory = batchmemory._memory
+            free = sum(int(memory._released[s]) == n for s, n in enumerate(memory._handed_out))
+            batch = default_collate([_image(0, j) for j in range(4)])
+            yield free, memory.handed_out(batch.untyped_storage()) is not None
+
+    [(free, pooled)] = list(DataLoader(LaterFieldFails(), batch_size=None, num_workers=1))
+    assert int(free) == SLOTS and bool(pooled)
+
+
+def test_blocks_nest_and_only_a_failed_block_gives_back():
+    memory = BatchMemory(slots=4)
+    with memory.one_batch():
+        kept = memory.tensor((4, 8), torch.uint8)
+        with pytest.raises(ValueError):
+            with memory.one_batch():
+                memory.tensor((4, 8), torch.uint8)
+                raise ValueError("the inner batch fails")
+    assert kept is not None
+    with pytest.raises(ValueError):
+        with memory.one_batch():
+            memory.tensor((4, 8), torch.uint8)
+            raise ValueError("a later batch fails")
+    handed = [n - int(memory._released[s]) for s, n in enumerate(memory._handed_out)]
+    assert sorted(handed) == [0, 0, 0, 1]  # only the first batch's tensor is still out
+    assert memory.handed_out(kept.untyped_storage())[1] == 1
+
+
+def test_empty_fields_next_to_pooled_ones():
+    # Detection boxes of images without objects: (0, 4) per sample, beside images of sizes
+    # that change (their slots grow), with the last batches held by the loop.
+    class Boxes(IterableDataset):
+        def __iter__(self):
+            for i in range(3 * SLOTS):
+                side = 8 + i
+                yield default_collate([(torch.full((3, side, side), j, dtype=torch.uint8), torch.zeros(0, 4))
+                                       for j in range(4)])
+
+    held = []
+    for images, boxes in DataLoader(Boxes(), batch_size=None, num_workers=1):
+        held = [*held[-2:], (images, boxes)]
+        assert boxes.shape == (4, 0, 4)
+        assert torch.equal(images[:, 0, 0, 0], torch.arange(4, dtype=torch.uint8))
+    assert len(held) == 3 and held[-1][0].shape[-1] == 8 + 3 * SLOTS - 1
+
+
 def _child_state(results):
     held = list(batchmemory._releases._held)
     free = batchmemory._releases._lock.acquire(timeout=5)

@@ -143,6 +143,59 @@ def test_to_device_keeps_the_batch_structure():
     assert isinstance(moved["b"], Pair) and moved["b"].y == 7 and torch.equal(moved["b"].x, torch.arange(3))
 
 
+class Encoding(collections.UserDict):
+    """A mapping batch with state of its own, as Hugging Face's BatchEncoding."""
+
+    def __init__(self, data, tag="t"):
+        super().__init__(data)
+        self.tag = tag
+
+
+class Fields(dict):
+    pass
+
+
+def test_to_device_walks_every_mapping_and_sequence_and_keeps_their_types():
+    from types import MappingProxyType
+
+    from shardstream.batches import tensors
+
+    batch = [Encoding({"ids": torch.ones(2)}, tag="kept"), Fields(x=torch.zeros(1)),
+             MappingProxyType({"y": torch.arange(2)}), (torch.ones(1), "text", b"bytes")]
+    meta = torch.device("meta")  # a device this machine has, unlike CUDA, that every moved tensor shows
+    moved = to_device(batch, meta)
+    assert isinstance(moved[0], Encoding) and moved[0].tag == "kept" and isinstance(moved[1], Fields)
+    assert moved[2]["y"].is_meta and moved[3][1:] == ("text", b"bytes")
+    found = list(tensors(moved))
+    assert len(found) == 4 and all(t.is_meta for t in found)  # what record_stream is called on, on CUDA
+    assert batch[0]["ids"].device.type == "cpu"  # the batch given is left as it was
+
+
+def test_stats_count_samples_when_the_first_field_is_a_list(packed):
+    """Regression: a collated batch whose first field is the keys (a list of strings) counted its fields."""
+    dataset = StreamingDataset(packed, decode=RandomResizedCropJPEG(SIZE), fields=("__key__", "jpg", "cls"),
+                               batch_size=BATCH)
+    loader = DataLoader(dataset, num_workers=0)
+    assert sum(len(keys) for keys, _, _ in loader) == loader.stats.samples
+    assert loader.stats.samples == int(shardstream.open_dataset(packed).counts().sum())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback of a machine without CUDA")
+def test_a_cuda_device_without_cuda_runs_the_same_script_on_the_cpu(packed):
+    transform = RandomResizedCropJPEG(SIZE)
+    reference = list(DataLoader(images(packed, transform), num_workers=2, persistent_workers=False))
+    with pytest.warns(RuntimeWarning, match="CUDA is not available"):
+        loader = DataLoader(images(packed, DeferDecode(transform)), num_workers=2, persistent_workers=False,
+                            device="cuda", transform_on_device=[DecodeOnDevice("cuda"), Normalize()])
+    assert loader.device == torch.device("cpu") and not loader.pin_memory
+    with pytest.warns(RuntimeWarning, match="CUDA is not available"):
+        got = list(loader)
+    assert len(got) == len(reference) > 1
+    for (n, ln, kn), (b, lb, kb) in zip(got, reference):
+        assert n.device.type == "cpu" and torch.equal(n, Normalize().normalize(b)) and torch.equal(ln, lb)
+        assert kn == kb
+
+
 def test_collate_encoded_keeps_every_images_bytes_and_plan():
     blobs = [b"\xff\xd8first", b"", b"\xff\xd8third one"]
     plans = [CropPlan((10, 8), (0, 0, 8, 10), (4, 4), i == 1) for i in range(3)]
