@@ -64,8 +64,22 @@ class Checkpointing:
         self._worker_resume = False  # the loaded state is a worker's own
         self._translated: tuple[ResumeState, Layout, ResumeState] | None = None  # see _resume_for
 
+    def _forget_stale(self) -> None:
+        """Drop a loaded state (and the state of the pass that started from one) whose epoch
+        is no longer the current one. `set_epoch` forgets them only in the copy it is called
+        on; the copies a DataLoader holds (its workers', `shardstream.DataLoader`'s) share the
+        epoch with it, not what they loaded, and would otherwise replay the remainder of an
+        epoch the training loop left early (for eval, or at a step limit) as the next one."""
+        epoch = self._shared.epoch
+        if self._resume is not None and self._resume.epoch != epoch:
+            self._resume, self._loaded_position, self._worker_resume = None, None, False
+        if self._pass_resume is not None and self._pass_resume.epoch != epoch:
+            self._pass_resume = None
+
     def _active_resume(self, world: World) -> ResumeState | None:
-        """The loaded resume state, unless every worker has already finished that epoch."""
+        """The loaded resume state, unless every worker has already finished that epoch, or
+        the epoch has changed since it was loaded."""
+        self._forget_stale()
         if self._worker_resume:  # a worker's own state: this process's copy alone uses it
             return self._resume
         if self._resume is not None and self._shared.resume_used_up(self._resume_id, world.workers):
@@ -96,7 +110,7 @@ class Checkpointing:
         `world`'s layout; once the resumed pass is complete, the one it started from (until
         the next pass or epoch), so that a state taken at the end of an epoch resumed onto
         another layout still counts the earlier layouts' items and says the epoch is complete."""
-        resume = self._resume_for(world)
+        resume = self._resume_for(world)  # stale states dropped (_active_resume)
         if resume is not None:
             return resume
         if self._pass_resume is not None and self._shared.later_pass():

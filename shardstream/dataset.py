@@ -295,6 +295,7 @@ class StreamingDataset(Checkpointing, IterableDataset):
         # right after, before the first item.
         counted = io_stats.snapshot()  # this iteration's storage work counts from here (io_stats())
         world = self.world()
+        self._forget_stale()  # a worker's own loaded place too, if the epoch has moved on
         loaded, self._loaded_position = self._loaded_position, None
         if loaded is None and self._worker_resume:  # a worker's own state applies to one iteration
             self._resume, self._worker_resume = None, False

@@ -205,7 +205,7 @@ class DataLoader:
             # Persistent workers still hold the resume state of an epoch left unfinished.
             self._loader = None
         self.dataset.set_epoch(epoch)
-        self._delivered = 0
+        self._delivered = self.dataset.resumed_items(self.num_workers)  # a loaded state of this epoch still counts
 
     def state_dict(self) -> dict[str, Any]:
         """The dataset's state at the items the training loop has received."""

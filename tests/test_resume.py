@@ -493,6 +493,57 @@ def test_loader_state_dict_right_after_load_keeps_the_progress(url):
     assert fresh.state_dict() == state
 
 
+def test_loader_set_epoch_of_the_loaded_epoch_keeps_the_progress(url):
+    """The usual restart loop, ``for epoch in range(state["epoch"], E): loader.set_epoch(epoch)``,
+    with a checkpoint before the first step: it still counts what was delivered before."""
+    full = loader_keys(shardstream.DataLoader(dataset(url)))
+    loader = shardstream.DataLoader(dataset(url))
+    it = iter(loader)
+    head = [D.freeze(next(it)) for _ in range(4)]
+    state = loader.state_dict()
+    it.close()
+    restarted = shardstream.DataLoader(dataset(url))
+    restarted.load_state_dict(state)
+    restarted.set_epoch(state["epoch"])
+    again = restarted.state_dict()
+    assert again == state
+    fresh = shardstream.DataLoader(dataset(url))
+    fresh.load_state_dict(again)
+    assert head + loader_keys(fresh) == full
+
+
+@pytest.mark.parametrize("driver", ["torch-persistent", "shardstream-loader"])
+def test_a_resumed_epoch_left_early_is_not_replayed_as_the_next(url, driver):
+    """A loaded state, its epoch left after one batch (eval, a step limit), then set_epoch(1) on the
+    caller's dataset: the copies the loader holds (persistent workers', shardstream.DataLoader's) must
+    yield epoch 1, not the rest of epoch 0."""
+    import torch.utils.data
+
+    def make_loader(ds):
+        if driver == "torch-persistent":
+            return torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
+        return shardstream.DataLoader(ds, num_workers=0)
+
+    workers = 2 if driver == "torch-persistent" else 0
+    expected = dataset(url)
+    expected.set_epoch(1)
+    epoch_1 = D.run(expected, workers)  # the order depends on the number of workers
+    interrupted = dataset(url)
+    D.take_main(interrupted, 3)
+    state = interrupted.state_dict(num_workers=workers)
+    ds = dataset(url)
+    loader = make_loader(ds)
+    if driver == "torch-persistent":
+        ds.load_state_dict(state)
+    else:
+        loader.load_state_dict(state)
+    it = iter(loader)
+    next(it)
+    del it
+    ds.set_epoch(1)
+    assert loader_keys(loader) == epoch_1
+
+
 @pytest.mark.parametrize("num_workers", [
     0,
     1,
