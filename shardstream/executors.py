@@ -16,6 +16,7 @@ cluster for nothing, and race a retry that writes the same destination.
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Any
 
 from .errors import PackError, ShardstreamError, reason
@@ -55,7 +56,7 @@ def pack_with_ray(src: str, dst: str, *, parts: int, address: str | None = None,
     if not ray.is_initialized():
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
     options.setdefault("workers", cpus_per_part)
-    task = ray.remote(num_cpus=cpus_per_part)(_pack_part)
+    task = ray.remote(num_cpus=_cpus_to_ask(ray, cpus_per_part))(_pack_part)
     pending = {task.remote(src, dst, (i, parts), options): i for i in range(parts)}
     summaries: dict[int, PackSummary] = {}
     with progress_bar(total=parts, unit="part", desc="pack (ray)", disable=not progress) as bar:
@@ -74,6 +75,18 @@ def pack_with_ray(src: str, dst: str, *, parts: int, address: str | None = None,
             _stop(ray, pending)
             raise
     return merge(dst, storage_options=options.get("storage_options")), [summaries[i] for i in range(parts)]
+
+
+def _cpus_to_ask(ray: Any, cpus_per_part: int) -> int:
+    """The CPUs each part's task asks Ray for: `cpus_per_part`, or as many as the largest node
+    has, with a warning. Ray keeps a task that no node can hold pending forever, silently
+    here (its warning goes to the driver's log, which is off), so the pack would never start."""
+    largest = max((node.get("Resources", {}).get("CPU", 0) for node in ray.nodes() if node.get("Alive")), default=0)
+    if largest >= cpus_per_part or largest < 1:  # no CPUs seen at all: left to Ray (an autoscaler may add some)
+        return cpus_per_part
+    warnings.warn(f"no node of the Ray cluster has {cpus_per_part} CPUs (the largest has {largest:g}): each part asks "
+                  f"for {int(largest)} and runs its {cpus_per_part} pack workers there", RuntimeWarning, stacklevel=3)
+    return int(largest)
 
 
 def _part_error(ray: Any, error: Exception, index: int, parts: int) -> ShardstreamError:

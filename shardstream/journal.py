@@ -9,10 +9,11 @@ removed once the manifest is written.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Iterator
 
 import msgpack
 
@@ -40,20 +41,32 @@ class Journal:
             if previous != plan:
                 raise ShardstreamError("cannot resume: the earlier pack had other options or another source listing",
                                        url=self.store.root)
-            for name in self.store.list(".msgpack"):
-                if not name.startswith("shard-"):
-                    continue
-                raw = unpack_limited(self.store.read(name), max_bytes=1 << 24, url=self.store.url(name),
-                                     error=ShardstreamError)
-                info = ShardInfo(**{**raw["info"], "fields": tuple(raw["info"]["fields"])})
+            for shard, info, skipped in self._records():
                 # Trust the record only if the shard is there, whole.
                 if self.shards.exists(info.name) and self.shards.size(info.name) == info.bytes:
-                    done[int(raw["shard"])] = (info, [tuple(s) for s in raw["skipped"]])  # type: ignore[misc]
+                    done[shard] = (info, skipped)
             return done
+        # A fresh start: the shards an earlier, failed run of this pack published go too, or
+        # those this run does not write again (other options, another source) would stay
+        # beside the dataset, listed by no manifest, for anything that globs shard names.
+        with contextlib.suppress(ShardstreamError):
+            for _, info, _ in self._records():
+                self.shards.remove(info.name)
+                self.shards.remove(info.index)
         self.clear()
         self.store.makedirs()
         self.store.write("plan.msgpack", msgpack.packb(plan, use_bin_type=True))
         return done
+
+    def _records(self) -> Iterator[tuple[int, ShardInfo, list[tuple[str, str]]]]:
+        """The finished shards recorded: (shard number, its manifest entry, its skips)."""
+        for name in self.store.list(".msgpack"):
+            if not name.startswith("shard-"):
+                continue
+            raw = unpack_limited(self.store.read(name), max_bytes=1 << 24, url=self.store.url(name),
+                                 error=ShardstreamError)
+            info = ShardInfo(**{**raw["info"], "fields": tuple(raw["info"]["fields"])})
+            yield int(raw["shard"]), info, [tuple(s) for s in raw["skipped"]]  # type: ignore[misc]
 
     def record(self, shard: int, info: ShardInfo, skipped: list[tuple[str, str]]) -> None:
         body = {"shard": shard, "info": {**asdict(info), "fields": list(info.fields)}, "skipped": skipped}

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 from dataclasses import dataclass
 from typing import Iterator
 
 from .errors import PackError
+from .writer import MAX_CLASS
 
 __all__ = ["Listing", "SourceFile", "Repeat", "list_source", "printable", "sniff_image", "IMAGE_FIELDS"]
 
@@ -194,13 +196,17 @@ def _read_rows(path: str) -> list[tuple[int, str, str | None]]:
     """The (line number, path, label or None) rows of a file list; blank lines and `#` comments left out."""
     rows: list[tuple[int, str, str | None]] = []
     try:
-        with open(path, newline="", encoding="utf-8") as f:
+        # utf-8-sig: Excel's "CSV UTF-8" and PowerShell begin with a byte-order mark, which
+        # would otherwise be the first path's first character.
+        with open(path, newline="", encoding="utf-8-sig") as f:
             for number, row in enumerate(csv.reader(f), 1):
                 if not row or not row[0].strip() or row[0].startswith("#"):
                     continue
                 if len(row) > 2:
                     raise PackError(f"line {number}: expected 'path[,label]', got {len(row)} columns", url=path)
-                rows.append((number, row[0].strip(), row[1].strip() if len(row) == 2 else None))
+                # An empty label cell (`a.jpg,`) is no label: as a label it would be a class named ""
+                # and turn integer labels into names, every class index moved by one.
+                rows.append((number, row[0].strip(), (row[1].strip() or None) if len(row) == 2 else None))
     except UnicodeDecodeError as e:
         raise PackError(f"the file list is not UTF-8 text (byte {e.start})", url=path) from None
     return rows
@@ -216,6 +222,9 @@ def _is_header(first_cell: str, root: str) -> bool:
     return not os.path.lexists(first_cell if os.path.isabs(first_cell) else os.path.join(root, first_cell))
 
 
+_INTEGER = re.compile(r"-?[0-9]+")  # ASCII digits only: str.isdigit() takes "²", which int() refuses
+
+
 def _list_file(path: str) -> Listing:
     root = os.path.dirname(os.path.abspath(path))
     rows = _read_rows(path)
@@ -224,13 +233,16 @@ def _list_file(path: str) -> Listing:
     # Classes come from every row, a repeated one too: leaving a row out (as skipping a
     # corrupt image does) never renumbers the classes.
     labels = {label for _, _, label in rows if label is not None}
-    if labels and any(label is None for _, _, label in rows):
-        raise PackError("some lines have a label and some do not", url=path)
-    if labels and all(label.lstrip("-").isdigit() for label in labels):
+    unlabelled = next((number for number, _, label in rows if label is None), None)
+    if labels and unlabelled is not None:
+        raise PackError(f"line {unlabelled} has no label, and other lines have one", url=path)
+    if labels and all(_INTEGER.fullmatch(label) for label in labels):
         # Integer labels are class indices as given.
         top = max(int(label) for label in labels)
         if min(int(label) for label in labels) < 0:
             raise PackError("integer labels must not be negative", url=path)
+        if top > MAX_CLASS:  # the class table would hold `top` names (3e9: gigabytes before any packing)
+            raise PackError(f"integer label {top} is above the largest class index, {MAX_CLASS}", url=path)
         classes = tuple(str(i) for i in range(top + 1))
         index = {str(i): i for i in range(top + 1)} | {label: int(label) for label in labels}
     else:

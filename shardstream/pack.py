@@ -226,18 +226,25 @@ def pack(
     # part's merge, or clearing the journal failed) has nothing left to do but tidy up; a
     # part's caller then merges as the part would have.
     complete = resume and not overwrite and store.exists(target)
-    if store.exists(target) and not complete:
-        if not overwrite:
-            raise ShardstreamError("already holds a dataset; pass overwrite=True (--overwrite) to replace it",
-                                   url=store.url(target))
-        _remove_dataset(store, target)
-    _clear_other_packs(store, part, overwrite=overwrite, finished_part=complete)
+    replace = store.exists(target) and not complete
+    if replace and not overwrite:
+        raise ShardstreamError("already holds a dataset; pass overwrite=True (--overwrite) to replace it",
+                               url=store.url(target))
+    # The source is listed and checked before anything in `dst` is removed: a mistyped or
+    # empty source must not cost the dataset it would have replaced.
     listing = list_source(src)
     listed_skips = _repeated_rows(listing, src, on_error == "skip", part)
     entries = order(listing, opts)
     fingerprint = listing_fingerprint(entries)
-    # What the manifest records of the options; a part's also says which part of which listing.
-    options = opts.as_dict() if part is None else {**opts.as_dict(), "part": list(part), "listing": fingerprint}
+    # What the manifest records of the options, and of which listing (a rerun with `resume`
+    # compares both); a part's also says which part it is.
+    options = {**opts.as_dict(), "listing": fingerprint} if part is None else \
+        {**opts.as_dict(), "part": list(part), "listing": fingerprint}
+    # Other packs' files first, a stale merge among them: a merge that lists this part's
+    # shards must be gone before they are, or a crash between would leave it listing none.
+    _clear_other_packs(store, part, overwrite=overwrite, finished_part=complete)
+    if replace:
+        _remove_dataset(store, target)
     journal = Journal(store, "main" if part is None else f"part-{part[0]:05d}-of-{part[1]:05d}")
     if complete:
         summary = _finished_summary(store, target, options)
@@ -254,9 +261,9 @@ def pack(
                    "modified": _modified_stamp(listing.root, entries)}
     done = journal.start(plan_record, resume)
     jobs = [(shard, frame, listing.root, opts, on_error == "skip") for shard, frame in planned if shard not in done]
-    if resume:  # a killed run's half-written shards, which this run writes again
-        todo = {shard_name(opts.prefix, shard, compression) for shard, _ in planned if shard not in done}
-        cleanup_scratch(store, [name for shard in todo for name in (shard, shard + INDEX_SUFFIX)])
+    # A killed run's half-written shards (a fresh start's too: it may follow a killed run).
+    todo = {shard_name(opts.prefix, shard, compression) for shard, _ in planned if shard not in done}
+    cleanup_scratch(store, [name for shard in todo for name in (shard, shard + INDEX_SUFFIX)])
     workers = max(1, min(workers or os.cpu_count() or 1, len(jobs) or 1))
 
     start = time.perf_counter()

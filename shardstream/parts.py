@@ -9,11 +9,12 @@ manifests are all present and agree, then writes the dataset manifest.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import Any
 
 from .errors import ManifestError, ShardstreamError
-from .format import MANIFEST_NAME, Manifest
+from .format import MANIFEST_NAME, Manifest, ShardInfo
 from .storage import Store
 from .journal import FOLDER as JOURNAL_FOLDER, remove_journal_folder
 from .writer import write_manifest
@@ -107,9 +108,7 @@ def merge(dst: str, *, storage_options: dict[str, Any] | None = None) -> Manifes
         raise ManifestError("parts list the same shard twice", url=dst)
     for part_number, part in enumerate(parts):
         for shard in part.shards:
-            if not store.exists(shard.name) or store.size(shard.name) != shard.bytes:
-                raise ManifestError(f"part {part_number} lists {shard.name}, which is missing or incomplete",
-                                    url=store.url(shard.name))
+            _check_shard(store, shard, part_number)
     manifest = Manifest(
         shards=tuple(s for part in parts for s in part.shards),
         compression=first.compression,
@@ -123,6 +122,20 @@ def merge(dst: str, *, storage_options: dict[str, Any] | None = None) -> Manifes
     if store.local:  # the parts' journals are gone; their common folder can go too
         remove_journal_folder(store.url(JOURNAL_FOLDER))
     return manifest
+
+
+def _check_shard(store: Store, shard: ShardInfo, part_number: int) -> None:
+    """ManifestError unless `shard` and its index are in `store` as part `part_number` lists
+    them: the shard at its size (hashing every shard would read the whole dataset), the
+    index, small, by its hash too (a part's output copied by hand, or cut short, must not
+    make a dataset whose reads fail later)."""
+    if not store.exists(shard.name) or store.size(shard.name) != shard.bytes:
+        raise ManifestError(f"part {part_number} lists {shard.name}, which is missing or incomplete",
+                            url=store.url(shard.name))
+    index = store.read(shard.index) if store.exists(shard.index) else None
+    if index is None or len(index) != shard.index_bytes or hashlib.sha256(index).hexdigest() != shard.index_sha256:
+        raise ManifestError(f"part {part_number} lists {shard.index}, which is missing or not the index it wrote",
+                            url=store.url(shard.index))
 
 
 def _common_options(manifest: Manifest) -> dict[str, Any]:

@@ -89,6 +89,12 @@ def scratch_file(store: Store, name: str) -> tuple[str, BinaryIO]:
 
     Its mode follows the umask like any new file (mkstemp alone would give 0600).
     """
-    fd, path = tempfile.mkstemp(dir=scratch_dir(store), prefix=f".{name}.", suffix=".part")
+    for attempt in range(3):
+        try:
+            fd, path = tempfile.mkstemp(dir=scratch_dir(store), prefix=f".{name}.", suffix=".part")
+            break
+        except FileNotFoundError:  # another writer's `cleanup_scratch` removed the folder, then empty
+            if attempt == 2:
+                raise
     os.fchmod(fd, 0o666 & ~_umask())
     return path, os.fdopen(fd, "wb")

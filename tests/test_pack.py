@@ -213,6 +213,35 @@ def test_file_list_csv_with_integer_labels(image_folder, tmp_path):
     assert len({s["__key__"] for s in got}) == 8
 
 
+def test_file_list_from_excel_with_a_byte_order_mark(image_folder, tmp_path):
+    files = sorted(image_folder.rglob("*.jpg"))[:3]
+    lst = tmp_path / "list.csv"
+    lst.write_bytes("".join(f"{p.as_posix()},{i}\r\n" for i, p in enumerate(files)).encode("utf-8-sig"))
+    run_pack(lst, tmp_path / "ds", shuffle=False)  # the first path is not "\ufeff/..."
+    got = [s for ref in open_dataset(str(tmp_path / "ds")).shards for s in ref.reader()]
+    assert {s["jpg"]: int(s["cls"]) for s in got} == {p.read_bytes(): i for i, p in enumerate(files)}
+
+
+@pytest.mark.parametrize(("second", "message"), [
+    ("{path},", "line 2 has no label, and other lines have one"),  # an empty cell is no label, not a class ""
+    ("{path},16777216", "integer label 16777216 is above the largest class index"),
+])
+def test_file_list_labels_that_would_renumber_or_explode_the_classes(image_folder, tmp_path, second, message):
+    first, path = sorted(image_folder.rglob("*.jpg"))[:2]
+    lst = tmp_path / "list.csv"
+    lst.write_text(f"{first},0\n" + second.format(path=path) + "\n")
+    with pytest.raises(PackError, match=message):
+        run_pack(lst, tmp_path / "ds")
+
+
+def test_file_list_labels_in_other_digits_are_names(image_folder, tmp_path):
+    files = sorted(image_folder.rglob("*.jpg"))[:2]
+    lst = tmp_path / "list.csv"
+    lst.write_text(f"{files[0]},1\n{files[1]},\u00b2\n", encoding="utf-8")  # "²": a digit to str.isdigit
+    run_pack(lst, tmp_path / "ds")
+    assert open_dataset(str(tmp_path / "ds")).manifest.classes == ("1", "\u00b2")
+
+
 def test_file_list_without_labels(image_folder, tmp_path):
     files = sorted(image_folder.rglob("*.jpg"))[:4]
     lst = tmp_path / "list.txt"
@@ -841,3 +870,24 @@ def test_jpeg_fast_check_accepts_only_what_pillow_opens():
             except Exception as error:  # noqa: BLE001 - any refusal is the failure
                 pytest.fail(f"{name}: the fast path accepted bytes Pillow refuses: {error!r}")
     assert accepted > 100, "too few mutations were accepted to tell anything"
+
+
+def test_a_fresh_run_removes_what_a_failed_run_left(image_folder_copy, tmp_path):
+    """A failed run (under fail) publishes the shards it finished; a rerun that writes fewer
+    (other options) must not leave the rest beside the dataset, listed by no manifest. A
+    killed run's half-written file goes too."""
+    folder = image_folder_copy
+    write_truncated_jpeg(folder, "class_002/zz_broken.jpg")
+    dst = tmp_path / "ds"
+    with pytest.raises(ShardstreamError):
+        run_pack(folder, dst, shard_size="20KB", shuffle=False)  # the broken image comes last
+    published = sorted(p.name for p in dst.glob("shard-*"))
+    assert published and not (dst / MANIFEST_NAME).exists()
+    scratch = dst / ".shardstream-tmp"
+    scratch.mkdir(exist_ok=True)
+    (scratch / ".shard-000000.tar.zst.abc123.part").write_bytes(b"half a shard")  # a killed writer's
+    (folder / "class_002" / "zz_broken.jpg").unlink()
+    run_pack(folder, dst, shard_size="10MB")
+    listed = {name for s in open_dataset(str(dst)).manifest.shards for name in (s.name, s.index)}
+    assert {p.name for p in dst.iterdir() if not p.name.startswith(".")} == listed | {MANIFEST_NAME}
+    assert not scratch.exists()

@@ -172,3 +172,71 @@ def test_a_part_refuses_another_pack_without_overwrite(source, tmp_path):
     assert "all 3 parts done: merged 21 samples" in result.stdout
     assert not [name for name in files(dst) if "-of-00002" in name]
     assert samples(dst) == samples(single)
+
+
+def test_merge_checks_every_index(source, tmp_path):
+    dst = tmp_path / "parts"
+    for part in range(2):
+        ss.pack(str(source / "src"), str(dst), shard_size="8KB", part=(part, 2), progress=False)
+    index = sorted(dst.glob("shard-p00001-*.idx"))[0]
+    kept = index.read_bytes()
+    index.unlink()  # an interrupted copy of a part's output
+    with pytest.raises(ManifestError, match=rf"part 1 lists {index.name}, which is missing"):
+        merge(str(dst))
+    index.write_bytes(kept[:-1] + bytes([kept[-1] ^ 1]))  # the same size, other bytes
+    with pytest.raises(ManifestError, match="not the index it wrote"):
+        merge(str(dst))
+    index.write_bytes(kept)
+    assert merge(str(dst)).samples == 21 and samples(str(dst)) == samples(str(source / "single"))
+
+
+def test_a_part_rerun_removes_the_stale_merge_before_its_own_shards(source, tmp_path, monkeypatch):
+    """A crash between the removals must not leave a merged manifest that lists removed shards."""
+    from shardstream.storage import Store
+
+    dst = tmp_path / "parts"
+    for part in range(2):
+        ss.pack(str(source / "src"), str(dst), shard_size="8KB", part=(part, 2), progress=False)
+    merge(str(dst))
+    remove = Store.remove
+
+    def crash_at_the_first_shard(store, name):
+        remove(store, name)
+        if name.startswith("shard-p00001-"):
+            raise KeyboardInterrupt  # a kill, right after the first shard of the part is gone
+
+    monkeypatch.setattr(Store, "remove", crash_at_the_first_shard)
+    with pytest.raises(KeyboardInterrupt):
+        ss.pack(str(source / "src"), str(dst), shard_size="8KB", part=(1, 2), overwrite=True, progress=False)
+    monkeypatch.setattr(Store, "remove", remove)
+    if (dst / "manifest.msgpack").exists():  # what a reader finds must be whole
+        listed = ss.open_dataset(str(dst)).manifest.shards
+        assert all((dst / shard.name).exists() for shard in listed)
+    else:
+        assert (dst / "manifest.part-00000-of-00002.msgpack").exists()  # the other part stays for the rerun
+
+
+def test_an_overwrite_from_a_source_that_fails_keeps_the_dataset(source, tmp_path):
+    dst = tmp_path / "ds"
+    ss.pack(str(source / "src"), str(dst), shard_size="8KB", progress=False)
+    before = files(dst)
+    with pytest.raises(ShardstreamError):
+        ss.pack(str(tmp_path / "mistyped"), str(dst), shard_size="8KB", overwrite=True, progress=False)
+    (tmp_path / "dup.csv").write_text(f"{source}/src/class_000/img_00000.jpg,0\n{source}/src/class_000/img_00000.jpg,0\n")
+    with pytest.raises(ShardstreamError, match="both name"):
+        ss.pack(str(tmp_path / "dup.csv"), str(dst), shard_size="8KB", overwrite=True, progress=False)
+    assert files(dst) == before
+
+
+def test_resume_of_a_finished_pack_refuses_a_changed_source(source, tmp_path):
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(source / "src", src)
+    dst = str(tmp_path / "ds")
+    ss.pack(str(src), dst, shard_size="8KB", progress=False)
+    assert ss.pack(str(src), dst, shard_size="8KB", resume=True, progress=False).samples == 21  # nothing changed
+    (src / "class_000" / "img_00000.jpg").unlink()  # new images arrive, one goes
+    shutil.copy(src / "class_001" / "img_00000.jpg", src / "class_000" / "new.jpg")
+    with pytest.raises(ShardstreamError, match="made from another source or with other options"):
+        ss.pack(str(src), dst, shard_size="8KB", resume=True, progress=False)

@@ -98,3 +98,14 @@ def test_a_failing_part_stops_the_others_before_the_call_returns(tmp_path, local
     finally:
         for fd in held:
             os.close(fd)  # a part still reading sees the end of its file, and fails
+
+
+def test_parts_asking_for_more_cpus_than_any_node_has_still_run(tmp_path, local_ray):
+    """Ray keeps a task no node can hold pending forever; with the driver's log off, the pack hung silently."""
+    from shardstream.executors import pack_with_ray
+
+    make_image_folder(tmp_path / "src", num_classes=2, images_per_class=[4, 3], size_range=((32, 24), (40, 32)))
+    with pytest.warns(RuntimeWarning, match="no node of the Ray cluster has 3 CPUs"):
+        manifest, _ = pack_with_ray(str(tmp_path / "src"), str(tmp_path / "ray"), parts=2, cpus_per_part=3,
+                                    progress=False)
+    assert manifest.samples == 7
