@@ -45,6 +45,8 @@ __all__ = [
     "read_order",
     "items_of",
     "worker_items",
+    "rank_block_length",
+    "chunks_of",
     "consumed_positions",
     "consumed_samples",
     "remaining_after",
@@ -208,6 +210,16 @@ def items_of(samples: int, layout: Layout) -> int:
         return samples
     full, rest = divmod(samples, layout.batch_size)
     return full + (1 if rest and not layout.drop_last else 0)
+
+
+def rank_block_length(n: int, layout: Layout) -> int:
+    """Samples in each rank's block of an epoch sequence of `n` (`split_ranks`, without the arrays)."""
+    return n // layout.world_size if layout.partial == "drop" else -(-n // layout.world_size)
+
+
+def chunks_of(block: int, layout: Layout) -> int:
+    """Chunks dealt from a rank block of `block` samples (`deal_chunks`)."""
+    return -(-block // layout.chunk)
 
 
 def worker_items(block: int, layout: Layout) -> list[int]:

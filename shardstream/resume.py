@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from .errors import ShardstreamError
-from .plan import PARTIAL, Layout, consumed_positions, remaining_after, split_ranks, worker_items
+from .plan import PARTIAL, Layout, chunks_of, consumed_positions, rank_block_length, remaining_after, worker_items
+from .roundrobin import endless_share
 
 if TYPE_CHECKING:
     from .dataset import StreamingDataset
@@ -291,45 +292,63 @@ def check_counts(after: SequenceAfter, resume: ResumeState, endless: bool) -> No
 
 def plan_items(sequence_length: int, layout: Layout) -> list[int]:
     """Items each plan worker of a rank yields from an epoch sequence of this length."""
-    return worker_items(len(split_ranks(np.arange(sequence_length), layout.world_size, layout.partial)[0]), layout)
+    return worker_items(rank_block_length(sequence_length, layout), layout)
 
 
 def locate(done: int, items_of_epoch: Callable[[int], int]) -> tuple[int, int]:
     """(epochs passed, items into the next) for a plan worker that handed over `done`
     items since an epoch began, epoch k holding `items_of_epoch(k)` of them.
 
-    The first epoch, the rest of a resumed one, may hold no items of this worker: it is
-    passed at once. A later, whole epoch without items stops the count (the caller
-    refuses those), rather than looping forever."""
+    Epochs without items of this worker are passed while it has items left to place
+    (dealt across epoch boundaries, a worker's share of an epoch may be empty); the
+    caller makes sure later epochs hold items at all, or this would not end."""
     k = 0
-    while done >= items_of_epoch(k) and (k == 0 or items_of_epoch(k) > 0):
+    while done >= items_of_epoch(k) and (k == 0 or done > 0 or items_of_epoch(k) > 0):
         done -= items_of_epoch(k)
         k += 1
     return k, done
+
+
+def endless_place(worker: int, done: int, layout: Layout, first: int, later: int) -> tuple[int, int, int]:
+    """Where plan worker `worker` of an endless stream stands after handing over `done`
+    items: (epochs passed, items into that epoch, the share of it the worker reads).
+    `first` and `later` are the rank block lengths of the stream's first epoch (what a
+    resume left of it) and of a whole one; shares as `roundrobin.endless_share` deals them."""
+    items = (worker_items(first, layout), worker_items(later, layout))
+    chunks = (chunks_of(first, layout), chunks_of(later, layout))
+    share = lambda k: endless_share(worker, k, layout.workers, *chunks)  # noqa: E731
+    passed, into = locate(done, lambda k: items[k > 0][share(k)])
+    return passed, into, share(passed)
 
 
 def endless_onto(resume: ResumeState, layout: Layout, remaining: int, full: int) -> ResumeState:
     """An endless stream's state, re-expressed for a new `layout`.
 
     In an endless stream every plan worker hands over one item per round, so after
-    `delivered` items worker w has handed over ``delivered // W + (w < delivered % W)``,
-    and the workers cross epoch boundaries at slightly different times. The new layout
-    continues in the earliest epoch some worker had not finished: it yields the samples
-    of that epoch no worker had handed over, each once, then whole epochs. The few
-    samples of the next epoch that workers already past the boundary had handed over (at
-    most about one item per worker) are yielded again in that epoch.
+    `delivered` items worker w has handed over ``delivered // W + (w < delivered % W)``;
+    chunks are dealt across epoch boundaries (`roundrobin.endless_share`), so the workers
+    cross each boundary within about a chunk of each other. The new layout continues in
+    the earliest epoch some worker had not finished: it yields the samples of that epoch
+    no worker had handed over, each once, then whole epochs. The few samples of the next
+    epoch that workers already past the boundary had handed over (at most about a chunk
+    per worker: a batch, or 64 samples unbatched) are yielded again in that epoch.
 
     `remaining` is the length of the resumed epoch's sequence after its earlier
     segments, `full` that of a whole epoch.
     """
     old = resume.current.layout
-    first, later = plan_items(remaining, old), plan_items(full, old)
+    first, later = rank_block_length(remaining, old), rank_block_length(full, old)
     workers = old.workers
     d = resume.current.delivered
     done = [d // workers + (1 if w < d % workers else 0) for w in range(workers)]
-    places = [locate(done[w], lambda k, w=w: first[w] if k == 0 else later[w]) for w in range(workers)]
-    k = min(epochs for epochs, _ in places)
-    items_k = first if k == 0 else later
-    per_worker = tuple(n if epochs == k else items_k[w] for w, (epochs, n) in enumerate(places))
+    places = [endless_place(w, done[w], old, first, later) for w in range(workers)]
+    k = min(epochs for epochs, _, _ in places)
+    items_k = worker_items(first if k == 0 else later, old)
+    chunks = (chunks_of(first, old), chunks_of(later, old))
+    per_worker_list = [0] * workers  # by the share of epoch k each worker reads (what consumed_positions takes)
+    for w, (epochs, into, _) in enumerate(places):
+        share = endless_share(w, k, workers, *chunks)
+        per_worker_list[share] = into if epochs == k else items_k[share]
+    per_worker = tuple(per_worker_list)
     finished = (resume.finished if k == 0 else ()) + (Segment(old, sum(per_worker), per_worker),)
     return ResumeState(resume.dataset, resume.seed, resume.shuffle, resume.epoch + k, finished, Segment(layout, 0))

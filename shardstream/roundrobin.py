@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-__all__ = ["round_robin_delivered", "round_robin_next", "loader_start", "endless_start"]
+__all__ = ["round_robin_delivered", "round_robin_next", "loader_start", "endless_start", "endless_share"]
 
 
 def round_robin_delivered(items: Sequence[int], delivered: int) -> list[int]:
@@ -71,3 +71,19 @@ def endless_start(workers: int, delivered: int, loader_worker: int) -> tuple[int
     ``delivered // W + (w < delivered % W)``, spread over its epochs."""
     worker = (delivered + loader_worker) % workers
     return worker, delivered // workers + (1 if worker < delivered % workers else 0)
+
+
+def endless_share(worker: int, k: int, workers: int, first_chunks: int, later_chunks: int) -> int:
+    """The share of epoch `k` (numbered from the stream's first, 0) that plan worker `worker`
+    of an endless stream reads, its chunks dealt across epoch boundaries as if the epochs
+    were one sequence: chunk j of it goes to worker j mod W.
+
+    An epoch's own deal gives chunk i to share i mod W; epoch k begins at chunk
+    `offset` of the whole (the chunks of the epochs before it: `first_chunks` in the
+    first, which a resume may have cut short, `later_chunks` in every later one), so
+    worker w reads share ``(w - offset) mod W``. Dealt per epoch instead, a worker whose
+    share of an epoch is a chunk shorter would finish every epoch a round early and run
+    ahead of the others without bound (a sample of its share seen twice as often)."""
+    offset = 0 if k == 0 else first_chunks + (k - 1) * later_chunks
+    return (worker - offset) % workers
+

@@ -21,12 +21,15 @@ downstream holds unchanged: equal counts per rank, deterministic order, exact re
 * **Epoch size** (``samples_per_epoch``) without weights: a prefix of the epoch
   sequence when smaller than the data, further independent passes appended when larger.
 * **Endless** (``resampled=True``): the stream runs epoch after epoch (seed, epoch
-  + 1, ...) and never ends; ranks stay in lockstep, resume is exact with the same
-  layout; `len()` raises TypeError. Resumed onto another layout, it continues in the
-  earliest epoch an old worker had not finished, with the samples of that epoch no
-  worker had yielded, each once; the few samples of the next epoch that workers
-  already past the boundary had yielded (about one item per old worker) come again
-  in that epoch (`resume.endless_onto`).
+  + 1, ...) and never ends; ranks stay in lockstep, and so do a rank's workers:
+  batches are dealt across epoch boundaries as if the epochs were one sequence
+  (`roundrobin.endless_share`), so the first E epochs' worth of batches holds epochs
+  0..E-1 whole (with batches; within a chunk of 64 samples without). Resume is exact
+  with the same layout; `len()` raises TypeError. Resumed onto another layout, it
+  continues in the earliest epoch an old worker had not finished, with the samples
+  of that epoch no worker had yielded, each once; the few samples of the next epoch
+  that workers already past the boundary had yielded (about a batch per old worker)
+  come again in that epoch (`resume.endless_onto`).
 * **Mixing** (`Mix`): each source has its own epoch sequence; the mixed sequence takes
   source i's k-th sample at time (k + 1/2) / w_i, merged in time order. That is a
   low-discrepancy interleaving: any window of the sequence holds each source within one

@@ -357,6 +357,23 @@ def test_an_endless_round_robin_resumes_regularly():
             assert resumed[: 2 * workers] == whole[delivered : delivered + 2 * workers]
 
 
+def test_endless_shares_deal_the_epochs_as_one_sequence():
+    # Epoch k's chunk i (share i mod W of its own deal) must be chunk `offset_k + i` of the
+    # whole stream, and that goes to worker (offset_k + i) mod W.
+    from shardstream.roundrobin import endless_share
+
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        workers, first, later = int(rng.integers(1, 9)), int(rng.integers(0, 30)), int(rng.integers(1, 30))
+        offset = 0
+        for k in range(6):
+            chunks = first if k == 0 else later
+            for i in range(chunks):
+                worker = (offset + i) % workers
+                assert endless_share(worker, k, workers, first, later) == i % workers
+            offset += chunks
+
+
 def test_round_robin_delivered_rejects_too_many():
     with pytest.raises(ValueError):
         round_robin_delivered([2, 1], 4)

@@ -712,7 +712,9 @@ def test_endless_resume_onto_more_workers_near_the_end_of_an_epoch(url, keys, wo
     """An endless stream checkpointed after 5 of the 6 batches of epoch 0 in one process, resumed onto more
     workers: the samples left of epoch 0 go to some workers only, the others have none left of it (it raised
     "needs at least one item per worker and epoch"). Each worker yields its share of what is left of epoch 0,
-    each unconsumed sample once, then exactly what it yields of epoch 1 and on in a run started at epoch 1."""
+    each unconsumed sample once, then exactly what some worker yields of epoch 1 and on in a run started at epoch 1
+    (chunks are dealt across epoch boundaries, so which worker reads which share of epoch 1 follows from where the
+    deal of what was left of epoch 0 ended: the workers' streams are those of the run from epoch 1, rotated)."""
     old = endless(url)
     head = D.flat(D.take_main(old, k))
     state = json.loads(json.dumps(old.state_dict()))
@@ -722,10 +724,14 @@ def test_endless_resume_onto_more_workers_near_the_end_of_an_epoch(url, keys, wo
     for rank in range(world_size):
         resumed = per_worker(url, state, None, rank, world_size, num_workers, rounds=8)
         later = per_worker(url, None, 1, rank, world_size, num_workers, rounds=8)
-        for got, expected in zip(resumed, later):
-            lead = next(j for j in range(len(got)) if got[j:] == expected[: len(got) - j])
+        matched = []
+        for got in resumed:
+            lead, worker = next((j, v) for j in range(len(got)) for v, expected in enumerate(later)
+                                if got[j:] == expected[: len(got) - j])
             assert lead <= 1, "at most one batch of epoch 0 is left per worker"
             rest_of_epoch += D.flat(got[:lead])
+            matched.append(worker)
+        assert sorted(matched) == list(range(num_workers)), "each worker goes on as one worker of the later run"
     assert set(rest_of_epoch) == missing, "every sample of epoch 0 not yet consumed comes, nothing else"
     assert len(rest_of_epoch) == D.ceil_div(len(missing), world_size) * world_size, "once each, plus padding"
 

@@ -219,6 +219,27 @@ def test_resampled_runs_epoch_after_epoch_split_across_ranks(small):
     assert first != second  # each epoch its own order
 
 
+@pytest.mark.parametrize("num_workers", [2, 3])
+def test_resampled_workers_cross_epochs_together(small, num_workers):
+    """63 samples in batches of 4 are 16 batches an epoch, which 3 workers share 6, 5, 5 (2 share them evenly).
+    Dealt per epoch, the first worker fell a round behind every epoch and the others ran ahead, epochs apart
+    after a while, so the first 16 * E batches held some samples far more often than others. Dealt across
+    epoch boundaries, they hold every sample of epochs 0..E-1 exactly E times."""
+    import collections
+    import itertools
+
+    epochs = 6
+    loader = ss.DataLoader(ss.StreamingDataset(small, decode=None, fields=("__key__",), shuffle=True, batch_size=4,
+                                               collate_fn=list, sampling=Sampling(resampled=True)),
+                           num_workers=num_workers, persistent_workers=False)
+    batches = list(itertools.islice(iter(loader), 16 * epochs))
+    seen = collections.Counter(key for batch in batches for (key,) in batch)
+    assert len(seen) == 63 and set(seen.values()) == {epochs}
+    for e in range(epochs):  # and epoch by epoch: batches 16e..16e+15 are epoch e, whole
+        keys = [key for batch in batches[16 * e : 16 * e + 16] for (key,) in batch]
+        assert len(keys) == len(set(keys)) == 63
+
+
 def test_resampled_resume_is_exact_through_workers(small):
     import itertools
 
