@@ -41,11 +41,21 @@ except ImportError:  # the C extension was not built (no libjpeg-turbo headers o
 REGION_DECODER = _jpegregion is not None
 
 __all__ = ["Decoder", "DecodedCrop", "decode_image", "decode_rgb", "decode_rgb_crop", "image_size", "is_jpeg",
-           "jpeg_crop_decoder", "IMAGE_EXTENSIONS", "IMAGE_MODES", "REGION_DECODER"]
+           "jpeg_crop_decoder", "jpeg_ends", "open_image", "IMAGE_EXTENSIONS", "IMAGE_MODES", "PIL_FORMATS",
+           "REGION_DECODER"]
 
 IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp", "ppm", "pgm", "bmp", "gif", "tif", "tiff"})
 IMAGE_MODES = (None, "pil", "rgb8")
 PICKLE_EXTENSIONS = frozenset({"pyd", "pickle", "pkl", "pth"})
+# The Pillow formats of IMAGE_EXTENSIONS (its JPEG plugin opens MPO files too).
+# Pillow recognises a file by its bytes, not its name, and would open anything it knows:
+# an EPS stored as a `jpg` field would run Ghostscript on a shard's PostScript.
+PIL_FORMATS = ("JPEG", "PNG", "WEBP", "PPM", "BMP", "GIF", "TIFF")
+
+
+def open_image(data: bytes) -> Image.Image:
+    """`data` opened by Pillow, in one of `PIL_FORMATS` only (else PIL.UnidentifiedImageError)."""
+    return Image.open(io.BytesIO(data), formats=PIL_FORMATS)
 
 
 def decode_image(data: bytes, mode: str | None, *, url: str = "", key: str = "") -> Any:
@@ -68,6 +78,12 @@ def is_jpeg(data: bytes | memoryview) -> bool:
     return bytes(data[:2]) == _SOI
 
 
+def jpeg_ends(data: bytes) -> bool:
+    """Whether a JPEG's last bytes hold its end-of-image marker (a few bytes of padding or
+    trailer may follow it): a file cut short has none."""
+    return b"\xff\xd9" in data[-64:]
+
+
 def image_size(data: bytes) -> tuple[int, int]:
     """(width, height) of the image in `data`, from its header.
 
@@ -82,7 +98,7 @@ def image_size(data: bytes) -> tuple[int, int]:
             pass  # Pillow reads it, or raises its own error
         else:
             return _within_pixel_limit(width, height)
-    return Image.open(io.BytesIO(data)).size
+    return open_image(data).size
 
 
 def _within_pixel_limit(width: int, height: int) -> tuple[int, int]:
@@ -114,7 +130,8 @@ def decode_rgb(data: bytes, at_least: tuple[int, int] | None = None, *, use_simp
             return simplejpeg.decode_jpeg(data, colorspace="RGB", min_width=-(-width // k),
                                           min_height=-(-height // k))
         except Exception:  # ValueError, and KeyError for a subsampling it does not know (4:4:1)
-            pass  # CMYK, arithmetic coding, damage: Pillow decodes it or raises the error
+            pass  # arithmetic coding, damage: Pillow decodes it or raises the error (CMYK simplejpeg
+            # converts itself, up to 2 levels off Pillow's conversion)
     return np.array(_pil_rgb(data, at_least))
 
 
@@ -150,8 +167,8 @@ class DecodedCrop(NamedTuple):
     reduced: bool  # decoded at a DCT reduction: the box's edges may fall between pixels
 
 
-def decode_rgb_crop(data: bytes, size: tuple[int, int], box: tuple[int, int, int, int],
-                    at_least: tuple[int, int], margin: int = 0) -> DecodedCrop:
+def decode_rgb_crop(data: bytes, size: tuple[int, int], box: tuple[float, float, float, float],
+                    at_least: tuple[int, int], margin: int = 0, *, around: bool = False) -> DecodedCrop:
     """The part of the image in `data` (of `size`, width by height) that holds `box`.
 
     `box` is (top, left, height, width) in full-size pixels; the image is decoded at
@@ -159,16 +176,19 @@ def decode_rgb_crop(data: bytes, size: tuple[int, int], box: tuple[int, int, int
     decodes it. A JPEG is decoded region only where the `_jpegregion` extension is
     built: the rows above the box are only entropy-decoded, the rows below not at all,
     the columns beside it not transformed; the pixels are those of the whole decode.
-    At a reduction, `margin` decoded pixels around the box are kept as well (a
-    resampling filter reads beyond a box whose edges fall between pixels); at full
-    scale the box is whole pixels and nothing around it is kept. Other formats, and
-    JPEGs the extension refuses (CMYK, damage), are decoded whole.
+    At a reduction, `margin` decoded pixels around the box are kept as well (a resampling
+    filter reads beyond a box whose edges fall between pixels); at full scale only with
+    `around` (a fractional box, or a filter that reads around the box as a resize of the
+    whole image does). Other formats, and JPEGs the extension refuses (CMYK, damage), are
+    decoded whole.
     """
-    if _jpegregion is not None and is_jpeg(data):
+    # Region only where the file is whole: a region decode stops after the crop's last row,
+    # so a file cut short below the crop would decode for some crops and fail for others.
+    if _jpegregion is not None and is_jpeg(data) and jpeg_ends(data):
         k = jpeg_reduction(size, at_least)
         scaled = (-(-size[0] // k), -(-size[1] // k))  # libjpeg rounds a reduction's size up
         try:
-            return _decode_region(data, size, scaled, box, k, margin if k > 1 else 0)
+            return _decode_region(data, size, scaled, box, k, margin if k > 1 or around else 0)
         except ValueError:
             pass  # decoded whole below, by simplejpeg or Pillow, which raise what they raise
     pixels = decode_rgb(data, at_least)
@@ -177,7 +197,7 @@ def decode_rgb_crop(data: bytes, size: tuple[int, int], box: tuple[int, int, int
     return DecodedCrop(pixels, (top * sy, left * sx, height * sy, width * sx), pixels.shape[:2] != (size[1], size[0]))
 
 
-def _decode_region(data: bytes, size: tuple[int, int], scaled: tuple[int, int], box: tuple[int, int, int, int],
+def _decode_region(data: bytes, size: tuple[int, int], scaled: tuple[int, int], box: tuple[float, float, float, float],
                    k: int, margin: int) -> DecodedCrop:
     sy, sx = scaled[1] / size[1], scaled[0] / size[0]
     top, left, height, width = box[0] * sy, box[1] * sx, box[2] * sy, box[3] * sx
@@ -190,9 +210,16 @@ def _decode_region(data: bytes, size: tuple[int, int], scaled: tuple[int, int], 
 
 
 def _pil_rgb(data: bytes, at_least: tuple[int, int] | None = None) -> Image.Image:
-    image = Image.open(io.BytesIO(data))
+    image = open_image(data)
     if image.format == "JPEG":
         image.draft("RGB", at_least or image.size)  # decode straight to RGB, reduced where allowed
+    if image.mode.startswith("I"):
+        # 16-bit grey (PNG depth maps, medical and satellite images) opens as I;16 or I, and
+        # Pillow's convert("RGB") clips at 255 rather than scaling: nearly all white.
+        scaled = np.right_shift(np.asarray(image, dtype=np.uint32), 8).clip(0, 255).astype(np.uint8)
+        return Image.fromarray(scaled, "L").convert("RGB")
+    if image.mode == "F":
+        raise ValueError("a floating-point image has no 8-bit reading; decode it with a callable (decode=...)")
     return image.convert("RGB")
 
 

@@ -270,9 +270,16 @@ def decode_then_crop(batch: EncodedBatch, decode_all: Callable[[list[torch.Tenso
 
 def _crop_resize_tensor(image: torch.Tensor, plan: CropPlan) -> torch.Tensor:
     """`plan` applied to a decoded uint8 CHW image, on its device: uint8 CHW."""
-    top, left, h, w = plan.box
-    region = image[:, top : top + h, left : left + w].unsqueeze(0).float()
-    out = F.interpolate(region, size=(plan.size[1], plan.size[0]), mode="bilinear", antialias=True)[0]
+    if plan.resized_first:  # CenterCropJPEG: the whole image resized, then the crop (as torchvision's tensors)
+        sy, sx = plan.box[2] / plan.size[1], plan.box[3] / plan.size[0]
+        resized_hw = (round(plan.full[1] / sy), round(plan.full[0] / sx))
+        top, left = round(plan.box[0] / sy), round(plan.box[1] / sx)
+        resized = F.interpolate(image.unsqueeze(0).float(), size=resized_hw, mode="bilinear", antialias=True)[0]
+        out = resized[:, top : top + plan.size[1], left : left + plan.size[0]]
+    else:  # RandomResizedCrop's order: the crop (whole pixels), then the resize
+        top, left, h, w = (int(v) for v in plan.box)
+        region = image[:, top : top + h, left : left + w].unsqueeze(0).float()
+        out = F.interpolate(region, size=(plan.size[1], plan.size[0]), mode="bilinear", antialias=True)[0]
     if plan.flip:
         out = out.flip(-1)
     return out.round_().clamp_(0, 255).to(torch.uint8)

@@ -11,12 +11,11 @@ it runs in the pack workers (framebuild.py).
 
 from __future__ import annotations
 
-import io
 import struct
 
 from PIL import Image
 
-from .decode import is_jpeg
+from .decode import is_jpeg, jpeg_ends, open_image
 from .errors import PackError, reason
 from .listing import sniff_image
 
@@ -37,7 +36,7 @@ def _plain_jpeg(data: bytes) -> bool:
     JPEGs). It only ever says yes; anything unusual goes to Pillow, which then gives
     the error (or accepts what this walk is too strict for).
     """
-    if not is_jpeg(data) or b"\xff\xd9" not in data[-64:]:
+    if not is_jpeg(data) or not jpeg_ends(data):
         return False
     pos, end, frame = 2, len(data), False
     while pos + 4 <= end:
@@ -98,10 +97,10 @@ def check_image(data: bytes, path: str) -> str:
     if kind == "jpg" and _plain_jpeg(data):
         return kind
     try:
-        with Image.open(io.BytesIO(data)) as image:
+        with open_image(data) as image:
             _within_bomb_limit(image.size)
             if image.format == "JPEG":
-                if b"\xff\xd9" not in data[-64:]:
+                if not jpeg_ends(data):
                     image.load()
             elif image.format == "PNG":
                 image.verify()

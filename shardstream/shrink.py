@@ -35,7 +35,7 @@ import io
 
 from PIL import Image
 
-from .decode import image_size
+from .decode import image_size, open_image
 from .errors import PackError
 
 __all__ = ["shrink_image", "shrink_or_keep", "shrunk_size", "DEFAULT_QUALITY", "KEPT_ANIMATED", "KEPT_PICTURES"]
@@ -85,7 +85,7 @@ def shrink_or_keep(data: bytes, max_side: int, quality: int = DEFAULT_QUALITY, *
     try:
         if max(image_size(data)) <= max_side:  # the header alone: the common case decodes nothing
             return data, None
-        with Image.open(io.BytesIO(data)) as image:
+        with open_image(data) as image:
             fmt = image.format or ""
             if fmt == "MPO":  # a JPEG holding more pictures after the first (stereo, depth: cameras write them)
                 if getattr(image, "n_frames", 1) > 1:  # shrinking would keep the first only

@@ -85,30 +85,39 @@ class CropPlan(NamedTuple):
     """What a fused transform does to one image, drawn before anything is decoded."""
 
     full: tuple[int, int]  # the image's (width, height)
-    box: tuple[int, int, int, int]  # the crop: top, left, height, width, in full-size pixels
+    # The crop: top, left, height, width, in full-size pixels; whole pixels for random crops,
+    # fractional where the crop is of a resized image (CenterCropJPEG), mapped back.
+    box: tuple[float, float, float, float]
     size: tuple[int, int]  # the output's (width, height)
     flip: bool  # mirrored left to right
+    # The resampling filter reads the image around the box, as a resize of the whole image
+    # then a crop does (CenterCropJPEG); else only the box, as a crop then a resize does
+    # (RandomResizedCrop's order).
+    resized_first: bool = False
 
 
 def crop_resize(data: bytes, plan: CropPlan) -> torch.Tensor:
     """The crop `plan` describes of the image in `data`, resized, maybe mirrored: uint8 CHW."""
     (_, _, h, w), full, size = plan.box, plan.full, plan.size
+    whole = all(float(v).is_integer() for v in plan.box) and not plan.resized_first
     # Decode at the smallest scale that keeps the crop at least the output size, and only
     # the part that holds the crop (where the region decoder is built). Around a reduced
     # box, keep what the bilinear filter reads: its support is the downscale factor.
     want = (max(1, full[0] * size[0] // max(w, 1)), max(1, full[1] * size[1] // max(h, 1)))
     margin = math.ceil(max(h / size[1], w / size[0])) + 1
-    crop = decode_rgb_crop(data, full, plan.box, (min(want[0], full[0]), min(want[1], full[1])), margin)
-    if not crop.reduced:
+    crop = decode_rgb_crop(data, full, plan.box, (min(want[0], full[0]), min(want[1], full[1])), margin,
+                           around=not whole)
+    if not crop.reduced and whole:
         # Full scale: torch's antialiased bilinear kernel (torchvision's tensor transforms
         # use it), on a channels-last copy of the crop, which its uint8 kernel vectorises
         # (a region decode already gives exactly the crop, channels-last: no copy then).
-        y, x = round(crop.box[0]), round(crop.box[1])
+        y, x, h, w = (round(v) for v in (*crop.box[:2], h, w))
         region = torch.from_numpy(crop.pixels)[y : y + h, x : x + w].permute(2, 0, 1).unsqueeze(0)
         region = region.contiguous(memory_format=torch.channels_last)
         out = F.interpolate(region, size=(size[1], size[0]), mode="bilinear", antialias=True)[0]
     else:
-        # DCT-reduced: the box falls between pixels, which Pillow's resize takes exactly.
+        # DCT-reduced, or a crop of a resized image: the box falls between pixels, which
+        # Pillow's resize takes exactly (a box resize there is the whole resize's pixels).
         y, x, bh, bw = crop.box
         resized = Image.fromarray(crop.pixels).resize(size, Image.Resampling.BILINEAR, box=(x, y, x + bw, y + bh))
         out = torch.from_numpy(np.asarray(resized).copy()).permute(2, 0, 1)
@@ -139,7 +148,12 @@ class RandomResizedCropJPEG:
 
 @dataclass(frozen=True)
 class CenterCropJPEG:
-    """Validation transform: resize the short side to `resize`, center crop `size`; uint8 CHW tensor."""
+    """Validation transform: resize the short side to `resize`, center crop `size`; uint8 CHW tensor.
+
+    torchvision's ``Resize(resize)`` + ``CenterCrop(size)`` on a PIL image: its geometry,
+    and its pixels within a level (a box resize of the crop's part of the image, its
+    filter reading around the box as the whole resize does), except for images whose
+    short side is at least twice `resize`, which are decoded at a DCT reduction first."""
 
     size: int = 224
     resize: int = 256
@@ -150,14 +164,18 @@ class CenterCropJPEG:
             raise ValueError(f"CenterCropJPEG needs 0 < size <= resize, not size={self.size}, resize={self.resize}")
 
     def plan(self, data: bytes) -> CropPlan:
-        """This image's central crop, reading only the header."""
+        """This image's central crop, reading only the header: torchvision's geometry (the
+        short side resized to `resize`, the long side to ``int(resize * long / short)``, the
+        crop's offset rounded in resized pixels), mapped back to source pixels, so that
+        resampling the box gives the pixels of Pillow's resize, then the crop."""
         width, height = full = image_size(data)
-        # The crop of the resized image, mapped back to source pixels.
-        factor = min(width, height) / self.resize
-        w = h = self.size * factor
-        left, top = (width - w) / 2, (height - h) / 2
-        box = (int(round(top)), int(round(left)), max(1, int(round(h))), max(1, int(round(w))))
-        return CropPlan(full, box, (self.size, self.size), False)
+        short, long = sorted((width, height))
+        resized_long = int(self.resize * long / short)
+        new_w, new_h = (self.resize, resized_long) if width <= height else (resized_long, self.resize)
+        top, left = int(round((new_h - self.size) / 2.0)), int(round((new_w - self.size) / 2.0))
+        sx, sy = width / new_w, height / new_h
+        box = (top * sy, left * sx, self.size * sy, self.size * sx)
+        return CropPlan(full, box, (self.size, self.size), False, resized_first=True)
 
     def __call__(self, data: bytes) -> torch.Tensor:
         return crop_resize(data, self.plan(data))

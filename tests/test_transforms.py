@@ -422,3 +422,73 @@ def test_crop_params_match_torchvision_draw_for_draw_in_float32():
     for seed in [26928, *range(300)]:
         ours = crop_params(4032, 3024, (0.08, 1.0), (3 / 4, 4 / 3), torch.Generator().manual_seed(seed))
         assert ours == torchvision_params(4032, 3024, torch.Generator().manual_seed(seed)), seed
+
+
+def test_a_cut_jpeg_fails_whatever_the_crop():
+    """A region decode stops after the crop's last row: a JPEG cut short below the crop decoded for some crops
+    and failed for others, so whether a damaged sample was skipped depended on the epoch's draw."""
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (60, 80, 3), dtype=np.uint8))
+    data = io.BytesIO()
+    image.resize((320, 240)).save(data, format="JPEG", quality=90)
+    cut = data.getvalue()[: len(data.getvalue()) * 6 // 10]
+    top = CropPlan((320, 240), (0, 0, 40, 40), (16, 16), False)  # well above the cut
+    with pytest.raises((OSError, ValueError)):
+        crop_resize(cut, top)
+    assert tuple(crop_resize(data.getvalue(), top).shape) == (3, 16, 16)  # the whole file crops
+
+
+def test_pillow_opens_only_the_image_formats_a_field_may_hold():
+    """Pillow tells formats by their bytes: an EPS stored as a `jpg` field would run Ghostscript on a shard's
+    PostScript. It is not an image here, whichever decoder meets it, and no program is run."""
+    import subprocess
+    from unittest import mock
+
+    from PIL import EpsImagePlugin
+
+    from shardstream.decode import Decoder
+    from shardstream.errors import DecodeError
+
+    eps = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 32 32\nnewpath 0 0 moveto 32 0 lineto fill\nshowpage\n%%EOF\n"
+    ran = []
+    with mock.patch.object(EpsImagePlugin, "gs_binary", "gs"), \
+            mock.patch.object(subprocess, "check_call", lambda *a, **k: ran.append(a)):
+        for mode in ("rgb8", "pil", RandomResizedCropJPEG(16)):
+            with pytest.raises(DecodeError, match="cannot identify image file"):
+                Decoder(mode)({"__key__": "k", "__url__": "shard.tar", "jpg": eps})
+    assert not ran
+
+
+@pytest.mark.parametrize("mode", ["I;16", "I"])
+def test_sixteen_bit_grey_is_scaled_not_clipped(mode):
+    """Pillow's convert("RGB") clips 16-bit grey at 255: depth maps, medical and satellite images came out white."""
+    values = (np.arange(16 * 64, dtype=np.uint32).reshape(16, 64) * 64)
+    data = io.BytesIO()
+    image = Image.fromarray(values.astype(np.uint16)) if mode == "I;16" else Image.fromarray(values.astype(np.int32))
+    image.save(data, format="PNG" if mode == "I;16" else "TIFF")
+    pixels = decode_rgb(data.getvalue())
+    assert np.array_equal(pixels[..., 0], (values >> 8).astype(np.uint8))
+    assert np.array_equal(pixels[..., 0], pixels[..., 2])
+
+
+@pytest.mark.parametrize("size", [(500, 375), (333, 500), (300, 256), (640, 480), (512, 512), (1200, 900)])
+def test_center_crop_is_resize_then_crop(size):
+    """CenterCropJPEG(224, 256) gives the pixels of torchvision's Resize(256) + CenterCrop(224) on a PIL image
+    (Pillow's resize of the whole image, then the crop), within a level of float rounding; an image at least twice
+    the crop's size is decoded at a DCT reduction first (its speed), which is close, not the same."""
+    width, height = size
+    rng = np.random.default_rng(width)
+    detail = Image.fromarray(rng.integers(0, 255, (height // 8, width // 8, 3), dtype=np.uint8)).resize(size)
+    data = io.BytesIO()
+    detail.save(data, format="JPEG", quality=95)
+    short, long = sorted(size)
+    new = (256, int(256 * long / short)) if width <= height else (int(256 * long / short), 256)
+    top, left = int(round((new[1] - 224) / 2.0)), int(round((new[0] - 224) / 2.0))
+    reference = Image.open(io.BytesIO(data.getvalue())).convert("RGB").resize(new, Image.Resampling.BILINEAR)
+    expected = torch.from_numpy(np.asarray(reference.crop((left, top, left + 224, top + 224))).copy()).permute(2, 0, 1)
+    got = CenterCropJPEG(224, resize=256)(data.getvalue())
+    assert got.shape == expected.shape
+    difference = (got.int() - expected.int()).abs()
+    if min(size) * 224 / 256 < 2 * 224:  # no reduction: the crop's box is less than twice the output
+        assert difference.max() <= 1
+    else:
+        assert difference.float().mean() < 4 and difference.max() < 64
