@@ -22,6 +22,10 @@ processes:
 * **Self-healing.** The first use of a cached shard in each process re-hashes it; a
   file damaged on disk is deleted and fetched again. A download's temporary file left by
   a killed process is deleted once it has not been written for an hour.
+* **Versioned.** A shard's copy lives in a folder named by its manifest checksum, so a
+  dataset republished at the same location (new bytes under the same shard names) is
+  never served from the old copy, and a job still reading the old version does not hold
+  up one reading the new: the old copies age out as least recently used.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import logging
 import os
 import random
 import tempfile
@@ -52,6 +57,10 @@ DOWNLOAD_ATTEMPTS = 3  # whole downloads of a file before its checksum mismatch 
 # share the link, so a few times that with prefetch): a temporary file untouched for an
 # hour has no live download behind it.
 ABANDONED_PART_S = 3600
+# A copy this process finds damaged (or missing) while other readers hold it must wait for
+# them to let go before it is fetched again; past this long, say so (it may be an epoch).
+SLOW_WAIT_S = 60.0
+log = logging.getLogger("shardstream")
 
 _verified: set[str] = set()  # cached files this process has hashed
 _damaged: dict[str, tuple] = {}  # cached files that failed the hash: their (inode, mtime) then
@@ -84,6 +93,11 @@ class ShardCache:
         # token: an HTTP(S) root's query string may rotate while the files stay).
         return os.path.join(self.root, hashlib.sha256(store.location.encode()).hexdigest()[:16])
 
+    def path(self, ref: ShardRef) -> str:
+        """Where the copy of `ref` lives: in its location's folder, under its version (module doc)."""
+        assert ref.info is not None
+        return os.path.join(self.folder(ref.store), ref.info.sha256[:16], ref.name)
+
     def open(self, ref: ShardRef) -> tuple[ShardReader, BinaryIO]:
         """A reader over the cached copy of `ref`, and the shared lock that keeps it there.
 
@@ -91,9 +105,9 @@ class ShardCache:
         """
         if ref.info is None:
             raise StorageError("only datasets with a manifest can be cached (checksums are needed)", url=ref.url)
-        folder = self.folder(ref.store)
+        path = self.path(ref)
+        folder = os.path.dirname(path)
         os.makedirs(folder, exist_ok=True)
-        path = os.path.join(folder, ref.name)
         lock = open(path + ".lock", "a+b")
         try:
             self._acquire(lock, path, ref)
@@ -105,7 +119,7 @@ class ShardCache:
 
     def forget(self, ref: ShardRef) -> None:
         """Check the cached copy of `ref` again at its next `open` (it was found damaged)."""
-        _verified.discard(os.path.join(self.folder(ref.store), ref.name))
+        _verified.discard(self.path(ref))
 
     def _acquire(self, lock: BinaryIO, path: str, ref: ShardRef) -> None:
         """Hold a shared lock on `lock` with a verified copy of `ref` at `path`.
@@ -118,7 +132,7 @@ class ShardCache:
         only a download in progress delays) and looks again.
         """
         assert ref.info is not None
-        vanished = 0
+        vanished, since = 0, time.monotonic()
         while True:
             fcntl.flock(lock, fcntl.LOCK_SH)
             if self._check(path, ref):
@@ -127,6 +141,10 @@ class ShardCache:
             try:  # converting drops the shared lock first, whether or not this succeeds
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
+                if since is not None and time.monotonic() - since > SLOW_WAIT_S:
+                    log.warning("%s: waited %.0f s for another reader of the cached copy to let go of it, which "
+                                "must be fetched again here; still waiting", ref.url, SLOW_WAIT_S)
+                    since = None  # said once
                 time.sleep(random.uniform(0.005, 0.05))  # another process has it: let it download
                 continue
             if not self._check(path, ref):

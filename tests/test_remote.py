@@ -1029,6 +1029,18 @@ def cache_folder(cache_dir: Path) -> Path:
     return folder
 
 
+def cached_file(cache_dir: Path, name: str) -> Path:
+    """The cached copy of `name` (in its dataset's folder, under its version's)."""
+    [path] = cache_folder(cache_dir).glob(f"*/{name}")
+    return path
+
+
+def cached_names(cache_dir: Path) -> list[str]:
+    """The shards cached (not their indexes, locks or temporary files), by name."""
+    return sorted(p.name for p in cache_folder(cache_dir).glob("*/*")
+                  if not p.name.endswith((".lock", ".idx", ".part")))
+
+
 def folder_bytes(folder: Path) -> int:
     """Bytes of the files under `folder`. A download's temporary file (``.NAME.XXXX.part``) and
     the file it becomes (``NAME``) are one file: a listing taken while it is renamed can show
@@ -1096,19 +1108,18 @@ def test_cache_shared_by_ranks_and_workers_downloads_each_shard_once_and_heals(
         check_exactly_once([[k for k, _ in items] for items in runs], jpg_digests, pad_keys)
         assert all(digest == jpg_digests[key] for items in runs for key, digest in items)
 
-        folder = cache_folder(cache_dir)
-        shard_files = sorted(p.name for p in folder.iterdir() if not p.name.endswith((".lock", ".idx")))
-        assert shard_files == sorted(shard_names)  # every shard cached once, no partial files left
+        assert cached_names(cache_dir) == sorted(shard_names)  # every shard cached once
+        assert not list(cache_dir.rglob("*.part"))  # no partial files left
         for name in shard_names:
-            assert (folder / name).read_bytes() == Path(local_ds, name).read_bytes()
-            assert (folder / (name + ".idx")).read_bytes() == Path(local_ds, name + ".idx").read_bytes()
+            assert cached_file(cache_dir, name).read_bytes() == Path(local_ds, name).read_bytes()
+            assert cached_file(cache_dir, name + ".idx").read_bytes() == Path(local_ds, name + ".idx").read_bytes()
         # One download per shard (and per index) for the whole machine: small files are one GET each.
         gets = server.get_counts()
         assert {name: gets.get(name, 0) for name in shard_names} == {name: 1 for name in shard_names}
         assert {name: gets.get(name + ".idx", 0) for name in shard_names} == {name: 1 for name in shard_names}
 
         # Damage one cached shard on disk; fresh processes must notice and fetch it again.
-        victim = folder / shard_names[2]
+        victim = cached_file(cache_dir, shard_names[2])
         damaged_inode = victim.stat().st_ino
         data = bytearray(victim.read_bytes())
         data[len(data) // 2] ^= 0xFF
@@ -1140,9 +1151,8 @@ def test_cache_stays_within_its_limit_plus_shards_in_use(local_ds, shard_names, 
                            cache_limit=limit, with_bytes=True)
     check_exactly_once([[k for k, _ in items] for items in runs], jpg_digests, pad_keys)
     assert all(digest == jpg_digests[key] for items in runs for key, digest in items)
-    folder = cache_folder(cache_dir)
-    assert folder_bytes(cache_dir) <= bound, sorted(p.name for p in folder.iterdir())
-    assert not list(folder.glob("*.part")) and not list(folder.glob(".*.part"))
+    assert folder_bytes(cache_dir) <= bound, cached_names(cache_dir)
+    assert not list(cache_dir.rglob("*.part"))
 
 
 @pytest.mark.parametrize("prefetch", [1, 3])
@@ -1462,7 +1472,7 @@ def test_cache_deletes_downloads_abandoned_by_killed_processes(local_ds, shard_n
         os.utime(abandoned, (old, old))
         os.utime(live, (time.time() - ABANDONED_PART_S + 600,) * 2)  # slow, but alive
         for name in shard_names[:2]:  # evicted by hand, so that reading again makes room
-            (folder / name).unlink()
+            cached_file(cache_dir, name).unlink()
         H.run_ranks(server.url, 1, num_workers=0, cache_dir=str(cache_dir), cache_limit="1GB")
     assert not abandoned.exists() and live.exists()
 
@@ -1477,7 +1487,7 @@ def test_cache_heals_a_copy_damaged_after_it_was_checked(local_ds, shard_names, 
         ds = StreamingDataset(server.url, decode=None, fields=("__key__", "jpg"), cache_dir=str(cache_dir),
                               cache_limit="1GB", prefetch=prefetch)
         assert {key: hashlib.sha256(jpg).hexdigest() for key, jpg in ds} == jpg_digests
-        victim = cache_folder(cache_dir) / shard_names[0]
+        victim = cached_file(cache_dir, shard_names[0])
         with open(victim, "r+b") as f:  # in place: same inode, size and (nearly) mtime
             f.seek(victim.stat().st_size // 2)
             byte = f.read(1)
@@ -1494,7 +1504,7 @@ def test_cache_heals_a_damaged_index(local_ds, shard_names, jpg_digests, tmp_pat
     cache_dir = tmp_path / "cache"
     with H.CountingHTTPServer(local_ds) as server:
         H.run_ranks(server.url, 1, num_workers=0, cache_dir=str(cache_dir), cache_limit="1GB")
-        index = cache_folder(cache_dir) / (shard_names[2] + ".idx")
+        index = cached_file(cache_dir, shard_names[2] + ".idx")
         data = bytearray(index.read_bytes())
         data[len(data) // 2] ^= 0xFF
         index.write_bytes(bytes(data))
@@ -1504,3 +1514,35 @@ def test_cache_heals_a_damaged_index(local_ds, shard_names, jpg_digests, tmp_pat
         assert dict(items) == jpg_digests and len(items) == N
         assert index.read_bytes() == Path(local_ds, index.name).read_bytes()
         assert server.gets(index.name) == 2
+
+
+def test_cache_serves_a_dataset_republished_at_its_location_anew(tmp_path):
+    """A dataset packed again at the same location (same shard names, new bytes) was served from the old copies
+    in a process that had verified them (those of the same size), and a head start's hold on an old copy made
+    the new one wait forever. Copies are kept by version now: the new dataset reads the new bytes."""
+    def publish(seed: int) -> dict[str, str]:
+        src = tmp_path / f"src{seed}"
+        make_image_folder(src, num_classes=2, images_per_class=[6, 5], size_range=((40, 30), (60, 45)), seed=seed)
+        shardstream.pack(str(src), str(tmp_path / "ds"), shard_size="20KB", seed=0, overwrite=True, progress=False)
+        return {s["__key__"]: hashlib.sha256(s["jpg"]).hexdigest()
+                for ref in shardstream.open_dataset(str(tmp_path / "ds")).shards for s in ref.reader()}
+
+    def read(url: str) -> dict[str, str]:
+        ds = StreamingDataset(url, decode=None, fields=("__key__", "jpg"), cache_dir=str(tmp_path / "cache"),
+                              prefetch=2)
+        return {key: hashlib.sha256(jpg).hexdigest() for key, jpg in ds}, ds
+
+    first = publish(1)
+    with H.CountingHTTPServer(str(tmp_path / "ds")) as server:
+        got, held = read(server.url)
+        assert got == first
+        held.set_epoch(1)
+        assert len(list(held)) == len(first)  # a second iteration: its head start holds a copy for the next
+        second = publish(2)
+        assert second != first and second.keys() == first.keys()
+        result: list = []
+        reader = threading.Thread(target=lambda: result.append(read(server.url)[0]), daemon=True)
+        reader.start()
+        reader.join(60)
+        assert not reader.is_alive(), "reading the republished dataset waited on the old copy"
+        assert result == [second]
