@@ -49,11 +49,18 @@ def _rebuild(cls, message, url, key, offset):  # type: ignore[no-untyped-def]
 
 
 def shown_url(url: str) -> str:
-    """`url` as messages show it: an HTTP(S) query string (a token, a SAS signature) hidden,
-    since messages end up in logs; the exception's `url` attribute keeps it whole."""
-    if url.startswith(("http://", "https://")) and "?" in url:
-        return url.split("?", 1)[0] + "?..."
+    """`url` as messages show it: an HTTP(S) query string (a token, a SAS signature) and a
+    password in the URL (``https://user:password@host``) hidden, since messages end up in
+    logs; the exception's `url` attribute keeps it whole."""
+    if url.startswith(("http://", "https://")):
+        url = _USERINFO.sub(r"\1***@", url)
+        if "?" in url:
+            return url.split("?", 1)[0] + "?..."
     return url
+
+
+# The user information of an HTTP(S) URL (``user:password@``), shown as ``***@``.
+_USERINFO = re.compile(r"""(https?://)[^\s/?#@'"<>]+@""", re.IGNORECASE)
 
 
 # The query string of an HTTP(S) URL inside text: a whole URL (aiohttp's "url='https://host/f?sig=...'",
@@ -63,9 +70,10 @@ _QUERY = re.compile(r"""((?:https?://|\burl: /)[^\s?#'"<>]*)\?(?!\.\.\.)[^\s'"<>
 
 
 def scrubbed(text: str) -> str:
-    """`text` with the query string of every HTTP(S) URL in it shown as ``?...``, as `shown_url`
-    shows one: another library's error message, quoted in ours, may name the URL whole."""
-    return _QUERY.sub(r"\1?...", text)
+    """`text` with the query string and user information of every HTTP(S) URL in it hidden,
+    as `shown_url` hides them: another library's error message, quoted in ours, may name
+    the URL whole."""
+    return _QUERY.sub(r"\1?...", _USERINFO.sub(r"\1***@", text))
 
 
 class ScrubbedError(Exception):

@@ -21,8 +21,10 @@ Each request has a deadline besides its timeouts (deadlines.py): past it, it fai
 
 from __future__ import annotations
 
+import base64
 import functools
 import importlib.util
+import re
 import time
 import urllib.parse
 from typing import Any, Mapping
@@ -75,9 +77,26 @@ def read_range(url: str, start: int | None, end: int | None, *, headers: Mapping
 
     Like fsspec's `cat_file`, a range that runs past the end of the file gives the bytes
     up to the end. Redirects (CDNs, presigned URLs) are followed, `MAX_REDIRECTS` at most,
-    with the same range; any other 3xx is an error. `connect_s` and `read_s` bound each
-    wait on the socket, `deadline_s` of them the whole request, redirects and all.
+    with the same range; any other 3xx is an error. A server that sends less of a range
+    than asked (a proxy that caps them; its Content-Range says so) is asked for the rest.
+    `connect_s` and `read_s` bound each wait on the socket, `deadline_s` of them each
+    request, redirects and all.
     """
+    request_headers = dict(headers)
+    url = _credentials_to_header(url, request_headers)
+    pieces = []
+    while True:
+        data, url, request_headers, more = _read_once(url, start, end, request_headers, connect_s, read_s)
+        pieces.append(data)
+        if more is None:
+            return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        start = more
+
+
+def _read_once(url: str, start: int | None, end: int | None, headers: dict[str, str], connect_s: float,
+               read_s: float) -> tuple[bytes, str, dict[str, str], int | None]:
+    """One request for bytes [start, end) of `url`, its redirects followed: (the bytes, the URL
+    that sent them, the headers sent there, where to go on from if the server sent less)."""
     request_headers = dict(headers)
     if start is not None or end is not None:
         request_headers["Range"] = range_header(start, end)
@@ -93,7 +112,10 @@ def read_range(url: str, start: int | None, end: int | None, *, headers: Mapping
         if not location:
             break
         _release(response, url, started, started + deadline_s(0, connect_s, read_s))
-        url = urllib.parse.urljoin(url, location)
+        target = urllib.parse.urljoin(url, location)
+        if _origin(target) != _origin(url):  # as browsers and urllib3 do: credentials stay with their host
+            request_headers = {k: v for k, v in request_headers.items() if k.lower() not in _CREDENTIALS}
+        url = target
     size = _content_length(response)
     try:
         if response.status == 404:
@@ -101,16 +123,64 @@ def read_range(url: str, start: int | None, end: int | None, *, headers: Mapping
         if response.status in (401, 403):
             raise PermissionError(f"HTTP {response.status} for {shown_url(url)}")
         if response.status == 416:  # the range starts at or past the end
-            return b""
+            return b"", url, headers, None
         if response.status >= 300:  # errors, and redirects beyond MAX_REDIRECTS or without a Location
             raise HTTPStatusError(response.status, url, response.headers)
         data = read_body(response, response.read, url, started, size, connect_s, read_s)
     finally:
         # An error's body too: the connection goes back to the pool clean.
         _release(response, url, started, started + deadline_s(size or 0, connect_s, read_s))
+    request_headers.pop("Range", None)
     if response.status == 200 and (start or end is not None):  # a server that ignores ranges sends it all
-        data = data[start or 0 : end]
-    return data
+        return data[start or 0 : end], url, request_headers, None
+    more = _check_range(response, data, url, start, end) if response.status == 206 else None
+    return data, url, request_headers, more
+
+
+class RangeMismatchError(OSError):
+    """A partial response for another range than the one asked for: the server's fault, not retried."""
+
+    status = 206  # what `retry.is_transient` reads: a status it does not retry
+
+
+def _check_range(response: Any, data: bytes, url: str, start: int | None, end: int | None) -> int | None:
+    """Where to go on from if the 206 `response` holds less of [start, end) than asked (its
+    Content-Range ends early), else None; an error if its body is not the range it names
+    (cut short: retried) or the range is another than asked (the server's fault). Either
+    would otherwise pass as data and fail later as a damaged shard: not retried, and a
+    counted skip under ``on_error="skip"``."""
+    match = _CONTENT_RANGE.fullmatch(response.headers.get("Content-Range", "").strip())
+    if match is None:
+        return None  # none given (or "*"): the length was all there was to check
+    first, last, total = int(match[1]), int(match[2]), None if match[3] == "*" else int(match[3])
+    if first != (start or 0):
+        raise RangeMismatchError(f"{shown_url(url)} sent bytes {first}-{last} for bytes {start or 0}-")
+    if len(data) < last + 1 - first:
+        raise ConnectionError(f"{shown_url(url)} sent {len(data)} of the {last + 1 - first} bytes of its range")
+    wanted = [stop for stop in (end, total) if stop is not None]
+    return last + 1 if wanted and last + 1 < min(wanted) and last >= first else None
+
+
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)", re.IGNORECASE)
+_CREDENTIALS = frozenset({"authorization", "cookie", "proxy-authorization"})
+
+
+def _origin(url: str) -> tuple[str, str | None, int | None]:
+    parts = urllib.parse.urlsplit(url)
+    return parts.scheme, parts.hostname, parts.port
+
+
+def _credentials_to_header(url: str, headers: dict[str, str]) -> str:
+    """`url` without its user information (``https://user:password@host/...``), which
+    urllib3 does not send, as HTTP Basic authorization in `headers` (unless they carry
+    their own), as fsspec's HTTP client sends it."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is None:
+        return url
+    if not any(k.lower() == "authorization" for k in headers):
+        user, password = urllib.parse.unquote(parts.username), urllib.parse.unquote(parts.password or "")
+        headers["Authorization"] = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+    return urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
 
 
 def _request(url: str, headers: Mapping[str, str], timeout: Any, started: float, due: float) -> Any:

@@ -31,7 +31,7 @@ from .errors import StorageError, safe_cause
 from .iostats import io_stats
 from .retry import RetryPolicy
 from .scratch import scratch_file
-from .urls import is_local, local_path, split_query
+from .urls import is_local, local_path, split_query, without_userinfo
 
 if TYPE_CHECKING:
     import fsspec
@@ -94,9 +94,9 @@ class Store:
 
     @property
     def location(self) -> str:
-        """The root without an HTTP(S) query string: where the files are, whatever token
-        (which may rotate) grants access to them."""
-        return split_query(self.root)[0]
+        """The root without an HTTP(S) query string or password: where the files are, whatever
+        token or password (which may rotate) grants access to them."""
+        return without_userinfo(split_query(self.root)[0])
 
     def url(self, name: str) -> str:
         """The full URL (or path) of the file `name` in this store.

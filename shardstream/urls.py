@@ -52,6 +52,15 @@ def split_url(url: str) -> tuple[str, str]:
     return parent or ".", name
 
 
+def without_userinfo(url: str) -> str:
+    """An HTTP(S) `url` without its user information (``user:password@``); others as they are."""
+    if url.startswith(("http://", "https://")) and "@" in url.split("/", 3)[2]:
+        scheme, rest = url.split("://", 1)
+        host, slash, path = rest.partition("/")
+        return f"{scheme}://{host.rsplit('@', 1)[1]}{slash}{path}"
+    return url
+
+
 def split_query(url: str) -> tuple[str, str]:
     """(URL without its query, ``?query`` or "") for HTTP(S); other URLs have no query."""
     if url.startswith(("http://", "https://")) and "?" in url:

@@ -609,3 +609,77 @@ def test_a_child_forked_while_the_watchdog_stops_a_read_has_a_watchdog_of_its_ow
             assert parent == ["stopped"]
     finally:
         threading.setprofile(None)  # type: ignore[arg-type]
+
+
+class _Ranges(_Served):
+    """Serves DATA by ranges as `mode` says: "cap" at most 1,000 bytes a response (its Content-Range says so),
+    "cut" a 206 whose body ends 5 bytes early (no Content-Length: the connection closes), "shift" the bytes
+    of another range than asked; each request's headers recorded in `seen`."""
+
+    mode = "cap"
+    seen: list = []
+
+    def answer(self) -> None:
+        self.seen.append(dict(self.headers))
+        first, last = (int(x or len(DATA) - 1) for x in self.headers["Range"][len("bytes="):].split("-"))
+        last = min(last, len(DATA) - 1)
+        if self.mode == "cap":
+            last = min(last, first + 999)
+        body = DATA[first : last + 1]
+        if self.mode == "shift":
+            first, last, body = 0, last - first, DATA[: last - first + 1]
+        self.send_response(206)
+        self.send_header("Content-Range", f"bytes {first}-{last}/{len(DATA)}")
+        if self.mode == "cut":
+            body = body[:-5]
+        else:
+            self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def test_a_range_sent_in_parts_is_asked_for_the_rest_and_a_cut_or_wrong_one_is_an_error():
+    with serving(_Ranges, mode="cap", seen=[]) as (url, requests):
+        assert read_range(f"{url}/blob.bin", 100, 4_100) == DATA[100:4_100]
+        assert read_range(f"{url}/blob.bin", 9_500, None) == DATA[9_500:]
+        assert len(requests) == 5  # 4 pieces of 1,000 bytes, then one
+    with serving(_Ranges, mode="cut") as (url, _):
+        with pytest.raises(ConnectionError, match="sent 995 of the 1000 bytes"):
+            read_range(f"{url}/blob.bin", 0, 1_000)
+        assert is_transient(ConnectionError())  # retried: a cut body is not the data's fault
+    with serving(_Ranges, mode="shift") as (url, _):
+        with pytest.raises(http_ranges.RangeMismatchError) as caught:
+            read_range(f"{url}/blob.bin", 10, 20)
+        assert not is_transient(caught.value)
+
+
+def test_a_password_in_the_url_is_sent_as_basic_auth_and_never_shown(folder):
+    import base64
+
+    seen: list = []
+    with serving(_Ranges, seen=seen) as (url, _), H.CountingHTTPServer(str(folder)) as files:
+        secret = url.replace("http://", "http://alice:hunter%232@")
+        assert read_range(f"{secret}/blob.bin", 0, 10) == DATA[:10]
+        assert seen[-1]["Authorization"] == "Basic " + base64.b64encode(b"alice:hunter#2").decode()
+        assert "hunter" not in Store(secret, {}).location  # nor in the cache's folder name
+        with pytest.raises(StorageError) as caught:
+            Store(files.url.replace("http://", "http://alice:hunter2@"), {}).read("missing.bin")
+        assert "hunter2" not in str(caught.value) and "***@" in str(caught.value)
+
+
+def test_credentials_stay_with_their_host_across_redirects():
+    seen: list = []
+    with serving(_Ranges, seen=seen) as (files, _):
+        handler = type("Handler", (_Redirector,), {"target": files.replace("127.0.0.1", "localhost")})
+        front = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        thread = threading.Thread(target=front.serve_forever, daemon=True)
+        thread.start()
+        try:
+            url = f"http://127.0.0.1:{front.server_address[1]}/moved/blob.bin"
+            headers = {"Authorization": "Bearer t0ken", "Cookie": "s=1", "X-Keep": "1"}
+            assert read_range(url, 0, 10, headers=headers) == DATA[:10]
+        finally:
+            front.shutdown()
+            front.server_close()
+            thread.join(5)
+    assert "Authorization" not in seen[-1] and "Cookie" not in seen[-1] and seen[-1]["X-Keep"] == "1"
