@@ -104,6 +104,17 @@ static int dotted(const char *key, Py_ssize_t n)
 
 /* One sample: the members in buf[pos, end) into a new dict, or Py_None (a new
  * reference) where the layout is not the common one, or NULL with an exception set. */
+/* Whether the `n` bytes at `s` may change when lower-cased: an ASCII upper-case letter, or
+ * any non-ASCII byte (Python's str.lower() lower-cases beyond ASCII). */
+static int may_lower(const unsigned char *s, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if ((s[i] >= 'A' && s[i] <= 'Z') || s[i] >= 0x80)
+            return 1;
+    }
+    return 0;
+}
+
 static PyObject *cut_one(const unsigned char *buf, Py_ssize_t pos, Py_ssize_t end, PyObject *key, PyObject *url,
                          int verify)
 {
@@ -137,9 +148,11 @@ static PyObject *cut_one(const unsigned char *buf, Py_ssize_t pos, Py_ssize_t en
         nul = memchr(h, 0, 100);
         name_len = nul ? (Py_ssize_t)(nul - h) : 100;
         /* `<key>.<field>`, the field without a slash: then the first dot after the name's
-         * last slash is the one after the key, as `tario.split_name` splits it. */
+         * last slash is the one after the key, as `tario.member_key` splits it. A field
+         * that lower-casing may change (as that does) is left to it too. */
         if (name_len < key_len + 2 || memcmp(h, key_utf8, key_len) != 0 || h[key_len] != '.' ||
-            memchr(h + key_len + 1, '/', name_len - key_len - 1) != NULL)
+            memchr(h + key_len + 1, '/', name_len - key_len - 1) != NULL ||
+            may_lower(h + key_len + 1, name_len - key_len - 1))
             goto other;
         if ((Py_ssize_t)size > end - pos - BLOCK)
             goto other;
@@ -150,6 +163,8 @@ static PyObject *cut_one(const unsigned char *buf, Py_ssize_t pos, Py_ssize_t en
         }
         /* Not interned: Python 3.12 makes interned strings immortal, so every distinct
          * field name of a shard would be kept for the life of the process. */
+        if (PyDict_Contains(sample, field) != 0) /* twice (or an error): the Python parser says which */
+            goto other;
         data = PyBytes_FromStringAndSize((const char *)h + BLOCK, (Py_ssize_t)size);
         if (data == NULL || PyDict_SetItem(sample, field, data) < 0)
             goto error;

@@ -26,6 +26,7 @@ import numpy as np
 from PIL import Image
 
 from .errors import DecodeError, reason
+from .fields import field_extension
 
 try:
     import simplejpeg
@@ -298,8 +299,7 @@ class Decoder:
             if name.startswith("__") or not isinstance(value, (bytes, bytearray, memoryview)):
                 out[name] = value
                 continue
-            ext = name.rsplit(".", 1)[-1].lower()
-            out[name] = self.field(ext, bytes(value), url, key, name)
+            out[name] = self.field(field_extension(name), bytes(value), url, key, name)
         return out
 
     def field(self, ext: str, data: bytes, url: str, key: str, name: str) -> Any:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .decode import IMAGE_EXTENSIONS, Decoder
+from .fields import field_extension
 from .transforms import crop_resize
 
 __all__ = ["DecodeAhead"]
@@ -70,7 +71,7 @@ class DecodeAhead:
         url, key = str(sample.get("__url__", "")), str(sample.get("__key__", ""))
         images: dict[str, _Image] = {}
         for name, value in decoded.items():
-            ext = name.rsplit(".", 1)[-1].lower()
+            ext = field_extension(name)
             if name.startswith("__") or ext not in IMAGE_EXTENSIONS or not isinstance(value, bytes):
                 continue
             if isinstance(self.images, str):

@@ -16,7 +16,7 @@ import numpy as np
 
 from .errors import ShardstreamError
 
-__all__ = ["encode_field", "encode_sample"]
+__all__ = ["encode_field", "encode_sample", "field_extension"]
 
 
 def _encode_int(value: Any) -> bytes:
@@ -73,7 +73,7 @@ def encode_field(field: str, value: Any, *, key: str = "") -> bytes:
     """
     if isinstance(value, (bytes, bytearray, memoryview)):
         return bytes(value)
-    ext = field.rsplit(".", 1)[-1].lower()
+    ext = field_extension(field)
     encoder = ENCODERS.get(ext)
     if encoder is None:
         if isinstance(value, str):
@@ -89,6 +89,12 @@ def encode_field(field: str, value: Any, *, key: str = "") -> bytes:
         raise ShardstreamError(f"field {field!r}: cannot encode {type(value).__name__}: {e}", key=key or None) from e
 
 
+def field_extension(name: str) -> str:
+    """The extension a field is encoded and decoded by: after its last dot, lower case
+    (``left.jpg``: ``jpg``)."""
+    return name.rsplit(".", 1)[-1].lower()
+
+
 def encode_sample(sample: dict[str, Any]) -> tuple[str, list[tuple[str, bytes]]]:
     """Check a sample dict and encode it: (key, [(field, bytes), ...]) in sorted field order."""
     key = sample.get("__key__")
@@ -101,6 +107,9 @@ def encode_sample(sample: dict[str, Any]) -> tuple[str, list[tuple[str, bytes]]]
             continue
         if not name or "/" in name or "\0" in name:  # a NUL would cut the tar member's name
             raise ShardstreamError(f"bad field name {name!r}", key=key)
+        if name != name.lower():  # readers, WebDataset's and ours, lower-case it
+            raise ShardstreamError(f"bad field name {name!r}: field names are lower case, as every reader of "
+                                   "the tar format reads them", key=key)
         fields.append((name, encode_field(name, sample[name], key=key)))
     if not fields:
         raise ShardstreamError("a sample needs at least one field", key=key)
@@ -111,8 +120,8 @@ def _check_key(key: str) -> None:
     # The key ends at the first dot of the last path component, so it cannot hold one;
     # absolute and parent paths would escape a folder when a shard is extracted.
     last = key.rsplit("/", 1)[-1]
-    if "." in last or key.startswith("/") or ".." in key.split("/") or "\0" in key:
-        raise ShardstreamError(f"bad sample key {key!r}: no dots in the last part, no absolute or '..' paths")
+    if not last or "." in last or key.startswith("/") or ".." in key.split("/") or "\0" in key:
+        raise ShardstreamError(f"bad sample key {key!r}: a last part without dots, no absolute or '..' paths")
     try:
         key.encode("utf-8")
     except UnicodeEncodeError:  # a lone surrogate: no tar header or index could hold it

@@ -360,12 +360,16 @@ class ShardReader:
         sample: Sample = {"__key__": key, "__url__": url}
         try:
             for name, s, e in tario.iter_members(view[a:b], url=url, base=base + a, verify=verify):
-                member_key, field = tario.split_name(name)
-                if member_key != key:
+                named = tario.member_key(name)
+                if named is None:
+                    continue  # no sample's member (`tario.member_key`), as the index skipped it
+                if named[0] != key:
                     raise CorruptIndexError(
-                        f"index says sample {i} is {key!r}, the shard holds {member_key!r}", url=url, offset=file_offset
+                        f"index says sample {i} is {key!r}, the shard holds {named[0]!r}", url=url, offset=file_offset
                     )
-                sample[field] = bytes(view[a + s : a + e])
+                if named[1] in sample:
+                    raise CorruptShardError(f"field {named[1]!r} appears twice", url=url, key=key, offset=base + a + s)
+                sample[named[1]] = bytes(view[a + s : a + e])
         except CorruptShardError as e:
             raise CorruptShardError(e.detail, url=url, key=key, offset=e.offset) from e
         if len(sample) == 2:

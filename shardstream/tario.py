@@ -87,13 +87,17 @@ def member_parts(name: str, data: bytes) -> tuple[bytes, bytes, bytes]:
 _ZEROS = bytes(BLOCK)
 
 
-def split_name(name: str) -> tuple[str, str]:
-    """Split a member name into (sample key, field) at the first dot of the basename."""
+def member_key(name: str) -> tuple[str, str] | None:
+    """A member's (sample key, field), split at the first dot of its basename, the field
+    lower case; None for a member that belongs to no sample: a basename without a dot
+    or starting with one (``README``, ``.DS_Store``, macOS's ``._a.jpg``) and folders.
+    WebDataset's rule (`base_plus_ext`, lower-cased suffixes), so that an indexed tar
+    holds the samples WebDataset reads from it."""
     slash = name.rfind("/")
     dot = name.find(".", slash + 1)
-    if dot < 0:
-        return name, ""
-    return name[:dot], name[dot + 1 :]
+    if dot <= slash + 1:  # no dot, or a leading one (a name ending in "/" has no dot after it)
+        return None
+    return name[:dot], name[dot + 1 :].lower()
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,10 +228,10 @@ def common_member(block: bytes, pos: int, key: str) -> tuple[str, int] | None:
         return None
     if size < 0 or size > MAX_MEMBER_SIZE:
         return None
-    dot = name.find(".", name.rfind("/") + 1)
-    if dot < 0:
-        return ("", size) if name == key else None
-    return (name[dot + 1 :], size) if name[:dot] == key else None
+    named = member_key(name)
+    if named is None or named[0] != key or named[1] != name[len(key) + 1 :]:
+        return None  # no sample's, another's, or a field to lower-case: `iter_members`' callers decide
+    return named[1], size
 
 
 def scan_sample(buf: bytes, a: int, b: int, key: str) -> list[tuple[str, int, int]] | None:
@@ -248,7 +252,7 @@ def scan_sample(buf: bytes, a: int, b: int, key: str) -> list[tuple[str, int, in
             return None
         field, size = member
         start = pos + BLOCK
-        if start + size > end:
+        if start + size > end or any(field == seen for seen, _, _ in members):  # twice: the caller says so
             return None
         members.append((field, start, start + size))
         pos = start + padded(size)
@@ -327,7 +331,10 @@ def group_samples(
     sample: dict[str, object] | None = None
     sample_offset = 0
     for name, data, offset in members:
-        key, field = split_name(name)
+        named = member_key(name)
+        if named is None:
+            continue
+        key, field = named
         if sample is not None and sample["__key__"] != key:
             yield sample, sample_offset
             sample = None

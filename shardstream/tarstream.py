@@ -218,13 +218,21 @@ def scan_tar(f: CountingReader, url: str) -> tuple[ShardIndex, tuple[str, ...]]:
     weights: list[float] = []
     fields: set[str] = set()
     end = 0
+    seen: set[str] = set()  # the fields of the sample at hand
     for member, data, offset in tario.iter_stream_members(f, url=url):  # type: ignore[arg-type]
-        key, field = tario.split_name(member)
+        named = tario.member_key(member)
+        if named is None:
+            continue  # no sample's (WebDataset's rule): a reader of the sample's span skips it too
+        key, field = named
         if not keys or keys[-1] != key:
             keys.append(key)
             offsets.append(offset)
             labels.append(-1)
             weights.append(math.nan)
+            seen = set()
+        if field in seen:  # `tar -rf` of a member again: which copy a reader keeps is anyone's guess
+            raise CorruptShardError(f"field {field!r} appears twice", url=url, key=key, offset=offset)
+        seen.add(field)
         if field == "cls":
             labels[-1] = label_of(data)
         elif field == "weight":  # checked as ShardWriter checks it: every index written can be read

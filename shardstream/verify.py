@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from .decode import IMAGE_EXTENSIONS, decode_image
+from .fields import field_extension
 from .errors import ShardstreamError
 from .reader import ShardReader
 from .source import Source, open_dataset
@@ -101,7 +102,7 @@ def verify_shard(reader: ShardReader, decode_images: bool = True) -> Iterator[Pr
         for sample in reader:
             key = str(sample["__key__"])
             for name, value in sample.items():
-                if decode_images and name in IMAGE_EXTENSIONS:
+                if decode_images and not name.startswith("__") and field_extension(name) in IMAGE_EXTENSIONS:
                     try:
                         decode_image(value, "pil", url=reader.url, key=key).load()  # type: ignore[union-attr,arg-type]
                     except ShardstreamError as e:

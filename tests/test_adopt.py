@@ -319,3 +319,78 @@ def test_cli_repack(wds_folder, tmp_path):
                              "--quiet"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert f"repacked {len(samples)} samples into 1 shards" in result.stdout
+
+
+def _member(tf: tarfile.TarFile, name: str, data: bytes = b"x", kind: bytes = tarfile.REGTYPE) -> None:
+    info = tarfile.TarInfo(name)
+    info.type = kind
+    if kind in (tarfile.REGTYPE, tarfile.AREGTYPE):
+        info.size = len(data)
+        tf.addfile(info, io.BytesIO(data))
+    else:
+        tf.addfile(info)
+
+
+AWKWARD_TARS = {
+    # macOS's own files (.DS_Store, AppleDouble ._a.txt, even between a sample's members), names without a
+    # dot, upper-case suffixes, an old-style folder entry: WebDataset's reader skips or lower-cases them
+    "hidden": [(".DS_Store", b"junk"), ("a.txt", b"1"), ("._a.txt", b"apple"), ("a.cls", b"3"), ("b.txt", b"2")],
+    "no dot": [("README", b"readme"), ("a.txt", b"1"), ("b.txt", b"2"), ("LICENSE", b"l")],
+    "upper case": [("a.TXT", b"1"), ("a.Cls", b"3"), ("b.txt", b"2"), ("b.CLS", b"1")],
+    "old folder": [("d/", b"", tarfile.AREGTYPE), ("d/a.txt", b"1"), ("d/a.cls", b"0")],
+}
+
+
+@pytest.mark.parametrize("case", sorted(AWKWARD_TARS))
+def test_indexed_tars_hold_the_samples_webdataset_reads(tmp_path, case):
+    wds = pytest.importorskip("webdataset")
+    path = tmp_path / "shard-000000.tar"
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tf:
+        for name, data, *kind in AWKWARD_TARS[case]:
+            _member(tf, name, data, *kind)
+    theirs = [{k: v for k, v in s.items() if k not in ("__url__", "__local_path__")}
+              for s in wds.WebDataset(str(path), shardshuffle=False)]
+    from shardstream.tarstream import open_shard
+
+    streamed = [{k: v for k, v in s.items() if k != "__url__"} for s in open_shard(str(path))]  # no index yet
+    index_tars(str(tmp_path), progress=False)
+    indexed = [{k: v for k, v in s.items() if k != "__url__"} for ref in ss.open_dataset(str(tmp_path)).shards
+               for s in ref.reader()]
+    assert indexed == theirs and streamed == theirs
+    assert verify_dataset(str(tmp_path)).ok
+
+
+def test_a_member_twice_in_a_tar_is_refused_as_webdataset_refuses_it(tmp_path):
+    """`tar -rf shard.tar a.txt` appends a second copy: the indexed read kept the last one, silently."""
+    with tarfile.open(tmp_path / "shard-000000.tar", "w") as tf:
+        _member(tf, "a.txt", b"first")
+        _member(tf, "a.cls", b"1")
+        _member(tf, "a.txt", b"second")
+    with pytest.raises(CorruptShardError, match="field 'txt' appears twice"):
+        index_tars(str(tmp_path), progress=False)
+
+
+def test_verify_decodes_every_field_an_image_decoder_would(tmp_path):
+    """Fields decode by their last extension, lower case (`left.jpg`, `JPG`): verify checked `jpg` and the like
+    by their whole name only, and passed a tar whose `left.jpg` could not be decoded."""
+    image = io.BytesIO()
+    from PIL import Image
+
+    Image.new("RGB", (8, 8), (1, 2, 3)).save(image, format="JPEG")
+    with tarfile.open(tmp_path / "shard-000000.tar", "w") as tf:
+        _member(tf, "a.left.jpg", b"not a jpeg")
+        _member(tf, "a.right.jpg", image.getvalue())
+        _member(tf, "b.PNG", b"nor a png")
+        _member(tf, "c.jpg", image.getvalue())
+    index_tars(str(tmp_path), progress=False)
+    report = verify_dataset(str(tmp_path))
+    assert report.images == 4 and sorted(p.key for p in report.problems) == ["a", "b"]
+
+
+def test_the_writer_refuses_what_readers_would_read_otherwise(tmp_path):
+    with ss.ShardWriter(str(tmp_path / "ds")) as writer:
+        with pytest.raises(ShardstreamError, match="field names are lower case"):
+            writer.write({"__key__": "a", "JPG": b"x"})  # every reader reads it as `jpg`
+        with pytest.raises(ShardstreamError, match="bad sample key"):
+            writer.write({"__key__": "a/", "txt": "x"})  # a member `a/.txt`: no sample's
+        writer.write({"__key__": "a", "txt": "x"})
