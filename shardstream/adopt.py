@@ -110,12 +110,26 @@ def repack_tars(source: str | Sequence[str], dst: str, *, shard_size: int | str 
             for name in names:
                 for sample in StreamTarReader(store, name):
                     sample.pop("__url__", None)
-                    writer.write(sample)
+                    _write_from(writer, sample, store.url(name))
                 bar.update(1)
     except BaseException:
         writer.abort()  # no manifest, no partial shard
         raise
     return writer.close()
+
+
+def _write_from(writer: Any, sample: dict[str, Any], url: str) -> None:
+    """`writer.write(sample)`, its refusal naming the tar `url` the sample came from (among
+    perhaps a thousand) and the sample."""
+    try:
+        writer.write(sample)
+    except ShardstreamError as e:
+        raise ShardstreamError(e.detail, url=url, key=e.key or _printable_key(sample), offset=e.offset) from e
+
+
+def _printable_key(sample: dict[str, Any]) -> str | None:
+    key = sample.get("__key__")
+    return key if isinstance(key, str) and key else None
 
 
 def _check_replaceable(store: Store, overwrite: bool) -> None:

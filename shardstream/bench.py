@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import os
 import time
 from typing import Any, Callable, Iterator, Sequence
@@ -237,8 +238,8 @@ def bench(
         raise ShardstreamError(f"transform must be one of {TRANSFORMS}, not {transform!r}")
     if batch_size < 1:
         raise ShardstreamError("batch_size must be positive")
-    if not seconds > 0 or not warmup >= 0:
-        raise ShardstreamError("seconds must be positive and warmup non-negative")
+    if not (math.isfinite(seconds) and seconds > 0 and math.isfinite(warmup) and warmup >= 0):
+        raise ShardstreamError("seconds must be positive and warmup non-negative, both finite")
     if decode_on_device and transform == "none":
         raise ShardstreamError("decode_on_device needs a transform to defer (train or val), not 'none'")
     if decode_threads < 0 or (decode_threads and (transform == "none" or decode_on_device)):
@@ -251,7 +252,7 @@ def bench(
     manifest = source.manifest
     samples = manifest.samples if manifest is not None else None
     bytes_per_sample = (sum(s.bytes for s in manifest.shards) / samples) if manifest is not None and samples else None
-    fields = (IMAGE_FIELD, "cls") if manifest is None or manifest.classes else (IMAGE_FIELD,)
+    fields = (IMAGE_FIELD, "cls") if _labelled(source) else (IMAGE_FIELD,)
     decode = _decode(transform)
     on_device = None
     if decode_on_device:
@@ -292,6 +293,15 @@ def bench(
     finally:
         bar.close()
     return result
+
+
+def _labelled(source: Any) -> bool:
+    """Whether the samples have a `cls` field: the manifest's class table says, else (other
+    tools' tars) the first sample does."""
+    if source.manifest is not None:
+        return bool(source.manifest.classes)
+    first = next(iter(source.reader(0)), None) if source.shards else None
+    return first is not None and "cls" in first
 
 
 def _cpus() -> int | None:

@@ -14,7 +14,15 @@ import numpy as np
 
 from .errors import CorruptIndexError, ShardstreamError
 
-__all__ = ["label_of", "weight_of", "check_weight", "label_column", "weight_column", "read_labels", "read_weights"]
+__all__ = [
+    "MAX_CLASS", "label_of", "weight_of", "check_weight", "label_column", "weight_column", "read_labels", "read_weights",
+]
+
+
+# The largest class index (FORMAT.md). Labels are int32 in indexes, and a class table is
+# made up to the largest: 2**24 (16.7 million) classes is past any dataset's, and keeps that
+# table in memory (3e9 would be gigabytes before anything is read).
+MAX_CLASS = (1 << 24) - 1
 
 
 def label_of(cls: bytes) -> int:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from .errors import PackError
-from .writer import MAX_CLASS
+from .columns import MAX_CLASS
 
 __all__ = ["Listing", "SourceFile", "Repeat", "list_source", "printable", "sniff_image", "IMAGE_FIELDS"]
 
@@ -142,7 +142,7 @@ def _list_folder(root: str) -> Listing:
         for folder, names in _walk(os.path.join(root, hidden)):
             ignored += [os.path.relpath(os.path.join(folder, n), root).replace(os.sep, "/") for n in names]
     for label, name in enumerate(classes):
-        for folder, names in _walk(os.path.join(root, name)):
+        for folder, names in _walk(os.path.join(root, name), within=root):
             # Slicing, not os.path.relpath: relpath normalises both paths on every call,
             # 30 µs a file, which is minutes on a dataset of millions.
             prefix = folder[len(root) :].lstrip(os.sep).replace(os.sep, "/") + "/"
@@ -158,23 +158,32 @@ def _list_folder(root: str) -> Listing:
     return Listing(root, tuple(_unique_keys(files)), tuple(classes), tuple(sorted(ignored)))
 
 
-def _walk(top: str) -> Iterator[tuple[str, list[str]]]:
+def _walk(top: str, within: str | None = None) -> Iterator[tuple[str, list[str]]]:
     """(folder, sorted file names) for `top` and every folder below it, in sorted order.
 
     Symlinked folders are followed, as the class folders themselves are (and as
     torchvision's ImageFolder does), each real folder at most once per walk, so a link
-    to an ancestor cannot loop.
+    to an ancestor cannot loop. A link to a folder elsewhere in `within` (the dataset's
+    root) but not in `top` is not followed: the images there are another class's (or
+    none's), and would be packed again under this one's label.
     """
-    visited = {os.path.realpath(top)}
+    top_real = os.path.realpath(top)
+    root_real = os.path.realpath(within) if within is not None else None
+    visited = {top_real}
     for folder, dirs, names in os.walk(top, followlinks=True):
         kept = []
         for d in sorted(dirs):
             real = os.path.realpath(os.path.join(folder, d))
-            if real not in visited:
+            elsewhere = root_real is not None and _inside(real, root_real) and not _inside(real, top_real)
+            if real not in visited and not elsewhere:
                 visited.add(real)
                 kept.append(d)
         dirs[:] = kept
         yield folder, sorted(names)
+
+
+def _inside(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
 
 
 def _size(path: str) -> int:

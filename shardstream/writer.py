@@ -13,7 +13,7 @@ import re
 from typing import Any, Sequence
 
 from . import tario
-from .columns import check_weight
+from .columns import MAX_CLASS, check_weight
 from .errors import ShardstreamError
 from .fields import encode_sample
 from .format import COMPRESSIONS, MANIFEST_NAME, SHARD_SUFFIX, Manifest, ShardInfo
@@ -25,10 +25,6 @@ __all__ = ["ShardWriter", "parse_size", "shard_name", "write_manifest"]
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
-
-# Class indexes are kept as int32 in indexes, and a class table is made up to the largest:
-# 2**24 (16.7 million) classes is past any dataset's, and keeps that table in memory.
-MAX_CLASS = (1 << 24) - 1
 
 
 def parse_size(size: int | str) -> int:

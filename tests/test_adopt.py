@@ -394,3 +394,25 @@ def test_the_writer_refuses_what_readers_would_read_otherwise(tmp_path):
         with pytest.raises(ShardstreamError, match="bad sample key"):
             writer.write({"__key__": "a/", "txt": "x"})  # a member `a/.txt`: no sample's
         writer.write({"__key__": "a", "txt": "x"})
+
+
+def test_repack_names_the_tar_a_refused_sample_came_from(tmp_path):
+    (tmp_path / "src").mkdir()
+    for i in range(3):
+        with tarfile.open(tmp_path / "src" / f"shard-{i:03d}.tar", "w") as tf:
+            for j in range(3):
+                _member(tf, f"s{i}_{j}.txt", b"x")
+            if i == 1:
+                _member(tf, "s1_0.cls", b"1")  # key s1_0 again, not adjacent: the writer refuses it
+    with pytest.raises(ShardstreamError, match=r"src/shard-001\.tar, sample 's1_0': duplicate sample key"):
+        repack_tars(str(tmp_path / "src"), str(tmp_path / "out"))
+
+
+def test_index_refuses_a_class_index_past_the_format_limit(tmp_path):
+    """cls 16777216 made a class table of 16.7 million names (a 157 MB manifest), 3e9 a numpy MemoryError."""
+    with tarfile.open(tmp_path / "shard-000000.tar", "w") as tf:
+        _member(tf, "a.txt", b"x")
+        _member(tf, "a.cls", b"16777216")
+    with pytest.raises(ShardstreamError, match=r"shard-000000\.tar, sample 'a'.*cls 16777216 is above the largest"):
+        index_tars(str(tmp_path), progress=False)
+    assert not (tmp_path / MANIFEST_NAME).exists()

@@ -183,6 +183,29 @@ def test_cli_bench_errors(tmp_path, capsys):
     assert exit_.value.code == 2 and "non-negative integers" in capsys.readouterr().err
     assert cli.main(["bench", str(tmp_path / "nothing"), "--workers", "0", "--quiet"]) == 1
     assert capsys.readouterr().err.startswith("shardstream bench: error:")
+    for option in ("--seconds", "--warmup"):  # infinity passed `> 0`, then failed in a comparison with None
+        assert cli.main(["bench", str(tmp_path), "--workers", "0", option, "inf", "--quiet"]) == 1
+        assert "both finite" in capsys.readouterr().err
+
+
+def test_bench_of_tars_without_labels(tmp_path):
+    """Other tools' tars named by a brace pattern, without `cls`: bench asked for `cls` and failed."""
+    import io
+    import tarfile
+
+    from PIL import Image
+
+    for s in range(2):
+        with tarfile.open(tmp_path / f"shard-{s:03d}.tar", "w") as tf:
+            for i in range(8):
+                data = io.BytesIO()
+                Image.new("RGB", (40, 30), (s, i, 0)).save(data, format="JPEG")
+                info = tarfile.TarInfo(f"s{s}_{i}.jpg")
+                info.size = len(data.getvalue())
+                tf.addfile(info, io.BytesIO(data.getvalue()))
+    result = bench(str(tmp_path / "shard-{000..001}.tar"), workers=[0], batch_size=4, transform="train",
+                   seconds=0.3, warmup=0.0)
+    assert result.rows[0].images > 0
 
 
 def test_bench_function(tiny):

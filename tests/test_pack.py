@@ -331,6 +331,19 @@ def test_symlinked_subfolders_are_followed_once(image_folder_copy, tmp_path):
         assert int(got[f"class_000/linked/linked_{i}"]["cls"]) == 0
 
 
+def test_links_to_other_classes_or_the_root_do_not_relabel_their_images(image_folder_copy, tmp_path):
+    """A stray `ln -s .. up` in a class folder packed every other class's images again, under this one's label."""
+    folder = image_folder_copy
+    before = run_pack(folder, tmp_path / "plain")
+    (folder / "class_001" / "up").symlink_to("..", target_is_directory=True)
+    (folder / "class_001" / "cats").symlink_to(folder / "class_002", target_is_directory=True)
+    run_pack(folder, tmp_path / "ds")
+    manifest = open_dataset(str(tmp_path / "ds")).manifest
+    assert manifest.samples == before.samples
+    assert manifest.class_counts == open_dataset(str(tmp_path / "plain")).manifest.class_counts
+    assert set(samples_by_key(tmp_path / "ds")) == set(samples_by_key(tmp_path / "plain"))
+
+
 @pytest.mark.parametrize("header", ["image,label", "filename,class", "path,label"])
 def test_file_list_header_is_recognised_whatever_its_words(image_folder, tmp_path, header):
     """A header row is dropped whatever it says: its label cell never becomes a class (which
