@@ -167,6 +167,10 @@ class Manifest:
             raise E("sample total disagrees with the shard list", url=url)
         if manifest.classes and len(manifest.class_counts) != len(manifest.classes):
             raise E("class_counts and classes differ in length", url=url)
+        if len(set(manifest.classes)) != len(manifest.classes):  # a label would have two names, or none
+            raise E("a class name is listed twice", url=url)
+        if version < 1:
+            raise E(f"format version {version} does not exist (the first is 1)", url=url)
         return manifest
 
 

@@ -10,6 +10,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+import numpy as np
+
 from .decode import IMAGE_EXTENSIONS, decode_image
 from .fields import field_extension
 from .errors import ShardstreamError
@@ -99,8 +101,12 @@ def verify_shard(reader: ShardReader, decode_images: bool = True) -> Iterator[Pr
     if digest != info.sha256:
         yield Problem(info.name, None, "sha256 does not match the manifest")
     try:
+        if reader.store.size(info.index) != info.index_bytes:
+            yield Problem(info.name, None, f"{info.index} is not the {info.index_bytes} bytes the manifest says")
+        fields: set[str] = set()
         for sample in reader:
             key = str(sample["__key__"])
+            fields.update(name for name in sample if not name.startswith("__"))
             for name, value in sample.items():
                 if decode_images and not name.startswith("__") and field_extension(name) in IMAGE_EXTENSIONS:
                     try:
@@ -108,6 +114,8 @@ def verify_shard(reader: ShardReader, decode_images: bool = True) -> Iterator[Pr
                     except ShardstreamError as e:
                         yield Problem(info.name, key, e.detail)
                     yield 1
+        if fields != set(info.fields):
+            yield Problem(info.name, None, f"holds the fields {sorted(fields)}, the manifest says {sorted(info.fields)}")
     except ShardstreamError as e:
         # The error may be about another file than the shard (its index): name that file.
         other = e.url is not None and e.url != reader.url
@@ -166,4 +174,22 @@ def verify_dataset(
                 report.samples += ref.info.samples if ref.info else 0
     finally:
         bar.close()
+    if not report.problems and source.manifest is not None and source.manifest.classes:
+        report.problems += _class_count_problems(source.manifest, readers)
     return report
+
+
+def _class_count_problems(manifest: Any, readers: list[ShardReader]) -> list[Problem]:
+    """The manifest's class counts against the labels the indexes hold (all read by now)."""
+    counts = np.zeros(len(manifest.classes), dtype=np.int64)
+    for reader in readers:
+        labels = reader.index.labels
+        if labels is not None and len(labels):
+            labelled = labels[labels >= 0]
+            if len(labelled) and labelled.max() >= len(counts):
+                return [Problem(reader.name, None, f"a label is past the manifest's {len(counts)} classes")]
+            counts += np.bincount(labelled, minlength=len(counts))
+    if tuple(counts.tolist()) != tuple(manifest.class_counts):
+        return [Problem("manifest", None, f"class_counts {list(manifest.class_counts)} are not the indexes' "
+                                          f"{counts.tolist()}")]
+    return []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -96,6 +97,35 @@ def test_verify_names_bytes_appended_to_a_shard(packed, tmp_path):
     checked = cli("verify", copy, "--quiet")
     assert checked.returncode == 1 and problem_shards(checked.stdout) == {shard.name}
     assert f"file is {shard.bytes + 15} bytes, the manifest says {shard.bytes}" in checked.stdout
+
+
+def _edited_manifest(packed, tmp_path, edit) -> str:
+    import msgpack
+
+    copy = tmp_path / "ds"
+    shutil.copytree(packed, copy)
+    raw = msgpack.unpackb((copy / MANIFEST_NAME).read_bytes())
+    edit(raw)
+    (copy / MANIFEST_NAME).write_bytes(msgpack.packb(raw))
+    return str(copy)
+
+
+@pytest.mark.parametrize(("what", "edit", "message"), [
+    ("a class twice", lambda m: m["classes"].__setitem__(0, m["classes"][1]), "a class name is listed twice"),
+    ("class counts", lambda m: m["class_counts"].__setitem__(0, m["class_counts"][0] + 1),
+     "class_counts .* are not the indexes'"),
+    ("a shard's fields", lambda m: m["shards"][0].__setitem__("fields", ["bls", "jpg"]), "holds the fields"),
+    ("an index's size", lambda m: m["shards"][1].__setitem__("index_bytes", m["shards"][1]["index_bytes"] + 1),
+     "is not the .* bytes the manifest says"),
+    ("the version", lambda m: m.__setitem__("version", 0), "format version 0 does not exist"),
+])
+def test_verify_checks_what_the_manifest_says_against_the_files(packed, tmp_path, what, edit, message):
+    """Single-bit flips in the manifest that verify passed: every shard and index hashed right, but the class
+    table, counts, fields or sizes it lists were not the files'."""
+    from shardstream.verify import verify_dataset
+
+    report = verify_dataset(_edited_manifest(packed, tmp_path, edit), decode_images=False)
+    assert not report.ok and any(re.search(message, str(p)) for p in report.problems), (what, report.problems)
 
 
 def test_verify_missing_shard_and_missing_manifest(packed, tmp_path):
