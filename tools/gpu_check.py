@@ -244,8 +244,27 @@ def check_gpu_side(report: Report, data: str, plain: list[Any], args: argparse.N
                 ok &= torch.equal(sums.cpu(), plain[i][0].reshape(len(plain[i][0]), -1).to(torch.int64).sum(1))
         return ok and n == len(plain) and loader.stats.batches == n, err, n
 
+    def dropped_at_once() -> tuple[bool, int]:
+        """Each batch read late (behind queued work) on the consumer stream and dropped at once,
+        unsynchronised: its memory is freed to the allocator while the read is still queued,
+        and would be the next copy's (and read half overwritten) but for `record_stream`."""
+        loader = DataLoader(streaming(data, args.image_size), batch_size=args.batch_size, num_workers=args.workers,
+                            device=device, prefetch_to_device=1)
+        sums = []
+        for images, _, _ in loader:
+            busy(a, 20)  # queued first: the read below runs late
+            sums.append(images.reshape(len(images), -1).to(torch.int64).sum(1))
+            del images
+        torch.cuda.synchronize()
+        expected = [ref[0].reshape(len(ref[0]), -1).to(torch.int64).sum(1) for ref in plain]
+        ok = len(sums) == len(plain) and all(torch.equal(got.cpu(), want) for got, want in zip(sums, expected))
+        return ok, len(sums)
+
     ok, _, n = compare(None, hold=True)
     report.verdict("(a) cuda: device batches == cpu batches (uint8, labels, keys; also read on arrival)", ok,
+                   f"{n} of {len(plain)} batches")
+    ok, n = dropped_at_once()
+    report.verdict("(a) cuda: batches read late and dropped unsynchronised stay whole (record_stream)", ok,
                    f"{n} of {len(plain)} batches")
     ok, err, n = compare(Normalize(field=0), hold=False)
     report.verdict("(a) cuda: Normalize on device vs cpu", ok and err <= NORMALIZE_TOL,
