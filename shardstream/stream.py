@@ -47,6 +47,7 @@ class Readers:
         self._locks: list[BinaryIO] = []
         self._shard_locks: dict[int, BinaryIO] = {}
         self._held: dict[int, BinaryIO] = {}  # see `hold`
+        self._released: set[int] = set()  # shards this iteration is done with
 
     def get(self, shard: int) -> ShardReader | StreamTarReader:
         with self._guard:
@@ -76,9 +77,21 @@ class Readers:
             self._locks.append(lock)
             self._held[shard] = lock
 
+    def open_ahead(self, shard: int) -> None:
+        """Open `shard` ahead of need (download it, with a cache; else fetch its index),
+        unless this iteration is already done with it: an open queued behind slow ones can
+        come after the shard was read, and would download it again and hold it to the end."""
+        with self._guard:
+            if shard in self._released:
+                return
+        reader = self.get(shard)
+        if isinstance(reader, ShardReader):
+            reader.index
+
     def release(self, shard: int) -> None:
         """Done with `shard`: drop its reader and let the cache evict it."""
         with self._guard:
+            self._released.add(shard)
             entry = self._entries.pop(shard, None)
             lock = self._shard_locks.pop(shard, None)
         if lock is not None:
@@ -180,7 +193,7 @@ def read_samples(source: Source, ids: np.ndarray, counts: np.ndarray, prefetch: 
             def open_ahead(position: int) -> None:
                 nonlocal opened
                 while opened < len(upcoming) and opened <= position + prefetch:
-                    openers.submit(_open, readers, upcoming[opened])
+                    openers.submit(readers.open_ahead, upcoming[opened])
                     opened += 1
 
             def finish_one() -> list[Sample]:
@@ -275,13 +288,6 @@ def _read_healing(read: Any, readers: Readers, shard: int, a: int, b: int) -> It
     except (CorruptShardError, CorruptIndexError):
         readers.heal(shard)
     yield from read(readers.get(shard), a + done, b)
-
-
-def _open(readers: Readers, shard: int) -> None:
-    """Open a shard ahead of need: download it (with a cache) or fetch its index."""
-    reader = readers.get(shard)
-    if isinstance(reader, ShardReader):
-        reader.index
 
 
 def read_whole(reader: ShardReader | StreamTarReader, first: int, stop: int) -> Iterator[Sample]:

@@ -1546,3 +1546,23 @@ def test_cache_serves_a_dataset_republished_at_its_location_anew(tmp_path):
         reader.join(60)
         assert not reader.is_alive(), "reading the republished dataset waited on the old copy"
         assert result == [second]
+
+
+def test_an_open_ahead_that_comes_after_its_shard_was_read_is_dropped(local_ds, shard_names, tmp_path):
+    """Opens ahead are queued behind slow ones (downloads): one that ran after its shard had been read and
+    released downloaded the shard again (had it been evicted) and held it in the cache to the iteration's end."""
+    from shardstream.cache import ShardCache
+    from shardstream.stream import Readers
+
+    with H.CountingHTTPServer(local_ds) as server:
+        source = shardstream.open_dataset(server.url)
+        readers = Readers(source, ShardCache(str(tmp_path / "cache"), 1 << 30))
+        try:
+            list(readers.get(0).read(0, 1))
+            readers.release(0)
+            readers.open_ahead(0)  # late
+            readers.open_ahead(1)  # in time
+            assert server.gets(shard_names[0]) == 1 and server.gets(shard_names[1]) == 1
+            assert len(readers._locks) == 1  # shard 1's only
+        finally:
+            readers.close()
