@@ -30,9 +30,9 @@ from .epochs import EpochSequences
 from .headstart import HeadStart
 from .iostats import io_stats
 from .policy import ErrorPolicy, guarded
-from .plan import Layout, chunks_of, items_of, read_order, split_ranks, worker_items, worker_plan
+from .plan import Layout, items_of, read_order, split_ranks, worker_items, worker_plan
 from .prepare import SamplePrep, batches
-from .resume import current_sequence, endless_place
+from .resume import current_sequence, endless_deal, endless_place
 from .sampling import Mix, Sampling
 from .shared import SharedState
 from .source import Source, resolve_source
@@ -330,14 +330,16 @@ class StreamingDataset(Checkpointing, IterableDataset):
             self._resume = None
 
     def _epoch_items(self, world: World, block: np.ndarray, layout: Layout, segment: int, worker: int, done: int,
-                     epoch: int) -> Iterator[Any]:
-        """Plan worker `worker`'s items of `epoch`, after the first `done`: read, decode, batch."""
+                     epoch: int, next_worker: int | None = None) -> Iterator[Any]:
+        """Plan worker `worker`'s items of `epoch`, after the first `done`: read, decode, batch.
+        `next_worker`: the plan worker this loader worker serves in `epoch + 1` of an endless
+        stream (for the head start)."""
         mine, remaining, needed = self._worker_reads(world, block, layout, segment, worker, done, epoch)
         source = self.resolve()
         head_start = self._head_start(source)
         next_ids = None  # a process on its second iteration or later will likely see another
         if head_start is not None and head_start.iterations > 0:
-            next_ids = lambda: self._next_epoch_reads(world, epoch, worker, len(block))  # noqa: E731
+            next_ids = lambda: self._next_epoch_reads(world, epoch, next_worker)  # noqa: E731
         samples = read_samples(source, mine[needed], self.counts(), self.prefetch, self._cache,
                                tolerant=self.on_error.mode == "skip", head_start=head_start, next_ids=next_ids)
         ordered = reorder(zip(needed.tolist(), samples), remaining)
@@ -374,15 +376,13 @@ class StreamingDataset(Checkpointing, IterableDataset):
             self._heads = (os.getpid(), HeadStart())
         return self._heads[1]
 
-    def _next_epoch_reads(self, world: World, epoch: int, worker: int, block_length: int) -> np.ndarray:
+    def _next_epoch_reads(self, world: World, epoch: int, worker: int | None) -> np.ndarray:
         """The samples this loader worker will read next, in reading order, if what comes
         next is `epoch + 1` from its start with the same layout: the next iteration after
-        `set_epoch(epoch + 1)`, or an endless stream's next epoch, whose share the loader
-        worker reading share `worker` of this epoch (of `block_length` samples) goes on to."""
+        `set_epoch(epoch + 1)`, or an endless stream's next epoch, in which it serves plan
+        worker `worker` (see _endless)."""
         block, layout = self._rank_block(world, epoch + 1)[0], self.layout(world)
-        if self.resampled:  # see _endless
-            worker = (worker - chunks_of(block_length, layout)) % world.workers
-        else:  # a new pass starts at this loader worker's own place
+        if worker is None:  # a new pass starts at this loader worker's own place
             worker, _ = self._start(world, len(block), 0)
         mine, _, needed = self._worker_reads(world, block, layout, 0, worker, 0, epoch + 1)
         return mine[needed]
@@ -397,22 +397,21 @@ class StreamingDataset(Checkpointing, IterableDataset):
     def _endless(self, world: World, block: np.ndarray, layout: Layout, segment: int, worker: int, done: int,
                  epoch: int) -> Iterator[Any]:
         """Epoch after epoch from `epoch` (whose rank block is `block`), without end, for plan
-        worker `worker` after its first `done` items, however many epochs those span.
-
-        Chunks are dealt across epoch boundaries (`roundrobin.endless_share`): in each epoch
-        the worker reads the share the chunks before it leave to it, so the workers cross
-        every boundary together instead of drifting apart by a chunk an epoch."""
+        worker `worker` after its first `done` items, however many epochs those span. In
+        each epoch the worker reads the share the deal gives it (`roundrobin.EndlessDeal`),
+        which keeps the workers together however long the stream runs."""
         later = len(self._rank_block(world, epoch + 1)[0])
         if sum(worker_items(later, layout)) == 0:  # no worker would ever yield again
             raise ValueError("an endless stream needs at least one item per epoch")
-        passed, done, share = endless_place(worker, done, layout, len(block), later)
-        if passed:
-            epoch, segment = epoch + passed, 0
+        deal = endless_deal(layout, len(block), later)
+        k, done, _ = endless_place(deal, worker, done)
+        if k:
+            epoch, segment = epoch + k, 0
             block = self._rank_block(world, epoch)[0]
         while True:
-            yield from self._epoch_items(world, block, layout, segment, share, done, epoch)
-            share = (share - chunks_of(len(block), layout)) % world.workers  # the next epoch's deal starts later
-            epoch, done, segment = epoch + 1, 0, 0
+            yield from self._epoch_items(world, block, layout, segment, deal.share(worker, k), done, epoch,
+                                         deal.share(worker, k + 1))
+            epoch, k, done, segment = epoch + 1, k + 1, 0, 0
             block = self._rank_block(world, epoch)[0]
 
     def io_stats(self) -> dict[str, float]:

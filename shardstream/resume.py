@@ -24,15 +24,15 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from .errors import ShardstreamError
-from .plan import PARTIAL, Layout, chunks_of, consumed_positions, rank_block_length, remaining_after, worker_items
-from .roundrobin import endless_share
+from .plan import PARTIAL, Layout, consumed_positions, rank_block_length, remaining_after, worker_items
+from .roundrobin import EndlessDeal
 
 if TYPE_CHECKING:
     from .dataset import StreamingDataset
     from .world import World
 
-__all__ = ["ResumeState", "Segment", "SequenceAfter", "check_counts", "current_sequence", "endless_onto",
-           "fingerprint", "sequence_after"]
+__all__ = ["ResumeState", "Segment", "SequenceAfter", "check_counts", "current_sequence", "endless_deal",
+           "endless_onto", "endless_place", "fingerprint", "sequence_after"]
 
 STATE_VERSION = 1
 
@@ -300,7 +300,7 @@ def locate(done: int, items_of_epoch: Callable[[int], int]) -> tuple[int, int]:
     items since an epoch began, epoch k holding `items_of_epoch(k)` of them.
 
     Epochs without items of this worker are passed while it has items left to place
-    (dealt across epoch boundaries, a worker's share of an epoch may be empty); the
+    (an endless stream's deal may give a worker an empty share of an epoch); the
     caller makes sure later epochs hold items at all, or this would not end."""
     k = 0
     while done >= items_of_epoch(k) and (k == 0 or done > 0 or items_of_epoch(k) > 0):
@@ -309,16 +309,17 @@ def locate(done: int, items_of_epoch: Callable[[int], int]) -> tuple[int, int]:
     return k, done
 
 
-def endless_place(worker: int, done: int, layout: Layout, first: int, later: int) -> tuple[int, int, int]:
+def endless_deal(layout: Layout, first: int, later: int) -> EndlessDeal:
+    """The deal of an endless stream read with `layout` (`roundrobin.EndlessDeal`), whose first
+    epoch's rank block (what a resume left of it) holds `first` samples and every later one `later`."""
+    return EndlessDeal(worker_items(first, layout), worker_items(later, layout))
+
+
+def endless_place(deal: EndlessDeal, worker: int, done: int) -> tuple[int, int, int]:
     """Where plan worker `worker` of an endless stream stands after handing over `done`
-    items: (epochs passed, items into that epoch, the share of it the worker reads).
-    `first` and `later` are the rank block lengths of the stream's first epoch (what a
-    resume left of it) and of a whole one; shares as `roundrobin.endless_share` deals them."""
-    items = (worker_items(first, layout), worker_items(later, layout))
-    chunks = (chunks_of(first, layout), chunks_of(later, layout))
-    share = lambda k: endless_share(worker, k, layout.workers, *chunks)  # noqa: E731
-    passed, into = locate(done, lambda k: items[k > 0][share(k)])
-    return passed, into, share(passed)
+    items: (epochs passed, items into that epoch, the share of it the worker reads)."""
+    passed, into = locate(done, lambda k: deal.items(worker, k))
+    return passed, into, deal.share(worker, passed)
 
 
 def endless_onto(resume: ResumeState, layout: Layout, remaining: int, full: int) -> ResumeState:
@@ -326,8 +327,8 @@ def endless_onto(resume: ResumeState, layout: Layout, remaining: int, full: int)
 
     In an endless stream every plan worker hands over one item per round, so after
     `delivered` items worker w has handed over ``delivered // W + (w < delivered % W)``;
-    chunks are dealt across epoch boundaries (`roundrobin.endless_share`), so the workers
-    cross each boundary within about a chunk of each other. The new layout continues in
+    epochs are dealt by the items each worker handed over (`roundrobin.EndlessDeal`), so
+    the workers cross each boundary within about a chunk of each other. The new layout continues in
     the earliest epoch some worker had not finished: it yields the samples of that epoch
     no worker had handed over, each once, then whole epochs. The few samples of the next
     epoch that workers already past the boundary had handed over (at most about a chunk
@@ -337,18 +338,15 @@ def endless_onto(resume: ResumeState, layout: Layout, remaining: int, full: int)
     segments, `full` that of a whole epoch.
     """
     old = resume.current.layout
-    first, later = rank_block_length(remaining, old), rank_block_length(full, old)
+    deal = endless_deal(old, rank_block_length(remaining, old), rank_block_length(full, old))
     workers = old.workers
     d = resume.current.delivered
     done = [d // workers + (1 if w < d % workers else 0) for w in range(workers)]
-    places = [endless_place(w, done[w], old, first, later) for w in range(workers)]
+    places = [endless_place(deal, w, done[w]) for w in range(workers)]
     k = min(epochs for epochs, _, _ in places)
-    items_k = worker_items(first if k == 0 else later, old)
-    chunks = (chunks_of(first, old), chunks_of(later, old))
     per_worker_list = [0] * workers  # by the share of epoch k each worker reads (what consumed_positions takes)
     for w, (epochs, into, _) in enumerate(places):
-        share = endless_share(w, k, workers, *chunks)
-        per_worker_list[share] = into if epochs == k else items_k[share]
+        per_worker_list[deal.share(w, k)] = into if epochs == k else deal.items(w, k)
     per_worker = tuple(per_worker_list)
     finished = (resume.finished if k == 0 else ()) + (Segment(old, sum(per_worker), per_worker),)
     return ResumeState(resume.dataset, resume.seed, resume.shuffle, resume.epoch + k, finished, Segment(layout, 0))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-__all__ = ["round_robin_delivered", "round_robin_next", "loader_start", "endless_start", "endless_share"]
+__all__ = ["EndlessDeal", "round_robin_delivered", "round_robin_next", "loader_start", "endless_start"]
 
 
 def round_robin_delivered(items: Sequence[int], delivered: int) -> list[int]:
@@ -80,17 +80,41 @@ def endless_start(workers: int, delivered: int, loader_worker: int) -> tuple[int
     return worker, delivered // workers + (1 if worker < delivered % workers else 0)
 
 
-def endless_share(worker: int, k: int, workers: int, first_chunks: int, later_chunks: int) -> int:
-    """The share of epoch `k` (numbered from the stream's first, 0) that plan worker `worker`
-    of an endless stream reads, its chunks dealt across epoch boundaries as if the epochs
-    were one sequence: chunk j of it goes to worker j mod W.
+class EndlessDeal:
+    """Which share of each epoch each plan worker of an endless stream reads.
 
-    An epoch's own deal gives chunk i to share i mod W; epoch k begins at chunk
-    `offset` of the whole (the chunks of the epochs before it: `first_chunks` in the
-    first, which a resume may have cut short, `later_chunks` in every later one), so
-    worker w reads share ``(w - offset) mod W``. Dealt per epoch instead, a worker whose
-    share of an epoch is a chunk shorter would finish every epoch a round early and run
-    ahead of the others without bound (a sample of its share seen twice as often)."""
-    offset = 0 if k == 0 else first_chunks + (k - 1) * later_chunks
-    return (worker - offset) % workers
+    At each epoch's start the workers are ordered by the items they have handed over
+    since the stream began (then by number), and the s-th of them reads share s of the
+    epoch (the shares of `plan.deal_chunks`, the first the largest). In the DataLoader's
+    round robin every worker hands over one item a round, so that keeps them together:
+    with whole batches it deals the epochs' batches as one sequence (batch j of the
+    whole stream to worker j mod W), and the first E epochs' worth of items holds epochs
+    0..E-1 whole; where an epoch's last chunk yields fewer items (64 samples unbatched,
+    or a batch `drop_last` drops), the worker that had it reads first in the next epoch.
+    Dealt per epoch instead, a worker whose share was a chunk shorter finished every
+    epoch a round early and ran ahead of the others without bound.
+
+    `first` and `later` are the items of each share of the stream's first epoch (what a
+    resume left of it) and of every later one. Pure: the same counts give the same deal.
+    """
+
+    def __init__(self, first: Sequence[int], later: Sequence[int]) -> None:
+        self._items = (list(first), list(later))
+        self._loads = [0] * len(self._items[0])  # items each worker handed over so far
+        self._shares: list[list[int]] = []  # epoch k: each worker's share
+
+    def share(self, worker: int, k: int) -> int:
+        """The share of epoch `k` (0: the stream's first) that plan worker `worker` reads."""
+        while len(self._shares) <= k:
+            items = self._items[len(self._shares) > 0]
+            shares = [0] * len(self._loads)
+            for s, w in enumerate(sorted(range(len(self._loads)), key=lambda w: (self._loads[w], w))):
+                shares[w] = s
+                self._loads[w] += items[s]
+            self._shares.append(shares)
+        return self._shares[k][worker]
+
+    def items(self, worker: int, k: int) -> int:
+        """The items plan worker `worker` hands over in epoch `k`."""
+        return self._items[k > 0][self.share(worker, k)]
 

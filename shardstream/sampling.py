@@ -22,9 +22,9 @@ downstream holds unchanged: equal counts per rank, deterministic order, exact re
   sequence when smaller than the data, further independent passes appended when larger.
 * **Endless** (``resampled=True``): the stream runs epoch after epoch (seed, epoch
   + 1, ...) and never ends; ranks stay in lockstep, and so do a rank's workers:
-  batches are dealt across epoch boundaries as if the epochs were one sequence
-  (`roundrobin.endless_share`), so the first E epochs' worth of batches holds epochs
-  0..E-1 whole (with batches; within a chunk of 64 samples without). Resume is exact
+  each epoch is dealt by the items each worker has handed over (`roundrobin.EndlessDeal`),
+  so with whole batches the first E epochs' worth of batches holds epochs 0..E-1 whole,
+  and otherwise (unbatched, `drop_last`) the workers stay within a chunk. Resume is exact
   with the same layout; `len()` raises TypeError. Resumed onto another layout, it
   continues in the earliest epoch an old worker had not finished, with the samples
   of that epoch no worker had yielded, each once; the few samples of the next epoch

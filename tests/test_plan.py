@@ -357,21 +357,38 @@ def test_an_endless_round_robin_resumes_regularly():
             assert resumed[: 2 * workers] == whole[delivered : delivered + 2 * workers]
 
 
-def test_endless_shares_deal_the_epochs_as_one_sequence():
-    # Epoch k's chunk i (share i mod W of its own deal) must be chunk `offset_k + i` of the
-    # whole stream, and that goes to worker (offset_k + i) mod W.
-    from shardstream.roundrobin import endless_share
+def test_an_endless_deal_of_whole_chunks_deals_the_epochs_as_one_sequence():
+    # With every chunk whole, epoch k's chunk i (share i mod W of its own deal) must be chunk
+    # `offset_k + i` of the whole stream, and that goes to worker (offset_k + i) mod W.
+    from shardstream.roundrobin import EndlessDeal
 
     rng = np.random.default_rng(5)
     for _ in range(300):
         workers, first, later = int(rng.integers(1, 9)), int(rng.integers(0, 30)), int(rng.integers(1, 30))
+        deal = EndlessDeal([len(range(w, first, workers)) for w in range(workers)],
+                           [len(range(w, later, workers)) for w in range(workers)])
         offset = 0
         for k in range(6):
             chunks = first if k == 0 else later
             for i in range(chunks):
-                worker = (offset + i) % workers
-                assert endless_share(worker, k, workers, first, later) == i % workers
+                assert deal.share((offset + i) % workers, k) == i % workers
             offset += chunks
+
+
+@pytest.mark.parametrize("layout", [Layout(workers=2), Layout(workers=3, batch_size=7, drop_last=True),
+                                    Layout(workers=4, batch_size=5), Layout(workers=2, batch_size=3, drop_last=True)])
+def test_an_endless_deal_keeps_the_workers_together_whatever_the_last_chunk_yields(layout):
+    """A last chunk that yields fewer items (64 samples unbatched, a batch drop_last drops): dealt by chunks, the
+    worker that had it every epoch ran ahead without bound. The spread of items handed over stays within a chunk."""
+    from shardstream.roundrobin import EndlessDeal
+
+    for block in (90, 128, 400, 63):
+        deal = EndlessDeal(worker_items(block, layout), worker_items(block, layout))
+        handed = [0] * layout.workers
+        for k in range(200):
+            for w in range(layout.workers):
+                handed[w] += deal.items(w, k)
+            assert max(handed) - min(handed) <= (layout.batch_size and 1 or layout.chunk), (block, k, handed)
 
 
 def test_round_robin_delivered_rejects_too_many():
