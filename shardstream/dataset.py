@@ -12,6 +12,7 @@ manifest read) on first use, in whichever process gets there first.
 
 from __future__ import annotations
 
+import operator
 import os
 import pickle
 import time
@@ -33,7 +34,7 @@ from .policy import ErrorPolicy, guarded
 from .plan import Layout, items_of, read_order, split_ranks, worker_items, worker_plan
 from .prepare import SamplePrep, batches
 from .resume import current_sequence, endless_deal, endless_place
-from .sampling import Mix, Sampling
+from .sampling import Mix, Sampling, source_urls
 from .shared import SharedState
 from .source import Source, resolve_source
 from .stream import read_samples, reorder
@@ -143,30 +144,30 @@ class StreamingDataset(Checkpointing, IterableDataset):
         super().__init__()
         if partial not in ("pad", "drop"):
             raise ValueError(f"partial must be 'pad' or 'drop', not {partial!r}")
-        if batch_size is not None and batch_size < 1:
-            raise ValueError("batch_size must be positive")
-        self.source = source
-        for url in _urls(source):
+        self.source = source if isinstance(source, Mix) else source_urls(source)
+        for url in _urls(self.source):
             preload_driver(url)
         self.shuffle = shuffle
-        self.seed = seed
-        self.shuffle_buffer = shuffle_buffer
+        # Plain ints (a numpy seed from a sweep overflowed the plan's masking, and numpy ints in
+        # the layout made state_dict() neither JSON nor loadable by torch.load's weights_only).
+        self.seed = _integer(seed, "seed")
+        self.shuffle_buffer = _integer(shuffle_buffer, "shuffle_buffer", 0)
         self.transform = transform
-        self.fields = tuple(fields) if fields is not None else None
-        self.batch_size = batch_size
+        # A string is WebDataset's to_tuple spelling ("jpg;png cls"), not a sequence of letters.
+        self.fields = (tuple(fields.split()) if isinstance(fields, str) else tuple(fields)) if fields is not None \
+            else None
+        self.batch_size = _integer(batch_size, "batch_size", 1) if batch_size is not None else None
         self.collate_fn = collate_fn or default_collate
         self.drop_last = drop_last
         self.partial = partial
-        self.rank = rank
-        self.world_size = world_size
+        self.rank = _integer(rank, "rank", 0) if rank is not None else None
+        self.world_size = _integer(world_size, "world_size", 1) if world_size is not None else None
         self.storage_options = dict(storage_options or {})
-        self._prefetch = prefetch
+        self._prefetch = _integer(prefetch, "prefetch", 0) if prefetch is not None else None
         self.retry = retry
         self._cache = ShardCache(os.path.abspath(cache_dir), parse_size(cache_limit)) if cache_dir else None
         self._decoder = Decoder(images=decode, allow_pickle=allow_pickle)
-        if decode_threads < 0:
-            raise ValueError(f"decode_threads must be 0 or more, not {decode_threads}")
-        self.decode_threads = decode_threads
+        self.decode_threads = _integer(decode_threads, "decode_threads", 0)
         self._ahead = DecodeAhead(decode, allow_pickle) if decode_threads else None
         self._resolved: Source | None = None
         self._counts: np.ndarray | None = None
@@ -231,6 +232,10 @@ class StreamingDataset(Checkpointing, IterableDataset):
                 what = "the dataset" if name == "dataset" else f"the dataset's {name} argument"
                 error.add_note(f"shardstream: {what} cannot be pickled ({reason}); {why}")
                 return
+
+    def __getitem__(self, index: Any) -> Any:
+        raise TypeError("a StreamingDataset streams its samples and cannot be indexed (torch's Subset, random_split): "
+                        "for part of it, pass fewer shards or Sampling(samples_per_epoch=...)")
 
     def layout(self, world: World) -> Layout:
         return Layout(world.size, world.workers, self.batch_size, self.drop_last, self.partial,
@@ -431,6 +436,17 @@ class StreamingDataset(Checkpointing, IterableDataset):
     def skipped(self) -> int:
         """Bad samples skipped so far under ``on_error="skip"``, summed over this rank's workers."""
         return self._shared.skips
+
+
+def _integer(value: Any, name: str, minimum: int | None = None) -> int:
+    """`value` as a plain int (numpy's too), or an error naming the argument."""
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, not {value!r}") from None
+    if minimum is not None and number < minimum:
+        raise ValueError(f"{name} must be {minimum} or more, not {number}")
+    return number
 
 
 def _in_process_group() -> bool:

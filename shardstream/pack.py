@@ -180,8 +180,8 @@ def listing_fingerprint(entries: list[SourceFile]) -> str:
 
 
 def pack(
-    src: str,
-    dst: str,
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
     *,
     shard_size: int | str = "256MB",
     max_samples: int | None = None,
@@ -216,6 +216,7 @@ def pack(
     field at `quality` (JPEG, WebP; PNG losslessly); smaller images, and animated ones
     (listed in the summary's `kept_whole`), keep their bytes (shrink.py).
     """
+    src, dst = os.fspath(src), os.fspath(dst)  # pathlib.Path too
     _check_arguments(compression, level, on_error, part, max_samples, max_side, quality)
     prefix = "shard" if part is None else f"shard-p{part[0]:05d}"
     opts = PackOptions(parse_size(shard_size), max_samples, compression, level, seed, shuffle, FRAME_SIZE, prefix,

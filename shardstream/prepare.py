@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from concurrent.futures import Future
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -76,6 +76,9 @@ class SamplePrep:
     def _picked(self, sample: dict[str, Any]) -> Any:
         if self.fields is None:
             return sample
+        if not isinstance(sample, Mapping):
+            raise TypeError(f"fields picks from the sample dict, and the transform returned a {type(sample).__name__}: "
+                            "return the dict from the transform, or leave fields out")
         return tuple(_pick(sample, spec) for spec in self.fields)
 
     # -- decode_threads: the same samples, their pixels decoded in threads (decode_ahead.py) --

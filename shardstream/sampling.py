@@ -42,11 +42,15 @@ downstream holds unchanged: equal counts per rank, deterministic order, exact re
 from __future__ import annotations
 
 import hashlib
+import math
+import numbers
+import os
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 import numpy as np
 
+from .columns import MAX_CLASS
 from .plan import epoch_sequence, rng_for
 
 __all__ = ["Sampling", "Mix", "sized_sequence", "weighted_sequence", "mixed_sequence", "class_sample_weights"]
@@ -66,6 +70,14 @@ class Sampling:
     def __post_init__(self) -> None:
         if isinstance(self.class_weights, str) and self.class_weights != "balanced":
             raise ValueError(f"class_weights must be 'balanced' or a mapping, not {self.class_weights!r}")
+        if self.class_weights is not None and not isinstance(self.class_weights, str):
+            # Checked here, not at the first draw in a DataLoader worker: a key of -1 weighted the
+            # last class, one of 1e9 asked for an 8 GB table, NaN failed deep in numpy.
+            for label, weight in self.class_weights.items():
+                if isinstance(label, bool) or not isinstance(label, numbers.Integral) or not 0 <= label <= MAX_CLASS:
+                    raise ValueError(f"class_weights keys are class indices 0..{MAX_CLASS}, not {label!r}")
+                if not (isinstance(weight, numbers.Real) and math.isfinite(weight) and weight >= 0):
+                    raise ValueError(f"class_weights must be finite and non-negative, not {weight!r} for class {label}")
         if self.samples_per_epoch is not None and self.samples_per_epoch < 1:
             raise ValueError("samples_per_epoch must be positive")
         if isinstance(self.sample_weights, str):
@@ -103,11 +115,18 @@ class Mix:
     def __init__(self, sources: Sequence[str | Sequence[str]], weights: Sequence[float]):
         if len(sources) != len(weights) or not sources:
             raise ValueError("Mix needs one weight per source")
-        if any(w <= 0 for w in weights):
-            raise ValueError("Mix weights must be positive")
+        if not all(isinstance(w, numbers.Real) and math.isfinite(w) and w > 0 for w in weights):
+            raise ValueError(f"Mix weights must be finite and positive, not {list(weights)}")
         total = float(sum(weights))
-        object.__setattr__(self, "sources", tuple(s if isinstance(s, str) else tuple(s) for s in sources))
+        object.__setattr__(self, "sources", tuple(source_urls(s) for s in sources))
         object.__setattr__(self, "weights", tuple(w / total for w in weights))
+
+
+def source_urls(source: "str | os.PathLike[str] | Sequence[str | os.PathLike[str]]") -> str | tuple[str, ...]:
+    """A source as the library keeps it: a location (a path given as `pathlib.Path` too) or a tuple of shard URLs."""
+    if isinstance(source, (str, os.PathLike)):
+        return os.fspath(source)
+    return tuple(os.fspath(url) for url in source)
 
 
 def sized_sequence(counts: np.ndarray, seed: int, epoch: int, shuffle: bool, n: int) -> np.ndarray:

@@ -8,6 +8,7 @@ counted by one scan each (sequential reads of every shard once, done lazily).
 
 from __future__ import annotations
 
+import os
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -179,13 +180,13 @@ def _count(reader: ShardReader | StreamTarReader) -> int:
     return len(reader)
 
 
-def open_dataset(url: str, *, storage_options: dict[str, Any] | None = None,
+def open_dataset(url: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None,
                  retry: RetryPolicy | None = None) -> Source:
     """Open a packed dataset (a folder or URL prefix holding ``manifest.msgpack``).
 
     `retry` bounds the retries of transient storage errors (default `RetryPolicy()`).
     """
-    store = Store(url, storage_options or {}, retry or RetryPolicy())
+    store = Store(os.fspath(url), storage_options or {}, retry or RetryPolicy())
     manifest_url = store.url(MANIFEST_NAME)
     try:
         # Read, not exists(): a transient error must be retried, not taken for "absent".
@@ -205,13 +206,14 @@ def open_dataset(url: str, *, storage_options: dict[str, Any] | None = None,
 def resolve_source(source: "str | Sequence[str] | Mix", *, storage_options: dict[str, Any] | None = None,
                    retry: RetryPolicy | None = None) -> Source:
     """A `Source` from a dataset location, a brace pattern, a list of shard URLs, or a `Mix` of those."""
-    from .sampling import Mix
+    from .sampling import Mix, source_urls
 
     options = storage_options or {}
     retry = retry or RetryPolicy()
     if isinstance(source, Mix):
         parts = tuple(resolve_source(s, storage_options=options, retry=retry) for s in source.sources)
         return Source("mix", tuple(ref for p in parts for ref in p.shards), None, parts)
+    source = source_urls(source)  # a pathlib.Path is a location too
     if isinstance(source, str):
         if not names_shards(source):
             return open_dataset(source, storage_options=options, retry=retry)

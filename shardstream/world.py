@@ -39,14 +39,38 @@ class World:
 
         if rank is None or world_size is None:
             if dist.is_available() and dist.is_initialized():
-                found = dist.get_rank(), dist.get_world_size()
-            elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-                found = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+                found: tuple[int, int] | None = (dist.get_rank(), dist.get_world_size())
             else:
-                found = 0, 1
+                found = _from_environment()
+            if found is None:
+                if world_size is not None and world_size > 1:  # every process would be rank 0 of them
+                    raise ValueError(f"world_size={world_size} without a rank: pass rank too, or run under "
+                                     "torch.distributed or torchrun (RANK and WORLD_SIZE)")
+                found = (0, 1)
             # Each value given explicitly wins; the other comes from the environment.
             rank = found[0] if rank is None else rank
             world_size = found[1] if world_size is None else world_size
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         return cls(rank, world_size, worker, workers)
+
+
+def _from_environment() -> tuple[int, int] | None:
+    """(RANK, WORLD_SIZE) from the environment torchrun sets, or None where neither is set.
+    One without the other, or a value that is not a number, is an error naming it: read as
+    a single process, every process would read the whole dataset."""
+    given = {name: os.environ.get(name) for name in ("RANK", "WORLD_SIZE")}
+    if all(value is None for value in given.values()):
+        return None
+    missing = [name for name, value in given.items() if value is None]
+    if missing:
+        present = [name for name in given if name not in missing]
+        raise ValueError(f"{present[0]} is set in the environment but {missing[0]} is not: set both (torchrun "
+                         "does), or neither")
+    values = []
+    for name, value in given.items():
+        try:
+            values.append(int(value))  # type: ignore[arg-type]
+        except ValueError:
+            raise ValueError(f"{name}={value!r} in the environment is not a number") from None
+    return values[0], values[1]

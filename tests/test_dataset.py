@@ -600,3 +600,29 @@ def test_samples_are_seeded_only_where_something_can_draw(packed):
     first = {s["__key__"]: s["noise"] for s in StreamingDataset(packed, decode=None, transform=noisy)}
     again = {s["__key__"]: s["noise"] for s in StreamingDataset(packed, decode=None, transform=noisy, shuffle=True)}
     assert first == again and torch.equal(torch.default_generator.get_state(), before)
+
+
+def test_arguments_as_training_scripts_pass_them(url):
+    """numpy ints (a seed from a sweep overflowed; in the layout, state_dict() was not JSON), a pathlib.Path
+    source, fields as WebDataset's to_tuple string: each as the plain value it stands for."""
+    import json
+
+    plain = StreamingDataset(url, decode=None, fields=("__key__", "cls"), shuffle=True, seed=7, batch_size=3,
+                             collate_fn=list)
+    numpy = StreamingDataset(Path(url), decode=None, fields="__key__ cls", shuffle=True, seed=np.int64(7),
+                             batch_size=np.int64(3), shuffle_buffer=np.int32(2048), collate_fn=list)
+    assert list(numpy) == list(plain)
+    json.dumps(numpy.state_dict())
+    assert shardstream.open_dataset(Path(url)).manifest == shardstream.open_dataset(url).manifest
+    with pytest.raises(TypeError, match="seed must be an integer"):
+        StreamingDataset(url, seed=1.5)
+    with pytest.raises(ValueError, match="shuffle_buffer must be 0 or more"):
+        StreamingDataset(url, shuffle_buffer=-5)
+
+
+def test_misuse_is_named(url):
+    with pytest.raises(TypeError, match="cannot be indexed"):
+        torch.utils.data.Subset(StreamingDataset(url), [0, 1])[0]
+    tupled = StreamingDataset(url, decode=None, fields=("cls",), transform=lambda s: (s["cls"],))
+    with pytest.raises(TypeError, match="the transform returned a tuple"):
+        next(iter(tupled))

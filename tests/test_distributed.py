@@ -332,3 +332,19 @@ if __name__ == "__main__":
 
         faulthandler.dump_traceback_later(args.dump_after, exit=False)  # where a hung rank waits, for the test's log
     rank_main(args.rank, args.world_size, args.port, args.url, args.out)
+
+
+@pytest.mark.parametrize(("env", "kwargs", "message"), [
+    ({}, {"world_size": 4}, "world_size=4 without a rank"),  # every process would read the same quarter
+    ({"WORLD_SIZE": "4"}, {}, "WORLD_SIZE is set in the environment but RANK is not"),
+    ({"RANK": "2"}, {}, "RANK is set in the environment but WORLD_SIZE is not"),
+    ({"RANK": "abc", "WORLD_SIZE": "4"}, {}, "RANK='abc' in the environment is not a number"),
+])
+def test_a_half_given_world_is_refused_not_read_as_one_process(url, monkeypatch, env, kwargs, message):
+    """Read as a single process (or as rank 0 of them), every process would read the same samples."""
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=message):
+        len(D.key_dataset(url, **kwargs, **OPTS))

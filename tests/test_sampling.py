@@ -389,3 +389,16 @@ def test_bad_sample_weights_are_refused(weighted, small, tmp_path):
             with ss.ShardWriter(str(tmp_path / "bad")) as writer:
                 writer.write({"__key__": "a", "bin": b"x", "weight": bad})
         assert info.value.key == "a"
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda: Sampling(class_weights={-1: 5.0, 0: 1.0}), "class indices"),  # -1 weighted the last class
+    (lambda: Sampling(class_weights={10**9: 1.0}), "class indices"),  # an 8 GB table
+    (lambda: Sampling(class_weights={0: float("nan")}), "finite and non-negative"),
+    (lambda: Sampling(class_weights={0: -1.0}), "finite and non-negative"),
+    (lambda: Sampling(class_weights={0.5: 1.0}), "class indices"),
+    (lambda: ss.Mix(["a", "b"], [float("nan"), 1.0]), "finite and positive"),
+])
+def test_weights_are_checked_where_they_are_given(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
