@@ -18,7 +18,7 @@ import numpy as np
 
 from .plan import epoch_sequence
 from .resume import Segment, SequenceAfter, sequence_after
-from .sampling import Sampling, class_sample_weights, mixed_sequence, sized_sequence, weighted_sequence
+from .sampling import Sampling, class_sample_weights, mix_picks, mixed_sequence, sized_sequence, weighted_sequence
 from .source import Source
 
 __all__ = ["EpochSequences"]
@@ -52,12 +52,20 @@ class EpochSequences:
             offsets = np.concatenate([[0], np.cumsum(counts)])[bounds[:-1]]
             part_counts = [counts[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
+            total = n or int(counts.sum())
+            # Unshuffled, each source walks its data in order from where its last epoch's picks
+            # stopped (as `sized_sequence` does): else a source a mix reads less of than it
+            # holds would have its tail never read.
+            taken = np.bincount(mix_picks(self.mix_weights, total), minlength=len(sizes)) * epoch
+
             def sequence(i: int, k: int) -> np.ndarray:  # source i's k-th pass this epoch
+                if not shuffle:
+                    size = int(part_counts[i].sum())
+                    return offsets[i] + np.roll(np.arange(size, dtype=np.int64), -(int(taken[i]) % max(size, 1)))
                 return offsets[i] + epoch_sequence(part_counts[i], seed, epoch, shuffle, salt=(i << 20) + k)
 
             passes = [lambda k, i=i: sequence(i, k) for i in range(len(sizes))]
-            return mixed_sequence([sequence(i, 0) for i in range(len(sizes))], self.mix_weights,
-                                  n or int(counts.sum()), passes)
+            return mixed_sequence([sequence(i, 0) for i in range(len(sizes))], self.mix_weights, total, passes)
         if self.sampling is not None and self.sampling.weighted:
             return weighted_sequence(counts, self._draw_weights(), seed, epoch, shuffle, n or int(counts.sum()))
         if n is not None:

@@ -18,8 +18,10 @@ downstream holds unchanged: equal counts per rank, deterministic order, exact re
   proportional to its own weight, times its class weight if both are given. "weight"
   is the per-sample `weight` field, which the shard indexes record (FORMAT.md), so
   the epoch is planned without reading any sample.
-* **Epoch size** (``samples_per_epoch``) without weights: a prefix of the epoch
-  sequence when smaller than the data, further independent passes appended when larger.
+* **Epoch size** (``samples_per_epoch``) without weights: shuffled, a prefix of the
+  epoch sequence when smaller than the data, further independent passes appended when
+  larger; unshuffled, the data in order from where the last epoch stopped (a `Mix`'s
+  sources too), so that no tail goes unread.
 * **Endless** (``resampled=True``): the stream runs epoch after epoch (seed, epoch
   + 1, ...) and never ends; ranks stay in lockstep, and so do a rank's workers:
   each epoch is dealt by the items each worker has handed over (`roundrobin.EndlessDeal`),
@@ -130,7 +132,14 @@ def source_urls(source: "str | os.PathLike[str] | Sequence[str | os.PathLike[str
 
 
 def sized_sequence(counts: np.ndarray, seed: int, epoch: int, shuffle: bool, n: int) -> np.ndarray:
-    """`n` ids: the epoch sequence cut short, or extended by further independent passes."""
+    """`n` ids: the epoch sequence cut short, or extended by further independent passes.
+
+    Unshuffled, epochs walk the data in order, each from where the last stopped (as
+    WebDataset's `with_epoch` does): cut short at the same place every epoch, the tail
+    would never be read."""
+    total = int(counts.sum())
+    if not shuffle:
+        return (np.arange(n, dtype=np.int64) + epoch * n) % total if total else np.zeros(0, dtype=np.int64)
     parts, have, salt = [], 0, 0
     while have < n:
         part = epoch_sequence(counts, seed, epoch, shuffle, salt=salt)
@@ -172,19 +181,24 @@ def weighted_sequence(counts: np.ndarray, weights: np.ndarray, seed: int, epoch:
     return draws[np.argsort(rank[shard_of], kind="stable")]
 
 
-def mixed_sequence(sequences: Sequence[np.ndarray], weights: Sequence[float], n: int,
-                   more: Sequence = ()) -> np.ndarray:
-    """Interleave per-source sequences by weight into `n` ids (see the module docstring).
-
-    `more[i](k)` gives source i's k-th further pass when its sequence runs out.
-    """
+def mix_picks(weights: Sequence[float], n: int) -> np.ndarray:
+    """Which source each of `n` mixed picks comes from (see the module docstring)."""
     weights = np.asarray(weights, dtype=np.float64)
     weights = weights / weights.sum()
     # Source i's k-th pick happens at time (k + 1/2) / w_i; the first n picks in time win.
     quota = np.floor(weights * n).astype(np.int64) + 2
     times = np.concatenate([(np.arange(q) + 0.5) / w for q, w in zip(quota, weights)])
     source = np.concatenate([np.full(q, i) for i, q in enumerate(quota)])
-    picked = source[np.argsort(times, kind="stable")[:n]]
+    return source[np.argsort(times, kind="stable")[:n]]
+
+
+def mixed_sequence(sequences: Sequence[np.ndarray], weights: Sequence[float], n: int,
+                   more: Sequence = ()) -> np.ndarray:
+    """Interleave per-source sequences by weight into `n` ids (see the module docstring).
+
+    `more[i](k)` gives source i's k-th further pass when its sequence runs out.
+    """
+    picked = mix_picks(weights, n)
     out = np.empty(n, dtype=np.int64)
     for i, seq in enumerate(sequences):
         where = np.flatnonzero(picked == i)

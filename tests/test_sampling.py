@@ -402,3 +402,27 @@ def test_bad_sample_weights_are_refused(weighted, small, tmp_path):
 def test_weights_are_checked_where_they_are_given(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+def test_unshuffled_epochs_cut_short_walk_the_data_in_order(small):
+    """Cut short (samples_per_epoch, or a Mix reading less of a source than it holds) and unshuffled, every epoch
+    took the same prefix: the tail was never read. Each epoch goes on from where the last stopped now."""
+    import collections
+
+    every = [k for (k,) in ss.StreamingDataset(small, decode=None, fields=("__key__",))]
+    seen = []
+    ds = ss.StreamingDataset(small, decode=None, fields=("__key__",), sampling=Sampling(samples_per_epoch=20))
+    for epoch in range(7):  # 140 samples of 63: every sample twice, some thrice
+        ds.set_epoch(epoch)
+        got = [k for (k,) in ds]
+        assert got == [every[(epoch * 20 + i) % 63] for i in range(20)]
+        seen += got
+    assert set(collections.Counter(seen).values()) == {2, 3}
+
+    mixed = ss.StreamingDataset(ss.Mix([small, small], [0.75, 0.25]), decode=None, fields=("__key__",),
+                                sampling=Sampling(samples_per_epoch=40))
+    counts = collections.Counter()
+    for epoch in range(8):
+        mixed.set_epoch(epoch)
+        counts.update(k for (k,) in mixed)
+    assert set(counts) == set(every)  # the first source's 30 picks an epoch reach its tail in 3 epochs
