@@ -51,8 +51,9 @@ class Journal:
         # beside the dataset, listed by no manifest, for anything that globs shard names.
         with contextlib.suppress(ShardstreamError):
             for _, info, _ in self._records():
-                self.shards.remove(info.name)
-                self.shards.remove(info.index)
+                if info.samples:  # a shard whose every image was skipped was never written (no index named)
+                    self.shards.remove(info.name)
+                    self.shards.remove(info.index)
         self.clear()
         self.store.makedirs()
         self.store.write("plan.msgpack", msgpack.packb(plan, use_bin_type=True))

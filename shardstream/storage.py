@@ -316,6 +316,9 @@ class Store:
                 os.remove(tmp)
 
     def remove(self, name: str) -> None:
+        """Remove the file `name`, if it is there."""
+        if not name:  # the store's root itself: never a file this removes
+            raise ValueError("no file named to remove")
         if self.local:
             try:
                 os.remove(self.url(name))

@@ -904,3 +904,26 @@ def test_a_fresh_run_removes_what_a_failed_run_left(image_folder_copy, tmp_path)
     listed = {name for s in open_dataset(str(dst)).manifest.shards for name in (s.name, s.index)}
     assert {p.name for p in dst.iterdir() if not p.name.startswith(".")} == listed | {MANIFEST_NAME}
     assert not scratch.exists()
+
+
+def test_a_fresh_run_after_one_that_skipped_a_whole_shard(image_folder_copy, tmp_path, monkeypatch):
+    """A shard whose every image was skipped is journaled without files; a fresh run after an interrupted one
+    removed the files its journal recorded, and for that shard removed "" (the destination): IsADirectoryError."""
+    from shardstream.journal import Journal
+
+    folder = image_folder_copy
+    write_text_as_jpeg(folder, "class_000/aaa_bad.jpg")  # first in the unshuffled order: a shard of its own
+    record, calls = Journal.record, []
+
+    def interrupted(self, shard, info, skipped):
+        record(self, shard, info, skipped)
+        calls.append(shard)
+        if len(calls) == 4:
+            raise KeyboardInterrupt  # a kill, after four shards
+
+    monkeypatch.setattr(Journal, "record", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_pack(folder, tmp_path / "ds", max_samples=1, on_error="skip", shuffle=False)
+    monkeypatch.setattr(Journal, "record", record)
+    summary = run_pack(folder, tmp_path / "ds", max_samples=1, on_error="skip", seed=1)  # afresh, other options
+    assert summary.samples == len(list(folder.rglob("*.jpg"))) - 1 and len(summary.skipped) == 1
