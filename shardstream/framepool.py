@@ -102,12 +102,18 @@ class _FramePool:
         self.procs: list[Any] = []
         self.tasks: list[Any] = []  # parent -> worker: (job number, job)
         self.results: list[Any] = []  # worker -> parent
+        forked = context.get_start_method() == "fork"
         try:
             for w in range(workers):
                 task_recv, task_send = context.Pipe(duplex=False)
                 result_recv, result_send = context.Pipe(duplex=False)
                 _grow_pipe(result_send.fileno())
-                proc = context.Process(target=_frame_worker, args=(task_recv, result_send), daemon=True,
+                # A forked worker holds copies of the parent's ends of every pipe made so far (its
+                # own, and the earlier workers'): it closes them, or a parent killed outright
+                # (SIGKILL, the OOM killer) would leave the workers waiting on each other forever.
+                parents = tuple(c.fileno() for c in (*self.tasks, *self.results, task_send, result_recv)) \
+                    if forked else ()
+                proc = context.Process(target=_frame_worker, args=(task_recv, result_send, parents), daemon=True,
                                        name=f"shardstream-pack-{w}")
                 proc.start()
                 task_recv.close()
@@ -195,13 +201,18 @@ def _grow_pipe(fd: int) -> None:
                 continue
 
 
-def _frame_worker(tasks: Any, conn: Any) -> None:
+def _frame_worker(tasks: Any, conn: Any, parents: tuple[int, ...] = ()) -> None:
     """A worker process: build the jobs that come down `tasks`, send each result to `conn`.
 
     A thread sends, so that the next frame is built while the parent reads the last one,
     and so that this loop is always back at `tasks.recv()` soon: the parent may be
     blocked sending a job here, and must never wait on a worker that waits on it.
+    `parents`: the parent's pipe ends a forked worker inherited, closed first, so that the
+    parent's death ends `tasks`.
     """
+    for fd in parents:
+        with contextlib.suppress(OSError):
+            os.close(fd)
     out: queue.Queue = queue.Queue()  # bounded by the parent: DEPTH jobs at a time
     broken = threading.Event()
 

@@ -506,3 +506,28 @@ def test_resume_of_a_finished_pack_tidies_up_and_refuses_another(resume_source, 
     other = subprocess.run(_cli_pack(resume_source, dst, 1, "--resume", "--seed", "5"), capture_output=True,
                            text=True, timeout=CHILD_TIMEOUT, env=_child_env())
     assert other.returncode != 0 and "other options" in other.stderr
+
+
+def test_pack_workers_end_when_the_pack_is_killed_outright(tmp_path):
+    """SIGKILL of the pack process alone (the OOM killer, a scheduler stopping the main pid): its forked workers
+    held the parent's ends of each other's pipes, never saw their tasks end, and lived on for good."""
+    psutil = pytest.importorskip("psutil")
+    from shardstream.synthetic import make_image_folder
+
+    make_image_folder(tmp_path / "src", num_classes=4, images_per_class=15, size_range=((200, 150), (260, 200)))
+    dst = tmp_path / "ds"
+    pack = subprocess.Popen([sys.executable, "-m", "shardstream.cli", "pack", str(tmp_path / "src"), str(dst),
+                             "--shard-size", "100KB", "--workers", "2", "--level", "19", "--quiet"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not (dst.is_dir() and any(p.suffix == ".idx" for p in dst.iterdir())):  # its workers are at work
+        assert pack.poll() is None and time.monotonic() < deadline, "the pack ended before it could be killed"
+        time.sleep(0.01)
+    workers = psutil.Process(pack.pid).children()
+    assert workers
+    os.kill(pack.pid, signal.SIGKILL)
+    pack.wait()
+    gone, alive = psutil.wait_procs(workers, timeout=10)
+    for worker in alive:
+        worker.kill()
+    assert not alive
