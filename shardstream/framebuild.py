@@ -63,6 +63,9 @@ def build_job(job: tuple[int, list[SourceFile], str, PackOptions, bool]) -> Fram
                 raise PackError(why, url=printable(path)) from None
             skipped.append((printable(entry.path), why))
             continue
+        except MemoryError:  # this machine's limit, not a bad image: never a skip, but named
+            raise PackError("out of memory while reading and checking it (a smaller --workers, or more memory)",
+                            url=printable(path)) from None
         bytes_in += read
         if kind != entry.field:  # the name lies: stored as named all the same, and reported unless shrunk
             stored, name = sniff_image(data)

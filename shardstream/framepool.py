@@ -132,12 +132,20 @@ class _FramePool:
         next_job = next_due = 0
         failed_at = count  # no job at or after a failed one is sent
 
+        sent: list[list[int]] = [[] for _ in range(workers)]  # each worker's jobs not yet answered
+        dead: set[int] = set()  # workers a send found gone: their end of file says the rest
+
         def top_up() -> None:
             nonlocal next_job
             for w in range(workers):
-                while (outstanding[w] < self.DEPTH and next_job < min(count, failed_at)
+                while (w not in dead and outstanding[w] < self.DEPTH and next_job < min(count, failed_at)
                        and next_job < next_due + self.window):
-                    self.tasks[w].send((next_job, self.jobs[next_job]))
+                    try:
+                        self.tasks[w].send((next_job, self.jobs[next_job]))
+                    except OSError:  # it died: its results pipe reports that, naming its jobs
+                        dead.add(w)
+                        break
+                    sent[w].append(next_job)
                     outstanding[w] += 1
                     next_job += 1
 
@@ -165,8 +173,10 @@ class _FramePool:
                     proc = self.procs[w]
                     proc.join(5)
                     raise ShardstreamError(
-                        f"pack worker process {proc.name} exited unexpectedly (exit code {proc.exitcode})"
+                        f"pack worker process {proc.name} exited unexpectedly (exit code {proc.exitcode}) "
+                        f"while building {_job_files(self.jobs, sent[w])}"
                     ) from None
+                sent[w].remove(i)
                 outstanding[w] -= 1
             top_up()
 
@@ -187,6 +197,14 @@ class _FramePool:
                 proc.terminate()
             proc.join()
         self.procs, self.tasks, self.results = [], [], []
+
+
+def _job_files(jobs: list[Any], numbers: list[int]) -> str:
+    """The images of the jobs `numbers` (build_job's), in words: what a dead worker was at."""
+    files = [entry.path for i in numbers for entry in jobs[i][1]]
+    if not files:
+        return "nothing"
+    return ", ".join(files[:3]) + (f" and {len(files) - 3} more images" if len(files) > 3 else "")
 
 
 def _grow_pipe(fd: int) -> None:

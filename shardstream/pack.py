@@ -43,7 +43,7 @@ from .scratch import cleanup_scratch
 from .shardfile import FRAME_SIZE, IMAGE_LEVEL
 from .shrink import DEFAULT_QUALITY
 from .storage import Store
-from .writer import check_compression, parse_size, shard_name, write_manifest
+from .writer import check_compression, parse_size, remove_dataset, shard_name, write_manifest
 
 __all__ = ["pack", "PackSummary"]
 
@@ -106,23 +106,6 @@ def _siblings_shard(part: tuple[int, int] | None) -> Callable[[str], bool]:
     return lambda name: name.startswith(others)
 
 
-def _remove_dataset(store: Store, manifest_name: str, keep: Callable[[str], bool] = lambda name: False) -> None:
-    """Remove a dataset's manifest first (so a crash cannot leave it listing replaced
-    shards), then the shards and indexes it listed (but those `keep` says), so no stale
-    shard stays behind."""
-    try:
-        old = Manifest.from_bytes(store.read(manifest_name), store.url(manifest_name))
-    except ShardstreamError:
-        old = None
-    store.remove(manifest_name)
-    if old is not None:
-        for shard in old.shards:
-            if keep(shard.name):
-                continue
-            store.remove(shard.name)
-            store.remove(shard.index)
-
-
 def _clear_other_packs(store: Store, part: tuple[int, int] | None, *, overwrite: bool, finished_part: bool) -> None:
     """Refuse (or, with `overwrite`, remove) what another pack left in `store` that this one
     would overwrite or mix with (`parts.other_packs`): a part's shard names do not say how
@@ -143,7 +126,7 @@ def _clear_other_packs(store: Store, part: tuple[int, int] | None, *, overwrite:
     if stale_merge:
         store.remove(MANIFEST_NAME)  # its shards are this pack's other parts: they stay
     for name in manifests:
-        _remove_dataset(store, name, keep=_siblings_shard(part))
+        remove_dataset(store, name, keep=_siblings_shard(part))
     for name in shards:
         store.remove(name)
         store.remove(name + INDEX_SUFFIX)
@@ -245,11 +228,12 @@ def pack(
     # shards must be gone before they are, or a crash between would leave it listing none.
     _clear_other_packs(store, part, overwrite=overwrite, finished_part=complete)
     if replace:
-        _remove_dataset(store, target)
+        remove_dataset(store, target)
     journal = Journal(store, "main" if part is None else f"part-{part[0]:05d}-of-{part[1]:05d}")
     if complete:
         summary = _finished_summary(store, target, options)
         journal.clear(remove_folder=part is None)  # a kill between the manifest and this left it
+        cleanup_scratch(store, [target])  # and a kill mid-manifest its scratch file, or the empty folder
         return summary
     if part is not None:
         entries = part_slice(entries, *part)
@@ -264,7 +248,7 @@ def pack(
     jobs = [(shard, frame, listing.root, opts, on_error == "skip") for shard, frame in planned if shard not in done]
     # A killed run's half-written shards (a fresh start's too: it may follow a killed run).
     todo = {shard_name(opts.prefix, shard, compression) for shard, _ in planned if shard not in done}
-    cleanup_scratch(store, [name for shard in todo for name in (shard, shard + INDEX_SUFFIX)])
+    cleanup_scratch(store, [target, *(name for shard in todo for name in (shard, shard + INDEX_SUFFIX))])
     workers = max(1, min(workers or os.cpu_count() or 1, len(jobs) or 1))
 
     start = time.perf_counter()

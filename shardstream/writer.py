@@ -10,7 +10,7 @@ that lists a missing or half-written shard.
 from __future__ import annotations
 
 import re
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from . import tario
 from .columns import MAX_CLASS, check_weight
@@ -21,7 +21,7 @@ from .scratch import cleanup_scratch
 from .shardfile import FRAME_SIZE, LEVEL, MIN_LEVEL, ShardFileWriter, build_frame
 from .storage import Store
 
-__all__ = ["ShardWriter", "parse_size", "shard_name", "write_manifest"]
+__all__ = ["ShardWriter", "parse_size", "remove_dataset", "shard_name", "write_manifest"]
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -54,6 +54,23 @@ def check_compression(compression: str, level: int) -> None:
         raise ShardstreamError(f"zstd level must be 1..22, or {MIN_LEVEL}..-1 for zstd's fast levels, not {level}")
 
 
+def remove_dataset(store: Store, manifest_name: str, keep: Callable[[str], bool] = lambda name: False) -> None:
+    """Remove a dataset's manifest first (so a crash cannot leave it listing replaced
+    shards), then the shards and indexes it listed (but those `keep` says), so no stale
+    shard stays behind."""
+    try:
+        old = Manifest.from_bytes(store.read(manifest_name), store.url(manifest_name))
+    except ShardstreamError:
+        old = None
+    store.remove(manifest_name)
+    if old is not None:
+        for shard in old.shards:
+            if keep(shard.name):
+                continue
+            store.remove(shard.name)
+            store.remove(shard.index)
+
+
 class ShardWriter:
     """Write samples to `dst` (a path or fsspec URL) as shards plus a manifest.
 
@@ -63,7 +80,8 @@ class ShardWriter:
     class indices found in the `cls` field, for the manifest.
 
     Use as a context manager: on a clean exit the manifest is written; on an exception
-    the partial shard is removed and no manifest is written.
+    the partial shard is removed and no manifest is written. A destination that holds a
+    dataset is refused, or with `overwrite` replaced (its manifest removed first).
     """
 
     def __init__(
@@ -78,8 +96,11 @@ class ShardWriter:
         frame_size: int = FRAME_SIZE,
         prefix: str = "shard",
         storage_options: dict[str, Any] | None = None,
+        overwrite: bool = False,
     ) -> None:
         check_compression(compression, level)
+        self.overwrite = overwrite
+        self._claimed = False  # see _claim
         self.store = Store(dst, storage_options or {})
         self.shard_size = parse_size(shard_size)
         self.max_samples = max_samples
@@ -124,6 +145,7 @@ class ShardWriter:
             if filled + size > self.shard_size or (self.max_samples is not None and count >= self.max_samples):
                 self._finish_shard()
         if self._shard is None:
+            self._claim()
             self._shard = ShardFileWriter(
                 self.store, shard_name(self.prefix, len(self.shards), self.compression), self.compression, self.level
             )
@@ -165,6 +187,7 @@ class ShardWriter:
         as at the end of a `with` block that called `close()` itself)."""
         if self._closed:
             return self._manifest
+        self._claim()
         self._finish_shard()
         self._closed = True
         n = max([len(self.classes) - 1, *self._class_counts]) + 1 if (self.classes or self._class_counts) else 0
@@ -180,10 +203,24 @@ class ShardWriter:
         self._manifest = manifest
         return manifest
 
+    def _claim(self) -> None:
+        """Before the first shard: refuse a destination that holds a dataset, or with
+        `overwrite` remove it (its manifest first), so that no manifest ever lists a shard
+        this writer is writing over."""
+        if self._claimed:
+            return
+        if self.store.exists(MANIFEST_NAME):
+            if not self.overwrite:
+                raise ShardstreamError("already holds a dataset; pass overwrite=True to replace it",
+                                       url=self.store.url(MANIFEST_NAME))
+            remove_dataset(self.store, MANIFEST_NAME)
+        self._claimed = True
+
     def abort(self) -> None:
         """Drop the shard being written; write no manifest."""
         if self._shard is not None:
             self._shard.abort()
+            cleanup_scratch(self.store)  # the scratch folder, if that emptied it
         self._shard, self._pending, self._closed = None, [], True
 
 

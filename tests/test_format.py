@@ -1146,3 +1146,22 @@ def test_tarcut_field_names_are_not_immortal():
     (sample,) = _tarcut.cut_samples(buf, 0, [0, len(buf)], ["k"], "u")
     name = next(k for k in sample if k.startswith("field_"))
     assert sys.getrefcount(name) < 100
+
+
+def test_a_writer_refuses_a_dataset_or_replaces_it_whole(tmp_path):
+    """Written over shard by shard, an existing dataset kept its manifest over new bytes: a writer that failed
+    half-way left a manifest listing shards it had rewritten (CorruptIndexError on read)."""
+    def write(n, **kwargs):
+        with ShardWriter(str(tmp_path / "ds"), max_samples=2, **kwargs) as writer:
+            for i in range(n):
+                writer.write({"__key__": f"k{i}", "txt": f"sample {i} of {n}"})
+
+    write(9)
+    with pytest.raises(ShardstreamError, match="already holds a dataset"):
+        write(4)
+    assert len(list(open_dataset(str(tmp_path / "ds")).shards[0].reader())) == 2  # the old dataset, whole
+    write(4, overwrite=True)
+    names = sorted(p.name for p in (tmp_path / "ds").iterdir() if not p.name.startswith("."))
+    assert names == ["manifest.msgpack"] + sorted(f"shard-{i:06d}.tar.zst{x}" for i in range(2) for x in ("", ".idx"))
+    assert [s["txt"] for ref in open_dataset(str(tmp_path / "ds")).shards for s in ref.reader()] == \
+        [f"sample {i} of 4".encode() for i in range(4)]

@@ -927,3 +927,19 @@ def test_a_fresh_run_after_one_that_skipped_a_whole_shard(image_folder_copy, tmp
     monkeypatch.setattr(Journal, "record", record)
     summary = run_pack(folder, tmp_path / "ds", max_samples=1, on_error="skip", seed=1)  # afresh, other options
     assert summary.samples == len(list(folder.rglob("*.jpg"))) - 1 and len(summary.skipped) == 1
+
+
+@pytest.mark.parametrize("on_error", ["fail", "skip"])
+def test_running_out_of_memory_on_an_image_names_it_and_is_never_a_skip(image_folder, tmp_path, monkeypatch, on_error):
+    from shardstream import framebuild
+
+    check = framebuild.check_image
+
+    def short_of_memory(data, path):
+        if path.endswith("img_00002.jpg"):
+            raise MemoryError
+        return check(data, path)
+
+    monkeypatch.setattr(framebuild, "check_image", short_of_memory)
+    with pytest.raises(PackError, match=r"img_00002\.jpg: out of memory"):
+        run_pack(image_folder, tmp_path / "ds", on_error=on_error)
