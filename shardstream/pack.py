@@ -222,8 +222,7 @@ def pack(
     fingerprint = listing_fingerprint(entries)
     # What the manifest records of the options, and of which listing (a rerun with `resume`
     # compares both); a part's also says which part it is.
-    options = {**opts.as_dict(), "listing": fingerprint} if part is None else \
-        {**opts.as_dict(), "part": list(part), "listing": fingerprint}
+    options = {**opts.as_dict(), **({"part": list(part)} if part is not None else {}), "listing": fingerprint}
     # Other packs' files first, a stale merge among them: a merge that lists this part's
     # shards must be gone before they are, or a crash between would leave it listing none.
     _clear_other_packs(store, part, overwrite=overwrite, finished_part=complete)
