@@ -93,9 +93,13 @@ class SamplePrep:
             if "__error__" in sample:
                 return _Staged(error=sample["__error__"])
             try:
-                with self._seeded(sample_id):
+                if not self.draws:  # as `__call__`: nothing can draw, so nothing is seeded
                     decoded, images = ahead.draw(sample)
-                    state = torch.default_generator.get_state() if self.transform is not None else None
+                    state = None
+                else:
+                    with self._seeded(sample_id):
+                        decoded, images = ahead.draw(sample)
+                        state = torch.default_generator.get_state()
             except ShardstreamError as error:
                 return _Staged(error=error)
             return _Staged(decoded, images, state)
@@ -117,11 +121,14 @@ class SamplePrep:
         if staged.error is not None:
             raise staged.error
         sample = staged.sample
-        if self.transform is not None:
-            assert staged.state is not None
+        if staged.state is not None:
+            # The generator as this sample's draws left it, then its transform's: what
+            # `__call__` leaves (in a worker, for a collate_fn that draws too; elsewhere the
+            # caller's own state comes back).
             state = staged.state
             with _generator_as(lambda generator: generator.set_state(state), self.in_worker):
-                sample = _transformed(self.transform, sample)
+                if self.transform is not None:
+                    sample = _transformed(self.transform, sample)
         return self._picked(sample)
 
 
@@ -131,7 +138,7 @@ class _Staged:
 
     sample: dict[str, Any] = dataclasses.field(default_factory=dict)
     images: dict[str, Any] = dataclasses.field(default_factory=dict)  # image fields left to decode
-    state: torch.Tensor | None = None  # the generator after the draws, for the transform
+    state: torch.Tensor | None = None  # the generator after the draws (where any can be made)
     error: ShardstreamError | None = None
 
 

@@ -168,3 +168,24 @@ def test_persistent_workers_follow_set_epoch_with_threads(data):
     plain, threaded = epochs(0), epochs(2)
     assert same(plain, threaded)
     assert not same(plain[0], plain[1])  # the epochs differ
+
+
+def _mixing_collate(items):
+    """A MixUp-style collate: it draws from torch's generator in the worker, after the samples."""
+    return [image for image, _ in items], torch.tensor([label for _, label in items]), torch.rand(len(items))
+
+
+@pytest.mark.parametrize("decode", ["rgb8", RandomResizedCropJPEG(16)], ids=["rgb8", "crop"])
+def test_a_collate_that_draws_draws_the_same_with_threads(data, decode):
+    """The threads seeded samples with nothing to draw (rgb8), and left the generator at a sample 4 x threads
+    ahead: a collate_fn drawing in the worker drew other numbers than without threads."""
+    def run(threads):
+        torch.manual_seed(0)
+        ds = StreamingDataset(data, shuffle=True, seed=1, decode=decode, fields=("jpg", "cls"), batch_size=4,
+                              collate_fn=_mixing_collate, decode_threads=threads)
+        return list(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=1))
+
+    plain, threaded = run(0), run(2)
+    assert len(plain) == len(threaded) > 1
+    for (a, la, ra), (b, lb, rb) in zip(plain, threaded):
+        assert all(torch.equal(x, y) for x, y in zip(a, b)) and torch.equal(la, lb) and torch.equal(ra, rb)
