@@ -39,6 +39,7 @@ import random
 import tempfile
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import BinaryIO, Iterator
 
@@ -72,9 +73,19 @@ ROOM_LOCK = ".room.lock"  # at the cache's root: one walk, or one landing, at a 
 OVER_LIMIT = ".over-limit"  # at the cache's root while the last walk left it over its limit
 
 
+# Every lock file `open` handed out in this process, while it is open. A forked child gets
+# copies of them, and an flock is held while any copy is open: a child that kept them (a
+# DataLoader worker, forked while a head start held the next epoch's first shard) would
+# pin those copies in the cache for its life, and a download of one waits on it forever.
+_locks: "weakref.WeakSet[BinaryIO]" = weakref.WeakSet()
+
+
 def _after_fork_in_child() -> None:
     global _room
     _room = threading.Lock()  # a parent's thread may have held it at the fork
+    for lock in list(_locks):  # the parent's: not this process's to hold
+        with contextlib.suppress(OSError):
+            lock.close()
 
 
 if hasattr(os, "register_at_fork"):
@@ -109,6 +120,7 @@ class ShardCache:
         folder = os.path.dirname(path)
         os.makedirs(folder, exist_ok=True)
         lock = open(path + ".lock", "a+b")
+        _locks.add(lock)
         try:
             self._acquire(lock, path, ref)
             os.utime(path)  # most recently used

@@ -215,7 +215,10 @@ def read_samples(source: Source, ids: np.ndarray, counts: np.ndarray, prefetch: 
             if head_start is not None:
                 taken, held = head_start.take()
                 for shard, lock in held.items():
-                    readers.hold(shard, lock)
+                    if shard in rank_of:
+                        readers.hold(shard, lock)
+                    else:  # another epoch than foreseen: not this iteration's, nothing to keep it for
+                        lock.close()
             sizes = ramp(piece_bytes)
             try:
                 for shard, stretch, final in stretches(runs):

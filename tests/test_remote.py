@@ -1566,3 +1566,31 @@ def test_an_open_ahead_that_comes_after_its_shard_was_read_is_dropped(local_ds, 
             assert len(readers._locks) == 1  # shard 1's only
         finally:
             readers.close()
+
+
+def test_a_forked_process_does_not_hold_the_cache_locks_of_its_parent(local_ds, tmp_path):
+    """A DataLoader forked while this process held a cached shard (a head start's, between epochs) kept a copy of
+    the lock file, and an flock is held while any copy is open: the shard stayed pinned for the worker's life."""
+    import fcntl
+
+    from shardstream.cache import ShardCache
+
+    with H.CountingHTTPServer(local_ds) as server:
+        ref = shardstream.open_dataset(server.url).shards[0]
+        cache = ShardCache(str(tmp_path / "cache"), 1 << 30)
+        _, lock = cache.open(ref)
+        ready, started = os.pipe()
+        child = os.fork()
+        if child == 0:  # holds on for a while, as a persistent DataLoader worker would
+            os.write(started, b"1")  # the fork's handlers have run by now
+            time.sleep(3)
+            os._exit(0)
+        try:
+            os.read(ready, 1)
+            lock.close()  # the parent lets go
+            with open(cache.path(ref) + ".lock", "a+b") as probe:
+                fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # evictable: nobody holds it
+        finally:
+            os.waitpid(child, 0)
+            os.close(ready)
+            os.close(started)
