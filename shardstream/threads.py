@@ -9,7 +9,6 @@ number in flight, and clean cancellation.
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterable, Iterator, TypeVar
@@ -31,11 +30,31 @@ def ordered_map(function: Callable[[T], R], items: Iterable[T], threads: int, *,
     ahead = ahead or 4 * threads
     with ThreadPoolExecutor(threads, thread_name_prefix=name) as pool:
         pending = iter(items)
-        window = deque(pool.submit(function, item) for item in itertools.islice(pending, ahead))
+        window: deque[Future[R]] = deque()
+
+        def draw() -> None:
+            """Submit the next item's call; an error drawing it (a shard that cannot be read)
+            goes in the window as a failed future, so it is raised at its own place, after
+            the items before it, and nothing more is drawn."""
+            nonlocal pending
+            try:
+                item = next(pending)
+            except StopIteration:
+                return
+            except Exception as error:
+                failed: Future[R] = Future()
+                failed.set_exception(error)
+                window.append(failed)
+                pending = iter(())
+                return
+            window.append(pool.submit(function, item))
+
+        for _ in range(ahead):
+            draw()
         try:
             while window:
                 future = window.popleft()
-                window.extend(pool.submit(function, item) for item in itertools.islice(pending, 1))
+                draw()
                 yield future
         finally:
             for future in window:

@@ -189,3 +189,19 @@ def test_a_collate_that_draws_draws_the_same_with_threads(data, decode):
     assert len(plain) == len(threaded) > 1
     for (a, la, ra), (b, lb, rb) in zip(plain, threaded):
         assert all(torch.equal(x, y) for x, y in zip(a, b)) and torch.equal(la, lb) and torch.equal(ra, rb)
+
+
+def test_an_error_drawing_items_is_raised_at_its_own_place():
+    """The items are drawn ahead (4 per thread): a read error there (a damaged shard) was raised before the
+    samples ahead of it were handed over, so threads changed where a run stopped."""
+    from shardstream.threads import ordered_map
+
+    def items():
+        yield from range(5)
+        raise OSError("the sixth cannot be read")
+
+    got = []
+    with pytest.raises(OSError, match="sixth"):
+        for future in ordered_map(lambda x: x * 10, items(), threads=3):
+            got.append(future.result())
+    assert got == [0, 10, 20, 30, 40]
