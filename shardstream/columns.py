@@ -25,11 +25,13 @@ MAX_CLASS = (1 << 24) - 1
 
 
 def label_of(cls: bytes) -> int:
-    """A sample's class for the index: its `cls` field as an integer, -1 if it is not one."""
+    """A sample's class for the index: its `cls` field as an integer, -1 if it is not a
+    non-negative one (an index's -1 is "no class")."""
     try:
-        return int(cls)
+        label = int(cls)
     except ValueError:
         return -1
+    return label if label >= 0 else -1
 
 
 def weight_of(weight: bytes) -> float:

@@ -159,7 +159,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     )
     for problem in report.problems:
         print(f"PROBLEM {problem}")
-    status = "ok" if report.ok else f"{len(report.problems)} problems"
+    count = len(report.problems)
+    status = "ok" if report.ok else f"{count} problem{'' if count == 1 else 's'}"
     print(f"verified {report.shards} shards, {report.samples} samples, {report.images} images decoded: {status}")
     return 0 if report.ok else 1
 

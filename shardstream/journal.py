@@ -39,7 +39,8 @@ class Journal:
             previous = unpack_limited(self.store.read("plan.msgpack"), max_bytes=1 << 20,
                                       url=self.store.url("plan.msgpack"), error=ShardstreamError)
             if previous != plan:
-                raise ShardstreamError("cannot resume: the earlier pack had other options or another source listing",
+                raise ShardstreamError("cannot resume: the earlier pack had other options, another source listing, or "
+                                       "source files modified since; run without resume (--resume) to start over",
                                        url=self.store.root)
             for shard, info, skipped in self._records():
                 # Trust the record only if the shard is there, whole.

@@ -167,7 +167,7 @@ class ShardWriter:
         except ValueError:
             raise ShardstreamError(f"cls must be an integer class index, not {data[:20]!r}", key=key) from None
         if label < 0 or label > MAX_CLASS or (self.classes and label >= len(self.classes)):
-            raise ShardstreamError(f"class index {label} outside 0..{len(self.classes) - 1 if self.classes else 'inf'}",
+            raise ShardstreamError(f"class index {label} outside 0..{len(self.classes) - 1 if self.classes else MAX_CLASS}",
                                    key=key)
         return label
 
