@@ -53,14 +53,14 @@ def shown_url(url: str) -> str:
     password in the URL (``https://user:password@host``) hidden, since messages end up in
     logs; the exception's `url` attribute keeps it whole."""
     if url.startswith(("http://", "https://")):
-        url = _USERINFO.sub(r"\1***@", url)
+        url = USERINFO.sub(r"\1***@", url)
         if "?" in url:
             return url.split("?", 1)[0] + "?..."
     return url
 
 
 # The user information of an HTTP(S) URL (``user:password@``), shown as ``***@``.
-_USERINFO = re.compile(r"""(https?://)[^\s/?#@'"<>]+@""", re.IGNORECASE)
+USERINFO = re.compile(r"""(https?://)[^\s/?#@'"<>]+@""", re.IGNORECASE)
 
 
 # The query string of an HTTP(S) URL inside text: a whole URL (aiohttp's "url='https://host/f?sig=...'",
@@ -73,7 +73,7 @@ def scrubbed(text: str) -> str:
     """`text` with the query string and user information of every HTTP(S) URL in it hidden,
     as `shown_url` hides them: another library's error message, quoted in ours, may name
     the URL whole."""
-    return _QUERY.sub(r"\1?...", _USERINFO.sub(r"\1***@", text))
+    return _QUERY.sub(r"\1?...", USERINFO.sub(r"\1***@", text))
 
 
 class ScrubbedError(Exception):

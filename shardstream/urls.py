@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+from .errors import USERINFO
+
 __all__ = ["is_local", "local_path", "preload_driver", "split_query", "split_url"]
 
 
@@ -54,11 +56,7 @@ def split_url(url: str) -> tuple[str, str]:
 
 def without_userinfo(url: str) -> str:
     """An HTTP(S) `url` without its user information (``user:password@``); others as they are."""
-    if url.startswith(("http://", "https://")) and "@" in url.split("/", 3)[2]:
-        scheme, rest = url.split("://", 1)
-        host, slash, path = rest.partition("/")
-        return f"{scheme}://{host.rsplit('@', 1)[1]}{slash}{path}"
-    return url
+    return USERINFO.sub(r"\1", url, count=1)
 
 
 def split_query(url: str) -> tuple[str, str]:
