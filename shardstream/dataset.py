@@ -74,8 +74,9 @@ class StreamingDataset(Checkpointing, IterableDataset):
             first present of several.
         batch_size: batch in the worker with `collate_fn` (default: `default_collate`,
             which stacks tensors, in DataLoader workers into shared memory they reuse:
-            batchmemory.py); use with ``DataLoader(batch_size=None)``.
-        drop_last: drop the last partial batch.
+            batchmemory.py); use with ``DataLoader(batch_size=None)``. A `collate_fn`
+            without `batch_size` is an error.
+        drop_last: drop the last partial batch (of `batch_size`; without it, an error).
         partial: when samples do not divide evenly over ranks: ``"pad"`` repeats
             samples from the start of the epoch (the DistributedSampler convention),
             ``"drop"`` leaves the remainder out of this epoch.
@@ -157,6 +158,13 @@ class StreamingDataset(Checkpointing, IterableDataset):
         self.fields = (tuple(fields.split()) if isinstance(fields, str) else tuple(fields)) if fields is not None \
             else None
         self.batch_size = _integer(batch_size, "batch_size", 1) if batch_size is not None else None
+        if self.batch_size is None and (collate_fn is not None or drop_last):
+            # Both act on the dataset's own batches only; without batch_size they were ignored,
+            # and a user who meant the DataLoader's batches got none of what they asked for.
+            given = "collate_fn" if collate_fn is not None else "drop_last"
+            raise ValueError(f"{given} applies to the dataset's own batches: give batch_size too, or pass "
+                             f"{given} to the DataLoader that batches (partial='drop' leaves out the samples "
+                             "that do not divide evenly over ranks)")
         self.collate_fn = collate_fn or default_collate
         self.drop_last = drop_last
         self.partial = partial
@@ -165,7 +173,7 @@ class StreamingDataset(Checkpointing, IterableDataset):
         self.storage_options = dict(storage_options or {})
         self._prefetch = _integer(prefetch, "prefetch", 0) if prefetch is not None else None
         self.retry = retry
-        self._cache = ShardCache(os.path.abspath(cache_dir), parse_size(cache_limit)) if cache_dir else None
+        self._cache = ShardCache(os.path.abspath(os.path.expanduser(cache_dir)), parse_size(cache_limit)) if cache_dir else None
         self._decoder = Decoder(images=decode, allow_pickle=allow_pickle)
         self.decode_threads = _integer(decode_threads, "decode_threads", 0)
         self._ahead = DecodeAhead(decode, allow_pickle) if decode_threads else None

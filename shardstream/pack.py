@@ -43,6 +43,7 @@ from .scratch import cleanup_scratch
 from .shardfile import FRAME_SIZE, IMAGE_LEVEL
 from .shrink import DEFAULT_QUALITY
 from .storage import Store
+from .urls import expand_home
 from .writer import check_compression, parse_size, remove_dataset, shard_name, write_manifest
 
 __all__ = ["pack", "PackSummary"]
@@ -199,7 +200,7 @@ def pack(
     field at `quality` (JPEG, WebP; PNG losslessly); smaller images, and animated ones
     (listed in the summary's `kept_whole`), keep their bytes (shrink.py).
     """
-    src, dst = os.fspath(src), os.fspath(dst)  # pathlib.Path too
+    src, dst = expand_home(os.fspath(src)), os.fspath(dst)  # pathlib.Path too; dst's Store expands dst
     _check_arguments(compression, level, on_error, part, max_samples, max_side, quality)
     prefix = "shard" if part is None else f"shard-p{part[0]:05d}"
     opts = PackOptions(parse_size(shard_size), max_samples, compression, level, seed, shuffle, FRAME_SIZE, prefix,

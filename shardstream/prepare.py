@@ -2,11 +2,13 @@
 
 `SamplePrep` decodes a sample (decode.py), applies the user's `transform` and picks the
 requested fields; `batches` groups the results. Every random draw a sample's preparation
-makes (a crop, a flip, the user's own augmentations) comes from torch's CPU generator
-seeded from (seed, epoch, sample id), so a sample gets the same draws whichever worker
-prepares it, in a resumed run too. With `decode_threads`, the draws stay in the
-iterating thread and only the pixels go to threads (decode_ahead.py), so the samples are
-the same, bit for bit.
+makes (a crop, a flip, the user's own augmentations) comes from a generator seeded from
+(seed, epoch, sample id), so a sample gets the same draws whichever worker prepares it,
+in a resumed run too: torch's CPU generator always, and where the user's own code runs
+(a `transform`, a decode callable of theirs) Python's `random` and numpy's global
+generator too, which augmentation code draws from as often as from torch's. With
+`decode_threads`, the draws stay in the iterating thread and only the pixels go to
+threads (decode_ahead.py), so the samples are the same, bit for bit.
 
 The dataset makes a `SamplePrep` per iteration from its settings; nothing here knows
 about plans, shards or workers beyond "am I in a DataLoader worker".
@@ -16,15 +18,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import random
 from concurrent.futures import Future
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from .decode import Decoder
 from .decode_ahead import DecodeAhead
 from .errors import MissingFieldError, ShardstreamError
 from .threads import ordered_map
+from .transforms import CenterCropJPEG, RandomResizedCropJPEG
 
 __all__ = ["SamplePrep", "batches", "sample_seed"]
 
@@ -67,11 +72,21 @@ class SamplePrep:
         decode (the fused crops draw), or unpickling (which runs any code) may."""
         return self.transform is not None or callable(self.decoder.images) or self.decoder.allow_pickle
 
-    def _seeded(self, sample_id: int) -> contextlib.AbstractContextManager[None]:
+    @property
+    def runs_user_code(self) -> bool:
+        """Whether the user's own code prepares samples (a transform, a decode callable not
+        ours), which may draw from Python's `random` or numpy's global generator too; ours
+        draw from torch's only, so for them the other two are left alone (in the main
+        process, saving and restoring numpy's state costs about 90 us a sample)."""
+        images = self.decoder.images
+        return self.transform is not None or (callable(images) and not isinstance(images, _OWN_DECODES))
+
+    def _seeded(self, sample_id: int, torch_only: bool = False) -> contextlib.AbstractContextManager[None]:
         # The CPU generator only: torch.manual_seed also queues CUDA seeding, which costs
         # ~0.8 ms per call, as much as decoding a small image.
         seed = sample_seed(self.seed, self.epoch, sample_id)
-        return _generator_as(lambda generator: generator.manual_seed(seed), self.in_worker)
+        python_seed = seed if self.runs_user_code and not torch_only else None
+        return _generators_as(lambda generator: generator.manual_seed(seed), python_seed, self.in_worker)
 
     def _picked(self, sample: dict[str, Any]) -> Any:
         if self.fields is None:
@@ -97,18 +112,20 @@ class SamplePrep:
                     decoded, images = ahead.draw(sample)
                     state = None
                 else:
-                    with self._seeded(sample_id):
+                    # decode_threads takes only our decodes, which draw from torch's
+                    # generator alone: Python's and numpy's are seeded for the transform.
+                    with self._seeded(sample_id, torch_only=True):
                         decoded, images = ahead.draw(sample)
                         state = torch.default_generator.get_state()
             except ShardstreamError as error:
                 return _Staged(error=error)
-            return _Staged(decoded, images, state)
+            return _Staged(decoded, images, state, sample_id)
 
         def pixels(staged: _Staged) -> _Staged:
             if staged.error is not None:
                 return staged
             try:
-                return _Staged(ahead.pixels(staged.sample, staged.images), {}, staged.state)
+                return _Staged(ahead.pixels(staged.sample, staged.images), {}, staged.state, staged.sample_id)
             except ShardstreamError as error:
                 return _Staged(error=error)
 
@@ -126,7 +143,8 @@ class SamplePrep:
             # `__call__` leaves (in a worker, for a collate_fn that draws too; elsewhere the
             # caller's own state comes back).
             state = staged.state
-            with _generator_as(lambda generator: generator.set_state(state), self.in_worker):
+            python_seed = sample_seed(self.seed, self.epoch, staged.sample_id) if self.runs_user_code else None
+            with _generators_as(lambda generator: generator.set_state(state), python_seed, self.in_worker):
                 if self.transform is not None:
                     sample = _transformed(self.transform, sample)
         return self._picked(sample)
@@ -139,6 +157,7 @@ class _Staged:
     sample: dict[str, Any] = dataclasses.field(default_factory=dict)
     images: dict[str, Any] = dataclasses.field(default_factory=dict)  # image fields left to decode
     state: torch.Tensor | None = None  # the generator after the draws (where any can be made)
+    sample_id: int = 0
     error: ShardstreamError | None = None
 
 
@@ -150,21 +169,38 @@ def sample_seed(seed: int, epoch: int, sample_id: int) -> int:
     return (x ^ (x >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
+_OWN_DECODES = (RandomResizedCropJPEG, CenterCropJPEG)
+
+
 @contextlib.contextmanager
-def _generator_as(setup: Callable[[torch.Generator], Any], in_worker: bool) -> Iterator[None]:
-    """torch's CPU generator set up for a sample; in the main process the caller's state is
-    put back after, so that the training loop's own random numbers do not depend on ours."""
+def _generators_as(setup: Callable[[torch.Generator], Any], python_seed: int | None, in_worker: bool
+                   ) -> Iterator[None]:
+    """torch's CPU generator set up for a sample, and with `python_seed` Python's and numpy's
+    global generators seeded; in the main process the caller's states are put back after, so
+    that the training loop's own random numbers do not depend on ours."""
     generator = torch.default_generator
-    if in_worker:
-        setup(generator)
-        yield
-        return
-    state = generator.get_state()
+    saved = None if in_worker else _generator_states(python_seed is not None)
     setup(generator)
+    if python_seed is not None:
+        random.seed(python_seed)
+        np.random.seed(python_seed & 0xFFFFFFFF)  # numpy's legacy seeding takes 32 bits
     try:
         yield
     finally:
-        generator.set_state(state)
+        if saved is not None:
+            _restore_generators(*saved)
+
+
+def _generator_states(python_too: bool) -> tuple[torch.Tensor, Any, Any]:
+    state = torch.default_generator.get_state()
+    return (state, random.getstate(), np.random.get_state(legacy=False)) if python_too else (state, None, None)
+
+
+def _restore_generators(torch_state: torch.Tensor, python_state: Any, numpy_state: Any) -> None:
+    torch.default_generator.set_state(torch_state)
+    if python_state is not None:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
 
 
 def _transformed(transform: Callable[[Any], Any], sample: dict[str, Any]) -> Any:

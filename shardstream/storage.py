@@ -31,7 +31,7 @@ from .errors import StorageError, safe_cause
 from .iostats import io_stats
 from .retry import RetryPolicy
 from .scratch import scratch_file
-from .urls import is_local, local_path, split_query, without_userinfo
+from .urls import expand_home, is_local, local_path, split_query, without_userinfo
 
 if TYPE_CHECKING:
     import fsspec
@@ -77,6 +77,10 @@ class Store:
     root: str
     options: Mapping[str, Any] = field(default_factory=dict)
     retry: "RetryPolicy" = field(default_factory=lambda: RetryPolicy())
+
+    def __post_init__(self) -> None:
+        # Every dataset location becomes a Store here, so this is where ``~`` is expanded.
+        object.__setattr__(self, "root", expand_home(self.root))
 
     @property
     def local(self) -> bool:

@@ -11,7 +11,7 @@ import os
 
 from .errors import USERINFO
 
-__all__ = ["is_local", "local_path", "preload_driver", "split_query", "split_url"]
+__all__ = ["expand_home", "is_local", "local_path", "preload_driver", "split_query", "split_url"]
 
 
 def is_local(url: str) -> bool:
@@ -34,6 +34,12 @@ def preload_driver(url: str) -> None:
             fsspec.get_filesystem_class(url.split("://", 1)[0])
         except (ImportError, ValueError):
             pass  # an unknown or uninstalled protocol: the first real request says so, naming the URL
+
+
+def expand_home(url: str) -> str:
+    """A local path starting with ``~`` or ``~user`` with the home folder put in, as a shell
+    would (a path from Python code or a config file reaches us unexpanded); others as they are."""
+    return os.path.expanduser(url) if url.startswith("~") else url
 
 
 def local_path(url: str) -> str:

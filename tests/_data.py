@@ -59,7 +59,8 @@ def key_dataset(url: Any, **kwargs: Any) -> "shardstream.StreamingDataset":
     """A StreamingDataset yielding keys only: 1-tuples, or lists of keys with `batch_size`."""
     kwargs.setdefault("decode", None)
     kwargs.setdefault("fields", ("__key__",))
-    kwargs.setdefault("collate_fn", key_batch)
+    if kwargs.get("batch_size") is not None:
+        kwargs.setdefault("collate_fn", key_batch)
     return shardstream.StreamingDataset(url, **kwargs)
 
 

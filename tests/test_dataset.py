@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import io
+import random
 import os
 import pickle
 import traceback
@@ -600,6 +601,43 @@ def test_samples_are_seeded_only_where_something_can_draw(packed):
     first = {s["__key__"]: s["noise"] for s in StreamingDataset(packed, decode=None, transform=noisy)}
     again = {s["__key__"]: s["noise"] for s in StreamingDataset(packed, decode=None, transform=noisy, shuffle=True)}
     assert first == again and torch.equal(torch.default_generator.get_state(), before)
+
+
+def _draws_everywhere(sample: dict) -> tuple[str, int, int, int]:
+    """A transform as augmentation code is written: it draws from torch's, Python's and numpy's generators."""
+    return sample["__key__"], int(torch.randint(0, 1 << 30, (1,))), random.getrandbits(30), int(np.random.randint(1 << 30))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_python_and_numpy_draws_are_seeded_per_sample_too(packed, num_workers):
+    """A transform drawing from Python's random or numpy's global generator gets the same numbers for a sample
+    whichever worker prepares it and however the epoch is ordered (so a resumed run repeats them), different
+    numbers per sample and per epoch; in the main process the caller's generators carry on untouched."""
+    def draws(**options) -> dict[str, tuple[int, int, int]]:
+        ds = StreamingDataset(packed, decode=None, transform=_draws_everywhere, **options)
+        loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=num_workers)
+        return {key: rest for key, *rest in loader}
+
+    random.seed(3), np.random.seed(3)
+    plain = draws()
+    caller = random.random(), np.random.rand()
+    random.seed(3), np.random.seed(3)
+    assert (random.random(), np.random.rand()) == caller  # the dataset's seeding left the caller's generators be
+    assert draws(shuffle=True, seed=0) == plain
+    python, numpy = {d[1] for d in plain.values()}, {d[2] for d in plain.values()}
+    assert len(python) == len(numpy) == len(plain) > 10
+    later = draws(seed=1)
+    assert later.keys() == plain.keys() and all(later[k][1:] != plain[k][1:] for k in plain)
+
+
+@pytest.mark.parametrize("given", [dict(collate_fn=list), dict(drop_last=True)])
+def test_batch_options_without_batch_size_are_refused(url, given):
+    """Regression: collate_fn or drop_last without batch_size were ignored silently (the user meant the
+    DataLoader's batches, and got none of what they asked for)."""
+    (name,) = given
+    with pytest.raises(ValueError, match=f"{name} applies to the dataset's own batches"):
+        StreamingDataset(url, **given)
+    assert len(list(StreamingDataset(url, decode=None, batch_size=4, **given))) > 0
 
 
 def test_arguments_as_training_scripts_pass_them(url):

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import gc
+import random
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -36,8 +38,8 @@ def damaged(tmp_path_factory) -> str:
 
 
 def noisy(sample: dict) -> dict:
-    """A transform that draws from torch's generator after the crop did."""
-    sample["noise"] = int(torch.randint(0, 1 << 30, (1,)))
+    """A transform that draws from torch's generator after the crop did, and from Python's and numpy's."""
+    sample["noise"] = int(torch.randint(0, 1 << 30, (1,))) ^ random.getrandbits(30) ^ int(np.random.randint(1 << 30))
     return sample
 
 
@@ -78,11 +80,15 @@ def test_threads_in_dataloader_workers_batched(data):
 def test_the_callers_generator_is_left_alone(data):
     """In the main process the draws run under each sample's seed, and the caller's generator carries on as if
     nothing had been drawn."""
-    torch.manual_seed(11)
+    def draws() -> tuple:
+        return torch.rand(4), random.random(), np.random.rand()
+
+    torch.manual_seed(11), random.seed(11), np.random.seed(11)
     list(StreamingDataset(data, shuffle=True, decode=RandomResizedCropJPEG(16), transform=noisy, decode_threads=2))
-    after = torch.rand(4)
-    torch.manual_seed(11)
-    assert torch.equal(after, torch.rand(4))
+    after = draws()
+    torch.manual_seed(11), random.seed(11), np.random.seed(11)
+    again = draws()
+    assert torch.equal(after[0], again[0]) and after[1:] == again[1:]
 
 
 def test_a_bad_image_raises_at_its_place_naming_it(damaged):

@@ -943,3 +943,22 @@ def test_running_out_of_memory_on_an_image_names_it_and_is_never_a_skip(image_fo
     monkeypatch.setattr(framebuild, "check_image", short_of_memory)
     with pytest.raises(PackError, match=r"img_00002\.jpg: out of memory"):
         run_pack(image_folder, tmp_path / "ds", on_error=on_error)
+
+
+def test_home_folder_paths_are_expanded(image_folder, packed, tmp_path, monkeypatch):
+    """Regression: ``~/data`` from Python code (which no shell expands) was taken for a folder named ``~``:
+    pack refused the source, and a dataset under ``~`` could not be opened, written or listed by shard."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    shutil.copytree(image_folder, home / "src")
+    summary = shardstream.pack("~/src", "~/ds", shard_size="60KB", workers=1, progress=False)
+    assert (home / "ds" / "manifest.msgpack").is_file() and not Path("~").exists()
+    keys = sorted(s["__key__"] for s in shardstream.StreamingDataset("~/ds", decode=None))
+    assert len(keys) == summary.samples
+    assert keys == sorted(s["__key__"] for s in shardstream.StreamingDataset(packed, decode=None))
+    shards = [f"~/ds/{info.name}" for info in shardstream.open_dataset("~/ds").shards]
+    assert sorted(s["__key__"] for s in shardstream.StreamingDataset(shards, decode=None)) == keys
+    with shardstream.ShardWriter("~/written") as writer:
+        writer.write({"__key__": "a", "cls": 1})
+    assert [s["__key__"] for s in shardstream.StreamingDataset(str(home / "written"), decode=None)] == ["a"]
