@@ -1,15 +1,18 @@
 """Files on their way into a store: written whole in a scratch folder, then put in place.
 
 A local store's scratch folder is a hidden folder inside its root, so that the final
-rename is atomic (one file system); a remote store's is the system's temporary folder.
-A new scratch file gets the mode the umask gives any new file. What killed writers
-left behind is removed by name, since other writers may share the folder.
+rename is atomic (one file system); a remote store's is a folder of this process in the
+system's temporary folder. A new scratch file gets the mode the umask gives any new
+file. What killed writers left behind is removed: in a store's folder by name, since
+other writers may share it; in the temporary folder with the folder of each process
+that has ended, found by the next process that uploads.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 from typing import TYPE_CHECKING, BinaryIO, Iterable
 
@@ -18,9 +21,10 @@ from .urls import local_path
 if TYPE_CHECKING:
     from .storage import Store
 
-__all__ = ["cleanup_scratch", "scratch_dir", "scratch_file"]
+__all__ = ["cleanup_scratch", "drop_scratch", "scratch_dir", "scratch_file"]
 
 SCRATCH = ".shardstream-tmp"
+UPLOADS = "shardstream-uploads"  # in the system's temporary folder: a folder per process below
 
 
 def scratch_dir(store: Store) -> str:
@@ -34,7 +38,50 @@ def scratch_dir(store: Store) -> str:
         path = os.path.join(local_path(store.root), SCRATCH)
         os.makedirs(path, exist_ok=True)
         return path
-    return tempfile.gettempdir()
+    return _uploads_dir()
+
+
+def _uploads_dir() -> str:
+    """This process's folder for files on their way to remote stores; made on first use,
+    when the folders of ended processes (a killed pack's partial shards) are removed."""
+    own = os.path.join(tempfile.gettempdir(), UPLOADS, _process_tag(os.getpid()) or str(os.getpid()))
+    if not os.path.isdir(own):
+        _remove_ended(os.path.dirname(own))
+        os.makedirs(own, exist_ok=True)
+    return own
+
+
+def drop_scratch(path: str) -> None:
+    """Remove the scratch file `path` if it is there, and its process's upload folder once
+    empty (made again by the next upload: a folder left per process would pile up)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path)
+    folder = os.path.dirname(path)
+    if os.path.basename(os.path.dirname(folder)) == UPLOADS:
+        with contextlib.suppress(OSError):  # not empty: another thread's upload is on its way
+            os.rmdir(folder)
+
+
+def _process_tag(pid: int) -> str | None:
+    """``PID-START``: the process id and its start time (from /proc), which tell a running
+    process from an ended one whose id was reused; None for no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            # The start time is field 22; the command name (field 2) may hold spaces, in parentheses.
+            start = f.read().rsplit(b")", 1)[1].split()[19].decode()
+    except FileNotFoundError:
+        return None
+    except (OSError, IndexError):
+        start = "0"  # no /proc: the process id alone
+    return f"{pid}-{start}"
+
+
+def _remove_ended(folder: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.listdir(folder):
+            pid, _, _ = entry.partition("-")
+            if pid.isdigit() and _process_tag(int(pid)) != entry:
+                shutil.rmtree(os.path.join(folder, entry), ignore_errors=True)
 
 
 def cleanup_scratch(store: Store, names: Iterable[str] = ()) -> None:

@@ -24,7 +24,7 @@ from . import tario
 from .columns import label_column, label_of, weight_column, weight_of
 from .errors import StorageError
 from .format import INDEX_SUFFIX, ShardIndex, ShardInfo
-from .scratch import scratch_file
+from .scratch import drop_scratch, scratch_file
 from .storage import Store
 
 FRAME_SIZE = 1 << 20  # uncompressed bytes per zstd frame, before the sample that crosses it
@@ -271,5 +271,4 @@ class ShardFileWriter:
                 pass
         if self._file is not None:
             self._file.close()  # type: ignore[attr-defined]
-            if os.path.exists(self._tmp):
-                os.remove(self._tmp)
+            drop_scratch(self._tmp)

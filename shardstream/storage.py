@@ -30,7 +30,7 @@ from . import http_ranges, s3_ranges
 from .errors import StorageError, safe_cause
 from .iostats import io_stats
 from .retry import RetryPolicy
-from .scratch import scratch_file
+from .scratch import drop_scratch, scratch_file
 from .urls import expand_home, is_local, local_path, split_query, without_userinfo
 
 if TYPE_CHECKING:
@@ -297,7 +297,7 @@ class Store:
                 os.replace(local_file, self.url(name))
                 return
             self.retry.call(self._remote_put, local_file, name, url=self.url(name))
-            os.remove(local_file)
+            drop_scratch(local_file)
         except OSError as e:
             raise self._wrap(name, "write", e) from safe_cause(e)
 
@@ -316,8 +316,7 @@ class Store:
                 raise StorageError(f"could not write: {e.strerror or e}", url=self.url(name)) from safe_cause(e)
             self.put(tmp, name)
         finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+            drop_scratch(tmp)
 
     def remove(self, name: str) -> None:
         """Remove the file `name`, if it is there."""

@@ -22,8 +22,10 @@ import os
 import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 import warnings
@@ -1594,3 +1596,38 @@ def test_a_forked_process_does_not_hold_the_cache_locks_of_its_parent(local_ds, 
             os.waitpid(child, 0)
             os.close(ready)
             os.close(started)
+
+
+def test_a_killed_upload_leaves_nothing_in_the_temporary_folder_for_long(tmp_path):
+    """Regression: a pack or writer into remote storage killed mid-shard left its partial shard (up to the shard
+    size) in the system's temporary folder for good. Each process uploads from a folder of its own there now,
+    and the next process to upload removes the folders of processes that have ended, not of running ones."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    uploads = tmp_path / "shardstream-uploads"
+    killed = textwrap.dedent("""
+        import os, signal, numpy as np, shardstream
+        with shardstream.ShardWriter("memory://killed", compression="none") as writer:
+            for i in range(8):  # 2 MB: a frame goes to the scratch file before the shard is done
+                writer.write({"__key__": f"k{i}", "npy": np.full(256 * 1024, i, np.uint8)})
+            os.kill(os.getpid(), signal.SIGKILL)
+        """)
+    assert subprocess.run([sys.executable, "-c", killed], env=env).returncode == -signal.SIGKILL
+    (left,) = uploads.iterdir()
+    assert [f.suffix for f in left.iterdir()] == [".part"]  # the partial shard
+    running = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        from shardstream.scratch import _process_tag
+
+        alive = uploads / _process_tag(running.pid)
+        (alive / ".shard.part").parent.mkdir()
+        (alive / ".shard.part").write_bytes(b"in progress")
+        finished = textwrap.dedent("""
+            import shardstream
+            with shardstream.ShardWriter("memory://done") as writer:
+                writer.write({"__key__": "a", "cls": 1})
+            """)
+        subprocess.run([sys.executable, "-c", finished], env=env, check=True)
+        assert [p.name for p in uploads.iterdir()] == [alive.name]  # the ended writer's folder went, its own too
+        assert (alive / ".shard.part").read_bytes() == b"in progress"
+    finally:
+        running.communicate(b"")
