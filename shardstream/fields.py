@@ -118,10 +118,12 @@ def encode_sample(sample: dict[str, Any]) -> tuple[str, list[tuple[str, bytes]]]
 
 def _check_key(key: str) -> None:
     # The key ends at the first dot of the last path component, so it cannot hold one;
-    # absolute and parent paths would escape a folder when a shard is extracted.
-    last = key.rsplit("/", 1)[-1]
-    if not last or "." in last or key.startswith("/") or ".." in key.split("/") or "\0" in key:
-        raise ShardstreamError(f"bad sample key {key!r}: a last part without dots, no absolute or '..' paths")
+    # absolute and parent paths would escape a folder when a shard is extracted, and empty
+    # or "." parts name the same file as a key without them ("a//b", "./a/b": "a/b").
+    parts = key.split("/")
+    if "." in parts[-1] or any(part in ("", ".", "..") for part in parts) or "\0" in key:
+        raise ShardstreamError(f"bad sample key {key!r}: a last part without dots, no absolute paths, "
+                               "no empty, '.' or '..' parts")
     try:
         key.encode("utf-8")
     except UnicodeEncodeError:  # a lone surrogate: no tar header or index could hold it

@@ -61,9 +61,14 @@ def part_slice(entries: list[SourceFile], index: int, parts: int) -> list[Source
 
 
 def _estimated_size(entry: SourceFile, file_bytes: int | None = None) -> int:
-    # The planner needs only a deterministic size, not the exact tar layout.
+    # Deterministic, from the listing alone: the members' sizes in the tar, headers included
+    # (a long or non-ASCII name takes a pax record: planned without it, frames of such names
+    # grew to twice their size). Exact where the file keeps its bytes.
     file_bytes = entry.size if file_bytes is None else file_bytes
-    return tario.BLOCK + tario.padded(file_bytes) + (2 * tario.BLOCK if entry.label is not None else 0)
+    size = tario.member_size(file_bytes, f"{entry.key}.{entry.field}")
+    if entry.label is not None:
+        size += tario.member_size(len(str(entry.label)), f"{entry.key}.cls")
+    return size
 
 
 def shrunk_estimates(entries: list[SourceFile], root: str, max_side: int) -> dict[str, int]:

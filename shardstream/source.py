@@ -24,7 +24,7 @@ from .tarstream import StreamTarReader
 from .shardfile import FRAME_SIZE
 from .retry import RetryPolicy
 from .storage import Store
-from .urls import split_url
+from .urls import local_path, split_url
 
 if TYPE_CHECKING:
     from .sampling import Mix
@@ -188,6 +188,9 @@ def open_dataset(url: str | os.PathLike[str], *, storage_options: dict[str, Any]
     """
     store = Store(os.fspath(url), storage_options or {}, retry or RetryPolicy())
     manifest_url = store.url(MANIFEST_NAME)
+    if store.local and os.path.isfile(local_path(store.root)):
+        raise ManifestError("a file, not a dataset folder: a shard is read with StreamingDataset([path]), and "
+                            "`shardstream index` makes a folder of plain .tar shards a dataset", url=store.root)
     try:
         # Read, not exists(): a transient error must be retried, not taken for "absent".
         # Bounded, so that a hostile 100 GB "manifest" is refused, not loaded: locally by
@@ -198,7 +201,8 @@ def open_dataset(url: str | os.PathLike[str], *, storage_options: dict[str, Any]
     except StorageError as e:
         if e.detail != "file not found":
             raise
-        raise ManifestError("no manifest: not a packed dataset (or packing has not finished)", url=manifest_url) from e
+        raise ManifestError("no manifest: not a packed dataset (or packing has not finished; for a folder of "
+                            "plain .tar shards, `shardstream index` writes one)", url=manifest_url) from e
     manifest = Manifest.from_bytes(data, manifest_url)
     return Source(url, tuple(ShardRef(store, s.name, s) for s in manifest.shards), manifest)
 

@@ -29,6 +29,7 @@ END_OF_ARCHIVE = bytes(2 * BLOCK)
 MAX_MEMBER_SIZE = 1 << 31  # 2 GiB: no single field of a training sample is larger
 
 _REGULAR = (b"0", b"\0", b"7")
+_SPARSE = b"S"  # GNU tar --sparse (old GNU format); pax sparse files carry GNU.sparse.* records instead
 _NAME_RECORDS = (b"x", b"g", b"L")  # pax (per member, global) and GNU long-name records
 
 
@@ -39,7 +40,8 @@ def padded(size: int) -> int:
 
 def member_size(data_size: int, name: str) -> int:
     """Bytes a member takes in the archive (header, data and padding)."""
-    return len(_header(name, data_size)) + padded(data_size)
+    header = BLOCK if _plain_ustar(name, data_size) else len(_tarfile_header(name, data_size))
+    return header + padded(data_size)
 
 
 # The ustar header that `tarfile` writes for the members below, split around its only
@@ -53,8 +55,13 @@ _CHECKSUM_BASE = sum(_MODE_IDS) + sum(_MTIME) + 8 * ord(" ") + sum(_TAIL)
 _MAX_USTAR_SIZE = 8**11  # sizes from here on need a pax record
 
 
+def _plain_ustar(name: str, size: int) -> bool:
+    """Whether the member's header is one ustar block (no pax record before it)."""
+    return len(name) <= 100 and name.isascii() and 0 <= size < _MAX_USTAR_SIZE and type(size) is int
+
+
 def _header(name: str, size: int) -> bytes:
-    if len(name) <= 100 and name.isascii() and 0 <= size < _MAX_USTAR_SIZE and type(size) is int:
+    if _plain_ustar(name, size):
         raw = name.encode("ascii")
         size_field = b"%011o\0" % size
         checksum = _CHECKSUM_BASE + sum(raw) + sum(size_field)
@@ -108,14 +115,14 @@ class Header:
     offset: int  # of the header block in the tar stream
 
 
-def _number(field: bytes, url: str, offset: int) -> int:
+def _number(field: bytes, what: str, url: str, offset: int) -> int:
     if field[:1] == b"\x80":  # GNU base-256 for sizes >= 8 GiB
         return int.from_bytes(field[1:], "big")
     text = field.rstrip(b"\0 ").lstrip(b" ")
     try:
         return int(text, 8) if text else 0
     except ValueError:
-        raise CorruptShardError(f"bad tar header: size field {field!r}", url=url, offset=offset) from None
+        raise CorruptShardError(f"bad tar header: {what} field {field!r}", url=url, offset=offset) from None
 
 
 def parse_header(block: bytes | memoryview, url: str, offset: int, verify: bool,
@@ -130,17 +137,17 @@ def parse_header(block: bytes | memoryview, url: str, offset: int, verify: bool,
     if block[:1] == b"\0" and block == bytes(BLOCK):
         return None
     if verify:
-        stored = _number(block[148:156], url, offset)
+        stored = _number(block[148:156], "checksum", url, offset)
         # The checksum is the byte sum of the header with its own field read as spaces.
         if stored != sum(block[:148]) + 256 + sum(block[156:]):
             raise CorruptShardError("bad tar header checksum", url=url, offset=offset)
-    size = _number(block[124:136], url, offset)
+    size = _number(block[124:136], "size", url, offset)
     if size < 0:
         raise CorruptShardError(f"bad tar header: negative size {size}", url=url, offset=offset)
     if size > MAX_MEMBER_SIZE:
         raise CorruptShardError(f"tar member of {size} bytes exceeds the limit", url=url, offset=offset)
     name = block[:100].split(b"\0", 1)[0]
-    if block[257:262] == b"ustar":
+    if block[257:263] == b"ustar\0":  # POSIX ustar; GNU's magic ("ustar  ") keeps times there (tar -g)
         prefix = block[345:500].split(b"\0", 1)[0]
         if prefix:
             name = prefix + b"/" + name
@@ -148,16 +155,27 @@ def parse_header(block: bytes | memoryview, url: str, offset: int, verify: bool,
     if renamed or kind in _NAME_RECORDS:
         # A name that is never used: GNU tar cuts a long name's ustar field mid-character.
         return Header(name.decode("utf-8", "replace"), size, kind, offset)
-    try:
-        text = name.decode("utf-8")
-    except UnicodeDecodeError:
-        raise CorruptShardError("tar member name is not UTF-8", url=url, offset=offset) from None
-    return Header(text, size, kind, offset)
+    # Bytes that are not UTF-8 are kept as surrogates (as tarfile does): a member that
+    # belongs to no sample may have any name; one that does is refused (`_member_name`).
+    return Header(name.decode("utf-8", "surrogateescape"), size, kind, offset)
+
+
+def _member_name(name: str, kind: bytes, url: str, offset: int) -> str:
+    """`name` of a member about to be yielded, or the error where a sample cannot be read from it."""
+    if kind == _SPARSE:
+        raise CorruptShardError(f"{name!r} is a sparse member (GNU tar --sparse), which is not supported: "
+                                "make the tar without --sparse", url=url, offset=offset)
+    if member_key(name) is not None:
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise CorruptShardError(f"tar member name {name!r} is not UTF-8", url=url, offset=offset) from None
+    return name
 
 
 def _pax_path(data: bytes, url: str, offset: int) -> str | None:
     """The `path` record of a pax extended header, if any."""
-    pos = 0
+    pos, path, sparse = 0, None, False
     try:
         while pos < len(data):
             space = data.index(b" ", pos)
@@ -167,11 +185,16 @@ def _pax_path(data: bytes, url: str, offset: int) -> str | None:
             record = data[space + 1 : pos + length - 1]
             keyword, _, value = record.partition(b"=")
             if keyword == b"path":
-                return value.decode("utf-8")
+                path = value.decode("utf-8", "surrogateescape")  # hdrcharset=BINARY: see `_member_name`
+            elif keyword.startswith(b"GNU.sparse."):
+                sparse = True
             pos += length
-    except (ValueError, UnicodeDecodeError):
+    except ValueError:
         raise CorruptShardError("bad pax extended header", url=url, offset=offset) from None
-    return None
+    if sparse:  # the member's data is a sparse map and pieces, not the file's bytes
+        raise CorruptShardError(f"{path or 'a member'!r} is a sparse file (GNU tar --sparse), which is not "
+                                "supported: make the tar without --sparse", url=url, offset=offset)
+    return path
 
 
 def iter_members(
@@ -185,20 +208,21 @@ def iter_members(
     """
     pos, end, long_name = 0, len(buf), None
     while pos + BLOCK <= end:
-        header = parse_header(buf[pos : pos + BLOCK], url, base + pos, verify, long_name is not None)
+        at = pos
+        header = parse_header(buf[at : at + BLOCK], url, base + at, verify, long_name is not None)
         if header is None:
-            raise CorruptShardError("an all-zero (end-of-archive) block inside a sample", url=url, offset=base + pos)
-        start = pos + BLOCK
+            raise CorruptShardError("an all-zero (end-of-archive) block inside a sample", url=url, offset=base + at)
+        start = at + BLOCK
         stop = start + header.size
         if stop > end:
-            raise CorruptShardError("tar member runs past the end of its data", url=url, offset=base + pos)
+            raise CorruptShardError("tar member runs past the end of its data", url=url, offset=base + at)
         pos = start + padded(header.size)
         if header.kind in (b"x", b"L"):
             data = bytes(buf[start:stop])  # buf may be a memoryview
             long_name = _pax_path(data, url, base + start) if header.kind == b"x" else _gnu_name(data)
             continue
-        if header.kind in _REGULAR:
-            yield (long_name or header.name), start, stop
+        if header.kind in _REGULAR or header.kind == _SPARSE:
+            yield _member_name(long_name or header.name, header.kind, url, base + at), start, stop
         long_name = None
     if pos != end:
         raise CorruptShardError("truncated tar stream", url=url, offset=base + pos)
@@ -281,7 +305,7 @@ def checksums_ok(buf: bytes, positions: list[int]) -> bool:
     good &= digits @ _SUM_WEIGHTS == computed
     for k in np.flatnonzero(~good).tolist():  # other layouts: as parse_header reads them
         try:
-            if _number(field[k].tobytes(), "", 0) != int(computed[k]):
+            if _number(field[k].tobytes(), "checksum", "", 0) != int(computed[k]):
                 return False
         except CorruptShardError:
             return False
@@ -289,7 +313,7 @@ def checksums_ok(buf: bytes, positions: list[int]) -> bool:
 
 
 def _gnu_name(data: bytes) -> str:
-    return data.split(b"\0", 1)[0].decode("utf-8", "replace")
+    return data.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")  # see `_member_name`
 
 
 def iter_stream_members(f: BinaryIO, *, url: str, verify: bool = True) -> Iterator[tuple[str, bytes, int]]:
@@ -318,9 +342,10 @@ def iter_stream_members(f: BinaryIO, *, url: str, verify: bool = True) -> Iterat
             long_name = _pax_path(data, url, member_offset) if header.kind == b"x" else _gnu_name(data)
             record_offset = member_offset if record_offset is None else record_offset
             continue
-        if header.kind in _REGULAR:
+        if header.kind in _REGULAR or header.kind == _SPARSE:
             # A pax or long-name record belongs to the member it precedes: report its offset.
-            yield (long_name or header.name), data, member_offset if record_offset is None else record_offset
+            at = member_offset if record_offset is None else record_offset
+            yield _member_name(long_name or header.name, header.kind, url, at), data, at
         long_name, record_offset = None, None
 
 

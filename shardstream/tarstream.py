@@ -219,12 +219,18 @@ def scan_tar(f: CountingReader, url: str) -> tuple[ShardIndex, tuple[str, ...]]:
     fields: set[str] = set()
     end = 0
     seen: set[str] = set()  # the fields of the sample at hand
+    earlier: set[str] = set()  # the keys of the samples so far
     for member, data, offset in tario.iter_stream_members(f, url=url):  # type: ignore[arg-type]
         named = tario.member_key(member)
         if named is None:
             continue  # no sample's (WebDataset's rule): a reader of the sample's span skips it too
         key, field = named
         if not keys or keys[-1] != key:
+            if key in earlier:  # WebDataset reads two half samples; an index must not hold a key twice
+                raise CorruptShardError(f"sample {key!r} appears again after other samples (its members are not "
+                                        "adjacent): make the tar with each sample's files together", url=url,
+                                        key=key, offset=offset)
+            earlier.add(key)
             keys.append(key)
             offsets.append(offset)
             labels.append(-1)

@@ -259,7 +259,7 @@ def test_bad_paths_and_arguments_are_one_line_errors(packed, image_folder, tmp_p
     result = cli("verify", a_file, "--quiet")
     assert result.returncode == 1 and "Traceback" not in result.stderr + result.stdout, result
     problem = result.stdout.splitlines()[0]
-    assert problem.startswith("PROBLEM manifest:") and str(a_file) in problem and "Not a directory" in problem, result
+    assert problem.startswith("PROBLEM manifest:") and str(a_file) in problem and "a file, not a dataset folder" in problem, result
 
 
 def test_demo_reuses_a_kept_folder_only_if_it_holds_what_it_would_make(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import os
 import shutil
 import subprocess
 import tarfile
@@ -11,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from shardstream import ShardstreamError, open_dataset, open_shard
+from shardstream import ShardstreamError, ShardWriter, open_dataset, open_shard
+from shardstream.adopt import index_tars
 from shardstream.tarstream import StreamTarReader
 from shardstream.source import resolve_source
 
@@ -303,3 +305,94 @@ def test_zstd_cli_tar_reads_whole_and_a_cut_raises(image_folder, tmp_path, flags
         (tmp_path / "cut.tar.zst").write_bytes(data[:cut])
         with pytest.raises(ShardstreamError, match="ends inside a frame|truncated|bad compressed"):
             read_front_to_back(open_shard(str(tmp_path / "cut.tar.zst")))
+
+
+# -- tars other tools make that a sample cannot be read from as it stands ------------------------------
+
+
+def _gnu_tar(tmp_path: Path, name: str, *args: str) -> Path:
+    made = subprocess.run(["tar", *args, "-cf", str(tmp_path / name), "-C", str(tmp_path / "src"), "k.cls", "k.npy"],
+                          capture_output=True)
+    assert made.returncode == 0, made.stderr
+    return tmp_path / name
+
+
+@needs_cli
+@pytest.mark.parametrize("fmt", ["gnu", "posix"])
+def test_a_sparse_member_is_refused_naming_it(tmp_path, fmt):
+    """Regression: GNU tar --sparse members were dropped (old GNU format: the sample lost its field without a
+    word, in streaming, `index` and `repack`) or read as the sparse map under a made-up key (pax format)."""
+    (tmp_path / "src").mkdir()
+    with open(tmp_path / "src" / "k.npy", "wb") as f:  # holes, which --sparse finds
+        f.truncate(1 << 20)
+        f.seek(500_000)
+        f.write(b"hello")
+    (tmp_path / "src" / "k.cls").write_bytes(b"3")
+    plain = _gnu_tar(tmp_path, "plain.tar", f"--format={fmt}")
+    assert [sorted(s) for s in open_shard(str(plain))] == [["__key__", "__url__", "cls", "npy"]]
+    sparse = _gnu_tar(tmp_path, "sparse.tar", f"--format={fmt}", "--sparse")
+    with pytest.raises(ShardstreamError, match="sparse .*not supported"):
+        list(open_shard(str(sparse)))
+    folder = tmp_path / "tars"
+    folder.mkdir()
+    shutil.copy(sparse, folder / "sparse.tar")
+    with pytest.raises(ShardstreamError, match="sparse .*not supported"):
+        index_tars(str(folder), progress=False)
+
+
+@needs_cli
+def test_names_that_are_not_utf8_are_refused_only_where_they_key_a_sample(tmp_path):
+    """Regression: one member named in another encoding (a README from an old system) made the whole tar
+    unreadable, in pax format as "bad pax extended header"; WebDataset skips it, as we do now. A sample's
+    member named so is refused, saying why."""
+    for fmt in ("gnu", "posix"):
+        src = tmp_path / fmt / "src"
+        src.mkdir(parents=True)
+        (src / "a.jpg").write_bytes(b"x")
+        (src / "a.cls").write_bytes(b"1")
+        (src / os.fsdecode(b"READ\xe9")).write_bytes(b"hi")
+        subprocess.run(["tar", f"--format={fmt}", "--sort=name", "-cf", str(tmp_path / fmt / "ok.tar"), "-C", str(src),
+                        "."], check=True)
+        assert [s["__key__"] for s in open_shard(str(tmp_path / fmt / "ok.tar"))] == ["./a"]
+        (src / os.fsdecode(b"caf\xe9.jpg")).write_bytes(b"y")
+        subprocess.run(["tar", f"--format={fmt}", "--sort=name", "-cf", str(tmp_path / fmt / "bad.tar"), "-C",
+                        str(src), "."], check=True)
+        with pytest.raises(ShardstreamError, match="tar member name .* is not UTF-8"):
+            list(open_shard(str(tmp_path / fmt / "bad.tar")))
+
+
+@needs_cli
+def test_gnu_incremental_headers_keep_their_times_out_of_the_name(tmp_path):
+    """Regression: GNU's own magic ("ustar  ") keeps access and change times where POSIX ustar keeps a name
+    prefix; `tar -g` archives had the time put before every key ("15303430553/a")."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.jpg").write_bytes(b"x")
+    (src / "a.cls").write_bytes(b"1")
+    subprocess.run(["tar", "--format=gnu", "-g", str(tmp_path / "snapshot"), "-cf", str(tmp_path / "inc.tar"),
+                    "-C", str(src), "a.cls", "a.jpg"], check=True)
+    header = (tmp_path / "inc.tar").read_bytes()[:512]
+    assert header[257:263] == b"ustar " and header[345:357].strip(b"\0")  # the times are there
+    assert [s["__key__"] for s in open_shard(str(tmp_path / "inc.tar"))] == ["a"]
+
+
+def test_index_refuses_a_sample_whose_members_are_apart(tmp_path):
+    """Regression: `index` wrote a key twice, each half a sample (images without labels), for a tar whose
+    members were not adjacent, where `repack` refused it."""
+    with tarfile.open(tmp_path / "t.tar", "w") as tf:
+        for name in ("k1.jpg", "k2.jpg", "k1.cls", "k2.cls"):
+            info = tarfile.TarInfo(name)
+            info.size = 1
+            tf.addfile(info, io.BytesIO(b"1"))
+    with pytest.raises(ShardstreamError, match="'k1' appears again after other samples"):
+        index_tars(str(tmp_path), progress=False)
+    assert not (tmp_path / "manifest.msgpack").exists()
+
+
+@pytest.mark.parametrize("key", ["a//b", "./a/b", "a/./b", "/a/b", "a/../b", "a/"])
+def test_the_writer_refuses_keys_that_extract_as_another(tmp_path, key):
+    """Regression: "a/b", "a//b", "./a/b" and "a/./b" were four samples that `tar -x` extracts as one file."""
+    with ShardWriter(str(tmp_path / "ds")) as writer:
+        with pytest.raises(ShardstreamError, match="bad sample key"):
+            writer.write({"__key__": key, "txt": "x"})
+        writer.write({"__key__": "a/b", "txt": "x"})

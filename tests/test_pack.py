@@ -962,3 +962,27 @@ def test_home_folder_paths_are_expanded(image_folder, packed, tmp_path, monkeypa
     with shardstream.ShardWriter("~/written") as writer:
         writer.write({"__key__": "a", "cls": 1})
     assert [s["__key__"] for s in shardstream.StreamingDataset(str(home / "written"), decode=None)] == ["a"]
+
+
+def test_frames_end_at_the_sample_that_reaches_the_frame_size_whatever_the_names(tmp_path):
+    """Regression: frames were planned without the pax records of long or non-ASCII names, so frames of such
+    names held up to twice the frame size (FORMAT.md: a frame ends after the sample that reaches it), and a
+    random read decompressed twice as much."""
+    from PIL import Image
+
+    from shardstream.shardfile import FRAME_SIZE
+
+    png = io.BytesIO()
+    Image.new("RGB", (8, 8), (1, 2, 3)).save(png, "PNG")
+    folder = tmp_path / "src" / "klasse_ä"
+    folder.mkdir(parents=True)
+    for i in range(700):  # about 2.6 KB a sample with its pax records: two frames
+        (folder / f"bild_é_{'lang' * 20}_{i:04d}.png").write_bytes(png.getvalue())
+    pack(str(tmp_path / "src"), str(tmp_path / "ds"), workers=1, progress=False, shuffle=False)
+    (ref,) = open_dataset(str(tmp_path / "ds")).shards
+    index = ref.reader().index
+    frames, samples = index.frame_raw_offsets.tolist(), index.sample_offsets.tolist()
+    assert len(frames) >= 3  # two frames of samples and the end-of-archive frame, at least
+    for start, end in zip(frames[:-2], frames[1:-1]):  # every frame of samples but the last
+        ends = [s for s in samples if start < s <= end]
+        assert end - start >= FRAME_SIZE > ends[-2] - start, "the frame ends after the sample that reaches its size"

@@ -198,3 +198,20 @@ def test_a_product_pattern_reads_every_sample_once(split_shards):
     # In DataLoader workers, which get the pattern, not its names.
     loader = DataLoader(StreamingDataset(pattern, decode=None, fields=("__key__",)), batch_size=None, num_workers=2)
     assert sorted(item[0] for item in loader) == sorted(picked)
+
+
+def test_a_shard_given_as_a_dataset_says_how_to_read_it(packed_plain, tmp_path):
+    """A shard file where a dataset folder belongs (`inspect x.tar`) said "could not look up the size:
+    NotADirectoryError"; a folder of plain tars said "not a packed dataset" without saying how to make one."""
+    import shutil
+
+    from shardstream import ManifestError, open_dataset
+
+    shard = Path(packed_plain) / open_dataset(packed_plain).shards[0].name
+    with pytest.raises(ManifestError, match="a file, not a dataset folder: a shard is read with StreamingDataset"):
+        open_dataset(str(shard))
+    (tmp_path / "tars").mkdir()
+    shutil.copy(shard, tmp_path / "tars")
+    with pytest.raises(ManifestError, match="`shardstream index` writes one"):
+        open_dataset(str(tmp_path / "tars"))
+    assert len(list(StreamingDataset([str(shard)], decode=None))) == len(open_dataset(packed_plain).shards[0].reader())
