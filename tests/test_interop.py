@@ -396,3 +396,23 @@ def test_the_writer_refuses_keys_that_extract_as_another(tmp_path, key):
         with pytest.raises(ShardstreamError, match="bad sample key"):
             writer.write({"__key__": key, "txt": "x"})
         writer.write({"__key__": "a/b", "txt": "x"})
+
+
+def test_another_implementation_of_the_seekable_format_seeks_in_our_shards(packed):
+    """pyzstd's `SeekableZstdFile` (its own reader of zstd's seek table) finds every sample of a shard by
+    the index's offsets into the uncompressed stream: the seek table is the published format, not ours."""
+    pyzstd = pytest.importorskip("pyzstd")
+    import zstandard
+
+    for ref in open_dataset(packed).shards:
+        path = Path(packed) / ref.name
+        with open(path, "rb") as raw:
+            whole = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True).read()
+        index = ref.reader().index
+        offsets = index.sample_offsets.tolist()
+        with pyzstd.SeekableZstdFile(str(path), "r") as f:
+            assert f.seek(0, 2) == len(whole)  # the table's sizes add up to the stream
+            for i in reversed(range(len(index))):  # backwards: every read is a seek
+                f.seek(offsets[i])
+                assert f.read(offsets[i + 1] - offsets[i]) == whole[offsets[i] : offsets[i + 1]]
+            assert len(whole) - offsets[-1] == 1024  # the end-of-archive blocks follow the last sample
