@@ -136,9 +136,30 @@ class Checkpointing:
         """
         if delivered is None and get_worker_info() is not None:
             return self._worker_state()
+        self._check_count_given(delivered, num_workers)
         if delivered is None:
             delivered = self._delivered if self._delivered is not None else self.resumed_items(num_workers)
         return ResumeState.current_of(self, self._world_with(num_workers), delivered).to_dict()
+
+    def _check_count_given(self, delivered: int | None, num_workers: int) -> None:
+        """Refuse a state this process cannot describe: DataLoader workers iterate the dataset,
+        so only the training loop knows how many items it received, and from how many workers
+        (a default of 0 items restarted the epoch; a wrong worker count changed its order)."""
+        if isinstance(delivered, bool) or not isinstance(delivered, (int, type(None))) or (delivered or 0) < 0:
+            raise ValueError(f"delivered must be a count of items, 0 or more, not {delivered!r}")
+        workers = self._shared.iterating_workers
+        if not workers:
+            return
+        if delivered is None:
+            raise ShardstreamError(
+                f"DataLoader workers ({workers}) iterate this dataset, and this process cannot count what they "
+                f"delivered: pass state_dict(delivered=<items the loop received this epoch>, num_workers={workers}), "
+                "or use shardstream.DataLoader, which passes both")
+        if num_workers != workers:
+            raise ShardstreamError(
+                f"the DataLoader iterating this dataset has {workers} workers, and num_workers={num_workers} was "
+                f"given: pass num_workers={workers} (items are dealt to workers in turn, so the count decides "
+                "which items were delivered)")
 
     def resumed_items(self, num_workers: int = 0) -> int:
         """Items of the current epoch already delivered before the next iteration starts."""
@@ -164,6 +185,7 @@ class Checkpointing:
         """Start the next iteration at the beginning of the epoch."""
         self.finish_pass()
         self._pass_resume = None
+        self._shared.loaded_unread = False
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state` on the next iteration (exactly, or elastically if the layout changed).
@@ -178,6 +200,8 @@ class Checkpointing:
             self._load_worker_state(resume)
             return
         self._shared.epoch = resume.epoch
+        self._shared.iterating_workers = 0  # until workers iterate again, the loaded state describes progress
+        self._shared.loaded_unread = True
         self._resume = resume
         self._pass_resume = None
         self._resume_id = self._shared.new_resume()

@@ -12,16 +12,17 @@ manifest read) on first use, in whichever process gets there first.
 
 from __future__ import annotations
 
-import operator
 import os
 import pickle
 import time
+import warnings
 from multiprocessing.context import get_spawning_popen
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
+from .arguments import flag, integer
 from .cache import ShardCache
 from .checkpoint import Checkpointing
 from .collate import default_collate
@@ -32,7 +33,7 @@ from .headstart import HeadStart
 from .iostats import io_stats
 from .policy import ErrorPolicy, guarded
 from .plan import Layout, items_of, read_order, split_ranks, worker_items, worker_plan
-from .prepare import SamplePrep, batches
+from .prepare import SamplePrep
 from .resume import current_sequence, endless_deal, endless_place
 from .sampling import Mix, Sampling, source_urls
 from .shared import SharedState
@@ -148,16 +149,16 @@ class StreamingDataset(Checkpointing, IterableDataset):
         self.source = source if isinstance(source, Mix) else source_urls(source)
         for url in _urls(self.source):
             preload_driver(url)
-        self.shuffle = shuffle
+        self.shuffle = flag(shuffle, "shuffle")
         # Plain ints (a numpy seed from a sweep overflowed the plan's masking, and numpy ints in
         # the layout made state_dict() neither JSON nor loadable by torch.load's weights_only).
-        self.seed = _integer(seed, "seed")
-        self.shuffle_buffer = _integer(shuffle_buffer, "shuffle_buffer", 0)
+        self.seed = integer(seed, "seed")
+        self.shuffle_buffer = integer(shuffle_buffer, "shuffle_buffer", 0)
         self.transform = transform
         # A string is WebDataset's to_tuple spelling ("jpg;png cls"), not a sequence of letters.
         self.fields = (tuple(fields.split()) if isinstance(fields, str) else tuple(fields)) if fields is not None \
             else None
-        self.batch_size = _integer(batch_size, "batch_size", 1) if batch_size is not None else None
+        self.batch_size = integer(batch_size, "batch_size", 1) if batch_size is not None else None
         if self.batch_size is None and (collate_fn is not None or drop_last):
             # Both act on the dataset's own batches only; without batch_size they were ignored,
             # and a user who meant the DataLoader's batches got none of what they asked for.
@@ -166,16 +167,16 @@ class StreamingDataset(Checkpointing, IterableDataset):
                              f"{given} to the DataLoader that batches (partial='drop' leaves out the samples "
                              "that do not divide evenly over ranks)")
         self.collate_fn = collate_fn or default_collate
-        self.drop_last = drop_last
+        self.drop_last = flag(drop_last, "drop_last")
         self.partial = partial
-        self.rank = _integer(rank, "rank", 0) if rank is not None else None
-        self.world_size = _integer(world_size, "world_size", 1) if world_size is not None else None
+        self.rank = integer(rank, "rank", 0) if rank is not None else None
+        self.world_size = integer(world_size, "world_size", 1) if world_size is not None else None
         self.storage_options = dict(storage_options or {})
-        self._prefetch = _integer(prefetch, "prefetch", 0) if prefetch is not None else None
+        self._prefetch = integer(prefetch, "prefetch", 0) if prefetch is not None else None
         self.retry = retry
         self._cache = ShardCache(os.path.abspath(os.path.expanduser(cache_dir)), parse_size(cache_limit)) if cache_dir else None
         self._decoder = Decoder(images=decode, allow_pickle=allow_pickle)
-        self.decode_threads = _integer(decode_threads, "decode_threads", 0)
+        self.decode_threads = integer(decode_threads, "decode_threads", 0)
         self._ahead = DecodeAhead(decode, allow_pickle) if decode_threads else None
         self._resolved: Source | None = None
         self._counts: np.ndarray | None = None
@@ -199,8 +200,17 @@ class StreamingDataset(Checkpointing, IterableDataset):
         return self._shared.epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch whose order the next iteration yields."""
+        """Select the epoch whose order the next iteration yields.
+
+        Another epoch than a loaded state's drops that state (the loop has moved on); if
+        none of it was read yet, with a warning: a restarted loop usually means to start
+        at the loaded epoch (`dataset.epoch`)."""
+        epoch = integer(epoch, "epoch", 0)
         if epoch != self.epoch:
+            if self._shared.loaded_unread:
+                warnings.warn(f"set_epoch({epoch}) drops the state loaded for epoch {self.epoch}, of which nothing "
+                              f"was read: to resume, start the loop at the loaded epoch (dataset.epoch, "
+                              f"{self.epoch})", stacklevel=2)
             self.forget_resume()
         self._shared.epoch = epoch
 
@@ -313,6 +323,8 @@ class StreamingDataset(Checkpointing, IterableDataset):
         if loaded is None and self._worker_resume:  # a worker's own state applies to one iteration
             self._resume, self._worker_resume = None, False
         block, layout, segment, delivered, epoch = self._rank_block(world)
+        self._shared.iterating_workers = world.workers if get_worker_info() is not None else 0
+        self._shared.loaded_unread = False
         self._pass_resume = self._active_resume(world)
         if self._pass_resume is None:
             self._shared.begin_pass(world.worker)
@@ -365,7 +377,7 @@ class StreamingDataset(Checkpointing, IterableDataset):
         else:
             items = guarded(zip(ordered, ids), lambda pair: prep(*pair), self.on_error, len(mine), on_skip)
         if self.batch_size is not None:
-            items = batches(items, self.batch_size, self.drop_last, self.collate_fn)
+            items = prep.batched(items, ids, self.batch_size, self.drop_last, self.collate_fn)
         return items
 
     def _worker_reads(self, world: World, block: np.ndarray, layout: Layout, segment: int, worker: int, done: int,
@@ -444,17 +456,6 @@ class StreamingDataset(Checkpointing, IterableDataset):
     def skipped(self) -> int:
         """Bad samples skipped so far under ``on_error="skip"``, summed over this rank's workers."""
         return self._shared.skips
-
-
-def _integer(value: Any, name: str, minimum: int | None = None) -> int:
-    """`value` as a plain int (numpy's too), or an error naming the argument."""
-    try:
-        number = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an integer, not {value!r}") from None
-    if minimum is not None and number < minimum:
-        raise ValueError(f"{name} must be {minimum} or more, not {number}")
-    return number
 
 
 def _in_process_group() -> bool:

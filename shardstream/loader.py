@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.utils.data
 
+from .arguments import integer
 from .batches import count_samples, map_field, tensors, to_device, usable_device
 from .collate import default_collate, pad_collate
 from .dataset import StreamingDataset
@@ -154,9 +155,17 @@ class DataLoader:
         multiprocessing_context: str | multiprocessing.context.BaseContext | None = None,
         timeout: float = 0,
     ) -> None:
+        if not isinstance(dataset, StreamingDataset):
+            raise TypeError(f"shardstream.DataLoader loads a StreamingDataset, not a {type(dataset).__name__}: "
+                            "use torch.utils.data.DataLoader for other datasets")
         self.dataset = copy.copy(dataset)  # shares the epoch with the caller's dataset
         if batch_size is not None:
+            batch_size = integer(batch_size, "batch_size", 1)
+            if dataset.batch_size is not None and dataset.batch_size != batch_size:
+                raise ValueError(f"the dataset makes batches of {dataset.batch_size} and the loader was asked for "
+                                 f"{batch_size}: give batch_size to one of them")
             self.dataset.batch_size = batch_size
+        num_workers = integer(num_workers, "num_workers", 0)
         self.device = usable_device(device) if device is not None else None  # CUDA asked for, none here: the CPU
         cuda = self.device is not None and self.device.type == "cuda"
         self.num_workers = num_workers

@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
+from .collate import default_collate, pad_collate
 from .decode import Decoder
 from .decode_ahead import DecodeAhead
 from .errors import MissingFieldError, ShardstreamError
@@ -87,6 +88,23 @@ class SamplePrep:
         seed = sample_seed(self.seed, self.epoch, sample_id)
         python_seed = seed if self.runs_user_code and not torch_only else None
         return _generators_as(lambda generator: generator.manual_seed(seed), python_seed, self.in_worker)
+
+    def batched(self, items: Iterator[Any], ids: Sequence[int], size: int, drop_last: bool,
+                collate: Callable[[list[Any]], Any]) -> Iterator[Any]:
+        """`items`, prepared from the samples `ids` in order, collated `size` at a time; the
+        last, shorter batch too unless `drop_last`. A collate_fn of the user's (MixUp, CutMix)
+        draws under a seed from (seed, epoch, the batch's sample ids), as a sample's
+        preparation does: a batch gets the same draws in any process, run or resumed run
+        (unseeded, it drew from the caller's generator with ``num_workers=0``, and from the
+        state the last sample left in a worker)."""
+        for k, batch in enumerate(batches(items, size, drop_last, list)):
+            if collate in _OWN_COLLATES:  # they draw nothing
+                yield collate(batch)
+                continue
+            seed = sample_seed(self.seed, self.epoch, hash(tuple(ids[k * size : (k + 1) * size])) & _MASK63)
+            with _generators_as(lambda generator: generator.manual_seed(seed), seed, self.in_worker):
+                out = collate(batch)
+            yield out  # outside: the consumer's own draws are not ours
 
     def _picked(self, sample: dict[str, Any]) -> Any:
         if self.fields is None:
@@ -170,6 +188,8 @@ def sample_seed(seed: int, epoch: int, sample_id: int) -> int:
 
 
 _OWN_DECODES = (RandomResizedCropJPEG, CenterCropJPEG)
+_OWN_COLLATES = (default_collate, pad_collate)
+_MASK63 = (1 << 63) - 1
 
 
 @contextlib.contextmanager

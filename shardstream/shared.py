@@ -24,11 +24,12 @@ __all__ = ["SharedState", "IO_FIELDS", "SLOTS"]
 SLOTS = 64  # workers per rank that have a slot
 IO_FIELDS = ("requests", "bytes", "retries", "wait_s", "cache_hits", "cache_misses")
 _EPOCH, _RESUME_ID, _SKIPS, _DONE = 0, 1, 2, 2 + SLOTS  # offsets in the int array
+_WORKERS, _UNREAD = 2 + 2 * SLOTS, 3 + 2 * SLOTS
 
 
 class SharedState:
     def __init__(self, ints: list[int] | None = None, floats: list[float] | None = None) -> None:
-        self._ints = multiprocessing.sharedctypes.RawArray("q", ints or [0] * (2 + 2 * SLOTS))
+        self._ints = multiprocessing.sharedctypes.RawArray("q", ints or [0] * (4 + 2 * SLOTS))
         self._floats = multiprocessing.sharedctypes.RawArray("d", floats or [0.0] * (SLOTS * len(IO_FIELDS)))
 
     def __getstate__(self) -> dict[str, Any]:
@@ -51,6 +52,26 @@ class SharedState:
     @epoch.setter
     def epoch(self, value: int) -> None:
         self._ints[_EPOCH] = value
+
+    @property
+    def iterating_workers(self) -> int:
+        """The `num_workers` of the DataLoader whose workers iterate the dataset last began
+        (0: it was iterated in its own process last, or loaded since): the main process
+        cannot count what such workers deliver, so `state_dict` asks for the count."""
+        return int(self._ints[_WORKERS])
+
+    @iterating_workers.setter
+    def iterating_workers(self, value: int) -> None:
+        self._ints[_WORKERS] = value
+
+    @property
+    def loaded_unread(self) -> bool:
+        """A state was loaded, and no iteration has begun since (in any process)."""
+        return bool(self._ints[_UNREAD])
+
+    @loaded_unread.setter
+    def loaded_unread(self, value: bool) -> None:
+        self._ints[_UNREAD] = int(value)
 
     # -- resume: used up once every worker has finished the resumed epoch ------------
     # A worker's slot: 0 while it reads the resumed pass, 1 once it has finished it, 2 once

@@ -630,6 +630,48 @@ def test_python_and_numpy_draws_are_seeded_per_sample_too(packed, num_workers):
     assert later.keys() == plain.keys() and all(later[k][1:] != plain[k][1:] for k in plain)
 
 
+def _mixup_keys(items: list) -> tuple:
+    """A MixUp-style collate_fn: the batch's keys and draws from torch's, Python's and numpy's generators."""
+    return tuple(k for (k,) in items), torch.rand(1).item(), random.random(), float(np.random.rand())
+
+
+def test_a_collate_fn_that_draws_is_seeded_per_batch(packed):
+    """Regression: a collate_fn drawing random numbers (MixUp, CutMix) drew from the training loop's own
+    generator with num_workers=0 and from the last sample's state in a worker: other numbers for another
+    num_workers, and a resumed run drew others than the uninterrupted one. Each batch now draws from a seed of
+    its samples, and the caller's generators are left alone."""
+    def run(num_workers: int, state: dict | None = None, take: int | None = None) -> tuple[list, StreamingDataset]:
+        ds = StreamingDataset(packed, decode=None, fields=("__key__",), shuffle=True, seed=4, batch_size=3,
+                              collate_fn=_mixup_keys)
+        if state is not None:
+            ds.load_state_dict(state)
+        # In this process, the dataset itself (a DataLoader draws its own base seed from torch's generator).
+        loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=num_workers) if num_workers else ds
+        out = []
+        for batch in loader:
+            out.append((tuple(batch[0]), *batch[1:]))  # a DataLoader's default_convert makes lists of tuples
+            if take is not None and len(out) == take:
+                break
+        return out, ds
+
+    torch.manual_seed(9), random.seed(9), np.random.seed(9)
+    plain, _ = run(0)
+    caller = torch.rand(1).item(), random.random(), np.random.rand()
+    torch.manual_seed(9), random.seed(9), np.random.seed(9)
+    assert (torch.rand(1).item(), random.random(), np.random.rand()) == caller  # the loop's draws are its own
+    assert len({b[1:] for b in plain}) == len(plain) > 3  # every batch draws its own numbers
+    by_keys = {b[0]: b[1:] for b in plain}
+    assert run(0)[0] == plain
+    first, ds = run(0, take=2)
+    rest, _ = run(0, state=ds.state_dict())
+    assert first + rest == plain  # a resumed run draws what the uninterrupted one drew
+    workers, _ = run(2)  # other batches (the workers' shares are shuffled apart), drawn alike every run
+    assert workers == run(2)[0]
+    first, ds = run(2, take=3)
+    rest, _ = run(2, state=ds.state_dict(delivered=3, num_workers=2))
+    assert first + rest == workers
+
+
 @pytest.mark.parametrize("given", [dict(collate_fn=list), dict(drop_last=True)])
 def test_batch_options_without_batch_size_are_refused(url, given):
     """Regression: collate_fn or drop_last without batch_size were ignored silently (the user meant the

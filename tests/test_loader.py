@@ -12,8 +12,10 @@ import pickle
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import torch
@@ -375,3 +377,55 @@ def test_gpu_check_runs_its_cpu_checks_without_cuda(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "correctness passed" in proc.stdout
     assert "decode on the device side" in proc.stdout
+
+
+def test_the_loader_checks_its_arguments_where_they_are_given(packed):
+    """Regression: batch_size=0 gave ZeroDivisionError and '8' a TypeError from divmod, deep in an iteration; a
+    dataset batching by 8 under a loader asked for 4 made batches of 4 without a word; a dataset of another
+    kind failed on a missing attribute."""
+    batched = StreamingDataset(packed, decode=None, batch_size=8, collate_fn=list)
+    with pytest.raises(ValueError, match="batch_size must be 1 or more, not 0"):
+        DataLoader(StreamingDataset(packed), batch_size=0)
+    with pytest.raises(TypeError, match="batch_size must be an integer, not '8'"):
+        DataLoader(StreamingDataset(packed), batch_size="8")
+    with pytest.raises(ValueError, match="the dataset makes batches of 8 and the loader was asked for 4"):
+        DataLoader(batched, batch_size=4)
+    with pytest.raises(ValueError, match="num_workers must be 0 or more"):
+        DataLoader(batched, num_workers=-1)
+    with pytest.raises(TypeError, match="loads a StreamingDataset, not a TensorDataset"):
+        DataLoader(torch.utils.data.TensorDataset(torch.zeros(3)))
+    assert [len(b) for b in DataLoader(batched, batch_size=8)] == [len(b) for b in batched]
+
+
+def test_dataset_flags_and_epochs_are_checked(packed):
+    """shuffle="no" shuffled (a truthy string); a negative epoch was taken."""
+    for name in ("shuffle", "drop_last"):
+        with pytest.raises(TypeError, match=f"{name} must be True or False, not 'no'"):
+            StreamingDataset(packed, batch_size=2, **{name: "no"})
+    assert StreamingDataset(packed, shuffle=np.bool_(True)).shuffle is True
+    with pytest.raises(ValueError, match="epoch must be 0 or more"):
+        StreamingDataset(packed).set_epoch(-1)
+
+
+def test_setting_another_epoch_than_a_loaded_states_warns(packed):
+    """Regression: README's restart loop started at epoch 0 and set_epoch(0) dropped a state loaded for epoch 1
+    in silence: the run repeated epoch 0 and 1 whole. It still drops it (the loop has said where it is), with a
+    warning while none of the state was read; the loaded epoch itself, and later epochs once read, do not warn."""
+    ds = StreamingDataset(packed, decode=None, fields=("__key__",))
+    ds.set_epoch(1)
+    it = iter(ds)
+    next(it), next(it)
+    state = ds.state_dict()
+    restarted = StreamingDataset(packed, decode=None, fields=("__key__",))
+    restarted.load_state_dict(state)
+    with pytest.warns(UserWarning, match=r"set_epoch\(0\) drops the state loaded for epoch 1, of which nothing was"):
+        restarted.set_epoch(0)
+    assert len(list(restarted)) == len(ds)  # epoch 0, whole
+    resumed = StreamingDataset(packed, decode=None, fields=("__key__",))
+    resumed.load_state_dict(state)
+    loader = DataLoader(resumed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loader.set_epoch(resumed.epoch)
+        assert len(list(loader)) == len(ds) - 2
+        loader.set_epoch(2)

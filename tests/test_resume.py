@@ -100,6 +100,29 @@ def test_exact_resume_through_dataloader_workers(url, num_workers, k, rank, worl
     assert rest == full[k:], "the resumed sequence continues the uninterrupted one exactly"
 
 
+def test_a_count_only_the_loop_knows_must_be_given(url):
+    """Regression: with DataLoader workers iterating, `ds.state_dict()` described 0 items delivered (the main
+    process counts none of them), so a resume restarted the epoch; a `num_workers` other than the DataLoader's
+    resumed another order. Both are refused now, saying what to pass."""
+    full = D.run(dataset(url), 2)
+    ds = dataset(url)
+    got = D.take(ds, 2, 3)
+    with pytest.raises(ShardstreamError, match=r"pass state_dict\(delivered=.*num_workers=2\)"):
+        ds.state_dict()
+    with pytest.raises(ShardstreamError, match="has 2 workers, and num_workers=0 was given"):
+        ds.state_dict(delivered=3)
+    for bad in (-1, 3.0, True):
+        with pytest.raises(ValueError, match="delivered must be a count of items"):
+            ds.state_dict(delivered=bad, num_workers=2)
+    state = ds.state_dict(delivered=3, num_workers=2)
+    resumed = dataset(url)
+    resumed.load_state_dict(state)
+    assert resumed.state_dict(num_workers=2) == state  # loaded, not iterated since: the loaded state stands
+    assert got + D.run(resumed, 2) == full
+    D.take_main(ds, 4)  # iterated in this process now: it counts, and its own count is the default
+    assert ds.state_dict()["current"]["delivered"] == 4
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_exact_resume_with_shardstream_dataloader(url, num_workers):
     def make():
@@ -335,7 +358,8 @@ def test_state_of_another_epoch(url):
     # moving on to the next epoch forgets the resume point
     fresh2 = dataset(url)
     fresh2.load_state_dict(state)
-    fresh2.set_epoch(4)
+    with pytest.warns(UserWarning, match="drops the state loaded for epoch 3"):
+        fresh2.set_epoch(4)
     ds4 = dataset(url)
     ds4.set_epoch(4)
     assert [D.freeze(item) for item in fresh2] == [D.freeze(item) for item in ds4]
