@@ -660,7 +660,6 @@ def test_a_collate_fn_that_draws_is_seeded_per_batch(packed):
     torch.manual_seed(9), random.seed(9), np.random.seed(9)
     assert (torch.rand(1).item(), random.random(), np.random.rand()) == caller  # the loop's draws are its own
     assert len({b[1:] for b in plain}) == len(plain) > 3  # every batch draws its own numbers
-    by_keys = {b[0]: b[1:] for b in plain}
     assert run(0)[0] == plain
     first, ds = run(0, take=2)
     rest, _ = run(0, state=ds.state_dict())
