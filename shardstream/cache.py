@@ -21,7 +21,7 @@ processes:
   its limit says so in a marker file, and every release trims while the marker is there.
 * **Self-healing.** The first use of a cached shard in each process re-hashes it; a
   file damaged on disk is deleted and fetched again. A download's temporary file left by
-  a killed process is deleted once it has not been written for an hour.
+  a killed process is deleted by the next walk (its download's `flock` is gone with it).
 * **Versioned.** A shard's copy lives in a folder named by its manifest checksum, so a
   dataset republished at the same location (new bytes under the same shard names) is
   never served from the old copy, and a job still reading the old version does not hold
@@ -211,17 +211,17 @@ class ShardCache:
         folder = os.path.dirname(path)
         files = ((ref.name, ref.info.bytes, ref.info.sha256),
                  (ref.info.index, ref.info.index_bytes, ref.info.index_sha256))
-        parts: list[str] = []
+        parts: list[tuple[str, BinaryIO]] = []
         try:
             with self._turn():
                 self._make_room(ref.info.bytes + ref.info.index_bytes)
                 for name, size, _ in files:  # reserved: counted by every walk from here on
                     parts.append(_reserve(folder, name, size))
-            for (name, size, digest), part in zip(files, parts):
+            for (name, size, digest), (part, f) in zip(files, parts):
                 # Bytes damaged on the way, or an object caught while being replaced, download
                 # whole again; a checksum that never matches is the data's, and raises.
                 for attempt in range(1, DOWNLOAD_ATTEMPTS + 1):
-                    if _download_into(ref.store, name, size, digest, part):
+                    if _download_into(ref.store, name, size, digest, f):
                         break
                     if attempt == DOWNLOAD_ATTEMPTS:
                         raise StorageError(f"downloaded file does not match the manifest's checksum "
@@ -230,11 +230,10 @@ class ShardCache:
                 with self._turn():  # a walk sees the file under one name or the other, never neither
                     os.replace(part, os.path.join(folder, name))
         finally:
-            for part in parts:  # what did not land is no longer coming
-                try:
+            for part, f in parts:  # what did not land is no longer coming
+                f.close()
+                with contextlib.suppress(FileNotFoundError):
                     os.remove(part)
-                except FileNotFoundError:
-                    pass
 
     def trim(self) -> None:
         """Evict least-recently-used shards not in use until the cache is within its limit,
@@ -305,37 +304,54 @@ class ShardCache:
 
 def _reserved_bytes(part: str, now: float) -> int:
     """The bytes a download's temporary file holds room for (its full size, set when it was
-    created), or 0 once deleted: a file left by a process killed mid-download (training
-    jobs are preempted) is untouched for `ABANDONED_PART_S`, and no live download owns it."""
+    created), or 0 once gone. Its download holds an exclusive `flock` on it: a walk that can
+    take the lock knows the process downloading it has ended (killed, preempted, or a head
+    start's thread cut off at exit) and deletes it. Where flock is not to be had (some
+    network file systems), a file untouched for `ABANDONED_PART_S` is taken as abandoned."""
     try:
-        st = os.stat(part)
-        if now - st.st_mtime <= ABANDONED_PART_S:
-            return st.st_size
-        os.remove(part)
+        with open(part, "rb") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return os.fstat(f.fileno()).st_size  # a live download's
+            except OSError:
+                st = os.fstat(f.fileno())
+                if now - st.st_mtime <= ABANDONED_PART_S:
+                    return st.st_size
+            os.remove(part)
     except FileNotFoundError:  # landed or given up meanwhile
         pass
     return 0
 
 
-def _reserve(folder: str, name: str, size: int) -> str:
+def _reserve(folder: str, name: str, size: int) -> tuple[str, BinaryIO]:
     """A temporary file for downloading `name`, already `size` bytes long (sparse), so that
-    walks of the cache count the room it will take before a byte arrives."""
+    walks of the cache count the room it will take before a byte arrives; open for writing,
+    its exclusive `flock` held while the download lives (see `_reserved_bytes`). Called in
+    the room lock's turn, so no walk sees the file before it is locked."""
     fd, part = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".part")
+    f = os.fdopen(fd, "r+b")
     try:
+        with contextlib.suppress(OSError):  # no flock here: walks judge it by its age
+            fcntl.flock(f, fcntl.LOCK_EX)
         os.ftruncate(fd, size)
-    finally:
-        os.close(fd)
-    return part
+    except BaseException:
+        f.close()
+        os.remove(part)
+        raise
+    _locks.add(f)  # a forked child closes its copy (see `_after_fork_in_child`)
+    return part, f
 
 
-def _download_into(store: Store, name: str, size: int, digest: str, part: str) -> bool:
-    """Download `name` over the reserved file `part`; whether its SHA-256 is `digest`."""
+def _download_into(store: Store, name: str, size: int, digest: str, f: BinaryIO) -> bool:
+    """Download `name` over the reserved file `f`; whether its SHA-256 is `digest`."""
     hasher = hashlib.sha256()
-    with open(part, "r+b") as f:
-        for start in range(0, size, CHUNK):
-            data = store.read(name, start, min(size, start + CHUNK))
-            hasher.update(data)
-            f.write(data)
+    f.seek(0)
+    for start in range(0, size, CHUNK):
+        data = store.read(name, start, min(size, start + CHUNK))
+        hasher.update(data)
+        f.write(data)
+    f.flush()
     return hasher.hexdigest() == digest  # so exactly `size` bytes arrived: no reserved zeros left
 
 

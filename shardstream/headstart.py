@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import BinaryIO, Callable, Iterator
 
 import numpy as np
 
 from .cache import ShardCache
+from .cancel import Cancellation
 from .errors import ShardstreamError
 from .pieces import PieceKey, first_window, piece_key, sample_runs
 from .reader import Sample
@@ -42,6 +44,22 @@ from .source import Source
 from .stream import MAX_AHEAD, Readers, read_piece, read_tolerant, read_whole
 
 __all__ = ["HeadStart"]
+
+STOP_WAIT_S = 5.0  # at exit, for a download to end at its next request (one chunk)
+_live: weakref.WeakSet[HeadStart] = weakref.WeakSet()
+
+
+def _stop_all() -> None:
+    for head in list(_live):
+        head.stop()
+
+
+# At interpreter exit (in DataLoader workers too: multiprocessing's exit runs it), before
+# concurrent.futures joins its pools' threads: hooks run last registered first, and
+# concurrent.futures registered its own on import, above. A private hook, where there is one.
+_register_atexit = getattr(threading, "_register_atexit", None)
+if _register_atexit is not None:
+    _register_atexit(_stop_all)
 
 
 class HeadStart:
@@ -54,6 +72,17 @@ class HeadStart:
         self._pieces: dict[PieceKey, Future[list[Sample]]] = {}
         self._held: dict[int, BinaryIO] = {}  # shard: the shared lock on its copy in the cache
         self._failure: Exception | None = None
+        self._cancellation = Cancellation()  # its reads' (cancel.py): at the process's exit
+        _live.add(self)
+
+    def stop(self) -> None:
+        """End its reads at their next request or backoff, and wait (briefly) for its
+        download, which then removes its partial files: at exit, where no next iteration
+        will come, and the threads would be waited for, or killed mid-file."""
+        self._cancellation.cancel()
+        planner = self._planner
+        if planner is not None and planner.is_alive():
+            planner.join(STOP_WAIT_S)
 
     def begin(self, source: Source, next_ids: Callable[[], np.ndarray | None], counts: np.ndarray, prefetch: int,
               tolerant: bool, piece_bytes: int, cache: ShardCache | None = None) -> None:
@@ -80,6 +109,7 @@ class HeadStart:
         # The copy's shared lock is held until the next iteration opens the shard (`take`,
         # `Readers.hold`): the shards this iteration still holds may keep the cache over its
         # limit, and a trim would evict the only copy it could, this one.
+        self._cancellation.bind()
         with self._errors_kept():
             _, lock = cache.open(source.shards[shard])
             self._held[shard] = lock
@@ -88,9 +118,11 @@ class HeadStart:
               piece_bytes: int) -> None:
         # Planning needs the first shards' indexes (usually in the per-process memo): here, not
         # in the iterating thread, where the current iteration's last samples are wanted.
+        self._cancellation.bind()  # the index reads of planning
         readers = Readers(source, None)
         read = read_tolerant if tolerant else read_whole
-        pool = ThreadPoolExecutor(max_workers=max(prefetch, MAX_AHEAD), thread_name_prefix="shardstream-headstart")
+        pool = ThreadPoolExecutor(max_workers=max(prefetch, MAX_AHEAD), thread_name_prefix="shardstream-headstart",
+                                  initializer=self._cancellation.bind)
         try:
             with self._errors_kept():
                 for shard, (a, b, keep, _, _) in first_window(readers.get, list(sample_runs(ids, counts)), prefetch,

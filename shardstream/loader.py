@@ -209,10 +209,21 @@ class DataLoader:
     def __len__(self) -> int:
         return len(self.dataset)
 
+    def _drop_workers(self, iterator: Any = None) -> None:
+        """Shut down the torch loader's workers (those of `iterator` too) and forget it: the
+        next epoch starts fresh ones. Left to the garbage collector, workers of an iteration
+        that raised stayed alive, held by the error's traceback (several a failed epoch)."""
+        persistent = getattr(self._loader, "_iterator", None)
+        self._loader = None
+        for it in {id(i): i for i in (iterator, persistent) if i is not None}.values():
+            shutdown = getattr(it, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
+
     def set_epoch(self, epoch: int) -> None:
         if self.dataset._resume is not None and epoch != self.dataset.epoch:
             # Persistent workers still hold the resume state of an epoch left unfinished.
-            self._loader = None
+            self._drop_workers()
         self.dataset.set_epoch(epoch)
         self._delivered = self.dataset.resumed_items(self.num_workers)  # a loaded state of this epoch still counts
 
@@ -223,7 +234,7 @@ class DataLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.dataset.load_state_dict(state)
         self._delivered = self.dataset.resumed_items(self.num_workers)
-        self._loader = None  # persistent workers hold the old state: start fresh ones
+        self._drop_workers()  # persistent workers hold the old state: start fresh ones
 
     def __iter__(self) -> Iterator[Any]:
         self.stats = LoaderStats()
@@ -250,7 +261,7 @@ class DataLoader:
             except BaseException:
                 # A worker that died (or raised) leaves torch's persistent workers unusable:
                 # the next epoch starts fresh ones instead of raising the same error again.
-                self._loader = None
+                self._drop_workers(source)
                 raise
             now = time.perf_counter()
             self.stats.wait_s += now - t0

@@ -11,10 +11,10 @@ retry is counted in `io_stats`).
 from __future__ import annotations
 
 import random
-import time
 from dataclasses import dataclass
 from typing import Any
 
+from .cancel import pause, raise_if_cancelled
 from .errors import ShardstreamError, StorageError, safe_cause
 from .iostats import io_stats
 
@@ -92,6 +92,7 @@ class RetryPolicy:
 
     def call(self, fn: Any, *args: Any, url: str) -> Any:
         for attempt in range(self.attempts):
+            raise_if_cancelled(url)  # work nobody will take (cancel.py)
             try:
                 return fn(*args)
             except Exception as error:  # classified right below; unknown errors propagate
@@ -104,5 +105,5 @@ class RetryPolicy:
                         f"failed after {self.attempts} attempts: {type(error).__name__}: {error}", url=url
                     ) from safe_cause(error)
                 io_stats.add(retries=1)
-                time.sleep(self.delay(attempt, error))
+                pause(self.delay(attempt, error), url)
         raise AssertionError("unreachable")  # attempts >= 1: the loop returns or raises

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Iterable, Iterator
 import numpy as np
 
 from .cache import ShardCache
+from .cancel import Cancellation
 from .errors import CorruptIndexError, CorruptShardError, ShardstreamError, StorageError
 from .pieces import PieceKey, piece_key, planned_pieces, ramp, sample_runs, stretches
 from .reader import READ_BYTES, Sample, ShardReader
@@ -184,9 +185,13 @@ def read_samples(source: Source, ids: np.ndarray, counts: np.ndarray, prefetch: 
         # and a resume, whose first batch draws on many shards, would fetch their indexes
         # one at a time.
         budget = prefetch * piece_bytes // 2  # the first pieces (1, 2, 4 MB) stay `prefetch` in flight
-        with ThreadPoolExecutor(max_workers=max(prefetch, MAX_AHEAD), thread_name_prefix="shardstream-prefetch") \
-                as pool, ThreadPoolExecutor(max_workers=min(prefetch, OPENERS), thread_name_prefix="shardstream-open") \
-                as openers:
+        # Reads still running when the iteration stops are cancelled (cancel.py): else leaving
+        # the pools waits for them, through their retries' backoff when storage is failing.
+        cancellation = Cancellation()
+        with ThreadPoolExecutor(max_workers=max(prefetch, MAX_AHEAD), thread_name_prefix="shardstream-prefetch",
+                                initializer=cancellation.bind) as pool, \
+                ThreadPoolExecutor(max_workers=min(prefetch, OPENERS), thread_name_prefix="shardstream-open",
+                                   initializer=cancellation.bind) as openers:
             ahead: deque[tuple[int, bool, int, Future[list[Sample]]]] = deque()
             ahead_bytes = opened = 0
 
@@ -246,6 +251,7 @@ def read_samples(source: Source, ids: np.ndarray, counts: np.ndarray, prefetch: 
                     future.cancel()
                 _drop(taken)
                 openers.shutdown(wait=False, cancel_futures=True)  # downloads not yet started
+                cancellation.cancel()  # and those running, at their next request or backoff
     finally:
         readers.close()
 

@@ -225,3 +225,95 @@ def test_an_endless_stream_reads_each_next_epoch_ahead_and_uses_it(small_ds):
     assert got == expected
     assert sorted(got[N_SAMPLES : 2 * N_SAMPLES]) == [f"s{i:03d}" for i in range(N_SAMPLES)]
     assert gets == 5 * len(names)  # without the head start 4, with it unused 7
+
+
+# -- stopping: reads nobody will take are cancelled (cancel.py) ----------------------------------------
+
+PATIENT = RetryPolicy(attempts=10, base_delay=10.0, max_delay=10.0)  # about 45 s of backoff on average
+
+
+def test_stopping_an_iteration_ends_its_reads_against_failing_storage(small_ds):
+    """Regression: closing an iteration (a break, an error, Ctrl-C) waited for its reads still in flight, and
+    against failing storage each sat through its retries' backoff: tens of seconds. They are cancelled at
+    their next try now, so closing returns well before a single read's retries could have run out."""
+    with H.CountingHTTPServer(small_ds, latency_s=0.05) as server:
+        ds = key_dataset(server.url, prefetch=4, retry=PATIENT)
+        it = iter(ds)
+        next(it)
+        server.faults.fail_fraction = 1.0  # the reads in flight fail, and would retry for ~45 s each
+        wait_for(lambda: server.faults.failures > 0, "a read to fail")
+        closing = threading.Thread(target=it.close)
+        closing.start()
+        closing.join(25.0)  # a hang check, with room: the retries would wait ~45 s
+        assert not closing.is_alive(), "closing waited for reads nobody will take"
+        failures = server.faults.failures
+        time.sleep(0.5)
+        assert server.faults.failures == failures  # and no read tries again afterwards
+
+
+def test_a_head_start_is_stopped_at_exit_and_leaves_no_partial_download(small_ds, tmp_path):
+    """Regression: after the last epoch, a head start's reads for an epoch that never comes kept the process
+    from exiting through their retries when storage failed; with a cache, its download (a daemon thread) was
+    killed at exit mid-file, leaving a reserved `.part` file in the cache. Both end at exit now."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import sys, shardstream
+        from shardstream.retry import RetryPolicy
+        url, cache = sys.argv[1], sys.argv[2] or None
+        ds = shardstream.StreamingDataset(url, decode=None, fields=("__key__",), shuffle=True, cache_dir=cache,
+                                          cache_limit="30KB", retry=RetryPolicy(attempts=10, base_delay=10.0,
+                                          max_delay=10.0))
+        for epoch in range(2):  # the second iteration starts a head start on a third
+            ds.set_epoch(epoch)
+            for _ in ds:
+                pass
+        print("done", flush=True)
+        sys.stdin.readline()  # the test makes storage fail, then lets the process exit
+        """)
+    for cache in ("", str(tmp_path / "cache")):
+        with H.CountingHTTPServer(small_ds, latency_s=0.2) as server:
+            proc = subprocess.Popen([sys.executable, "-c", script, server.url, cache], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, text=True)
+            try:
+                assert proc.stdout.readline().strip() == "done"
+                server.faults.fail_fraction = 1.0
+                proc.stdin.write("\n")
+                proc.stdin.flush()
+                assert proc.wait(timeout=30) == 0  # a hang check: the head start's retries would take ~45 s
+            finally:
+                proc.kill()
+                proc.wait()
+        if cache:
+            assert not [p for p in (tmp_path / "cache").rglob("*.part")], "a partial download was left behind"
+
+
+def test_a_killed_downloads_reservation_is_freed_by_the_next_walk(tmp_path):
+    """Regression: a download's reserved file left by a killed process (a preempted job) counted at its full
+    size against the cache's limit for an hour. A download holds a lock on it, so the next walk of the cache
+    knows it has no download behind it and removes it; a live download's stays counted."""
+    import subprocess
+    import sys
+
+    from shardstream.cache import ShardCache, _reserve
+
+    root = tmp_path / "cache"
+    (root / "v").mkdir(parents=True)
+    killed = ("import os, signal, sys; from shardstream.cache import _reserve; "
+              "_reserve(sys.argv[1], 'shard-000000.tar.zst', 10_000_000); os.kill(os.getpid(), signal.SIGKILL)")
+    assert subprocess.run([sys.executable, "-c", killed, str(root / "v")]).returncode < 0
+    live_part, live = _reserve(str(root / "v"), "shard-000001.tar.zst", 20_000_000)
+    try:
+        cache = ShardCache(str(root), 30_000_000)
+        with cache._turn():
+            cache._make_room(6_000_000)  # fits only if the killed process's 10 MB no longer counts
+        assert sorted(p.name.split(".tar")[0] for p in (root / "v").glob("*.part")) == [".shard-000001"]
+        assert not (root / ".over-limit").exists()
+        with cache._turn():
+            cache._make_room(10_000_001)  # the live download's 20 MB still counts
+        assert (root / ".over-limit").exists()
+    finally:
+        live.close()
+        os.remove(live_part)

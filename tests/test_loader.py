@@ -8,6 +8,7 @@ batches exactly.
 from __future__ import annotations
 
 import collections
+import gc
 import pickle
 import subprocess
 import sys
@@ -429,3 +430,39 @@ def test_setting_another_epoch_than_a_loaded_states_warns(packed):
         loader.set_epoch(resumed.epoch)
         assert len(list(loader)) == len(ds) - 2
         loader.set_epoch(2)
+
+
+class _FailsEveryOtherEpoch:
+    """A user transform with a bug that shows in epochs 0, 2, 4, ..."""
+
+    def __init__(self, dataset_epoch):
+        self.epoch = dataset_epoch
+
+    def __call__(self, sample):
+        if self.epoch() % 2 == 0:
+            raise ValueError("a bug in the user's transform")
+        return sample
+
+
+def test_workers_of_a_failed_epoch_are_shut_down(packed):
+    """Regression: an error in a worker dropped the torch loader but left its workers to the garbage collector,
+    and the error's traceback held them: a script that caught the error and went on gained worker processes
+    (and their file descriptors) with every failed epoch."""
+    psutil = pytest.importorskip("psutil")
+    before = {c.pid for c in psutil.Process().children(recursive=True)}  # other tests' servers
+    ds = StreamingDataset(packed, decode=None, fields=("__key__",), batch_size=4, collate_fn=list)
+    ds.transform = _FailsEveryOtherEpoch(lambda: ds._shared.epoch)
+    loader = DataLoader(ds, num_workers=2)
+    errors = []
+    for epoch in range(6):
+        loader.set_epoch(epoch)
+        try:
+            for _ in loader:
+                pass
+        except ValueError as error:
+            errors.append(error)  # kept, as a script logging them would: their tracebacks too
+    children = [c.pid for c in psutil.Process().children(recursive=True) if c.pid not in before]
+    failed = len(errors)
+    del errors, loader  # the last epoch's persistent workers, and their queues' threads, go with the loader
+    gc.collect()
+    assert failed == 3 and len(children) <= 2, children  # the last epoch's two workers at most

@@ -1458,10 +1458,10 @@ def test_cache_downloads_a_damaged_shard_again_then_gives_up_naming_it(local_ds,
 
 
 def test_cache_deletes_downloads_abandoned_by_killed_processes(local_ds, shard_names, tmp_path):
-    """A process killed mid-download leaves its temporary file; one not written for
-    `ABANDONED_PART_S` is deleted when the cache next makes room, and a recent one (a live
-    download) is kept."""
-    from shardstream.cache import ABANDONED_PART_S
+    """A process killed mid-download leaves its temporary file; a download holds a lock on its file, so one
+    without it (however recent: the process is gone) is deleted when the cache next makes room, and a locked
+    one (a live download, however slow) is kept."""
+    import fcntl
 
     cache_dir = tmp_path / "cache"
     with H.CountingHTTPServer(local_ds) as server:
@@ -1470,13 +1470,13 @@ def test_cache_deletes_downloads_abandoned_by_killed_processes(local_ds, shard_n
         abandoned, live = folder / f".{shard_names[0]}.x1.part", folder / f".{shard_names[1]}.x2.part"
         for part in (abandoned, live):
             part.write_bytes(b"\0" * 1000)
-        old = time.time() - ABANDONED_PART_S - 60
-        os.utime(abandoned, (old, old))
-        os.utime(live, (time.time() - ABANDONED_PART_S + 600,) * 2)  # slow, but alive
+        os.utime(live, (time.time() - 7200,) * 2)  # untouched for two hours: slow, but alive
         for name in shard_names[:2]:  # evicted by hand, so that reading again makes room
             cached_file(cache_dir, name).unlink()
-        H.run_ranks(server.url, 1, num_workers=0, cache_dir=str(cache_dir), cache_limit="1GB")
-    assert not abandoned.exists() and live.exists()
+        with open(live, "rb") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)  # as its download holds it
+            H.run_ranks(server.url, 1, num_workers=0, cache_dir=str(cache_dir), cache_limit="1GB")
+            assert not abandoned.exists() and live.exists()
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])
