@@ -42,7 +42,7 @@ except ImportError:  # the C extension was not built (no libjpeg-turbo headers o
 REGION_DECODER = _jpegregion is not None
 
 __all__ = ["Decoder", "DecodedCrop", "decode_image", "decode_rgb", "decode_rgb_crop", "image_size", "is_jpeg",
-           "jpeg_crop_decoder", "jpeg_ends", "open_image", "IMAGE_EXTENSIONS", "IMAGE_MODES", "PIL_FORMATS",
+           "jpeg_crop_decoder", "jpeg_ends", "narrowed_grey", "open_image", "IMAGE_EXTENSIONS", "IMAGE_MODES", "PIL_FORMATS",
            "REGION_DECODER"]
 
 IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp", "ppm", "pgm", "bmp", "gif", "tif", "tiff"})
@@ -56,7 +56,13 @@ PIL_FORMATS = ("JPEG", "PNG", "WEBP", "PPM", "BMP", "GIF", "TIFF")
 
 def open_image(data: bytes) -> Image.Image:
     """`data` opened by Pillow, in one of `PIL_FORMATS` only (else PIL.UnidentifiedImageError)."""
-    return Image.open(io.BytesIO(data), formats=PIL_FORMATS)
+    image = Image.open(io.BytesIO(data), formats=PIL_FORMATS)
+    if image.format == "JPEG":
+        # Pillow feeds libjpeg 64 KB at a time, and libjpeg's arithmetic decoder cannot resume
+        # mid-stream: a valid arithmetic-coded JPEG over 64 KB failed as "broken data stream".
+        # The bytes are in memory already; one block costs nothing more.
+        image.decodermaxblock = max(image.decodermaxblock, len(data))
+    return image
 
 
 def decode_image(data: bytes, mode: str | None, *, url: str = "", key: str = "") -> Any:
@@ -210,15 +216,19 @@ def _decode_region(data: bytes, size: tuple[int, int], scaled: tuple[int, int], 
     return DecodedCrop(pixels, (top - y0, left - x0, height, width), k > 1)
 
 
+def narrowed_grey(image: Image.Image) -> Image.Image:
+    """A 16-bit grey image (I;16 or I: PNG depth maps, medical and satellite images) as 8-bit
+    grey, its top 8 bits: Pillow's own convert clips at 255 rather than scaling, nearly all white."""
+    scaled = np.right_shift(np.asarray(image, dtype=np.uint32), 8).clip(0, 255).astype(np.uint8)
+    return Image.fromarray(scaled, "L")
+
+
 def _pil_rgb(data: bytes, at_least: tuple[int, int] | None = None) -> Image.Image:
     image = open_image(data)
     if image.format == "JPEG":
         image.draft("RGB", at_least or image.size)  # decode straight to RGB, reduced where allowed
     if image.mode.startswith("I"):
-        # 16-bit grey (PNG depth maps, medical and satellite images) opens as I;16 or I, and
-        # Pillow's convert("RGB") clips at 255 rather than scaling: nearly all white.
-        scaled = np.right_shift(np.asarray(image, dtype=np.uint32), 8).clip(0, 255).astype(np.uint8)
-        return Image.fromarray(scaled, "L").convert("RGB")
+        return narrowed_grey(image).convert("RGB")
     if image.mode == "F":
         raise ValueError("a floating-point image has no 8-bit reading; decode it with a callable (decode=...)")
     return image.convert("RGB")

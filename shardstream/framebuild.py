@@ -11,6 +11,7 @@ where it ran.
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass, field
 
 from .errors import PackError, reason
@@ -43,10 +44,12 @@ def build_job(job: tuple[int, list[SourceFile], str, PackOptions, bool]) -> Fram
     misnamed: list[tuple[str, str]] = []
     kept_whole: list[tuple[str, str]] = []
     for entry in entries:
-        path = os.path.join(root, entry.path)
+        path = entry.full_path(root)
         try:
             if printable(entry.path) != entry.path:  # its key could not be written into a tar
                 raise PackError("file name is not UTF-8", url=printable(path))
+            if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO or a device: opening it would wait forever
+                raise PackError("not a regular file", url=printable(path))
             with open(path, "rb") as f:
                 data = f.read()
             kind = check_image(data, path)

@@ -10,6 +10,7 @@ name that lies about one it does.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import os
 import re
 from dataclasses import dataclass
@@ -67,11 +68,19 @@ def sniff_image(data: bytes) -> tuple[str | None, str | None]:
 
 @dataclass(frozen=True)
 class SourceFile:
-    path: str  # relative to the listing's root, with '/' separators
+    path: str  # relative to the listing's root, with '/' separators, normalised: the file's identity
     key: str
     field: str
     label: int | None
     size: int
+    # The file as a file list names it, where that is opened instead of the root joined with
+    # `path`: normalising ".." away changes which file a path names when a folder on the way
+    # is a symlink (/data/lists -> /nfs/lists: /data/lists/../imgs is /nfs/imgs).
+    listed: str = ""
+
+    def full_path(self, root: str) -> str:
+        """The path to open."""
+        return self.listed or os.path.join(root, self.path)
 
 
 @dataclass(frozen=True)
@@ -117,7 +126,7 @@ def _unique_keys(files: list[SourceFile]) -> list[SourceFile]:
             seen[f.key] += 1
             key = f"{f.key}_{seen[f.key]}"
         seen.setdefault(key, 0)
-        out.append(SourceFile(f.path, key, f.field, f.label, f.size) if key != f.key else f)
+        out.append(dataclasses.replace(f, key=key) if key != f.key else f)
     return out
 
 
@@ -170,7 +179,7 @@ def _walk(top: str, within: str | None = None) -> Iterator[tuple[str, list[str]]
     top_real = os.path.realpath(top)
     root_real = os.path.realpath(within) if within is not None else None
     visited = {top_real}
-    for folder, dirs, names in os.walk(top, followlinks=True):
+    for folder, dirs, names in os.walk(top, followlinks=True, onerror=_unlistable):
         kept = []
         for d in sorted(dirs):
             real = os.path.realpath(os.path.join(folder, d))
@@ -180,6 +189,11 @@ def _walk(top: str, within: str | None = None) -> Iterator[tuple[str, list[str]]
                 kept.append(d)
         dirs[:] = kept
         yield folder, sorted(names)
+
+
+def _unlistable(error: OSError) -> None:
+    # os.walk passes over a folder it cannot list: its images would be lost without a word.
+    raise PackError(f"cannot list the folder: {error.strerror or error}", url=printable(str(error.filename))) from error
 
 
 def _inside(path: str, folder: str) -> bool:
@@ -228,10 +242,34 @@ def _is_header(first_cell: str, root: str) -> bool:
     cell never becomes a class (which would renumber integer labels as names)."""
     if os.path.splitext(first_cell)[1].lower() in IMAGE_FIELDS:
         return False
-    return not os.path.lexists(first_cell if os.path.isabs(first_cell) else os.path.join(root, first_cell))
+    # A folder is no file (a header `images,label` over an `images/` folder is still a header).
+    path = first_cell if os.path.isabs(first_cell) else os.path.join(root, first_cell)
+    return not (os.path.isfile(path) or os.path.islink(path))
 
 
 _INTEGER = re.compile(r"-?[0-9]+")  # ASCII digits only: str.isdigit() takes "²", which int() refuses
+
+
+def _check_label_kinds(labels: set[str], path: str) -> None:
+    """Refuse labels that are neither all class indices nor names: a stray non-integer among
+    integers (a header kept, a typo) or numbers written as decimals ("1.0", as pandas writes
+    them) would make every label a name, sorted as text: 10 before 2, every class renumbered."""
+    integers = sorted(label for label in labels if _INTEGER.fullmatch(label))
+    names = sorted(label for label in labels if not _INTEGER.fullmatch(label))
+    if integers and names:
+        raise PackError(f"labels mix class indices ({integers[0]!r}) and names ({names[0]!r}): give every row an "
+                        "integer class index, or every row a class name", url=path)
+    if names and all(_is_number(label) for label in names):
+        raise PackError(f"labels are numbers but not integers ({names[0]!r}): write class indices as integers "
+                        "(1, not 1.0)", url=path)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _list_file(path: str) -> Listing:
@@ -245,6 +283,7 @@ def _list_file(path: str) -> Listing:
     unlabelled = next((number for number, _, label in rows if label is None), None)
     if labels and unlabelled is not None:
         raise PackError(f"line {unlabelled} has no label, and other lines have one", url=path)
+    _check_label_kinds(labels, path)
     if labels and all(_INTEGER.fullmatch(label) for label in labels):
         # Integer labels are class indices as given.
         top = max(int(label) for label in labels)
@@ -273,7 +312,8 @@ def _list_file(path: str) -> Listing:
             continue
         # A missing file is reported when packing reaches it, under the error policy.
         size = os.path.getsize(full) if os.path.isfile(full) else 0
-        files.append(SourceFile(rel, _key(rel), field, None if label is None else index[label], size))
+        files.append(SourceFile(rel, _key(rel), field, None if label is None else index[label], size, full))
     if not files:
-        raise PackError("the file list names no images", url=path)
+        raise PackError("the file list names no images (rows are 'path[,label]', comma-separated; a row's path "
+                        "needs an image extension: .jpg, .jpeg, .png, .webp)", url=path)
     return Listing(root, tuple(_unique_keys(files)), classes, tuple(sorted(ignored)), tuple(repeated))

@@ -144,7 +144,7 @@ def _modified_stamp(root: str, entries: list[SourceFile]) -> str:
     digest = hashlib.sha256()
     for e in entries:
         try:
-            stamp = os.stat(os.path.join(root, e.path)).st_mtime_ns
+            stamp = os.stat(e.full_path(root)).st_mtime_ns
         except OSError:
             stamp = -1  # unreadable: packing reports it under the error policy
         digest.update(f"{stamp}\n".encode())

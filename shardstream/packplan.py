@@ -12,7 +12,6 @@ not import the orchestration.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,7 +79,7 @@ def shrunk_estimates(entries: list[SourceFile], root: str, max_side: int) -> dic
     estimates = {}
     for entry in entries:
         try:
-            with open(os.path.join(root, entry.path), "rb") as f:
+            with open(entry.full_path(root), "rb") as f:
                 size = image_size(f.read(1 << 16))
         except Exception:  # noqa: BLE001 - any failure means: plan it at its full size
             continue

@@ -35,7 +35,7 @@ import io
 
 from PIL import Image
 
-from .decode import image_size, open_image
+from .decode import image_size, narrowed_grey, open_image
 from .errors import PackError
 
 __all__ = ["shrink_image", "shrink_or_keep", "shrunk_size", "DEFAULT_QUALITY", "KEPT_ANIMATED", "KEPT_PICTURES"]
@@ -105,6 +105,10 @@ def shrink_or_keep(data: bytes, max_side: int, quality: int = DEFAULT_QUALITY, *
             elif image.mode in ("1", "P"):  # Pillow resizes these by nearest neighbour only
                 image = image.convert("RGBA" if "transparency" in image.info else ("L" if image.mode == "1" else "RGB"))
             deep = image.mode in _DEEP_GREY
+            if deep and "I;16" not in _WRITES[out_fmt]:
+                # Stored in 8 bits (a 16-bit PNG named .jpg): narrowed as the decoders read it,
+                # not clipped to white by Pillow's convert.
+                image, deep = narrowed_grey(image), False
             if deep:  # Pillow resizes 32-bit integer grey, not 16-bit: widen, and narrow again below
                 image = image.convert("I")
             if out_fmt != fmt and image.mode not in _WRITES[out_fmt]:

@@ -225,6 +225,9 @@ def test_file_list_from_excel_with_a_byte_order_mark(image_folder, tmp_path):
 @pytest.mark.parametrize(("second", "message"), [
     ("{path},", "line 2 has no label, and other lines have one"),  # an empty cell is no label, not a class ""
     ("{path},16777216", "integer label 16777216 is above the largest class index"),
+    # Regression: each made every label a name, sorted as text (10 before 2): every class renumbered.
+    ("{path},cat", r"labels mix class indices \('0'\) and names \('cat'\)"),
+    ("{path},1.0", r"labels mix class indices \('0'\) and names \('1.0'\)"),
 ])
 def test_file_list_labels_that_would_renumber_or_explode_the_classes(image_folder, tmp_path, second, message):
     first, path = sorted(image_folder.rglob("*.jpg"))[:2]
@@ -237,9 +240,12 @@ def test_file_list_labels_that_would_renumber_or_explode_the_classes(image_folde
 def test_file_list_labels_in_other_digits_are_names(image_folder, tmp_path):
     files = sorted(image_folder.rglob("*.jpg"))[:2]
     lst = tmp_path / "list.csv"
-    lst.write_text(f"{files[0]},1\n{files[1]},\u00b2\n", encoding="utf-8")  # "²": a digit to str.isdigit
+    lst.write_text(f"{files[0]},2\n{files[1]},\u00b2\n", encoding="utf-8")  # "²": a digit to str.isdigit
+    with pytest.raises(PackError, match="labels mix class indices \\('2'\\) and names \\('\u00b2'\\)"):
+        run_pack(lst, tmp_path / "ds")
+    lst.write_text(f"{files[0]},x\n{files[1]},\u00b2\n", encoding="utf-8")
     run_pack(lst, tmp_path / "ds")
-    assert open_dataset(str(tmp_path / "ds")).manifest.classes == ("1", "\u00b2")
+    assert open_dataset(str(tmp_path / "ds")).manifest.classes == ("x", "\u00b2")
 
 
 def test_file_list_without_labels(image_folder, tmp_path):
@@ -724,6 +730,12 @@ def _pack_command(src: Path, dst: Path, **kwargs) -> list[str]:
     return [sys.executable, "-c", f"import shardstream; shardstream.pack({str(src)!r}, {str(dst)!r}, {args})"]
 
 
+# Prepended to a packer's `python -c` code: its pack reads FIFOs as files (which pack refuses), so that a
+# test can stall it in a read of one.
+READ_FIFOS_TOO = ("import stat, types, shardstream.framebuild as fb; "
+                  "fb.stat = types.SimpleNamespace(S_ISREG=lambda m: stat.S_ISREG(m) or stat.S_ISFIFO(m)); ")
+
+
 def _kill(proc: subprocess.Popen) -> None:
     """SIGKILL the packer and any worker processes it started (its own process group)."""
     try:
@@ -739,10 +751,11 @@ def test_killed_mid_shard_leaves_no_manifest_and_only_whole_shards(image_folder_
     fifo = folder / "class_002" / "zzz_stall.jpg"  # sorted last
     os.mkfifo(fifo)
     dst = tmp_path / "ds"
-    proc = subprocess.Popen(
-        _pack_command(folder, dst, shard_size="20KB", workers=1, shuffle=False),
-        start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )
+    # pack refuses what is not a regular file (a FIFO without a writer would stall it forever): here the test
+    # lets it read the FIFO, to stall it there on purpose.
+    command = _pack_command(folder, dst, shard_size="20KB", workers=1, shuffle=False)
+    command[-1] = READ_FIFOS_TOO + command[-1]
+    proc = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     fd = None
     try:
         deadline = time.monotonic() + 60
@@ -986,3 +999,83 @@ def test_frames_end_at_the_sample_that_reaches_the_frame_size_whatever_the_names
     for start, end in zip(frames[:-2], frames[1:-1]):  # every frame of samples but the last
         ends = [s for s in samples if start < s <= end]
         assert end - start >= FRAME_SIZE > ends[-2] - start, "the frame ends after the sample that reaches its size"
+
+
+def test_file_list_labels_written_as_decimals_are_refused(image_folder, tmp_path):
+    """Regression: pandas writes integer labels as 1.0, 2.0, 10.0, which became names sorted as text
+    ('1.0', '10.0', '2.0'): every class renumbered without a word."""
+    files = sorted(image_folder.rglob("*.jpg"))[:3]
+    lst = tmp_path / "list.csv"
+    lst.write_text("".join(f"{p},{label}\n" for p, label in zip(files, ("1.0", "2.0", "10.0"))))
+    with pytest.raises(PackError, match=r"labels are numbers but not integers \('1.0'\)"):
+        run_pack(lst, tmp_path / "ds")
+
+
+def test_a_header_naming_a_folder_is_still_a_header(image_folder, tmp_path):
+    """Regression: the header `images,label` over a folder named `images` was taken for a row (the folder
+    exists), its label 'label' made every integer label a name, and the classes were renumbered as text."""
+    (tmp_path / "images").mkdir()
+    files = sorted(image_folder.rglob("*.jpg"))[:12]
+    for i, f in enumerate(files):
+        shutil.copy(f, tmp_path / "images" / f"{i}.jpg")
+    lst = tmp_path / "list.csv"
+    lst.write_text("images,label\n" + "".join(f"images/{i}.jpg,{i}\n" for i in range(12)))
+    run_pack(lst, tmp_path / "ds")
+    assert open_dataset(str(tmp_path / "ds")).manifest.classes == tuple(str(i) for i in range(12))
+    assert {key: int(s["cls"]) for key, s in samples_by_key(tmp_path / "ds").items()} == {
+        f"images/{i}": i for i in range(12)}
+
+
+def test_a_file_list_row_through_a_symlinked_folder_packs_the_file_it_names(image_folder, tmp_path):
+    """Regression: a list in /data/lists (a link to /nfs/lists) naming /data/imgs/a.jpg packed /nfs/imgs/a.jpg:
+    the path was normalised to lists/../imgs/a.jpg and opened from the list's folder, where the kernel
+    follows the link before the "..". The file as listed is opened now."""
+    one, other = sorted(image_folder.rglob("*.jpg"))[:2]
+    (tmp_path / "nfs" / "lists").mkdir(parents=True)
+    (tmp_path / "nfs" / "imgs").mkdir()
+    (tmp_path / "data" / "imgs").mkdir(parents=True)
+    (tmp_path / "data" / "lists").symlink_to(tmp_path / "nfs" / "lists")
+    shutil.copy(one, tmp_path / "data" / "imgs" / "a.jpg")
+    shutil.copy(other, tmp_path / "nfs" / "imgs" / "a.jpg")  # the file the old code read instead
+    (tmp_path / "nfs" / "lists" / "train.csv").write_text(f"{tmp_path}/data/imgs/a.jpg,0\n")
+    run_pack(tmp_path / "data" / "lists" / "train.csv", tmp_path / "ds")
+    (sample,) = samples_by_key(tmp_path / "ds").values()
+    assert sample["jpg"] == one.read_bytes()
+
+
+def test_a_folder_that_cannot_be_listed_fails_the_pack(image_folder_copy, tmp_path):
+    """Regression: os.walk passed over a folder it could not list, and its images were lost without a word
+    (pack reported success, under on_error="fail" too)."""
+    if os.geteuid() == 0:  # root lists anything: make the walk fail as it would for another user
+        import shardstream.listing as listing
+
+        real_walk = os.walk
+
+        def walk(top, *args, **kwargs):
+            for entry in real_walk(top, *args, **kwargs):
+                yield entry
+                if entry[0].endswith("class_001"):
+                    error = PermissionError(13, "Permission denied")
+                    error.filename = os.path.join(entry[0], "sub")
+                    kwargs["onerror"](error)
+
+        listing.os.walk, restore = walk, real_walk
+    else:
+        restore = None
+        (image_folder_copy / "class_001" / "sub").mkdir()
+        (image_folder_copy / "class_001" / "sub").chmod(0)
+    try:
+        with pytest.raises(PackError, match="cannot list the folder: Permission denied"):
+            run_pack(image_folder_copy, tmp_path / "ds")
+    finally:
+        if restore is not None:
+            listing.os.walk = restore
+
+
+def test_a_fifo_named_as_an_image_is_skipped_not_waited_on(image_folder_copy, tmp_path):
+    """Regression: pack opened a FIFO named stuck.jpg and waited for a writer forever, under skip too."""
+    os.mkfifo(image_folder_copy / "class_000" / "stuck.jpg")
+    summary = run_pack(image_folder_copy, tmp_path / "ds", on_error="skip")
+    assert ("class_000/stuck.jpg", "not a regular file") in summary.skipped
+    with pytest.raises(PackError, match="not a regular file"):
+        run_pack(image_folder_copy, tmp_path / "ds2")

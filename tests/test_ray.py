@@ -20,7 +20,18 @@ ray = pytest.importorskip("ray")
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    def read_fifos_too() -> None:
+        # pack refuses what is not a regular file (a FIFO without a writer would stall it forever); in this
+        # module's Ray workers it reads FIFOs, so that a test can stall a part in a read of one.
+        import stat
+        import types
+
+        import shardstream.framebuild as fb
+
+        fb.stat = types.SimpleNamespace(S_ISREG=lambda mode: stat.S_ISREG(mode) or stat.S_ISFIFO(mode))
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"worker_process_setup_hook": read_fifos_too})
     yield
     ray.shutdown()
 

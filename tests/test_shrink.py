@@ -292,7 +292,7 @@ _INTO_JPEG = {
     "LA PNG": (lambda: encode(photo(200, 100, "LA"), "PNG"), "L"),
     "L PNG": (lambda: encode(photo(200, 100, "L"), "PNG"), "L"),
     "1 PNG": (lambda: encode(photo(200, 100, "1"), "PNG"), "L"),
-    "16-bit PNG": (lambda: encode(Image.fromarray((np.asarray(photo(200, 100, "L"), np.uint16) * 3)), "PNG"), "L"),
+    "16-bit PNG": (lambda: encode(Image.fromarray((np.asarray(photo(200, 100, "L"), np.uint16) * 257)), "PNG"), "L"),
     "RGBA WebP": (lambda: encode(photo(200, 100, "RGBA"), "WEBP", lossless=True), "RGB"),
 }
 
@@ -307,6 +307,10 @@ def test_shrinking_into_jpeg_drops_alpha_as_the_decoders_do(source):
     decoded = opened(data)
     if decoded.mode in ("1", "P"):  # as shrink.py resizes these
         decoded = decoded.convert("RGBA" if "transparency" in decoded.info else "RGB")
+    if decoded.mode.startswith("I"):  # 16 bits, read as their top 8 (Pillow's convert would clip)
+        from shardstream.decode import narrowed_grey
+
+        decoded = narrowed_grey(decoded)
     expected = decoded.convert(mode).resize((50, 25), Image.Resampling.BICUBIC, reducing_gap=2.0)
     assert difference(shrunk, expected) < 8  # JPEG's loss at 95, with chroma subsampling; a composite on black is 65
     assert shrink_image(data, 50, 95, as_format="JPEG") == shrink_image(data, 50, 95, as_format="JPEG")
@@ -362,3 +366,22 @@ def test_a_camera_mpo_keeps_every_picture():
     assert Image.open(io.BytesIO(data)).format == "MPO"
     assert shrink_or_keep(data, 160) == (data, KEPT_PICTURES)
     assert shrink_or_keep(data, 320) == (data, None)  # fits: nothing to say
+
+
+@pytest.mark.parametrize("as_format", ["JPEG", "WEBP", "PNG"])
+def test_a_16_bit_grey_image_shrinks_to_what_the_decoders_read(as_format):
+    """Regression: a 16-bit grey PNG stored under a jpg or webp field and shrunk was clipped by Pillow's
+    convert (every value over 255 white: mean 254 of 255), where the decoders read its top 8 bits (mean 128)."""
+    from shardstream.decode import decode_image
+    from shardstream.shrink import shrink_or_keep
+
+    ramp = np.tile(np.linspace(0, 65535, 512).astype(np.uint16), (256, 1))
+    out = io.BytesIO()
+    Image.fromarray(ramp).save(out, "PNG")  # I;16
+    data = out.getvalue()
+    whole = decode_image(data, "rgb8").float()
+    shrunk, kept = shrink_or_keep(data, 128, 95, path="depth.png", as_format=as_format)
+    assert kept is None
+    small = decode_image(shrunk, "rgb8").float()
+    assert small.shape == (3, 64, 128)
+    assert abs(small.mean() - whole.mean()) < 2 and small[:, :, :4].mean() < 8 and small[:, :, -4:].mean() > 247

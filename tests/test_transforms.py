@@ -492,3 +492,55 @@ def test_center_crop_is_resize_then_crop(size):
         assert difference.max() <= 1
     else:
         assert difference.float().mean() < 4 and difference.max() < 64
+
+
+_ARITHMETIC_ENCODER = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <jpeglib.h>
+/* arith W H in.rgb out.jpg: an RGB image as an arithmetic-coded JPEG (Pillow writes Huffman coding only) */
+int main(int argc, char **argv) {
+    int w = atoi(argv[1]), h = atoi(argv[2]);
+    unsigned char *rgb = malloc((size_t)w * h * 3);
+    FILE *in = fopen(argv[3], "rb");
+    if (fread(rgb, 1, (size_t)w * h * 3, in) != (size_t)w * h * 3) return 2;
+    struct jpeg_compress_struct c; struct jpeg_error_mgr e;
+    c.err = jpeg_std_error(&e); jpeg_create_compress(&c);
+    FILE *out = fopen(argv[4], "wb"); jpeg_stdio_dest(&c, out);
+    c.image_width = w; c.image_height = h; c.input_components = 3; c.in_color_space = JCS_RGB;
+    jpeg_set_defaults(&c); jpeg_set_quality(&c, 95, TRUE); c.arith_code = TRUE;
+    jpeg_start_compress(&c, TRUE);
+    while (c.next_scanline < c.image_height) { JSAMPROW row = rgb + (size_t)c.next_scanline * w * 3; jpeg_write_scanlines(&c, &row, 1); }
+    jpeg_finish_compress(&c); fclose(out); return 0;
+}
+"""
+
+
+def test_an_arithmetic_coded_jpeg_over_64_kb_decodes_everywhere(tmp_path):
+    """Regression: Pillow feeds libjpeg 64 KB at a time, which libjpeg's arithmetic decoder cannot resume, so a
+    valid arithmetic-coded JPEG over 64 KB failed as "broken data stream" with decode="pil", in verify, and when
+    pack shrank it, where the other decoders read it."""
+    import shutil
+    import subprocess
+
+    from shardstream.decode import decode_image
+    from shardstream.shrink import shrink_or_keep
+
+    if shutil.which("gcc") is None:
+        pytest.skip("needs gcc and libjpeg's headers to write an arithmetic-coded JPEG")
+    (tmp_path / "arith.c").write_text(_ARITHMETIC_ENCODER)
+    built = subprocess.run(["gcc", "-O1", "-o", str(tmp_path / "arith"), str(tmp_path / "arith.c"), "-ljpeg"],
+                           capture_output=True)
+    if built.returncode != 0:
+        pytest.skip(f"cannot build the encoder: {built.stderr.decode()[-200:]}")
+    rng = np.random.default_rng(0)
+    pixels = rng.integers(0, 256, (300, 400, 3), dtype=np.uint8)  # noise: well over 64 KB at quality 95
+    (tmp_path / "in.rgb").write_bytes(pixels.tobytes())
+    subprocess.run([str(tmp_path / "arith"), "400", "300", str(tmp_path / "in.rgb"), str(tmp_path / "a.jpg")],
+                   check=True)
+    data = (tmp_path / "a.jpg").read_bytes()
+    assert len(data) > 1 << 16 and b"\xff\xc9" in data  # SOF9: arithmetic coding
+    reference = decode_rgb(data)  # the path that read it before (simplejpeg or libjpeg whole)
+    assert np.array_equal(np.asarray(decode_image(data, "pil")), reference)
+    shrunk, kept = shrink_or_keep(data, 200, 90, path="a.jpg", as_format="JPEG")
+    assert kept is None and Image.open(io.BytesIO(shrunk)).size == (200, 150)
