@@ -159,8 +159,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     )
     for problem in report.problems:
         print(f"PROBLEM {problem}")
+    for warning in report.warnings:
+        print(f"WARNING {warning}")
     count = len(report.problems)
     status = "ok" if report.ok else f"{count} problem{'' if count == 1 else 's'}"
+    if report.warnings:
+        status += f" ({len(report.warnings)} warning{'' if len(report.warnings) == 1 else 's'})"
     print(f"verified {report.shards} shards, {report.samples} samples, {report.images} images decoded: {status}")
     return 0 if report.ok else 1
 

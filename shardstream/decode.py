@@ -42,7 +42,7 @@ except ImportError:  # the C extension was not built (no libjpeg-turbo headers o
 REGION_DECODER = _jpegregion is not None
 
 __all__ = ["Decoder", "DecodedCrop", "decode_image", "decode_rgb", "decode_rgb_crop", "image_size", "is_jpeg",
-           "jpeg_crop_decoder", "jpeg_ends", "narrowed_grey", "open_image", "IMAGE_EXTENSIONS", "IMAGE_MODES", "PIL_FORMATS",
+           "jpeg_crop_decoder", "jpeg_damage", "jpeg_ends", "narrowed_grey", "open_image", "IMAGE_EXTENSIONS", "IMAGE_MODES", "PIL_FORMATS",
            "REGION_DECODER"]
 
 IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp", "ppm", "pgm", "bmp", "gif", "tif", "tiff"})
@@ -214,6 +214,27 @@ def _decode_region(data: bytes, size: tuple[int, int], scaled: tuple[int, int], 
     pixels = np.empty((y1 - y0, x1 - x0, 3), np.uint8)
     _jpegregion.decode_region(data, pixels, k, y0, x0, y1 - y0, x1 - x0)
     return DecodedCrop(pixels, (top - y0, left - x0, height, width), k > 1)
+
+
+# libjpeg's warnings that mean data is missing (libjpeg-turbo's jerror.h): the decoder fills
+# what is lost with grey or smears it. "N extraneous bytes before marker" is not one (the
+# image is whole; ImageNet has such files).
+_JPEG_DAMAGE = ("Corrupt JPEG data: premature end", "Corrupt JPEG data: bad", "Corrupt JPEG data: found marker",
+                "Premature end of JPEG file")
+
+
+def jpeg_damage(data: bytes) -> str | None:
+    """libjpeg's word on data missing from a JPEG that still decodes, or None: a JPEG whose data
+    is whole, another format, or no strict decoder here (simplejpeg, the `fast` extra). The
+    decoders, as Pillow's and torchvision's do, decode such images, damage and all."""
+    if simplejpeg is None or not is_jpeg(data):
+        return None
+    try:
+        simplejpeg.decode_jpeg(data, colorspace="RGB", strict=True)
+    except Exception as error:  # noqa: BLE001 - damage is told by libjpeg's message; anything else is not ours
+        message = str(error)
+        return message if message.startswith(_JPEG_DAMAGE) else None
+    return None
 
 
 def narrowed_grey(image: Image.Image) -> Image.Image:

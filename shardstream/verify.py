@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from .decode import IMAGE_EXTENSIONS, decode_image
+from .decode import IMAGE_EXTENSIONS, decode_image, jpeg_damage
 from .fields import field_extension
 from .errors import ShardstreamError
 from .reader import ShardReader
@@ -53,6 +53,7 @@ class Problem:
     shard: str
     key: str | None
     message: str
+    warning: bool = False  # worth knowing, not failing for: a JPEG that decodes with data missing
 
     def __str__(self) -> str:
         return f"{self.shard}" + (f" sample {self.key!r}" if self.key else "") + f": {self.message}"
@@ -64,6 +65,7 @@ class VerifyReport:
     samples: int = 0
     images: int = 0
     problems: list[Problem] = field(default_factory=list)
+    warnings: list[Problem] = field(default_factory=list)  # images that decode with data missing
 
     @property
     def ok(self) -> bool:
@@ -113,6 +115,10 @@ def verify_shard(reader: ShardReader, decode_images: bool = True) -> Iterator[Pr
                         decode_image(value, "pil", url=reader.url, key=key).load()  # type: ignore[union-attr,arg-type]
                     except ShardstreamError as e:
                         yield Problem(info.name, key, e.detail)
+                    else:
+                        damage = jpeg_damage(value)  # type: ignore[arg-type]
+                        if damage is not None:
+                            yield Problem(info.name, key, f"decodes with data missing ({damage})", warning=True)
                     yield 1
         if fields != set(info.fields):
             yield Problem(info.name, None, f"holds the fields {sorted(fields)}, the manifest says {sorted(info.fields)}")
@@ -146,16 +152,18 @@ def verify_dataset(
 
     bar_lock = threading.Lock()  # tqdm's counter is not safe to bump from several threads
 
-    def check(reader: ShardReader) -> tuple[list[Problem], int]:
-        problems, images = [], 0
+    def check(reader: ShardReader) -> tuple[list[Problem], list[Problem], int]:
+        problems: list[Problem] = []
+        warnings: list[Problem] = []
+        images = 0
         for item in verify_shard(reader, decode_images):
             if isinstance(item, Problem):
-                problems.append(item)
+                (warnings if item.warning else problems).append(item)
             else:
                 images += 1
                 with bar_lock:
                     bar.update(1)
-        return problems, images
+        return problems, warnings, images
 
     local = source.local
     workers = max(1, min(workers or max(os.cpu_count() or 1, 1 if local else 4), len(source.shards) or 1))
@@ -167,9 +175,10 @@ def verify_dataset(
     try:
         with contextlib.closing(ordered_map(check, readers, workers, name="shardstream-verify")) as futures:
             for ref, future in zip(source.shards, futures):
-                problems, images = future.result()
+                problems, warnings, images = future.result()
                 report.shards += 1
                 report.problems += problems
+                report.warnings += warnings
                 report.images += images
                 report.samples += ref.info.samples if ref.info else 0
     finally:

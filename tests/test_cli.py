@@ -307,3 +307,31 @@ def test_the_error_policy_names_the_readme_uses_are_public():
     assert ss.ErrorPolicy is ErrorPolicy and ss.TooManyErrors is TooManyErrors
     assert {"ErrorPolicy", "TooManyErrors"} <= set(ss.__all__)
     assert ss.ErrorPolicy(mode="skip", max_skips=3).max_skips == 3
+
+
+def test_verify_warns_of_a_jpeg_that_decodes_with_data_missing(tmp_path):
+    """Regression: a JPEG with bit rot mid-file (its end intact) decodes, libjpeg filling what is lost, so pack
+    took it and verify said ok, while the image was garbled. verify now names it, as a warning: it decodes, as
+    Pillow and torchvision decode it, and datasets such as ImageNet hold a few such files."""
+    pytest.importorskip("simplejpeg")
+    import numpy as np
+    from PIL import Image
+
+    y, x = np.mgrid[0:240, 0:320]
+    pixels = np.stack([x * 255 // 319, y * 255 // 239, (x + y) % 256], -1).astype(np.uint8)
+    encoded = io.BytesIO()
+    Image.fromarray(pixels).save(encoded, "JPEG", quality=90)
+    good = encoded.getvalue()
+    bad = bytearray(good)
+    bad[len(bad) // 3 : len(bad) // 3 + 1000] = b"\x55" * 1000
+    (tmp_path / "src" / "c").mkdir(parents=True)
+    (tmp_path / "src" / "c" / "good.jpg").write_bytes(good)
+    (tmp_path / "src" / "c" / "rot.jpg").write_bytes(bytes(bad))
+    assert cli_pack(tmp_path / "src", tmp_path / "ds").returncode == 0
+    result = cli("verify", tmp_path / "ds", "--quiet")
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert [line for line in lines if line.startswith("WARNING")] == [
+        line for line in lines if "sample 'c/rot': decodes with data missing (Corrupt JPEG data" in line]
+    assert len([line for line in lines if line.startswith("WARNING")]) == 1
+    assert lines[-1].endswith("images decoded: ok (1 warning)")
