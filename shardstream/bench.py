@@ -331,7 +331,7 @@ def _torch_threads(n: int) -> Iterator[None]:
 
 
 def _prime(dataset: Any) -> None:
-    """Read, decode and collate one sample in this process, untimed.
+    """Read, decode and collate two samples in this process, untimed.
 
     The first use of a decoder, of torch's thread pool and of the modules the loader
     imports lazily costs a second or so once per process; paid here, it does not land
@@ -340,9 +340,8 @@ def _prime(dataset: Any) -> None:
     import copy
 
     ds = copy.copy(dataset)
-    ds.shuffle, ds.batch_size = False, None
-    for sample in ds:
-        ds.collate_fn([sample, sample])
+    ds.shuffle, ds.batch_size = False, 2  # a batch of two: the decoder and the collate, once each
+    for _ in ds:
         break
 
 

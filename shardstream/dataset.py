@@ -75,9 +75,11 @@ class StreamingDataset(Checkpointing, IterableDataset):
             first present of several.
         batch_size: batch in the worker with `collate_fn` (default: `default_collate`,
             which stacks tensors, in DataLoader workers into shared memory they reuse:
-            batchmemory.py); use with ``DataLoader(batch_size=None)``. A `collate_fn`
-            without `batch_size` is an error.
-        drop_last: drop the last partial batch (of `batch_size`; without it, an error).
+            batchmemory.py); use with ``DataLoader(batch_size=None)``. Iterating with a
+            `collate_fn` and no `batch_size` (the dataset's, or `shardstream.DataLoader`'s)
+            is an error.
+        drop_last: drop the last partial batch (of `batch_size`; without one, iterating is an
+            error).
         partial: when samples do not divide evenly over ranks: ``"pad"`` repeats
             samples from the start of the epoch (the DistributedSampler convention),
             ``"drop"`` leaves the remainder out of this epoch.
@@ -159,13 +161,7 @@ class StreamingDataset(Checkpointing, IterableDataset):
         self.fields = (tuple(fields.split()) if isinstance(fields, str) else tuple(fields)) if fields is not None \
             else None
         self.batch_size = integer(batch_size, "batch_size", 1) if batch_size is not None else None
-        if self.batch_size is None and (collate_fn is not None or drop_last):
-            # Both act on the dataset's own batches only; without batch_size they were ignored,
-            # and a user who meant the DataLoader's batches got none of what they asked for.
-            given = "collate_fn" if collate_fn is not None else "drop_last"
-            raise ValueError(f"{given} applies to the dataset's own batches: give batch_size too, or pass "
-                             f"{given} to the DataLoader that batches (partial='drop' leaves out the samples "
-                             "that do not divide evenly over ranks)")
+        self._collate_given = collate_fn is not None  # see _check_batching
         self.collate_fn = collate_fn or default_collate
         self.drop_last = flag(drop_last, "drop_last")
         self.partial = partial
@@ -312,10 +308,21 @@ class StreamingDataset(Checkpointing, IterableDataset):
 
     # -- iteration -------------------------------------------------------------------
 
+    def _check_batching(self) -> None:
+        """`collate_fn` and `drop_last` act on the dataset's own batches only; without a
+        `batch_size` (the dataset's, or the one `shardstream.DataLoader` sets on its copy)
+        they were ignored, and a user who meant the DataLoader's batches got none of it."""
+        if self.batch_size is None and (self._collate_given or self.drop_last):
+            given = "collate_fn" if self._collate_given else "drop_last"
+            raise ValueError(f"{given} applies to the dataset's own batches: give batch_size too (to the dataset, "
+                             f"or to shardstream.DataLoader), or pass {given} to the DataLoader that batches "
+                             "(partial='drop' leaves out the samples that do not divide evenly over ranks)")
+
     def __iter__(self) -> Iterator[Any]:
         # Planned here, eagerly, not in the generator: a DataLoader worker calls iter()
         # when it starts, and torchdata's StatefulDataLoader asks for the worker's state
         # right after, before the first item.
+        self._check_batching()
         counted = io_stats.snapshot()  # this iteration's storage work counts from here (io_stats())
         world = self.world()
         self._forget_stale()  # a worker's own loaded place too, if the epoch has moved on

@@ -677,8 +677,12 @@ def test_batch_options_without_batch_size_are_refused(url, given):
     DataLoader's batches, and got none of what they asked for)."""
     (name,) = given
     with pytest.raises(ValueError, match=f"{name} applies to the dataset's own batches"):
-        StreamingDataset(url, **given)
+        list(StreamingDataset(url, **given))
+    with pytest.raises(ValueError, match=f"{name} applies to the dataset's own batches"):
+        list(torch.utils.data.DataLoader(StreamingDataset(url, **given), batch_size=4, num_workers=1))
     assert len(list(StreamingDataset(url, decode=None, batch_size=4, **given))) > 0
+    # shardstream.DataLoader gives its copy of the dataset the batch size
+    assert len(list(shardstream.DataLoader(StreamingDataset(url, decode=None, **given), batch_size=4))) > 0
 
 
 def test_arguments_as_training_scripts_pass_them(url):
