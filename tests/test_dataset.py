@@ -678,8 +678,10 @@ def test_batch_options_without_batch_size_are_refused(url, given):
     (name,) = given
     with pytest.raises(ValueError, match=f"{name} applies to the dataset's own batches"):
         list(StreamingDataset(url, **given))
-    with pytest.raises(ValueError, match=f"{name} applies to the dataset's own batches"):
+    with pytest.raises(ValueError, match=f"{name} applies to the dataset's own batches") as info:
         list(torch.utils.data.DataLoader(StreamingDataset(url, **given), batch_size=4, num_workers=1))
+    del info  # its traceback holds the DataLoader's iterator, and with it a queue's thread
+    gc.collect()
     assert len(list(StreamingDataset(url, decode=None, batch_size=4, **given))) > 0
     # shardstream.DataLoader gives its copy of the dataset the batch size
     assert len(list(shardstream.DataLoader(StreamingDataset(url, decode=None, **given), batch_size=4))) > 0
