@@ -21,9 +21,10 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import get_worker_info
 
+from .arguments import integer
 from .errors import ShardstreamError
 from .plan import Layout
-from .resume import ResumeState, check_counts, current_sequence, endless_onto
+from .resume import ResumeState, check_counts, current_sequence, endless_onto, finished_before
 from .world import World
 
 if TYPE_CHECKING:
@@ -125,10 +126,12 @@ class Checkpointing:
         """A small, plain (msgpack/JSON-serialisable) description of progress.
 
         `delivered` is the number of items this rank's training loop has received in
-        the current epoch, through a DataLoader with `num_workers` workers; by default
-        the count of items this dataset yielded when iterated in this process (or, if
-        not iterated since `load_state_dict`, the count the loaded state had).
-        `shardstream.DataLoader` counts and passes both for you.
+        the current epoch, from its start, through a DataLoader with `num_workers`
+        workers: after a restart, those received before it count too (`resumed_items`
+        says how many, also after a resume onto another layout, whose items were counted
+        in that layout's units). By default: what this dataset yielded when iterated in
+        this process (or, if not iterated since `load_state_dict`, what the loaded state
+        says). `shardstream.DataLoader` counts and passes both for you.
 
         Called inside a DataLoader worker, as torchdata's `StatefulDataLoader` does for
         each worker, it describes that worker's own place in the plan instead; the
@@ -136,20 +139,41 @@ class Checkpointing:
         """
         if delivered is None and get_worker_info() is not None:
             return self._worker_state()
-        self._check_count_given(delivered, num_workers)
-        if delivered is None:
-            delivered = self._delivered if self._delivered is not None else self.resumed_items(num_workers)
-        return ResumeState.current_of(self, self._world_with(num_workers), delivered).to_dict()
+        delivered = self._check_count_given(delivered, num_workers)
+        world = self._world_with(num_workers)
+        if delivered is None:  # counted in this layout's part of the epoch already
+            segment = self._delivered if self._delivered is not None else self._resumed_in_layout(world)
+        else:
+            earlier = self._earlier_layouts_items(world)
+            if delivered < earlier:
+                raise ValueError(f"delivered counts the items of the epoch from its start: {earlier} were delivered "
+                                 f"before the resume onto this layout, and {delivered} is fewer "
+                                 "(resumed_items() says how many came before this pass)")
+            segment = delivered - earlier
+        return ResumeState.current_of(self, world, segment).to_dict()
 
-    def _check_count_given(self, delivered: int | None, num_workers: int) -> None:
-        """Refuse a state this process cannot describe: DataLoader workers iterate the dataset,
-        so only the training loop knows how many items it received, and from how many workers
-        (a default of 0 items restarted the epoch; a wrong worker count changed its order)."""
-        if isinstance(delivered, bool) or not isinstance(delivered, (int, type(None))) or (delivered or 0) < 0:
-            raise ValueError(f"delivered must be a count of items, 0 or more, not {delivered!r}")
+    def _earlier_layouts_items(self, world: World) -> int:
+        """Items of the current epoch delivered in layouts before the current one (the resumed
+        state's earlier parts), which a state's current part does not count."""
+        layout = self.layout(world)
+        return sum(part.delivered for part in finished_before(self._state_resume(world), layout))
+
+    def _resumed_in_layout(self, world: World) -> int:
+        resume = self._active_resume(world)
+        if resume is None or resume.current.layout != self.layout(world):
+            return 0
+        return resume.current.delivered
+
+    def _check_count_given(self, delivered: Any, num_workers: int) -> int | None:
+        """`delivered` as a plain int (or None), or an error for a state this process cannot
+        describe: DataLoader workers iterate the dataset, so only the training loop knows how
+        many items it received, and from how many workers (a default of 0 items restarted the
+        epoch; a wrong worker count changed its order)."""
+        if delivered is not None:
+            delivered = integer(delivered, "delivered", 0)
         workers = self._shared.iterating_workers
         if not workers:
-            return
+            return delivered
         if delivered is None:
             raise ShardstreamError(
                 f"DataLoader workers ({workers}) iterate this dataset, and this process cannot count what they "
@@ -160,14 +184,16 @@ class Checkpointing:
                 f"the DataLoader iterating this dataset has {workers} workers, and num_workers={num_workers} was "
                 f"given: pass num_workers={workers} (items are dealt to workers in turn, so the count decides "
                 "which items were delivered)")
+        return delivered
 
     def resumed_items(self, num_workers: int = 0) -> int:
-        """Items of the current epoch already delivered before the next iteration starts."""
+        """Items of the current epoch already delivered before the next iteration starts,
+        counted from the epoch's start (in earlier layouts too, after an elastic resume):
+        where a training loop's count of the epoch's items stands."""
         world = self._world_with(num_workers)
-        resume = self._active_resume(world)
-        if resume is None:
+        if self._active_resume(world) is None:
             return 0
-        return resume.current.delivered if resume.current.layout == self.layout(world) else 0
+        return self._earlier_layouts_items(world) + self._resumed_in_layout(world)
 
     def start_pass(self, num_workers: int = 0) -> int:
         """A DataLoader with `num_workers` workers begins an iteration driven from this process:

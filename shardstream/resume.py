@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from .dataset import StreamingDataset
     from .world import World
 
-__all__ = ["ResumeState", "Segment", "SequenceAfter", "check_counts", "current_sequence", "endless_deal",
+__all__ = ["ResumeState", "Segment", "SequenceAfter", "check_counts", "current_sequence", "endless_deal", "finished_before",
            "endless_onto", "endless_place", "fingerprint", "sequence_after"]
 
 STATE_VERSION = 1
@@ -142,7 +142,7 @@ class ResumeState:
         resume = dataset._state_resume(world)
         epoch = resume.epoch if resume is not None else dataset.epoch
         return cls(_fingerprint_of(dataset), dataset.seed, dataset.shuffle, epoch,
-                   _finished_before(resume, layout), Segment(layout, delivered))
+                   finished_before(resume, layout), Segment(layout, delivered))
 
 
 def _position(raw: Any, workers: int) -> tuple[int, int] | None:
@@ -235,7 +235,7 @@ def _fingerprint_of(dataset: "StreamingDataset") -> str:
     return fingerprint(np.concatenate([dataset.counts(), [0, 0]]), names + extra)
 
 
-def _finished_before(resume: ResumeState | None, layout: Layout) -> tuple[Segment, ...]:
+def finished_before(resume: ResumeState | None, layout: Layout) -> tuple[Segment, ...]:
     """The segments that precede one read with `layout`."""
     if resume is None:
         return ()
@@ -262,7 +262,7 @@ def sequence_after(sequence: np.ndarray, finished: tuple[Segment, ...], seed: in
 def current_sequence(after: SequenceAfter, resume: ResumeState | None, layout: Layout) -> tuple[np.ndarray, int, int]:
     """(the samples still to read this epoch, the segment number, items already delivered in
     it) for reading with `layout`, the epoch's remains given by `after` (`sequence_after`)."""
-    finished = _finished_before(resume, layout)
+    finished = finished_before(resume, layout)
     delivered = resume.current.delivered if resume is not None and resume.current.layout == layout else 0
     return after(finished), len(finished), delivered
 

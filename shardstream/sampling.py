@@ -52,6 +52,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from .arguments import integer
 from .columns import MAX_CLASS
 from .plan import epoch_sequence, rng_for
 
@@ -80,8 +81,8 @@ class Sampling:
                     raise ValueError(f"class_weights keys are class indices 0..{MAX_CLASS}, not {label!r}")
                 if not (isinstance(weight, numbers.Real) and math.isfinite(weight) and weight >= 0):
                     raise ValueError(f"class_weights must be finite and non-negative, not {weight!r} for class {label}")
-        if self.samples_per_epoch is not None and self.samples_per_epoch < 1:
-            raise ValueError("samples_per_epoch must be positive")
+        if self.samples_per_epoch is not None:  # a float from a config (1e6) failed at the first plan, in a worker
+            object.__setattr__(self, "samples_per_epoch", integer(self.samples_per_epoch, "samples_per_epoch", 1))
         if isinstance(self.sample_weights, str):
             if self.sample_weights != "weight":
                 raise ValueError(f"sample_weights must be 'weight' (the field) or an array, not {self.sample_weights!r}")

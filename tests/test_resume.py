@@ -16,6 +16,7 @@ import sys
 import textwrap
 
 import msgpack
+import numpy as np
 import pytest
 
 import shardstream
@@ -111,9 +112,12 @@ def test_a_count_only_the_loop_knows_must_be_given(url):
         ds.state_dict()
     with pytest.raises(ShardstreamError, match="has 2 workers, and num_workers=0 was given"):
         ds.state_dict(delivered=3)
-    for bad in (-1, 3.0, True):
-        with pytest.raises(ValueError, match="delivered must be a count of items"):
+    with pytest.raises(ValueError, match="delivered must be 0 or more, not -1"):
+        ds.state_dict(delivered=-1, num_workers=2)
+    for bad in (3.0, True):
+        with pytest.raises(TypeError, match="delivered must be an integer"):
             ds.state_dict(delivered=bad, num_workers=2)
+    assert ds.state_dict(delivered=np.int64(3), num_workers=2) == ds.state_dict(delivered=3, num_workers=2)
     state = ds.state_dict(delivered=3, num_workers=2)
     resumed = dataset(url)
     resumed.load_state_dict(state)
@@ -642,10 +646,13 @@ def test_end_of_epoch_state_through_a_torch_dataloader_after_an_elastic_resume(u
 
     resumed = dataset(url)
     resumed.load_state_dict(state)
+    assert resumed.resumed_items(2) == 3  # where the loop's count of the epoch stands, the other layout's items
     dl = D.loader(resumed, 2, persistent_workers=persistent)
     rest = [D.freeze(item) for item in dl]
     assert sorted(D.flat(head + rest)) == sorted(keys), "every sample of the epoch once"
-    end = json.loads(json.dumps(resumed.state_dict(delivered=len(rest), num_workers=2)))
+    with pytest.raises(ValueError, match="3 were delivered before the resume onto this layout"):
+        resumed.state_dict(delivered=2, num_workers=2)
+    end = json.loads(json.dumps(resumed.state_dict(delivered=3 + len(rest), num_workers=2)))
     restored = dataset(url)
     restored.load_state_dict(end)
     assert len(restored) == 0 and list(restored) == [], "the epoch is complete"
@@ -831,3 +838,29 @@ def test_exact_resume_with_batches_made_by_the_dataloader(url, num_workers, k):
     fresh = make()
     fresh.load_state_dict(state)
     assert got + [D.freeze(b) for b in fresh] == full
+
+
+@pytest.mark.parametrize("second_workers", [2, 3])
+def test_the_loops_epoch_count_resumes_after_an_elastic_resume_too(url, keys, second_workers):
+    """Regression: the count `state_dict(delivered=...)` takes meant the epoch's items after a resume onto the
+    same layout, and only this layout's after one onto another: a loop counting the epoch's items (k1 + k2) lost
+    6 of 17 samples after an elastic resume, one counting since the restart (k2) replayed them after a same-layout
+    one. It is the epoch's count now, whatever the layouts, and `resumed_items` says where it stands."""
+    first = dataset(url)
+    head = D.take(first, 2, 3)
+    state = first.state_dict(delivered=3, num_workers=2)
+    second = dataset(url)
+    second.load_state_dict(state)
+    count = second.resumed_items(second_workers)
+    assert count == 3
+    middle = D.take(second, second_workers, 2)
+    state = second.state_dict(delivered=count + 2, num_workers=second_workers)
+    third = dataset(url)
+    third.load_state_dict(state)
+    rest = D.run(third, second_workers)
+    seen = D.flat(head + middle + rest)
+    assert sorted(set(seen)) == sorted(keys)
+    assert len(seen) - len(keys) == sum(1 for k in keys if seen.count(k) > 1)  # repeats are declared padding only
+    assert all(seen.count(k) <= 2 for k in keys)
+    if second_workers == 2:  # the same layout throughout: exactly the uninterrupted epoch
+        assert head + middle + rest == D.run(dataset(url), 2)

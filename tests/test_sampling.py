@@ -426,3 +426,15 @@ def test_unshuffled_epochs_cut_short_walk_the_data_in_order(small):
         mixed.set_epoch(epoch)
         counts.update(k for (k,) in mixed)
     assert set(counts) == set(every)  # the first source's 30 picks an epoch reach its tail in 3 epochs
+
+
+def test_samples_per_epoch_must_be_a_whole_count():
+    """Regression: 1e6 from a config file was taken, then failed with numpy's slicing error when the epoch was
+    first planned (in a DataLoader worker); True was taken as 1."""
+    with pytest.raises(TypeError, match="samples_per_epoch must be an integer, not 1000000.0"):
+        Sampling(samples_per_epoch=1e6)
+    with pytest.raises(TypeError, match="samples_per_epoch must be an integer, not True"):
+        Sampling(samples_per_epoch=True)
+    with pytest.raises(ValueError, match="samples_per_epoch must be 1 or more, not 0"):
+        Sampling(samples_per_epoch=0)
+    assert Sampling(samples_per_epoch=np.int64(5)).samples_per_epoch == 5
