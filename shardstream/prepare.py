@@ -1,7 +1,7 @@
 """A sample's way from stored bytes to what the training loop receives, in the worker.
 
 `SamplePrep` decodes a sample (decode.py), applies the user's `transform` and picks the
-requested fields; `batches` groups the results. Every random draw a sample's preparation
+requested fields, and `SamplePrep.batched` collates the results. Every random draw a sample's preparation
 makes (a crop, a flip, the user's own augmentations) comes from a generator seeded from
 (seed, epoch, sample id), so a sample gets the same draws whichever worker prepares it,
 in a resumed run too: torch's CPU generator always, and where the user's own code runs
