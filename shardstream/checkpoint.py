@@ -178,7 +178,7 @@ class Checkpointing:
             raise ShardstreamError(
                 f"DataLoader workers ({workers}) iterate this dataset, and this process cannot count what they "
                 f"delivered: pass state_dict(delivered=<items the loop received this epoch>, num_workers={workers}), "
-                "or use shardstream.DataLoader, which passes both")
+                "or take the state from shardstream.DataLoader (loader.state_dict()), which passes both")
         if num_workers != workers:
             raise ShardstreamError(
                 f"the DataLoader iterating this dataset has {workers} workers, and num_workers={num_workers} was "
