@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import hashlib
+import warnings
 from typing import Any, Sequence
 
 import numpy as np
@@ -152,12 +153,17 @@ def _shards(source: str | Sequence[str], options: dict[str, Any], *,
     kinds = (".tar", *_COMPRESSED) if compressed else (".tar",)
     if isinstance(source, str) and not names_shards(source):
         store = Store(source, options, RetryPolicy())
-        names = [n for n in store.list() if n.endswith(kinds)]
+        listed = store.list()
+        names = [n for n in listed if n.endswith(kinds)]
+        packed = [n for n in listed if n.endswith(_COMPRESSED)] if not compressed else []
         if not names:
-            compressed = [n for n in store.list() if n.endswith(_COMPRESSED)]
             raise ShardstreamError("no .tar shards here" + (
-                f" (only compressed ones, such as {compressed[0]}: decompress them first)" if compressed else ""),
+                f" (only compressed ones, such as {packed[0]}: decompress them first)" if packed else ""),
                 url=source)
+        if packed:  # left out of the manifest: say so, or their samples are missing without a word
+            warnings.warn(f"{store.location}: {len(packed)} compressed tars (such as {packed[0]}) are left out: "
+                          "they cannot be read by ranges; decompress them, or `shardstream repack` the folder",
+                          stacklevel=3)
     else:
         urls = expand_braces(source) if isinstance(source, str) else list(source)
         if not urls:

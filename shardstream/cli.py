@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-merge", action="store_true", help="with --part: do not merge, even as the last part")
     p.add_argument("--executor", choices=("local", "ray"), default="local",
                    help="ray: run --parts parts as Ray tasks on the cluster ray.init() finds, then merge")
-    p.add_argument("--parts", type=_positive_int, default=4, help="with --executor ray: how many parts (default 4)")
+    p.add_argument("--parts", type=_positive_int, default=None, help="with --executor ray: how many parts (default 4)")
     p.add_argument("--ray-address", default=None, help="with --executor ray: the cluster (default: RAY_ADDRESS or local)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=cmd_pack)

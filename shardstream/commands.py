@@ -35,6 +35,11 @@ def cmd_pack(args: argparse.Namespace) -> int:
 
     if args.executor == "ray":
         return _pack_with_ray(args)
+    # Options of another mode, given here, were ignored: a pack the user did not ask for ran.
+    if args.parts is not None or args.ray_address is not None:
+        raise ShardstreamError("--parts and --ray-address go with --executor ray (for one part: --part I/N)")
+    if args.no_merge and args.part is None:
+        raise ShardstreamError("--no-merge goes with --part I/N")
     part = _part(args.part)
     summary = pack(args.src, args.dst, workers=args.workers, part=part, progress=not args.quiet,
                    **_pack_options(args))
@@ -76,11 +81,11 @@ def _pack_with_ray(args: argparse.Namespace) -> int:
 
     if args.part is not None:
         raise ShardstreamError("--executor ray runs all parts itself; leave out --part")
-    manifest, summaries = pack_with_ray(args.src, args.dst, parts=args.parts, address=args.ray_address,
+    manifest, summaries = pack_with_ray(args.src, args.dst, parts=args.parts or 4, address=args.ray_address,
                                         cpus_per_part=args.workers or 1, progress=not args.quiet,
                                         **_pack_options(args))
     seconds = max(s.seconds for s in summaries)
-    print(f"packed {manifest.samples:,} samples into {len(manifest.shards)} shards as {args.parts} Ray tasks "
+    print(f"packed {manifest.samples:,} samples into {len(manifest.shards)} shards as {args.parts or 4} Ray tasks "
           f"(slowest part {seconds:.1f} s); skipped {len(manifest.skipped)}, not images {manifest.ignored}")
     return 0
 

@@ -136,6 +136,20 @@ def test_compressed_tars_are_refused_by_name(wds_folder, tmp_path):
     assert not (gz / MANIFEST_NAME).exists()
 
 
+def test_compressed_tars_beside_plain_ones_are_left_out_with_a_warning(wds_folder, tmp_path):
+    """Regression: a folder holding plain and compressed tars was indexed from its plain ones, the compressed
+    ones' samples missing from the dataset without a word."""
+    folder, _ = wds_folder
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    plain, packed = sorted(folder.glob("*.tar"))[:2]
+    shutil.copy(plain, mixed / plain.name)
+    (mixed / (packed.name + ".gz")).write_bytes(gzip.compress(packed.read_bytes()))
+    with pytest.warns(UserWarning, match=r"1 compressed tars \(such as shard-000001\.tar\.gz\) are left out"):
+        manifest = index_tars(str(mixed))
+    assert [s.name for s in manifest.shards] == [plain.name]
+
+
 def test_a_read_only_location_is_refused_before_any_read():
     with pytest.raises(ShardstreamError, match="cannot write indexes over HTTP"):
         index_tars("http://127.0.0.1:9/wds/shard-{000000..000003}.tar")

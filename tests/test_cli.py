@@ -335,3 +335,15 @@ def test_verify_warns_of_a_jpeg_that_decodes_with_data_missing(tmp_path):
         line for line in lines if "sample 'c/rot': decodes with data missing (Corrupt JPEG data" in line]
     assert len([line for line in lines if line.startswith("WARNING")]) == 1
     assert lines[-1].endswith("images decoded: ok (1 warning)")
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--parts", "3"], "--parts and --ray-address go with --executor ray"),
+    (["--ray-address", "auto"], "--parts and --ray-address go with --executor ray"),
+    (["--no-merge"], "--no-merge goes with --part I/N"),
+])
+def test_pack_options_of_another_mode_are_refused(image_folder, tmp_path, extra, message):
+    """Regression: `pack SRC DST --parts 3` (without --executor ray) packed one ordinary dataset, exit 0."""
+    result = cli_pack(image_folder, tmp_path / "ds", *extra)
+    assert result.returncode == 1 and message in result.stderr, result.stderr
+    assert not (tmp_path / "ds").exists()
