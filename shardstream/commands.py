@@ -24,9 +24,12 @@ def _storage_options(text: str | None) -> dict:
     try:
         options = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ShardstreamError(f"--storage-options (or SHARDSTREAM_STORAGE_OPTIONS) is not JSON: {e}: {text!r}") from None
+        # Not the text itself: it holds credentials, and errors go to logs.
+        raise ShardstreamError(f"--storage-options (or SHARDSTREAM_STORAGE_OPTIONS) is not JSON: {e.msg} "
+                               f"(line {e.lineno}, column {e.colno})") from None
     if not isinstance(options, dict):
-        raise ShardstreamError(f"--storage-options (or SHARDSTREAM_STORAGE_OPTIONS) must be a JSON object, not {text!r}")
+        raise ShardstreamError("--storage-options (or SHARDSTREAM_STORAGE_OPTIONS) must be a JSON object "
+                               f"({{\"key\": ...}}), not a {type(options).__name__}")
     return options
 
 

@@ -75,7 +75,7 @@ class Store:
     """
 
     root: str
-    options: Mapping[str, Any] = field(default_factory=dict)
+    options: Mapping[str, Any] = field(default_factory=dict, repr=False)  # credentials: never in a repr
     retry: "RetryPolicy" = field(default_factory=lambda: RetryPolicy())
 
     def __post_init__(self) -> None:

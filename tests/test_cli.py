@@ -347,3 +347,11 @@ def test_pack_options_of_another_mode_are_refused(image_folder, tmp_path, extra,
     result = cli_pack(image_folder, tmp_path / "ds", *extra)
     assert result.returncode == 1 and message in result.stderr, result.stderr
     assert not (tmp_path / "ds").exists()
+
+
+@pytest.mark.parametrize("text", ['{"key": "AKIAEXAMPLE", "secret": "TOPSECRETVALUE",}', '["TOPSECRETVALUE"]'])
+def test_bad_storage_options_are_not_echoed(text, tmp_path):
+    """Regression: a typo in --storage-options put the whole JSON text, secret key included, in the error."""
+    result = cli("inspect", tmp_path, "--storage-options", text)
+    assert result.returncode == 1 and "--storage-options (or SHARDSTREAM_STORAGE_OPTIONS)" in result.stderr
+    assert "TOPSECRETVALUE" not in result.stdout + result.stderr

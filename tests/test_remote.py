@@ -1631,3 +1631,13 @@ def test_a_killed_upload_leaves_nothing_in_the_temporary_folder_for_long(tmp_pat
         assert (alive / ".shard.part").read_bytes() == b"in progress"
     finally:
         running.communicate(b"")
+
+
+def test_credentials_are_not_in_a_sources_repr(packed):
+    """Regression: repr() of a Store, ShardRef or Source (in a log line, a debugger, a traceback's locals)
+    showed storage_options, the secret key included."""
+    options = {"key": "AKIAEXAMPLE", "secret": "TOPSECRETVALUE", "token": "SESSIONTOKENVALUE"}
+    source = shardstream.open_dataset(packed, storage_options=options)
+    shown = repr(source) + repr(source.shards[0]) + repr(source.shards[0].store)
+    assert "TOPSECRETVALUE" not in shown and "SESSIONTOKENVALUE" not in shown
+    assert source.shards[0].store.options == options  # kept, just not shown
