@@ -18,14 +18,14 @@ from .cancel import pause, raise_if_cancelled
 from .errors import ShardstreamError, StorageError, safe_cause
 from .iostats import io_stats
 
-__all__ = ["RetryPolicy", "is_transient", "retry_after"]
+__all__ = ["RetryPolicy", "http_status", "is_transient", "retry_after"]
 
 
 def is_transient(error: BaseException) -> bool:
     """Errors worth retrying: 5xx, throttling, timeouts, dropped connections."""
     if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
         return False
-    status = _http_status(error)
+    status = http_status(error)
     if status is not None:
         return (status >= 500 and status != 501) or status in (408, 429)  # 501: the server never will
     if isinstance(error, (ConnectionError, TimeoutError, OSError)):
@@ -51,14 +51,22 @@ def retry_after(error: BaseException) -> float | None:
         return None
 
 
-def _http_status(error: BaseException) -> int | None:
-    status = getattr(error, "status", None)  # aiohttp
-    if isinstance(status, int):
-        return status
-    response = getattr(error, "response", None)  # botocore
-    if isinstance(response, dict):
-        code = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        return code if isinstance(code, int) else None
+def http_status(error: BaseException) -> int | None:
+    """The HTTP status an error carries: its own (aiohttp's `status`, botocore's response),
+    or that of the error it was raised from. s3fs turns botocore's errors into plain
+    OSErrors (a 400 or a 416 into EINVAL, a 503 into EBUSY) and keeps the original as the
+    cause: the status there says whether another try can succeed."""
+    for candidate in (error, error.__cause__):
+        if candidate is None:
+            continue
+        status = getattr(candidate, "status", None)  # aiohttp
+        if isinstance(status, int):
+            return status
+        response = getattr(candidate, "response", None)  # botocore
+        if isinstance(response, dict):
+            code = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if isinstance(code, int):
+                return code
     return None
 
 

@@ -29,7 +29,7 @@ from . import forkloop  # noqa: F401 - registers the fork handlers for fsspec's 
 from . import http_ranges, s3_ranges
 from .errors import StorageError, safe_cause
 from .iostats import io_stats
-from .retry import RetryPolicy
+from .retry import RetryPolicy, http_status
 from .scratch import drop_scratch, scratch_file
 from .urls import expand_home, is_local, local_path, split_query, without_userinfo
 
@@ -55,7 +55,12 @@ HTTP_READ_TIMEOUT_S = 20.0
 
 
 def _with_timeouts(root: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The fsspec options for `root`: the user's, with timeouts on HTTP, and without fsspec's
+    listings cache: it never expires, and the filesystem instance (shared by every Store of
+    the same options in a process) kept a listing from before another process wrote there
+    (a part finished elsewhere stayed missing, and `merge` refused)."""
     options = dict(options)
+    options.setdefault("use_listings_cache", False)
     if root.startswith(("http://", "https://")) and "timeout" not in options.get("client_kwargs", {}):
         import aiohttp
 
@@ -198,7 +203,12 @@ class Store:
         fs, path = self._fs_path(name)
         if start is None and end is None:
             return fs.cat_file(path)
-        return fs.cat_file(path, start=start, end=end)
+        try:
+            return fs.cat_file(path, start=start, end=end)
+        except OSError as e:
+            if start and http_status(e) == 416:  # a range from the end on: nothing, as the direct readers answer
+                return b""
+            raise
 
     def open(self, name: str) -> BinaryIO:
         """A binary file object for sequential reading.

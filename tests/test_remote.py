@@ -16,6 +16,7 @@ are checked against the source files.
 from __future__ import annotations
 
 import collections
+import errno
 import hashlib
 import json
 import os
@@ -1641,3 +1642,53 @@ def test_credentials_are_not_in_a_sources_repr(packed):
     shown = repr(source) + repr(source.shards[0]) + repr(source.shards[0].store)
     assert "TOPSECRETVALUE" not in shown and "SESSIONTOKENVALUE" not in shown
     assert source.shards[0].store.options == options  # kept, just not shown
+
+
+def test_the_s3fs_path_reads_to_the_end_and_gives_up_on_permanent_errors_at_once(moto, s3_ds):
+    """Regression, on the s3fs path (options the direct S3 reader does not map, here `config_kwargs`): s3fs turns
+    S3's errors into plain OSErrors, which were all retried as transient. A range from a file's end (416) failed
+    `verify` on every shard after 10 tries; a permanent 400 was retried for half a minute."""
+    from shardstream.s3_ranges import supports
+    from shardstream.storage import Store
+    from shardstream.verify import verify_dataset
+
+    options = {**moto.storage_options, "config_kwargs": {"connect_timeout": 5}}
+    assert not supports(options)
+    report = verify_dataset(s3_ds, storage_options=options, workers=1)
+    assert report.ok and report.images == N, report.problems
+    store = Store(s3_ds, options, RetryPolicy(attempts=10, base_delay=30.0, max_delay=30.0))
+    name = shardstream.open_dataset(s3_ds, storage_options=options).shards[0].name
+    size = store.size(name)
+    io_stats.reset()
+    assert store.read(name, size, size + 100) == b""  # a range from the end: nothing, as the direct readers say
+    assert io_stats.retries == 0
+    # How s3fs hands over S3's errors: its own OSError, botocore's error as the cause.
+    from botocore.exceptions import ClientError
+    from shardstream.retry import is_transient
+
+    def s3fs_error(errno_: int, status: int, code: str) -> OSError:
+        error = OSError(errno_, code)
+        error.__cause__ = ClientError({"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}},
+                                      "GetObject")
+        return error
+
+    assert not is_transient(s3fs_error(errno.EINVAL, 400, "AuthorizationHeaderMalformed"))
+    assert not is_transient(s3fs_error(errno.EINVAL, 416, "InvalidRange"))
+    assert is_transient(s3fs_error(errno.EBUSY, 503, "SlowDown"))
+    assert is_transient(s3fs_error(errno.EIO, 500, "InternalError"))
+
+
+def test_a_listing_sees_what_another_process_wrote_since(moto, s3_ds):
+    """Regression: fsspec's listings cache never expires, and the filesystem instance is shared by every Store
+    of the same options in a process: a file another process wrote after a first listing stayed missing (a
+    part finished elsewhere was reported missing, and merge refused)."""
+    from shardstream.storage import Store
+
+    store = Store(f"s3://{BUCKET}/listing", moto.storage_options)
+    store.write("a", b"1")
+    assert store.list() == ["a"]
+    subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        from shardstream.storage import Store
+        Store("s3://{BUCKET}/listing", {moto.storage_options!r}).write("b", b"2")
+        """)], check=True)
+    assert sorted(store.list()) == ["a", "b"] and store.exists("b")
