@@ -30,8 +30,17 @@ def is_transient(error: BaseException) -> bool:
         return (status >= 500 and status != 501) or status in (408, 429)  # 501: the server never will
     if isinstance(error, (ConnectionError, TimeoutError, OSError)):
         return True  # resets, broken pipes, EIO: the request may well succeed again
-    module = type(error).__module__
-    return module.startswith(("aiohttp", "botocore", "urllib3", "requests")) or "Timeout" in type(error).__name__
+    name, module = type(error).__name__, type(error).__module__
+    if module.startswith("botocore"):
+        # The connection's failures; not its configuration's (no credentials, a bad bucket
+        # name, no region), which were tried 10 times over 20 s before saying so.
+        return any(c.__name__ in _BOTOCORE_TRANSIENT for c in type(error).__mro__) or "Timeout" in name
+    return module.startswith(("aiohttp", "urllib3", "requests")) or "Timeout" in name
+
+
+# botocore's connection and transfer failures (and their subclasses: endpoint, proxy and
+# connect-timeout errors; closed connections, read timeouts).
+_BOTOCORE_TRANSIENT = frozenset({"ConnectionError", "HTTPClientError", "IncompleteReadError", "ResponseStreamingError"})
 
 
 def retry_after(error: BaseException) -> float | None:

@@ -38,9 +38,18 @@ _clients = PerProcess(lambda: (threading.Lock(), {}))  # options (as JSON) -> cl
 
 
 def supports(options: Mapping[str, Any]) -> bool:
-    """Whether botocore is installed and `options` (s3fs's) hold nothing this module would ignore."""
+    """Whether botocore is installed and `options` (s3fs's) hold nothing this module would
+    ignore, nor does fsspec's own configuration for S3 (``FSSPEC_S3_*`` variables, a
+    config file), which s3fs applies and this module would not: its reads went to another
+    endpoint than the listings and writes."""
     return (set(options) <= _OPTIONS and set(options.get("client_kwargs") or {}) <= _CLIENT_KWARGS
-            and _installed())
+            and not _fsspec_s3_config() and _installed())
+
+
+def _fsspec_s3_config() -> bool:
+    import fsspec.config
+
+    return bool(fsspec.config.conf.get("s3"))
 
 
 @functools.cache

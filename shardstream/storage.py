@@ -61,6 +61,16 @@ def _with_timeouts(root: str, options: Mapping[str, Any]) -> dict[str, Any]:
     (a part finished elsewhere stayed missing, and `merge` refused)."""
     options = dict(options)
     options.setdefault("use_listings_cache", False)
+    if root.startswith("s3://"):
+        # One try per botocore call below ours: its retries (5) ran inside s3fs's own (5,
+        # not settable per filesystem) under `RetryPolicy`: 25 requests and half a minute
+        # per call with attempts=1, out of reach of deadlines and cancellation; now 5 at
+        # most. The user's settings win.
+        config = dict(options.get("config_kwargs") or {})
+        config.setdefault("retries", {"total_max_attempts": 1})
+        config.setdefault("connect_timeout", HTTP_CONNECT_TIMEOUT_S)
+        config.setdefault("read_timeout", HTTP_READ_TIMEOUT_S)
+        options["config_kwargs"] = config
     if root.startswith(("http://", "https://")) and "timeout" not in options.get("client_kwargs", {}):
         import aiohttp
 

@@ -107,3 +107,42 @@ def test_the_deadline_counts_from_the_request_not_from_making_its_client():
                 "assert 'botocore' in sys.modules and data == bytes(range(200)), data\n")
         subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
         assert len(requests) == 1
+
+
+def test_fsspecs_own_s3_configuration_sends_reads_through_s3fs(monkeypatch):
+    """Regression: with the endpoint in fsspec's configuration (FSSPEC_S3_ENDPOINT_URL, a config file), pack and
+    listings went there through s3fs, while the direct reader, which does not read fsspec's configuration, sent
+    reads to AWS itself."""
+    import fsspec.config
+
+    from shardstream.s3_ranges import supports
+
+    assert supports({"key": "k", "secret": "s"})
+    monkeypatch.setitem(fsspec.config.conf, "s3", {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}})
+    assert not supports({"key": "k", "secret": "s"})
+
+
+def test_botocores_configuration_errors_are_not_retried():
+    """Regression: every botocore exception counted as transient: no credentials, or a bad bucket name, was
+    tried 10 times over 20 s before it was said. Its connection failures still are retried."""
+    import botocore.exceptions as b
+
+    from shardstream.retry import is_transient
+
+    for permanent in (b.NoCredentialsError(), b.ParamValidationError(report="bad bucket"), b.NoRegionError()):
+        assert not is_transient(permanent), permanent
+    for transient in (b.EndpointConnectionError(endpoint_url="x"), b.ConnectTimeoutError(endpoint_url="x"),
+                      b.ReadTimeoutError(endpoint_url="x"), b.ConnectionClosedError(endpoint_url="x"),
+                      b.IncompleteReadError(actual_bytes=1, expected_bytes=2)):
+        assert is_transient(transient), transient
+
+
+def test_s3fs_calls_make_one_botocore_try_each_unless_told_otherwise():
+    """Regression: botocore's own retries ran inside s3fs's and under RetryPolicy: 25 requests a call."""
+    from shardstream.storage import _with_timeouts
+
+    options = _with_timeouts("s3://b/ds", {"key": "k", "config_kwargs": {"read_timeout": 60}})
+    assert options["config_kwargs"] == {"read_timeout": 60, "retries": {"total_max_attempts": 1},
+                                        "connect_timeout": 10.0}
+    assert options["key"] == "k" and options["use_listings_cache"] is False
+    assert "config_kwargs" not in _with_timeouts("memory://ds", {})
