@@ -6,8 +6,9 @@
  * stop after its last row, so the rows below are never entropy-decoded at all. On the
  * benchmark's ImageNet-sized photos with torchvision's crop distribution this took
  * 1.02 ms an image against 1.24 ms for a whole decode by the same library (and 1.29 ms
- * for simplejpeg's), on one core; the pixels are the same bytes as the whole decode's
- * (tests/test_transforms.py compares them).
+ * for simplejpeg's), on one core, reading a row a call; 5% less since, sixteen rows a
+ * call (BENCHMARKS.md, fourteenth session). The pixels are the same bytes as the whole
+ * decode's (tests/test_transforms.py compares them).
  *
  * Python side: shardstream/decode.py (decode_rgb_crop), which falls back to a whole
  * decode where this module is not built or refuses an image. Any libjpeg warning
@@ -99,15 +100,27 @@ static int decode(const unsigned char *data, size_t size, int denom, JDIMENSION 
         jpeg_destroy_decompress(&cinfo);
         return -1;
     }
-    /* Freed with the decompressor, on the error path too. */
-    JSAMPARRAY row = (*cinfo.mem->alloc_sarray)((j_common_ptr)&cinfo, JPOOL_IMAGE, span * 3, 1);
-    for (JDIMENSION y = 0; y < height; y++) {
-        if (jpeg_read_scanlines(&cinfo, row, 1) != 1) {
+    /* Sixteen rows a call, straight into `out` where the decoded span is the region:
+       libjpeg's per-call overhead, paid once a row before, cost about 5% of a crop's decode
+       (9% of a whole image's) on the benchmark's photos. The row buffers are freed with
+       the decompressor, on the error path too. */
+    enum { ROWS = 16 };
+    JSAMPROW rows[ROWS];
+    int direct = skip == 0 && span == width;
+    JSAMPARRAY spans = direct ? NULL : (*cinfo.mem->alloc_sarray)((j_common_ptr)&cinfo, JPOOL_IMAGE, span * 3, ROWS);
+    for (JDIMENSION y = 0; y < height;) {
+        JDIMENSION want = height - y < ROWS ? height - y : ROWS;
+        for (JDIMENSION i = 0; i < want; i++)
+            rows[i] = direct ? out + (size_t)(y + i) * row_bytes : spans[i];
+        JDIMENSION got = jpeg_read_scanlines(&cinfo, rows, want);
+        if (got == 0) {
             snprintf(message, JMSG_LENGTH_MAX, "row %u could not be read", top + y);
             jpeg_destroy_decompress(&cinfo);
             return -1;
         }
-        memcpy(out + (size_t)y * row_bytes, row[0] + skip, row_bytes);
+        for (JDIMENSION i = 0; i < got && !direct; i++)
+            memcpy(out + (size_t)(y + i) * row_bytes, spans[i] + skip, row_bytes);
+        y += got;
     }
     /* The rows below the region are never decoded. */
     jpeg_abort_decompress(&cinfo);
