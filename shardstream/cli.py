@@ -81,11 +81,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ray: run --parts parts as Ray tasks on the cluster ray.init() finds, then merge")
     p.add_argument("--parts", type=_positive_int, default=None, help="with --executor ray: how many parts (default 4)")
     p.add_argument("--ray-address", default=None, help="with --executor ray: the cluster (default: RAY_ADDRESS or local)")
+    p.add_argument("--fsync", action="store_true",
+                   help="wait until each file is on the disk before the one that names it is written: a power "
+                   "loss cannot leave a manifest that lists a lost shard (local DST; slower, by the disk's speed)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=cmd_pack)
 
     p = sub.add_parser("merge", help="join the parts of a multi-machine pack into one dataset")
     p.add_argument("dst")
+    p.add_argument("--fsync", action="store_true", help="the manifest is on the disk when merge ends (local DST)")
     p.set_defaults(run=cmd_merge)
 
     p = sub.add_parser("index", help="make WebDataset .tar shards a dataset in place: an index each, a manifest")

@@ -63,7 +63,7 @@ def _merge_if_complete(args: argparse.Namespace, parts: int) -> int:
         print(f"{parts - len(missing)} of {parts} parts done; the last part to finish merges")
         return 0
     try:
-        manifest = merge(args.dst, storage_options=options)
+        manifest = merge(args.dst, storage_options=options, fsync=args.fsync)
     except ShardstreamError as e:
         print(f"shardstream: every part is done, but they do not merge: {e}", file=sys.stderr)
         return 1
@@ -76,7 +76,8 @@ def _pack_options(args: argparse.Namespace) -> dict:
     return dict(shard_size=args.shard_size, max_samples=args.max_samples, compression=args.compression,
                 level=args.level, seed=args.seed, shuffle=not args.no_shuffle, on_error=args.on_error,
                 max_side=args.max_side, quality=args.quality,
-                overwrite=args.overwrite, resume=args.resume, storage_options=_storage_options(args.storage_options))
+                overwrite=args.overwrite, resume=args.resume, storage_options=_storage_options(args.storage_options),
+                fsync=args.fsync)
 
 
 def _pack_with_ray(args: argparse.Namespace) -> int:
@@ -106,7 +107,7 @@ def _part(text: str | None) -> tuple[int, int] | None:
 def cmd_merge(args: argparse.Namespace) -> int:
     from .parts import merge
 
-    manifest = merge(args.dst, storage_options=_storage_options(args.storage_options))
+    manifest = merge(args.dst, storage_options=_storage_options(args.storage_options), fsync=args.fsync)
     print(f"merged {manifest.options.get('parts')} parts: {manifest.samples:,} samples in {len(manifest.shards)} shards")
     return 0
 

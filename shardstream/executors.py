@@ -74,7 +74,8 @@ def pack_with_ray(src: str, dst: str, *, parts: int, address: str | None = None,
         except BaseException:
             _stop(ray, pending)
             raise
-    return merge(dst, storage_options=options.get("storage_options")), [summaries[i] for i in range(parts)]
+    manifest = merge(dst, storage_options=options.get("storage_options"), fsync=options.get("fsync", False))
+    return manifest, [summaries[i] for i in range(parts)]
 
 
 def _cpus_to_ask(ray: Any, cpus_per_part: int) -> int:

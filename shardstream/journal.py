@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any, Iterator
 
 import msgpack
@@ -28,7 +28,7 @@ FOLDER = ".shardstream-pack"
 
 class Journal:
     def __init__(self, store: Store, name: str):
-        self.store = Store(store.url(f"{FOLDER}/{name}"), store.options)
+        self.store = replace(store, root=store.url(f"{FOLDER}/{name}"))
         self.shards = store
 
     def start(self, plan: dict[str, Any], resume: bool) -> dict[int, tuple[ShardInfo, list[tuple[str, str]]]]:

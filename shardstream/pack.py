@@ -182,6 +182,7 @@ def pack(
     quality: int = DEFAULT_QUALITY,
     progress: bool = True,
     storage_options: dict[str, Any] | None = None,
+    fsync: bool = False,
 ) -> PackSummary:
     """Pack an image folder (one subfolder per class) or a file list into `dst`.
 
@@ -198,14 +199,17 @@ def pack(
     part (anywhere, in any order), then `merge` (parts.py). `max_side` shrinks every
     image whose longer side is larger to that side, encoded again in the format of its
     field at `quality` (JPEG, WebP; PNG losslessly); smaller images, and animated ones
-    (listed in the summary's `kept_whole`), keep their bytes (shrink.py).
+    (listed in the summary's `kept_whole`), keep their bytes (shrink.py). `fsync` waits
+    until every file is on the disk before the one that names it is written, so that a
+    power loss cannot leave a manifest listing a lost shard (a crash of the process
+    cannot, either way); local `dst` only, as object stores publish only whole uploads.
     """
     src, dst = expand_home(os.fspath(src)), os.fspath(dst)  # pathlib.Path too; dst's Store expands dst
     _check_arguments(compression, level, on_error, part, max_samples, max_side, quality)
     prefix = "shard" if part is None else f"shard-p{part[0]:05d}"
     opts = PackOptions(parse_size(shard_size), max_samples, compression, level, seed, shuffle, FRAME_SIZE, prefix,
                        max_side, quality)
-    store = Store(dst, storage_options or {})
+    store = Store(dst, storage_options or {}, durable=fsync)
     target = MANIFEST_NAME if part is None else part_manifest_name(*part)
     # A finished pack or part rerun with `resume` (a scheduler's retry after the pack, a
     # part's merge, or clearing the journal failed) has nothing left to do but tidy up; a

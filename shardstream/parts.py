@@ -72,13 +72,14 @@ def missing_parts(dst: str, parts: int, *, storage_options: dict[str, Any] | Non
     return [i for i in range(parts) if found.get(i, (None,))[0] != parts]
 
 
-def merge(dst: str, *, storage_options: dict[str, Any] | None = None) -> Manifest:
+def merge(dst: str, *, storage_options: dict[str, Any] | None = None, fsync: bool = False) -> Manifest:
     """Check the part manifests in `dst` and write the dataset manifest; returns it.
 
     Idempotent: the same parts give the same manifest, byte for byte, so two merges
-    at once (the last two parts finishing together) write the same file.
+    at once (the last two parts finishing together) write the same file. `fsync`: the
+    manifest is on the disk when this returns (`pack`'s `fsync`, which the parts need too).
     """
-    store = Store(dst, storage_options or {})
+    store = Store(dst, storage_options or {}, durable=fsync)
     found = _part_manifests(store)
     if not found:
         raise ShardstreamError("no part manifests (manifest.part-IIIII-of-NNNNN.msgpack) found", url=dst)

@@ -11,6 +11,7 @@ that has ended, found by the next process that uploads.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
@@ -21,7 +22,7 @@ from .urls import local_path
 if TYPE_CHECKING:
     from .storage import Store
 
-__all__ = ["cleanup_scratch", "drop_scratch", "scratch_dir", "scratch_file"]
+__all__ = ["cleanup_scratch", "drop_scratch", "scratch_dir", "scratch_file", "sync_file", "sync_folder"]
 
 SCRATCH = ".shardstream-tmp"
 UPLOADS = "shardstream-uploads"  # in the system's temporary folder: a folder per process below
@@ -145,3 +146,26 @@ def scratch_file(store: Store, name: str) -> tuple[str, BinaryIO]:
                 raise
     os.fchmod(fd, 0o666 & ~_umask())
     return path, os.fdopen(fd, "wb")
+
+
+def sync_file(path: str) -> None:
+    """Wait until the bytes of the file `path` are on the disk (fsync)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_folder(path: str) -> None:
+    """Wait until the entries of the folder `path` (a rename into it) are on the disk."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        # Some file systems (network ones, some FUSE) cannot sync a folder: their entries
+        # are as durable as they make them, which is all anyone gets there.
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)

@@ -30,7 +30,7 @@ from . import http_ranges, s3_ranges
 from .errors import StorageError, safe_cause
 from .iostats import io_stats
 from .retry import RetryPolicy, http_status
-from .scratch import drop_scratch, scratch_file
+from .scratch import drop_scratch, scratch_file, sync_file, sync_folder
 from .urls import expand_home, is_local, local_path, split_query, without_userinfo
 
 if TYPE_CHECKING:
@@ -92,6 +92,13 @@ class Store:
     root: str
     options: Mapping[str, Any] = field(default_factory=dict, repr=False)  # credentials: never in a repr
     retry: "RetryPolicy" = field(default_factory=lambda: RetryPolicy())
+    # Local writes reach the disk before they are published, and the publishing rename
+    # before the call returns (fsync of the file, then of its folder): so that after a
+    # power loss or a kernel crash, and not only after the writing process dies, no file
+    # that names another (a manifest, a journal) names one that is lost. Off by default,
+    # as in tar, rsync and WebDataset: it waits for the disk. An object store publishes
+    # an object only once its upload is complete, so remote stores ignore it.
+    durable: bool = False
 
     def __post_init__(self) -> None:
         # Every dataset location becomes a Store here, so this is where ``~`` is expanded.
@@ -303,7 +310,10 @@ class Store:
 
     def makedirs(self) -> None:
         if self.local:
-            os.makedirs(local_path(self.root), exist_ok=True)
+            path = local_path(self.root)
+            os.makedirs(path, exist_ok=True)
+            if self.durable:  # the folder's own entry, made just now or not
+                sync_folder(os.path.dirname(os.path.abspath(path)))
 
     def put(self, local_file: str, name: str) -> None:
         """Move a finished local file into the store under `name`, atomically.
@@ -314,7 +324,12 @@ class Store:
         """
         try:
             if self.local:
-                os.replace(local_file, self.url(name))
+                target = self.url(name)
+                if self.durable:
+                    sync_file(local_file)
+                os.replace(local_file, target)
+                if self.durable:
+                    sync_folder(os.path.dirname(target))
                 return
             self.retry.call(self._remote_put, local_file, name, url=self.url(name))
             drop_scratch(local_file)
@@ -346,7 +361,9 @@ class Store:
             try:
                 os.remove(self.url(name))
             except FileNotFoundError:
-                pass
+                return
+            if self.durable:  # a manifest removed before its shards stays removed
+                sync_folder(os.path.dirname(self.url(name)))
             return
         # fsspec's exists() reads every failure (a 403, a 503) as "absent": ours retries, and raises.
         if self.exists(name):

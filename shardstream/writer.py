@@ -82,6 +82,7 @@ class ShardWriter:
     Use as a context manager: on a clean exit the manifest is written; on an exception
     the partial shard is removed and no manifest is written. A destination that holds a
     dataset is refused, or with `overwrite` replaced (its manifest removed first).
+    `fsync`: every file is on the disk before the manifest names it (`pack`'s `fsync`).
     """
 
     def __init__(
@@ -97,11 +98,12 @@ class ShardWriter:
         prefix: str = "shard",
         storage_options: dict[str, Any] | None = None,
         overwrite: bool = False,
+        fsync: bool = False,
     ) -> None:
         check_compression(compression, level)
         self.overwrite = overwrite
         self._claimed = False  # see _claim
-        self.store = Store(dst, storage_options or {})
+        self.store = Store(dst, storage_options or {}, durable=fsync)
         self.shard_size = parse_size(shard_size)
         self.max_samples = max_samples
         self.compression = compression
