@@ -65,8 +65,9 @@ def open_image(data: bytes) -> Image.Image:
     return image
 
 
-def decode_image(data: bytes, mode: str | None, *, url: str = "", key: str = "") -> Any:
-    """Decode image bytes: ``"pil"`` gives an RGB PIL image, ``"rgb8"`` a uint8 CHW tensor."""
+def decode_image(data: bytes, mode: str | None, *, url: str = "", key: str = "", name: str = "") -> Any:
+    """Decode image bytes: ``"pil"`` gives an RGB PIL image, ``"rgb8"`` a uint8 CHW tensor.
+    An error names the sample's `url`, `key` and field `name` where given."""
     if mode is None:
         return data
     try:
@@ -74,7 +75,8 @@ def decode_image(data: bytes, mode: str | None, *, url: str = "", key: str = "")
             return _pil_rgb(data)
         return hwc_to_chw_tensor(decode_rgb(data))
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-        raise DecodeError(f"cannot decode image: {reason(e)}", url=url or None, key=key or None) from e
+        field = f" field {name!r}" if name else ""
+        raise DecodeError(f"cannot decode image{field}: {reason(e)}", url=url or None, key=key or None) from e
 
 
 _SOI = b"\xff\xd8"  # a JPEG's first bytes
@@ -336,7 +338,7 @@ class Decoder:
     def field(self, ext: str, data: bytes, url: str, key: str, name: str) -> Any:
         if ext in IMAGE_EXTENSIONS:
             if not callable(self.images):
-                return decode_image(data, self.images, url=url, key=key)
+                return decode_image(data, self.images, url=url, key=key, name=name)
             try:
                 return self.images(data)
             except DecodeError:

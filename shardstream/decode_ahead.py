@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .decode import IMAGE_EXTENSIONS, Decoder
+from .errors import ShardstreamError
 from .fields import field_extension
 from .transforms import crop_resize
 
@@ -65,21 +66,37 @@ class DecodeAhead:
     def draw(self, sample: dict[str, Any]) -> tuple[dict[str, Any], dict[str, _Image]]:
         """Decode all but the images, and draw each image's crop (random: under the sample's seed).
 
-        Returns the sample with the images still bytes, and the images left to decode.
+        Returns the sample with the images still bytes, and the images left to decode. The
+        fields are taken in the sample's order, as `Decoder` takes them: where a field fails,
+        an image before it that fails too is the error raised, so a sample with two bad
+        fields names the one that decoding inline names.
         """
-        decoded = Decoder(images=None, allow_pickle=self.allow_pickle)(sample)
+        fields = Decoder(images=None, allow_pickle=self.allow_pickle)
         url, key = str(sample.get("__url__", "")), str(sample.get("__key__", ""))
+        decoded: dict[str, Any] = {}
         images: dict[str, _Image] = {}
-        for name, value in decoded.items():
-            ext = field_extension(name)
-            if name.startswith("__") or ext not in IMAGE_EXTENSIONS or not isinstance(value, bytes):
+        for name, value in sample.items():
+            if name.startswith("__") or not isinstance(value, (bytes, bytearray, memoryview)):
+                decoded[name] = value
                 continue
-            if isinstance(self.images, str):
-                images[name] = _Image(ext, value, self.images)
-            else:  # the crop, from the header; a header that cannot be read is the sample's DecodeError
-                plan = Decoder(images=self.images.plan).field(ext, value, url, key, name)  # type: ignore[union-attr]
-                images[name] = _Image(ext, value, functools.partial(crop_resize, plan=plan))
+            ext, data = field_extension(name), bytes(value)
+            try:
+                if ext not in IMAGE_EXTENSIONS:
+                    decoded[name] = fields.field(ext, data, url, key, name)
+                    continue
+                decoded[name] = data
+                images[name] = self._left_to_decode(ext, data, url, key, name)
+            except ShardstreamError:
+                self.pixels(decoded, images)  # an image before this field that fails raises first
+                raise
         return decoded, images
+
+    def _left_to_decode(self, ext: str, data: bytes, url: str, key: str, name: str) -> _Image:
+        if isinstance(self.images, str):
+            return _Image(ext, data, self.images)
+        # The crop, from the header; a header that cannot be read is the sample's DecodeError.
+        plan = Decoder(images=self.images.plan).field(ext, data, url, key, name)  # type: ignore[union-attr]
+        return _Image(ext, data, functools.partial(crop_resize, plan=plan))
 
     def pixels(self, sample: dict[str, Any], images: dict[str, _Image]) -> dict[str, Any]:
         """The sample with its images decoded (thread-safe; draws nothing)."""

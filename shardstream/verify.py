@@ -112,7 +112,7 @@ def verify_shard(reader: ShardReader, decode_images: bool = True) -> Iterator[Pr
             for name, value in sample.items():
                 if decode_images and not name.startswith("__") and field_extension(name) in IMAGE_EXTENSIONS:
                     try:
-                        decode_image(value, "pil", url=reader.url, key=key).load()  # type: ignore[union-attr,arg-type]
+                        decode_image(value, "pil", url=reader.url, key=key, name=name).load()  # type: ignore[union-attr,arg-type]
                     except ShardstreamError as e:
                         yield Problem(info.name, key, e.detail)
                     else:

@@ -211,3 +211,27 @@ def test_an_error_drawing_items_is_raised_at_its_own_place():
         for future in ordered_map(lambda x: x * 10, items(), threads=3):
             got.append(future.result())
     assert got == [0, 10, 20, 30, 40]
+
+
+@pytest.mark.parametrize("decode", ["rgb8", RandomResizedCropJPEG(16)], ids=["rgb8", "crop"])
+@pytest.mark.parametrize("json_field", ["json", "a.json"], ids=["image-first", "json-first"])
+def test_a_sample_with_two_bad_fields_names_the_field_inline_decoding_names(tmp_path, decode, json_field):
+    """Regression: the threads decoded every other field before any image, so where a JPEG's
+    body and a later JSON field were both bad, the error named the JSON field; decoding
+    inline names the first bad field in the sample's order (sorted by name, as stored)."""
+    jpg = synthetic_jpeg(1, 64, 48)
+    with ShardWriter(str(tmp_path / "ds")) as writer:
+        writer.write({"__key__": "good", "jpg": jpg, json_field: b"{}"})
+        writer.write({"__key__": "bad", "jpg": jpg[: len(jpg) // 3], json_field: b"{not json"})
+
+    def error(threads: int) -> str:
+        with pytest.raises(DecodeError) as info:
+            list(StreamingDataset(str(tmp_path / "ds"), decode=decode, decode_threads=threads))
+        text = str(info.value)
+        del info
+        gc.collect()  # the traceback held the stream's threads
+        return text
+
+    inline, threaded = error(0), error(2)
+    assert "'bad'" in inline and f"field {min('jpg', json_field)!r}" in inline
+    assert threaded == inline
