@@ -61,6 +61,7 @@ class Checkpointing:
         # In a DataLoader worker: its place in the plan (epoch, plan worker, items yielded),
         # for torchdata's StatefulDataLoader, which loads each worker's own back into it.
         self._position: tuple[int, int, int] | None = None
+        self._iteration: object = None  # the latest iteration begun (dataset.py)
         self._loaded_position: tuple[int, int] | None = None
         self._worker_resume = False  # the loaded state is a worker's own
         self._translated: tuple[ResumeState, Layout, ResumeState] | None = None  # see _resume_for
@@ -130,8 +131,9 @@ class Checkpointing:
         workers: after a restart, those received before it count too (`resumed_items`
         says how many, also after a resume onto another layout, whose items were counted
         in that layout's units). By default: what this dataset yielded when iterated in
-        this process (or, if not iterated since `load_state_dict`, what the loaded state
-        says). `shardstream.DataLoader` counts and passes both for you.
+        this process, by its latest iteration where several are open (or, if not iterated
+        since `load_state_dict`, what the loaded state says). `shardstream.DataLoader`
+        counts and passes both for you.
 
         Called inside a DataLoader worker, as torchdata's `StatefulDataLoader` does for
         each worker, it describes that worker's own place in the plan instead; the
@@ -206,6 +208,7 @@ class Checkpointing:
         another epoch is set, `state_dict` still describes the completed one."""
         self._resume = None
         self._delivered = 0
+        self._iteration = None  # an iteration still open no longer counts (another epoch, or it ended)
 
     def forget_resume(self) -> None:
         """Start the next iteration at the beginning of the epoch."""
@@ -232,6 +235,7 @@ class Checkpointing:
         self._pass_resume = None
         self._resume_id = self._shared.new_resume()
         self._delivered = None
+        self._iteration = None  # the loaded state is the place now, not an iteration still open
 
     def _worker_state(self) -> dict[str, Any]:
         world = self.world()
@@ -257,3 +261,4 @@ class Checkpointing:
         self._loaded_position = resume.position
         self._worker_resume = True
         self._delivered = None
+        self._iteration = None

@@ -343,15 +343,20 @@ class StreamingDataset(Checkpointing, IterableDataset):
             stream = self._epoch_items(world, block, layout, segment, worker, done, epoch)
         self._delivered = delivered
         self._position = (epoch, worker, done)
-        return self._yield(world, stream, resume_id, counted)
+        # The latest iteration begun owns the count and the place `state_dict` reads: an
+        # earlier one still open (a loop left with `break`, or `zip(ds, ds)`) that goes on
+        # would count its items into another iteration's place.
+        self._iteration = iteration = object()
+        return self._yield(world, stream, resume_id, counted, iteration)
 
     def _yield(self, world: World, stream: Iterator[Any], resume_id: int | None,
-               counted: dict[str, float]) -> Iterator[Any]:
+               counted: dict[str, float], iteration: object) -> Iterator[Any]:
         last_count = time.monotonic()
         for item in stream:
-            self._delivered += 1  # counts what the consumer received (main-process iteration)
-            epoch, worker, done = self._position
-            self._position = (epoch, worker, done + 1)
+            if self._iteration is iteration:  # counts what the consumer received (main-process iteration)
+                self._delivered += 1
+                epoch, worker, done = self._position
+                self._position = (epoch, worker, done + 1)
             if (now := time.monotonic()) - last_count >= IO_COUNT_INTERVAL_S:  # not per item: 5 us each
                 counted, last_count = self._count_io(world.worker, counted), now
             yield item

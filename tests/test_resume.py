@@ -509,6 +509,37 @@ def test_state_dict_right_after_load_keeps_the_progress(url):
     assert got + [D.freeze(item) for item in fresh] == full
 
 
+def test_the_latest_iteration_owns_the_place_state_dict_reads(url):
+    """Regression: two iterations of one dataset open at once (a loop left with `break`
+    and a new one, or `zip(ds, ds)`) both counted into its place: the first's items,
+    taken after the second began, moved the state past what the second had yielded."""
+    ds = dataset(url)
+    first = iter(ds)
+    [next(first) for _ in range(3)]
+    second = iter(ds)  # begun after three items of `first`
+    taken = [D.freeze(next(second)) for _ in range(2)]
+    [next(first) for _ in range(4)]  # the older iteration goes on
+    state = ds.state_dict()
+    rest = [D.freeze(item) for item in second]
+    resumed = dataset(url)
+    resumed.load_state_dict(state)
+    assert [D.freeze(item) for item in resumed] == rest and taken + rest == [D.freeze(i) for i in dataset(url)]
+
+
+def test_an_iteration_open_across_load_state_dict_goes_on(url):
+    """Regression: an iteration still open when a state was loaded failed at its next
+    item (TypeError: None + 1), and the state loaded stays the place until iterated."""
+    ds = dataset(url)
+    early = iter(ds)
+    next(early)
+    source = dataset(url)
+    D.take_main(source, 3)
+    state = source.state_dict()
+    ds.load_state_dict(state)
+    next(early)  # counts nowhere now
+    assert ds.state_dict() == state
+
+
 def test_loader_state_dict_right_after_load_keeps_the_progress(url):
     loader = shardstream.DataLoader(dataset(url))
     it = iter(loader)
