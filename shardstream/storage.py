@@ -11,8 +11,9 @@ makes one such call per zstd frame.
 
 What a store uses but does not own lives below it: what a URL names (`urls`), the
 scratch files that writes go through (`scratch`), which errors are retried and how
-(`retry`), the per-process I/O counters every read adds to (`iostats`), and what a
-forked child must be told about fsspec's event loop (`forkloop`).
+(`retry`), s3fs cut to one try per call below those retries (`s3fs_one_try`), the
+per-process I/O counters every read adds to (`iostats`), and what a forked child must
+be told about fsspec's event loop (`forkloop`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import contextlib
 import io
 import os
 import posixpath
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO, Iterator, Mapping
@@ -63,9 +65,9 @@ def _with_timeouts(root: str, options: Mapping[str, Any]) -> dict[str, Any]:
     options.setdefault("use_listings_cache", False)
     if root.startswith("s3://"):
         # One try per botocore call below ours: its retries (5) ran inside s3fs's own (5,
-        # not settable per filesystem) under `RetryPolicy`: 25 requests and half a minute
-        # per call with attempts=1, out of reach of deadlines and cancellation; now 5 at
-        # most. The user's settings win.
+        # cut to one by `_s3_filesystem_class`) under `RetryPolicy`: 25 requests and half a
+        # minute per call with attempts=1, out of reach of deadlines and cancellation. The
+        # user's settings win.
         config = dict(options.get("config_kwargs") or {})
         config.setdefault("retries", {"total_max_attempts": 1})
         config.setdefault("connect_timeout", HTTP_CONNECT_TIMEOUT_S)
@@ -78,6 +80,24 @@ def _with_timeouts(root: str, options: Mapping[str, Any]) -> dict[str, Any]:
                                         sock_read=HTTP_READ_TIMEOUT_S)
         options["client_kwargs"] = {**options.get("client_kwargs", {}), "timeout": timeout}
     return options
+
+
+def _s3_filesystem_class() -> type[fsspec.AbstractFileSystem]:
+    """The filesystem class of a store's s3:// files: s3fs's, with its own retry loop run
+    once (`s3fs_one_try`: each `RetryPolicy` attempt is one request, which deadlines,
+    cancellation and the counters see), or a class the user registered with fsspec for
+    "s3" as it is: its retries are its maker's choice. s3fs takes no option for its
+    tries; setting `S3FileSystem.retries` tunes every s3fs filesystem in the process, the
+    user's own, and is not read here: a store's retries are `RetryPolicy`'s alone."""
+    import fsspec
+
+    registered = fsspec.get_filesystem_class("s3")  # imports s3fs where that is what is registered
+    s3fs = sys.modules.get("s3fs")
+    if s3fs is None or registered is not s3fs.S3FileSystem:
+        return registered
+    from .s3fs_one_try import OneTryS3FileSystem
+
+    return OneTryS3FileSystem
 
 
 @dataclass(frozen=True)
@@ -138,8 +158,12 @@ class Store:
     def _fs_path(self, name: str) -> tuple[fsspec.AbstractFileSystem, str]:
         import fsspec.core
 
-        fs, path = fsspec.core.url_to_fs(self.url(name), **_with_timeouts(self.root, self.options))
-        return fs, path
+        url, options = self.url(name), _with_timeouts(self.root, self.options)
+        if not self.root.startswith("s3://"):
+            return fsspec.core.url_to_fs(url, **options)
+        cls = _s3_filesystem_class()  # as url_to_fs makes it, of this class
+        fs = cls(**{**cls._get_kwargs_from_urls(url), **options})
+        return fs, cls._strip_protocol(url)
 
     def _wrap(self, name: str, action: str, error: BaseException) -> StorageError:
         return StorageError(f"could not {action}: {type(error).__name__}: {error}", url=self.url(name))

@@ -33,6 +33,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
+import fsspec
 import fsspec.asyn
 import numpy as np
 import pytest
@@ -734,6 +735,65 @@ def test_store_s3_not_found_on_moto(moto):
     for call in ("read", "size"):
         with pytest.raises(StorageError, match="file not found"):
             STORE_CALLS[call](store, "blob.bin")
+
+
+class _Dropping(_Answering):
+    """Closes every connection without an answer (requests recorded as `_Answering` records them)."""
+
+    def answer(self) -> None:
+        pass  # HTTP/1.0: the connection closes as the handler returns
+
+
+@pytest.mark.parametrize("answer", ["503", "dropped", "403"])
+def test_s3fs_path_makes_one_request_per_attempt(answer, tmp_path):
+    """Regression: s3fs's own retry loop (5 tries, with sleeps; a read runs in two such loops, one inside the
+    other) ran under RetryPolicy on the s3fs path. Each attempt of a throttled (503 SlowDown) read, listing or
+    upload made 5 requests, one whose connection dropped 50, in waits that no deadline or cancellation reached and
+    that io_stats did not count. Now each attempt is one request (aiohttp resends a request on a dropped
+    connection once itself), a permanent error (403) one request in all, and every error names the URL. A user's
+    own s3fs filesystem of the same options keeps its retries."""
+    import fsspec
+    import s3fs
+
+    from shardstream.storage import _with_timeouts
+
+    local = tmp_path / "blob.bin"
+    handler = _Dropping if answer == "dropped" else _Answering
+    with serving(handler, status=503 if answer == "dropped" else int(answer)) as (url, seen):
+        store = store_of("s3-fsspec", url)  # 2 attempts
+        own = fsspec.filesystem("s3", **_with_timeouts(store.root, store.options))  # the store's options, exactly
+        calls = {**STORE_CALLS, "put": lambda store, name: (local.write_bytes(b"data"), store.put(str(local), name))}
+        for call, do in calls.items():
+            seen.clear()
+            io_stats.reset()
+            with pytest.raises(StorageError) as info:
+                do(store, "blob.bin")
+            assert info.value.url == store.url("" if call == "list" else "blob.bin"), call
+            if answer == "403":
+                assert len(seen) == 1 and io_stats.retries == 0, (call, seen)
+            else:
+                assert "failed after 2 attempts" in str(info.value), call
+                assert io_stats.retries == 1, call
+                assert 2 <= len(seen) <= (4 if answer == "dropped" else 2), (call, seen)
+        assert own.retries == s3fs.S3FileSystem.retries == 5
+
+
+def test_an_s3_filesystem_the_user_registered_keeps_its_own_tries():
+    """A class the user registered with fsspec for "s3" is what a store's s3fs path uses, as it is: its tries
+    (here 3 per attempt) are its maker's choice."""
+    import s3fs
+
+    class ThreeTries(s3fs.S3FileSystem):
+        retries = 3
+
+    fsspec.register_implementation("s3", ThreeTries, clobber=True)
+    try:
+        with serving(_Answering, status=503) as (url, seen):
+            with pytest.raises(StorageError, match="failed after 2 attempts"):
+                store_of("s3-fsspec", url).read("blob.bin", 0, 4)
+            assert len(seen) == 6
+    finally:
+        fsspec.register_implementation("s3", s3fs.S3FileSystem, clobber=True)
 
 
 def test_local_store_size_of_a_path_through_a_file_is_a_storage_error(tmp_path):
