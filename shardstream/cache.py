@@ -22,10 +22,22 @@ processes:
 * **Self-healing.** The first use of a cached shard in each process re-hashes it; a
   file damaged on disk is deleted and fetched again. A download's temporary file left by
   a killed process is deleted by the next walk (its download's `flock` is gone with it).
-* **Versioned.** A shard's copy lives in a folder named by its manifest checksum, so a
+* **Versioned.** A shard's copy lives in a folder named by its checksum (the manifest's), so a
   dataset republished at the same location (new bytes under the same shard names) is
   never served from the old copy, and a job still reading the old version does not hold
   up one reading the new: the old copies age out as least recently used.
+* **Nothing left behind.** A walk that evicts a shard deletes its lock file too, and
+  removes the folders that leaves empty (the version's, then the location's): a dataset
+  republished daily would otherwise leave a folder and a lock file per shard per day.
+  Lock files and indexes found without their shard (a walk killed midway, a cache filled
+  by an earlier version of this module) are deleted by the next walk. A lock file is
+  deleted only by a walk holding its exclusive lock, last. A process that opened it just
+  before waits for that lock and then holds a lock on a deleted file, while another
+  process could lock a new file at the same path. So every process that takes a lock
+  checks that the path still names the file it locked, and starts again if not. A
+  folder is removed only while empty (`rmdir` refuses otherwise), and a download's
+  folder holds the lock file it holds. A process that finds its folder gone between
+  making it and opening the lock file makes it again.
 """
 
 from __future__ import annotations
@@ -117,62 +129,70 @@ class ShardCache:
         if ref.info is None:
             raise StorageError("only datasets with a manifest can be cached (checksums are needed)", url=ref.url)
         path = self.path(ref)
-        folder = os.path.dirname(path)
-        os.makedirs(folder, exist_ok=True)
-        lock = open(path + ".lock", "a+b")
-        _locks.add(lock)
+        lock = self._acquire(path, ref)
         try:
-            self._acquire(lock, path, ref)
             os.utime(path)  # most recently used
         except BaseException:
             lock.close()
             raise
-        return ShardReader(Store(folder), ref.name, ref.info), lock
+        return ShardReader(Store(os.path.dirname(path)), ref.name, ref.info), lock
 
     def forget(self, ref: ShardRef) -> None:
         """Check the cached copy of `ref` again at its next `open` (it was found damaged)."""
         _verified.discard(self.path(ref))
 
-    def _acquire(self, lock: BinaryIO, path: str, ref: ShardRef) -> None:
-        """Hold a shared lock on `lock` with a verified copy of `ref` at `path`.
+    def _acquire(self, path: str, ref: ShardRef) -> BinaryIO:
+        """The lock file of `path`, share-locked, with a verified copy of `ref` at `path`.
 
         Checking a copy only reads it, under the shared lock, so readers never wait for
         each other. Downloading needs the exclusive lock, and it is only ever *tried*:
         a process waiting for it while holding shared locks on the shards it is reading
         could wait for a second process doing the same the other way round, forever.
         When another process holds the shard, this one waits for a shared lock (which
-        only a download in progress delays) and looks again.
+        only a download in progress delays) and looks again. A walk may delete the lock
+        file while nobody holds it (`_evict`): whenever this process is left holding a
+        deleted one, it lets go and starts again on the file now there.
         """
         assert ref.info is not None
+        lock_path = path + ".lock"
         vanished, since = 0, time.monotonic()
         while True:
-            fcntl.flock(lock, fcntl.LOCK_SH)
-            if self._check(path, ref):
-                io_stats.add(cache_hits=1)
-                return
-            try:  # converting drops the shared lock first, whether or not this succeeds
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                if since is not None and time.monotonic() - since > SLOW_WAIT_S:
-                    log.warning("%s: waited %.0f s for another reader of the cached copy to let go of it, which "
-                                "must be fetched again here; still waiting", ref.url, SLOW_WAIT_S)
-                    since = None  # said once
-                time.sleep(random.uniform(0.005, 0.05))  # another process has it: let it download
-                continue
-            if not self._check(path, ref):
-                io_stats.add(cache_misses=1)
-                self._download(ref, path)
-                _verified.add(path)
-            # Downgrade so readers can share. flock converts by unlocking first, so an
-            # evictor may slip in between: check again that the file is still there.
-            fcntl.flock(lock, fcntl.LOCK_SH)
-            if self._present(path, ref):
-                return
-            _verified.discard(path)
-            vanished += 1
-            if vanished >= 3:
-                raise StorageError("cached shard keeps disappearing (cache_limit too small for the shards in use?)",
-                                   url=ref.url)
+            lock = _shared_lock(lock_path)
+            try:
+                if self._check(path, ref):
+                    io_stats.add(cache_hits=1)
+                    return lock
+                try:  # converting drops the shared lock first, whether or not this succeeds
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    if since is not None and time.monotonic() - since > SLOW_WAIT_S:
+                        log.warning("%s: waited %.0f s for another reader of the cached copy to let go of it, "
+                                    "which must be fetched again here; still waiting", ref.url, SLOW_WAIT_S)
+                        since = None  # said once
+                    time.sleep(random.uniform(0.005, 0.05))  # another process has it: let it download
+                else:
+                    # In the conversion's gap a walk may have evicted the shard and deleted its lock
+                    # file: downloading under a lock on the deleted file would race the process
+                    # locking the new one.
+                    if _names(lock_path, lock):
+                        if not self._check(path, ref):
+                            io_stats.add(cache_misses=1)
+                            self._download(ref, path)
+                            _verified.add(path)
+                        # Downgrade so readers can share. flock converts by unlocking first, so an
+                        # evictor may slip in between: check again that the file is still there.
+                        fcntl.flock(lock, fcntl.LOCK_SH)
+                        if _names(lock_path, lock) and self._present(path, ref):
+                            return lock
+                        _verified.discard(path)
+                        vanished += 1
+                        if vanished >= 3:
+                            raise StorageError("cached shard keeps disappearing (cache_limit too small for the "
+                                               "shards in use?)", url=ref.url)
+            except BaseException:
+                lock.close()
+                raise
+            lock.close()
 
     def _check(self, path: str, ref: ShardRef) -> bool:
         """Whether the copy at `path` is whole: hashed once per process, then trusted."""
@@ -254,18 +274,26 @@ class ShardCache:
     def _make_room(self, incoming: int) -> None:
         """Evict least-recently-used shards not in use until `incoming` more bytes fit beside
         those on disk, downloads in flight included; mark the cache over its limit if they
-        do not. Called in `_turn`."""
+        do not. Then sweep what evictions leave behind (`_sweep`). Called in `_turn`."""
         entries = []
         reserved = 0
         now = time.time()
+        leftovers = []  # shards absent whose lock file or index is there
+        occupied: dict[str, int] = {}  # by folder: its files other than lock files and indexes
         for base, _, names in os.walk(self.root):
+            occupied[base] = 0
+            if _depth(self.root, base) == 2:  # a version folder
+                leftovers += sorted({os.path.join(base, stem) for stem, suffix in map(os.path.splitext, names)
+                                     if suffix in (".lock", ".idx") and stem not in names})
             for name in names:
                 full = os.path.join(base, name)
-                if name.endswith(".part"):
-                    reserved += _reserved_bytes(full, now)
-                    continue
                 if name.endswith((".lock", ".idx")) or name == OVER_LIMIT:
                     continue
+                if name.endswith(".part"):
+                    reserved += _reserved_bytes(full, now)
+                    occupied[base] += os.path.exists(full)  # unless abandoned, and deleted
+                    continue
+                occupied[base] += 1
                 try:
                     st = os.stat(full)
                 except FileNotFoundError:  # evicted meanwhile by hand
@@ -281,25 +309,89 @@ class ShardCache:
                 break
             if self._evict(full):
                 total -= size
+                occupied[os.path.dirname(full)] -= 1
         marker = os.path.join(self.root, OVER_LIMIT)
         if total + incoming > self.limit:
             open(marker, "ab").close()
         elif os.path.exists(marker):
             os.remove(marker)
+        self._sweep(leftovers, [folder for folder, n in occupied.items() if n == 0])
+
+    def _sweep(self, leftovers: list[str], emptied: list[str]) -> None:
+        """Delete the lock files and indexes of the shards in `leftovers`, which are not there
+        (evicted by a walk killed midway, by hand, or by a version of this module that left
+        them), and remove the location and version folders among `emptied` (found holding
+        no shard and no download) that are empty now. Called in `_turn`."""
+        for path in leftovers:
+            self._evict(path)  # unless a process holds its lock: downloading it, or about to
+        # rmdir removes a folder only while it is empty, and a process about to use one that is
+        # gone makes it again (`_shared_lock`). Children first: os.walk listed parents first.
+        for folder in reversed(emptied):
+            if 1 <= _depth(self.root, folder) <= 2:
+                with contextlib.suppress(OSError):
+                    os.rmdir(folder)
 
     @staticmethod
     def _evict(path: str) -> bool:
-        with open(path + ".lock", "a+b") as lock:
+        """Delete the copy at `path`, its index and its lock file, unless a process holds the
+        lock (reading the copy, or downloading it). The lock file goes last, while this walk
+        holds it: a process that opened it meanwhile finds, once it has the lock, that the
+        file is no longer the one at the path (`_names`) and starts again on a new one."""
+        lock_path = path + ".lock"
+        with open(lock_path, "a+b") as lock:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 return False  # in use by a reader
-            for victim in (path, path + ".idx"):
+            if not _names(lock_path, lock):  # only walks delete lock files, and this one has the turn
+                return False
+            for victim in (path, path + ".idx", lock_path):
                 try:
                     os.remove(victim)
                 except FileNotFoundError:
                     pass
             return True
+
+
+def _depth(root: str, folder: str) -> int:
+    """How deep `folder` lies under the cache's `root`: 1 for a location's folder, 2 for a version's."""
+    return 0 if folder == root else os.path.relpath(folder, root).count(os.sep) + 1
+
+
+def _shared_lock(path: str) -> BinaryIO:
+    """The lock file at `path` (made, and its folders, if absent), open and share-locked.
+
+    A walk deletes a lock file nobody holds (`ShardCache._evict`), so a process may open
+    the file just before that and lock it just after: a lock on a deleted file, which
+    the next process, making the file again, would not see. So once locked, the file is
+    checked to be the one `path` names, and if not, the lock is taken again on that one.
+    A walk also removes the folders it leaves empty: one gone is made again."""
+    while True:
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            lock = open(path, "a+b")
+        except FileNotFoundError:  # a walk removed its folder between the two
+            continue
+        _locks.add(lock)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_SH)
+            if _names(path, lock):
+                return lock
+        except BaseException:
+            lock.close()
+            raise
+        lock.close()
+
+
+def _names(path: str, lock: BinaryIO) -> bool:
+    """Whether `path` names the file `lock` is open on, and not a later one (a walk deleted
+    it). While `lock` is open its inode cannot be reused, so equal numbers are the same file."""
+    try:
+        there = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(lock.fileno())
+    return (there.st_dev, there.st_ino) == (held.st_dev, held.st_ino)
 
 
 def _reserved_bytes(part: str, now: float) -> int:

@@ -1611,6 +1611,200 @@ def test_cache_serves_a_dataset_republished_at_its_location_anew(tmp_path):
         assert result == [second]
 
 
+def cache_debris(cache_dir: Path) -> list[str]:
+    """What the cache holds besides its shards and their indexes and lock files: folders holding no shard, lock
+    files and indexes whose shard is gone, temporary files. Paths relative to `cache_dir`."""
+    debris = []
+    for location in (p for p in cache_dir.iterdir() if p.is_dir()):
+        versions = list(location.iterdir())
+        debris += [] if versions else [location]
+        for version in versions:
+            names = {p.name for p in version.iterdir()}
+            shards = {n for n in names if not n.endswith((".lock", ".idx", ".part"))}
+            debris += [] if shards else [version]
+            debris += [version / n for n in names - shards
+                       if n.endswith(".part") or os.path.splitext(n)[0] not in shards]
+    return sorted(str(p.relative_to(cache_dir)) for p in debris)
+
+
+def test_cache_removes_the_lock_files_and_folders_of_the_shards_it_evicts(local_ds, shard_names, tmp_path):
+    """Regression: evicting a shard left its lock file and its version folder behind for good, one of each per
+    shard evicted (a cache of a third of an 11-shard dataset, read twice, kept 8 folders holding only a lock
+    file). Eviction deletes them now, and a walk sweeps those an earlier eviction left (a cache filled before)."""
+    from shardstream.cache import ShardCache
+
+    cache_dir = tmp_path / "cache"
+    sizes = [Path(local_ds, n).stat().st_size + Path(local_ds, n + ".idx").stat().st_size for n in shard_names]
+    limit = 2 * max(sizes) + 100
+    with H.CountingHTTPServer(local_ds) as server:
+        source = shardstream.open_dataset(server.url)
+        cache = ShardCache(str(cache_dir), limit)
+        cache.open(source.shards[0])[1].close()
+        left = Path(cache.folder(source.shards[0].store))  # left there by a cache that did not sweep
+        for stale in ("0123456789abcdef/shard-old.tar.lock", "0123456789abcdef/shard-old.tar.idx",
+                      "fedcba9876543210/shard-old.tar.lock"):
+            (left / stale).parent.mkdir(exist_ok=True)
+            (left / stale).write_bytes(b"")
+        (left / "00000000000000ff").mkdir()
+        (cache_dir / "0000000000000000").mkdir()  # an old location's folder, emptied
+        ds = StreamingDataset(server.url, decode=None, fields=("__key__",), prefetch=0, cache_dir=str(cache_dir),
+                              cache_limit=limit)
+        for epoch in range(2):
+            ds.set_epoch(epoch)
+            assert len(list(ds)) == N
+    assert server.gets(shard_names[0]) > 1  # evicted and fetched again: the cache did evict
+    assert cache_debris(cache_dir) == []
+    assert len([p for p in cache_dir.iterdir() if p.is_dir()]) == 1
+
+
+def test_cache_keeps_no_folders_of_a_dataset_s_earlier_versions(tmp_path):
+    """Regression: a dataset republished at its location (new bytes, same shard names) is cached in new
+    version folders; the old copies were evicted as least recently used, but their folders and lock files
+    stayed, a dataset's worth per republication (each day's, for months). Now only the current ones remain."""
+    def publish(seed: int) -> int:
+        src = tmp_path / f"src{seed}"
+        make_image_folder(src, num_classes=2, images_per_class=[6, 5], size_range=((40, 30), (60, 45)), seed=seed)
+        shardstream.pack(str(src), str(tmp_path / "ds"), shard_size="20KB", seed=0, workers=1, overwrite=True,
+                         progress=False)
+        shards = shardstream.open_dataset(str(tmp_path / "ds")).shards
+        return sum(ref.info.bytes + ref.info.index_bytes for ref in shards)
+
+    cache_dir = tmp_path / "cache"
+    with H.CountingHTTPServer(str(tmp_path / "ds")) as server:
+        for seed in range(1, 4):
+            limit = publish(seed) + 100  # room for this version: the last one is evicted while reading it
+            H.run_ranks(server.url, 1, num_workers=0, cache_dir=str(cache_dir), cache_limit=limit)
+        current = shardstream.open_dataset(server.url).shards
+    assert cache_debris(cache_dir) == []
+    assert sorted(p.name for p in cache_folder(cache_dir).iterdir()) == sorted(r.info.sha256[:16] for r in current)
+
+
+def _locks_waited_on(path: Path) -> int:
+    """How many flock requests wait on the file at `path` (Linux's /proc/locks lists them after "->")."""
+    inode = f":{path.stat().st_ino} "
+    return sum(1 for line in Path("/proc/locks").read_text().splitlines() if "-> FLOCK" in line and inode in line)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/locks"), reason="needs Linux's /proc/locks to see a waiting lock")
+def test_a_process_waiting_on_a_lock_file_a_walk_deletes_starts_again_on_the_one_made_anew(local_ds, tmp_path):
+    """A walk evicting a shard deletes its lock file while holding it. A process that opened the file before
+    and waited for its lock got a lock on a deleted file: downloading under it would run beside a process
+    locked on the file made anew (two "exclusive" holders), and into a folder the walk may have removed. It
+    must notice once it has the lock, and start again on the file at the path."""
+    import fcntl
+    from concurrent.futures import ThreadPoolExecutor
+
+    from shardstream.cache import ShardCache
+
+    with H.CountingHTTPServer(local_ds) as server:
+        ref = shardstream.open_dataset(server.url).shards[0]
+        cache = ShardCache(str(tmp_path / "cache"), 1 << 30)
+        cache.open(ref)[1].close()
+        path = Path(cache.path(ref))
+        lock_path = path.with_name(path.name + ".lock")
+        with ThreadPoolExecutor(1) as pool:
+            walk = open(lock_path, "a+b")  # the lock an evicting walk holds
+            try:
+                fcntl.flock(walk, fcntl.LOCK_EX)
+                opening = pool.submit(cache.open, ref)
+                deadline = time.monotonic() + 30
+                while not _locks_waited_on(lock_path):
+                    assert time.monotonic() < deadline and not opening.done(), "the open never waited on the lock"
+                    time.sleep(0.01)
+                for victim in (path, path.with_name(path.name + ".idx"), lock_path):  # what the walk deletes
+                    victim.unlink()
+                path.parent.rmdir()  # left empty
+            finally:
+                walk.close()
+            reader, held = opening.result(timeout=30)
+        try:
+            assert os.fstat(held.fileno()).st_ino == lock_path.stat().st_ino  # held on the file at the path
+            assert server.gets(ref.name) == 2  # downloaded again
+            assert [s["__key__"] for s in reader.read(0, 2)] == [s["__key__"] for s in ref.reader().read(0, 2)]
+        finally:
+            held.close()
+
+
+def _read_hard(cache_dir: str, url: str, seed: int, rounds: int, limit: int, out: str) -> None:
+    """A process reading every shard of `url` through the cache `rounds` times, in its own random order,
+    trimming after each as the stream does: {key: sha256 of its jpg} per sample read, in `out`."""
+    from shardstream.cache import ShardCache
+
+    try:
+        cache = ShardCache(cache_dir, limit)
+        shards = list(shardstream.open_dataset(url).shards)
+        rng = random.Random(seed)
+        got: list[list[str]] = []
+        for _ in range(rounds):
+            rng.shuffle(shards)
+            for ref in shards:
+                reader, lock = cache.open(ref)
+                try:
+                    got += [[s["__key__"], hashlib.sha256(s["jpg"]).hexdigest()]
+                            for s in reader.read(0, ref.info.samples)]
+                finally:
+                    lock.close()
+                cache.trim()
+        Path(out).write_text(json.dumps(got))
+    except BaseException:
+        import traceback
+
+        Path(out + ".error").write_text(traceback.format_exc())
+        raise
+
+
+def test_cache_read_and_evicted_hard_by_processes_at_once_stays_whole_and_leaves_nothing_behind(
+        local_ds, shard_names, jpg_digests, tmp_path):
+    """Four processes read every shard three times each through a cache with room for two, so walks evict
+    shards, delete their lock files and remove their folders while the others open, download and read
+    them. Every sample read is the source's, no shard is downloaded by two processes at once, and once they
+    are done the cache holds nothing but shards (with their indexes and lock files)."""
+    import multiprocessing
+
+    cache_dir = tmp_path / "cache"
+    sizes = [Path(local_ds, n).stat().st_size + Path(local_ds, n + ".idx").stat().st_size for n in shard_names]
+    limit = 2 * max(sizes) + 100
+    processes, rounds = 4, 3
+    with H.CountingHTTPServer(local_ds, latency_s=0.002) as server:  # a download lasts, to overlap with others
+        in_flight: collections.Counter = collections.Counter()
+        overlapping: list[str] = []
+        counting = threading.Lock()
+
+        class Overlaps(server.server.RequestHandlerClass):  # type: ignore[misc,name-defined]
+            def do_GET(self) -> None:
+                name = self.path.split("?", 1)[0].lstrip("/")
+                with counting:
+                    in_flight[name] += 1
+                    if in_flight[name] > 1 and name != MANIFEST_NAME:
+                        overlapping.append(name)
+                try:
+                    super().do_GET()
+                finally:
+                    with counting:
+                        in_flight[name] -= 1
+
+        server.server.RequestHandlerClass = Overlaps
+        context = multiprocessing.get_context("fork")
+        outs = [str(tmp_path / f"reader{i}.json") for i in range(processes)]
+        procs = [context.Process(target=_read_hard, args=(str(cache_dir), server.url, i, rounds, limit, outs[i]))
+                 for i in range(processes)]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join(300)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        errors = [Path(out + ".error").read_text() for out in outs if os.path.exists(out + ".error")]
+        assert not errors and all(proc.exitcode == 0 for proc in procs), errors or [p.exitcode for p in procs]
+        assert max(server.gets(n) for n in shard_names) > 1  # evicted and fetched again: the cache did evict
+    for out in outs:
+        got = json.loads(Path(out).read_text())
+        assert len(got) == rounds * N and all(jpg_digests[key] == digest for key, digest in got)
+    assert overlapping == []  # one download of a shard at a time
+    assert cache_debris(cache_dir) == []
+
+
 def test_an_open_ahead_that_comes_after_its_shard_was_read_is_dropped(local_ds, shard_names, tmp_path):
     """Opens ahead are queued behind slow ones (downloads): one that ran after its shard had been read and
     released downloaded the shard again (had it been evicted) and held it in the cache to the iteration's end."""
