@@ -9,7 +9,7 @@ fast and works where torch is absent.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
 from .errors import (
@@ -31,6 +31,15 @@ from .tarstream import StreamTarReader, open_shard
 from .source import Source, open_dataset
 from .retry import RetryPolicy
 from .writer import ShardWriter
+
+if TYPE_CHECKING:  # the lazy names' types, for type checkers and IDEs, which do not run `__getattr__`
+    from .collate import default_collate as default_collate, pad_collate as pad_collate
+    from .dataset import StreamingDataset as StreamingDataset
+    from .device_jpeg import DecodeOnDevice as DecodeOnDevice, DeferDecode as DeferDecode
+    from .loader import DataLoader as DataLoader, LoaderStats as LoaderStats, Normalize as Normalize
+    from .sampling import Mix as Mix, Sampling as Sampling
+    from .transforms import CenterCropJPEG as CenterCropJPEG, RandomResizedCropJPEG as RandomResizedCropJPEG
+    from .world import World as World
 
 # Public names that need torch, by the module that defines them.
 _LAZY = {

@@ -121,7 +121,7 @@ class StreamingDataset(Checkpointing, IterableDataset):
 
     def __init__(
         self,
-        source: str | Sequence[str] | Mix,
+        source: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | Mix,
         *,
         shuffle: bool = False,
         seed: int = 0,
@@ -363,7 +363,9 @@ class StreamingDataset(Checkpointing, IterableDataset):
         self._count_io(world.worker, counted)
         if resume_id is not None:  # the resumed epoch is complete: later passes start afresh
             self._shared.finish_resume(resume_id, world.worker)
-        if not self._worker_resume:  # a worker's own state stays until its next iteration (see _worker_state)
+        # A worker's own state stays until its next iteration (see _worker_state); a state loaded
+        # while this iteration ran (it no longer owns the place) is the next iteration's.
+        if not self._worker_resume and self._iteration is iteration:
             self._resume = None
 
     def _epoch_items(self, world: World, block: np.ndarray, layout: Layout, segment: int, worker: int, done: int,

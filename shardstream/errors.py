@@ -40,7 +40,7 @@ class ShardstreamError(Exception):
             where.append(f"byte {offset}")
         super().__init__(f"{', '.join(where)}: {message}" if where else message)
 
-    def __reduce__(self):  # keep url/key/offset when crossing a worker process
+    def __reduce__(self) -> tuple[object, ...]:  # keep url/key/offset when crossing a worker process
         return (_rebuild, (type(self), self.detail, self.url, self.key, self.offset))
 
 

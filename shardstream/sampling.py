@@ -115,7 +115,8 @@ class Mix:
     sources: tuple[str | tuple[str, ...], ...]
     weights: tuple[float, ...] = field(default=())
 
-    def __init__(self, sources: Sequence[str | Sequence[str]], weights: Sequence[float]):
+    def __init__(self, sources: Sequence[str | os.PathLike[str] | Sequence[str | os.PathLike[str]]],
+                 weights: Sequence[float]):
         if len(sources) != len(weights) or not sources:
             raise ValueError("Mix needs one weight per source")
         if not all(isinstance(w, numbers.Real) and math.isfinite(w) and w > 0 for w in weights):

@@ -204,7 +204,7 @@ def open_dataset(url: str | os.PathLike[str], *, storage_options: dict[str, Any]
         raise ManifestError("no manifest: not a packed dataset (or packing has not finished; for a folder of "
                             "plain .tar shards, `shardstream index` writes one)", url=manifest_url) from e
     manifest = Manifest.from_bytes(data, manifest_url)
-    return Source(url, tuple(ShardRef(store, s.name, s) for s in manifest.shards), manifest)
+    return Source(os.fspath(url), tuple(ShardRef(store, s.name, s) for s in manifest.shards), manifest)
 
 
 def resolve_source(source: "str | Sequence[str] | Mix", *, storage_options: dict[str, Any] | None = None,

@@ -14,7 +14,7 @@ import hashlib
 import lzma
 import math
 import zlib
-from typing import BinaryIO, Iterator
+from typing import Any, BinaryIO, Iterator
 
 import numpy as np
 import zstandard
@@ -254,7 +254,7 @@ def scan_tar(f: CountingReader, url: str) -> tuple[ShardIndex, tuple[str, ...]]:
     return index, tuple(sorted(fields))
 
 
-def open_shard(url: str, *, storage_options: dict | None = None) -> ShardReader | StreamTarReader:
+def open_shard(url: str, *, storage_options: dict[str, Any] | None = None) -> ShardReader | StreamTarReader:
     """Open one shard by URL or path.
 
     A shard with an index beside it (``<shard>.idx``, as shardstream writes) gives a

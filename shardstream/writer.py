@@ -185,8 +185,8 @@ class ShardWriter:
         self._shard = None
 
     def close(self) -> Manifest | None:
-        """Finish the last shard and write the manifest; returns it (None when already closed,
-        as at the end of a `with` block that called `close()` itself)."""
+        """Finish the last shard and write the manifest; returns it (the same one when already
+        closed, as at the end of a `with` block that called `close()` itself; None after `abort()`)."""
         if self._closed:
             return self._manifest
         self._claim()

@@ -309,6 +309,21 @@ def test_the_error_policy_names_the_readme_uses_are_public():
     assert ss.ErrorPolicy(mode="skip", max_skips=3).max_skips == 3
 
 
+def test_the_names_imported_on_first_use_are_typed_for_type_checkers():
+    """`StreamingDataset`, `DataLoader`, ... are imported on first use (`__getattr__`), which type checkers
+    and IDEs do not run: they saw each as `Any`. Each is imported for them under TYPE_CHECKING, from the
+    module that defines it."""
+    import ast
+    import inspect
+
+    import shardstream as ss
+
+    block = next(node for node in ast.parse(inspect.getsource(ss)).body
+                 if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")
+    typed = {alias.asname: node.module for node in block.body for alias in node.names}
+    assert typed == ss._LAZY
+
+
 def test_verify_warns_of_a_jpeg_that_decodes_with_data_missing(tmp_path):
     """Regression: a JPEG with bit rot mid-file (its end intact) decodes, libjpeg filling what is lost, so pack
     took it and verify said ok, while the image was garbled. verify now names it, as a warning: it decodes, as

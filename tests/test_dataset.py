@@ -699,6 +699,7 @@ def test_arguments_as_training_scripts_pass_them(url):
     assert list(numpy) == list(plain)
     json.dumps(numpy.state_dict())
     assert shardstream.open_dataset(Path(url)).manifest == shardstream.open_dataset(url).manifest
+    assert shardstream.open_dataset(Path(url)).url == url  # was the Path itself, where Source.url says str
     with pytest.raises(TypeError, match="seed must be an integer"):
         StreamingDataset(url, seed=1.5)
     with pytest.raises(ValueError, match="shuffle_buffer must be 0 or more"):

@@ -526,18 +526,22 @@ def test_the_latest_iteration_owns_the_place_state_dict_reads(url):
     assert [D.freeze(item) for item in resumed] == rest and taken + rest == [D.freeze(i) for i in dataset(url)]
 
 
-def test_an_iteration_open_across_load_state_dict_goes_on(url):
-    """Regression: an iteration still open when a state was loaded failed at its next
-    item (TypeError: None + 1), and the state loaded stays the place until iterated."""
+def test_a_state_loaded_during_an_iteration_applies_to_the_next(url):
+    """Regression: `load_state_dict` while an iteration was open (rolling back to a checkpoint
+    inside the loop) made that iteration's next item raise a bare TypeError (None + 1); run
+    to its end, it would have dropped the state just loaded. It runs on now, counting
+    nowhere, and the next iteration continues from the state (found by mypy, `None + int`)."""
+    full = [D.freeze(item) for item in dataset(url)]
+    checkpointed = dataset(url)
+    D.take_main(checkpointed, 3)
+    state = checkpointed.state_dict()
     ds = dataset(url)
-    early = iter(ds)
-    next(early)
-    source = dataset(url)
-    D.take_main(source, 3)
-    state = source.state_dict()
+    it = iter(ds)
+    first = D.freeze(next(it))
     ds.load_state_dict(state)
-    next(early)  # counts nowhere now
+    assert [first] + [D.freeze(item) for item in it] == full
     assert ds.state_dict() == state
+    assert [D.freeze(item) for item in ds] == full[3:]
 
 
 def test_loader_state_dict_right_after_load_keeps_the_progress(url):
