@@ -29,6 +29,7 @@ from .collate import default_collate
 from .decode import Decoder
 from .decode_ahead import DecodeAhead
 from .epochs import EpochSequences
+from .errors import add_note
 from .headstart import HeadStart
 from .iostats import io_stats
 from .policy import ErrorPolicy, guarded
@@ -244,7 +245,7 @@ class StreamingDataset(Checkpointing, IterableDataset):
                 pickle.dumps(value)
             except Exception as reason:  # PicklingError, TypeError or AttributeError, by the object
                 what = "the dataset" if name == "dataset" else f"the dataset's {name} argument"
-                error.add_note(f"shardstream: {what} cannot be pickled ({reason}); {why}")
+                add_note(error, f"shardstream: {what} cannot be pickled ({reason}); {why}")
                 return
 
     def __getitem__(self, index: Any) -> Any:

@@ -99,6 +99,19 @@ def safe_cause(error: BaseException) -> BaseException:
     return stand_in
 
 
+def add_note(error: BaseException, note: str) -> None:
+    """`error.add_note(note)`, which Python 3.10 (supported) lacks: there the note is kept in
+    `__notes__`, as 3.11 keeps it, and the error is raised as it was, unharmed (its traceback
+    shows no notes before 3.11)."""
+    try:
+        error.add_note(note)
+    except AttributeError:  # Python 3.10
+        try:
+            error.__notes__ = [*getattr(error, "__notes__", ()), note]  # type: ignore[attr-defined]
+        except AttributeError:  # an exception without a __dict__: nowhere to keep it
+            pass
+
+
 class CorruptShardError(ShardstreamError):
     """A shard's bytes are not what the format promises (tar, zstd or checksum)."""
 

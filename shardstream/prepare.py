@@ -28,7 +28,7 @@ import torch
 from .collate import default_collate, pad_collate
 from .decode import Decoder
 from .decode_ahead import DecodeAhead
-from .errors import MissingFieldError, ShardstreamError
+from .errors import MissingFieldError, ShardstreamError, add_note
 from .threads import ordered_map
 from .transforms import CenterCropJPEG, RandomResizedCropJPEG
 
@@ -229,7 +229,7 @@ def _transformed(transform: Callable[[Any], Any], sample: dict[str, Any]) -> Any
     try:
         return transform(sample)
     except Exception as e:
-        e.add_note(f"shardstream: in the transform of sample {sample.get('__key__')!r} of {sample.get('__url__')}")
+        add_note(e, f"shardstream: in the transform of sample {sample.get('__key__')!r} of {sample.get('__url__')}")
         raise
 
 

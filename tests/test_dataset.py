@@ -578,6 +578,43 @@ def test_an_error_in_the_users_transform_names_the_sample(packed, num_workers):
     assert "a bug in the user's transform" in text and f"in the transform of sample {key!r}" in text
 
 
+class _ErrorOfPython310(ValueError):
+    """An exception as Python 3.10 (which shardstream supports) makes them: no `add_note`."""
+
+    def __getattribute__(self, name: str):
+        if name == "add_note":
+            raise AttributeError(name)
+        return super().__getattribute__(name)
+
+
+def test_notes_reach_errors_of_python_3_10_too(packed):
+    """Regression: the note naming the sample was added with `add_note`, new in Python 3.11:
+    on 3.10 the user's own error became an AttributeError about `add_note`. Now the error is
+    raised as it was, its note kept in `__notes__` as 3.11 keeps it; every note goes through
+    `errors.add_note`."""
+    import ast
+
+    from shardstream.errors import add_note
+
+    error = _ErrorOfPython310("the user's")
+    add_note(error, "first")
+    add_note(error, "second")
+    assert error.__notes__ == ["first", "second"] and str(error) == "the user's"
+
+    def raises(sample: dict) -> dict:
+        raise _ErrorOfPython310("a bug in the user's transform")
+
+    with pytest.raises(_ErrorOfPython310) as info:
+        list(shardstream.StreamingDataset(packed, decode=None, transform=raises))
+    assert any("in the transform of sample" in note for note in info.value.__notes__)
+    del info
+    gc.collect()
+    package = Path(shardstream.__file__).parent
+    direct = [f"{path.name}:{node.lineno}" for path in package.glob("*.py") for node in ast.walk(ast.parse(path.read_text()))
+              if isinstance(node, ast.Attribute) and node.attr == "add_note" and path.name != "errors.py"]
+    assert not direct, f"call errors.add_note(error, note), which Python 3.10 has, not error.add_note: {direct}"
+
+
 def test_samples_are_seeded_only_where_something_can_draw(packed):
     from shardstream.decode import Decoder
     from shardstream.prepare import SamplePrep
