@@ -67,7 +67,8 @@ class StreamingDataset(Checkpointing, IterableDataset):
         shuffle: shuffle the shard order per epoch, then samples in a buffer per worker.
         seed: the seed of every random choice; with `set_epoch` it fixes the order.
         shuffle_buffer: samples held per worker for shuffling; memory is about this
-            many times the mean stored sample size (JPEG bytes, not decoded pixels).
+            many times the mean sample size as written (JPEG bytes, not decoded pixels;
+            a field zstd compresses well counts at its size before compression).
         decode: image decoding: ``"rgb8"`` (uint8 CHW tensors), ``"pil"``, ``None``
             (bytes), or a callable from image bytes to anything (for example
             `RandomResizedCropJPEG`). Other fields decode by extension.
@@ -88,7 +89,9 @@ class StreamingDataset(Checkpointing, IterableDataset):
         storage_options: fsspec options for remote sources.
         prefetch: pieces read ahead by background threads in each worker, so storage
             latency overlaps decoding (0: read in the iterating thread). A piece is one
-            storage request of up to 8 MB, cut between frames. Default: 2 for local
+            storage request of up to 8 MB, cut between frames, and holds up to 8 MB of
+            samples once decompressed (a sample larger than that is a piece of its
+            own); each is held whole until its samples are yielded. Default: 2 for local
             shards, 6 for remote ones, where each request waits tens of milliseconds
             and several must be in flight (6 measured best at 50 ms of latency).
             Remote shards also get a head start: a process on its second iteration
@@ -116,8 +119,11 @@ class StreamingDataset(Checkpointing, IterableDataset):
             of the consumer and in its order. The random draws (crops, `transform`)
             stay in the iterating thread, so the samples are those of 0 (the default),
             bit for bit. For ``decode="rgb8"``/``"pil"`` and the fused transforms;
-            decode_ahead.py says why and how fast. In the main process, torch's own
-            intra-op threads compete with these: ``torch.set_num_threads(1)``.
+            decode_ahead.py says why and how fast. Up to 4 samples per thread are
+            decoded ahead, so 4 x `decode_threads` decoded samples are held beside the
+            consumer's (with ``"rgb8"``, a 3000x2400 photo is 21.6 MB). In the main
+            process, torch's own intra-op threads compete with these:
+            ``torch.set_num_threads(1)``.
     """
 
     def __init__(

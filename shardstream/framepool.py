@@ -6,6 +6,11 @@ crosses a pipe. They are processes when the images are small, where the per-imag
 Python work (about 50 µs) would hold the GIL for most of the time (BENCHMARKS.md).
 Either way a job's result, or its exception, comes back at its place in the plan, so
 the caller appends frames in order and the output does not depend on the workers.
+In memory, the frames ahead are counted, not their bytes: at most 4 x workers frames
+built or being built (a worker building one holds about 3 times its bytes: the files,
+the tar, the compressed frame), and a frame is about 1 MB, or one image where images
+are larger: with images of 20 MB, 2 workers hold up to about 160 MB, beside the shard
+writer's queue (shardfile.py: 16 MB, or one frame).
 
 Processes run in `_FramePool`, not `multiprocessing.Pool`, and a frame's data crosses
 the pipe raw, read straight into its final buffer: the transport costs what it must

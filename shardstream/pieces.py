@@ -1,9 +1,11 @@
 """How a worker's samples become storage requests: runs of consecutive samples, then pieces.
 
 A piece is one ranged read of at most about `piece_bytes`, cut between zstd frames, so
-no two pieces fetch the same frame. The first pieces of an iteration are small (`ramp`):
-its first samples then wait for a short transfer, not for several full pieces sharing
-one link. Nothing here reads data; a shard's index says where its samples lie.
+no two pieces fetch the same frame; a piece is held whole, so its samples, decompressed,
+are at most about `piece_bytes` too (a frame larger than that is a piece of its own).
+The first pieces of an iteration are small (`ramp`): its first samples then wait for a
+short transfer, not for several full pieces sharing one link. Nothing here reads data;
+a shard's index says where its samples lie.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ __all__ = ["Piece", "PieceKey", "cut", "first_window", "piece_key", "planned_pie
            "stretches"]
 
 # A planned piece: (first sample, stop, which samples of it to keep (None: all), whether it
-# is its stretch's last, bytes fetched).
+# is its stretch's last, its bytes: fetched, or held decompressed where those are more).
 Piece = tuple[int, int, "np.ndarray | None", bool, int]
 # What a piece's read gives: shard, first sample, stop, the samples kept, whether errors
 # become samples (read_tolerant) or raise.
@@ -64,7 +66,7 @@ def ramp(piece_bytes: int) -> Iterator[int]:
 def planned_pieces(reader: ShardReader | StreamTarReader, stretch: list[tuple[int, int]],
                    sizes: Iterator[int]) -> Iterator[Piece]:
     """The pieces that read a stretch of runs of one shard: (first, stop, which samples to
-    keep, is last, bytes fetched; a full piece's worth where unknown).
+    keep, is last, bytes fetched or held (`_piece_bytes`); a full piece's worth where unknown).
 
     Runs whose bytes lie close together are read as one span, and the samples between
     them dropped: for remote storage, a gap of up to 2 MB costs less than another
@@ -75,7 +77,7 @@ def planned_pieces(reader: ShardReader | StreamTarReader, stretch: list[tuple[in
         if not isinstance(reader, ShardReader):
             raise ShardstreamError("no index")
         gap = 0 if reader.store.local else READ_BYTES // 4
-        cuts = [(a, b, span, wanted, _fetched_bytes(reader, a, b))
+        cuts = [(a, b, span, wanted, _piece_bytes(reader, a, b))
                 for span, stop, wanted in _coalesce(reader, stretch, gap) for a, b in cut(reader, span, stop, sizes)]
     except ShardstreamError:  # no index: whole runs; a bad index: the reads meet the error in their turn
         cuts = [(first, stop, first, None, READ_BYTES) for first, stop in stretch]
@@ -84,9 +86,12 @@ def planned_pieces(reader: ShardReader | StreamTarReader, stretch: list[tuple[in
         yield a, b, (None if keep is None or keep.all() else keep), k + 1 == len(cuts), int(size)
 
 
-def _fetched_bytes(reader: ShardReader, a: int, b: int) -> int:
+def _piece_bytes(reader: ShardReader, a: int, b: int) -> int:
+    """What reading samples [a, b) costs in memory: the bytes fetched, or the samples'
+    bytes once decompressed where they are more (compressible fields)."""
     lo, hi = reader.extent(a, b)
-    return hi - lo
+    offsets = reader.index.sample_offsets
+    return max(hi - lo, int(offsets[b] - offsets[a]))
 
 
 def cut(reader: ShardReader, a: int, b: int, sizes: Iterator[int]) -> Iterator[tuple[int, int]]:

@@ -161,11 +161,15 @@ class ShardReader:
         return int(index.sample_offsets[start]), int(index.sample_offsets[stop])
 
     def pieces(self, start: int, stop: int, max_bytes: int = READ_BYTES) -> Iterator[tuple[int, int]]:
-        """Cut samples [start, stop) into ranges that each fetch at most about `max_bytes` of storage.
+        """Cut samples [start, stop) into ranges that each fetch at most about `max_bytes` of
+        storage and hold at most about `max_bytes` once decompressed.
 
         Cuts fall only between frames (zstd) or samples (plain tar), so no two ranges
         fetch the same bytes, and with `max_bytes` <= `READ_BYTES` each range is one
-        storage request: the unit for prefetching in parallel.
+        storage request: the unit for prefetching in parallel. Prefetching holds a
+        range's samples whole, decompressed: cut by its compressed bytes alone, a range of
+        well-compressed samples (arrays of zeros, masks, text) held hundreds of times
+        `max_bytes`. One frame larger than `max_bytes` is a range of its own.
         """
         index = self.index
         if start >= stop:
@@ -175,7 +179,8 @@ class ShardReader:
             first, last = index.frame_of(start), index.frame_of(stop - 1)
             f = first
             while f <= last:
-                g = int(np.searchsorted(comp, comp[f] + max_bytes, side="right")) - 1
+                g = min(int(np.searchsorted(comp, comp[f] + max_bytes, side="right")),
+                        int(np.searchsorted(raw, raw[f] + max_bytes, side="right"))) - 1
                 g = min(max(g, f + 1), last + 1)
                 # The samples that begin in frames [f, g), clipped to the range.
                 a = max(start, int(np.searchsorted(index.sample_offsets, raw[f], side="left")))

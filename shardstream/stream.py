@@ -153,13 +153,15 @@ def read_samples(source: Source, ids: np.ndarray, counts: np.ndarray, prefetch: 
     With `prefetch` > 0 (indexed sources), pieces are fetched, decompressed and parsed
     ahead by background threads while the caller works on the current one: `prefetch`
     pieces, or more while they are small, up to half of `prefetch` full pieces' bytes
-    and `MAX_AHEAD` pieces (a resume reads scattered single frames, whose cost is the
-    request's latency, not its bytes). With a `cache` the next `prefetch` shards are
-    downloaded ahead: storage latency then overlaps decoding. A piece is one storage
-    request of at most about `piece_bytes`, cut between frames (`ShardReader.pieces`),
-    so no two pieces fetch the same frame; the next shards' indexes are fetched while
-    the current shard is read. The threads start with the iteration and are joined
-    when it ends or is closed.
+    (fetched, or held decompressed where those are more) and `MAX_AHEAD` pieces (a
+    resume reads scattered single frames, whose cost is the request's latency, not its
+    bytes). With a `cache` the next `prefetch` shards are downloaded ahead: storage
+    latency then overlaps decoding. A piece is one storage request of at most about
+    `piece_bytes`, cut between frames (`ShardReader.pieces`), so no two pieces fetch the
+    same frame, and holds at most about `piece_bytes` of samples decompressed (or one
+    frame, where that is larger); the next shards' indexes are fetched while the
+    current shard is read. The threads start with the iteration and are joined when it
+    ends or is closed.
 
     With a `head_start` (headstart.py), the pieces it read ahead are used where this
     iteration plans the same ones (with a cache: the shard it downloaded is held until

@@ -866,6 +866,23 @@ def test_pieces_partition_a_range_without_sharing_a_frame(tmp_path, compression,
         assert len(list(reader.pieces(0, len(reader), max_bytes))) > 2  # the case of several pieces was reached
 
 
+@pytest.mark.parametrize("max_bytes", [5000, 12000])
+def test_pieces_of_compressible_samples_hold_at_most_max_bytes_decompressed(tmp_path, max_bytes):
+    """A piece is read whole into memory, decompressed: cut by its compressed bytes alone, one piece of
+    well-compressed samples (arrays of zeros, masks) held the whole shard. Each piece holds at most
+    `max_bytes` of samples unless one frame alone is larger, and the pieces still cover the range."""
+    samples = [{"__key__": f"s{i:04d}", "bin": bytes(1500 + 10 * i), "cls": i % 3} for i in range(60)]
+    write_samples(tmp_path / "ds", samples, frame_size=4000)
+    reader = open_dataset(str(tmp_path / "ds")).shards[0].reader()
+    index = reader.index
+    assert reader.extent(0, len(reader))[1] < max_bytes, "the shard is stored in less than one piece's bytes"
+    cuts = list(reader.pieces(0, len(reader), max_bytes))
+    assert [a for a, _ in cuts] == [0] + [b for _, b in cuts[:-1]] and cuts[-1][1] == len(reader)
+    held = [int(index.sample_offsets[b] - index.sample_offsets[a]) for a, b in cuts]
+    assert all(h <= max_bytes or index.frame_of(a) == index.frame_of(b - 1) for h, (a, b) in zip(held, cuts)), held
+    assert [s["bin"] for a, b in cuts for s in reader.read(a, b)] == [s["bin"] for s in samples]
+
+
 def test_index_weights_round_trip_and_bad_ones_are_refused(tmp_path):
     samples = blob_samples(12)
     for i, s in enumerate(samples):
