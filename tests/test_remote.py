@@ -1109,13 +1109,17 @@ def folder_bytes(folder: Path) -> int:
     the file it becomes (``NAME``) are one file: a listing taken while it is renamed can show
     both names, and it is counted once."""
     sizes: dict[Path, int] = {}
-    for p in folder.rglob("*"):
-        name = p.name[1:].rsplit(".", 2)[0] if p.name.endswith(".part") else p.name
-        try:
-            size = p.stat().st_size if p.is_file() else 0
-        except FileNotFoundError:  # evicted meanwhile by a thread downloading ahead
-            continue
-        sizes[p.parent / name] = max(sizes.get(p.parent / name, 0), size)
+    # os.walk, not Path.rglob: a walk of the cache removes the folders it empties, and rglob
+    # raised FileNotFoundError for a folder gone between listing its parent and entering it.
+    for base, _, names in os.walk(folder):
+        for file in names:
+            p = Path(base, file)
+            name = p.name[1:].rsplit(".", 2)[0] if p.name.endswith(".part") else p.name
+            try:
+                size = p.stat().st_size
+            except FileNotFoundError:  # evicted meanwhile by a thread downloading ahead
+                continue
+            sizes[p.parent / name] = max(sizes.get(p.parent / name, 0), size)
     return sum(sizes.values())
 
 
