@@ -4,14 +4,24 @@ This module parses the arguments and runs the subcommand (commands.py, each a th
 layer over a library function), and turns a `ShardstreamError`, or an `OSError` on a
 path it was given (a file where a folder should be, a folder that cannot be made),
 into a one-line message and exit status 1.
+
+SIGTERM stops a command as Ctrl-C does (`Terminated`, a KeyboardInterrupt): schedulers
+(SLURM, Kubernetes, spot instances) stop jobs with it, and Python's default for it ends
+the process on the spot, without the cleanup an interrupt runs: a pack's worker
+processes were left to notice on their own, its partial shard stayed in the scratch
+folder, and the exit said nothing. The status is 128 + the signal's number, as a shell
+reports a command a signal ended: 130 for SIGINT, 143 for SIGTERM.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
-from typing import Sequence
+import threading
+from typing import Any, Iterator, Sequence
 
 from .commands import (cmd_bench, cmd_demo, cmd_index, cmd_inspect, cmd_merge, cmd_pack, cmd_repack,
                        cmd_verify)
@@ -158,10 +168,46 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread where it is, as Ctrl-C raises KeyboardInterrupt:
+    whatever cleans up after an interrupt cleans up after it."""
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """While the command runs, SIGTERM raises `Terminated`; a second SIGTERM ends the process
+    at once (the cleanup may be what hangs, and an interrupted pack is safe to kill).
+
+    Only from the main thread, where Python runs signal handlers; the handler before is
+    put back after (a test may call `main` in its process)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise Terminated()
+
+    before = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def _stopped(command: str, error: KeyboardInterrupt, resume: bool) -> int:
+    """Say that `command` was stopped by a signal, and return its exit status (128 + its number)."""
+    terminated = isinstance(error, Terminated)
+    hint = "; --resume continues from the last complete shard" if resume else ""
+    print(f"shardstream {command}: {'terminated (SIGTERM)' if terminated else 'interrupted'}{hint}", file=sys.stderr)
+    return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return int(args.run(args))
+        with _sigterm_interrupts():
+            return int(args.run(args))
     except ShardstreamError as e:
         print(f"shardstream {args.command}: error: {e}", file=sys.stderr)
         return 1
@@ -169,9 +215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = f"{e.filename}: " if e.filename is not None else ""
         print(f"shardstream {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"shardstream {args.command}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (`Terminated`)
+        return _stopped(args.command, e, resume=args.command == "pack" and args.executor == "local")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import queue
+import signal
 import struct
 import threading
 from multiprocessing.pool import ExceptionWithTraceback, MaybeEncodingError
@@ -233,6 +234,7 @@ def _frame_worker(tasks: Any, conn: Any, parents: tuple[int, ...] = ()) -> None:
     `parents`: the parent's pipe ends a forked worker inherited, closed first, so that the
     parent's death ends `tasks`.
     """
+    _leave_stopping_to_the_parent()
     for fd in parents:
         with contextlib.suppress(OSError):
             os.close(fd)
@@ -275,6 +277,20 @@ def _frame_worker(tasks: Any, conn: Any, parents: tuple[int, ...] = ()) -> None:
         out.put(None)
         sender.join()
         conn.close()
+
+
+def _leave_stopping_to_the_parent() -> None:
+    """A worker ignores Ctrl-C and dies of SIGTERM, whatever its parent set.
+
+    Ctrl-C at a terminal signals every process of the group: a worker that raised the
+    KeyboardInterrupt printed its traceback (one run in three or so, as the parent's
+    `close` raced it), and one that got the signal alone died and failed the pack. The
+    parent decides: it stops the workers (`_FramePool.close`, by SIGTERM), and its death
+    ends their tasks. A forked worker inherits the parent's Python handlers: with a
+    handler that raises on SIGTERM (the CLI's), `terminate` would leave a worker blocked
+    sending a result that nobody reads, and `close` waiting for it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _fields_but(instance: Any, left_out: str) -> dict[str, Any]:

@@ -252,7 +252,8 @@ def pack(
     jobs = [(shard, frame, listing.root, opts, on_error == "skip") for shard, frame in planned if shard not in done]
     # A killed run's half-written shards (a fresh start's too: it may follow a killed run).
     todo = {shard_name(opts.prefix, shard, compression) for shard, _ in planned if shard not in done}
-    cleanup_scratch(store, [target, *(name for shard in todo for name in (shard, shard + INDEX_SUFFIX))])
+    scratch_names = [target, *(name for shard in todo for name in (shard, shard + INDEX_SUFFIX))]
+    cleanup_scratch(store, scratch_names)
     workers = max(1, min(workers or os.cpu_count() or 1, len(jobs) or 1))
 
     start = time.perf_counter()
@@ -269,6 +270,12 @@ def pack(
     bar.update(sum(s.samples + len(k) for s, k in done.values()))
     try:
         written = write_shards(results, store, opts, finished, journal, bar, start)
+    except BaseException:
+        # An interrupt (Ctrl-C, or SIGTERM in the CLI) may land between a scratch file's
+        # making and its writer's knowing of it, which then cannot drop it: this pack's
+        # partial files go by name, as a resume's first step would remove them.
+        cleanup_scratch(store, scratch_names)
+        raise
     finally:
         bar.close()
         results.close()  # the workers stop now, not when the generator is collected

@@ -508,6 +508,143 @@ def test_resume_of_a_finished_pack_tidies_up_and_refuses_another(resume_source, 
     assert other.returncode != 0 and "other options" in other.stderr
 
 
+# -- (d2) pack stopped by SIGTERM (a scheduler) or Ctrl-C ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def large_source(tmp_path_factory) -> Path:
+    """Images of ~110 KB: pack builds their frames in threads (framepool.THREADS_FROM_BYTES), not processes."""
+    from shardstream.synthetic import make_image_folder
+
+    root = tmp_path_factory.mktemp("large") / "src"
+    make_image_folder(root, num_classes=2, images_per_class=12, seed=5)
+    return root
+
+
+@pytest.fixture(scope="module")
+def large_part_reference(large_source, tmp_path_factory) -> dict[str, bytes]:
+    dst = tmp_path_factory.mktemp("large-ref") / "ds"
+    subprocess.run(_cli_pack(large_source, dst, 1, "--part", "1/2"), check=True, capture_output=True,
+                   timeout=CHILD_TIMEOUT, env=_child_env())
+    return visible_files(dst)
+
+
+def _pack_under_way(src: Path, dst: Path, workers: int, *extra: str) -> subprocess.Popen:
+    """`shardstream pack` into `dst`, in a process group of its own, once two shards are out: mid-pack."""
+    proc = subprocess.Popen(_cli_pack(src, dst, workers, *extra), start_new_session=True, env=_child_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + CHILD_TIMEOUT
+    while len(list(dst.glob("*.idx"))) < 2:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _, stderr = _ended(proc)
+            pytest.fail(f"the pack ended, or wrote no two shards in time, before it was signalled: {stderr[-1000:]}")
+        time.sleep(0.002)
+    return proc
+
+
+def _ended(proc: subprocess.Popen, timeout: float = 30) -> tuple[str, str]:
+    """The stdout and stderr of `proc` once it exits; one that does not within `timeout` (hung), killed with
+    its process group, fails the test."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate()
+        pytest.fail(f"the pack did not exit within {timeout} s of the signal: {stderr[-2000:]}")
+
+
+@pytest.mark.parametrize("sent, images, extra", [
+    ("SIGTERM", "small", ()),  # a scheduler's stop, to the pack process alone (Kubernetes, `kill`): processes
+    ("SIGINT", "small", ()),  # Ctrl-C at a terminal: every process of the group
+    ("SIGTERM", "large", ("--part", "1/2")),  # threads, one part of a pack (an array job preempted)
+])
+def test_pack_stopped_by_a_signal_ends_its_workers_leaves_no_scratch_and_resumes(sent, images, extra, tmp_path,
+                                                                                 request):
+    """Regression: SIGTERM ended the pack on the spot (Python's default): status -15 and no word; its worker
+    processes were left to notice by themselves, its partial shard stayed in `.shardstream-tmp`. It now stops
+    as Ctrl-C does: the workers ended before it exits, the partial shard dropped, a message naming the signal,
+    the status 128 + its number (143; 130 for Ctrl-C), and `--resume` gives what an uninterrupted pack does."""
+    psutil = pytest.importorskip("psutil")
+    src = request.getfixturevalue("resume_source" if images == "small" else "large_source")
+    reference = request.getfixturevalue("resume_reference" if images == "small" else "large_part_reference")
+    dst = tmp_path / "ds"
+    proc = _pack_under_way(src, dst, 2, *extra)
+    workers = psutil.Process(proc.pid).children()
+    assert bool(workers) == (images == "small")  # worker processes for small images, threads for large
+    signum = getattr(signal, sent)
+    if sent == "SIGINT":
+        os.killpg(proc.pid, signum)
+    else:
+        os.kill(proc.pid, signum)
+    _, stderr = _ended(proc)
+
+    assert proc.returncode == 128 + signum, stderr[-2000:]
+    stopped = "terminated (SIGTERM)" if sent == "SIGTERM" else "interrupted"
+    assert stderr == f"shardstream pack: {stopped}; --resume continues from the last complete shard\n"
+    assert not [w.pid for w in workers if psutil.pid_exists(w.pid)], "worker processes outlived the pack"
+    assert not (dst / ".shardstream-tmp").exists(), sorted(p.name for p in (dst / ".shardstream-tmp").iterdir())
+    assert 2 <= len(assert_no_partial_dataset(dst)) < len([n for n in reference if n.endswith(".tar.zst")])
+
+    resumed = subprocess.run(_cli_pack(src, dst, 2, "--resume", *extra), capture_output=True, text=True,
+                             timeout=CHILD_TIMEOUT, env=_child_env())
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert visible_files(dst) == reference, "resumed pack differs from an uninterrupted one"
+    # No hidden file remains: no partial shard, no journal (a part's empty folders stay until the merge).
+    hidden = sorted(p.relative_to(dst).as_posix() for p in dst.rglob("*") if p.is_file()
+                    and p.relative_to(dst).as_posix()[0] == ".")
+    assert not hidden, f"left behind: {hidden}"
+
+
+_CTRL_C_AS_A_SHARD_FILE_IS_MADE = """
+import os, signal, sys
+import shardstream
+import shardstream.shardfile as shardfile
+
+made = []
+scratch_file = shardfile.scratch_file
+
+def interrupted(store, name):
+    path, f = scratch_file(store, name)
+    made.append(path)
+    if len(made) == 3:  # the third shard's: two are out
+        os.kill(os.getpid(), signal.SIGINT)  # handled at the next bytecode, before its writer holds the file
+    return path, f
+
+shardfile.scratch_file = interrupted
+shardstream.pack(sys.argv[1], sys.argv[2], shard_size="20KB", workers=1, progress=False)
+"""
+
+
+def test_pack_interrupted_as_a_shard_file_is_made_leaves_no_scratch(resume_source, tmp_path):
+    """Regression: Ctrl-C (or SIGTERM, in the CLI) landing between the making of a shard's scratch file and its
+    writer's holding it left the partial file in `.shardstream-tmp` (about one Ctrl-C in four, in the test
+    above): the pack now removes its shards' scratch files by name when it stops."""
+    dst = tmp_path / "ds"
+    proc = subprocess.run([sys.executable, "-c", _CTRL_C_AS_A_SHARD_FILE_IS_MADE, str(resume_source), str(dst)],
+                          capture_output=True, text=True, timeout=CHILD_TIMEOUT, env=_child_env())
+    assert proc.returncode == -signal.SIGINT and "KeyboardInterrupt" in proc.stderr, proc.stderr[-2000:]
+    assert len(assert_no_partial_dataset(dst)) == 2
+    assert not (dst / ".shardstream-tmp").exists(), sorted(p.name for p in (dst / ".shardstream-tmp").iterdir())
+
+
+def test_pack_workers_leave_ctrl_c_to_the_pack(resume_source, resume_reference, tmp_path):
+    """Regression: Ctrl-C signals every process of the terminal's group, in no set order. A pack worker that
+    handled it first raised KeyboardInterrupt and printed its traceback (about one Ctrl-C in three), or, when
+    the signal reached the workers alone, died and failed the pack. The pack process decides: a worker that
+    gets SIGINT goes on, silent, and this pack finishes as if nothing happened."""
+    psutil = pytest.importorskip("psutil")
+    dst = tmp_path / "ds"
+    proc = _pack_under_way(resume_source, dst, 2)
+    workers = psutil.Process(proc.pid).children()
+    assert workers
+    for worker in workers:
+        os.kill(worker.pid, signal.SIGINT)
+    _, stderr = _ended(proc, timeout=CHILD_TIMEOUT)
+    assert proc.returncode == 0 and not stderr, stderr[-2000:]
+    assert visible_files(dst) == resume_reference
+
+
 def test_pack_workers_end_when_the_pack_is_killed_outright(tmp_path):
     """SIGKILL of the pack process alone (the OOM killer, a scheduler stopping the main pid): its forked workers
     held the parent's ends of each other's pipes, never saw their tasks end, and lived on for good."""
