@@ -169,6 +169,71 @@ def test_killed_dataloader_worker_raises_promptly(packed):
     assert results["shardstream"]["next_epoch"] == len(keys)
 
 
+# A training script stopped as a scheduler stops a job: SIGTERM to every process of it. Its handler, as a
+# training loop's should be, only notes the signal; the loop saves its checkpoint after the step. It waits for
+# its workers to have ended first: the save comes after their end, as a large checkpoint's save does.
+_SIGTERM_TO_THE_JOB = """
+import json, os, signal, sys, time
+import psutil, torch
+import shardstream
+
+url, checkpoint = sys.argv[1:3]
+dataset = shardstream.StreamingDataset(url, decode=None, fields=("__key__", "cls"), batch_size=2)
+loader = shardstream.DataLoader(dataset, num_workers=2)
+stopping = []
+signal.signal(signal.SIGTERM, lambda signum, frame: stopping.append(signum))
+for step, batch in enumerate(loader):
+    print(json.dumps(list(batch[0])), flush=True)
+    if step == 1:
+        print("training", flush=True)  # the test sends SIGTERM now, during this step
+        deadline = time.monotonic() + 30
+        while not stopping and time.monotonic() < deadline:
+            time.sleep(0.01)
+    if stopping:
+        workers = psutil.Process().children()
+        while any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers):
+            assert time.monotonic() < deadline, "the workers outlived the job's SIGTERM"
+            time.sleep(0.01)
+        torch.save(loader.state_dict(), checkpoint)
+        sys.exit(128 + stopping[0])
+"""
+
+
+def test_sigterm_to_the_whole_job_lets_the_training_loop_save_its_checkpoint(packed, tmp_path):
+    """Regression: SLURM (at preemption, `scancel`) and container runtimes signal every process of a job. The
+    DataLoader workers died of the SIGTERM, and torch's SIGCHLD handler raised "DataLoader worker is killed by
+    signal: Terminated" in the training process, wherever it was: in the save of the checkpoint its SIGTERM
+    handler had asked for (four runs in four with a 200 MB model), so a preempted job never resumed. The
+    workers now end with status 0, and the checkpoint resumes the epoch exactly."""
+    pytest.importorskip("psutil")
+    checkpoint = tmp_path / "data.pt"
+    proc = subprocess.Popen([sys.executable, "-c", _SIGTERM_TO_THE_JOB, packed, str(checkpoint)],
+                            start_new_session=True, env=_child_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    received = []
+    try:
+        deadline = time.monotonic() + CHILD_TIMEOUT
+        while (line := proc.stdout.readline()) != "training\n":
+            assert line and time.monotonic() < deadline, "the training loop never reached its second step"
+            received += json.loads(line)
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 128 + signal.SIGTERM and not stderr, stderr[-2000:]
+    assert not out
+
+    def loader() -> shardstream.DataLoader:
+        return shardstream.DataLoader(StreamingDataset(packed, decode=None, fields=("__key__", "cls"), batch_size=2))
+
+    rest = loader()
+    rest.load_state_dict(torch.load(checkpoint))
+    received += [key for batch in rest for key in batch[0]]
+    assert received == [key for batch in loader() for key in batch[0]]
+
+
 # -- (b) disk full while packing ----------------------------------------------------------------------------
 
 
