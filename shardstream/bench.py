@@ -176,8 +176,12 @@ def _run_one(
                 if close is not None:
                     close()
             del batches
+            # The workers are shut down here, before the next worker count starts, not by the
+            # garbage collector: a Ctrl-C while torch's `__del__` waited for them was printed
+            # as "Exception ignored" and lost, and the bench went on to the next count.
+            loader._drop_workers()
             loader = None
-            gc.collect()  # shuts down the workers before the next worker count starts
+            gc.collect()
     assert window_start is not None and first_batch_s is not None
     window = now - window_start
     progress.update(warmup + seconds, f"num_workers={num_workers}: {images / window:,.0f} img/s", force=True)

@@ -283,6 +283,38 @@ def test_bench_cuda_unavailable(tiny):
         bench(tiny, workers=[0], device="cuda")
 
 
+# Ctrl-C (a real SIGINT, sent by the bench process to itself) as the workers of the first worker count are
+# shut down: the known point, found by torch's shutdown of its workers, which this wraps.
+_CTRL_C_AT_SHUTDOWN = """
+import os, signal, sys
+import torch.utils.data.dataloader as torch_loader
+from shardstream import cli
+
+shutdown = torch_loader._MultiProcessingDataLoaderIter._shutdown_workers
+
+def interrupted_shutdown(self):
+    if not getattr(self, "interrupted", False):
+        self.interrupted = True
+        os.kill(os.getpid(), signal.SIGINT)  # handled at the next bytecode: inside this shutdown
+    shutdown(self)
+
+torch_loader._MultiProcessingDataLoaderIter._shutdown_workers = interrupted_shutdown
+sys.exit(cli.main(["bench", sys.argv[1], "--workers", "1,0", "--seconds", "0.2", "--warmup", "0", "--batch-size", "4",
+                   "--transform", "none", "--quiet"]))
+"""
+
+
+def test_cli_bench_ctrl_c_while_workers_shut_down_stops_it(tiny):
+    """Regression: the workers of each worker count were shut down by the garbage collector, in torch's
+    `__del__`, where a Ctrl-C was printed as "Exception ignored" and lost: the bench went on to the next
+    worker count (and printed its table, exit status 0)."""
+    proc = subprocess.run([sys.executable, "-c", _CTRL_C_AT_SHUTDOWN, tiny], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 130, proc.stdout + proc.stderr
+    assert proc.stderr.strip() == "shardstream bench: interrupted", proc.stderr
+    assert HEADER not in proc.stdout
+
+
 # -- memory --------------------------------------------------------------------------------------
 
 
