@@ -65,16 +65,35 @@ def drop_scratch(path: str) -> None:
 
 def _process_tag(pid: int) -> str | None:
     """``PID-START``: the process id and its start time (from /proc), which tell a running
-    process from an ended one whose id was reused; None for no such process."""
+    process from an ended one whose id was reused; None for no such process. Where there
+    is no /proc (macOS, Windows) the start is 0, and the id alone tells (`_running`)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             # The start time is field 22; the command name (field 2) may hold spaces, in parentheses.
             start = f.read().rsplit(b")", 1)[1].split()[19].decode()
     except FileNotFoundError:
-        return None
+        if os.path.isdir("/proc/self"):
+            return None
+        # Taking every process for ended here had each upload remove the folders of the
+        # others, running ones included: the parts of a pack lost their shards mid-write.
+        return f"{pid}-0" if _running(pid) else None
     except (OSError, IndexError):
-        start = "0"  # no /proc: the process id alone
+        start = "0"  # /proc/<pid>/stat unreadable: the process id alone
     return f"{pid}-{start}"
+
+
+def _running(pid: int) -> bool:
+    """Whether a process `pid` is running, by signal 0; taken as running where that cannot
+    be asked (on Windows, os.kill ends the process whatever the signal)."""
+    if os.name != "posix":
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's: running
+        pass
+    return True
 
 
 def _remove_ended(folder: str) -> None:
