@@ -301,7 +301,10 @@ class DataLoader:
     def _on_host(self, source: Iterator[Any]) -> Iterator[Any]:
         for batch in source:
             if self.device is not None:
-                batch = to_device(batch, self.device)
+                # Synchronously: off CUDA nothing here waits for an asynchronous copy to end, and
+                # the host batch is let go of at the next one. On Apple's GPU ("mps") a copy
+                # still reading a released batch gave wrong values, silently (pytorch#189690).
+                batch = to_device(batch, self.device, non_blocking=False)
             yield self.transform_on_device(batch) if self.transform_on_device else batch
 
     def _on_device(self, source: Iterator[Any]) -> Iterator[Any]:

@@ -50,6 +50,37 @@ def test_cpu_device_gives_the_plain_batches_and_pinning_is_harmless(packed):
     assert len(keys) == len(set(keys)) == int(shardstream.open_dataset(packed).counts().sum())
 
 
+class _CopyProbe(torch.Tensor):
+    """A tensor that notes, for every copy of it to a device, whether it was asked to be asynchronous."""
+
+    asked: list[bool] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.to:
+            cls.asked.append(bool(kwargs.get("non_blocking", False)))
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def _probed(samples: list) -> tuple:
+    return tuple(t.as_subclass(_CopyProbe) for t in torch.utils.data.default_collate(samples))
+
+
+def test_a_device_other_than_cuda_gets_each_batch_copied_synchronously(packed):
+    """Regression: batches went to a device other than CUDA ("mps" on Apple silicon) by asynchronous
+    copies that nothing waited for, from host batches let go of at the next batch: on MPS such a copy
+    can read the released memory and deliver wrong values, silently (pytorch#189690). The meta device
+    stands in for MPS here: any device but the CPU and CUDA takes the same path."""
+    _CopyProbe.asked.clear()
+    dataset = StreamingDataset(packed, decode=RandomResizedCropJPEG(SIZE), fields=("jpg", "cls"), batch_size=BATCH,
+                               collate_fn=_probed)
+    batches = list(DataLoader(dataset, num_workers=0, device="meta"))
+    assert batches and all(t.device.type == "meta" for batch in batches for t in batch)
+    assert len(_CopyProbe.asked) == 2 * len(batches)  # images and labels, batch by batch
+    assert not any(_CopyProbe.asked)
+
+
 def test_stats_count_what_the_loop_received(packed):
     loader = DataLoader(images(packed, RandomResizedCropJPEG(SIZE)), num_workers=2)
     batches = list(loader)
