@@ -43,7 +43,6 @@ processes:
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import logging
 import os
@@ -55,11 +54,16 @@ import weakref
 from dataclasses import dataclass
 from typing import BinaryIO, Iterator
 
-from .errors import StorageError
+from .errors import ShardstreamError, StorageError
 from .iostats import io_stats
 from .reader import ShardReader
 from .source import ShardRef
 from .storage import Store
+
+try:
+    import fcntl
+except ImportError:  # Windows: the cache is not offered there (`ShardCache`)
+    fcntl = None  # type: ignore[assignment]
 
 __all__ = ["ShardCache"]
 
@@ -110,6 +114,13 @@ class ShardCache:
 
     root: str
     limit: int
+
+    def __post_init__(self) -> None:
+        if fcntl is None:
+            # Every step above rests on flock and lockf, and on deleting and renaming files that
+            # other processes hold open: none of which Windows has.
+            raise ShardstreamError("cache_dir needs POSIX file locks (fcntl), which this platform does not have "
+                                   "(Windows): stream the shards without cache_dir", url=self.root)
 
     def folder(self, store: Store) -> str:
         # One subfolder per dataset location, so datasets can share a cache folder (not per

@@ -163,7 +163,8 @@ def scratch_file(store: Store, name: str) -> tuple[str, BinaryIO]:
         except FileNotFoundError:  # another writer's `cleanup_scratch` removed the folder, then empty
             if attempt == 2:
                 raise
-    os.fchmod(fd, 0o666 & ~_umask())
+    if hasattr(os, "fchmod"):  # not on Windows before Python 3.13, whose files have no such modes
+        os.fchmod(fd, 0o666 & ~_umask())
     return path, os.fdopen(fd, "wb")
 
 

@@ -219,17 +219,8 @@ class Store:
             out[: len(data)] = data
             return len(data)
         started = time.perf_counter()
-        done = 0
         with self._errors(name, "read"):
-            fd = os.open(self.url(name), os.O_RDONLY)
-            try:
-                while done < len(out):
-                    got = os.preadv(fd, [out[done:]], start + done)
-                    if got == 0:
-                        break
-                    done += got
-            finally:
-                os.close(fd)
+            done = _read_file_into(self.url(name), start, out)
         io_stats.add(requests=1, bytes=done, wait_s=time.perf_counter() - started)
         return done
 
@@ -420,3 +411,24 @@ class _RangedFile(io.RawIOBase):
         self.position += len(data)
         self.at_end = len(data) < len(buffer)  # no request past the end
         return len(data)
+
+
+def _read_file_into(path: str, start: int, out: memoryview) -> int:
+    """Read bytes [start, start + len(out)) of the local file `path` into `out`; how many were read."""
+    done = 0
+    if not hasattr(os, "preadv"):  # Windows, and macOS before 11: a file object reads into `out` as well
+        with open(path, "rb", buffering=0) as f:
+            f.seek(start)
+            while done < len(out) and (got := f.readinto(out[done:])):
+                done += got
+        return done
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        while done < len(out):
+            got = os.preadv(fd, [out[done:]], start + done)
+            if got == 0:
+                break
+            done += got
+    finally:
+        os.close(fd)
+    return done

@@ -1,4 +1,4 @@
-"""Off Linux: macOS works in full.
+"""Off Linux: macOS works in full, Windows for packing and streaming without a cache.
 
 The platforms are emulated in new Python processes (tests/_platforms.py): what they lack is
 taken away before shardstream is imported, in the DataLoader and pack workers they start
@@ -63,3 +63,22 @@ def test_macos_uploads_keep_the_scratch_files_of_running_processes(tmp_path):
     finally:
         running.communicate(b"")
     assert kept == {"running": True, "ended": False}
+
+
+def test_windows_packs_with_worker_processes(source, tmp_path):
+    """Regression: every file written went through os.fchmod, which Windows (before Python 3.13) lacks."""
+    packed = run_as("windows", tmp_path, "packed_keys", str(source), str(tmp_path / "ds"))
+    assert sorted(packed) == sorted(D.all_keys(source))
+
+
+def test_windows_streams_a_local_dataset_without_and_with_spawned_workers(url, tmp_path):
+    """Regression: the dataset's modules imported fcntl (for the cache) at import, and local reads
+    used os.preadv: neither is on Windows, so no StreamingDataset could be made there."""
+    assert run_as("windows", tmp_path, "keys_read", url, "0") == keys_here(url, 0)
+    assert run_as("windows", tmp_path, "keys_read", url, "2") == keys_here(url, 2)
+
+
+def test_windows_cache_dir_is_refused_in_words(url, tmp_path):
+    """The cache rests on POSIX file locks: asking for one on Windows says so when the dataset is made."""
+    refusal = run_as("windows", tmp_path, "cache_refusal", url, str(tmp_path / "cache"))
+    assert refusal.startswith("ShardstreamError: ") and "cache_dir" in refusal and "Windows" in refusal
