@@ -154,4 +154,5 @@ def reason(error: BaseException) -> str:
     wherever the source lies, in reports and manifests alike."""
     if isinstance(error, OSError) and error.strerror and error.filename is not None:
         return error.strerror
-    return scrubbed(_ADDRESS.sub("", str(error)))
+    # Some say nothing (msgpack's FormatError on a reserved byte): their type's name is all there is to tell.
+    return scrubbed(_ADDRESS.sub("", str(error))) or type(error).__name__

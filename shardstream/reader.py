@@ -369,9 +369,8 @@ class ShardReader:
                 if named is None:
                     continue  # no sample's member (`tario.member_key`), as the index skipped it
                 if named[0] != key:
-                    raise CorruptIndexError(
-                        f"index says sample {i} is {key!r}, the shard holds {named[0]!r}", url=url, offset=file_offset
-                    )
+                    raise CorruptIndexError(f"index says sample {i} is {key!r}, the shard holds {named[0]!r}",
+                                            url=url, key=key, offset=file_offset)
                 if named[1] in sample:
                     raise CorruptShardError(f"field {named[1]!r} appears twice", url=url, key=key, offset=base + a + s)
                 sample[named[1]] = bytes(view[a + s : a + e])

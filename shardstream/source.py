@@ -145,8 +145,14 @@ class Source:
 
     def labels(self) -> np.ndarray:
         """Every sample's class index, in shard order, from the shard indexes (one read each)."""
-        return self._per_sample("labels", "class weights need per-sample labels: this shard's index has none "
-                                "(pack it with shardstream 0.1+, with a cls field)", np.int64)
+        labels = self._per_sample("labels", "class weights need per-sample labels: this shard's index has none "
+                                  "(pack it with shardstream 0.1+, with a cls field)", np.int64)
+        unlabelled = np.flatnonzero(labels < 0)
+        if len(unlabelled):
+            url, key = self._where(int(unlabelled[0]))
+            raise ShardstreamError(f"{len(unlabelled)} samples have no class (a cls field holding a non-negative "
+                                   "integer); class weights need one on every sample", url=url, key=key)
+        return labels
 
     def weights(self) -> np.ndarray:
         """Every sample's `weight` field, in shard order, from the shard indexes (one read each)."""
@@ -154,10 +160,17 @@ class Source:
                                    "index records none", np.float64)
         missing = np.flatnonzero(np.isnan(weights))
         if len(missing):
-            shard = int(np.searchsorted(np.cumsum(self.counts()), missing[0], side="right"))
+            url, key = self._where(int(missing[0]))
             raise ShardstreamError(f"{len(missing)} samples have no weight field; every sample needs one",
-                                   url=self.shards[shard].url)
+                                   url=url, key=key)
         return weights
+
+    def _where(self, sample: int) -> tuple[str, str | None]:
+        """The shard URL and key of sample number `sample` (in shard order), for an error to name."""
+        shard = int(np.searchsorted(np.cumsum(self.counts()), sample, side="right"))
+        first = int(self.counts()[:shard].sum())
+        index = getattr(self.reader(shard), "index", None)
+        return self.shards[shard].url, index.keys[sample - first] if index is not None else None
 
     def _per_sample(self, table: str, missing: str, dtype: type) -> np.ndarray:
         out = []

@@ -402,6 +402,21 @@ def test_tampered_index_is_caught_by_its_checksum(tmp_path, packed):
         list(open_shard(str(copy / info.name)))
 
 
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_index_of_another_shard_names_the_sample(tmp_path, compression):
+    """An index copied from another shard (its checksum updated too, as a re-run of `index` on the wrong file
+    would): the error names the sample the index says is there, so that a skip logs and pads it by key, not "#0"."""
+    url = str(tmp_path / "ds")
+    with ShardWriter(url, shard_size="1KB", compression=compression) as writer:
+        for i in range(4):
+            writer.write({"__key__": f"s{i}", "bin": bytes([i]) * 300})
+    first, second = open_dataset(url).manifest.shards[:2]
+    Path(url, first.index).write_bytes(Path(url, second.index).read_bytes())
+    with pytest.raises(CorruptIndexError, match="the shard holds 's0'") as info:
+        list(open_shard(os.path.join(url, first.name)))
+    assert info.value.url.endswith(first.name) and info.value.key == "s1"
+
+
 DAMAGE = {
     "byte flipped mid-file": lambda d: d[: len(d) // 2] + bytes([d[len(d) // 2] ^ 0xFF]) + d[len(d) // 2 + 1 :],
     "bit flipped in the first header": lambda d: d[:3] + bytes([d[3] ^ 0x01]) + d[4:],

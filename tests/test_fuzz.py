@@ -1213,6 +1213,15 @@ def test_bug_field_decoder_lets_exceptions_escape(field, data):
     assert outcome.kind == "error" and outcome.label == "DecodeError", f"{outcome.label}"
 
 
+def test_field_error_that_says_nothing_is_named_by_its_type():
+    """msgpack's FormatError on a reserved byte has no text: the DecodeError ended in "cannot decode field
+    'msgpack': " and told nothing of what was wrong."""
+    with pytest.raises(DecodeError) as info:
+        Decoder()({"__key__": "k", "__url__": "u", "msgpack": b"\xc1"})
+    assert info.value.detail == "cannot decode field 'msgpack': FormatError"
+    assert (info.value.url, info.value.key) == ("u", "k")
+
+
 # -- tars written by other tools: .tar.gz read front to back ---------------------------------------------------
 
 

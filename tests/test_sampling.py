@@ -391,6 +391,35 @@ def test_bad_sample_weights_are_refused(weighted, small, tmp_path):
         assert info.value.key == "a"
 
 
+@pytest.mark.parametrize(("field", "value", "sampling", "message"), [
+    ("cls", b"cat", Sampling(class_weights="balanced"), "no class"),
+    ("cls", b"-1", Sampling(class_weights="balanced"), "no class"),
+    ("cls", None, Sampling(class_weights="balanced"), "no class"),
+    ("weight", None, Sampling(sample_weights="weight"), "no weight field"),
+])
+def test_sampling_names_the_sample_without_its_field(tmp_path, field, value, sampling, message):
+    """A tar whose sample has no usable cls (a name, a negative number, none at all) was a bare ValueError
+    naming neither shard nor sample, and one without a weight named only the shard: which of a million
+    samples lacked it was anyone's guess."""
+    import io
+    import tarfile
+
+    path = tmp_path / "other.tar"
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for key in "abc":
+            fields = {"cls": b"1", "weight": b"1.0"}
+            if key == "b":
+                fields[field] = value
+            for name, data in fields.items():
+                if data is not None:
+                    info = tarfile.TarInfo(f"{key}.{name}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+    with pytest.raises(ss.ShardstreamError, match=message) as info:
+        list(ss.StreamingDataset([str(path)], decode=None, sampling=sampling))
+    assert (info.value.url, info.value.key) == (str(path), "b")
+
+
 @pytest.mark.parametrize(("make", "message"), [
     (lambda: Sampling(class_weights={-1: 5.0, 0: 1.0}), "class indices"),  # -1 weighted the last class
     (lambda: Sampling(class_weights={10**9: 1.0}), "class indices"),  # an 8 GB table
