@@ -167,7 +167,9 @@ class StreamTarReader:
             if self._position >= stop:
                 return
         if self._position < stop:
-            raise IndexError(f"range [{start}, {stop}) out of bounds for {self.url} ({self._position} samples)")
+            # The count came from somewhere else (a manifest, a first pass): the file changed.
+            raise CorruptShardError(f"the tar ends after {self._position} samples, and samples [{start}, {stop}) were "
+                                    "asked for: it holds fewer than were counted (replaced since?)", url=self.url)
 
     def _indexed(self) -> ShardReader:
         if self._reader is None:

@@ -215,3 +215,22 @@ def test_a_shard_given_as_a_dataset_says_how_to_read_it(packed_plain, tmp_path):
     with pytest.raises(ManifestError, match="`shardstream index` writes one"):
         open_dataset(str(tmp_path / "tars"))
     assert len(list(StreamingDataset([str(shard)], decode=None))) == len(open_dataset(packed_plain).shards[0].reader())
+
+
+def test_a_compressed_tar_that_holds_fewer_samples_than_counted_is_a_corrupt_shard(tmp_path):
+    """Regression: a compressed tar read front to back that ended before the samples asked for
+    (replaced between the counting pass and the read) raised a bare IndexError, outside the
+    ShardstreamError contract; it is a CorruptShardError naming the file now."""
+    import gzip
+
+    from shardstream import CorruptShardError
+    from shardstream.storage import Store
+    from shardstream.tarstream import StreamTarReader
+
+    write_tar(tmp_path / "s.tar", ["a", "b", "c"])
+    (tmp_path / "s.tar.gz").write_bytes(gzip.compress((tmp_path / "s.tar").read_bytes()))
+    reader = StreamTarReader(Store(str(tmp_path)), "s.tar.gz")
+    assert [s["__key__"] for s in reader.read(1, 3)] == ["b", "c"]
+    with pytest.raises(CorruptShardError, match="fewer than were counted") as info:
+        list(reader.read(0, 5))
+    assert info.value.url.endswith("s.tar.gz")
