@@ -179,13 +179,20 @@ def _sigterm_interrupts() -> Iterator[None]:
     at once (the cleanup may be what hangs, and an interrupted pack is safe to kill).
 
     Only from the main thread, where Python runs signal handlers; the handler before is
-    put back after (a test may call `main` in its process)."""
+    put back after (a test may call `main` in its process). A child forked meanwhile (a
+    `multiprocessing.Pool` worker, a DataLoader worker before its own setup) inherits the
+    handler, and its parent stops it with SIGTERM (`Pool.terminate`, at the pool's end):
+    there the signal does what it would have done, quietly, instead of raising
+    `Terminated` through whatever the child was doing (a traceback per worker in `demo`)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    command_process = os.getpid()
 
     def terminate(signum: int, frame: Any) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if os.getpid() != command_process:
+            os.kill(os.getpid(), signal.SIGTERM)  # a forked child: die of it, as by default
         raise Terminated()
 
     before = signal.signal(signal.SIGTERM, terminate)

@@ -7,6 +7,7 @@ import json
 import re
 import shutil
 import subprocess
+import textwrap
 import sys
 
 import pytest
@@ -370,3 +371,30 @@ def test_bad_storage_options_are_not_echoed(text, tmp_path):
     result = cli("inspect", tmp_path, "--storage-options", text)
     assert result.returncode == 1 and "--storage-options (or SHARDSTREAM_STORAGE_OPTIONS)" in result.stderr
     assert "TOPSECRETVALUE" not in result.stdout + result.stderr
+
+
+def test_a_child_forked_under_the_command_dies_of_sigterm_quietly():
+    """Regression: the CLI's SIGTERM handler (SIGTERM stops a command as Ctrl-C does) was
+    inherited by forked children, so `Pool.terminate` at the end of a pool raised `Terminated`
+    in each worker: `shardstream demo` printed a worker's traceback. A child dies of it quietly."""
+    script = textwrap.dedent("""
+        import multiprocessing, time
+        from shardstream.cli import _sigterm_interrupts
+
+        def work(started):
+            started.set()
+            time.sleep(30)
+
+        context = multiprocessing.get_context("fork")
+        with _sigterm_interrupts():
+            started = context.Event()
+            child = context.Process(target=work, args=(started,))
+            child.start()
+            assert started.wait(30)  # signalled at once after a fork, before Python is set up, it is lost
+            child.terminate()
+            child.join(30)
+            print(child.exitcode)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["-15"] and "Traceback" not in done.stderr, (done.stdout, done.stderr)
