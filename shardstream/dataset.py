@@ -33,9 +33,9 @@ from .errors import add_note
 from .headstart import HeadStart
 from .iostats import io_stats
 from .policy import ErrorPolicy, guarded
-from .plan import Layout, items_of, read_order, split_ranks, worker_items, worker_plan
+from .plan import Layout, items_of, read_order, worker_items, worker_plan
 from .prepare import SamplePrep
-from .resume import current_sequence, endless_deal, endless_place
+from .resume import current_place, endless_deal, endless_place
 from .sampling import Mix, Sampling, source_urls
 from .shared import SharedState
 from .source import Source, resolve_source
@@ -296,11 +296,12 @@ class StreamingDataset(Checkpointing, IterableDataset):
         delivered, and the epoch (that of a loaded resume state, else the dataset's)."""
         layout = self.layout(world)
         if epoch is not None:  # a later epoch of an endless stream: no resume applies
-            return split_ranks(self._sequences().ids(epoch), world.size, self.partial)[world.rank], layout, 0, 0, epoch
+            return self._sequences().rank_block(epoch, (), world.size, world.rank, self.partial), layout, 0, 0, epoch
         resume = self._resume_for(world)
         epoch = resume.epoch if resume is not None else self.epoch
-        sequence, segment, delivered = current_sequence(self._sequences().after(epoch), resume, layout)
-        return split_ranks(sequence, world.size, self.partial)[world.rank], layout, segment, delivered, epoch
+        finished, delivered = current_place(resume, layout)
+        block = self._sequences().rank_block(epoch, finished, world.size, world.rank, self.partial)
+        return block, layout, len(finished), delivered, epoch
 
     def __len__(self) -> int:
         """Items (batches with `batch_size`, else samples) the next iteration yields on this rank."""

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .plan import epoch_sequence
+from .plan import epoch_block, epoch_sequence, split_ranks
 from .resume import Segment, SequenceAfter, sequence_after
 from .sampling import Sampling, class_sample_weights, mix_picks, mixed_sequence, sized_sequence, weighted_sequence
 from .source import Source
@@ -71,6 +71,17 @@ class EpochSequences:
         if n is not None:
             return sized_sequence(counts, seed, epoch, shuffle, n)
         return epoch_sequence(counts, seed, epoch, shuffle)
+
+    def rank_block(self, epoch: int, finished: tuple[Segment, ...], world_size: int, rank: int,
+                   partial: str) -> np.ndarray:
+        """Rank `rank`'s block of what the `finished` segments left of `epoch`'s sequence
+        (`plan.split_ranks`). A plain epoch's is made without the whole sequence: a DataLoader
+        worker of one rank in 256 then holds its rank's ids, not the epoch's."""
+        sampling = self.sampling
+        drawn = sampling is not None and (sampling.weighted or sampling.samples_per_epoch is not None)
+        if finished or drawn or self.mix_weights is not None:
+            return split_ranks(self.after(epoch)(finished), world_size, partial)[rank]
+        return epoch_block(self.counts, self.seed, epoch, self.shuffle, world_size, rank, partial)
 
     def after(self, epoch: int) -> SequenceAfter:
         """What earlier layouts (the finished segments of a resumed epoch) left of `epoch`'s

@@ -38,8 +38,12 @@ from .roundrobin import round_robin_delivered
 __all__ = [
     "Layout",
     "epoch_sequence",
+    "epoch_block",
     "split_ranks",
     "deal_chunks",
+    "worker_positions",
+    "yield_order",
+    "worker_samples",
     "buffer_shuffle",
     "worker_plan",
     "read_order",
@@ -98,12 +102,45 @@ def epoch_sequence(counts: Sequence[int] | np.ndarray, seed: int, epoch: int, sh
     need more than one pass over the data).
     """
     counts = np.asarray(counts, dtype=np.int64)
-    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]) if len(counts) else np.zeros(0, np.int64)
-    rng = rng_for(seed, epoch, 0, salt) if salt else rng_for(seed, epoch, 0)
-    order = rng.permutation(len(counts)) if shuffle else np.arange(len(counts))
-    if not len(order):
+    return _ids_between(counts, _shard_order(counts, seed, epoch, shuffle, salt), 0, int(counts.sum()))
+
+
+def epoch_block(counts: Sequence[int] | np.ndarray, seed: int, epoch: int, shuffle: bool, world_size: int,
+                rank: int, partial: str) -> np.ndarray:
+    """Rank `rank`'s block of the epoch sequence, ``split_ranks(epoch_sequence(...), world_size,
+    partial)[rank]``, made without the whole sequence: each of 256 ranks' DataLoader workers
+    would otherwise hold every sample id of the epoch (8 bytes each, twice over while padding)
+    to keep 1/256 of them."""
+    counts = np.asarray(counts, dtype=np.int64)
+    n = int(counts.sum())
+    per_rank = rank_block_length(n, Layout(world_size=world_size, partial=partial))
+    start, stop = rank * per_rank, (rank + 1) * per_rank
+    if not n or start == stop:
         return np.zeros(0, dtype=np.int64)
-    return np.concatenate([np.arange(starts[s], starts[s] + counts[s], dtype=np.int64) for s in order])
+    order = _shard_order(counts, seed, epoch, shuffle, salt=0)
+    # Padded, the sequence repeats from its start (np.resize): one piece per pass it spans.
+    passes = range(start // n, -(-stop // n))
+    return np.concatenate([_ids_between(counts, order, max(start - k * n, 0), min(stop - k * n, n)) for k in passes])
+
+
+def _shard_order(counts: np.ndarray, seed: int, epoch: int, shuffle: bool, salt: int) -> np.ndarray:
+    """The order of the shards in the epoch sequence."""
+    rng = rng_for(seed, epoch, 0, salt) if salt else rng_for(seed, epoch, 0)
+    return rng.permutation(len(counts)) if shuffle else np.arange(len(counts))
+
+
+def _ids_between(counts: np.ndarray, order: np.ndarray, start: int, stop: int) -> np.ndarray:
+    """Positions [start, stop) of the sequence that lists the shards' samples in `order`."""
+    if start >= stop:
+        return np.zeros(0, dtype=np.int64)
+    ordered = counts[order]
+    ends = np.cumsum(ordered)  # where each shard's run ends in the sequence
+    begins = ends - ordered
+    runs = slice(int(np.searchsorted(ends, start, side="right")), int(np.searchsorted(begins, stop, side="left")))
+    low, high = np.maximum(begins[runs], start), np.minimum(ends[runs], stop)
+    first_ids = (np.cumsum(counts) - counts)[order[runs]] + low - begins[runs]
+    lengths = high - low
+    return np.repeat(first_ids - (np.cumsum(lengths) - lengths), lengths) + np.arange(stop - start, dtype=np.int64)
 
 
 def split_ranks(sequence: np.ndarray, world_size: int, partial: str) -> np.ndarray:
@@ -123,12 +160,18 @@ def split_ranks(sequence: np.ndarray, world_size: int, partial: str) -> np.ndarr
 
 def deal_chunks(n: int, workers: int, chunk: int) -> list[np.ndarray]:
     """Positions 0..n-1 dealt to workers in chunks of `chunk`, round robin."""
-    positions = np.arange(n, dtype=np.int64)
-    chunk_of = positions // chunk
-    return [positions[chunk_of % workers == w] for w in range(workers)]
+    return [worker_positions(n, workers, chunk, w) for w in range(workers)]
 
 
-def buffer_shuffle(n: int, buffer: int, rng: np.random.Generator, initial: int = 100) -> np.ndarray:
+def worker_positions(n: int, workers: int, chunk: int, worker: int) -> np.ndarray:
+    """`deal_chunks(n, workers, chunk)[worker]`, without dealing the other workers' chunks."""
+    firsts = np.arange(worker * chunk, n, workers * chunk, dtype=np.int64)
+    positions = (firsts[:, None] + np.arange(chunk, dtype=np.int64)).ravel()
+    return positions[positions < n]
+
+
+def buffer_shuffle(n: int, buffer: int, rng: np.random.Generator, initial: int = 100,
+                   emitted: int | None = None) -> np.ndarray:
     """The order in which a shuffle buffer of `buffer` slots emits inputs 0..n-1.
 
     Inputs enter in order; each step emits a uniformly chosen slot and refills it with
@@ -137,15 +180,19 @@ def buffer_shuffle(n: int, buffer: int, rng: np.random.Generator, initial: int =
     the first batch does not wait for the whole buffer to fill (WebDataset's
     ``initial`` does the same). Output t is always among inputs < t + buffer, so a
     streaming reader needs at most `buffer` samples in memory to serve it.
+
+    `emitted` stops after that many outputs (the first of the whole order): replaying
+    what a resumed epoch's workers had yielded then costs what they yielded, not the epoch.
     """
+    emitted = n if emitted is None else max(0, min(emitted, n))
     if buffer <= 1 or n <= 1:
-        return np.arange(n, dtype=np.int64)
+        return np.arange(emitted, dtype=np.int64)
     size = min(buffer, n)
     slots = list(range(min(max(initial, 1), size)))
     draws = rng.random(n)
-    out = np.empty(n, dtype=np.int64)
+    out = np.empty(emitted, dtype=np.int64)
     nxt = len(slots)
-    for t in range(n):
+    for t in range(emitted):
         if len(slots) < size and nxt < n:  # growing: one extra input this step
             slots.append(nxt)
             nxt += 1
@@ -164,10 +211,17 @@ def worker_plan(rank_block: np.ndarray, layout: Layout, seed: int, epoch: int, r
                 segment: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """What worker `worker` of rank `rank` yields: (its sample ids in storage order, the
     order it yields them in, as positions into the first)."""
-    mine = rank_block[deal_chunks(len(rank_block), layout.workers, layout.chunk)[worker]]
+    mine = rank_block[worker_positions(len(rank_block), layout.workers, layout.chunk, worker)]
+    return mine, yield_order(len(mine), layout, seed, epoch, rank, worker, segment)
+
+
+def yield_order(n: int, layout: Layout, seed: int, epoch: int, rank: int, worker: int, segment: int = 0,
+                emitted: int | None = None) -> np.ndarray:
+    """The order in which worker `worker` of rank `rank` yields its `n` samples (`worker_plan`'s
+    second half); with `emitted`, only the first that many."""
     if not layout.shuffle:
-        return mine, np.arange(len(mine), dtype=np.int64)
-    return mine, buffer_shuffle(len(mine), layout.buffer, rng_for(seed, epoch, 1 + segment, rank, worker))
+        return np.arange(n if emitted is None else min(emitted, n), dtype=np.int64)
+    return buffer_shuffle(n, layout.buffer, rng_for(seed, epoch, 1 + segment, rank, worker), emitted=emitted)
 
 
 def read_order(remaining: np.ndarray, frontier: int, group: int = 8) -> np.ndarray:
@@ -224,7 +278,18 @@ def chunks_of(block: int, layout: Layout) -> int:
 
 def worker_items(block: int, layout: Layout) -> list[int]:
     """Items each plan worker yields from a rank block of `block` samples."""
-    return [items_of(len(chunk), layout) for chunk in deal_chunks(block, layout.workers, layout.chunk)]
+    return [items_of(samples, layout) for samples in worker_samples(block, layout)]
+
+
+def worker_samples(block: int, layout: Layout) -> list[int]:
+    """Samples each plan worker is dealt from a rank block of `block` samples (the lengths of
+    `deal_chunks`, by arithmetic: `len()` and every iteration's start ask, and a rank block
+    can hold millions of samples)."""
+    chunks, workers = chunks_of(block, layout), layout.workers
+    samples = [len(range(w, chunks, workers)) * layout.chunk for w in range(workers)]
+    if chunks:  # the last chunk may be short
+        samples[(chunks - 1) % workers] -= chunks * layout.chunk - block
+    return samples
 
 
 def samples_of_items(n_items: int, samples: int, layout: Layout) -> int:
@@ -244,10 +309,15 @@ def consumed_positions(n: int, layout: Layout, seed: int, epoch: int, delivered:
     blocks = split_ranks(np.arange(n, dtype=np.int64), layout.world_size, layout.partial)
     taken = []
     for rank in range(layout.world_size):
-        plans = [worker_plan(blocks[rank], layout, seed, epoch, rank, w, segment) for w in range(layout.workers)]
-        items = worker_items(len(blocks[rank]), layout)
+        block = blocks[rank]
+        samples = worker_samples(len(block), layout)
+        items = [items_of(s, layout) for s in samples]
         got = list(per_worker) if per_worker is not None else round_robin_delivered(items, delivered)
-        taken += [mine[perm[: samples_of_items(g, len(mine), layout)]] for (mine, perm), g in zip(plans, got)]
+        for w, g in enumerate(got):
+            # Only the samples yielded are replayed: the buffer's later decisions do not matter here.
+            emitted = samples_of_items(g, samples[w], layout)
+            order = yield_order(samples[w], layout, seed, epoch, rank, w, segment, emitted)
+            taken.append(block[worker_positions(len(block), layout.workers, layout.chunk, w)[order]])
     return np.concatenate(taken) if taken else np.zeros(0, dtype=np.int64)
 
 

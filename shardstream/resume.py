@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from .dataset import StreamingDataset
     from .world import World
 
-__all__ = ["ResumeState", "Segment", "SequenceAfter", "check_counts", "current_sequence", "endless_deal", "finished_before",
+__all__ = ["ResumeState", "Segment", "SequenceAfter", "check_counts", "current_place", "current_sequence", "endless_deal", "finished_before",
            "endless_onto", "endless_place", "fingerprint", "sequence_after"]
 
 STATE_VERSION = 1
@@ -262,9 +262,15 @@ def sequence_after(sequence: np.ndarray, finished: tuple[Segment, ...], seed: in
 def current_sequence(after: SequenceAfter, resume: ResumeState | None, layout: Layout) -> tuple[np.ndarray, int, int]:
     """(the samples still to read this epoch, the segment number, items already delivered in
     it) for reading with `layout`, the epoch's remains given by `after` (`sequence_after`)."""
-    finished = finished_before(resume, layout)
-    delivered = resume.current.delivered if resume is not None and resume.current.layout == layout else 0
+    finished, delivered = current_place(resume, layout)
     return after(finished), len(finished), delivered
+
+
+def current_place(resume: ResumeState | None, layout: Layout) -> tuple[tuple[Segment, ...], int]:
+    """(the segments of the epoch finished before one read with `layout`, items already
+    delivered in it)."""
+    finished = finished_before(resume, layout)
+    return finished, resume.current.delivered if resume is not None and resume.current.layout == layout else 0
 
 
 def check_counts(after: SequenceAfter, resume: ResumeState, endless: bool) -> None:

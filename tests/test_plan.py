@@ -18,6 +18,7 @@ from shardstream.plan import (
     buffer_shuffle,
     consumed_samples,
     deal_chunks,
+    epoch_block,
     epoch_sequence,
     items_of,
     read_order,
@@ -27,6 +28,7 @@ from shardstream.plan import (
     split_ranks,
     worker_items,
     worker_plan,
+    worker_samples,
 )
 from shardstream.roundrobin import endless_start, loader_start, round_robin_delivered
 
@@ -154,6 +156,18 @@ def test_split_ranks_rejects_unknown_partial():
         split_ranks(np.arange(5), 2, "wrap")
 
 
+
+@pytest.mark.parametrize("counts", SHAPES, ids=str)
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("partial", ["pad", "drop"])
+def test_epoch_block_is_the_ranks_block_of_the_epoch_sequence(counts, shuffle, partial):
+    """A rank's block made alone (without the whole sequence) is the one split_ranks cuts."""
+    for world_size, epoch in itertools.product([1, 2, 3, 7, 64], [0, 3]):
+        blocks = split_ranks(epoch_sequence(counts, 5, epoch, shuffle), world_size, partial)
+        for rank in range(world_size):
+            block = epoch_block(counts, 5, epoch, shuffle, world_size, rank, partial)
+            assert block.dtype == np.int64 and block.tolist() == blocks[rank].tolist()
+
 # -- deal_chunks -----------------------------------------------------------------------------
 
 
@@ -174,6 +188,12 @@ def check_deal(n, workers, chunk):
         expected[j % workers].extend(range(start, min(n, start + chunk)))
     assert [d.tolist() for d in dealt] == expected
 
+
+
+def test_worker_samples_are_the_lengths_of_the_deal():
+    for n, workers, chunk in itertools.product([0, 1, 5, 21, 64, 65, 130, 200], [1, 2, 3, 4], [1, 2, 3, 8, 64]):
+        layout = Layout(workers=workers, batch_size=chunk)
+        assert worker_samples(n, layout) == [len(d) for d in deal_chunks(n, workers, chunk)]
 
 def test_batch_counts_do_not_depend_on_workers():
     """Dealing in whole batches: the batches a rank yields are the same for any worker count."""
@@ -196,6 +216,12 @@ def test_buffer_shuffle_is_a_bounded_permutation():
         if buffer > 1:
             assert all(int(v) < t + buffer for t, v in enumerate(out))
 
+
+
+def test_buffer_shuffle_stopped_early_is_the_start_of_the_whole_order():
+    for n, buffer, emitted in itertools.product([0, 1, 2, 10, 100], [0, 1, 3, 50, 1000], [0, 1, 7, 99, 100, 500]):
+        whole = buffer_shuffle(n, buffer, rng_for(3, 1, 2))
+        assert buffer_shuffle(n, buffer, rng_for(3, 1, 2), emitted=emitted).tolist() == whole[:emitted].tolist()
 
 def test_buffer_shuffle_identity_for_buffer_le_1():
     for n, buffer in itertools.product([0, 1, 2, 17], [-1, 0, 1]):
