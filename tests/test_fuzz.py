@@ -1250,3 +1250,16 @@ def test_bug_corrupt_tar_gz_raises_zlib_error(tmp_path):
         if outcome.kind not in ("samples", "error"):
             escaped.append((position, outcome.label))
     assert not escaped, f"{len(escaped)} single-bit flips escaped, e.g. byte {escaped[0][0]}: {escaped[0][1]}"
+
+
+def test_the_fuzz_report_tool_runs():
+    """Regression: `tools/fuzz_report.py`, whose figures RELIABILITY.md quotes, failed at its
+    start (the harness's import of a sibling test module) and nothing noticed. A short run
+    must end with its contract line: no other exceptions, no hangs."""
+    import subprocess
+
+    tool = Path(__file__).resolve().parent.parent / "tools" / "fuzz_report.py"
+    done = subprocess.run([sys.executable, str(tool), "30", "--decode", "30"], capture_output=True, text=True,
+                          timeout=300, cwd=tool.parent.parent.parent)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "**other exceptions: 0** (must be 0); **hangs: 0** (must be 0)" in done.stdout

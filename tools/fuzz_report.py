@@ -34,6 +34,8 @@ PATHS = ("dataset", "shard", "noindex")
 
 
 def load_harness():
+    # The harness imports its sibling test modules (test_format's pure-Python cut) by name.
+    sys.path.insert(0, str(ROOT / "tests"))
     spec = importlib.util.spec_from_file_location("shardstream_fuzz_harness", ROOT / "tests" / "test_fuzz.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
