@@ -29,7 +29,7 @@ from .collate import default_collate
 from .decode import Decoder
 from .decode_ahead import DecodeAhead
 from .epochs import EpochSequences
-from .errors import add_note
+from .errors import MissingFieldError, add_note
 from .headstart import HeadStart
 from .iostats import io_stats
 from .policy import ErrorPolicy, guarded
@@ -182,6 +182,7 @@ class StreamingDataset(Checkpointing, IterableDataset):
         self.decode_threads = integer(decode_threads, "decode_threads", 0)
         self._ahead = DecodeAhead(decode, allow_pickle) if decode_threads else None
         self._resolved: Source | None = None
+        self._fields_checked = False
         self._counts: np.ndarray | None = None
         self.on_error = ErrorPolicy.of(on_error)
         if isinstance(source, Mix) and sampling is not None and sampling.weighted:
@@ -326,11 +327,29 @@ class StreamingDataset(Checkpointing, IterableDataset):
                              f"or to shardstream.DataLoader), or pass {given} to the DataLoader that batches "
                              "(partial='drop' leaves out the samples that do not divide evenly over ranks)")
 
+    def _check_fields(self) -> None:
+        """A `fields` name that no shard holds, by the manifest, is a typo: said before the
+        first sample (under ``on_error="skip"`` every sample was skipped for lacking it, until
+        the cap of skips). Not with a `transform`, which may add the field, nor where a shard
+        has no manifest entry to list its fields."""
+        if self.fields is None or self.transform is not None or self._fields_checked:
+            return
+        source = self.resolve()
+        if not source.shards or any(ref.info is None for ref in source.shards):
+            return
+        present = set().union(*(ref.info.fields for ref in source.shards if ref.info is not None))
+        for spec in self.fields:
+            if not any(name.startswith("__") or name in present for name in spec.split(";")):
+                raise MissingFieldError(f"no shard has the field {spec!r} that fields= names; the dataset's fields "
+                                        f"are {sorted(present)}", url=source.url)
+        self._fields_checked = True  # once: a manifest's fields do not change (50k shards: ~10 ms)
+
     def __iter__(self) -> Iterator[Any]:
         # Planned here, eagerly, not in the generator: a DataLoader worker calls iter()
         # when it starts, and torchdata's StatefulDataLoader asks for the worker's state
         # right after, before the first item.
         self._check_batching()
+        self._check_fields()
         counted = io_stats.snapshot()  # this iteration's storage work counts from here (io_stats())
         world = self.world()
         self._forget_stale()  # a worker's own loaded place too, if the epoch has moved on

@@ -395,6 +395,21 @@ def gappy(tmp_path_factory) -> str:
     return str(dst)
 
 
+def test_a_field_no_shard_holds_is_refused_before_the_first_sample(gappy):
+    """Regression: a typo in `fields` (`"clss"`) was met sample by sample: under
+    ``on_error="skip"`` every sample was skipped for lacking it until the cap. The manifest
+    lists each shard's fields, so it is said at the start; a transform may add the field."""
+    from shardstream.policy import ErrorPolicy
+
+    ds = StreamingDataset(gappy, fields=("jpg;png", "clss"), on_error=ErrorPolicy("skip", max_skips=100))
+    with pytest.raises(MissingFieldError, match="'clss'") as info:
+        next(iter(ds))
+    assert "['cls', 'jpg', 'png', 'txt']" in str(info.value) and ds.skipped == 0
+    added = StreamingDataset(gappy, fields=("__key__", "clss"), decode=None,
+                             transform=lambda sample: {**sample, "clss": sample["cls"]})
+    assert [key for key, _ in added] == ["s000", "s001", "s002"]
+
+
 @pytest.mark.parametrize("num_workers", [0, 1])
 def test_fields_take_first_present_and_name_the_missing_key(gappy, num_workers):
     ds = StreamingDataset(gappy, fields=("jpg;png", "cls"))
