@@ -40,7 +40,10 @@ class ShardstreamError(Exception):
             where.append(f"byte {offset}")
         super().__init__(f"{', '.join(where)}: {message}" if where else message)
 
-    def __reduce__(self) -> tuple[object, ...]:  # keep url/key/offset when crossing a worker process
+    def __reduce__(self) -> tuple[object, ...]:
+        # Keeps url/key/offset where the error is pickled (pack's process pool, a queue).
+        # torch's DataLoader does not pickle a worker's error: it makes a new one of the same
+        # type from the traceback's text, which names file and sample, with these unset.
         return (_rebuild, (type(self), self.detail, self.url, self.key, self.offset))
 
 
