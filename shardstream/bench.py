@@ -255,7 +255,7 @@ def bench(
     source = probe.resolve()  # reads the manifest: a bad path fails here, before any worker starts
     manifest = source.manifest
     samples = manifest.samples if manifest is not None else None
-    bytes_per_sample = (sum(s.bytes for s in manifest.shards) / samples) if manifest is not None and samples else None
+    bytes_per_sample = (int(manifest.shards.bytes.sum()) / samples) if manifest is not None and samples else None
     fields = (IMAGE_FIELD, "cls") if _labelled(source) else (IMAGE_FIELD,)
     decode = _decode(transform)
     on_device = None

@@ -117,9 +117,8 @@ def cmd_index(args: argparse.Namespace) -> int:
 
     manifest = index_tars(args.source, workers=args.workers, overwrite=args.overwrite, progress=not args.quiet,
                           storage_options=_storage_options(args.storage_options))
-    fields = sorted({f for s in manifest.shards for f in s.fields})
     print(f"indexed {manifest.samples:,} samples in {len(manifest.shards)} shards "
-          f"({sum(s.bytes for s in manifest.shards) / 1e6:,.1f} MB); fields {', '.join(fields)}; "
+          f"({manifest.shards.bytes.sum() / 1e6:,.1f} MB); fields {', '.join(manifest.shards.all_fields())}; "
           f"{len(manifest.classes)} classes")
     return 0
 
@@ -131,7 +130,7 @@ def cmd_repack(args: argparse.Namespace) -> int:
                            level=args.level, progress=not args.quiet,
                            storage_options=_storage_options(args.storage_options))
     print(f"repacked {manifest.samples:,} samples into {len(manifest.shards)} shards "
-          f"({sum(s.bytes for s in manifest.shards) / 1e6:,.1f} MB)")
+          f"({manifest.shards.bytes.sum() / 1e6:,.1f} MB)")
     return 0
 
 

@@ -7,7 +7,8 @@ a damaged one fails here with a message naming the file, not later with a KeyErr
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import itertools
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -16,6 +17,7 @@ import numpy as np
 from ._version import __version__
 from .columns import read_labels, read_weights
 from .errors import CorruptIndexError, ManifestError, ShardstreamError
+from .shardtable import ShardInfo as ShardInfo, ShardTable  # ShardInfo: re-exported, where it always was
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.msgpack"
@@ -58,25 +60,13 @@ def _require(raw: Any, name: str, kind: type | tuple[type, ...], url: str, error
 
 
 @dataclass(frozen=True)
-class ShardInfo:
-    """One shard as the manifest lists it."""
-
-    name: str
-    samples: int
-    bytes: int
-    raw_bytes: int  # the uncompressed tar stream
-    sha256: str
-    index: str
-    index_bytes: int
-    index_sha256: str
-    fields: tuple[str, ...]
-
-
-@dataclass(frozen=True)
 class Manifest:
-    """Everything a reader needs to plan an epoch without opening a shard."""
+    """Everything a reader needs to plan an epoch without opening a shard.
 
-    shards: tuple[ShardInfo, ...]
+    `shards` may be given as any sequence of `ShardInfo`; it is kept as a `ShardTable`.
+    """
+
+    shards: ShardTable
     compression: str
     classes: tuple[str, ...] = ()
     class_counts: tuple[int, ...] = ()
@@ -86,23 +76,33 @@ class Manifest:
     writer: str = f"shardstream {__version__}"
     version: int = FORMAT_VERSION
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.shards, ShardTable):
+            object.__setattr__(self, "shards", ShardTable.of(self.shards))
+
     @property
     def samples(self) -> int:
-        return sum(s.samples for s in self.shards)
+        return int(self.shards.samples.sum())
 
     @property
     def counts(self) -> np.ndarray:
         """Samples per shard, in manifest order."""
-        return np.array([s.samples for s in self.shards], dtype=np.int64)
+        return self.shards.samples.copy()
 
     def to_bytes(self) -> bytes:
+        t = self.shards
+        shards = [{"name": name, "samples": samples, "bytes": size, "raw_bytes": raw, "sha256": sha256,
+                   "index": index, "index_bytes": index_bytes, "index_sha256": index_sha256, "fields": list(fields)}
+                  for name, samples, size, raw, sha256, index, index_bytes, index_sha256, fields
+                  in zip(t.names, t.samples.tolist(), t.bytes.tolist(), t.raw_bytes.tolist(), t.sha256_hex(),
+                         t.indexes, t.index_bytes.tolist(), t.index_sha256_hex(), t.fields())]
         body = {
             "format": "shardstream",
             "version": self.version,
             "writer": self.writer,
             "compression": self.compression,
             "samples": self.samples,
-            "shards": [{**asdict(s), "fields": list(s.fields)} for s in self.shards],
+            "shards": shards,
             "classes": list(self.classes),
             "class_counts": list(self.class_counts),
             "skipped": [{"file": f, "reason": r} for f, r in self.skipped],
@@ -123,26 +123,8 @@ class Manifest:
         compression = _require(raw, "compression", str, url, E)
         if compression not in COMPRESSIONS:
             raise E(f"unknown compression {compression!r}", url=url)
-        shards = []
-        for i, s in enumerate(_require(raw, "shards", list, url, E)):
-            where = f"{url} (shard entry {i})"
-            shards.append(
-                ShardInfo(
-                    name=_safe_name(_require(s, "name", str, where, E), where),
-                    samples=_require(s, "samples", int, where, E),
-                    bytes=_require(s, "bytes", int, where, E),
-                    raw_bytes=_require(s, "raw_bytes", int, where, E),
-                    sha256=_require(s, "sha256", str, where, E),
-                    index=_safe_name(_require(s, "index", str, where, E), where),
-                    index_bytes=_require(s, "index_bytes", int, where, E),
-                    index_sha256=_require(s, "index_sha256", str, where, E),
-                    fields=tuple(_require(s, "fields", list, where, E)),
-                )
-            )
-            if shards[-1].samples < 0 or shards[-1].bytes < 0:
-                raise E("negative count", url=where)
         manifest = cls(
-            shards=tuple(shards),
+            shards=_shard_table(_require(raw, "shards", list, url, E), url),
             compression=compression,
             classes=_items(_require(raw, "classes", list, url, E), str, "classes", url),
             class_counts=_items(_require(raw, "class_counts", list, url, E), int, "class_counts", url),
@@ -155,14 +137,6 @@ class Manifest:
             writer=_require(raw, "writer", str, url, E),
             version=version,
         )
-        if any(s.samples * 512 > s.raw_bytes for s in manifest.shards if s.samples):
-            # every sample is at least one member, a 512-byte header at the least
-            raise E("a shard lists more samples than its bytes could hold", url=url)
-        names = [s.name for s in manifest.shards]
-        if len(set(names)) != len(names):
-            raise E("a shard is listed twice", url=url)
-        if any(s.raw_bytes < 0 or s.index_bytes < 0 for s in manifest.shards):
-            raise E("negative byte count", url=url)
         if _require(raw, "samples", int, url, E) != manifest.samples:
             raise E("sample total disagrees with the shard list", url=url)
         if manifest.classes and len(manifest.class_counts) != len(manifest.classes):
@@ -172,6 +146,53 @@ class Manifest:
         if version < 1:
             raise E(f"format version {version} does not exist (the first is 1)", url=url)
         return manifest
+
+
+# What each shard entry holds. Entries are read column by column, since a manifest can
+# list 400k shards; only a manifest at fault is walked entry by entry, to name the entry.
+_ENTRY = {"name": str, "samples": int, "bytes": int, "raw_bytes": int, "sha256": str, "index": str,
+          "index_bytes": int, "index_sha256": str, "fields": list}
+
+
+def _shard_table(entries: list, url: str) -> ShardTable:
+    E = ManifestError
+    try:
+        columns = {key: [entry[key] for entry in entries] for key in _ENTRY}
+    except (KeyError, TypeError):  # an entry lacks a key, or is not a map
+        columns = None
+    if columns is None or not all(set(map(type, columns[key])) <= {kind} for key, kind in _ENTRY.items()):
+        for i, entry in enumerate(entries):  # raises, naming the first entry at fault
+            for key, kind in _ENTRY.items():
+                _require(entry, key, kind, f"{url} (shard entry {i})", E)
+        raise AssertionError("a shard entry is at fault but none was found")  # pragma: no cover
+    for key in ("name", "index"):
+        if not _plain_names(columns[key]):
+            for i, name in enumerate(columns[key]):
+                _safe_name(name, f"{url} (shard entry {i})")
+    if not set(map(type, itertools.chain.from_iterable(columns["fields"]))) <= {str}:
+        raise E("a shard's fields must be strings", url=url)
+    try:
+        table = ShardTable(names=columns["name"], samples=columns["samples"], bytes=columns["bytes"],
+                           raw_bytes=columns["raw_bytes"], sha256=columns["sha256"], indexes=columns["index"],
+                           index_bytes=columns["index_bytes"], index_sha256=columns["index_sha256"],
+                           fields=[tuple(f) for f in columns["fields"]])
+    except (ValueError, OverflowError) as e:  # a digest that is not one, a number beyond 64 bits
+        raise E(f"a shard entry is invalid: {e}", url=url) from e
+    if (table.samples < 0).any() or (table.bytes < 0).any() or (table.raw_bytes < 0).any() \
+            or (table.index_bytes < 0).any():
+        raise E("negative count", url=url)
+    if (table.samples > table.raw_bytes // 512).any():
+        # every sample is at least one member, a 512-byte header at the least
+        raise E("a shard lists more samples than its bytes could hold", url=url)
+    if len(set(columns["name"])) != len(table):
+        raise E("a shard is listed twice", url=url)
+    return table
+
+
+def _plain_names(names: list[str]) -> bool:
+    """True when every name passes `_safe_name` (checked on all at once: one pass in C)."""
+    joined = "".join(names)
+    return not ("/" in joined or "\\" in joined or "\0" in joined) and {"", ".", ".."}.isdisjoint(names)
 
 
 def _items(values: list, kind: type, name: str, url: str) -> tuple:

@@ -15,6 +15,7 @@ from typing import Any
 
 from .errors import ManifestError, ShardstreamError
 from .format import MANIFEST_NAME, Manifest, ShardInfo
+from .shardtable import ShardTable
 from .storage import Store
 from .journal import FOLDER as JOURNAL_FOLDER, remove_journal_folder
 from .writer import write_manifest
@@ -104,14 +105,14 @@ def merge(dst: str, *, storage_options: dict[str, Any] | None = None, fsync: boo
                                 f"vs {common}", url=where)
         if (part.classes, part.ignored) != (first.classes, first.ignored):
             raise ManifestError(f"part {i} saw another source (class table or file count differs)", url=where)
-    names = [s.name for part in parts for s in part.shards]
+    names = [name for part in parts for name in part.shards.names]
     if len(names) != len(set(names)):
         raise ManifestError("parts list the same shard twice", url=dst)
     for part_number, part in enumerate(parts):
         for shard in part.shards:
             _check_shard(store, shard, part_number)
     manifest = Manifest(
-        shards=tuple(s for part in parts for s in part.shards),
+        shards=ShardTable.concat([part.shards for part in parts]),
         compression=first.compression,
         classes=first.classes,
         class_counts=tuple(sum(counts) for counts in zip(*(p.class_counts for p in parts))),

@@ -231,7 +231,7 @@ def _fingerprint_of(dataset: "StreamingDataset") -> str:
     # What decides the epoch sequence besides seed and epoch: the shards, the sampling, the mix.
     extra = [repr(getattr(dataset.source, "weights", None)),
              dataset.sampling.describe() if dataset.sampling is not None else ""]
-    names = [ref.name for ref in dataset.resolve().shards]
+    names = dataset.resolve().names()
     return fingerprint(np.concatenate([dataset.counts(), [0, 0]]), names + extra)
 
 

@@ -12,13 +12,14 @@ import os
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence, overload
 
 import numpy as np
 
 from .braces import expand_braces, names_shards
 from .errors import ManifestError, ShardstreamError, StorageError
 from .format import INDEX_SUFFIX, MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ShardIndex, ShardInfo
+from .shardtable import ShardTable, checked_index
 from .reader import ShardReader
 from .tarstream import StreamTarReader
 from .shardfile import FRAME_SIZE
@@ -29,7 +30,7 @@ from .urls import local_path, split_url
 if TYPE_CHECKING:
     from .sampling import Mix
 
-__all__ = ["Source", "ShardRef", "open_dataset", "resolve_source"]
+__all__ = ["ChainedShards", "ManifestShards", "Source", "ShardRef", "open_dataset", "resolve_source"]
 
 
 COUNT_THREADS = 8  # remote shards counted at once, where there is no manifest
@@ -55,6 +56,66 @@ class ShardRef:
         return StreamTarReader(self.store, self.name)
 
 
+class _MadeRefs(Sequence[ShardRef]):
+    """Shard refs made when asked: at 400k shards, a ref per shard made up front would
+    hold hundreds of MB in every process (shardtable.py). A slice gives a tuple."""
+
+    __slots__ = ()
+
+    def _ref(self, i: int) -> ShardRef:  # 0 <= i < len(self)
+        raise NotImplementedError
+
+    @overload
+    def __getitem__(self, i: int) -> ShardRef: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[ShardRef]: ...
+
+    def __getitem__(self, i: int | slice) -> ShardRef | Sequence[ShardRef]:
+        if isinstance(i, slice):
+            return tuple(self._ref(j) for j in range(*i.indices(len(self))))
+        return self._ref(checked_index(i, len(self)))
+
+
+class ManifestShards(_MadeRefs):
+    """The shards of one manifest."""
+
+    __slots__ = ("store", "table")
+
+    def __init__(self, store: Store, table: ShardTable) -> None:
+        self.store, self.table = store, table
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def _ref(self, i: int) -> ShardRef:
+        info = self.table[i]
+        return ShardRef(self.store, info.name, info)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ManifestShards):
+            return NotImplemented
+        return self.store == other.store and self.table == other.table
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class ChainedShards(_MadeRefs):
+    """The shards of several sources (a mix), one source's after another, without copying them."""
+
+    __slots__ = ("parts", "_ends")
+
+    def __init__(self, parts: Sequence[Sequence[ShardRef]]) -> None:
+        self.parts = tuple(parts)
+        self._ends = np.cumsum([len(p) for p in self.parts], dtype=np.int64)
+
+    def __len__(self) -> int:
+        return int(self._ends[-1]) if len(self._ends) else 0
+
+    def _ref(self, i: int) -> ShardRef:
+        part = int(np.searchsorted(self._ends, i, side="right"))
+        return self.parts[part][i - (int(self._ends[part - 1]) if part else 0)]
+
+
 @dataclass(frozen=True)
 class Source:
     """An ordered list of shards, and the manifest if the source has one.
@@ -63,7 +124,7 @@ class Source:
     """
 
     url: str
-    shards: tuple[ShardRef, ...]
+    shards: Sequence[ShardRef]  # a tuple, or made on demand from a manifest (ManifestShards)
     manifest: Manifest | None = None
     parts: tuple["Source", ...] = ()
     # Indexes of plain tars that `counts()` found by reading them through, by shard
@@ -90,7 +151,26 @@ class Source:
     @property
     def local(self) -> bool:
         """True when every shard is on a local file system (no request latency to hide)."""
+        if self.parts:
+            return all(p.local for p in self.parts)
+        if isinstance(self.shards, ManifestShards):  # one store: no need to make a ref per shard
+            return self.shards.store.local
         return all(ref.store.local for ref in self.shards)
+
+    def names(self) -> list[str]:
+        """Every shard's file name, in order."""
+        if self.parts:
+            return [name for p in self.parts for name in p.names()]
+        if isinstance(self.shards, ManifestShards):
+            return list(self.shards.table.names)
+        return [ref.name for ref in self.shards]
+
+    def fields(self) -> set[str] | None:
+        """The fields that some shard holds, by the manifests; None where a shard has no manifest."""
+        manifests = self._manifests()
+        if manifests is None:
+            return None
+        return {name for m in manifests for name in m.shards.all_fields()}
 
     def _manifests(self) -> list[Manifest] | None:
         """The manifests of this source (one per part), or None if any part has none."""
@@ -102,7 +182,7 @@ class Source:
         manifests = self._manifests()
         if not manifests or not sum(m.samples for m in manifests):
             return 128 << 10
-        stored = sum(s.bytes for m in manifests for s in m.shards)
+        stored = sum(int(m.shards.bytes.sum()) for m in manifests)
         return max(1, stored // sum(m.samples for m in manifests))
 
     def samples_per_frame(self) -> int:
@@ -112,7 +192,7 @@ class Source:
         if not manifests or not sum(m.samples for m in manifests):
             return 8
         samples = sum(m.samples for m in manifests)
-        raw = sum(s.raw_bytes for m in manifests for s in m.shards)
+        raw = sum(int(m.shards.raw_bytes.sum()) for m in manifests)
         frame = max(int(m.options.get("frame_size") or FRAME_SIZE) for m in manifests)
         return max(1, min(1024, round(frame * samples / max(raw, 1))))
 
@@ -217,7 +297,7 @@ def open_dataset(url: str | os.PathLike[str], *, storage_options: dict[str, Any]
         raise ManifestError("no manifest: not a packed dataset (or packing has not finished; for a folder of "
                             "plain .tar shards, `shardstream index` writes one)", url=manifest_url) from e
     manifest = Manifest.from_bytes(data, manifest_url)
-    return Source(os.fspath(url), tuple(ShardRef(store, s.name, s) for s in manifest.shards), manifest)
+    return Source(os.fspath(url), ManifestShards(store, manifest.shards), manifest)
 
 
 def resolve_source(source: "str | Sequence[str] | Mix", *, storage_options: dict[str, Any] | None = None,
@@ -229,7 +309,7 @@ def resolve_source(source: "str | Sequence[str] | Mix", *, storage_options: dict
     retry = retry or RetryPolicy()
     if isinstance(source, Mix):
         parts = tuple(resolve_source(s, storage_options=options, retry=retry) for s in source.sources)
-        return Source("mix", tuple(ref for p in parts for ref in p.shards), None, parts)
+        return Source("mix", ChainedShards([p.shards for p in parts]), None, parts)
     source = source_urls(source)  # a pathlib.Path is a location too
     if isinstance(source, str):
         if not names_shards(source):

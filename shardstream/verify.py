@@ -27,9 +27,9 @@ def inspect_dataset(url: str, *, storage_options: dict[str, Any] | None = None) 
     source = open_dataset(url, storage_options=storage_options)
     m = source.manifest
     assert m is not None  # open_dataset always has one
-    stored = sum(s.bytes for s in m.shards)
-    tar_bytes = sum(s.raw_bytes for s in m.shards)
-    fields = sorted({f for s in m.shards for f in s.fields})
+    stored = int(m.shards.bytes.sum())
+    tar_bytes = int(m.shards.raw_bytes.sum())
+    fields = m.shards.all_fields()
     return {
         "url": url,
         "writer": m.writer,
@@ -38,7 +38,7 @@ def inspect_dataset(url: str, *, storage_options: dict[str, Any] | None = None) 
         "shards": len(m.shards),
         "samples": m.samples,
         "bytes": stored,
-        "index_bytes": sum(s.index_bytes for s in m.shards),
+        "index_bytes": int(m.shards.index_bytes.sum()),
         "fields": fields,
         "classes": dict(zip(m.classes, m.class_counts)),
         "skipped": [{"file": f, "reason": r} for f, r in m.skipped],

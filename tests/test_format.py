@@ -751,7 +751,7 @@ def test_writer_empty_dataset(tmp_path):
     with ShardWriter(str(tmp_path / "ds")):
         pass
     source = open_dataset(str(tmp_path / "ds"))
-    assert source.shards == () and source.manifest.samples == 0
+    assert len(source.shards) == 0 and source.manifest.samples == 0
 
 
 def test_writer_failure_leaves_no_manifest_and_no_partial_shard(tmp_path):
