@@ -33,15 +33,15 @@ from .errors import MissingFieldError, add_note
 from .headstart import HeadStart
 from .iostats import io_stats
 from .policy import ErrorPolicy, guarded
-from .plan import Layout, items_of, read_order, worker_items, worker_plan
+from .plan import Layout, items_of
 from .prepare import SamplePrep
-from .resume import current_place, endless_deal, endless_place
+from .rankplan import RankPlan, WorkerEpoch
+from .resume import current_place
 from .sampling import Mix, Sampling, source_urls
 from .shared import SharedState
 from .source import Source, resolve_source
 from .stream import read_samples, reorder
 from .retry import RetryPolicy
-from .roundrobin import endless_start, loader_start
 from .urls import preload_driver
 from .world import World
 from .writer import parse_size
@@ -292,24 +292,25 @@ class StreamingDataset(Checkpointing, IterableDataset):
                                                  self.sampling, mix)
         return made
 
-    def _rank_block(self, world: World, epoch: int | None = None) -> tuple[np.ndarray, Layout, int, int, int]:
-        """This rank's samples of the current segment, its layout, segment number, items already
+    def _plan(self, world: World) -> RankPlan:
+        """This rank's reads with `world`'s layout (rankplan.py)."""
+        return RankPlan(self._sequences(), self.layout(world), world.rank, self.resampled)
+
+    def _rank_block(self, world: World) -> tuple[np.ndarray, RankPlan, int, int, int]:
+        """This rank's samples of the current segment, its plan, segment number, items already
         delivered, and the epoch (that of a loaded resume state, else the dataset's)."""
-        layout = self.layout(world)
-        if epoch is not None:  # a later epoch of an endless stream: no resume applies
-            return self._sequences().rank_block(epoch, (), world.size, world.rank, self.partial), layout, 0, 0, epoch
+        plan = self._plan(world)
         resume = self._resume_for(world)
         epoch = resume.epoch if resume is not None else self.epoch
-        finished, delivered = current_place(resume, layout)
-        block = self._sequences().rank_block(epoch, finished, world.size, world.rank, self.partial)
-        return block, layout, len(finished), delivered, epoch
+        finished, delivered = current_place(resume, plan.layout)
+        return plan.block(epoch, finished), plan, len(finished), delivered, epoch
 
     def __len__(self) -> int:
         """Items (batches with `batch_size`, else samples) the next iteration yields on this rank."""
         if self.resampled:
             raise TypeError("an endless (resampled) stream has no length; count steps instead")
-        block, layout, _, delivered, _ = self._rank_block(self.world())
-        return items_of(len(block), layout) - delivered
+        block, plan, _, delivered, _ = self._rank_block(self.world())
+        return items_of(len(block), plan.layout) - delivered
 
     @property
     def resampled(self) -> bool:
@@ -356,18 +357,16 @@ class StreamingDataset(Checkpointing, IterableDataset):
         loaded, self._loaded_position = self._loaded_position, None
         if loaded is None and self._worker_resume:  # a worker's own state applies to one iteration
             self._resume, self._worker_resume = None, False
-        block, layout, segment, delivered, epoch = self._rank_block(world)
+        block, plan, segment, delivered, epoch = self._rank_block(world)
         self._shared.iterating_workers = world.workers if get_worker_info() is not None else 0
         self._shared.loaded_unread = False
         self._pass_resume = self._active_resume(world)
         if self._pass_resume is None:
             self._shared.begin_pass(world.worker)
         resume_id = self._resume_id if self._resume is not None and not self._worker_resume else None
-        worker, done = loaded or self._start(world, len(block), delivered)
-        if self.resampled:
-            stream = self._endless(world, block, layout, segment, worker, done, epoch)
-        else:
-            stream = self._epoch_items(world, block, layout, segment, worker, done, epoch)
+        worker, done = loaded or plan.start(len(block), delivered, world.worker)
+        first = WorkerEpoch(epoch, block, segment, worker, done)
+        stream = self._endless(world, plan, first) if plan.endless else self._epoch_items(world, plan, first)
         self._delivered = delivered
         self._position = (epoch, worker, done)
         # The latest iteration begun owns the count and the place `state_dict` reads: an
@@ -395,22 +394,20 @@ class StreamingDataset(Checkpointing, IterableDataset):
         if not self._worker_resume and self._iteration is iteration:
             self._resume = None
 
-    def _epoch_items(self, world: World, block: np.ndarray, layout: Layout, segment: int, worker: int, done: int,
-                     epoch: int, next_worker: int | None = None) -> Iterator[Any]:
-        """Plan worker `worker`'s items of `epoch`, after the first `done`: read, decode, batch.
-        `next_worker`: the plan worker this loader worker serves in `epoch + 1` of an endless
-        stream (for the head start)."""
-        mine, remaining, needed = self._worker_reads(world, block, layout, segment, worker, done, epoch)
+    def _epoch_items(self, world: World, plan: RankPlan, part: WorkerEpoch) -> Iterator[Any]:
+        """The items of `part` (one plan worker's share of an epoch, after its first items):
+        read, decode, batch."""
+        mine, remaining, needed = plan.reads(part)
         source = self.resolve()
         head_start = self._head_start(source)
         next_ids = None  # a process on its second iteration or later will likely see another
         if head_start is not None and head_start.iterations > 0:
-            next_ids = lambda: self._next_epoch_reads(world, epoch, next_worker)  # noqa: E731
+            next_ids = lambda: plan.next_epoch_reads(part.epoch, part.next_worker, world.worker)  # noqa: E731
         samples = read_samples(source, mine[needed], self.counts(), self.prefetch, self._cache,
                                tolerant=self.on_error.mode == "skip", head_start=head_start, next_ids=next_ids)
         ordered = reorder(zip(needed.tolist(), samples), remaining)
-        prep = SamplePrep(self._decoder, self.transform, self.fields, self.seed, epoch, get_worker_info() is not None,
-                          self._ahead, self.decode_threads)
+        prep = SamplePrep(self._decoder, self.transform, self.fields, self.seed, part.epoch,
+                          get_worker_info() is not None, self._ahead, self.decode_threads)
         ids = mine[remaining].tolist()
         on_skip = lambda: self._shared.add_skip(world.worker)  # noqa: E731
         if self.decode_threads:
@@ -421,17 +418,10 @@ class StreamingDataset(Checkpointing, IterableDataset):
             items = prep.batched(items, ids, self.batch_size, self.drop_last, self.collate_fn)
         return items
 
-    def _worker_reads(self, world: World, block: np.ndarray, layout: Layout, segment: int, worker: int, done: int,
-                      epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Plan worker `worker`'s samples of `epoch` (global ids), the positions among them it
-        has still to yield after its first `done` items, in order, and those positions in
-        the order they are read."""
-        mine, perm = worker_plan(block, layout, self.seed, epoch, world.rank, worker, segment)
-        start = done * (layout.batch_size or 1)
-        remaining = perm[start:]
-        source = self.resolve()
-        frontier = int(perm[:start].max()) + 1 if start and source.indexed else 0
-        return mine, remaining, read_order(remaining, frontier, source.samples_per_frame())
+    def _endless(self, world: World, plan: RankPlan, first: WorkerEpoch) -> Iterator[Any]:
+        """The items of an endless stream from `first` on, epoch after epoch (`RankPlan.endless_epochs`)."""
+        for part in plan.endless_epochs(first):
+            yield from self._epoch_items(world, plan, part)
 
     def _head_start(self, source: Source) -> HeadStart | None:
         """This process's head start on its next iteration (headstart.py), where one pays:
@@ -441,44 +431,6 @@ class StreamingDataset(Checkpointing, IterableDataset):
         if self._heads is None or self._heads[0] != os.getpid():
             self._heads = (os.getpid(), HeadStart())
         return self._heads[1]
-
-    def _next_epoch_reads(self, world: World, epoch: int, worker: int | None) -> np.ndarray:
-        """The samples this loader worker will read next, in reading order, if what comes
-        next is `epoch + 1` from its start with the same layout: the next iteration after
-        `set_epoch(epoch + 1)`, or an endless stream's next epoch, in which it serves plan
-        worker `worker` (see _endless)."""
-        block, layout = self._rank_block(world, epoch + 1)[0], self.layout(world)
-        if worker is None:  # a new pass starts at this loader worker's own place
-            worker, _ = self._start(world, len(block), 0)
-        mine, _, needed = self._worker_reads(world, block, layout, 0, worker, 0, epoch + 1)
-        return mine[needed]
-
-    def _start(self, world: World, block: int, delivered: int) -> tuple[int, int]:
-        """The plan worker this loader worker serves, and how many items that plan worker
-        has already handed over, after the rank received `delivered` items (roundrobin.py)."""
-        if self.resampled:
-            return endless_start(world.workers, delivered, world.worker)
-        return loader_start(worker_items(block, self.layout(world)), delivered, world.worker)
-
-    def _endless(self, world: World, block: np.ndarray, layout: Layout, segment: int, worker: int, done: int,
-                 epoch: int) -> Iterator[Any]:
-        """Epoch after epoch from `epoch` (whose rank block is `block`), without end, for plan
-        worker `worker` after its first `done` items, however many epochs those span. In
-        each epoch the worker reads the share the deal gives it (`roundrobin.EndlessDeal`),
-        which keeps the workers together however long the stream runs."""
-        later = len(self._rank_block(world, epoch + 1)[0])
-        if sum(worker_items(later, layout)) == 0:  # no worker would ever yield again
-            raise ValueError("an endless stream needs at least one item per epoch")
-        deal = endless_deal(layout, len(block), later)
-        k, done, _ = endless_place(deal, worker, done)
-        if k:
-            epoch, segment = epoch + k, 0
-            block = self._rank_block(world, epoch)[0]
-        while True:
-            yield from self._epoch_items(world, block, layout, segment, deal.share(worker, k), done, epoch,
-                                         deal.share(worker, k + 1))
-            epoch, k, done, segment = epoch + 1, k + 1, 0, 0
-            block = self._rank_block(world, epoch)[0]
 
     def io_stats(self) -> dict[str, float]:
         """Storage counters (requests, bytes, retries, wait_s, cache hits and misses) of this

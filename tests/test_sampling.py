@@ -283,8 +283,8 @@ def test_resampled_elastic_resume_sees_every_sample_of_each_epoch(small, k, new_
         resumed = make(rank=rank, world_size=new_world)
         resumed.load_state_dict(state)
         # the batches left of the epoch resumed in, on this rank (what its workers' plans hold)
-        block, layout, _, _, epoch = resumed._rank_block(resumed._world_with(new_workers))
-        items = sum(worker_items(len(block), layout))
+        block, plan, _, _, epoch = resumed._rank_block(resumed._world_with(new_workers))
+        items = sum(worker_items(len(block), plan.layout))
         rest += keys(itertools.islice(DataLoader(resumed, batch_size=None, num_workers=new_workers), items))
     assert epoch == (len(head) - 8) // 63 or epoch == len(head) // 63  # the epoch some old worker had not finished
     counts = collections.Counter(head + rest)
