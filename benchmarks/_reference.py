@@ -65,7 +65,7 @@ def _patch() -> list[tuple[Any, str, Any]]:
     parts = tario.member_parts
     tario.member_parts = lambda name, data: (b"".join(parts(name, data)), b"", b"")
 
-    def results(jobs: list[Any], workers: int, context: Any) -> Iterator[Any]:
+    def results(jobs: list[Any], workers: int, context: Any, *_: Any) -> Iterator[Any]:
         with context.Pool(workers) as pool:
             yield from pool.imap(pack.build_job, jobs, chunksize=1)
 

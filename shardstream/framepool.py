@@ -6,11 +6,16 @@ crosses a pipe. They are processes when the images are small, where the per-imag
 Python work (about 50 µs) would hold the GIL for most of the time (BENCHMARKS.md).
 Either way a job's result, or its exception, comes back at its place in the plan, so
 the caller appends frames in order and the output does not depend on the workers.
-In memory, the frames ahead are counted, not their bytes: at most 4 x workers frames
-built or being built (a worker building one holds about 3 times its bytes: the files,
-the tar, the compressed frame), and a frame is about 1 MB, or one image where images
-are larger: with images of 20 MB, 2 workers hold up to about 160 MB, beside the shard
-writer's queue (shardfile.py: 16 MB, or one frame).
+In memory, the frames ahead are bounded in number and in bytes: at most 4 x workers
+frames handed out beyond the one due (built or being built: a worker building one holds
+about 3 times its bytes, the files, the tar, the compressed frame), and no more than
+`bytes_ahead(workers)`, max(256 MB, 8 MB x workers), by their planned sizes (a shrunk
+image's, which is what a frame holds), but always the frame due, however large. A
+frame is about 1 MB, or one image where images are larger: with images of 20 MB, 2
+workers hold up to 8 frames (about 160 MB), and 64 workers 25 (512 MB, about 1.5 GB
+while built) where the count alone let 256 (about 15 GB) be held. Frames of images
+under 1 MB are bounded by their number alone. Beside this, the shard writer's queue
+(shardfile.py: 16 MB, or one frame).
 
 Processes run in `_FramePool`, not `multiprocessing.Pool`, and a frame's data crosses
 the pipe raw, read straight into its final buffer: the transport costs what it must
@@ -40,10 +45,10 @@ except ImportError:  # not POSIX
 from .errors import ShardstreamError
 from .framebuild import FrameResult, build_job
 from .listing import SourceFile
-from .shardfile import Frame
-from .threads import ordered_map
+from .shardfile import FRAME_SIZE, Frame
+from .threads import Ahead, ordered_map
 
-__all__ = ["THREADS_FROM_BYTES", "threads_pay", "pool_context", "thread_results", "process_results"]
+__all__ = ["THREADS_FROM_BYTES", "threads_pay", "pool_context", "bytes_ahead", "thread_results", "process_results"]
 
 
 def pool_context() -> multiprocessing.context.BaseContext:
@@ -66,17 +71,38 @@ def threads_pay(entries: list[SourceFile]) -> bool:
     return bool(entries) and sum(entry.size for entry in entries) >= THREADS_FROM_BYTES * len(entries)
 
 
-def thread_results(jobs: list[Any], workers: int) -> Iterator[FrameResult]:
+FRAMES_AHEAD = 4  # per worker, handed out beyond the frame due
+# The bytes ahead, at least: under 1 GB while built (3 times, at most), which a machine
+# that packs can spare, and what 2 workers held before by frames alone with images of
+# 32 MB: a small machine packs large images as before.
+MIN_BYTES_AHEAD = 256 << 20
+
+
+def bytes_ahead(workers: int) -> int:
+    """How many bytes (`frame_bytes`) the frames handed out beyond the one due may plan, together."""
+    # 2 x FRAME_SIZE a frame ahead: a frame is cut once it reaches FRAME_SIZE, so one of
+    # images under FRAME_SIZE plans less than twice that. Their frames (photos, ImageNet)
+    # are then bounded by number first, as before, whatever `workers` is.
+    return max(MIN_BYTES_AHEAD, FRAMES_AHEAD * workers * 2 * FRAME_SIZE)
+
+
+def thread_results(jobs: list[Any], workers: int, job_bytes: list[int], budget: int | None = None
+                   ) -> Iterator[FrameResult]:
     """`build_job` over `jobs` in `workers` threads, results in plan order; a job's
-    exception is raised at its place in that order."""
-    with contextlib.closing(ordered_map(build_job, jobs, workers, name="shardstream-pack")) as futures:
+    exception is raised at its place in that order. `job_bytes`: each job's planned size
+    (`frame_bytes`), of which the jobs ahead plan `budget` at most (default `bytes_ahead`)."""
+    budget = budget or bytes_ahead(workers)
+    with contextlib.closing(ordered_map(lambda i: build_job(jobs[i]), range(len(jobs)), workers,
+                                        ahead=FRAMES_AHEAD * workers, weigh=job_bytes.__getitem__,
+                                        weight_ahead=budget, name="shardstream-pack")) as futures:
         for future in futures:
             yield future.result()
 
 
-def process_results(jobs: list[Any], workers: int, context: multiprocessing.context.BaseContext
-                     ) -> Iterator[FrameResult]:
-    pool = _FramePool(jobs, workers, context)
+def process_results(jobs: list[Any], workers: int, context: multiprocessing.context.BaseContext,
+                    job_bytes: list[int], budget: int | None = None) -> Iterator[FrameResult]:
+    """As `thread_results`, in `workers` processes started by `context`."""
+    pool = _FramePool(jobs, workers, context, job_bytes, budget or bytes_ahead(workers))
     try:
         yield from pool
         pool.close(wait=True)
@@ -90,9 +116,9 @@ class _FramePool:
     Like `Pool.imap(build_job, jobs, chunksize=1)`: jobs go to whichever worker is free
     (at most `DEPTH` queued per worker), results come back in plan order, and a worker's
     exception is re-raised in the parent at its job's place in that order. Results that
-    arrive early wait in the parent, and no job more than `window` ahead of the next one
-    due is handed out, which bounds the memory that a slow worker can make the others
-    hold up.
+    arrive early wait in the parent, and the jobs handed out and not yet passed on are
+    bounded in number and in planned bytes (`Ahead`: the job due always goes), which
+    bounds the memory that a slow worker can make the others hold up.
 
     Not `multiprocessing.Pool`: its worker-handler thread wakes up whenever a result
     waits in the result pipe, which with results of ~1 MB is nearly always, and then
@@ -102,9 +128,11 @@ class _FramePool:
 
     DEPTH = 2  # jobs sent to a worker and not yet answered
 
-    def __init__(self, jobs: list[Any], workers: int, context: multiprocessing.context.BaseContext):
+    def __init__(self, jobs: list[Any], workers: int, context: multiprocessing.context.BaseContext,
+                 job_bytes: list[int], budget: int):
         self.jobs = jobs
-        self.window = 4 * workers
+        self.job_bytes = job_bytes
+        self.budget = budget
         self.procs: list[Any] = []
         self.tasks: list[Any] = []  # parent -> worker: (job number, job)
         self.results: list[Any] = []  # worker -> parent
@@ -133,6 +161,7 @@ class _FramePool:
 
     def __iter__(self) -> Iterator[FrameResult]:
         count, workers = len(self.jobs), len(self.procs)
+        ahead = Ahead(FRAMES_AHEAD * workers, self.budget)  # from next_due to next_job
         outstanding = [0] * workers
         early: dict[int, Any] = {}  # job number -> FrameResult, or the exception to raise there
         next_job = next_due = 0
@@ -143,14 +172,20 @@ class _FramePool:
 
         def top_up() -> None:
             nonlocal next_job
-            for w in range(workers):
-                while (w not in dead and outstanding[w] < self.DEPTH and next_job < min(count, failed_at)
-                       and next_job < next_due + self.window):
+            # A job to each worker before a second to any: where the bytes ahead let few
+            # jobs go, they are built side by side, not queued behind one worker's.
+            for depth in range(1, self.DEPTH + 1):
+                for w in range(workers):
+                    if w in dead or outstanding[w] >= depth:
+                        continue
+                    if next_job >= min(count, failed_at) or not ahead.admits(self.job_bytes[next_job]):
+                        return
                     try:
                         self.tasks[w].send((next_job, self.jobs[next_job]))
                     except OSError:  # it died: its results pipe reports that, naming its jobs
                         dead.add(w)
-                        break
+                        continue
+                    ahead.hand_out(self.job_bytes[next_job])
                     sent[w].append(next_job)
                     outstanding[w] += 1
                     next_job += 1
@@ -162,6 +197,7 @@ class _FramePool:
                 if isinstance(result, BaseException):
                     raise result
                 next_due += 1
+                ahead.pass_on()
                 top_up()
                 yield result
                 continue

@@ -37,7 +37,7 @@ from .framepool import pool_context, process_results, thread_results, threads_pa
 from .journal import Journal
 from .listing import Listing, SourceFile, list_source, printable
 from .packoutput import dataset_manifest, write_shards
-from .packplan import PackOptions, order, part_slice, plan_frames, shrunk_estimates
+from .packplan import PackOptions, frame_bytes, order, part_slice, plan_frames, shrunk_estimates
 from .parts import other_packs
 from .scratch import cleanup_scratch
 from .shardfile import FRAME_SIZE, IMAGE_LEVEL
@@ -250,6 +250,7 @@ def pack(
                    "modified": _modified_stamp(listing.root, entries)}
     done = journal.start(plan_record, resume)
     jobs = [(shard, frame, listing.root, opts, on_error == "skip") for shard, frame in planned if shard not in done]
+    job_bytes = [frame_bytes(job[1], shrunk) for job in jobs]  # what each frame holds once built
     # A killed run's half-written shards (a fresh start's too: it may follow a killed run).
     todo = {shard_name(opts.prefix, shard, compression) for shard, _ in planned if shard not in done}
     scratch_names = [target, *(name for shard in todo for name in (shard, shard + INDEX_SUFFIX))]
@@ -262,9 +263,9 @@ def pack(
     if workers == 1:
         results = map(build_job, jobs)
     elif threads_pay(entries):
-        results = thread_results(jobs, workers)
+        results = thread_results(jobs, workers, job_bytes)
     else:  # the context is chosen before the progress bar starts its monitor thread
-        results = process_results(jobs, workers, pool_context())
+        results = process_results(jobs, workers, pool_context(), job_bytes)
     results = _bomb_warnings_raise(results)
     bar = _progress(len(entries), progress)
     bar.update(sum(s.samples + len(k) for s, k in done.values()))

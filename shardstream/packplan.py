@@ -22,7 +22,7 @@ from .decode import image_size
 from .listing import Listing, SourceFile
 from .shrink import DEFAULT_QUALITY, shrunk_size
 
-__all__ = ["PackOptions", "order", "part_slice", "plan_frames", "shrunk_estimates"]
+__all__ = ["PackOptions", "frame_bytes", "order", "part_slice", "plan_frames", "shrunk_estimates"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,15 @@ def _estimated_size(entry: SourceFile, file_bytes: int | None = None) -> int:
     if entry.label is not None:
         size += tario.member_size(len(str(entry.label)), f"{entry.key}.cls")
     return size
+
+
+def frame_bytes(frame: list[SourceFile], file_bytes: dict[str, int] | None = None) -> int:
+    """A planned frame's size, as `plan_frames` counts it to cut frames (`file_bytes` as there).
+
+    Known before any image is read, it is what the pack holds of the frame once built:
+    a file shrunk is held shrunk, not at the size of the file read.
+    """
+    return sum(_estimated_size(entry, (file_bytes or {}).get(entry.path)) for entry in frame)
 
 
 def shrunk_estimates(entries: list[SourceFile], root: str, max_side: int) -> dict[str, int]:
