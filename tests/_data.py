@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import collections
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 from torch.utils.data import DataLoader
@@ -144,3 +144,25 @@ def spawned_rank_keys(rank: int, port: int, dataset: Any, out: str) -> None:
         Path(out, f"{rank}.json").write_text(json.dumps(flat(as_keys(item) for item in dataset)))
     finally:
         dist.destroy_process_group()
+
+
+def watch_held_indexes(monkeypatch: Any) -> Callable[[], tuple[int, int]]:
+    """Watch the shard indexes that readers load from now on; the function returned gives (indexes
+    loaded, the most held at once), an index being held while the reader that loaded it lives (each
+    holds every key of its shard: what a count over many shards must not keep)."""
+    import weakref
+
+    from shardstream.reader import ShardReader
+
+    loaded: list[weakref.ref] = []
+    most_held = 0
+    load = ShardReader._load_index
+
+    def watched_load(self: ShardReader) -> Any:
+        nonlocal most_held
+        loaded.append(weakref.ref(self))
+        most_held = max(most_held, sum(ref() is not None for ref in loaded))
+        return load(self)
+
+    monkeypatch.setattr(ShardReader, "_load_index", watched_load)
+    return lambda: (len(loaded), most_held)

@@ -15,6 +15,11 @@ import pytest
 from shardstream import open_dataset
 from shardstream.format import MANIFEST_NAME
 
+try:  # tests/ may or may not be a package
+    from . import _data as D
+except ImportError:
+    import _data as D
+
 
 def cli(*args: object) -> subprocess.CompletedProcess:
     return subprocess.run(
@@ -115,6 +120,9 @@ def _edited_manifest(packed, tmp_path, edit) -> str:
     ("a class twice", lambda m: m["classes"].__setitem__(0, m["classes"][1]), "a class name is listed twice"),
     ("class counts", lambda m: m["class_counts"].__setitem__(0, m["class_counts"][0] + 1),
      "class_counts .* are not the indexes'"),
+    ("a label past the classes", lambda m: (m.__setitem__("classes", m["classes"][:1]),
+                                            m.__setitem__("class_counts", [sum(m["class_counts"])])),
+     "a label is past the manifest's 1 classes"),
     ("a shard's fields", lambda m: m["shards"][0].__setitem__("fields", ["bls", "jpg"]), "holds the fields"),
     ("an index's size", lambda m: m["shards"][1].__setitem__("index_bytes", m["shards"][1]["index_bytes"] + 1),
      "is not the .* bytes the manifest says"),
@@ -229,6 +237,32 @@ def test_verify_in_threads_reports_what_one_thread_reports(tmp_path):
     assert any(p.shard == shards[3].name and "sha256" in p.message for p in one.problems)
     # The flipped shard's 4 images are never reached (its frame fails its checksum); the 2 bad ones were tried.
     assert (one.shards, one.samples, one.images) == (three.shards, three.samples, three.images) == (6, 24, 20)
+
+
+def test_verify_holds_the_indexes_of_the_shards_at_work_not_of_every_shard(tmp_path, monkeypatch):
+    """verify kept a reader per shard to the end, to count the classes there: every shard's index (every key
+    of the dataset) stayed in memory, 10 GB at 100M samples. The indexes loaded and still held, at any time,
+    are those of the shards at work, however many shards there are; the class counts are still checked."""
+    import msgpack
+
+    from shardstream import ShardWriter
+    from shardstream.verify import verify_dataset
+
+    dst = tmp_path / "ds"
+    with ShardWriter(str(dst), max_samples=2, classes=("a", "b", "c")) as writer:
+        for i in range(80):
+            writer.write({"__key__": f"s{i:03d}", "cls": i % 3, "txt": "x"})
+    held = D.watch_held_indexes(monkeypatch)
+    report = verify_dataset(str(dst), decode_images=False, workers=2)
+    loaded, most_held = held()
+    assert report.ok and report.shards == loaded == 40, report.problems
+    assert most_held <= 12  # the threads' shards and those queued ahead of them (4 a thread), not 40
+
+    raw = msgpack.unpackb((dst / MANIFEST_NAME).read_bytes())
+    raw["class_counts"][0] += 1
+    (dst / MANIFEST_NAME).write_bytes(msgpack.packb(raw))
+    assert [p.message for p in verify_dataset(str(dst), decode_images=False).problems] == [
+        "class_counts [28, 27, 26] are not the indexes' [27, 27, 26]"]
 
 
 def test_bad_paths_and_arguments_are_one_line_errors(packed, image_folder, tmp_path):
