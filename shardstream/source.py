@@ -202,26 +202,35 @@ class Source:
             return np.concatenate([p.counts() for p in self.parts])
         if self.manifest is not None:
             return self.manifest.counts
-        def count(shard: int) -> tuple[ShardReader | StreamTarReader, int]:
-            reader = self.reader(shard)
-            return reader, _count(reader)
-
         if len(self.shards) < 2 or self.local:
-            counted = [count(i) for i in range(len(self.shards))]
+            counted = [self._count_shard(i) for i in range(len(self.shards))]
         else:  # each remote shard costs round trips (a look for its index, a read through): overlap them
             with ThreadPoolExecutor(min(COUNT_THREADS, len(self.shards)), thread_name_prefix="shardstream-count") as pool:
-                counted = list(pool.map(count, range(len(self.shards))))
-        scanned = [ref for ref, (reader, _) in zip(self.shards, counted)
-                   if isinstance(reader, StreamTarReader) and ref.name.endswith(".tar") and not ref.store.local]
+                counted = list(pool.map(self._count_shard, range(len(self.shards))))
+        scanned = [ref for ref, (read_through, _, _) in zip(self.shards, counted)
+                   if read_through and ref.name.endswith(".tar") and not ref.store.local]
         if scanned:
             warnings.warn(f"{scanned[0].url} and {len(scanned) - 1} more remote shards have no index: each is "
                           "read through to count and index its samples before the first one is read, in every "
                           "process that counts them; `shardstream index` writes the indexes once",
                           stacklevel=3)
-        for i, (reader, _) in enumerate(counted):
-            if isinstance(reader, StreamTarReader) and reader.index is not None:
-                self.scanned[i] = reader.index
-        return np.array([n for _, n in counted], dtype=np.int64)
+        for i, (_, index, _) in enumerate(counted):
+            if index is not None:
+                self.scanned[i] = index
+        return np.array([n for _, _, n in counted], dtype=np.int64)
+
+    def _count_shard(self, shard: int) -> tuple[bool, ShardIndex | None, int]:
+        """Whether shard number `shard` had to be read through (a tar without an index), the
+        index that made (None if none), and its samples.
+
+        Not its reader: readers kept until every shard was counted held every index read at
+        once, every key of the dataset (about 100 bytes a sample, 10 GB at 100M samples,
+        in every process that counts), where the counts need one index at a time."""
+        reader = self.reader(shard)
+        samples = _count(reader)
+        if isinstance(reader, StreamTarReader):
+            return True, reader.index, samples
+        return False, None, samples
 
     def labels(self) -> np.ndarray:
         """Every sample's class index, in shard order, from the shard indexes (one read each)."""

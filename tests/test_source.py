@@ -17,6 +17,11 @@ from shardstream import BracePatternError
 from shardstream.braces import expand_braces, names_shards
 from shardstream.source import resolve_source
 
+try:  # tests/ may or may not be a package
+    from . import _data as D
+except ImportError:
+    import _data as D
+
 # Patterns whose names must be braceexpand's, in its order.
 SAME_AS_BRACEEXPAND = [
     "shard-{000000..000003}.tar",
@@ -198,6 +203,22 @@ def test_a_product_pattern_reads_every_sample_once(split_shards):
     # In DataLoader workers, which get the pattern, not its names.
     loader = DataLoader(StreamingDataset(pattern, decode=None, fields=("__key__",)), batch_size=None, num_workers=2)
     assert sorted(item[0] for item in loader) == sorted(picked)
+
+
+def test_counting_indexed_shards_without_a_manifest_holds_one_index_at_a_time(tmp_path, monkeypatch):
+    """Shards named by URL (no manifest) are counted from their indexes. The count kept every shard's
+    reader until the last was counted, so every index at once, every key of the dataset: 100 MB at 1M
+    samples, in every process that counts. It holds the one being read; the counts are the same."""
+    from shardstream import ShardWriter, open_dataset
+
+    with ShardWriter(str(tmp_path), max_samples=2, compression="none") as writer:
+        for i in range(59):
+            writer.write({"__key__": f"s{i:03d}", "cls": 0})
+    urls = [str(tmp_path / name) for name in open_dataset(str(tmp_path)).names()]
+    held = D.watch_held_indexes(monkeypatch)
+    source = resolve_source(urls)
+    assert list(source.counts()) == [2] * 29 + [1]
+    assert held() == (30, 1)  # every index read, one at a time
 
 
 def test_a_shard_given_as_a_dataset_says_how_to_read_it(packed_plain, tmp_path):
