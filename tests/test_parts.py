@@ -190,6 +190,28 @@ def test_merge_checks_every_index(source, tmp_path):
     assert merge(str(dst)).samples == 21 and samples(str(dst)) == samples(str(source / "single"))
 
 
+def test_merge_asks_the_store_once_for_every_size_and_reads_each_index_once(source, tmp_path, monkeypatch):
+    """merge asked the store, shard after shard, whether the shard and its index were there and the shard's
+    size: 4 requests in a row a shard, so that on S3 a merge of 500k shards took hours. One listing
+    gives every size, and each index is read once, for its hash."""
+    from shardstream.storage import Store
+
+    dst = str(tmp_path / "parts")
+    for part in range(2):
+        ss.pack(str(source / "src"), dst, shard_size="8KB", part=(part, 2), progress=False)
+    calls: collections.Counter = collections.Counter()
+    for name in ("exists", "size", "read", "list", "sizes"):
+        if hasattr(Store, name):
+            def counted(self, *args, _real=getattr(Store, name), _name=name, **kwargs):
+                calls[_name] += 1
+                return _real(self, *args, **kwargs)
+            monkeypatch.setattr(Store, name, counted)
+    shards = len(merge(dst).shards)
+    assert shards > 4
+    # The listings of the part manifests and of every file's size; the 2 part manifests and each index read.
+    assert calls == {"list": 1, "sizes": 1, "read": 2 + shards}
+
+
 def test_a_part_rerun_removes_the_stale_merge_before_its_own_shards(source, tmp_path, monkeypatch):
     """A crash between the removals must not leave a merged manifest that lists removed shards."""
     from shardstream.storage import Store

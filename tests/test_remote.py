@@ -1936,6 +1936,26 @@ def test_the_s3fs_path_reads_to_the_end_and_gives_up_on_permanent_errors_at_once
     assert is_transient(s3fs_error(errno.EIO, 500, "InternalError"))
 
 
+def test_s3_parts_merge_and_a_missing_index_is_named(moto, src, jpg_digests):
+    """merge over S3: every size from one listing, the indexes read several at once; the dataset is the
+    single pack's, and an index missing from the bucket is named, as the first problem in part order."""
+    from shardstream.errors import ManifestError
+    from shardstream.parts import merge
+    from shardstream.storage import Store
+
+    url, options = f"s3://{BUCKET}/parts", moto.storage_options
+    for part in range(2):
+        shardstream.pack(str(src), url, shard_size=SHARD_SIZE, workers=1, progress=False, part=(part, 2),
+                         storage_options=options)
+    assert merge(url, storage_options=options).samples == N
+    assert H.sample_digests(url, options) == jpg_digests
+    store = Store(url, options)
+    index = sorted(name for name in store.list(".idx") if name.startswith("shard-p00001-"))[1]
+    store.remove(index)
+    with pytest.raises(ManifestError, match=f"part 1 lists {index}, which is missing"):
+        merge(url, storage_options=options)
+
+
 def test_a_listing_sees_what_another_process_wrote_since(moto, s3_ds):
     """Regression: fsspec's listings cache never expires, and the filesystem instance is shared by every Store
     of the same options in a process: a file another process wrote after a first listing stayed missing (a
