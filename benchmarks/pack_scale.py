@@ -1,0 +1,107 @@
+#!/usr/bin/env python
+"""What `pack` costs before its first frame, against the number of source files.
+
+    python benchmarks/pack_scale.py [--files 100000 1000000] [--part 0/1000] [--data /tmp/pack-scale]
+
+For each size, a folder of that many files in 1,000 class folders is made of 300 tiny
+real JPEGs hard-linked under distinct names (no extra disk; about 15 s a million), then,
+in a fresh process, pack's steps before the first frame are timed one by one, as
+pack.py runs them: listing, ordering, the listing's fingerprint, (a part's slice,)
+cutting frames, the modification stamp for `--resume`, the frames' planned bytes, and
+threads-or-processes; with the process's memory after them (tracemalloc would double
+the times, so RSS only). Every one is linear in the files; what the table shows is the
+constant: a part lists, sorts and shuffles the whole source, whatever its share.
+The folders are removed at the end unless `--keep`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+
+def make_folder(root: str, files: int) -> None:
+    from PIL import Image
+
+    bases = os.path.join(root, "_bases")
+    os.makedirs(bases, exist_ok=True)
+    paths = []
+    for i in range(300):
+        path = os.path.join(bases, f"{i}.jpg")
+        Image.new("RGB", (16 + i % 7, 16), (i % 256, 40, 90)).save(path, quality=80)
+        paths.append(path)
+    source = os.path.join(root, "src")
+    per_class = files // 1000
+    for c in range(1000):
+        folder = os.path.join(source, f"n{c:08d}")
+        os.makedirs(folder)
+        for j in range(per_class):
+            os.link(paths[(c * per_class + j) % len(paths)], os.path.join(folder, f"n{c:08d}_{j}.JPEG"))
+
+
+def measure(source: str, part: tuple[int, int] | None) -> dict[str, float]:
+    """One fresh process's steps (run by `--child`)."""
+    pack = importlib.import_module("shardstream.pack")
+    from shardstream.listing import list_source
+    from shardstream.packplan import PackOptions, frame_bytes, order, part_slice, plan_frames
+    from shardstream.shardfile import FRAME_SIZE
+
+    out: dict[str, float] = {}
+
+    def step(name, run):
+        start = time.perf_counter()
+        result = run()
+        out[name + "_s"] = round(time.perf_counter() - start, 3)
+        return result
+
+    opts = PackOptions(256 << 20, None, "zstd", 3, 0, True, FRAME_SIZE, "shard")
+    listing = step("list", lambda: list_source(source))
+    entries = step("order", lambda: order(listing, opts))
+    step("fingerprint", lambda: pack.listing_fingerprint(entries))
+    if part is not None:
+        entries = part_slice(entries, *part)
+    planned = step("plan_frames", lambda: plan_frames(entries, opts))
+    step("modified_stamp", lambda: pack._modified_stamp(listing.root, entries))
+    step("frame_bytes", lambda: [frame_bytes(frame) for _, frame in planned])
+    step("threads_pay", lambda: pack.threads_pay(entries))
+    with open("/proc/self/statm") as f:
+        out["rss_mb"] = round(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--files", type=int, nargs="+", default=[100_000, 1_000_000])
+    parser.add_argument("--part", help="I/N: time a part's steps (it lists the whole source all the same)")
+    parser.add_argument("--data", default="/tmp/pack-scale")
+    parser.add_argument("--keep", action="store_true")
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        part = tuple(int(x) for x in args.child[1].split("/")) if args.child[1] != "-" else None
+        print(json.dumps(measure(args.child[0], part)))
+        return
+    try:
+        for files in args.files:
+            root = os.path.join(args.data, str(files))
+            if not os.path.isdir(os.path.join(root, "src")):
+                shutil.rmtree(root, ignore_errors=True)
+                make_folder(root, files)
+            done = subprocess.run([sys.executable, __file__, "--child", os.path.join(root, "src"), args.part or "-"],
+                                  capture_output=True, text=True, check=True)
+            row = json.loads(done.stdout)
+            total = sum(v for k, v in row.items() if k.endswith("_s"))
+            print(f"{files:>10,} files: {total:6.1f} s before the first frame, RSS {row['rss_mb']:,} MB  {row}")
+    finally:
+        if not args.keep:
+            shutil.rmtree(args.data, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
