@@ -76,11 +76,14 @@ class PackSummary:
     ignored: int = 0
     misnamed: list[tuple[str, str]] = field(default_factory=list)
     kept_whole: list[tuple[str, str]] = field(default_factory=list)
+    resumed: int = 0  # of `samples`, those an earlier run packed (`resume=True`), not in `seconds`
 
     def __str__(self) -> str:
-        rate = self.samples / self.seconds if self.seconds else 0.0
+        rate = (self.samples - self.resumed) / self.seconds if self.seconds else 0.0
+        earlier = f" ({self.resumed} of them by an earlier run)" if self.resumed else ""
         lines = [
-            f"packed {self.samples} samples into {self.shards} shards in {self.seconds:.2f} s ({rate:,.0f} img/s)",
+            f"packed {self.samples} samples{earlier} into {self.shards} shards in {self.seconds:.2f} s "
+            f"({rate:,.0f} img/s)",
             f"bytes in {self.bytes_in / 1e6:,.1f} MB, out {self.bytes_out / 1e6:,.1f} MB",
             f"skipped {len(self.skipped)}, not images {self.ignored}",
         ]
@@ -137,18 +140,12 @@ def part_manifest_name(index: int, parts: int) -> str:
     return f"manifest.part-{index:05d}-of-{parts:05d}.msgpack"
 
 
-def _modified_stamp(root: str, entries: list[SourceFile]) -> str:
-    """A digest of the files' modification times, for `--resume` to refuse a source whose
-    files changed in place (one stat a file; parts do not compare it: their copies of the
-    source may be made at other times)."""
-    digest = hashlib.sha256()
-    for e in entries:
-        try:
-            stamp = os.stat(e.full_path(root)).st_mtime_ns
-        except OSError:
-            stamp = -1  # unreadable: packing reports it under the error policy
-        digest.update(f"{stamp}\n".encode())
-    return digest.hexdigest()
+def _modified_stamp(entries: list[SourceFile]) -> str:
+    """A digest of the files' modification times as listed (-1 for a file that could not be
+    looked up: packing reports it under the error policy), for `--resume` to refuse a source
+    whose files changed in place. Parts do not compare it: their copies of the source may be
+    made at other times."""
+    return hashlib.sha256("".join(f"{e.modified}\n" for e in entries).encode()).hexdigest()
 
 
 def listing_fingerprint(entries: list[SourceFile]) -> str:
@@ -247,7 +244,7 @@ def pack(
     # on_error decides which files are skipped, so a resume must keep it; the files' times
     # catch a source edited in place (the listing has only names and sizes).
     plan_record = {"options": opts.as_dict(), "listing": fingerprint, "part": list(part or ()), "on_error": on_error,
-                   "modified": _modified_stamp(listing.root, entries)}
+                   "modified": _modified_stamp(entries)}
     done = journal.start(plan_record, resume)
     jobs = [(shard, frame, listing.root, opts, on_error == "skip") for shard, frame in planned if shard not in done]
     job_bytes = [frame_bytes(job[1], shrunk) for job in jobs]  # what each frame holds once built
@@ -297,6 +294,7 @@ def pack(
         ignored=len(listing.ignored),
         misnamed=written.misnamed,
         kept_whole=written.kept_whole,
+        resumed=sum(info.samples for info, _ in done.values()),
     )
 
 

@@ -24,6 +24,7 @@ import io
 import json
 import logging
 import os
+import re
 import signal
 import struct
 import subprocess
@@ -520,11 +521,21 @@ def test_resume_after_sigkill_is_byte_identical(resume_source, resume_reference,
     _killed_pack(resume_source, dst, workers)
     published = assert_no_partial_dataset(dst)
     assert 2 <= len(published) < len([n for n in resume_reference if n.endswith(".tar.zst")])
+    # What the resume may take as done: the whole shards with their indexes.
+    indexed = sum(len(shardstream.open_shard(str(dst / n))) for n in published if (dst / f"{n}.idx").exists())
 
     resumed = subprocess.run(_cli_pack(resume_source, dst, workers, "--resume"), capture_output=True, text=True,
                              timeout=CHILD_TIMEOUT, env=_child_env())
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert visible_files(dst) == resume_reference, "resumed pack differs from an uninterrupted one"
+    # The summary's rate is of what this run packed: the killed run's samples (its journaled shards,
+    # whole with their indexes) are said apart, not counted in it.
+    said = re.search(r"packed (\d+) samples \((\d+) of them by an earlier run\) into .* in ([\d.]+) s \(([\d,]+) img/s\)",
+                     resumed.stdout)
+    assert said, resumed.stdout
+    total, earlier, seconds, rate = int(said[1]), int(said[2]), float(said[3]), int(said[4].replace(",", ""))
+    assert 0 < earlier <= indexed < total
+    assert abs(rate - (total - earlier) / seconds) <= 0.05 * rate + 1  # seconds are shown rounded
     # No hidden leftovers: the journal is gone, and the killed run's half-written files with it.
     hidden = sorted(p.relative_to(dst).as_posix() for p in dst.rglob("*") if p.relative_to(dst).as_posix()[0] == ".")
     assert not hidden, f"left behind: {hidden}"
