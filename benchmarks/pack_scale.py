@@ -67,7 +67,7 @@ def measure(source: str, part: tuple[int, int] | None) -> dict[str, float]:
     if part is not None:
         entries = part_slice(entries, *part)
     planned = step("plan_frames", lambda: plan_frames(entries, opts))
-    step("modified_stamp", lambda: pack._modified_stamp(listing.root, entries))
+    step("modified_stamp", lambda: pack._modified_stamp(entries))
     step("frame_bytes", lambda: [frame_bytes(frame) for _, frame in planned])
     step("threads_pay", lambda: pack.threads_pay(entries))
     with open("/proc/self/statm") as f:
