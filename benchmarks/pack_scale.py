@@ -7,10 +7,11 @@ For each size, a folder of that many files in 1,000 class folders is made of 300
 real JPEGs hard-linked under distinct names (no extra disk; about 15 s a million), then,
 in a fresh process, pack's steps before the first frame are timed one by one, as
 pack.py runs them: listing, ordering, the listing's fingerprint, (a part's slice,)
-cutting frames, the modification stamp for `--resume`, the frames' planned bytes, and
-threads-or-processes; with the process's memory after them (tracemalloc would double
+looking up (stat) the files it packs, cutting frames, the sizes-and-times stamp for
+`--resume`, the frames' planned bytes, and threads-or-processes; with the process's memory after them (tracemalloc would double
 the times, so RSS only). Every one is linear in the files; what the table shows is the
-constant: a part lists, sorts and shuffles the whole source, whatever its share.
+constant: a part lists, sorts and shuffles the whole source, whatever its share, and
+looks up (stats) only the files of its share.
 The folders are removed at the end unless `--keep`.
 """
 
@@ -48,7 +49,7 @@ def make_folder(root: str, files: int) -> None:
 def measure(source: str, part: tuple[int, int] | None) -> dict[str, float]:
     """One fresh process's steps (run by `--child`)."""
     pack = importlib.import_module("shardstream.pack")
-    from shardstream.listing import list_source
+    from shardstream.listing import list_source, look_up_files
     from shardstream.packplan import PackOptions, frame_bytes, order, part_slice, plan_frames
     from shardstream.shardfile import FRAME_SIZE
 
@@ -66,8 +67,9 @@ def measure(source: str, part: tuple[int, int] | None) -> dict[str, float]:
     step("fingerprint", lambda: pack.listing_fingerprint(entries))
     if part is not None:
         entries = part_slice(entries, *part)
+    step("look_up", lambda: look_up_files(entries, listing.root))
     planned = step("plan_frames", lambda: plan_frames(entries, opts))
-    step("modified_stamp", lambda: pack._modified_stamp(entries))
+    step("files_stamp", lambda: pack._files_stamp(entries))
     step("frame_bytes", lambda: [frame_bytes(frame) for _, frame in planned])
     step("threads_pay", lambda: pack.threads_pay(entries))
     with open("/proc/self/statm") as f:
@@ -78,7 +80,7 @@ def measure(source: str, part: tuple[int, int] | None) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--files", type=int, nargs="+", default=[100_000, 1_000_000])
-    parser.add_argument("--part", help="I/N: time a part's steps (it lists the whole source all the same)")
+    parser.add_argument("--part", help="I/N: time a part's steps (it lists the whole source, and stats its share)")
     parser.add_argument("--data", default="/tmp/pack-scale")
     parser.add_argument("--keep", action="store_true")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)

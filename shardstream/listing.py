@@ -1,7 +1,10 @@
 """What a pack source holds: an image folder (one subfolder per class) or a file list.
 
 The listing decides sample keys, fields and labels, and is the same on every machine
-that sees the same files: it depends on relative paths only. A file's field is what its
+that sees the same files: it depends on relative paths only. It reads folders (or the
+list) and looks no file up: a file's size and modification time come from
+`look_up_files`, asked for the files a pack will read, so that each of the N parts of a
+pack in parts stats its own share of the source, not the whole of it (N times). A file's field is what its
 name's extension gives; what its bytes really are is known when it is read:
 `sniff_image` tells, so that `pack` refuses a format it does not store and reports a
 name that lies about one it does.
@@ -10,17 +13,20 @@ name that lies about one it does.
 from __future__ import annotations
 
 import csv
-import dataclasses
 import os
 import re
 import stat
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from .errors import PackError
 from .columns import MAX_CLASS
 
-__all__ = ["Listing", "SourceFile", "Repeat", "list_source", "printable", "sniff_image", "IMAGE_FIELDS"]
+__all__ = ["Listing", "SourceFile", "Repeat", "list_source", "look_up_files", "printable", "sniff_image",
+           "IMAGE_FIELDS"]
 
 # File extension -> field name. The field says what the name says the bytes are, so .jpeg
 # and .JPG become `jpg`, which is what WebDataset's decoders and `fields=("jpg", "cls")`
@@ -67,20 +73,26 @@ def sniff_image(data: bytes) -> tuple[str | None, str | None]:
     return None, None
 
 
-@dataclass(frozen=True, slots=True)  # a pack of 1M files holds 1M of them: no __dict__ each
+@dataclass(slots=True)
 class SourceFile:
+    """One file of a listing. Slotted (a pack of 1M files holds 1M of them, and every part
+    of a pack in parts lists the whole source) and not frozen: `look_up_files` fills in
+    the size and time of the files a pack reads in place, where a copy of each would
+    cost twice the memory and more than the stat itself; nothing changes it after."""
+
     path: str  # relative to the listing's root, with '/' separators, normalised: the file's identity
     key: str
     field: str
     label: int | None
-    size: int
     # The file as a file list names it, where that is opened instead of the root joined with
     # `path`: normalising ".." away changes which file a path names when a folder on the way
     # is a symlink (/data/lists -> /nfs/lists: /data/lists/../imgs is /nfs/imgs).
     listed: str = ""
-    # Its modification time (ns) when listed, -1 where it could not be looked up: `pack
-    # --resume` refuses a source changed in place, and a second stat of every file to tell
-    # was a quarter of a 1M-file pack's time before its first frame.
+    # Its size (0 unless a regular file) and modification time (ns; -1 where it could not be
+    # looked up), once `look_up_files` has looked it up, from one stat: the plan cuts frames
+    # by sizes, and `pack --resume` refuses a source changed in place by the times. -1 both
+    # until then (a listing looks no file up).
+    size: int = -1
     modified: int = -1
 
     def full_path(self, root: str) -> str:
@@ -106,7 +118,7 @@ class Repeat:
 @dataclass(frozen=True)
 class Listing:
     root: str
-    files: tuple[SourceFile, ...]
+    files: tuple[SourceFile, ...]  # sorted by path, keys unique
     classes: tuple[str, ...]
     ignored: tuple[str, ...]  # files that are not images, by relative path
     repeated: tuple[Repeat, ...] = ()  # file list rows left out of `files`, as naming a file again
@@ -115,24 +127,42 @@ class Listing:
 def _key(relpath: str) -> str:
     # Keys end at the first dot of the last path component (WebDataset's rule), and must
     # not climb out of a folder when a shard is extracted.
-    parts = [("_up_" if p == ".." else p) for p in relpath.split("/") if p not in ("", ".")]
-    stem = parts[-1].rsplit(".", 1)[0]
-    parts[-1] = stem.replace(".", "_")
-    return "/".join(parts)
+    folder, _, name = relpath.rpartition("/")
+    return _key_prefix(folder) + _stem_key(name)
 
 
-def _unique_keys(files: list[SourceFile]) -> list[SourceFile]:
-    """Make keys unique (`a.b.jpg` and `a_b.png` both want `a_b`), deterministically."""
+def _key_prefix(folder: str) -> str:
+    """The part of the keys of the files in `folder` (a relative path) that the folder gives."""
+    parts = [("_up_" if p == ".." else p) for p in folder.split("/") if p not in ("", ".")]
+    return "".join(p + "/" for p in parts)
+
+
+def _stem_key(name: str) -> str:
+    return name.rsplit(".", 1)[0].replace(".", "_")
+
+
+def _image_field(name: str) -> str | None:
+    """The field a file name's extension gives (`IMAGE_FIELDS`), None for another file.
+    As os.path.splitext splits (leading dots start no extension: ".jpg" has none), at a
+    third of its cost: a listing asks it of every file."""
+    dot = name.rfind(".")
+    if dot <= 0 or not name[:dot].lstrip("."):
+        return None
+    return IMAGE_FIELDS.get(name[dot:].lower())
+
+
+def _unique_keys(files: list[SourceFile]) -> None:
+    """Sort `files` by path and make their keys unique (`a.b.jpg` and `a_b.png` both want
+    `a_b`), deterministically."""
+    files.sort(key=lambda f: f.path)
     seen: dict[str, int] = {}
-    out = []
-    for f in sorted(files, key=lambda f: f.path):
-        key = f.key
+    for f in files:
+        base = key = f.key
         while key in seen:
-            seen[f.key] += 1
-            key = f"{f.key}_{seen[f.key]}"
-        seen.setdefault(key, 0)
-        out.append(dataclasses.replace(f, key=key) if key != f.key else f)
-    return out
+            seen[base] += 1
+            key = f"{base}_{seen[base]}"
+        seen[key] = 0
+        f.key = key
 
 
 def list_source(src: str) -> Listing:
@@ -158,19 +188,20 @@ def _list_folder(root: str) -> Listing:
     for label, name in enumerate(classes):
         for folder, names in _walk(os.path.join(root, name), within=root):
             # Slicing, not os.path.relpath: relpath normalises both paths on every call,
-            # 30 µs a file, which is minutes on a dataset of millions.
+            # 30 µs a file, which is minutes on a dataset of millions. What the folder gives
+            # of the paths and keys is worked out once a folder, not once a file.
             prefix = folder[len(root) :].lstrip(os.sep).replace(os.sep, "/") + "/"
+            key_prefix = _key_prefix(prefix)
             for file in names:
-                rel = prefix + file
-                field = IMAGE_FIELDS.get(os.path.splitext(file)[1].lower())
+                field = _image_field(file)
                 if field is None:
-                    ignored.append(rel)
-                    continue
-                size, modified = _size_and_time(os.path.join(folder, file))
-                files.append(SourceFile(rel, _key(rel), field, label, size, modified=modified))
+                    ignored.append(prefix + file)
+                else:
+                    files.append(SourceFile(prefix + file, key_prefix + _stem_key(file), field, label))
     if not files:
         raise PackError("no images found (expected one subfolder of images per class)", url=root)
-    return Listing(root, tuple(_unique_keys(files)), tuple(classes), tuple(sorted(ignored)))
+    _unique_keys(files)
+    return Listing(root, tuple(files), tuple(classes), tuple(sorted(ignored)))
 
 
 def _walk(top: str, within: str | None = None) -> Iterator[tuple[str, list[str]]]:
@@ -206,15 +237,50 @@ def _inside(path: str, folder: str) -> bool:
     return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
 
 
-def _size_and_time(path: str) -> tuple[int, int]:
-    """A file's size (0 unless a regular file) and modification time (-1 where it cannot be
-    looked up), from one stat. A file that cannot be looked up (a dangling symlink, a
-    file list's missing file) is reported when packing reaches it, under the error policy."""
-    try:
-        info = os.stat(path)
-    except OSError:
-        return 0, -1
-    return (info.st_size if stat.S_ISREG(info.st_mode) else 0), info.st_mtime_ns
+# Stats of a listing's files go to threads where one in a single thread takes longer than
+# this: on NFS or Lustre a stat is a round trip to a metadata server (hundreds of
+# microseconds to milliseconds), which threads overlap; on a local disk with its metadata
+# cached it is 5-10 µs, and threads only cost (the GIL changes hands at every call: 4 to
+# 16 threads made 200k stats 1.5-2.5x slower than one; measured here).
+SLOW_STAT_S = 50e-6
+STAT_THREADS = 16
+_STAT_CHUNK = 256  # files stat'd at a time
+# Chunks stat'd in the calling thread first, whose median time tells the kind of file system:
+# one chunk alone misleads where its folder alone is not in the cache yet.
+_PROBE_CHUNKS = 4
+
+
+def look_up_files(entries: Sequence[SourceFile], root: str) -> None:
+    """Fill in each entry's size and modification time, from one stat a file.
+
+    The files are stat'd in path order, a folder's files together, as a walk of the
+    folders would: in the order of a shuffle, each stat lands in another folder. A file
+    that cannot be looked up (a dangling symlink, a file list's missing file) gets size 0
+    and time -1, and is reported when packing reaches it, under the error policy. Where
+    a stat is slow (a network file system), the stats run in threads.
+    """
+    by_path = sorted(entries, key=lambda e: e.path)
+    chunks = [by_path[i : i + _STAT_CHUNK] for i in range(0, len(by_path), _STAT_CHUNK)]
+
+    def look_up(chunk: list[SourceFile]) -> float:
+        start = time.perf_counter()
+        for e in chunk:
+            try:
+                info = os.stat(e.full_path(root))
+                e.size, e.modified = (info.st_size if stat.S_ISREG(info.st_mode) else 0), info.st_mtime_ns
+            except OSError:
+                e.size, e.modified = 0, -1
+        return (time.perf_counter() - start) / len(chunk)
+
+    probe = [look_up(chunk) for chunk in chunks[:_PROBE_CHUNKS]]
+    rest = chunks[_PROBE_CHUNKS:]
+    if rest and statistics.median(probe) >= SLOW_STAT_S:
+        with ThreadPoolExecutor(STAT_THREADS, thread_name_prefix="shardstream-stat") as pool:
+            for _ in pool.map(look_up, rest):
+                pass
+    else:
+        for chunk in rest:
+            look_up(chunk)
 
 
 def printable(path: str) -> str:
@@ -280,6 +346,23 @@ def _is_number(text: str) -> bool:
     return True
 
 
+def _relative(file: str, root: str) -> str:
+    """A file list row's path relative to the list's folder `root` (absolute), normalised, with
+    '/' separators: os.path.relpath(os.path.join(root, file), root), at a fraction of its
+    cost (it made absolute both paths of every row: 20 µs a row, minutes for a list of
+    millions, in every part of a pack in parts)."""
+    if not os.path.isabs(file):
+        rel = os.path.normpath(file)
+        if not rel.startswith(os.pardir):  # one that climbs may climb past the top ("/.." is "/")
+            return rel.replace(os.sep, "/")
+        file = os.path.join(root, file)
+    full, inside = os.path.normpath(file), root.rstrip(os.sep) + os.sep
+    rel = full[len(inside) :] if full.startswith(inside) else ""
+    if not rel or rel.startswith(os.sep):  # outside `root`, or "//a" (which POSIX keeps apart from "/a")
+        rel = os.path.relpath(full, root)
+    return rel.replace(os.sep, "/")
+
+
 def _list_file(path: str) -> Listing:
     root = os.path.dirname(os.path.abspath(path))
     rows = _read_rows(path)
@@ -307,20 +390,22 @@ def _list_file(path: str) -> Listing:
     files, ignored, repeated = [], [], []
     first_lines: dict[str, int] = {}
     for number, file, label in rows:
-        full = file if os.path.isabs(file) else os.path.join(root, file)
         # Normalised, so that "a.jpg", "./a.jpg" and its full path are one file, listed once.
-        rel = os.path.relpath(full, root).replace(os.sep, "/")
+        rel = _relative(file, root)
         if rel in first_lines:
             repeated.append(Repeat(rel, number, first_lines[rel]))
             continue
         first_lines[rel] = number
-        field = IMAGE_FIELDS.get(os.path.splitext(file)[1].lower())
+        field = _image_field(os.path.basename(file))
         if field is None:
             ignored.append(rel)
             continue
-        size, modified = _size_and_time(full)
-        files.append(SourceFile(rel, _key(rel), field, None if label is None else index[label], size, full, modified))
+        # The path as listed is kept only where it is not the root joined with `rel` (a million
+        # rows of a list in normal form need none).
+        listed = "" if rel == file else file if os.path.isabs(file) else os.path.join(root, file)
+        files.append(SourceFile(rel, _key(rel), field, None if label is None else index[label], listed))
     if not files:
         raise PackError("the file list names no images (rows are 'path[,label]', comma-separated; a row's path "
                         "needs an image extension: .jpg, .jpeg, .png, .webp)", url=path)
-    return Listing(root, tuple(_unique_keys(files)), classes, tuple(sorted(ignored)), tuple(repeated))
+    _unique_keys(files)
+    return Listing(root, tuple(files), classes, tuple(sorted(ignored)), tuple(repeated))

@@ -35,7 +35,7 @@ from .format import INDEX_SUFFIX, MANIFEST_NAME, Manifest, ShardInfo
 from .framebuild import FrameResult, build_job
 from .framepool import pool_context, process_results, thread_results, threads_pay
 from .journal import Journal
-from .listing import Listing, SourceFile, list_source, printable
+from .listing import Listing, SourceFile, list_source, look_up_files, printable
 from .packoutput import dataset_manifest, write_shards
 from .packplan import PackOptions, frame_bytes, order, part_slice, plan_frames, shrunk_estimates
 from .parts import other_packs
@@ -140,20 +140,24 @@ def part_manifest_name(index: int, parts: int) -> str:
     return f"manifest.part-{index:05d}-of-{parts:05d}.msgpack"
 
 
-def _modified_stamp(entries: list[SourceFile]) -> str:
-    """A digest of the files' modification times as listed (-1 for a file that could not be
-    looked up: packing reports it under the error policy), for `--resume` to refuse a source
-    whose files changed in place. Parts do not compare it: their copies of the source may be
-    made at other times."""
-    return hashlib.sha256("".join(f"{e.modified}\n" for e in entries).encode()).hexdigest()
+def _files_stamp(entries: list[SourceFile]) -> str:
+    """A digest of the files' sizes and modification times as looked up (-1 for a file that
+    could not be: packing reports it under the error policy), for `--resume` to refuse a
+    source whose files changed in place. Parts do not compare it: their copies of the source
+    may be made at other times, and each looks up its own files only."""
+    return hashlib.sha256("".join(f"{e.size} {e.modified}\n" for e in entries).encode()).hexdigest()
 
 
 def listing_fingerprint(entries: list[SourceFile]) -> str:
-    """Identifies the ordered input, so that parts and resumes can check they agree."""
+    """Identifies the ordered input, so that parts and resumes can check they agree.
+
+    Of names and labels only, which decide the order and every part's slice: a part looks
+    up (stats) only the files of its own slice, so no part knows the other files' sizes."""
     digest = hashlib.sha256()
-    for e in entries:
+    for start in range(0, len(entries), 1 << 16):  # a call per entry was most of its time
+        lines = "".join(f"{e.path}\0{e.label}\n" for e in entries[start : start + (1 << 16)])
         # surrogateescape: a file name that is not UTF-8 is skipped later, not an error here
-        digest.update(f"{e.path}\0{e.size}\0{e.label}\n".encode("utf-8", "surrogateescape"))
+        digest.update(lines.encode("utf-8", "surrogateescape"))
     return digest.hexdigest()
 
 
@@ -238,13 +242,14 @@ def pack(
         return summary
     if part is not None:
         entries = part_slice(entries, *part)
+    look_up_files(entries, listing.root)  # this pack's (part's) files alone
     shrunk = None if max_side is None else shrunk_estimates(entries, listing.root, max_side)
     planned = plan_frames(entries, opts, shrunk)
     store.makedirs()
-    # on_error decides which files are skipped, so a resume must keep it; the files' times
-    # catch a source edited in place (the listing has only names and sizes).
+    # on_error decides which files are skipped, so a resume must keep it; the files' sizes
+    # and times catch a source edited in place (the listing has only names and labels).
     plan_record = {"options": opts.as_dict(), "listing": fingerprint, "part": list(part or ()), "on_error": on_error,
-                   "modified": _modified_stamp(entries)}
+                   "files": _files_stamp(entries)}
     done = journal.start(plan_record, resume)
     jobs = [(shard, frame, listing.root, opts, on_error == "skip") for shard, frame in planned if shard not in done]
     job_bytes = [frame_bytes(job[1], shrunk) for job in jobs]  # what each frame holds once built

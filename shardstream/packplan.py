@@ -45,11 +45,11 @@ class PackOptions:
 
 
 def order(listing: Listing, opts: PackOptions) -> list[SourceFile]:
-    """The sample order: sorted by path, then shuffled by `seed` unless told not to."""
-    entries = sorted(listing.files, key=lambda e: e.path)
+    """The sample order: sorted by path (as a listing is), then shuffled by `seed` unless told not to."""
+    entries = list(listing.files)
     if opts.shuffle:
         perm = np.random.default_rng(opts.seed).permutation(len(entries))
-        entries = [entries[i] for i in perm]
+        entries = [entries[i] for i in perm.tolist()]  # Python ints index faster than numpy's
     return entries
 
 

@@ -129,14 +129,16 @@ def test_shard_writer_queues_frames_by_bytes_too():
 _FRAMES_AHEAD_SCRIPT = """
 import json, os, sys, time
 from shardstream import framepool
-from shardstream.listing import list_source
+from shardstream.listing import list_source, look_up_files
 from shardstream.packplan import PackOptions, frame_bytes, order, plan_frames
 from shardstream.shardfile import FRAME_SIZE, IMAGE_LEVEL
 
 src, log_path, kind, budget = {src!r}, {log!r}, {kind!r}, {budget}
 listing = list_source(src)
 opts = PackOptions(256 << 20, None, "zstd", IMAGE_LEVEL, 0, False, FRAME_SIZE, "shard")
-planned = plan_frames(order(listing, opts), opts)
+entries = order(listing, opts)
+look_up_files(entries, listing.root)
+planned = plan_frames(entries, opts)
 jobs = [(shard, frame, listing.root, opts, False) for shard, frame in planned]
 job_bytes = [frame_bytes(frame) for _, frame in planned]
 first = jobs[0][1][0].full_path(listing.root)
@@ -207,7 +209,7 @@ def test_frames_of_small_images_are_bounded_by_number_before_bytes(sizes):
         files = rng.lognormal(np.log(50 << 10), 0.7, 20_000).astype(int).clip(1, FRAME_SIZE - 4096)
     else:  # two a frame, each just under a frame's size with its tar headers
         files = np.full(4_000, FRAME_SIZE - 4096)
-    entries = [SourceFile(f"c/{i:05d}.jpg", f"c/{i:05d}", "jpg", 0, int(size)) for i, size in enumerate(files)]
+    entries = [SourceFile(f"c/{i:05d}.jpg", f"c/{i:05d}", "jpg", 0, size=int(size)) for i, size in enumerate(files)]
     opts = PackOptions(256 << 20, None, "zstd", IMAGE_LEVEL, 0, False, FRAME_SIZE, "shard")
     planned = np.array([frame_bytes(frame) for _, frame in plan_frames(entries, opts)])
     for workers in (1, 2, 8, 64, 256):

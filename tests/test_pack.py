@@ -13,6 +13,7 @@ import struct
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import zstandard
 import shardstream
 from shardstream import PackError, ShardstreamError, open_dataset, open_shard, pack
 from shardstream.format import MANIFEST_NAME, ShardIndex
+from shardstream.listing import SLOW_STAT_S, list_source, look_up_files
 
 SEEKABLE_MAGIC = 0x8F92EAB1
 
@@ -1079,6 +1081,33 @@ def test_a_fifo_named_as_an_image_is_skipped_not_waited_on(image_folder_copy, tm
     assert ("class_000/stuck.jpg", "not a regular file") in summary.skipped
     with pytest.raises(PackError, match="not a regular file"):
         run_pack(image_folder_copy, tmp_path / "ds2")
+
+
+@pytest.mark.parametrize("stat_seconds", [0.0, 2 * SLOW_STAT_S])
+def test_files_are_looked_up_in_threads_where_a_stat_is_slow(tmp_path, monkeypatch, stat_seconds):
+    """On a network file system a stat is a round trip: the listing's files are looked up by
+    threads there (and in the calling thread where a stat is as quick as a local disk's)."""
+    root = tmp_path / "src"  # more files than the probe's chunks hold; a listing reads names only
+    for i in range(1500):
+        (root / f"c{i % 3}").mkdir(parents=True, exist_ok=True)
+        (root / f"c{i % 3}" / f"{i}.jpg").write_bytes(b"x" * (i % 97 + 1))
+    entries = list(list_source(str(root)).files)[::-1]
+    assert {(e.size, e.modified) for e in entries} == {(-1, -1)}  # a listing looks no file up
+    real_stat, threads = os.stat, set()
+
+    def stat_taking_time(path, *args, **kwargs):
+        threads.add(threading.current_thread().name)
+        if stat_seconds:
+            time.sleep(stat_seconds)
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat_taking_time)
+    look_up_files(entries, str(root))
+    monkeypatch.undo()
+    assert [(e.size, e.modified) for e in entries] == [
+        (os.stat(e.full_path(str(root))).st_size, os.stat(e.full_path(str(root))).st_mtime_ns) for e in entries]
+    in_threads = {name for name in threads if name.startswith("shardstream-stat")}
+    assert bool(in_threads) == (stat_seconds > 0)
 
 
 def test_pack_looks_each_source_file_up_once_before_reading_it(image_folder, tmp_path, monkeypatch):
