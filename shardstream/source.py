@@ -12,7 +12,7 @@ import os
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence, overload
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar, overload
 
 import numpy as np
 
@@ -33,7 +33,9 @@ if TYPE_CHECKING:
 __all__ = ["ChainedShards", "ManifestShards", "Source", "ShardRef", "open_dataset", "resolve_source"]
 
 
-COUNT_THREADS = 8  # remote shards counted at once, where there is no manifest
+T = TypeVar("T")
+
+COUNT_THREADS = 8  # remote shards counted (without a manifest), or their indexes read for labels, at once
 
 
 @dataclass(frozen=True)
@@ -202,11 +204,7 @@ class Source:
             return np.concatenate([p.counts() for p in self.parts])
         if self.manifest is not None:
             return self.manifest.counts
-        if len(self.shards) < 2 or self.local:
-            counted = [self._count_shard(i) for i in range(len(self.shards))]
-        else:  # each remote shard costs round trips (a look for its index, a read through): overlap them
-            with ThreadPoolExecutor(min(COUNT_THREADS, len(self.shards)), thread_name_prefix="shardstream-count") as pool:
-                counted = list(pool.map(self._count_shard, range(len(self.shards))))
+        counted = self._over_shards(self._count_shard, "shardstream-count")
         scanned = [ref for ref, (read_through, _, _) in zip(self.shards, counted)
                    if read_through and ref.name.endswith(".tar") and not ref.store.local]
         if scanned:
@@ -262,13 +260,30 @@ class Source:
         return self.shards[shard].url, index.keys[sample - first] if index is not None else None
 
     def _per_sample(self, table: str, missing: str, dtype: type) -> np.ndarray:
-        out = []
-        for i, ref in enumerate(self.shards):
-            index = getattr(self.reader(i), "index", None)
+        """One column of every shard's index, in shard order. Remote indexes are read several
+        at once: one after another, 10k shards on S3 were 10k round trips in a row before
+        the first sample of a class-weighted epoch."""
+        def column(shard: int) -> np.ndarray:
+            index = getattr(self.reader(shard), "index", None)
             if index is None or getattr(index, table) is None:
-                raise ShardstreamError(missing, url=ref.url)
-            out.append(getattr(index, table))
+                raise ShardstreamError(missing, url=self.shards[shard].url)
+            return getattr(index, table)
+
+        out = self._over_shards(column, "shardstream-index")
         return np.concatenate(out) if out else np.zeros(0, dtype=dtype)
+
+    def _over_shards(self, work: Callable[[int], T], name: str) -> list[T]:
+        """`work(shard)` for every shard number, in order. Remote shards are worked on
+        several at once, since each costs round trips (a look for its index, a read);
+        the first error is raised, and the work not yet begun is dropped."""
+        shards = range(len(self.shards))
+        if len(shards) < 2 or self.local:
+            return [work(shard) for shard in shards]
+        pool = ThreadPoolExecutor(min(COUNT_THREADS, len(shards)), thread_name_prefix=name)
+        try:
+            return list(pool.map(work, shards))
+        finally:
+            pool.shutdown(cancel_futures=True)
 
 
 def _count(reader: ShardReader | StreamTarReader) -> int:

@@ -258,6 +258,43 @@ def test_remote_tars_without_an_index_warn_and_indexed_ones_do_not(samples, tmp_
             assert sorted(k for (k,) in ds) == sorted(s["__key__"] for s in samples)
 
 
+class _IndexGetsInFlight(H.CountingHTTPServer):
+    """Counts the GETs of shard indexes it answers at once, each held `latency_s`."""
+
+    def __init__(self, root: str, **kwargs: Any) -> None:
+        super().__init__(root, **kwargs)
+        self.in_flight = self.most_in_flight = 0
+        base, outer = self.server.RequestHandlerClass, self
+
+        class Handler(base):  # type: ignore[misc,valid-type]
+            def do_GET(self) -> None:
+                index = self.path.endswith(".idx")
+                with outer._lock:
+                    outer.in_flight += index
+                    outer.most_in_flight = max(outer.most_in_flight, outer.in_flight)
+                try:
+                    super().do_GET()
+                finally:
+                    with outer._lock:
+                        outer.in_flight -= index
+
+        self.server.RequestHandlerClass = Handler
+
+
+def test_class_weights_read_remote_indexes_several_at_once(local_ds):
+    """Class-weighted sampling needs every sample's label, from every shard's index: read one after
+    another, 10k shards on S3 were 10k round trips before the first sample."""
+    from shardstream.sampling import Sampling
+
+    with _IndexGetsInFlight(local_ds, latency_s=0.05) as server:
+        ds = StreamingDataset(server.url, decode=None, fields=("__key__", "cls"),
+                              sampling=Sampling(class_weights="balanced", samples_per_epoch=30))
+        drawn = [cls for _, cls in ds]
+    shards = len(shardstream.open_dataset(local_ds).shards)
+    assert shards >= 4 and len(drawn) == 30 and set(drawn) == {0, 1, 2}
+    assert server.most_in_flight > 1  # one at a time before
+
+
 def test_tars_without_an_index_are_read_through_once(samples, tmp_path, write_webdataset):
     """Counting reads each plain tar through once (in the main process, before the workers
     start); the DataLoader workers then read their samples by ranges with the index that
