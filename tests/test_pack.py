@@ -944,6 +944,49 @@ def test_a_fresh_run_after_one_that_skipped_a_whole_shard(image_folder_copy, tmp
     assert summary.samples == len(list(folder.rglob("*.jpg"))) - 1 and len(summary.skipped) == 1
 
 
+def test_a_remote_resume_asks_nothing_of_each_finished_shard(image_folder, monkeypatch):
+    """A resume trusts a journaled shard that is there at its size: it asked the store whether each
+    was there and its size, 2 requests in a row a finished shard (a minute for a part's thousand
+    shards on S3). One listing gives every size now, and the records are read several at once."""
+    import fsspec
+
+    from shardstream.journal import Journal
+    from shardstream.storage import Store
+
+    record, recorded = Journal.record, []
+
+    def interrupted(self, shard, info, skipped):
+        record(self, shard, info, skipped)
+        recorded.append(info.name)
+        if len(recorded) == 8:
+            raise KeyboardInterrupt  # a kill, after eight shards
+
+    memory = fsspec.filesystem("memory")
+    try:
+        monkeypatch.setattr(Journal, "record", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            run_pack(image_folder, "memory://resume/ds", max_samples=1, workers=1)
+        monkeypatch.setattr(Journal, "record", record)
+        asked: list[tuple[str, str]] = []
+        for method in ("exists", "size"):
+            def counted(self, name, *args, _real=getattr(Store, method), _method=method, **kwargs):
+                asked.append((_method, name))
+                return _real(self, name, *args, **kwargs)
+            monkeypatch.setattr(Store, method, counted)
+        summary = run_pack(image_folder, "memory://resume/ds", max_samples=1, workers=1, resume=True)
+        monkeypatch.undo()
+        assert summary.resumed == 8 and summary.samples == len(list(image_folder.rglob("*.jpg")))
+        assert not [name for _, name in asked if name in recorded]
+        run_pack(image_folder, "memory://resume/uninterrupted", max_samples=1, workers=1)
+
+        def published(folder):
+            return {p.rsplit("/", 1)[1]: memory.cat(p) for p in memory.ls(folder, detail=False) if memory.isfile(p)}
+
+        assert published("/resume/ds") == published("/resume/uninterrupted")
+    finally:
+        memory.rm("/resume", recursive=True)
+
+
 @pytest.mark.parametrize("on_error", ["fail", "skip"])
 def test_running_out_of_memory_on_an_image_names_it_and_is_never_a_skip(image_folder, tmp_path, monkeypatch, on_error):
     from shardstream import framebuild
