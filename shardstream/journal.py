@@ -55,10 +55,9 @@ class Journal:
         # those this run does not write again (other options, another source) would stay
         # beside the dataset, listed by no manifest, for anything that globs shard names.
         with contextlib.suppress(ShardstreamError):
-            for _, info, _ in self._records():
-                if info.samples:  # a shard whose every image was skipped was never written (no index named)
-                    self.shards.remove(info.name)
-                    self.shards.remove(info.index)
+            # A shard whose every image was skipped was never written (no index named).
+            self.shards.remove_all(name for _, info, _ in self._records() if info.samples
+                                   for name in (info.name, info.index))
         self.clear()
         self.store.makedirs()
         self.store.write("plan.msgpack", msgpack.packb(plan, use_bin_type=True))
@@ -87,8 +86,7 @@ class Journal:
     def clear(self, remove_folder: bool = False) -> None:
         """Forget every record. `remove_folder` also drops the journals' common folder if
         empty: only for a single pack, since parts running at once create it concurrently."""
-        for name in self.store.list(""):
-            self.store.remove(name)
+        self.store.remove_all(self.store.list(""))
         if self.store.local:  # drop the (now empty) folder too
             shutil.rmtree(self.store.root, ignore_errors=True)
             if remove_folder:

@@ -131,9 +131,7 @@ def _clear_other_packs(store: Store, part: tuple[int, int] | None, *, overwrite:
         store.remove(MANIFEST_NAME)  # its shards are this pack's other parts: they stay
     for name in manifests:
         remove_dataset(store, name, keep=_siblings_shard(part))
-    for name in shards:
-        store.remove(name)
-        store.remove(name + INDEX_SUFFIX)
+    store.remove_all(file for name in shards for file in (name, name + INDEX_SUFFIX))
 
 
 def part_manifest_name(index: int, parts: int) -> str:

@@ -25,7 +25,7 @@ import posixpath
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, BinaryIO, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, BinaryIO, Iterable, Iterator, Mapping
 
 from . import forkloop  # noqa: F401 - registers the fork handlers for fsspec's event loop
 from . import http_ranges, s3_ranges
@@ -33,6 +33,7 @@ from .errors import StorageError, safe_cause
 from .iostats import io_stats
 from .retry import RetryPolicy, http_status
 from .scratch import drop_scratch, scratch_file, sync_file, sync_folder
+from .threads import ordered_map
 from .urls import expand_home, is_local, local_path, split_query, without_userinfo
 
 if TYPE_CHECKING:
@@ -52,6 +53,7 @@ OPEN_BLOCK_BYTES = 8 << 20  # bytes per ranged request of a remote file read fro
 # (client_kwargs={"timeout": ...}) win. The ranged reads of `http_ranges` and
 # `s3_ranges` also give each request a deadline derived from these and its size
 # (`deadlines.deadline_s`): a server trickling a byte per read timeout fails it.
+REMOVE_THREADS = 16  # remote files removed at once (`Store.remove_all`)
 HTTP_CONNECT_TIMEOUT_S = 10.0
 HTTP_READ_TIMEOUT_S = 20.0
 
@@ -405,6 +407,19 @@ class Store:
         if self.exists(name):
             with self._errors(name, "remove"):
                 self.retry.call(self._remote_remove, name, url=self.url(name))
+
+    def remove_all(self, names: Iterable[str]) -> None:
+        """Remove each of the files `names` that is there. Remotely several at once: a
+        removal is two requests (a look, then the delete), and a pack's journal or an old
+        dataset of thousands of shards, removed one after another, took minutes on S3.
+        The first error is raised, after the removals under way."""
+        if self.local:
+            for name in names:
+                self.remove(name)
+            return
+        with contextlib.closing(ordered_map(self.remove, names, REMOVE_THREADS, name="shardstream-remove")) as done:
+            for future in done:
+                future.result()
 
     def _remote_remove(self, name: str) -> None:
         fs, path = self._fs_path(name)

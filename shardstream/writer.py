@@ -64,11 +64,7 @@ def remove_dataset(store: Store, manifest_name: str, keep: Callable[[str], bool]
         old = None
     store.remove(manifest_name)
     if old is not None:
-        for shard in old.shards:
-            if keep(shard.name):
-                continue
-            store.remove(shard.name)
-            store.remove(shard.index)
+        store.remove_all(name for shard in old.shards if not keep(shard.name) for name in (shard.name, shard.index))
 
 
 class ShardWriter:

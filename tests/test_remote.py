@@ -204,6 +204,40 @@ def posixname(path: str) -> str:
     return path.rsplit("/", 1)[-1]
 
 
+def test_s3_overwrite_removes_the_old_dataset_and_the_journal_several_files_at_once(moto, src, monkeypatch):
+    """An overwrite removes the old dataset's shards, and every pack its journal, a file at a time
+    (a look, then the delete: two requests in a row a file, minutes for thousands of shards on S3).
+    Now several at once: what is left is the new dataset, whole, and nothing else."""
+    url, fs = f"s3://{BUCKET}/overwritten", s3fs_of(moto)
+    shardstream.pack(str(src), url, shard_size=SHARD_SIZE, workers=1, progress=False,
+                     storage_options=moto.storage_options)
+    old = set(fs.ls(url.removeprefix("s3://"), detail=False))
+    real, lock, state = Store._remote_remove, threading.Lock(), {"now": 0, "most": 0, "removed": 0}
+
+    def slow_remove(self, name):
+        with lock:
+            state["now"] += 1
+            state["most"] = max(state["most"], state["now"])
+        try:
+            time.sleep(0.02)
+            real(self, name)
+        finally:
+            with lock:
+                state["now"] -= 1
+                state["removed"] += 1
+
+    monkeypatch.setattr(Store, "_remote_remove", slow_remove)
+    summary = shardstream.pack(str(src), url, shard_size=SHARD_SIZE, workers=1, progress=False, seed=7,
+                               overwrite=True, storage_options=moto.storage_options)
+    monkeypatch.undo()
+    after = set(fs.find(url.removeprefix("s3://")))
+    dataset = shardstream.open_dataset(url, storage_options=moto.storage_options)
+    assert summary.samples == N and len(dataset.shards) > 3
+    expected = {MANIFEST_NAME} | {n for shard in dataset.shards for n in (shard.name, shard.name + ".idx")}
+    assert {posixname(p) for p in after} == expected  # no old shard, no journal record left
+    assert state["removed"] >= len(old) and state["most"] > 1
+
+
 def test_s3_every_key_once_over_ranks_and_workers(moto, s3_ds, jpg_digests, pad_keys):
     per_rank = []
     for rank in range(WORLD):
