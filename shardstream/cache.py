@@ -19,9 +19,15 @@ processes:
   limit is exceeded only while the shards in use (the ones being read and the `prefetch`
   downloaded ahead, in every process) alone exceed it; a walk that leaves the cache over
   its limit says so in a marker file, and every release trims while the marker is there.
+  A walk stats every cached file (2.1 s at 50k shards), and every download on the machine
+  waits its turn behind it: so a download that fits by the ledger (the bytes the last walk
+  counted, plus every reservation since) adds itself to it and does not walk, for
+  `LEDGER_TRUST_S` after that walk, and a walk that must evict goes down to `LOW_WATER`
+  of the limit, so that the downloads after it fit by the ledger.
 * **Self-healing.** The first use of a cached shard in each process re-hashes it; a
   file damaged on disk is deleted and fetched again. A download's temporary file left by
-  a killed process is deleted by the next walk (its download's `flock` is gone with it).
+  a killed process is deleted by the next walk (its download's `flock` is gone with it),
+  which comes when the ledger runs short of room, or a minute after the last one.
 * **Versioned.** A shard's copy lives in a folder named by its checksum (the manifest's), so a
   dataset republished at the same location (new bytes under the same shard names) is
   never served from the old copy, and a job still reading the old version does not hold
@@ -48,12 +54,12 @@ import logging
 import os
 import random
 import tempfile
-import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
+from .cacheroom import Room, names_file
 from .errors import ShardstreamError, StorageError
 from .iostats import io_stats
 from .reader import ShardReader
@@ -69,11 +75,6 @@ __all__ = ["ShardCache"]
 
 CHUNK = 16 << 20  # bytes per ranged request when downloading
 DOWNLOAD_ATTEMPTS = 3  # whole downloads of a file before its checksum mismatch is an error
-# A live download writes its file a CHUNK at a time. One try of a 16 MB read may take 350 s
-# on a slow link (`deadlines.deadline_s`, counted in its share of the time when reads
-# share the link, so a few times that with prefetch): a temporary file untouched for an
-# hour has no live download behind it.
-ABANDONED_PART_S = 3600
 # A copy this process finds damaged (or missing) while other readers hold it must wait for
 # them to let go before it is fetched again; past this long, say so (it may be an epoch).
 SLOW_WAIT_S = 60.0
@@ -81,14 +82,6 @@ log = logging.getLogger("shardstream")
 
 _verified: set[str] = set()  # cached files this process has hashed
 _damaged: dict[str, tuple] = {}  # cached files that failed the hash: their (inode, mtime) then
-# The threads of this process take turns at the room lock file: a POSIX lock (`lockf`) is held by a
-# process, not a thread, and is not inherited by a forked child (a forked DataLoader worker must not
-# keep a lock its parent's thread held at the fork, as an inherited `flock` would).
-_room = threading.Lock()
-ROOM_LOCK = ".room.lock"  # at the cache's root: one walk, or one landing, at a time
-OVER_LIMIT = ".over-limit"  # at the cache's root while the last walk left it over its limit
-
-
 # Every lock file `open` handed out in this process, while it is open. A forked child gets
 # copies of them, and an flock is held while any copy is open: a child that kept them (a
 # DataLoader worker, forked while a head start held the next epoch's first shard) would
@@ -97,8 +90,6 @@ _locks: "weakref.WeakSet[BinaryIO]" = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
-    global _room
-    _room = threading.Lock()  # a parent's thread may have held it at the fork
     for lock in list(_locks):  # the parent's: not this process's to hold
         with contextlib.suppress(OSError):
             lock.close()
@@ -121,6 +112,16 @@ class ShardCache:
             # other processes hold open: none of which Windows has.
             raise ShardstreamError("cache_dir needs POSIX file locks (fcntl), which this platform does not have "
                                    "(Windows): stream the shards without cache_dir", url=self.root)
+
+    @property
+    def room(self) -> Room:
+        """How full the cache is, and its evictions (cacheroom.py)."""
+        return Room(self.root, self.limit)
+
+    def trim(self) -> None:
+        """Evict least-recently-used shards not in use until the cache is within its limit,
+        if the last walk of it left it over (`Room.trim`)."""
+        self.room.trim()
 
     def folder(self, store: Store) -> str:
         # One subfolder per dataset location, so datasets can share a cache folder (not per
@@ -185,7 +186,7 @@ class ShardCache:
                     # In the conversion's gap a walk may have evicted the shard and deleted its lock
                     # file: downloading under a lock on the deleted file would race the process
                     # locking the new one.
-                    if _names(lock_path, lock):
+                    if names_file(lock_path, lock):
                         if not self._check(path, ref):
                             io_stats.add(cache_misses=1)
                             self._download(ref, path)
@@ -193,7 +194,7 @@ class ShardCache:
                         # Downgrade so readers can share. flock converts by unlocking first, so an
                         # evictor may slip in between: check again that the file is still there.
                         fcntl.flock(lock, fcntl.LOCK_SH)
-                        if _names(lock_path, lock) and self._present(path, ref):
+                        if names_file(lock_path, lock) and self._present(path, ref):
                             return lock
                         _verified.discard(path)
                         vanished += 1
@@ -244,8 +245,8 @@ class ShardCache:
                  (ref.info.index, ref.info.index_bytes, ref.info.index_sha256))
         parts: list[tuple[str, BinaryIO]] = []
         try:
-            with self._turn():
-                self._make_room(ref.info.bytes + ref.info.index_bytes)
+            with self.room.turn():
+                self.room.make(ref.info.bytes + ref.info.index_bytes)
                 for name, size, _ in files:  # reserved: counted by every walk from here on
                     parts.append(_reserve(folder, name, size))
             for (name, size, digest), (part, f) in zip(files, parts):
@@ -258,7 +259,7 @@ class ShardCache:
                         raise StorageError(f"downloaded file does not match the manifest's checksum "
                                            f"({DOWNLOAD_ATTEMPTS} downloads)", url=ref.store.url(name))
                     io_stats.add(retries=1)
-                with self._turn():  # a walk sees the file under one name or the other, never neither
+                with self.room.turn():  # a walk sees the file under one name or the other, never neither
                     os.replace(part, os.path.join(folder, name))
         finally:
             for part, f in parts:  # what did not land is no longer coming
@@ -266,113 +267,10 @@ class ShardCache:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(part)
 
-    def trim(self) -> None:
-        """Evict least-recently-used shards not in use until the cache is within its limit,
-        if the last walk of it (by any process) left it over: its shards in use could not be
-        evicted then. A walk of the whole cache on every shard released would be work for
-        nothing."""
-        if os.path.exists(os.path.join(self.root, OVER_LIMIT)):
-            with self._turn():
-                self._make_room(0)
-
-    @contextlib.contextmanager
-    def _turn(self) -> Iterator[None]:
-        """Hold the cache's room lock: across threads by `_room`, across processes by `lockf`."""
-        with _room, open(os.path.join(self.root, ROOM_LOCK), "a+b") as lock:
-            fcntl.lockf(lock, fcntl.LOCK_EX)
-            yield  # closing the file lets go of the lock
-
-    def _make_room(self, incoming: int) -> None:
-        """Evict least-recently-used shards not in use until `incoming` more bytes fit beside
-        those on disk, downloads in flight included; mark the cache over its limit if they
-        do not. Then sweep what evictions leave behind (`_sweep`). Called in `_turn`."""
-        entries = []
-        reserved = 0
-        now = time.time()
-        leftovers = []  # shards absent whose lock file or index is there
-        occupied: dict[str, int] = {}  # by folder: its files other than lock files and indexes
-        for base, _, names in os.walk(self.root):
-            occupied[base] = 0
-            if _depth(self.root, base) == 2:  # a version folder
-                leftovers += sorted({os.path.join(base, stem) for stem, suffix in map(os.path.splitext, names)
-                                     if suffix in (".lock", ".idx") and stem not in names})
-            for name in names:
-                full = os.path.join(base, name)
-                if name.endswith((".lock", ".idx")) or name == OVER_LIMIT:
-                    continue
-                if name.endswith(".part"):
-                    reserved += _reserved_bytes(full, now)
-                    occupied[base] += os.path.exists(full)  # unless abandoned, and deleted
-                    continue
-                occupied[base] += 1
-                try:
-                    st = os.stat(full)
-                except FileNotFoundError:  # evicted meanwhile by hand
-                    continue
-                try:
-                    index_bytes = os.path.getsize(full + ".idx")
-                except FileNotFoundError:
-                    index_bytes = 0
-                entries.append((st.st_mtime, full, st.st_size + index_bytes))
-        total = sum(size for _, _, size in entries) + reserved
-        for _, full, size in sorted(entries):
-            if total + incoming <= self.limit:
-                break
-            if self._evict(full):
-                total -= size
-                occupied[os.path.dirname(full)] -= 1
-        marker = os.path.join(self.root, OVER_LIMIT)
-        if total + incoming > self.limit:
-            open(marker, "ab").close()
-        elif os.path.exists(marker):
-            os.remove(marker)
-        self._sweep(leftovers, [folder for folder, n in occupied.items() if n == 0])
-
-    def _sweep(self, leftovers: list[str], emptied: list[str]) -> None:
-        """Delete the lock files and indexes of the shards in `leftovers`, which are not there
-        (evicted by a walk killed midway, by hand, or by a version of this module that left
-        them), and remove the location and version folders among `emptied` (found holding
-        no shard and no download) that are empty now. Called in `_turn`."""
-        for path in leftovers:
-            self._evict(path)  # unless a process holds its lock: downloading it, or about to
-        # rmdir removes a folder only while it is empty, and a process about to use one that is
-        # gone makes it again (`_shared_lock`). Children first: os.walk listed parents first.
-        for folder in reversed(emptied):
-            if 1 <= _depth(self.root, folder) <= 2:
-                with contextlib.suppress(OSError):
-                    os.rmdir(folder)
-
-    @staticmethod
-    def _evict(path: str) -> bool:
-        """Delete the copy at `path`, its index and its lock file, unless a process holds the
-        lock (reading the copy, or downloading it). The lock file goes last, while this walk
-        holds it: a process that opened it meanwhile finds, once it has the lock, that the
-        file is no longer the one at the path (`_names`) and starts again on a new one."""
-        lock_path = path + ".lock"
-        with open(lock_path, "a+b") as lock:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return False  # in use by a reader
-            if not _names(lock_path, lock):  # only walks delete lock files, and this one has the turn
-                return False
-            for victim in (path, path + ".idx", lock_path):
-                try:
-                    os.remove(victim)
-                except FileNotFoundError:
-                    pass
-            return True
-
-
-def _depth(root: str, folder: str) -> int:
-    """How deep `folder` lies under the cache's `root`: 1 for a location's folder, 2 for a version's."""
-    return 0 if folder == root else os.path.relpath(folder, root).count(os.sep) + 1
-
-
 def _shared_lock(path: str) -> BinaryIO:
     """The lock file at `path` (made, and its folders, if absent), open and share-locked.
 
-    A walk deletes a lock file nobody holds (`ShardCache._evict`), so a process may open
+    A walk deletes a lock file nobody holds (`Room._evict`), so a process may open
     the file just before that and lock it just after: a lock on a deleted file, which
     the next process, making the file again, would not see. So once locked, the file is
     checked to be the one `path` names, and if not, the lock is taken again on that one.
@@ -386,45 +284,12 @@ def _shared_lock(path: str) -> BinaryIO:
         _locks.add(lock)
         try:
             fcntl.flock(lock, fcntl.LOCK_SH)
-            if _names(path, lock):
+            if names_file(path, lock):
                 return lock
         except BaseException:
             lock.close()
             raise
         lock.close()
-
-
-def _names(path: str, lock: BinaryIO) -> bool:
-    """Whether `path` names the file `lock` is open on, and not a later one (a walk deleted
-    it). While `lock` is open its inode cannot be reused, so equal numbers are the same file."""
-    try:
-        there = os.stat(path)
-    except FileNotFoundError:
-        return False
-    held = os.fstat(lock.fileno())
-    return (there.st_dev, there.st_ino) == (held.st_dev, held.st_ino)
-
-
-def _reserved_bytes(part: str, now: float) -> int:
-    """The bytes a download's temporary file holds room for (its full size, set when it was
-    created), or 0 once gone. Its download holds an exclusive `flock` on it: a walk that can
-    take the lock knows the process downloading it has ended (killed, preempted, or a head
-    start's thread cut off at exit) and deletes it. Where flock is not to be had (some
-    network file systems), a file untouched for `ABANDONED_PART_S` is taken as abandoned."""
-    try:
-        with open(part, "rb") as f:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return os.fstat(f.fileno()).st_size  # a live download's
-            except OSError:
-                st = os.fstat(f.fileno())
-                if now - st.st_mtime <= ABANDONED_PART_S:
-                    return st.st_size
-            os.remove(part)
-    except FileNotFoundError:  # landed or given up meanwhile
-        pass
-    return 0
 
 
 def _reserve(folder: str, name: str, size: int) -> tuple[str, BinaryIO]:

@@ -307,12 +307,12 @@ def test_a_killed_downloads_reservation_is_freed_by_the_next_walk(tmp_path):
     live_part, live = _reserve(str(root / "v"), "shard-000001.tar.zst", 20_000_000)
     try:
         cache = ShardCache(str(root), 30_000_000)
-        with cache._turn():
-            cache._make_room(6_000_000)  # fits only if the killed process's 10 MB no longer counts
+        with cache.room.turn():
+            cache.room.make(6_000_000)  # fits only if the killed process's 10 MB no longer counts
         assert sorted(p.name.split(".tar")[0] for p in (root / "v").glob("*.part")) == [".shard-000001"]
         assert not (root / ".over-limit").exists()
-        with cache._turn():
-            cache._make_room(10_000_001)  # the live download's 20 MB still counts
+        with cache.room.turn():
+            cache.room.make(10_000_001)  # the live download's 20 MB still counts
         assert (root / ".over-limit").exists()
     finally:
         live.close()

@@ -1595,13 +1595,17 @@ def test_cache_downloads_a_damaged_shard_again_then_gives_up_naming_it(local_ds,
 
 def test_cache_deletes_downloads_abandoned_by_killed_processes(local_ds, shard_names, tmp_path):
     """A process killed mid-download leaves its temporary file; a download holds a lock on its file, so one
-    without it (however recent: the process is gone) is deleted when the cache next makes room, and a locked
-    one (a live download, however slow) is kept."""
+    without it (however recent: the process is gone) is deleted by the cache's next walk, and a locked one
+    (a live download, however slow) is kept."""
     import fcntl
 
     cache_dir = tmp_path / "cache"
+    # Room for the dataset and no more: the ledger (cache.py) then has no room for a download
+    # after it, so that download walks the cache, as it would a minute after the last walk.
+    shards = shardstream.open_dataset(local_ds).manifest.shards
+    limit = str(int(shards.bytes.sum() + shards.index_bytes.sum()))
     with H.CountingHTTPServer(local_ds) as server:
-        H.run_ranks(server.url, 1, num_workers=0, cache_dir=str(cache_dir), cache_limit="1GB")
+        H.run_ranks(server.url, 1, num_workers=0, cache_dir=str(cache_dir), cache_limit=limit)
         folder = cache_folder(cache_dir)
         abandoned, live = folder / f".{shard_names[0]}.x1.part", folder / f".{shard_names[1]}.x2.part"
         for part in (abandoned, live):
@@ -1611,7 +1615,7 @@ def test_cache_deletes_downloads_abandoned_by_killed_processes(local_ds, shard_n
             cached_file(cache_dir, name).unlink()
         with open(live, "rb") as held:
             fcntl.flock(held, fcntl.LOCK_EX)  # as its download holds it
-            H.run_ranks(server.url, 1, num_workers=0, cache_dir=str(cache_dir), cache_limit="1GB")
+            H.run_ranks(server.url, 1, num_workers=0, cache_dir=str(cache_dir), cache_limit=limit)
             assert not abandoned.exists() and live.exists()
 
 

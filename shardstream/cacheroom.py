@@ -1,0 +1,238 @@
+"""The room in a shard cache: how many bytes it holds, which shards to evict, and when to look.
+
+`ShardCache` (cache.py) downloads a shard only after `Room.make` has made room for it,
+in the room lock's turn (`Room.turn`), which every thread and process on the machine
+takes in turn. Making room is a walk of the whole cache (every cached file, download
+in flight and leftover; `Room.walk`), which evicts the least recently used shards that
+no process holds, deletes what killed processes left, and marks the cache over its
+limit where the shards in use alone exceed it. A walk of a large cache is long (2.1 s
+at 50k shards), so a ledger of the bytes it counted, plus every reservation since,
+spares the walk while it shows room, for a minute; and a walk that must evict goes
+down to `LOW_WATER` of the limit. The ledger only errs high: a download given up, a
+damaged copy replaced, a killed process's reservation stay counted until the next walk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import BinaryIO, Iterator
+
+try:
+    import fcntl
+except ImportError:  # Windows: the cache is not offered there (`ShardCache`)
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["Room", "names_file", "ROOM_LOCK", "OVER_LIMIT", "LEDGER"]
+
+# A live download writes its file a `cache.CHUNK` at a time. One try of a 16 MB read may take 350 s
+# on a slow link (`deadlines.deadline_s`, counted in its share of the time when reads
+# share the link, so a few times that with prefetch): a temporary file untouched for an
+# hour has no live download behind it.
+ABANDONED_PART_S = 3600
+# The threads of this process take turns at the room lock file: a POSIX lock (`lockf`) is held by a
+# process, not a thread, and is not inherited by a forked child (a forked DataLoader worker must not
+# keep a lock its parent's thread held at the fork, as an inherited `flock` would).
+_room = threading.Lock()
+ROOM_LOCK = ".room.lock"  # at the cache's root: one walk, or one landing, at a time
+OVER_LIMIT = ".over-limit"  # at the cache's root while the last walk left it over its limit
+# At the cache's root: the bytes the last walk counted plus every reservation since, and when it walked.
+LEDGER = ".room.ledger"
+# A walk of a large cache is long (2.1 s at 50k shards, a stat or two a file), and every download on the
+# machine waits its turn behind it: downloads that fit by the ledger do not walk, for this long after
+# the walk it starts from. The ledger only errs high (a download given up, a damaged copy replaced, a
+# killed process's reservation: all still counted), which brings the next walk sooner; this bounds how
+# long what it cannot see (files put there by hand, or by an older version of this module) goes unseen.
+LEDGER_TRUST_S = 60.0
+# A walk that has to evict goes down to this share of the limit, so that the downloads after it find
+# room by the ledger: without it, a full cache (a dataset larger than the limit) walks for every download.
+LOW_WATER = 0.95
+
+
+def _after_fork_in_child() -> None:
+    global _room
+    _room = threading.Lock()  # a parent's thread may have held it at the fork
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+@dataclass(frozen=True)
+class Room:
+    """The room in the cache at `root`, of at most `limit` bytes."""
+
+    root: str
+    limit: int
+
+    def trim(self) -> None:
+        """Evict least-recently-used shards not in use until the cache is within its limit,
+        if the last walk of it (by any process) left it over: its shards in use could not be
+        evicted then. A walk of the whole cache on every shard released would be work for
+        nothing."""
+        if os.path.exists(os.path.join(self.root, OVER_LIMIT)):
+            with self.turn():
+                self.make(0)
+
+    @contextlib.contextmanager
+    def turn(self) -> Iterator[None]:
+        """Hold the cache's room lock: across threads by `_room`, across processes by `lockf`."""
+        with _room, open(os.path.join(self.root, ROOM_LOCK), "a+b") as lock:
+            fcntl.lockf(lock, fcntl.LOCK_EX)
+            yield  # closing the file lets go of the lock
+
+    def make(self, incoming: int) -> None:
+        """Make room for `incoming` more bytes, which the caller then reserves (0: only
+        trim). Where the ledger, less than `LEDGER_TRUST_S` old, shows room for them, count
+        them in it; else walk the cache (`walk`) and start the ledger anew from what it
+        counted. Called in `turn`."""
+        ledger = _read_ledger(self.root)
+        if incoming and ledger is not None:
+            counted, walked = ledger
+            if counted + incoming <= self.limit and 0 <= time.time() - walked < LEDGER_TRUST_S:
+                _write_ledger(self.root, counted + incoming, walked)
+                return
+        walked = time.time()
+        _write_ledger(self.root, self.walk(incoming) + incoming, walked)
+
+    def walk(self, incoming: int) -> int:
+        """Evict least-recently-used shards not in use until `incoming` more bytes fit beside
+        those on disk, downloads in flight included (down to `LOW_WATER` of the limit once
+        any must go); mark the cache over its limit if they do not fit. Then sweep what
+        evictions leave behind (`_sweep`). Returns the bytes counted after the evictions.
+        Called in `turn`."""
+        entries = []
+        reserved = 0
+        now = time.time()
+        leftovers = []  # shards absent whose lock file or index is there
+        occupied: dict[str, int] = {}  # by folder: its files other than lock files and indexes
+        for base, _, names in os.walk(self.root):
+            occupied[base] = 0
+            if _depth(self.root, base) == 2:  # a version folder
+                leftovers += sorted({os.path.join(base, stem) for stem, suffix in map(os.path.splitext, names)
+                                     if suffix in (".lock", ".idx") and stem not in names})
+            for name in names:
+                full = os.path.join(base, name)
+                if name.endswith((".lock", ".idx")) or name in (OVER_LIMIT, LEDGER):
+                    continue
+                if name.endswith(".part"):
+                    reserved += _reserved_bytes(full, now)
+                    occupied[base] += os.path.exists(full)  # unless abandoned, and deleted
+                    continue
+                occupied[base] += 1
+                try:
+                    st = os.stat(full)
+                except FileNotFoundError:  # evicted meanwhile by hand
+                    continue
+                try:
+                    index_bytes = os.path.getsize(full + ".idx")
+                except FileNotFoundError:
+                    index_bytes = 0
+                entries.append((st.st_mtime, full, st.st_size + index_bytes))
+        total = sum(size for _, _, size in entries) + reserved
+        target = self.limit if total + incoming <= self.limit else int(self.limit * LOW_WATER)
+        for _, full, size in sorted(entries):
+            if total + incoming <= target:
+                break
+            if self._evict(full):
+                total -= size
+                occupied[os.path.dirname(full)] -= 1
+        marker = os.path.join(self.root, OVER_LIMIT)
+        if total + incoming > self.limit:
+            open(marker, "ab").close()
+        elif os.path.exists(marker):
+            os.remove(marker)
+        self._sweep(leftovers, [folder for folder, n in occupied.items() if n == 0])
+        return total
+
+    def _sweep(self, leftovers: list[str], emptied: list[str]) -> None:
+        """Delete the lock files and indexes of the shards in `leftovers`, which are not there
+        (evicted by a walk killed midway, by hand, or by a version of this module that left
+        them), and remove the location and version folders among `emptied` (found holding
+        no shard and no download) that are empty now. Called in `turn`."""
+        for path in leftovers:
+            self._evict(path)  # unless a process holds its lock: downloading it, or about to
+        # rmdir removes a folder only while it is empty, and a process about to use one that is
+        # gone makes it again (cache.py's `_shared_lock`). Children first: os.walk listed parents first.
+        for folder in reversed(emptied):
+            if 1 <= _depth(self.root, folder) <= 2:
+                with contextlib.suppress(OSError):
+                    os.rmdir(folder)
+
+    @staticmethod
+    def _evict(path: str) -> bool:
+        """Delete the copy at `path`, its index and its lock file, unless a process holds the
+        lock (reading the copy, or downloading it). The lock file goes last, while this walk
+        holds it: a process that opened it meanwhile finds, once it has the lock, that the
+        file is no longer the one at the path (`names_file`) and starts again on a new one."""
+        lock_path = path + ".lock"
+        with open(lock_path, "a+b") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False  # in use by a reader
+            if not names_file(lock_path, lock):  # only walks delete lock files, and this one has the turn
+                return False
+            for victim in (path, path + ".idx", lock_path):
+                try:
+                    os.remove(victim)
+                except FileNotFoundError:
+                    pass
+            return True
+
+
+def _read_ledger(root: str) -> tuple[int, float] | None:
+    """(bytes counted, time of the walk they start from), or None: none yet, or unreadable
+    (a process killed while writing it), which the next walk writes anew."""
+    try:
+        with open(os.path.join(root, LEDGER)) as f:
+            counted, walked = f.read().split()
+        return int(counted), float(walked)
+    except (OSError, ValueError):
+        return None
+
+
+def _write_ledger(root: str, counted: int, walked: float) -> None:
+    with open(os.path.join(root, LEDGER), "w") as f:
+        f.write(f"{counted} {walked!r}\n")
+
+
+def _depth(root: str, folder: str) -> int:
+    """How deep `folder` lies under the cache's `root`: 1 for a location's folder, 2 for a version's."""
+    return 0 if folder == root else os.path.relpath(folder, root).count(os.sep) + 1
+
+
+def names_file(path: str, lock: BinaryIO) -> bool:
+    """Whether `path` names the file `lock` is open on, and not a later one (a walk deleted
+    it). While `lock` is open its inode cannot be reused, so equal numbers are the same file."""
+    try:
+        there = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(lock.fileno())
+    return (there.st_dev, there.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _reserved_bytes(part: str, now: float) -> int:
+    """The bytes a download's temporary file holds room for (its full size, set when it was
+    created), or 0 once gone. Its download holds an exclusive `flock` on it: a walk that can
+    take the lock knows the process downloading it has ended (killed, preempted, or a head
+    start's thread cut off at exit) and deletes it. Where flock is not to be had (some
+    network file systems), a file untouched for `ABANDONED_PART_S` is taken as abandoned."""
+    try:
+        with open(part, "rb") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return os.fstat(f.fileno()).st_size  # a live download's
+            except OSError:
+                st = os.fstat(f.fileno())
+                if now - st.st_mtime <= ABANDONED_PART_S:
+                    return st.st_size
+            os.remove(part)
+    except FileNotFoundError:  # landed or given up meanwhile
+        pass
+    return 0

@@ -1,0 +1,89 @@
+"""The cache's room: when a download walks the cache, and how far a walk evicts.
+
+A walk stats every cached file under the room lock that every process on the machine
+takes in turn: 2.1 s at 50k cached shards, so downloads across the machine ran at one a
+walk. Downloads that fit by the ledger (the bytes the last walk counted, plus every
+reservation since) do not walk, for `LEDGER_TRUST_S` after that walk; a walk that must
+evict goes down to `LOW_WATER` of the limit, so a full cache does not walk per download.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from shardstream import cacheroom
+from shardstream.cacheroom import Room
+
+MB = 1 << 20
+
+
+class Counted(Room):
+    """A cache's room whose walks are counted (by the bytes each made room for)."""
+
+    walks: list[int]
+
+    def walk(self, incoming: int) -> int:
+        self.walks.append(incoming)
+        return super().walk(incoming)
+
+
+@pytest.fixture
+def cache(tmp_path) -> Counted:
+    """A cache of 10 MB holding five cached files of 1 MB, used oldest first."""
+    for i in range(5):
+        add_cached_file(tmp_path / "cache", i)
+    made = Counted(str(tmp_path / "cache"), 10 * MB)
+    object.__setattr__(made, "walks", [])  # a frozen dataclass, as Room is
+    return made
+
+
+def add_cached_file(root: Path, i: int) -> None:
+    version = root / "location" / "version"
+    version.mkdir(parents=True, exist_ok=True)
+    path = version / f"shard-{i:06d}.tar.zst"
+    path.write_bytes(b"\0" * MB)
+    os.utime(path, (1_000_000 + i, 1_000_000 + i))  # used in order: 0 least recently
+
+
+def make_room(room: Room, incoming: int) -> None:
+    with room.turn():
+        room.make(incoming)
+
+
+def cached(cache: Room) -> list[str]:
+    return sorted(n for n in os.listdir(Path(cache.root) / "location" / "version") if n.endswith(".tar.zst"))
+
+
+def test_downloads_that_fit_by_the_ledger_do_not_walk(cache):
+    for _ in range(3):
+        make_room(cache, MB)
+    assert cache.walks == [MB]  # the first: no ledger yet
+    make_room(cache, 3 * MB)  # 5 + 3 reserved + 3 > 10 by the ledger: a walk counts again
+    assert cache.walks == [MB, 3 * MB]
+    assert len(cached(cache)) == 5  # the reservations were never made into files: 5 + 3 fit, nothing goes
+
+
+def test_the_ledger_is_trusted_a_while_only(cache, monkeypatch):
+    make_room(cache, MB)
+    for i in range(5, 9):  # put there behind the ledger's back: 9 MB on disk, 6 MB in the ledger
+        add_cached_file(Path(cache.root), i)
+    make_room(cache, MB)
+    assert len(cache.walks) == 1
+    later = time.time() + 61  # a minute on: LEDGER_TRUST_S, which README promises
+    monkeypatch.setattr(cacheroom.time, "time", lambda: later)
+    make_room(cache, MB)  # a minute on: the walk sees the 9 MB, and 1 more fits
+    assert len(cache.walks) == 2 and len(cached(cache)) == 9
+
+
+def test_a_walk_that_evicts_goes_down_to_the_low_water_mark(cache):
+    for i in range(5, 9):
+        add_cached_file(Path(cache.root), i)
+    make_room(cache, 2 * MB)  # 9 + 2 > 10: evicting one would do; down to 9.5 MB, with the 2 coming, takes two
+    assert cached(cache) == [f"shard-{i:06d}.tar.zst" for i in range(2, 9)]
+    assert not os.path.exists(os.path.join(cache.root, ".over-limit"))
+    make_room(cache, MB)  # 7 + 2 + 1 fit by the ledger: no walk
+    assert len(cache.walks) == 1
