@@ -275,11 +275,18 @@ def _shared_lock(path: str) -> BinaryIO:
     the next process, making the file again, would not see. So once locked, the file is
     checked to be the one `path` names, and if not, the lock is taken again on that one.
     A walk also removes the folders it leaves empty: one gone is made again."""
+    folder = os.path.dirname(path)
     while True:
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+            os.makedirs(folder, exist_ok=True)
             lock = open(path, "a+b")
         except FileNotFoundError:  # a walk removed its folder between the two
+            continue
+        except FileExistsError:
+            # makedirs found the folder there, then gone when it looked again (a walk removed it
+            # in between): make it again. A file where a folder goes is no race, and raises.
+            if any(os.path.lexists(p) and not os.path.isdir(p) for p in (folder, os.path.dirname(folder))):
+                raise
             continue
         _locks.add(lock)
         try:
