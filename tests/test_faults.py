@@ -164,7 +164,9 @@ def test_killed_dataloader_worker_raises_promptly(packed):
     assert set(results) == {"torch", "shardstream"}
     for flavour, result in results.items():
         assert result["error"] == "RuntimeError", (flavour, result)
-        assert "DataLoader worker" in result["message"] and "exited unexpectedly" in result["message"], result
+        # torch says one or the other, by which of its checks sees the dead worker first (its SIGCHLD
+        # handler, or the queue's timeout): both name the worker.
+        assert re.search(r"DataLoader worker .*(exited unexpectedly|is killed by signal)", result["message"]), result
         assert not result["killed_key_seen"] and 0 < result["seen"] < len(keys), (flavour, result)
         assert result["seconds"] < 60, f"{flavour}: took {result['seconds']:.1f} s to notice the dead worker"
     assert results["shardstream"]["next_epoch"] == len(keys)
