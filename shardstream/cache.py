@@ -302,7 +302,7 @@ def _shared_lock(path: str) -> BinaryIO:
 def _reserve(folder: str, name: str, size: int) -> tuple[str, BinaryIO]:
     """A temporary file for downloading `name`, already `size` bytes long (sparse), so that
     walks of the cache count the room it will take before a byte arrives; open for writing,
-    its exclusive `flock` held while the download lives (see `_reserved_bytes`). Called in
+    its exclusive `flock` held while the download lives (see cacheroom's `_reserved_bytes`). Called in
     the room lock's turn, so no walk sees the file before it is locked."""
     fd, part = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".part")
     f = os.fdopen(fd, "r+b")

@@ -3,11 +3,11 @@
 The listing decides sample keys, fields and labels, and is the same on every machine
 that sees the same files: it depends on relative paths only. It reads folders (or the
 list) and looks no file up: a file's size and modification time come from
-`look_up_files`, asked for the files a pack will read, so that each of the N parts of a
-pack in parts stats its own share of the source, not the whole of it (N times). A file's field is what its
-name's extension gives; what its bytes really are is known when it is read:
-`sniff_image` tells, so that `pack` refuses a format it does not store and reports a
-name that lies about one it does.
+`look_up_files`, asked for the files a pack will read, so that each of the N parts of
+a pack in parts stats its own share of the source, not all of it N times over. A
+file's field is what its name's extension gives; what its bytes really are is known
+when it is read: `sniff_image` tells, so that `pack` refuses a format it does not
+store and reports a name that lies about one it does.
 """
 
 from __future__ import annotations
@@ -76,9 +76,10 @@ def sniff_image(data: bytes) -> tuple[str | None, str | None]:
 @dataclass(slots=True)
 class SourceFile:
     """One file of a listing. Slotted (a pack of 1M files holds 1M of them, and every part
-    of a pack in parts lists the whole source) and not frozen: `look_up_files` fills in
-    the size and time of the files a pack reads in place, where a copy of each would
-    cost twice the memory and more than the stat itself; nothing changes it after."""
+    of a pack in parts lists the whole source) and not frozen: the listing settles its
+    key, and `look_up_files` fills in the size and time of the files a pack reads, in
+    place, where a copy of each would cost twice the memory and more than the stat
+    itself. Nothing changes it after."""
 
     path: str  # relative to the listing's root, with '/' separators, normalised: the file's identity
     key: str
@@ -125,8 +126,9 @@ class Listing:
 
 
 def _key(relpath: str) -> str:
-    # Keys end at the first dot of the last path component (WebDataset's rule), and must
-    # not climb out of a folder when a shard is extracted.
+    # A key is the path without the file's extension, the other dots of its name made '_'
+    # (WebDataset splits a member's name at its first dot), and must not climb out of a
+    # folder when a shard is extracted ('..' made '_up_').
     folder, _, name = relpath.rpartition("/")
     return _key_prefix(folder) + _stem_key(name)
 
