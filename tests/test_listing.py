@@ -29,7 +29,7 @@ NAME = st.text(alphabet="ab._-é", min_size=1, max_size=8).filter(lambda n: n no
 FOLDER = st.lists(st.sampled_from(["a", "b.c", ".", "..", "", ".hidden", "é"]), max_size=3)
 
 
-@settings(max_examples=2000, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(FOLDER, NAME)
 def test_keys_are_those_of_the_rule(folder, name):
     relpath = "/".join([*folder, name])
@@ -38,13 +38,13 @@ def test_keys_are_those_of_the_rule(folder, name):
     assert _key_prefix("/".join(folder) + "/") + _stem_key(name) == reference_key(relpath)
 
 
-@settings(max_examples=2000, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(NAME)
 def test_a_file_names_field_is_its_extension_as_splitext_finds_it(name):
     assert _image_field(name) == IMAGE_FIELDS.get(os.path.splitext(name)[1].lower())
 
 
-@settings(max_examples=2000, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(st.lists(st.sampled_from(["a", "b.jpg", ".", "..", "", "c.d", "é.png"]), min_size=1, max_size=5),
        st.sampled_from(["", "/", "//", "/tmp/x/"]), st.sampled_from(["/tmp/x", "/", "/tmp/x/y"]))
 def test_a_rows_path_is_relative_to_the_list_as_relpath_makes_it(parts, lead, root):
