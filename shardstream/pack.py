@@ -146,6 +146,14 @@ def _files_stamp(entries: list[SourceFile]) -> str:
     return hashlib.sha256("".join(f"{e.size} {e.modified}\n" for e in entries).encode()).hexdigest()
 
 
+def sizes_digest(entries: list[SourceFile]) -> str:
+    """A digest of the sizes of the files a pack (or part) packs, in its order: the
+    manifest records it, so that a rerun of a finished pack with `resume` refuses a source
+    whose files changed size since (the listing's fingerprint holds names and labels only).
+    Sizes, not times: a copy of the source made elsewhere packs the same bytes."""
+    return hashlib.sha256("".join(f"{e.size}\n" for e in entries).encode()).hexdigest()
+
+
 def listing_fingerprint(entries: list[SourceFile]) -> str:
     """Identifies the ordered input, so that parts and resumes can check they agree.
 
@@ -224,9 +232,13 @@ def pack(
     listed_skips = _repeated_rows(listing, src, on_error == "skip", part)
     entries = order(listing, opts)
     fingerprint = listing_fingerprint(entries)
-    # What the manifest records of the options, and of which listing (a rerun with `resume`
-    # compares both); a part's also says which part it is.
-    options = {**opts.as_dict(), **({"part": list(part)} if part is not None else {}), "listing": fingerprint}
+    if part is not None:
+        entries = part_slice(entries, *part)
+    look_up_files(entries, listing.root)  # this pack's (part's) files alone
+    # What the manifest records of the options, and of which listing and files (a rerun with
+    # `resume` compares them); a part's also says which part it is.
+    options = {**opts.as_dict(), **({"part": list(part)} if part is not None else {}), "listing": fingerprint,
+               "sizes": sizes_digest(entries)}
     # Other packs' files first, a stale merge among them: a merge that lists this part's
     # shards must be gone before they are, or a crash between would leave it listing none.
     _clear_other_packs(store, part, overwrite=overwrite, finished_part=complete)
@@ -238,9 +250,6 @@ def pack(
         journal.clear(remove_folder=part is None)  # a kill between the manifest and this left it
         cleanup_scratch(store, [target])  # and a kill mid-manifest its scratch file, or the empty folder
         return summary
-    if part is not None:
-        entries = part_slice(entries, *part)
-    look_up_files(entries, listing.root)  # this pack's (part's) files alone
     shrunk = None if max_side is None else shrunk_estimates(entries, listing.root, max_side)
     planned = plan_frames(entries, opts, shrunk)
     store.makedirs()

@@ -163,5 +163,6 @@ def _check_shard(store: Store, sizes: dict[str, int], shard: ShardInfo, part_num
 
 
 def _common_options(manifest: Manifest) -> dict[str, Any]:
-    """The options every part must share (all but its number and shard prefix)."""
-    return {k: v for k, v in manifest.options.items() if k not in ("part", "prefix")}
+    """The options every part must share (all but its number, its shard prefix and the
+    digest of its own files' sizes)."""
+    return {k: v for k, v in manifest.options.items() if k not in ("part", "prefix", "sizes")}

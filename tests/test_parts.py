@@ -276,6 +276,32 @@ def test_an_overwrite_from_a_source_that_fails_keeps_the_dataset(source, tmp_pat
     assert files(dst) == before
 
 
+def test_resume_of_a_finished_pack_refuses_a_file_that_changed_size(source, tmp_path):
+    """The listing's fingerprint holds names and labels only (a part looks up its own files alone):
+    the manifest's digest of the packed files' sizes tells a finished pack's rerun that a file was
+    rewritten in place, where it would have passed the old pack off as done. A part's digest is of
+    its own files: a change in another part's leaves it done."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(source / "src", src)
+    single, parts = str(tmp_path / "ds"), str(tmp_path / "parts")
+    ss.pack(str(src), single, shard_size="8KB", progress=False)
+    for part in range(2):
+        ss.pack(str(src), parts, shard_size="8KB", part=(part, 2), progress=False)
+    merge(parts)
+    in_part_0 = {s["__key__"] for ref in ss.open_dataset(parts).shards if "-p00000-" in ref.name for s in ref.reader()}
+    victim = next(p for p in sorted(src.rglob("*.jpg")) if p.relative_to(src).with_suffix("").as_posix() in in_part_0)
+    before = victim.stat()
+    victim.write_bytes(victim.read_bytes() + b"\0")  # a byte longer, its time put back
+    os.utime(victim, ns=(before.st_atime_ns, before.st_mtime_ns))
+    with pytest.raises(ShardstreamError, match="made from another source or with other options"):
+        ss.pack(str(src), single, shard_size="8KB", resume=True, progress=False)
+    with pytest.raises(ShardstreamError, match="made from another source or with other options"):
+        ss.pack(str(src), parts, shard_size="8KB", part=(0, 2), resume=True, progress=False)
+    assert ss.pack(str(src), parts, shard_size="8KB", part=(1, 2), resume=True, progress=False).samples > 0
+
+
 def test_resume_of_a_finished_pack_refuses_a_changed_source(source, tmp_path):
     import shutil
 
