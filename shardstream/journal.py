@@ -40,6 +40,10 @@ class Journal:
         if resume and self.store.exists("plan.msgpack"):
             previous = unpack_limited(self.store.read("plan.msgpack"), max_bytes=1 << 20,
                                       url=self.store.url("plan.msgpack"), error=ShardstreamError)
+            if isinstance(previous, dict) and "files" not in previous:  # journaled before the listing read names only
+                raise ShardstreamError("cannot resume: the earlier pack was journaled by an earlier version of "
+                                       "shardstream, whose record this one cannot compare; run without resume "
+                                       "(--resume) to start over", url=self.store.root)
             if previous != plan:
                 raise ShardstreamError("cannot resume: the earlier pack had other options, another source listing, or "
                                        "source files modified since; run without resume (--resume) to start over",

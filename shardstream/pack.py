@@ -343,6 +343,10 @@ def _finished_summary(store: Store, name: str, options: dict[str, Any]) -> PackS
     run's (the same options; a part's, the same source listing too): a retry must not pass
     off another pack as done."""
     manifest = Manifest.from_bytes(store.read(name), store.url(name))
+    if "listing" in manifest.options and "sizes" not in manifest.options:
+        raise ShardstreamError("already holds a pack made by an earlier version of shardstream, whose record of its "
+                               "source this one cannot compare; pass overwrite=True (--overwrite) to pack it again",
+                               url=store.url(name))
     if manifest.options != options:
         raise ShardstreamError("already holds a pack made from another source or with other options; "
                                "pass overwrite=True (--overwrite) to replace it", url=store.url(name))

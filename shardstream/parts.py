@@ -97,6 +97,11 @@ def merge(dst: str, *, storage_options: dict[str, Any] | None = None, fsync: boo
         raise ShardstreamError(f"missing {len(missing)} of {total} parts: {names}", url=dst)
 
     parts = [Manifest.from_bytes(store.read(found[i][1]), store.url(found[i][1])) for i in range(total)]
+    versions = {"sizes" in part.options for part in parts}
+    if len(versions) > 1:  # the listing's fingerprint changed with the digest of sizes: they cannot agree
+        old = [i for i, part in enumerate(parts) if "sizes" not in part.options]
+        raise ManifestError(f"parts {old} were packed by an earlier version of shardstream than the others; pack "
+                            "them again with this one (--overwrite)", url=dst)
     first = parts[0]
     common = _common_options(first)
     for i, part in enumerate(parts):

@@ -302,6 +302,51 @@ def test_resume_of_a_finished_pack_refuses_a_file_that_changed_size(source, tmp_
     assert ss.pack(str(src), parts, shard_size="8KB", part=(1, 2), resume=True, progress=False).samples > 0
 
 
+def test_what_an_earlier_version_left_is_refused_naming_the_version(source, tmp_path, monkeypatch):
+    """Journals, finished packs and parts of the versions whose listing stat'd every file record no
+    sizes digest (and another fingerprint): refused as such, not as another source or other options."""
+    import dataclasses
+
+    import msgpack
+
+    from shardstream.format import Manifest
+    from shardstream.journal import Journal
+
+    def as_an_earlier_version_wrote_it(path):
+        manifest = Manifest.from_bytes(path.read_bytes(), str(path))
+        options = {k: v for k, v in manifest.options.items() if k != "sizes"}
+        path.write_bytes(dataclasses.replace(manifest, options=options).to_bytes())
+
+    src, single, parts = str(source / "src"), tmp_path / "ds", tmp_path / "parts"
+    ss.pack(src, str(single), shard_size="8KB", progress=False)
+    as_an_earlier_version_wrote_it(single / "manifest.msgpack")
+    with pytest.raises(ShardstreamError, match="earlier version of shardstream"):
+        ss.pack(src, str(single), shard_size="8KB", resume=True, progress=False)
+
+    for part in range(2):
+        ss.pack(src, str(parts), shard_size="8KB", part=(part, 2), progress=False)
+    as_an_earlier_version_wrote_it(parts / "manifest.part-00001-of-00002.msgpack")
+    with pytest.raises(ManifestError, match=r"parts \[1\] were packed by an earlier version"):
+        merge(str(parts))
+
+    record = Journal.record
+
+    def interrupted(self, shard, info, skipped):
+        record(self, shard, info, skipped)
+        raise KeyboardInterrupt  # a kill, after the first shard
+
+    monkeypatch.setattr(Journal, "record", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ss.pack(src, str(tmp_path / "killed"), shard_size="8KB", progress=False)
+    monkeypatch.setattr(Journal, "record", record)
+    plan = tmp_path / "killed" / ".shardstream-pack" / "main" / "plan.msgpack"
+    written = msgpack.unpackb(plan.read_bytes())
+    written["modified"] = written.pop("files")  # the stamp's name and content before
+    plan.write_bytes(msgpack.packb(written))
+    with pytest.raises(ShardstreamError, match="journaled by an earlier version"):
+        ss.pack(src, str(tmp_path / "killed"), shard_size="8KB", resume=True, progress=False)
+
+
 def test_resume_of_a_finished_pack_refuses_a_changed_source(source, tmp_path):
     import shutil
 
