@@ -50,7 +50,7 @@ def measure(source: str, part: tuple[int, int] | None) -> dict[str, float]:
     """One fresh process's steps (run by `--child`)."""
     pack = importlib.import_module("shardstream.pack")
     from shardstream.listing import list_source, look_up_files
-    from shardstream.packplan import PackOptions, frame_bytes, order, part_slice, plan_frames
+    from shardstream.packplan import PackOptions, order, part_slice, plan_frames
     from shardstream.shardfile import FRAME_SIZE
 
     out: dict[str, float] = {}
@@ -68,9 +68,8 @@ def measure(source: str, part: tuple[int, int] | None) -> dict[str, float]:
     if part is not None:
         entries = part_slice(entries, *part)
     step("look_up", lambda: look_up_files(entries, listing.root))
-    planned = step("plan_frames", lambda: plan_frames(entries, opts))
+    step("plan_frames", lambda: plan_frames(entries, opts))  # with each frame's size, counted there
     step("files_stamp", lambda: pack._files_stamp(entries))
-    step("frame_bytes", lambda: [frame_bytes(frame) for _, frame in planned])
     step("threads_pay", lambda: pack.threads_pay(entries))
     with open("/proc/self/statm") as f:
         out["rss_mb"] = round(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6)

@@ -133,6 +133,9 @@ class Room:
                     index_bytes = 0
                 entries.append((st.st_mtime, full, st.st_size + index_bytes))
         total = sum(size for _, _, size in entries) + reserved
+        # Where the shards in use (and downloads in flight) keep the cache above low water, this evicts
+        # every shard not in use: fewer bytes than low water asks for when it can be reached, since what
+        # is not in use is then under `total + incoming - LOW_WATER * limit`.
         target = self.limit if total + incoming <= self.limit else int(self.limit * LOW_WATER)
         for _, full, size in sorted(entries):
             if total + incoming <= target:

@@ -79,7 +79,7 @@ MIN_BYTES_AHEAD = 256 << 20
 
 
 def bytes_ahead(workers: int) -> int:
-    """How many bytes (`frame_bytes`) the frames handed out beyond the one due may plan, together."""
+    """How many bytes (`PlannedFrame.size`) the frames handed out beyond the one due may plan, together."""
     # 2 x FRAME_SIZE a frame ahead: a frame is cut once it reaches FRAME_SIZE, so one of
     # images under FRAME_SIZE plans less than twice that. Their frames (photos, ImageNet)
     # are then bounded by number first, as before, whatever `workers` is.
@@ -90,7 +90,7 @@ def thread_results(jobs: list[Any], workers: int, job_bytes: list[int], budget: 
                    ) -> Iterator[FrameResult]:
     """`build_job` over `jobs` in `workers` threads, results in plan order; a job's
     exception is raised at its place in that order. `job_bytes`: each job's planned size
-    (`frame_bytes`), of which the jobs ahead plan `budget` at most (default `bytes_ahead`)."""
+    (`PlannedFrame.size`), of which the jobs ahead plan `budget` at most (default `bytes_ahead`)."""
     budget = budget or bytes_ahead(workers)
     with contextlib.closing(ordered_map(lambda i: build_job(jobs[i]), range(len(jobs)), workers,
                                         ahead=FRAMES_AHEAD * workers, weigh=job_bytes.__getitem__,

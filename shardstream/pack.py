@@ -37,7 +37,7 @@ from .framepool import pool_context, process_results, thread_results, threads_pa
 from .journal import Journal
 from .listing import Listing, SourceFile, list_source, look_up_files, printable
 from .packoutput import dataset_manifest, write_shards
-from .packplan import PackOptions, frame_bytes, order, part_slice, plan_frames, shrunk_estimates
+from .packplan import PackOptions, order, part_slice, plan_frames, shrunk_estimates
 from .parts import other_packs
 from .scratch import cleanup_scratch
 from .shardfile import FRAME_SIZE, IMAGE_LEVEL
@@ -258,10 +258,11 @@ def pack(
     plan_record = {"options": opts.as_dict(), "listing": fingerprint, "part": list(part or ()), "on_error": on_error,
                    "files": _files_stamp(entries)}
     done = journal.start(plan_record, resume)
-    jobs = [(shard, frame, listing.root, opts, on_error == "skip") for shard, frame in planned if shard not in done]
-    job_bytes = [frame_bytes(job[1], shrunk) for job in jobs]  # what each frame holds once built
+    to_build = [frame for frame in planned if frame.shard not in done]
+    jobs = [(frame.shard, frame.entries, listing.root, opts, on_error == "skip") for frame in to_build]
+    job_bytes = [frame.size for frame in to_build]  # what each frame holds once built
     # A killed run's half-written shards (a fresh start's too: it may follow a killed run).
-    todo = {shard_name(opts.prefix, shard, compression) for shard, _ in planned if shard not in done}
+    todo = {shard_name(opts.prefix, frame.shard, compression) for frame in to_build}
     scratch_names = [target, *(name for shard in todo for name in (shard, shard + INDEX_SUFFIX))]
     cleanup_scratch(store, scratch_names)
     workers = max(1, min(workers or os.cpu_count() or 1, len(jobs) or 1))

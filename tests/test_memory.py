@@ -25,7 +25,7 @@ import pytest
 import shardstream
 from shardstream.framepool import FRAMES_AHEAD, bytes_ahead
 from shardstream.listing import SourceFile
-from shardstream.packplan import PackOptions, frame_bytes, plan_frames
+from shardstream.packplan import PackOptions, plan_frames
 from shardstream.reader import READ_BYTES
 from shardstream.shardfile import FRAME_SIZE, IMAGE_LEVEL, _Appender
 from shardstream.synthetic import synthetic_jpeg
@@ -130,7 +130,7 @@ _FRAMES_AHEAD_SCRIPT = """
 import json, os, sys, time
 from shardstream import framepool
 from shardstream.listing import list_source, look_up_files
-from shardstream.packplan import PackOptions, frame_bytes, order, plan_frames
+from shardstream.packplan import PackOptions, order, plan_frames
 from shardstream.shardfile import FRAME_SIZE, IMAGE_LEVEL
 
 src, log_path, kind, budget = {src!r}, {log!r}, {kind!r}, {budget}
@@ -139,8 +139,8 @@ opts = PackOptions(256 << 20, None, "zstd", IMAGE_LEVEL, 0, False, FRAME_SIZE, "
 entries = order(listing, opts)
 look_up_files(entries, listing.root)
 planned = plan_frames(entries, opts)
-jobs = [(shard, frame, listing.root, opts, False) for shard, frame in planned]
-job_bytes = [frame_bytes(frame) for _, frame in planned]
+jobs = [(frame.shard, frame.entries, listing.root, opts, False) for frame in planned]
+job_bytes = [frame.size for frame in planned]
 first = jobs[0][1][0].full_path(listing.root)
 log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
 
@@ -172,7 +172,7 @@ got = [result.bytes_in for result in results]
 opened = lines()
 held = opened[1:opened.index("released")]
 print(json.dumps({{"held": [os.path.getsize(path) for path in held], "got": got,
-                  "planned": [sum(entry.size for entry in frame) for _, frame in planned]}}))
+                  "planned": [sum(entry.size for entry in frame.entries) for frame in planned]}}))
 """
 
 
@@ -211,7 +211,7 @@ def test_frames_of_small_images_are_bounded_by_number_before_bytes(sizes):
         files = np.full(4_000, FRAME_SIZE - 4096)
     entries = [SourceFile(f"c/{i:05d}.jpg", f"c/{i:05d}", "jpg", 0, size=int(size)) for i, size in enumerate(files)]
     opts = PackOptions(256 << 20, None, "zstd", IMAGE_LEVEL, 0, False, FRAME_SIZE, "shard")
-    planned = np.array([frame_bytes(frame) for _, frame in plan_frames(entries, opts)])
+    planned = np.array([frame.size for frame in plan_frames(entries, opts)])
     for workers in (1, 2, 8, 64, 256):
         window = FRAMES_AHEAD * workers
         most = np.convolve(planned, np.ones(window, dtype=np.int64), "valid").max()

@@ -1046,6 +1046,30 @@ def test_frames_end_at_the_sample_that_reaches_the_frame_size_whatever_the_names
         assert end - start >= FRAME_SIZE > ends[-2] - start, "the frame ends after the sample that reaches its size"
 
 
+def test_a_planned_frame_holds_the_tar_bytes_it_was_planned_at(tmp_path):
+    """The pack bounds the frames built ahead by their planned sizes (framepool.py), counted once
+    where the plan cuts them: each is the frame's tar bytes once built, labels and pax records of
+    long names included."""
+    from shardstream.framebuild import build_job
+    from shardstream.packplan import PackOptions, order, plan_frames
+    from shardstream.shardfile import IMAGE_LEVEL
+    from shardstream.synthetic import synthetic_jpeg
+
+    for i in range(60):
+        folder = tmp_path / "src" / ("kurz" if i % 2 else f"klasse_ä_{'lang' * 30}")
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{i:03d}.jpg").write_bytes(synthetic_jpeg(i, 40 + i, 30 + i))
+    listing = list_source(str(tmp_path / "src"))
+    opts = PackOptions(40_000, None, "none", IMAGE_LEVEL, 0, True, 16_000, "shard")
+    entries = order(listing, opts)
+    look_up_files(entries, listing.root)
+    planned = plan_frames(entries, opts)
+    assert len({frame.shard for frame in planned}) > 1 and len(planned) > len({frame.shard for frame in planned})
+    for frame in planned:
+        built = build_job((frame.shard, frame.entries, listing.root, opts, False)).frame
+        assert frame.size == built.raw_size == sum(built.sizes), f"frame of shard {frame.shard}"
+
+
 def test_file_list_labels_written_as_decimals_are_refused(image_folder, tmp_path):
     """Regression: pandas writes integer labels as 1.0, 2.0, 10.0, which became names sorted as text
     ('1.0', '10.0', '2.0'): every class renumbered without a word."""
