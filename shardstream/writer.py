@@ -10,14 +10,16 @@ that lists a missing or half-written shard.
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from . import tario
 from .columns import MAX_CLASS, check_weight
 from .errors import ShardstreamError
 from .fields import encode_sample
 from .format import COMPRESSIONS, MANIFEST_NAME, SHARD_SUFFIX, Manifest, ShardInfo
+from .indexes import load_index
 from .scratch import cleanup_scratch
+from .seenkeys import SeenKeys
 from .shardfile import FRAME_SIZE, LEVEL, MIN_LEVEL, ShardFileWriter, build_frame
 from .storage import Store
 
@@ -76,7 +78,9 @@ class ShardWriter:
     class indices found in the `cls` field, for the manifest.
 
     Use as a context manager: on a clean exit the manifest is written; on an exception
-    the partial shard is removed and no manifest is written. A destination that holds a
+    the partial shard is removed and no manifest is written. A key written twice is
+    refused: at its `write` where the shard being written has it (the writer goes on),
+    else when its frame is due, where the writer gives up (`SeenKeys`, seenkeys.py). A destination that holds a
     dataset is refused, or with `overwrite` replaced (its manifest removed first).
     `fsync`: every file is on the disk before the manifest names it (`pack`'s `fsync`).
     """
@@ -109,7 +113,7 @@ class ShardWriter:
         self.prefix = prefix
         self.shards: list[ShardInfo] = []
         self._class_counts: dict[int, int] = {}
-        self._keys: set[str] = set()
+        self._keys = SeenKeys(self._written_keys)
         self._shard: ShardFileWriter | None = None
         self._pending: list[tuple[str, list[tuple[str, bytes]]]] = []
         self._pending_bytes = 0
@@ -130,11 +134,9 @@ class ShardWriter:
         if self._closed:
             raise ShardstreamError("write() after close()")
         key, fields = encode_sample(sample)
-        if key in self._keys:
-            raise ShardstreamError("duplicate sample key", key=key)
+        self._keys.check_new(key)
         label = self._label(key, fields)
         _check_weight(key, fields)
-        self._keys.add(key)
         size = sum(tario.member_size(len(data), f"{key}.{name}") for name, data in fields)
         shard = self._shard
         if shard is not None:
@@ -142,6 +144,7 @@ class ShardWriter:
             count = shard.samples + len(self._pending)
             if filled + size > self.shard_size or (self.max_samples is not None and count >= self.max_samples):
                 self._finish_shard()
+        self._keys.add(key)  # to the shard it goes to: after the one before is finished
         if self._shard is None:
             self._claim()
             self._shard = ShardFileWriter(
@@ -171,6 +174,15 @@ class ShardWriter:
 
     def _flush_frame(self) -> None:
         if self._pending and self._shard is not None:
+            try:
+                self._keys.check_finished([key for key, _ in self._pending])
+            except ShardstreamError as e:
+                # Found at the frame's end, after the writes that queued it returned: the frame
+                # cannot be written as it is, and the samples queued in it are the caller's to
+                # resend, so the writer gives up (as on an exception in its `with` block).
+                url = self.store.url(self._shard.name)
+                self.abort()
+                raise ShardstreamError(e.detail, url=url, key=e.key) from None
             self._shard.append(build_frame(self._pending, self.compression, self.level))
         self._pending, self._pending_bytes = [], 0
 
@@ -178,7 +190,14 @@ class ShardWriter:
         self._flush_frame()
         if self._shard is not None and self._shard.samples:
             self.shards.append(self._shard.finish())
+        self._keys.seal()
         self._shard = None
+
+    def _written_keys(self) -> Iterator[tuple[str, tuple[str, ...]]]:
+        """(name, keys) of each finished shard, from its index: read only where a key's hash
+        matches one of theirs (`SeenKeys`)."""
+        for info in self.shards:
+            yield info.name, load_index(self.store, info.index, info).keys
 
     def close(self) -> Manifest | None:
         """Finish the last shard and write the manifest; returns it (the same one when already

@@ -644,6 +644,31 @@ def test_writer_duplicate_key(tmp_path):
     assert got == [("a", b"first"), ("b", b"third")]
 
 
+def test_writer_refuses_a_key_written_to_an_earlier_shard(tmp_path):
+    """A key the shard being written does not have, but a finished one does, is refused when its frame
+    is due, naming both shards; the writer gives up then: no manifest, no partial shard."""
+    with pytest.raises(ShardstreamError, match=r"shard-000002\.tar\.zst, sample 'b': duplicate sample key: "
+                                               r"written before, to shard-000000\.tar\.zst"):
+        with ShardWriter(str(tmp_path / "ds"), max_samples=2) as writer:
+            for key in ("a", "b", "c", "d", "e", "b", "f"):
+                writer.write({"__key__": key, "txt": key})
+    assert sorted(p.name for p in (tmp_path / "ds").iterdir()) == [
+        f"shard-{i:06d}.tar.zst{suffix}" for i in range(2) for suffix in ("", ".idx")]
+    with pytest.raises(ShardstreamError, match="after close"):
+        writer.write({"__key__": "g", "txt": "g"})
+
+
+@pytest.mark.parametrize("keys", [("a", "b", "c", "c"), ("a", "b", "c", "d", "c")], ids=["next to", "apart"])
+def test_writer_refuses_a_key_repeated_in_the_shard_it_opened(tmp_path, keys):
+    """Regression: the sample that opened a shard had its key counted in the shard before, so a repeat
+    in the new shard passed the new shard's check, and the finished one's index did not hold it."""
+    writer = ShardWriter(str(tmp_path / "ds"), max_samples=2)
+    with pytest.raises(ShardstreamError, match="duplicate sample key"):
+        for key in keys:
+            writer.write({"__key__": key, "txt": key})
+        writer.close()
+
+
 BAD_SAMPLES = {
     "no key": {"txt": "x"},
     "empty key": {"__key__": "", "txt": "x"},
