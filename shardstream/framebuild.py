@@ -15,11 +15,11 @@ import stat
 from dataclasses import dataclass, field
 
 from .errors import PackError, reason
-from .imagecheck import check_image
-from .listing import SourceFile, printable, sniff_image
+from .imagecheck import check_image, sniff_image
 from .packplan import PackOptions
 from .shardfile import Frame, build_frame
 from .shrink import shrink_or_keep
+from .sourcefile import SourceFile, printable
 
 __all__ = ["FrameResult", "build_job"]
 

@@ -44,7 +44,7 @@ except ImportError:  # not POSIX
 
 from .errors import ShardstreamError
 from .framebuild import FrameResult, build_job
-from .listing import SourceFile
+from .sourcefile import SourceFile
 from .shardfile import FRAME_SIZE, Frame
 from .threads import Ahead, ordered_map
 

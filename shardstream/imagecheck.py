@@ -3,7 +3,7 @@
 `pack` stores JPEG, PNG and WebP byte for byte, so each file must be a whole, readable
 image in one of these formats, or be skipped with a reason. A full decode would cost
 more than the rest of packing, so the check is cheap: the format is told from the first
-bytes (`listing.sniff_image`), the header parsed, and only what is unusual goes to
+bytes (`sniff_image`), the header parsed, and only what is unusual goes to
 Pillow. Apart from listing.py, which tells what a source holds from names alone and
 reads no image, and from shrink.py, which changes the bytes of images checked here;
 it runs in the pack workers (framebuild.py).
@@ -17,9 +17,46 @@ from PIL import Image
 
 from .decode import is_jpeg, jpeg_ends, open_image
 from .errors import PackError, reason
-from .listing import sniff_image
 
-__all__ = ["check_image"]
+__all__ = ["check_image", "sniff_image"]
+
+
+# The first bytes of image formats -> (field, format name). The formats pack stores have a
+# field, for comparing with the one the name gives; the others are named only, for the
+# message that refuses them. WebP (RIFF....WEBP) is tested apart.
+_SIGNATURES: tuple[tuple[bytes, str | None, str], ...] = (
+    (b"\xff\xd8\xff", "jpg", "JPEG"),
+    (b"\x89PNG\r\n\x1a\n", "png", "PNG"),
+    (b"GIF87a", None, "GIF"),
+    (b"GIF89a", None, "GIF"),
+    (b"BM", None, "BMP"),
+    (b"II*\x00", None, "TIFF"),
+    (b"MM\x00*", None, "TIFF"),
+    (b"\x00\x00\x01\x00", None, "ICO"),
+    (b"8BPS", None, "Photoshop"),
+    (b"\x00\x00\x00\x0cjP  \r\n\x87\n", None, "JPEG 2000"),
+    (b"\xff\x0a", None, "JPEG XL"),
+    (b"\x00\x00\x00\x0cJXL \r\n\x87\n", None, "JPEG XL"),
+)
+_ISO_BRANDS = {b"avif": "AVIF", b"avis": "AVIF", b"heic": "HEIF", b"heix": "HEIF", b"mif1": "HEIF", b"msf1": "HEIF"}
+
+
+def sniff_image(data: bytes) -> tuple[str | None, str | None]:
+    """(field, format name) of the image format `data` starts as, from its first bytes.
+
+    The field is ``"jpg"``, ``"png"`` or ``"webp"`` for the formats `pack` stores, None
+    for another format (named: ``"GIF"``, ``"BMP"``, ``"TIFF"``, ...); both are None for
+    bytes that start as no image format known here. Whether the rest is a whole, readable
+    image is `imagecheck.check_image`'s question.
+    """
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "webp", "WebP"
+    for magic, field, name in _SIGNATURES:
+        if data.startswith(magic):
+            return field, name
+    if data[4:8] == b"ftyp" and data[8:12] in _ISO_BRANDS:
+        return None, _ISO_BRANDS[data[8:12]]
+    return None, None
 
 
 # JPEG markers that start a frame (SOF0-15 less DHT, JPG and DAC), and that stand alone.

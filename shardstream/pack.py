@@ -35,13 +35,14 @@ from .format import INDEX_SUFFIX, MANIFEST_NAME, Manifest, ShardInfo
 from .framebuild import FrameResult, build_job
 from .framepool import pool_context, process_results, thread_results, threads_pay
 from .journal import Journal
-from .listing import Listing, SourceFile, list_source, look_up_files, printable
+from .listing import list_source, look_up_files
 from .packoutput import dataset_manifest, write_shards
 from .packplan import PackOptions, order, part_slice, plan_frames, shrunk_estimates
 from .parts import other_packs
 from .scratch import cleanup_scratch
 from .shardfile import FRAME_SIZE, IMAGE_LEVEL
 from .shrink import DEFAULT_QUALITY
+from .sourcefile import Listing, SourceFile, printable
 from .storage import Store
 from .urls import expand_home
 from .writer import check_compression, parse_size, remove_dataset, shard_name, write_manifest

@@ -17,7 +17,7 @@ import numpy as np
 from .format import Manifest, ShardInfo
 from .framebuild import FrameResult
 from .journal import Journal
-from .listing import Listing, SourceFile, printable
+from .sourcefile import Listing, SourceFile, printable
 from .packplan import PackOptions
 from .shardfile import ShardFileWriter
 from .storage import Store

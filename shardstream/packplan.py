@@ -19,7 +19,7 @@ import numpy as np
 
 from . import tario
 from .decode import image_size
-from .listing import Listing, SourceFile
+from .sourcefile import Listing, SourceFile
 from .shrink import DEFAULT_QUALITY, shrunk_size
 
 __all__ = ["PackOptions", "PlannedFrame", "order", "part_slice", "plan_frames", "shrunk_estimates"]

@@ -12,7 +12,9 @@ import os
 
 from hypothesis import given, settings, strategies as st
 
-from shardstream.listing import IMAGE_FIELDS, _image_field, _key, _key_prefix, _relative, _stem_key, list_source
+from shardstream.filelist import _relative
+from shardstream.listing import list_source
+from shardstream.sourcefile import IMAGE_FIELDS, image_field, key_prefix, sample_key, stem_key
 
 
 def reference_key(relpath: str) -> str:
@@ -33,15 +35,15 @@ FOLDER = st.lists(st.sampled_from(["a", "b.c", ".", "..", "", ".hidden", "é"]),
 @given(FOLDER, NAME)
 def test_keys_are_those_of_the_rule(folder, name):
     relpath = "/".join([*folder, name])
-    assert _key(relpath) == reference_key(relpath)
+    assert sample_key(relpath) == reference_key(relpath)
     # The folder loop's form: the folder's part once, then each file's stem.
-    assert _key_prefix("/".join(folder) + "/") + _stem_key(name) == reference_key(relpath)
+    assert key_prefix("/".join(folder) + "/") + stem_key(name) == reference_key(relpath)
 
 
 @settings(max_examples=500, deadline=None)
 @given(NAME)
 def test_a_file_names_field_is_its_extension_as_splitext_finds_it(name):
-    assert _image_field(name) == IMAGE_FIELDS.get(os.path.splitext(name)[1].lower())
+    assert image_field(name) == IMAGE_FIELDS.get(os.path.splitext(name)[1].lower())
 
 
 @settings(max_examples=500, deadline=None)

@@ -24,7 +24,7 @@ import pytest
 
 import shardstream
 from shardstream.framepool import FRAMES_AHEAD, bytes_ahead
-from shardstream.listing import SourceFile
+from shardstream.sourcefile import SourceFile
 from shardstream.packplan import PackOptions, plan_frames
 from shardstream.reader import READ_BYTES
 from shardstream.shardfile import FRAME_SIZE, IMAGE_LEVEL, _Appender
