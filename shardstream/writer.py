@@ -80,8 +80,8 @@ class ShardWriter:
     Use as a context manager: on a clean exit the manifest is written; on an exception
     the partial shard is removed and no manifest is written. A key written twice is
     refused: at its `write` where the shard being written has it (the writer goes on),
-    else when its frame is due, where the writer gives up (`SeenKeys`, seenkeys.py). A destination that holds a
-    dataset is refused, or with `overwrite` replaced (its manifest removed first).
+    else when its frame is due, and the writer gives up (seenkeys.py). A destination that
+    holds a dataset is refused, or with `overwrite` replaced (its manifest removed first).
     `fsync`: every file is on the disk before the manifest names it (`pack`'s `fsync`).
     """
 
@@ -177,9 +177,10 @@ class ShardWriter:
             try:
                 self._keys.check_finished([key for key, _ in self._pending])
             except ShardstreamError as e:
-                # Found at the frame's end, after the writes that queued it returned: the frame
-                # cannot be written as it is, and the samples queued in it are the caller's to
-                # resend, so the writer gives up (as on an exception in its `with` block).
+                # Found at the frame's end, after the writes that queued the frame returned: the
+                # frame cannot be written as it is, and dropping the one sample would lose it
+                # without a word to a caller that went on, so the writer gives up (as on an
+                # exception in its `with` block).
                 url = self.store.url(self._shard.name)
                 self.abort()
                 raise ShardstreamError(e.detail, url=url, key=e.key) from None
