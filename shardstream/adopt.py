@@ -125,9 +125,7 @@ def _write_from(writer: Any, sample: dict[str, Any], url: str) -> None:
     try:
         writer.write(sample)
     except ShardstreamError as e:
-        # A key written twice across shards is found at a frame's end, perhaps in the next tar: that
-        # error names the output shard, and keeps it.
-        raise ShardstreamError(e.detail, url=e.url or url, key=e.key or _printable_key(sample), offset=e.offset) from e
+        raise ShardstreamError(e.detail, url=url, key=e.key or _printable_key(sample), offset=e.offset) from e
 
 
 def _printable_key(sample: dict[str, Any]) -> str | None:

@@ -78,10 +78,10 @@ class ShardWriter:
     class indices found in the `cls` field, for the manifest.
 
     Use as a context manager: on a clean exit the manifest is written; on an exception
-    the partial shard is removed and no manifest is written. A key written twice is
-    refused: at its `write` where the shard being written has it (the writer goes on),
-    else when its frame is due, and the writer gives up (seenkeys.py). A destination that
-    holds a dataset is refused, or with `overwrite` replaced (its manifest removed first).
+    the partial shard is removed and no manifest is written. A key written before is
+    refused at its `write`, and the writer goes on (seenkeys.py keeps the keys: 8 bytes a
+    key once its shard is finished). A destination that holds a dataset is refused, or
+    with `overwrite` replaced (its manifest removed first).
     `fsync`: every file is on the disk before the manifest names it (`pack`'s `fsync`).
     """
 
@@ -144,13 +144,13 @@ class ShardWriter:
             count = shard.samples + len(self._pending)
             if filled + size > self.shard_size or (self.max_samples is not None and count >= self.max_samples):
                 self._finish_shard()
-        self._keys.add(key)  # to the shard it goes to: after the one before is finished
         if self._shard is None:
             self._claim()
             self._shard = ShardFileWriter(
                 self.store, shard_name(self.prefix, len(self.shards), self.compression), self.compression, self.level
             )
             self.store.makedirs()
+        self._keys.add(key)  # to the shard it goes to (after the one before is finished), once it is queued
         self._pending.append((key, fields))
         self._pending_bytes += size
         if label is not None:
@@ -174,16 +174,6 @@ class ShardWriter:
 
     def _flush_frame(self) -> None:
         if self._pending and self._shard is not None:
-            try:
-                self._keys.check_finished([key for key, _ in self._pending])
-            except ShardstreamError as e:
-                # Found at the frame's end, after the writes that queued the frame returned: the
-                # frame cannot be written as it is, and dropping the one sample would lose it
-                # without a word to a caller that went on, so the writer gives up (as on an
-                # exception in its `with` block).
-                url = self.store.url(self._shard.name)
-                self.abort()
-                raise ShardstreamError(e.detail, url=url, key=e.key) from None
             self._shard.append(build_frame(self._pending, self.compression, self.level))
         self._pending, self._pending_bytes = [], 0
 
@@ -195,8 +185,8 @@ class ShardWriter:
         self._shard = None
 
     def _written_keys(self) -> Iterator[tuple[str, tuple[str, ...]]]:
-        """(name, keys) of each finished shard, from its index: read only where a key's hash
-        matches one of theirs (`SeenKeys`)."""
+        """(name, keys) of each finished shard, from its index: read only where a new key's
+        hash matches one of theirs (`SeenKeys`)."""
         for info in self.shards:
             yield info.name, load_index(self.store, info.index, info).keys
 

@@ -645,17 +645,31 @@ def test_writer_duplicate_key(tmp_path):
 
 
 def test_writer_refuses_a_key_written_to_an_earlier_shard(tmp_path):
-    """A key the shard being written does not have, but a finished one does, is refused when its frame
-    is due, naming both shards; the writer gives up then: no manifest, no partial shard."""
-    with pytest.raises(ShardstreamError, match=r"shard-000002\.tar\.zst, sample 'b': duplicate sample key: "
-                                               r"written before, to shard-000000\.tar\.zst"):
-        with ShardWriter(str(tmp_path / "ds"), max_samples=2) as writer:
-            for key in ("a", "b", "c", "d", "e", "b", "f"):
-                writer.write({"__key__": key, "txt": key})
-    assert sorted(p.name for p in (tmp_path / "ds").iterdir()) == [
-        f"shard-{i:06d}.tar.zst{suffix}" for i in range(2) for suffix in ("", ".idx")]
-    with pytest.raises(ShardstreamError, match="after close"):
-        writer.write({"__key__": "g", "txt": "g"})
+    """A key that a finished shard holds is refused at its write, naming that shard, and the writer goes
+    on (finished shards keep their keys as hashes: seenkeys.py)."""
+    with ShardWriter(str(tmp_path / "ds"), max_samples=2) as writer:
+        for key in ("a", "b", "c", "d", "e"):
+            writer.write({"__key__": key, "txt": key})
+        with pytest.raises(ShardstreamError, match=r"sample 'b': duplicate sample key: written before, to "
+                                                   r"shard-000000\.tar\.zst"):
+            writer.write({"__key__": "b", "txt": "again"})
+        writer.write({"__key__": "f", "txt": "f"})
+    got = [(s["__key__"], s["txt"]) for ref in open_dataset(str(tmp_path / "ds")).shards for s in ref.reader()]
+    assert got == [(key, key.encode()) for key in "abcdef"]
+
+
+def test_writer_refused_nothing_it_did_not_write(tmp_path):
+    """Regression: a sample refused because the destination holds a dataset had its key counted, so
+    writing it again (after choosing to overwrite) was refused as a duplicate."""
+    with ShardWriter(str(tmp_path / "ds")) as writer:
+        writer.write({"__key__": "a", "txt": "old"})
+    writer = ShardWriter(str(tmp_path / "ds"))
+    with pytest.raises(ShardstreamError, match="already holds a dataset"):
+        writer.write({"__key__": "a", "txt": "new"})
+    writer.overwrite = True
+    writer.write({"__key__": "a", "txt": "new"})
+    writer.close()
+    assert [s["txt"] for s in open_dataset(str(tmp_path / "ds")).shards[0].reader()] == [b"new"]
 
 
 @pytest.mark.parametrize("keys", [("a", "b", "c", "c"), ("a", "b", "c", "d", "c")], ids=["next to", "apart"])
