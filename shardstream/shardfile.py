@@ -15,7 +15,7 @@ import struct
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import BinaryIO, Sequence
+from typing import BinaryIO, Callable, Sequence
 
 import numpy as np
 import zstandard
@@ -106,40 +106,29 @@ def seek_table(frames: Sequence[tuple[int, int]]) -> bytes:
     return struct.pack("<II", SKIPPABLE_MAGIC, len(body)) + body
 
 
-class _Appender:
-    """Writes and hashes a shard file's bytes, in order, in a thread of its own.
+class _InOrder:
+    """Applies `step` to each item put, in order, in a thread of its own, at most
+    `QUEUED_FRAMES` items and `QUEUED_BYTES` bytes waiting (but one item however large).
+    An error is kept and raised by the next `put` or by `close`; later items are taken
+    and dropped, so that `put` never blocks on a stage that has stopped."""
 
-    The process that appends frames (pack's parent) otherwise writes, hashes and
-    receives the next frame one after the other; writing (page-cache allocation in the
-    kernel) and SHA-256 release the GIL, so they overlap with receiving. Measured on
-    4,000 JPEGs with 2 workers, 14 runs each, alternating with the library without it:
-    median 1.06 s against 1.13 s a pack, faster in 12 of the 14 pairs.
-    An error (a full disk) is kept and raised by the next `put` or by `close`.
-
-    What waits to be written is bounded in bytes as well as in frames: a frame holds at
-    least one sample, and a queue of 8 frames alone held 8 images of 20 MB (160 MB) in
-    pack's parent, where 8 frames of about 1 MB were meant.
-    """
-
-    QUEUED_FRAMES = 8  # waiting to be written at most (frames of about 1 MB: the measured case)
+    QUEUED_FRAMES = 8  # waiting at most (frames of about 1 MB: the measured case)
     QUEUED_BYTES = 16 << 20  # and no more bytes than this, but one frame however large
 
-    def __init__(self, file: BinaryIO, digest: "hashlib._Hash"):
-        self._file = file
-        self._digest = digest
+    def __init__(self, step: Callable[[bytes], object], name: str):
+        self._step = step
         self._queued: deque[bytes | None] = deque()  # None: the end
         self._queued_bytes = 0
         self._changed = threading.Condition()
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="shardstream-shard-writer", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while (data := self._take()) is not None:
-            if self.error is None:  # after an error, keep taking items so that `put` never blocks
+            if self.error is None:
                 try:
-                    self._file.write(data)
-                    self._digest.update(data)
+                    self._step(data)
                 except BaseException as e:  # noqa: BLE001 - raised again in the appending thread
                     self.error = e
 
@@ -152,7 +141,8 @@ class _Appender:
             self._changed.notify_all()
         return data
 
-    def _queue(self, data: bytes | None) -> None:
+    def put(self, data: bytes | None) -> None:
+        """Queue `data` (None: the end), waiting while the queue is full."""
         size = len(data or b"")
         with self._changed:
             while self._queued and (len(self._queued) >= self.QUEUED_FRAMES
@@ -162,18 +152,50 @@ class _Appender:
             self._queued_bytes += size
             self._changed.notify_all()
 
+    def join(self) -> None:
+        """Wait until every item put has been through `step`."""
+        if self._thread.is_alive():
+            self.put(None)
+            self._thread.join()
+
+
+class _Appender:
+    """Writes and hashes a shard file's bytes, in order, in two threads of their own.
+
+    The process that appends frames (pack's parent) otherwise writes, hashes and
+    receives the next frame one after the other; writing (page-cache allocation in the
+    kernel) and SHA-256 release the GIL, so they overlap with receiving, and with each
+    other: in one thread the two together were the pack's bottleneck (py-spy: the
+    thread busy about 90% of a 4,000-JPEG pack with 2 workers, whose threads waited for
+    work 40% of the time). An error (a full disk) is kept and raised by the next `put`
+    or by `close`.
+
+    What waits to be written is bounded in bytes as well as in frames (`_InOrder`): a
+    frame holds at least one sample, and a queue of 8 frames alone held 8 images of 20
+    MB (160 MB) in pack's parent, where 8 frames of about 1 MB were meant. The hash
+    and the write hold the same frames, so the bound holds for both together.
+    """
+
+    def __init__(self, file: BinaryIO, digest: "hashlib._Hash"):
+        self._stages = (_InOrder(file.write, "shardstream-shard-writer"),
+                        _InOrder(digest.update, "shardstream-shard-hasher"))
+
+    @property
+    def error(self) -> BaseException | None:
+        return next((stage.error for stage in self._stages if stage.error is not None), None)
+
     def put(self, data: bytes) -> None:
-        if self.error is not None:
-            raise self.error
-        self._queue(data)
+        if (error := self.error) is not None:
+            raise error
+        for stage in self._stages:
+            stage.put(data)
 
     def close(self) -> None:
-        """Wait until everything is written; raise the error if one happened."""
-        if self._thread.is_alive():
-            self._queue(None)
-            self._thread.join()
-        if self.error is not None:
-            raise self.error
+        """Wait until everything is written and hashed; raise the error if one happened."""
+        for stage in self._stages:
+            stage.join()
+        if (error := self.error) is not None:
+            raise error
 
 
 @dataclass
