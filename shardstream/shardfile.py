@@ -167,8 +167,8 @@ class _Appender:
     kernel) and SHA-256 release the GIL, so they overlap with receiving, and with each
     other: in one thread the two together were the pack's bottleneck (py-spy: the
     thread busy about 90% of a 4,000-JPEG pack with 2 workers, whose threads waited for
-    work 40% of the time). An error (a full disk) is kept and raised by the next `put`
-    or by `close`.
+    work 25% of the time, and 7% with a thread each; BENCHMARKS.md, eighteenth
+    session). An error (a full disk) is kept and raised by the next `put` or by `close`.
 
     What waits to be written is bounded in bytes as well as in frames (`_InOrder`): a
     frame holds at least one sample, and a queue of 8 frames alone held 8 images of 20

@@ -79,9 +79,9 @@ class ShardWriter:
 
     Use as a context manager: on a clean exit the manifest is written; on an exception
     the partial shard is removed and no manifest is written. A key written before is
-    refused at its `write`, and the writer goes on (seenkeys.py keeps the keys: 8 bytes a
-    key once its shard is finished). A destination that holds a dataset is refused, or
-    with `overwrite` replaced (its manifest removed first).
+    refused at its `write`, and the writer goes on (seenkeys.py keeps the keys: about 12
+    bytes a key once its shard is finished). A destination that holds a dataset is
+    refused, or with `overwrite` replaced (its manifest removed first).
     `fsync`: every file is on the disk before the manifest names it (`pack`'s `fsync`).
     """
 
