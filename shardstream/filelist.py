@@ -95,6 +95,8 @@ def _relative(file: str, root: str) -> str:
 
 
 def list_file(path: str) -> Listing:
+    """The listing of the file list at `path`: its images, their labels and classes, and the
+    rows left out (not images, or naming a file again)."""
     root = os.path.dirname(os.path.abspath(path))
     rows = _read_rows(path)
     if rows and _is_header(rows[0][1], root):

@@ -47,7 +47,7 @@ def sniff_image(data: bytes) -> tuple[str | None, str | None]:
     The field is ``"jpg"``, ``"png"`` or ``"webp"`` for the formats `pack` stores, None
     for another format (named: ``"GIF"``, ``"BMP"``, ``"TIFF"``, ...); both are None for
     bytes that start as no image format known here. Whether the rest is a whole, readable
-    image is `imagecheck.check_image`'s question.
+    image is `check_image`'s question.
     """
     if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
         return "webp", "WebP"

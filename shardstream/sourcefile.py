@@ -22,6 +22,7 @@ __all__ = ["IMAGE_FIELDS", "Listing", "Repeat", "SourceFile", "image_field", "ke
 # decoders) read them; `pack` reports such files, which JPEG-only decoders refuse.
 IMAGE_FIELDS = {".jpg": "jpg", ".jpeg": "jpg", ".png": "png", ".webp": "webp"}
 
+
 @dataclass(slots=True)
 class SourceFile:
     """One file of a listing. Slotted (a pack of 1M files holds 1M of them, and every part
@@ -67,6 +68,8 @@ class Repeat:
 
 @dataclass(frozen=True)
 class Listing:
+    """A pack source as listed: its root, its images, its class names, and what it left out."""
+
     root: str
     files: tuple[SourceFile, ...]  # sorted by path, keys unique
     classes: tuple[str, ...]
