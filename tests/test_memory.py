@@ -24,10 +24,10 @@ import pytest
 
 import shardstream
 from shardstream.framepool import FRAMES_AHEAD, bytes_ahead
-from shardstream.sourcefile import SourceFile
 from shardstream.packplan import PackOptions, plan_frames
 from shardstream.reader import READ_BYTES
 from shardstream.shardfile import FRAME_SIZE, IMAGE_LEVEL, _Appender
+from shardstream.sourcefile import SourceFile
 from shardstream.synthetic import synthetic_jpeg
 
 MB = 1 << 20

@@ -1,4 +1,4 @@
-"""SeenKeys: a key written twice is refused at its write, across shards too, in about 10 bytes a key once its
+"""SeenKeys: a key written twice is refused at its write, across shards too, in about 12 bytes a key once its
 shard is done."""
 
 from __future__ import annotations
