@@ -48,13 +48,15 @@ def test_finished_shards_keep_about_12_bytes_a_key():
     """Regression: a set of every key written took 117-120 bytes a key of a writer's peak memory (about
     47 GB at 400M samples). The keys are made before the count starts, and each shard's keys are made
     again for the writer (hashing new strings, as a writer does), so the count holds SeenKeys alone."""
-    written = [(f"shard-{shard:06d}", tuple(f"laion/{shard:05d}/{i:09d}" for i in range(1000))) for shard in range(200)]
+    shards, per_shard = 100, 500  # 50k keys: the filter grows five times on the way
+    written = [(f"shard-{shard:06d}", tuple(f"laion/{shard:05d}/{i:09d}" for i in range(per_shard)))
+               for shard in range(shards)]
     seen = SeenKeys(lambda: iter(written))
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
-        for shard in range(200):
-            for i in range(1000):
+        for shard in range(shards):
+            for i in range(per_shard):
                 key = f"laion/{shard:05d}/{i:09d}"
                 seen.check_new(key)
                 seen.add(key)
@@ -62,8 +64,9 @@ def test_finished_shards_keep_about_12_bytes_a_key():
         held = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
-    assert held <= 16 * 200_000, f"{held / 200_000:.1f} bytes a key"  # 8 in the runs, 4-8 in the filter
-    for shard in range(200):  # what it keeps refuses a repeat from every shard, those sealed as the filter grew too
+    # 8 bytes a key in the runs, 4-8 in the filter
+    assert held <= 16 * shards * per_shard, f"{held / (shards * per_shard):.1f} bytes a key"
+    for shard in range(shards):  # what it keeps refuses a repeat from every shard, those sealed as the filter grew too
         with pytest.raises(ShardstreamError, match=f"written before, to shard-{shard:06d}"):
             seen.check_new(f"laion/{shard:05d}/{shard * 5:09d}")
-    seen.check_new("laion/00003/000001007")
+    seen.check_new(f"laion/00003/{per_shard + 7:09d}")
