@@ -244,6 +244,7 @@ class ShardCache:
         files = ((ref.name, ref.info.bytes, ref.info.sha256),
                  (ref.info.index, ref.info.index_bytes, ref.info.index_sha256))
         parts: list[tuple[str, BinaryIO]] = []
+        landed: list[str] = []
         try:
             with self.room.turn():
                 self.room.make(ref.info.bytes + ref.info.index_bytes)
@@ -261,6 +262,16 @@ class ShardCache:
                     io_stats.add(retries=1)
                 with self.room.turn():  # a walk sees the file under one name or the other, never neither
                     os.replace(part, os.path.join(folder, name))
+                landed.append(os.path.join(folder, name))
+        except BaseException:
+            # A shard is of no use without its index (`_present`), and once this download has failed
+            # nobody holds it, so no release trims it: a shard whose index was not fetched (its
+            # iteration stopped between the two) would hold its room, over the limit, until some
+            # later walk. This process still holds the exclusive lock: nobody reads them.
+            for path in landed:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
+            raise
         finally:
             for part, f in parts:  # what did not land is no longer coming
                 f.close()
