@@ -58,9 +58,22 @@ def rank_main(rank: int, world_size: int, port: int, url: str, out: str) -> None
         dist.all_gather_object(values, value)
         return values
 
-    def run(ds, **kwargs):
+    def loader(ds, **kwargs):
         # A worker that never starts (see launch_with_one_retry) fails the rank in 60 s.
-        return [list(batch) for batch in DataLoader(ds, batch_size=None, num_workers=1, timeout=60, **kwargs)]
+        if "multiprocessing_context" not in kwargs:  # forked, where the hang was seen
+            kwargs["worker_init_fn"] = dump_stacks_on_sigusr1
+        return iter(DataLoader(ds, batch_size=None, num_workers=1, timeout=60, **kwargs))
+
+    def take(it, n=None):
+        try:
+            return [list(next(it)) for _ in range(n)] if n is not None else [list(batch) for batch in it]
+        except RuntimeError as e:
+            if "timed out" in str(e):
+                report_stuck_workers(it)
+            raise
+
+    def run(ds, **kwargs):
+        return take(loader(ds, **kwargs))
 
     result = {"detected": gather(list(map(int, [World.detect().rank, World.detect().size])))}
 
@@ -74,8 +87,8 @@ def rank_main(rank: int, world_size: int, port: int, url: str, out: str) -> None
 
     # 2. the same epoch interrupted after K batches, checkpointed, resumed with 2 ranks
     ds = D.key_dataset(url, **OPTS)
-    it = iter(DataLoader(ds, batch_size=None, num_workers=1, timeout=60))
-    got = [list(next(it)) for _ in range(K)]
+    it = loader(ds)
+    got = take(it, K)
     it._shutdown_workers()
     del it
     state = ds.state_dict(delivered=K, num_workers=1)
@@ -103,6 +116,30 @@ def rank_main(rank: int, world_size: int, port: int, url: str, out: str) -> None
     if rank == 0:
         Path(out).write_text(json.dumps(result))
     dist.destroy_process_group()
+
+
+def dump_stacks_on_sigusr1(worker_id: int) -> None:
+    """A DataLoader worker's init: SIGUSR1 prints every thread's Python stack (`report_stuck_workers`)."""
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
+def report_stuck_workers(it) -> None:  # type: ignore[no-untyped-def]
+    """Where the workers of `it`, a DataLoader iterator that timed out, are, into the rank's log:
+    each one's kernel state and wait channel, then its threads' Python stacks, if it got as far
+    as its init (a child stuck in `fork` itself, CPython gh-112275, never does)."""
+    for worker in it._workers:
+        try:
+            status = Path(f"/proc/{worker.pid}/status").read_text().splitlines()
+            wchan = Path(f"/proc/{worker.pid}/wchan").read_text()
+        except OSError as e:
+            print(f"worker {worker.pid}: {e}", file=sys.stderr, flush=True)
+            continue
+        shown = [line for line in status if line.startswith(("State:", "Threads:", "SigCgt:"))]
+        print(f"worker {worker.pid}: {'; '.join(shown)}; wchan {wchan}", file=sys.stderr, flush=True)
+        os.kill(worker.pid, signal.SIGUSR1)
+    time.sleep(1)
 
 
 # -- launching ranks ---------------------------------------------------------------------------------------------
