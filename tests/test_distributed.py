@@ -35,7 +35,11 @@ SEED = 21
 K = 3  # batches each rank takes before the checkpoint
 OPTS = dict(shuffle=True, seed=SEED, shuffle_buffer=4, batch_size=2)
 
-pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+# The gloo jobs of this file and test_train_ddp.py run in one pytest process, one at a time, under
+# `pytest -n 2 --dist loadgroup` (.ci/run): a port that `free_port` found free can be taken by the
+# other process's job before this one binds it.
+pytestmark = [pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning"),
+              pytest.mark.xdist_group("gloo")]
 
 
 # -- the rank program ------------------------------------------------------------------------------------------

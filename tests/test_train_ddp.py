@@ -27,6 +27,8 @@ WORLD = 2
 BATCH = 4
 TIMEOUT_S = 300
 
+pytestmark = pytest.mark.xdist_group("gloo")  # one gloo job at a time (test_distributed.py says why)
+
 
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
