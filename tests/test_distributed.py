@@ -140,9 +140,13 @@ def report_stuck_workers(it) -> None:  # type: ignore[no-untyped-def]
         except OSError as e:
             print(f"worker {worker.pid}: {e}", file=sys.stderr, flush=True)
             continue
-        shown = [line for line in status if line.startswith(("State:", "Threads:", "SigCgt:"))]
+        shown = [line for line in status if line.startswith(("State:", "Threads:"))]
         print(f"worker {worker.pid}: {'; '.join(shown)}; wchan {wchan}", file=sys.stderr, flush=True)
-        os.kill(worker.pid, signal.SIGUSR1)
+        caught = int(next(line for line in status if line.startswith("SigCgt:")).split()[1], 16)
+        if caught >> (signal.SIGUSR1 - 1) & 1:  # its init ran: else SIGUSR1 would kill it
+            os.kill(worker.pid, signal.SIGUSR1)
+        else:
+            print(f"worker {worker.pid}: its init never ran", file=sys.stderr, flush=True)
     time.sleep(1)
 
 
