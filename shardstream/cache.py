@@ -57,7 +57,7 @@ import tempfile
 import time
 import weakref
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import BinaryIO, Iterator
 
 from .cacheroom import Room, names_file
 from .errors import ShardstreamError, StorageError
@@ -86,6 +86,9 @@ _damaged: dict[str, tuple] = {}  # cached files that failed the hash: their (ino
 # copies of them, and an flock is held while any copy is open: a child that kept them (a
 # DataLoader worker, forked while a head start held the next epoch's first shard) would
 # pin those copies in the cache for its life, and a download of one waits on it forever.
+# They are unbuffered files (`_unbuffered`): closing a buffered one takes its buffer's lock,
+# which a parent's thread writing a download at the fork held, and the child would wait
+# for it inside `os.fork()`, forever.
 _locks: "weakref.WeakSet[BinaryIO]" = weakref.WeakSet()
 
 
@@ -246,7 +249,7 @@ class ShardCache:
         parts: list[tuple[str, BinaryIO]] = []
         landed: list[str] = []
         try:
-            with self.room.turn():
+            with self.room.turn(), _writing(folder):
                 self.room.make(ref.info.bytes + ref.info.index_bytes)
                 for name, size, _ in files:  # reserved: counted by every walk from here on
                     parts.append(_reserve(folder, name, size))
@@ -254,13 +257,13 @@ class ShardCache:
                 # Bytes damaged on the way, or an object caught while being replaced, download
                 # whole again; a checksum that never matches is the data's, and raises.
                 for attempt in range(1, DOWNLOAD_ATTEMPTS + 1):
-                    if _download_into(ref.store, name, size, digest, f):
+                    if _download_into(ref.store, name, size, digest, f, part):
                         break
                     if attempt == DOWNLOAD_ATTEMPTS:
                         raise StorageError(f"downloaded file does not match the manifest's checksum "
                                            f"({DOWNLOAD_ATTEMPTS} downloads)", url=ref.store.url(name))
                     io_stats.add(retries=1)
-                with self.room.turn():  # a walk sees the file under one name or the other, never neither
+                with self.room.turn(), _writing(part):  # a walk sees the file under one name or the other
                     os.replace(part, os.path.join(folder, name))
                 landed.append(os.path.join(folder, name))
         except BaseException:
@@ -290,7 +293,7 @@ def _shared_lock(path: str) -> BinaryIO:
     while True:
         try:
             os.makedirs(folder, exist_ok=True)
-            lock = open(path, "a+b")
+            lock = open(path, "a+b", buffering=0)  # see _locks
         except FileNotFoundError:  # a walk removed its folder between the two
             continue
         except FileExistsError:
@@ -316,7 +319,7 @@ def _reserve(folder: str, name: str, size: int) -> tuple[str, BinaryIO]:
     its exclusive `flock` held while the download lives (see cacheroom's `_reserved_bytes`). Called in
     the room lock's turn, so no walk sees the file before it is locked."""
     fd, part = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".part")
-    f = os.fdopen(fd, "r+b")
+    f = os.fdopen(fd, "r+b", buffering=0)  # see _locks
     try:
         with contextlib.suppress(OSError):  # no flock here: walks judge it by its age
             fcntl.flock(f, fcntl.LOCK_EX)
@@ -329,16 +332,35 @@ def _reserve(folder: str, name: str, size: int) -> tuple[str, BinaryIO]:
     return part, f
 
 
-def _download_into(store: Store, name: str, size: int, digest: str, f: BinaryIO) -> bool:
-    """Download `name` over the reserved file `f`; whether its SHA-256 is `digest`."""
+@contextlib.contextmanager
+def _writing(path: str) -> Iterator[None]:
+    """The cache's own disk failing (full, quota, I/O error) raises a `StorageError` naming
+    the cache's file, not a bare OSError, which said neither where nor that it was the cache."""
+    try:
+        yield
+    except ShardstreamError:
+        raise
+    except OSError as error:
+        raise StorageError(f"cannot write the cache: {error.strerror or error}", url=path) from error
+
+
+def _download_into(store: Store, name: str, size: int, digest: str, f: BinaryIO, part: str) -> bool:
+    """Download `name` over the reserved file `f` (at `part`); whether its SHA-256 is `digest`."""
     hasher = hashlib.sha256()
     f.seek(0)
     for start in range(0, size, CHUNK):
         data = store.read(name, start, min(size, start + CHUNK))
         hasher.update(data)
-        f.write(data)
-    f.flush()
+        with _writing(part):
+            _write_all(f, data)
     return hasher.hexdigest() == digest  # so exactly `size` bytes arrived: no reserved zeros left
+
+
+def _write_all(f: BinaryIO, data: bytes) -> None:
+    """Write all of `data` to the unbuffered `f`, which may take less than all of it a call."""
+    view = memoryview(data)
+    while view:
+        view = view[f.write(view):]
 
 
 def _sha256(path: str) -> str:

@@ -40,6 +40,7 @@ class Checkpointing:
     _shared: SharedState
     epoch: int
     resampled: bool
+    _loader_copy = False  # the copy shardstream.DataLoader iterates (loader.py)
 
     def world(self) -> World:  # the dataset's
         raise NotImplementedError
@@ -141,6 +142,10 @@ class Checkpointing:
         """
         if delivered is None and get_worker_info() is not None:
             return self._worker_state()
+        if self._shared.loader_copy_iterates and not self._loader_copy:
+            raise ShardstreamError(
+                "shardstream.DataLoader iterates a copy of this dataset, and this one has not seen what it "
+                "delivered: take the state from the loader (loader.state_dict())")
         delivered = self._check_count_given(delivered, num_workers)
         world = self._world_with(num_workers)
         if delivered is None:  # counted in this layout's part of the epoch already
@@ -231,11 +236,23 @@ class Checkpointing:
         self._shared.epoch = resume.epoch
         self._shared.iterating_workers = 0  # until workers iterate again, the loaded state describes progress
         self._shared.loaded_unread = True
+        self._take_resume(resume, self._shared.new_resume())
+
+    def _take_resume(self, resume: ResumeState | None, resume_id: int) -> None:
         self._resume = resume
         self._pass_resume = None
-        self._resume_id = self._shared.new_resume()
+        self._resume_id = resume_id
         self._delivered = None
         self._iteration = None  # the loaded state is the place now, not an iteration still open
+
+    def adopt_loaded(self, other: Checkpointing) -> bool:
+        """Take the state loaded into `other`, a copy of this dataset sharing its epoch, if it was
+        loaded after this one's: `shardstream.DataLoader`'s copy follows the caller's dataset
+        (``loader = DataLoader(ds); ds.load_state_dict(state)``). Whether it did."""
+        if other._resume_id <= self._resume_id:  # ids count the loads of the state both share
+            return False
+        self._take_resume(other._resume, other._resume_id)
+        return True
 
     def _worker_state(self) -> dict[str, Any]:
         world = self.world()

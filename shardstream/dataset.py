@@ -359,6 +359,7 @@ class StreamingDataset(Checkpointing, IterableDataset):
             self._resume, self._worker_resume = None, False
         block, plan, segment, delivered, epoch = self._rank_block(world)
         self._shared.iterating_workers = world.workers if get_worker_info() is not None else 0
+        self._shared.loader_copy_iterates = self._loader_copy
         self._shared.loaded_unread = False
         self._pass_resume = self._active_resume(world)
         if self._pass_resume is None:

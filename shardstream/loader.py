@@ -176,7 +176,11 @@ class DataLoader:
         if not isinstance(dataset, StreamingDataset):
             raise TypeError(f"shardstream.DataLoader loads a StreamingDataset, not a {type(dataset).__name__}: "
                             "use torch.utils.data.DataLoader for other datasets")
-        self.dataset = copy.copy(dataset)  # shares the epoch with the caller's dataset
+        # A copy, to batch with `batch_size` without changing the caller's dataset. It shares the
+        # epoch with it, and takes a state loaded into it later (_follow_the_callers_dataset).
+        self._callers = dataset
+        self.dataset = copy.copy(dataset)
+        self.dataset._loader_copy = True
         if batch_size is not None:
             batch_size = integer(batch_size, "batch_size", 1)
             if dataset.batch_size is not None and dataset.batch_size != batch_size:
@@ -203,7 +207,7 @@ class DataLoader:
         self.timeout = timeout if num_workers > 0 else 0
         self.stats = LoaderStats()
         self._loader: torch.utils.data.DataLoader | None = None
-        self._delivered = 0
+        self._recount()  # a state the dataset loaded before still counts
 
     def _torch_loader(self) -> torch.utils.data.DataLoader:
         if self._loader is None:
@@ -226,7 +230,26 @@ class DataLoader:
         return self._loader
 
     def __len__(self) -> int:
+        self._follow_the_callers_dataset()
         return len(self.dataset)
+
+    def _recount(self) -> None:
+        """Count the epoch's items delivered from what the dataset says came before this pass
+        (a loaded state's items, or none)."""
+        self._delivered = self.dataset.resumed_items(self.num_workers)
+        self._counted_epoch = self.dataset.epoch
+
+    def _follow_the_callers_dataset(self) -> None:
+        """Catch up with what the training loop did through its own dataset rather than the
+        loader: a state loaded into it (the copy takes it, and persistent workers holding the
+        old one are replaced), another epoch set (the count restarts: else a checkpoint before
+        the new epoch's first step said the old epoch's items were delivered, and its resume
+        skipped the new epoch whole)."""
+        if self.dataset.adopt_loaded(self._callers):
+            self._drop_workers()
+            self._recount()
+        elif self._counted_epoch != self.dataset.epoch:
+            self._recount()
 
     def _drop_workers(self, iterator: Any = None) -> None:
         """Shut down the torch loader's workers (those of `iterator` too) and forget it: the
@@ -240,25 +263,29 @@ class DataLoader:
                 shutdown()
 
     def set_epoch(self, epoch: int) -> None:
+        self._follow_the_callers_dataset()
         if self.dataset._resume is not None and epoch != self.dataset.epoch:
             # Persistent workers still hold the resume state of an epoch left unfinished.
             self._drop_workers()
         self.dataset.set_epoch(epoch)
-        self._delivered = self.dataset.resumed_items(self.num_workers)  # a loaded state of this epoch still counts
+        self._recount()  # a loaded state of this epoch still counts
 
     def state_dict(self) -> dict[str, Any]:
         """The dataset's state at the items the training loop has received."""
+        self._follow_the_callers_dataset()
         return self.dataset.state_dict(delivered=self._delivered, num_workers=self.num_workers)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.dataset.load_state_dict(state)
-        self._delivered = self.dataset.resumed_items(self.num_workers)
+        self._recount()
         self._drop_workers()  # persistent workers hold the old state: start fresh ones
 
     def __iter__(self) -> Iterator[Any]:
         self.stats = LoaderStats()
         start = time.perf_counter()
+        self._follow_the_callers_dataset()
         self._delivered = self.dataset.start_pass(self.num_workers)
+        self._counted_epoch = self.dataset.epoch
         with torch.cuda.device(self.device) if self._use_cuda() else contextlib.nullcontext():
             try:
                 source = iter(self._torch_loader())  # torch's pin-memory thread pins on the current device

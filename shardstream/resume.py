@@ -69,11 +69,15 @@ class Segment:
         return cls(layout, delivered, done)
 
 
-def fingerprint(counts: np.ndarray, names: list[str]) -> str:
-    """Identifies a dataset's sample layout: shard names and counts."""
+def fingerprint(counts: np.ndarray, names: list[str], checksums: bytes | None = None) -> str:
+    """Identifies a dataset's samples: shard names and counts, and the shards' checksums
+    where the manifest has them (the same folder packed again with another seed has the
+    same names and counts, and other samples in each place)."""
     digest = hashlib.sha256()
     for name, count in zip(names, counts.tolist()):
         digest.update(f"{name}\0{count}\n".encode())
+    if checksums is not None:
+        digest.update(b"sha256\0" + checksums)
     return digest.hexdigest()[:16]
 
 
@@ -124,7 +128,8 @@ class ResumeState:
             position=_position(raw.get("position"), current.layout.workers),
         )
         mine = _fingerprint_of(dataset)
-        if state.dataset != mine:
+        # States taken before the checksums counted name the shards and counts only: still accepted.
+        if state.dataset != mine and state.dataset != _fingerprint_of(dataset, checksums=False):
             raise ShardstreamError(
                 f"resume state is from another dataset (fingerprint {state.dataset}, this one {mine})"
             )
@@ -227,12 +232,13 @@ def _layout(raw: Any, field: str) -> Layout:
     )
 
 
-def _fingerprint_of(dataset: "StreamingDataset") -> str:
+def _fingerprint_of(dataset: "StreamingDataset", checksums: bool = True) -> str:
     # What decides the epoch sequence besides seed and epoch: the shards, the sampling, the mix.
     extra = [repr(getattr(dataset.source, "weights", None)),
              dataset.sampling.describe() if dataset.sampling is not None else ""]
-    names = dataset.resolve().names()
-    return fingerprint(np.concatenate([dataset.counts(), [0, 0]]), names + extra)
+    source = dataset.resolve()
+    return fingerprint(np.concatenate([dataset.counts(), [0, 0]]), source.names() + extra,
+                       source.checksums() if checksums else None)
 
 
 def finished_before(resume: ResumeState | None, layout: Layout) -> tuple[Segment, ...]:

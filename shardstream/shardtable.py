@@ -156,6 +156,10 @@ class ShardTable(Sequence[ShardInfo]):
     def __iter__(self) -> Iterator[ShardInfo]:
         return (self[i] for i in range(len(self)))
 
+    def sha256_bytes(self) -> bytes:
+        """Every shard's SHA-256, 32 bytes each, in order."""
+        return self._sha256.tobytes()
+
     def sha256_hex(self) -> list[str]:
         return [row.hex() for row in _rows(self._sha256)]
 

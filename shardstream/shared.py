@@ -24,12 +24,13 @@ __all__ = ["SharedState", "IO_FIELDS", "SLOTS"]
 SLOTS = 64  # workers per rank that have a slot
 IO_FIELDS = ("requests", "bytes", "retries", "wait_s", "cache_hits", "cache_misses")
 _EPOCH, _RESUME_ID, _SKIPS, _DONE = 0, 1, 2, 2 + SLOTS  # offsets in the int array
-_WORKERS, _UNREAD = 2 + 2 * SLOTS, 3 + 2 * SLOTS
+_WORKERS, _UNREAD, _LOADER_COPY = 2 + 2 * SLOTS, 3 + 2 * SLOTS, 4 + 2 * SLOTS
+_INTS = 5 + 2 * SLOTS
 
 
 class SharedState:
     def __init__(self, ints: list[int] | None = None, floats: list[float] | None = None) -> None:
-        self._ints = multiprocessing.sharedctypes.RawArray("q", ints or [0] * (4 + 2 * SLOTS))
+        self._ints = multiprocessing.sharedctypes.RawArray("q", ints or [0] * _INTS)
         self._floats = multiprocessing.sharedctypes.RawArray("d", floats or [0.0] * (SLOTS * len(IO_FIELDS)))
 
     def __getstate__(self) -> dict[str, Any]:
@@ -72,6 +73,16 @@ class SharedState:
     @loaded_unread.setter
     def loaded_unread(self, value: bool) -> None:
         self._ints[_UNREAD] = int(value)
+
+    @property
+    def loader_copy_iterates(self) -> bool:
+        """The iteration begun last is that of `shardstream.DataLoader`'s copy of the dataset
+        (in this process or its workers): the caller's dataset has not seen what it read."""
+        return bool(self._ints[_LOADER_COPY])
+
+    @loader_copy_iterates.setter
+    def loader_copy_iterates(self, value: bool) -> None:
+        self._ints[_LOADER_COPY] = int(value)
 
     # -- resume: used up once every worker has finished the resumed epoch ------------
     # A worker's slot: 0 while it reads the resumed pass, 1 once it has finished it, 2 once

@@ -167,6 +167,18 @@ class Source:
             return list(self.shards.table.names)
         return [ref.name for ref in self.shards]
 
+    def checksums(self) -> bytes | None:
+        """Every shard's SHA-256 from the manifests, in order; None where a shard has none
+        (a plain tar listed without a manifest)."""
+        if self.parts:
+            digests = [p.checksums() for p in self.parts]
+            return None if any(d is None for d in digests) else b"".join(digests)  # type: ignore[arg-type]
+        if isinstance(self.shards, ManifestShards):
+            return self.shards.table.sha256_bytes()
+        if any(ref.info is None for ref in self.shards):
+            return None
+        return b"".join(bytes.fromhex(ref.info.sha256) for ref in self.shards)  # type: ignore[union-attr]
+
     def fields(self) -> set[str] | None:
         """The fields that some shard holds, by the manifests; None where a shard has no manifest."""
         manifests = self._manifests()

@@ -239,9 +239,9 @@ class Store:
             return fs.cat_file(path)
         try:
             return fs.cat_file(path, start=start, end=end)
-        except OSError as e:
-            if start and http_status(e) == 416:  # a range from the end on: nothing, as the direct readers answer
-                return b""
+        except Exception as e:  # fsspec's HTTP raises aiohttp's errors, which are no OSErrors
+            if http_status(e) == 416:  # a range from the end on (of an empty file too): nothing, as the
+                return b""  # direct readers answer
             raise
 
     def open(self, name: str) -> BinaryIO:

@@ -16,6 +16,7 @@ are checked against the source files.
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import hashlib
 import json
@@ -1966,6 +1967,72 @@ def test_a_forked_process_does_not_hold_the_cache_locks_of_its_parent(local_ds, 
             os.close(started)
 
 
+def test_a_cache_on_a_full_disk_says_so_naming_its_file(local_ds, tmp_path):
+    """Regression: the cache's own disk failing (full, over quota) surfaced as a bare OSError naming no
+    file, and a head start's download kept it as a bug of the library. A file size limit stands in for a
+    full disk, in a process of its own (it writes nothing else)."""
+    script = textwrap.dedent("""
+        import resource, signal, sys
+        import shardstream
+        from shardstream.cache import ShardCache
+        ref = shardstream.open_dataset(sys.argv[1]).shards[0]
+        cache = ShardCache(sys.argv[2], 1 << 30)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (ref.info.bytes // 2, resource.RLIM_INFINITY))
+        try:
+            cache.open(ref)
+        except shardstream.StorageError as error:
+            print(type(error).__name__, error)
+        """)
+    run = subprocess.run([sys.executable, "-c", script, local_ds, str(tmp_path / "cache")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("StorageError") and "cannot write the cache" in run.stdout, run.stdout
+    assert str(tmp_path / "cache") in run.stdout
+    assert not list((tmp_path / "cache").rglob("*.part")), "the failed download's reserved files were left"
+
+
+def test_a_process_forked_while_a_download_writes_starts(tmp_path):
+    """Regression: a forked child closes its copies of the parent's cache files, downloads' reserved files
+    too; those were buffered, and closing one takes its buffer's lock, which a thread of the parent writing
+    a chunk of a download held at the fork: the child waited for it inside os.fork(), for good. The write
+    is made to block here by putting a full pipe behind the reserved file's descriptor."""
+    import threading
+
+    from shardstream.cache import _reserve, _write_all
+
+    (tmp_path / "v").mkdir()
+    part, f = _reserve(str(tmp_path / "v"), "shard-000000.tar.zst", 1 << 20)
+    drain, full = os.pipe()
+    os.dup2(full, f.fileno())  # writes to the reserved file now block once the pipe is full
+    writer = threading.Thread(target=_write_all, args=(f, b"x" * (4 << 20)), daemon=True)
+    writer.start()
+    time.sleep(0.3)  # the writer is inside its write, the pipe full
+    child = os.fork()
+    if child == 0:
+        os._exit(0)  # reached once the fork's handlers have run
+    try:
+        deadline = time.monotonic() + 20
+        while (done := os.waitpid(child, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert done[0] == child, "the forked child did not start"
+    finally:
+        if done[0] == 0:
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
+        os.set_blocking(drain, False)
+        while writer.is_alive():  # lets the writer finish
+            with contextlib.suppress(BlockingIOError):
+                os.read(drain, 1 << 20)
+            time.sleep(0.01)
+        writer.join()
+        with contextlib.suppress(OSError):  # a buffered file would flush, and seek, over the pipe
+            f.close()
+        os.close(full)
+        os.close(drain)
+        os.remove(part)
+
+
 def test_a_killed_upload_leaves_nothing_in_the_temporary_folder_for_long(tmp_path):
     """Regression: a pack or writer into remote storage killed mid-shard left its partial shard (up to the shard
     size) in the system's temporary folder for good. Each process uploads from a folder of its own there now,
@@ -2009,6 +2076,24 @@ def test_credentials_are_not_in_a_sources_repr(packed):
     shown = repr(source) + repr(source.shards[0]) + repr(source.shards[0].store)
     assert "TOPSECRETVALUE" not in shown and "SESSIONTOKENVALUE" not in shown
     assert source.shards[0].store.options == options  # kept, just not shown
+
+
+def test_the_fsspec_http_path_reads_nothing_from_a_files_end(local_ds, tmp_path):
+    """Regression, on fsspec's HTTP path (options the direct reader does not take): a range from a file's end,
+    or any range of an empty file, is a 416, which fsspec raises as aiohttp's error (no OSError): it failed
+    the read, where the direct readers answer nothing."""
+    from shardstream.storage import Store
+
+    name = shardstream.open_dataset(local_ds).shards[0].name
+    shutil.copy(os.path.join(local_ds, name), tmp_path / name)
+    (tmp_path / "empty.bin").write_bytes(b"")
+    size = os.path.getsize(tmp_path / name)
+    with H.CountingHTTPServer(str(tmp_path)) as server:
+        store = Store(server.url, {"client_kwargs": {}})
+        assert store._direct is None  # fsspec's
+        assert store.read(name, size, size + 100) == b""
+        assert store.read("empty.bin", 0, 100) == b""
+        assert store.read(name, size - 10, size + 100) == (tmp_path / name).read_bytes()[-10:]
 
 
 def test_the_s3fs_path_reads_to_the_end_and_gives_up_on_permanent_errors_at_once(moto, s3_ds):

@@ -391,6 +391,31 @@ def test_state_from_another_dataset_or_seed_is_refused(url, src, tmp_path):
     assert [D.freeze(i) for i in ds2] == [D.freeze(i) for i in dataset(url)]
 
 
+def test_a_state_of_the_same_folder_packed_in_another_order_is_refused(src, tmp_path):
+    """Regression: the fingerprint held shard names and counts only, which the same folder packed again
+    with another seed shares, with other samples in each place: a state of one loaded into the other, and
+    the resumed epoch read other samples than those left. The shards' checksums count now."""
+    from shardstream.resume import _fingerprint_of
+
+    a, b = (str(tmp_path / f"seed{seed}") for seed in (1, 2))
+    for seed, dst in ((1, a), (2, b)):
+        shardstream.pack(str(src), dst, max_samples=7, seed=seed, workers=1, progress=False)
+    shards = [shardstream.open_dataset(u).shards for u in (a, b)]
+    assert [(r.name, r.info.samples) for r in shards[0]] == [(r.name, r.info.samples) for r in shards[1]]
+    assert D.manifest_keys(a) != D.manifest_keys(b)
+    ds = dataset(a)
+    D.take_main(ds, 2)
+    state = ds.state_dict()
+    with pytest.raises(ShardstreamError, match="another dataset"):
+        dataset(b).load_state_dict(state)
+    # A state taken before the checksums counted (shard names and counts only) is still its dataset's.
+    legacy = {**state, "dataset": _fingerprint_of(dataset(a), checksums=False)}
+    assert legacy["dataset"] != state["dataset"]
+    resumed = dataset(a)
+    resumed.load_state_dict(legacy)
+    assert [D.freeze(i) for i in resumed] == [D.freeze(i) for i in dataset(a)][2:]
+
+
 # -- a state is checked where it is loaded ------------------------------------------------------------------
 
 
@@ -899,3 +924,84 @@ def test_the_loops_epoch_count_resumes_after_an_elastic_resume_too(url, keys, se
     assert all(seen.count(k) <= 2 for k in keys)
     if second_workers == 2:  # the same layout throughout: exactly the uninterrupted epoch
         assert head + middle + rest == D.run(dataset(url), 2)
+
+
+# -- shardstream.DataLoader and the caller's dataset: one progress ----------------------------------
+
+
+def loader_over(ds: shardstream.StreamingDataset, where: str) -> shardstream.DataLoader:
+    """A shardstream.DataLoader over `ds`, the batches made by the dataset's batch_size or by the
+    loader's (the loader then batches a copy of the dataset)."""
+    return shardstream.DataLoader(ds, batch_size=BATCH if where == "loader" else None)
+
+
+def batched_by(where: str, url: str) -> tuple[shardstream.StreamingDataset, shardstream.DataLoader]:
+    """A dataset, and a loader over it as `loader_over` makes."""
+    ds = dataset(url) if where == "dataset" else dataset(url, batch_size=None, collate_fn=D.key_batch)
+    return ds, loader_over(ds, where)
+
+
+BATCHED_BY = pytest.mark.parametrize("where", ["dataset", "loader"])
+
+
+@BATCHED_BY
+def test_an_epoch_set_on_the_callers_dataset_restarts_the_loaders_count(url, where):
+    """Regression: after a whole epoch, ``dataset.set_epoch(1)`` (the loop's own dataset, not the loader)
+    and a checkpoint before the first step of epoch 1 gave a state of epoch 1 with epoch 0's batches
+    counted as delivered: resumed from it, epoch 1 yielded nothing."""
+    ds, loader = batched_by(where, url)
+    loader_keys(loader)
+    ds.set_epoch(1)
+    state = loader.state_dict()
+    assert state["epoch"] == 1
+    epoch_1 = loader_keys(loader)
+    _, restarted = batched_by(where, url)
+    restarted.load_state_dict(state)
+    assert len(restarted) == len(epoch_1) and loader_keys(restarted) == epoch_1
+
+
+def interrupted_state(url: str, where: str, k: int = 3) -> tuple[list, list, dict]:
+    """The first `k` batches of epoch 0, the rest of it, and the state after the first `k`."""
+    _, loader = batched_by(where, url)
+    full = loader_keys(loader)
+    _, loader = batched_by(where, url)
+    it = iter(loader)
+    head = [D.freeze(next(it)) for _ in range(k)]
+    state = loader.state_dict()
+    it.close()
+    assert head == full[:k]
+    return head, full[k:], state
+
+
+@BATCHED_BY
+def test_a_loader_made_after_its_dataset_loaded_a_state_resumes_from_it(url, where):
+    """Regression: the loader's count started at 0 whatever its dataset had loaded, so a checkpoint
+    taken before the first step said nothing was delivered (a second restart replayed the batches)."""
+    _, rest, state = interrupted_state(url, where)
+    ds, _ = batched_by(where, url)
+    ds.load_state_dict(state)
+    loader = loader_over(ds, where)
+    assert loader.state_dict() == state
+    assert len(loader) == len(rest) and loader_keys(loader) == rest
+
+
+@BATCHED_BY
+def test_a_state_loaded_into_the_callers_dataset_reaches_its_loader(url, where):
+    """Regression: ``loader = DataLoader(ds); ds.load_state_dict(state)`` (the order torch's DataLoader
+    allows) was ignored where the loader batches a copy of the dataset: the epoch was replayed whole."""
+    _, rest, state = interrupted_state(url, where)
+    ds, loader = batched_by(where, url)
+    ds.load_state_dict(state)
+    assert loader.state_dict() == state
+    assert len(loader) == len(rest) and loader_keys(loader) == rest
+
+
+def test_the_callers_dataset_refuses_to_describe_what_the_loaders_copy_read(url):
+    """Where the loader batches a copy of the dataset, the dataset saw none of what the loader read:
+    a state from it would say the epoch had not begun. It says where the state is instead."""
+    ds, loader = batched_by("loader", url)
+    it = iter(loader)
+    next(it)
+    with pytest.raises(shardstream.ShardstreamError, match=r"loader\.state_dict\(\)"):
+        ds.state_dict()
+    it.close()
