@@ -147,6 +147,27 @@ def _chain(transforms: Callable[[Any], Any] | Sequence[Callable[[Any], Any]] | N
     return chained if steps else None
 
 
+def _free_frames_holding(error: BaseException) -> None:
+    """Clear the frames below this one in `error`'s traceback that hold `error` itself.
+
+    torch re-raises a worker's error from a local variable (`ExceptionWrapper.reraise`), so
+    the error, its traceback and every frame in it, this loader's too, form a reference
+    cycle: the loader, and the persistent workers of the epochs after, were then freed only
+    by the cyclic garbage collector, which finalises torch's queues before its iterator
+    and so waited 5 s for each worker. Such a frame has finished: its locals are the
+    error and what made it, which the error's message already says."""
+    tb = error.__traceback__.tb_next if error.__traceback__ is not None else None
+    while tb is not None:
+        frame = tb.tb_frame
+        if any(value is error for value in frame.f_locals.values()):
+            with contextlib.suppress(RuntimeError):  # a frame still executing keeps its locals
+                frame.clear()
+                # Before Python 3.13, reading f_locals made a dict on the frame that clear() keeps:
+                # reading it again brings it up to date, without the locals clear() dropped.
+                frame.f_locals
+        tb = tb.tb_next
+
+
 class DataLoader:
     """Batches from a `StreamingDataset`, on `device`, with resumable state and statistics.
 
@@ -304,10 +325,11 @@ class DataLoader:
             except StopIteration:
                 self.stats.wait_s += time.perf_counter() - t0
                 break
-            except BaseException:
+            except BaseException as error:
                 # A worker that died (or raised) leaves torch's persistent workers unusable:
                 # the next epoch starts fresh ones instead of raising the same error again.
                 self._drop_workers(source)
+                _free_frames_holding(error)
                 raise
             now = time.perf_counter()
             self.stats.wait_s += now - t0

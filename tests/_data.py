@@ -84,15 +84,31 @@ def run(ds: Any, num_workers: int, **kwargs: Any) -> list[tuple[str, ...]]:
     return [freeze(item) for item in loader(ds, num_workers, **kwargs)]
 
 
+def shut_down(it: Any) -> None:
+    """Shut down the workers of a torch DataLoader iterator now. Left to the garbage collector,
+    an iterator whose worker raised waits 5 s for that worker when it is collected in a
+    reference cycle (the error's traceback holds it): torch finalises its queues first."""
+    shutdown = getattr(it, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
+
+
+def listed(loader: Any) -> list[Any]:
+    """Every item of `loader`, its workers shut down when it ends, or raises."""
+    it = iter(loader)
+    try:
+        return list(it)
+    finally:
+        shut_down(it)
+
+
 def take(ds: Any, num_workers: int, k: int) -> list[tuple[str, ...]]:
     """The first `k` items a DataLoader delivers; its workers are shut down before returning."""
     it = iter(loader(ds, num_workers))
     try:
         return [freeze(next(it)) for _ in range(k)]
     finally:
-        shutdown = getattr(it, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
+        shut_down(it)
         del it
 
 

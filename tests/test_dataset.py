@@ -586,7 +586,7 @@ def test_an_error_in_the_users_transform_names_the_sample(packed, num_workers):
     ds = shardstream.StreamingDataset(packed, decode=None, transform=_FailsOn(key))
     loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=num_workers)
     with pytest.raises(ValueError) as info:
-        list(loader)
+        D.listed(loader)
     text = "".join(traceback.format_exception(info.value))
     del info, loader  # the traceback holds the failed epoch's generator, its threads and queues
     gc.collect()
@@ -731,7 +731,7 @@ def test_batch_options_without_batch_size_are_refused(url, given):
     with pytest.raises(ValueError, match=f"{name} applies to the dataset's own batches"):
         list(StreamingDataset(url, **given))
     with pytest.raises(ValueError, match=f"{name} applies to the dataset's own batches") as info:
-        list(torch.utils.data.DataLoader(StreamingDataset(url, **given), batch_size=4, num_workers=1))
+        D.listed(torch.utils.data.DataLoader(StreamingDataset(url, **given), batch_size=4, num_workers=1))
     del info  # its traceback holds the DataLoader's iterator, and with it a queue's thread
     gc.collect()
     assert len(list(StreamingDataset(url, decode=None, batch_size=4, **given))) > 0

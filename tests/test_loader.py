@@ -475,6 +475,33 @@ class _FailsEveryOtherEpoch:
         return sample
 
 
+def test_a_loader_whose_epoch_failed_is_freed_when_the_loop_lets_go_of_it(packed):
+    """Regression: torch re-raises a worker's error from a local variable, so the error, its traceback and the
+    loader in its frames made a reference cycle: the loader, and the persistent workers of the epochs after,
+    were freed only by the cyclic garbage collector, which waited 5 s for each worker (10 s here)."""
+    import weakref
+
+    ds = StreamingDataset(packed, decode=None, fields=("__key__",), batch_size=4, collate_fn=list)
+    ds.transform = _FailsEveryOtherEpoch(lambda: ds._shared.epoch)
+    loader = DataLoader(ds, num_workers=2)
+    failed = 0
+    for epoch in range(2):  # fails, then runs on fresh persistent workers
+        loader.set_epoch(epoch)
+        try:
+            for _ in loader:
+                pass
+        except ValueError:
+            failed += 1
+    assert failed == 1
+    gone = weakref.ref(loader)
+    gc.disable()  # freed by reference counting, or not at all
+    try:
+        del loader
+        assert gone() is None, "the loader is held by a reference cycle"
+    finally:
+        gc.enable()
+
+
 def test_workers_of_a_failed_epoch_are_shut_down(packed):
     """Regression: an error in a worker dropped the torch loader but left its workers to the garbage collector,
     and the error's traceback held them: a script that caught the error and went on gained worker processes
