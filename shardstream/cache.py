@@ -60,6 +60,7 @@ from dataclasses import dataclass
 from typing import BinaryIO, Iterator
 
 from .cacheroom import Room, names_file
+from .cancel import pause
 from .errors import ShardstreamError, StorageError
 from .iostats import io_stats
 from .reader import ShardReader
@@ -184,7 +185,7 @@ class ShardCache:
                         log.warning("%s: waited %.0f s for another reader of the cached copy to let go of it, "
                                     "which must be fetched again here; still waiting", ref.url, SLOW_WAIT_S)
                         since = None  # said once
-                    time.sleep(random.uniform(0.005, 0.05))  # another process has it: let it download
+                    pause(random.uniform(0.005, 0.05), ref.url)  # another process has it: let it download
                 else:
                     # In the conversion's gap a walk may have evicted the shard and deleted its lock
                     # file: downloading under a lock on the deleted file would race the process
@@ -304,13 +305,28 @@ def _shared_lock(path: str) -> BinaryIO:
             continue
         _locks.add(lock)
         try:
-            fcntl.flock(lock, fcntl.LOCK_SH)
+            _share(lock, path)
             if names_file(path, lock):
                 return lock
         except BaseException:
             lock.close()
             raise
         lock.close()
+
+
+def _share(lock: BinaryIO, path: str) -> None:
+    """Share-lock `lock`, which a download in another process holds exclusively for as long
+    as it takes: polled rather than blocked on, so that a reading that stops (cancel.py)
+    stops waiting too, instead of holding up the end of its iteration until that download
+    is done."""
+    delay = 0.002
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pause(delay, path)
+            delay = min(2 * delay, 0.05)
 
 
 def _reserve(folder: str, name: str, size: int) -> tuple[str, BinaryIO]:

@@ -1793,13 +1793,17 @@ def test_cache_keeps_no_folders_of_a_dataset_s_earlier_versions(tmp_path):
     assert sorted(p.name for p in cache_folder(cache_dir).iterdir()) == sorted(r.info.sha256[:16] for r in current)
 
 
-def _locks_waited_on(path: Path) -> int:
-    """How many flock requests wait on the file at `path` (Linux's /proc/locks lists them after "->")."""
-    inode = f":{path.stat().st_ino} "
-    return sum(1 for line in Path("/proc/locks").read_text().splitlines() if "-> FLOCK" in line and inode in line)
+def _opened_here(path: Path) -> int:
+    """How many of this process's file descriptors are open on the file at `path` (Linux's /proc)."""
+    inode = path.stat().st_ino
+    opened = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor, gone by now
+            opened += os.stat(f"/proc/self/fd/{fd}").st_ino == inode
+    return opened
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/locks"), reason="needs Linux's /proc/locks to see a waiting lock")
+@pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="needs Linux's /proc to see an open file")
 def test_a_process_waiting_on_a_lock_file_a_walk_deletes_starts_again_on_the_one_made_anew(local_ds, tmp_path):
     """A walk evicting a shard deletes its lock file while holding it. A process that opened the file before
     and waited for its lock got a lock on a deleted file: downloading under it would run beside a process
@@ -1822,9 +1826,11 @@ def test_a_process_waiting_on_a_lock_file_a_walk_deletes_starts_again_on_the_one
                 fcntl.flock(walk, fcntl.LOCK_EX)
                 opening = pool.submit(cache.open, ref)
                 deadline = time.monotonic() + 30
-                while not _locks_waited_on(lock_path):
+                while _opened_here(lock_path) < 2:  # the walk's, and the open's, which waits for its lock
                     assert time.monotonic() < deadline and not opening.done(), "the open never waited on the lock"
                     time.sleep(0.01)
+                time.sleep(0.1)  # it has tried the lock by now, and waits
+                assert not opening.done()
                 for victim in (path, path.with_name(path.name + ".idx"), lock_path):  # what the walk deletes
                     victim.unlink()
                 path.parent.rmdir()  # left empty
@@ -1965,6 +1971,43 @@ def test_a_forked_process_does_not_hold_the_cache_locks_of_its_parent(local_ds, 
             os.waitpid(child, 0)
             os.close(ready)
             os.close(started)
+
+
+def test_a_reading_that_stops_stops_waiting_for_another_processs_download(local_ds, tmp_path):
+    """Regression: an opener waiting for a shard that another process was downloading blocked on the lock
+    file until that download was done, cancelled or not, and the end of its iteration (a `break`) waited with
+    it. The other process's exclusive lock is taken here by a file of this process's own."""
+    import fcntl
+    import threading
+
+    from shardstream.cache import ShardCache
+    from shardstream.cancel import Cancellation, ReadCancelled
+
+    ref = shardstream.open_dataset(local_ds).shards[0]
+    cache = ShardCache(str(tmp_path / "cache"), 1 << 30)
+    lock_path = cache.path(ref) + ".lock"
+    os.makedirs(os.path.dirname(lock_path))
+    cancellation, outcome = Cancellation(), []
+
+    def opener() -> None:
+        cancellation.bind()
+        try:
+            outcome.append(cache.open(ref))
+        except ReadCancelled as error:
+            outcome.append(error)
+
+    with open(lock_path, "a+b") as downloader:
+        fcntl.flock(downloader, fcntl.LOCK_EX)  # as a download in another process holds it
+        thread = threading.Thread(target=opener, daemon=True)
+        thread.start()
+        time.sleep(0.3)
+        assert thread.is_alive() and not outcome, "the opener did not wait for the download"
+        cancellation.cancel()
+        thread.join(10)
+        stopped = not thread.is_alive()
+    thread.join(60)  # the download let go: an opener still waiting goes on
+    assert stopped, "the opener kept waiting for the download after its reading stopped"
+    assert len(outcome) == 1 and isinstance(outcome[0], ReadCancelled)
 
 
 def test_a_cache_on_a_full_disk_says_so_naming_its_file(local_ds, tmp_path):
