@@ -56,12 +56,13 @@ import random
 import tempfile
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import BinaryIO, Iterator
 
 from .cacheroom import Room, names_file
 from .cancel import pause
 from .errors import ShardstreamError, StorageError
+from .format import INDEX_SUFFIX
 from .iostats import io_stats
 from .reader import ShardReader
 from .source import ShardRef
@@ -151,7 +152,8 @@ class ShardCache:
         except BaseException:
             lock.close()
             raise
-        return ShardReader(Store(os.path.dirname(path)), ref.name, ref.info), lock
+        info = replace(ref.info, index=_cached_index(ref))
+        return ShardReader(Store(os.path.dirname(path)), ref.name, info), lock
 
     def forget(self, ref: ShardRef) -> None:
         """Check the cached copy of `ref` again at its next `open` (it was found damaged)."""
@@ -218,7 +220,7 @@ class ShardCache:
             return False
         if path in _verified:
             return True
-        index = os.path.join(os.path.dirname(path), ref.info.index)
+        index = os.path.join(os.path.dirname(path), _cached_index(ref))
         try:
             version = tuple((st.st_ino, st.st_mtime_ns) for st in map(os.stat, (path, index)))
         except FileNotFoundError:  # evicted meanwhile
@@ -237,7 +239,7 @@ class ShardCache:
         assert ref.info is not None
         try:
             return os.path.getsize(path) == ref.info.bytes and os.path.exists(os.path.join(
-                os.path.dirname(path), ref.info.index))
+                os.path.dirname(path), _cached_index(ref)))
         except OSError:
             return False
 
@@ -245,24 +247,24 @@ class ShardCache:
         """Make room for the shard and its index, and download them into place."""
         assert ref.info is not None
         folder = os.path.dirname(path)
-        files = ((ref.name, ref.info.bytes, ref.info.sha256),
-                 (ref.info.index, ref.info.index_bytes, ref.info.index_sha256))
+        files = ((ref.name, ref.name, ref.info.bytes, ref.info.sha256),  # (remote, local, ...)
+                 (ref.info.index, _cached_index(ref), ref.info.index_bytes, ref.info.index_sha256))
         parts: list[tuple[str, BinaryIO]] = []
         landed: list[str] = []
         try:
             with self.room.turn(), _writing(folder):
                 self.room.make(ref.info.bytes + ref.info.index_bytes)
-                for name, size, _ in files:  # reserved: counted by every walk from here on
+                for _, name, size, _ in files:  # reserved: counted by every walk from here on
                     parts.append(_reserve(folder, name, size))
-            for (name, size, digest), (part, f) in zip(files, parts):
+            for (remote, name, size, digest), (part, f) in zip(files, parts):
                 # Bytes damaged on the way, or an object caught while being replaced, download
                 # whole again; a checksum that never matches is the data's, and raises.
                 for attempt in range(1, DOWNLOAD_ATTEMPTS + 1):
-                    if _download_into(ref.store, name, size, digest, f, part):
+                    if _download_into(ref.store, remote, size, digest, f, part):
                         break
                     if attempt == DOWNLOAD_ATTEMPTS:
                         raise StorageError(f"downloaded file does not match the manifest's checksum "
-                                           f"({DOWNLOAD_ATTEMPTS} downloads)", url=ref.store.url(name))
+                                           f"({DOWNLOAD_ATTEMPTS} downloads)", url=ref.store.url(remote))
                     io_stats.add(retries=1)
                 with self.room.turn(), _writing(part):  # a walk sees the file under one name or the other
                     os.replace(part, os.path.join(folder, name))
@@ -312,6 +314,13 @@ def _shared_lock(path: str) -> BinaryIO:
             lock.close()
             raise
         lock.close()
+
+
+def _cached_index(ref: ShardRef) -> str:
+    """The name of a cached shard's index, beside it: always the shard's name and `.idx`,
+    whatever the manifest calls it (another tool's name for it, `a.idx` beside `a.tar`,
+    read as the leftover index of a shard `a` that is not there, and a walk deleted it)."""
+    return ref.name + INDEX_SUFFIX
 
 
 def _share(lock: BinaryIO, path: str) -> None:

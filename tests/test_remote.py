@@ -1973,6 +1973,40 @@ def test_a_forked_process_does_not_hold_the_cache_locks_of_its_parent(local_ds, 
             os.close(started)
 
 
+def test_a_cached_index_named_otherwise_by_the_manifest_is_kept_beside_its_shard(local_ds, tmp_path):
+    """Regression: the cache kept an index under the manifest's name for it, and its walks take an index
+    without its shard beside it for a leftover: `a.idx` beside `a.tar` (a name other tools give) was deleted
+    by the next walk while the shard was in use, and fetched again at the next open. The cache names every
+    index after its shard now."""
+    import dataclasses
+
+    from shardstream.cache import ShardCache
+    from shardstream.format import MANIFEST_NAME
+    from shardstream.shardtable import ShardTable
+
+    served = tmp_path / "served"
+    shutil.copytree(local_ds, served)
+    manifest = shardstream.open_dataset(str(served)).manifest
+    renamed = []
+    for info in manifest.shards:
+        other = info.name.split(".")[0] + ".idx"  # shard-000000.idx beside shard-000000.tar.zst
+        (served / info.index).rename(served / other)
+        renamed.append(dataclasses.replace(info, index=other))
+    (served / MANIFEST_NAME).write_bytes(dataclasses.replace(manifest, shards=ShardTable.of(renamed)).to_bytes())
+    with H.CountingHTTPServer(str(served)) as server:
+        ref = shardstream.open_dataset(server.url).shards[0]
+        cache = ShardCache(str(tmp_path / "cache"), 1 << 30)
+        _, lock = cache.open(ref)
+        with cache.room.turn():  # a walk while the shard is in use
+            cache.room.walk(0)
+        lock.close()
+        again, lock = cache.open(ref)
+        lock.close()
+        assert [s["__key__"] for s in again.read(0, ref.info.samples)] == \
+            [s["__key__"] for s in ref.reader().read(0, ref.info.samples)]
+        assert server.gets(ref.info.index) == 1 + 1  # the cache's one download, and ref.reader()'s
+
+
 def test_a_reading_that_stops_stops_waiting_for_another_processs_download(local_ds, tmp_path):
     """Regression: an opener waiting for a shard that another process was downloading blocked on the lock
     file until that download was done, cancelled or not, and the end of its iteration (a `break`) waited with
