@@ -88,7 +88,7 @@ _damaged: dict[str, tuple] = {}  # cached files that failed the hash: their (ino
 # copies of them, and an flock is held while any copy is open: a child that kept them (a
 # DataLoader worker, forked while a head start held the next epoch's first shard) would
 # pin those copies in the cache for its life, and a download of one waits on it forever.
-# They are unbuffered files (`_unbuffered`): closing a buffered one takes its buffer's lock,
+# They are opened unbuffered (`buffering=0`): closing a buffered file takes its buffer's lock,
 # which a parent's thread writing a download at the fork held, and the child would wait
 # for it inside `os.fork()`, forever.
 _locks: "weakref.WeakSet[BinaryIO]" = weakref.WeakSet()
