@@ -245,10 +245,9 @@ def test_len_follows_set_epoch_and_layout(url):
 
 
 def shut_down(it) -> None:
-    """Stop a DataLoader iterator's workers now. After an error, torch's re-raise leaves a
-    reference cycle holding the iterator; collected later, its shutdown waits 5 s per worker."""
-    if hasattr(it, "_shutdown_workers"):
-        it._shutdown_workers()
+    """Stop a DataLoader iterator's workers now (`D.shut_down`), and collect the cycle that
+    torch's re-raise of an error leaves holding it."""
+    D.shut_down(it)
     gc.collect()
 
 

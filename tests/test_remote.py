@@ -51,9 +51,11 @@ from shardstream.synthetic import make_image_folder
 from shardstream.testing import Faults, MotoS3Server
 
 try:  # tests/ may or may not be a package
+    from . import _data as D
     from . import _remote_helpers as H
     from .test_http_ranges import _Served, serving
 except ImportError:
+    import _data as D
     import _remote_helpers as H
     from test_http_ranges import _Served, serving
 
@@ -150,14 +152,7 @@ def key_dataset(url: str, **kwargs) -> StreamingDataset:
 
 def loader_keys(ds: StreamingDataset, num_workers: int) -> list[str]:
     """Keys through a DataLoader; its workers are shut down even when one raised."""
-    it = iter(DataLoader(ds, batch_size=None, num_workers=num_workers))
-    try:
-        return [item[0] for item in it]
-    finally:
-        # An exception's traceback keeps the iterator alive; stop its workers and queue threads now.
-        shutdown = getattr(it, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
+    return [item[0] for item in D.listed(DataLoader(ds, batch_size=None, num_workers=num_workers))]
 
 
 def prefetch_threads() -> list[str]:
