@@ -16,7 +16,8 @@ ratios are between medians of the same run):
   .to_tuple("jpg", "cls").map_tuple(PILRandomResizedCrop(224), int)`, the PIL transform
   written here as torchvision does it (same crop sampling, crop then bilinear resize,
   flip, then CHW). The "bare loop" is RandomResizedCropJPEG called on the JPEG bytes
-  already in memory: what the loader costs on top of it is its overhead.
+  already in memory: what the loader costs on top of it is its overhead. Diagnostics:
+  the same pipeline with `prefetch=0` (no reader thread), and with the region decoder off.
 * loader: `torch.utils.data.DataLoader(ds, batch_size=None, num_workers=n)` for n in
   0, 1, 2 (fresh loader per run, persistent workers off) over the dataset batched by
   64 and over WebDataset's pipeline `.batched(64)`; images/s and time to first batch
@@ -47,14 +48,15 @@ ratios are between medians of the same run):
   as in training, not once per figure. Decode pipelines (batch 64) with 1 and 2 workers,
   shardstream and WebDataset, plus `shardstream.DataLoader` with 2 workers and the
   2-worker shardstream pipeline with torch's own collate (fresh shared memory for every
-  batch, where shardstream's reuses it: batchmemory.py); and raw
+  batch, where shardstream's reuses it: batchmemory.py), the 1- and 2-worker shardstream
+  pipelines with `prefetch=0` (no reader thread in the workers); and raw
   streaming through one worker from local disk and over the 50 ms HTTP server (the
   remote section's pair). Use `--images 4000`, the issues' own set size.
 * steadyraw (not in the default run): the steady section's raw pair alone (local and
   HTTP, issue #4's target), cheap enough for many rounds (`--repeats 21`).
 * steadydecode (not in the default run): the steady section's decode contenders that
   issue #3's worker targets compare (shardstream with 1 and 2 workers, WebDataset with
-  2), alone, for many rounds (`--repeats 11`).
+  2), with shardstream's two again at `prefetch=0`, for many rounds (`--repeats 11`).
 * epochstart (not in the default run): the wait at the start of each epoch of a
   persistent worker streaming raw samples over the 50 ms HTTP server, with the head
   start on the next epoch and without it (`HeadStart.begin` patched out in the workers
@@ -405,15 +407,20 @@ def section_decode(d: Data, repeats: int, out: dict) -> None:
         Contender(f"bare loop: PIL decode + crop on bytes in memory ({len(subset)} images)", bare_pil,
                   expect=len(subset), note="diagnostic: the WebDataset side's per-image work without a loader"),
     ]
+    group.append(Contender("shardstream StreamingDataset (in-process), prefetch 0",
+                           lambda: drain(lambda: ss_dataset(d.ss_path, prefetch=0)), expect=d.n,
+                           note="diagnostic: no reader thread (the default local read-ahead is 2 pieces)"))
     if ss_decode.REGION_DECODER:
         group.append(Contender("shardstream StreamingDataset (in-process), whole-image decode",
                                without_region_decoder(lambda: drain(lambda: ss_dataset(d.ss_path))), expect=d.n,
                                note="diagnostic: the region decoder (_jpegregion) switched off"))
     measure("decode", group, repeats)
     ssc, wdsc, barec, pilc = group[:4]
-    if len(group) > 4:
+    out["targets"]["decode: prefetch 0 vs the default, per round (informative)"] = _target(
+        per_round(group[4], ssc), None, None, "x")
+    if len(group) > 5:
         out["targets"]["decode: region decode vs whole-image decode, per round (informative)"] = _target(
-            per_round(ssc, group[4]), None, None, "x")
+            per_round(ssc, group[5]), None, None, "x")
     out["decode"] = {"rows": [g.row() for g in group],
                      "table": table(f"decode, one process, shuffled, {d.n} images, median of {repeats}", group, wdsc)}
     overhead = ssc.median / barec.median - 1
@@ -708,6 +715,7 @@ class Epochs:
 
 
 SS_1, SS_2 = "shardstream, torch DataLoader, 1 worker", "shardstream, torch DataLoader, 2 workers"
+SS_1_P0, SS_2_P0 = SS_1 + ", prefetch 0", SS_2 + ", prefetch 0"
 WDS_2 = "WebDataset .batched(64), torch DataLoader, 2 workers"
 
 
@@ -717,6 +725,8 @@ def _steady_makers(d: Data, server: ServerProcess) -> dict[str, Callable[[], Epo
     return {
         SS_1: lambda: Epochs(lambda: ss_dataset(d.ss_path, batch_size=BATCH), 1),
         SS_2: lambda: Epochs(lambda: ss_dataset(d.ss_path, batch_size=BATCH), 2),
+        SS_1_P0: lambda: Epochs(lambda: ss_dataset(d.ss_path, batch_size=BATCH, prefetch=0), 1),
+        SS_2_P0: lambda: Epochs(lambda: ss_dataset(d.ss_path, batch_size=BATCH, prefetch=0), 2),
         "shardstream.DataLoader, 2 workers": lambda: Epochs(lambda: ss_dataset(d.ss_path), 2, wrapper=True),
         "shardstream, torch DataLoader, 2 workers, torch's collate": lambda: Epochs(
             lambda: ss_dataset(d.ss_path, batch_size=BATCH, collate_fn=torch.utils.data.default_collate), 2),
@@ -766,8 +776,9 @@ def section_steady(d: Data, repeats: int, out: dict, server: ServerProcess) -> N
 
 def section_steadydecode(d: Data, repeats: int, out: dict, server: ServerProcess) -> None:
     """The steady section's decode contenders that issue #3's targets compare, alone, so
-    that many rounds fit: shardstream with 1 and 2 workers, WebDataset with 2."""
-    makers = {name: make for name, make in _steady_makers(d, server).items() if name in (SS_1, SS_2, WDS_2)}
+    that many rounds fit: shardstream with 1 and 2 workers (and both at prefetch 0: is the
+    reader thread worth its place?), WebDataset with 2."""
+    makers = {name: make for name, make in _steady_makers(d, server).items() if name in (SS_1, SS_2, WDS_2, SS_1_P0, SS_2_P0)}
     by = _run_steady("steadydecode", makers, d, repeats, server)
     group = list(by.values())
     out["steadydecode"] = {"rows": [g.row() for g in group],
@@ -784,6 +795,10 @@ def _decode_targets(section: str, by: dict[str, Contender], t: dict) -> None:
     t[f"{section}: 2 workers >= 2x WebDataset's 2-worker rate"] = _target(s2.rate / w2.rate, ">=", 2.0, "x")
     t[f"{section}: 2 workers vs WebDataset's 2, median of per-round ratios (informative)"] = _target(
         per_round(s2, w2), None, None, "x")
+    if SS_2_P0 in by:
+        for n, default, none in ((1, s1, by[SS_1_P0]), (2, s2, by[SS_2_P0])):
+            t[f"{section}: {n} worker(s), prefetch 0 vs the default, per round (informative)"] = _target(
+                per_round(none, default), None, None, "x")
 
 
 def section_steadyraw(d: Data, repeats: int, out: dict, server: ServerProcess) -> None:

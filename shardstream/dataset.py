@@ -48,10 +48,13 @@ from .writer import parse_size
 
 __all__ = ["StreamingDataset"]
 
-# Default read-ahead, in pieces (one storage request each): local reads need little;
-# over HTTP with 50 ms per request, 6 in flight read fastest (raw samples in one
-# process from shardstream.testing.HTTPTestServer, 2,000 JPEGs of 110 KB: prefetch 2
-# gave 1,200 samples/s, 4 gave 2,000, 6 gave 2,750, 8 gave 2,350).
+# Default read-ahead, in pieces (one storage request each). Local reads need little,
+# but a reader thread still pays: decoding and cropping 4,000 JPEGs of 114 KB from local
+# shards (benchmarks/loader.py, BENCHMARKS.md "Twenty-second session"), prefetch 0 ran at
+# 0.93x the rate of prefetch 2 in one process, 0.95x in one DataLoader worker, and 1.00x
+# in each of two. Over HTTP with 50 ms per request, 6 in flight read fastest (raw
+# samples in one process from shardstream.testing.HTTPTestServer, 2,000 JPEGs of
+# 110 KB: prefetch 2 gave 1,200 samples/s, 4 gave 2,000, 6 gave 2,750, 8 gave 2,350).
 PREFETCH_LOCAL = 2
 PREFETCH_REMOTE = 6
 IO_COUNT_INTERVAL_S = 0.05  # how often an iteration adds its storage work to `io_stats()`
