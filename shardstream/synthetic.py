@@ -18,10 +18,13 @@ many worker processes are used. Only numpy and Pillow are needed, never torch.
 from __future__ import annotations
 
 import colorsys
+import ctypes
 import functools
 import io
 import os
 import pathlib
+import signal
+import sys
 from collections.abc import Sequence
 from multiprocessing import Pool
 
@@ -269,6 +272,26 @@ def _write_one(job: tuple[str, int, int, int, int, int]) -> str:
     return path
 
 
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _die_with(parent: int) -> None:
+    """Pool initializer: on Linux, the worker is killed when the process that started it ends.
+
+    A `Pool` worker waits on the task queue, whose write end its forked siblings hold
+    too, so workers whose parent is killed outright (SIGKILL, the OOM killer, a test
+    runner's timeout) would otherwise wait there forever.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # no prctl in this libc: best effort
+        return
+    if os.getppid() != parent:  # the parent ended before the prctl took effect
+        os._exit(1)
+
+
 def make_image_folder(
     root: str | os.PathLike,
     *,
@@ -310,7 +333,7 @@ def make_image_folder(
             jobs.append((str(class_dir / f"img_{i:0{idigits}d}.jpg"), image_seed, width, height, quality, c))
     if workers > 1 and len(jobs) > 1:
         _tiles()  # build once here so that forked workers share it
-        with Pool(min(workers, len(jobs))) as pool:
+        with Pool(min(workers, len(jobs)), initializer=_die_with, initargs=(os.getpid(),)) as pool:
             written = pool.map(_write_one, jobs, chunksize=max(1, len(jobs) // (workers * 8)))
     else:
         written = [_write_one(job) for job in jobs]
