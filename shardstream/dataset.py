@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import pickle
 import time
+import traceback
 import warnings
 from multiprocessing.context import get_spawning_popen
 from typing import Any, Callable, Iterator, Sequence
@@ -29,7 +30,7 @@ from .collate import default_collate
 from .decode import Decoder
 from .decode_ahead import DecodeAhead
 from .epochs import EpochSequences
-from .errors import MissingFieldError, add_note
+from .errors import MissingFieldError, RaisedInWorker, ShardstreamError, add_note
 from .headstart import HeadStart
 from .iostats import io_stats
 from .policy import ErrorPolicy, guarded
@@ -58,6 +59,23 @@ __all__ = ["StreamingDataset"]
 PREFETCH_LOCAL = 2
 PREFETCH_REMOTE = 6
 IO_COUNT_INTERVAL_S = 0.05  # how often an iteration adds its storage work to `io_stats()`
+
+
+def carry_errors(items: Iterator[Any], worker: int) -> Iterator[Any]:
+    """`items`, then, where they raise a `ShardstreamError`, that error as a `RaisedInWorker`
+    item, and no more: how a worker of `shardstream.DataLoader` (number `worker`) sends
+    the main process its error whole, url and key with it."""
+    try:
+        yield from items
+    except ShardstreamError as error:
+        failure = RaisedInWorker(error, f"in DataLoader worker process {worker}", traceback.format_exc())
+        try:
+            pickle.dumps(failure)  # torch pickles items in a queue's feeder thread, which would drop it
+        except Exception:  # noqa: BLE001 - any failure to pickle: torch's way then, type and text
+            failure = None
+        if failure is None:
+            raise
+        yield failure
 
 
 class StreamingDataset(Checkpointing, IterableDataset):
@@ -377,7 +395,9 @@ class StreamingDataset(Checkpointing, IterableDataset):
         # earlier one still open (a loop left with `break`, or `zip(ds, ds)`) that goes on
         # would count its items into another iteration's place.
         self._iteration = iteration = object()
-        return self._yield(world, stream, resume_id, counted, iteration)
+        items = self._yield(world, stream, resume_id, counted, iteration)
+        info = get_worker_info()
+        return carry_errors(items, info.id) if self._loader_copy and info is not None else items
 
     def _yield(self, world: World, stream: Iterator[Any], resume_id: int | None,
                counted: dict[str, float], iteration: object) -> Iterator[Any]:

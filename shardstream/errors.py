@@ -9,6 +9,7 @@ and fixed without a debugger.
 from __future__ import annotations
 
 import re
+from typing import NoReturn
 
 
 class ShardstreamError(Exception):
@@ -41,14 +42,33 @@ class ShardstreamError(Exception):
         super().__init__(f"{', '.join(where)}: {message}" if where else message)
 
     def __reduce__(self) -> tuple[object, ...]:
-        # Keeps url/key/offset where the error is pickled (pack's process pool, a queue).
-        # torch's DataLoader does not pickle a worker's error: it makes a new one of the same
-        # type from the traceback's text, which names file and sample, with these unset.
+        # Keeps url/key/offset where the error is pickled (pack's process pool, a queue,
+        # `RaisedInWorker`). torch's DataLoader does not pickle a worker's error: it makes a
+        # new one of the same type from the traceback's text, with these unset.
         return (_rebuild, (type(self), self.detail, self.url, self.key, self.offset))
 
 
 def _rebuild(cls, message, url, key, offset):  # type: ignore[no-untyped-def]
     return cls(message, url=url, key=key, offset=offset)
+
+
+class RaisedInWorker:
+    """A `ShardstreamError` raised in a worker of `shardstream.DataLoader`, sent to the main
+    process as the worker's next item, the error pickled whole: torch's DataLoader would
+    raise there a new error of the same type made from the traceback's text, its `url`,
+    `key` and `offset` unset. The loader raises it where torch would have (`reraise`)."""
+
+    def __init__(self, error: ShardstreamError, where: str, traceback: str) -> None:
+        self.error = error
+        self.where = where  # "in DataLoader worker process N", as torch words it
+        self.traceback = traceback  # the worker's, as text: its frames do not pickle
+
+    def reraise(self) -> NoReturn:
+        # Let go of the error first: the traceback then holds it only as a local of this
+        # frame, which the loader clears (`_free_frames_holding`), not in a reference cycle.
+        error, self.error = self.error, None  # type: ignore[assignment]
+        add_note(error, f"Raised {self.where}; its traceback there:\n{self.traceback}")
+        raise error
 
 
 def shown_url(url: str) -> str:

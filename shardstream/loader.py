@@ -38,6 +38,7 @@ from .arguments import integer
 from .batches import count_samples, map_field, tensors, to_device, usable_device
 from .collate import default_collate, pad_collate
 from .dataset import StreamingDataset
+from .errors import RaisedInWorker
 
 __all__ = ["DataLoader", "LoaderStats", "Normalize", "to_device"]
 
@@ -166,6 +167,15 @@ def _free_frames_holding(error: BaseException) -> None:
                 # reading it again brings it up to date, without the locals clear() dropped.
                 frame.f_locals
         tb = tb.tb_next
+
+
+def _raising_workers_errors(source: Iterator[Any]) -> Iterator[Any]:
+    """The batches of `source`; a worker's error sent as an item (`RaisedInWorker`) is raised
+    where it comes, as torch would raise it, but with its url, key and offset."""
+    for batch in source:
+        if type(batch) is RaisedInWorker:
+            batch.reraise()
+        yield batch
 
 
 class DataLoader:
@@ -314,7 +324,8 @@ class DataLoader:
                 if self.num_workers > 0:
                     self.dataset.explain_pickling(error, _start_method(self.multiprocessing_context))
                 raise
-        batches = self._on_device(source) if self._use_cuda() else self._on_host(source)
+        received = _raising_workers_errors(source)
+        batches = self._on_device(received) if self._use_cuda() else self._on_host(received)
         by_fields = self.dataset.collate_fn in (default_collate, pad_collate, torch.utils.data.default_collate)
         # The consumer has waited since it asked for the first batch: through resolving the
         # source and starting the workers above, not only inside next().

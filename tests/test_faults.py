@@ -471,6 +471,58 @@ def test_raise_mode_names_the_bad_sample(corrupt_dataset, caplog):
     assert key == min(bad) and url_
 
 
+def test_an_error_from_a_loader_worker_keeps_its_url_and_key(corrupt_dataset, caplog):
+    """torch's DataLoader raises a worker's error anew from its text (url and key unset);
+    shardstream.DataLoader's workers send it whole."""
+    url, keys, bad = corrupt_dataset
+    dataset = _skip_dataset(url, rank=0, world_size=1)
+    loader = shardstream.DataLoader(dataset, num_workers=2)
+    with pytest.raises(shardstream.DecodeError) as info:
+        for _ in loader:
+            pass
+    error = info.value
+    del info
+    _release(caplog)
+    assert error.key in bad
+    shard = next(s for s in shardstream.open_dataset(url).shards
+                 if error.key in {x["__key__"] for x in shardstream.open_shard(os.path.join(url, s.name))})
+    assert error.url is not None and error.url.endswith(shard.name)
+    assert f"sample {error.key!r}" in str(error)
+    notes = "".join(getattr(error, "__notes__", []))
+    assert re.search(r"Raised in DataLoader worker process [01]; its traceback there:\n.*DecodeError", notes, re.S)
+    # The failed epoch's workers are gone; the next epoch starts fresh ones and fails the same way.
+    with pytest.raises(shardstream.DecodeError) as again:
+        list(loader)
+    assert again.value.key in bad
+    del again
+    _release(caplog)
+
+
+def test_a_worker_error_that_does_not_pickle_is_raised_as_it_is():
+    """An item that fails to pickle would be dropped by torch's queue feeder thread (a hang), so
+    `carry_errors` sends only what pickles, and otherwise raises the error for torch to carry as text."""
+    from shardstream.dataset import carry_errors
+    from shardstream.errors import RaisedInWorker
+
+    class LocalError(ShardstreamError):  # a local class: pickled by reference, it cannot be found
+        pass
+
+    def items(error):
+        yield 1
+        raise error
+
+    assert [type(x) for x in carry_errors(items(ShardstreamError("bad", url="u", key="k")), 3)] == [int, RaisedInWorker]
+    sent = list(carry_errors(items(ShardstreamError("bad", url="u", key="k")), 3))[1]
+    with pytest.raises(ShardstreamError) as info:
+        sent.reraise()
+    assert (info.value.url, info.value.key) == ("u", "k")
+    assert "Raised in DataLoader worker process 3" in "".join(info.value.__notes__)
+    unpicklable = carry_errors(items(LocalError("local", key="k")), 0)
+    assert next(unpicklable) == 1
+    with pytest.raises(LocalError, match="sample 'k': local"):
+        next(unpicklable)
+
+
 # -- (d) pack --resume after SIGKILL --------------------------------------------------------------------------
 
 

@@ -466,23 +466,26 @@ def test_setting_another_epoch_than_a_loaded_states_warns(packed):
 class _FailsEveryOtherEpoch:
     """A user transform with a bug that shows in epochs 0, 2, 4, ..."""
 
-    def __init__(self, dataset_epoch):
+    def __init__(self, dataset_epoch, error=ValueError):
         self.epoch = dataset_epoch
+        self.error = error
 
     def __call__(self, sample):
         if self.epoch() % 2 == 0:
-            raise ValueError("a bug in the user's transform")
+            raise self.error("a bug in the user's transform")
         return sample
 
 
-def test_a_loader_whose_epoch_failed_is_freed_when_the_loop_lets_go_of_it(packed):
+@pytest.mark.parametrize("error", [ValueError, shardstream.DecodeError])  # torch's re-raise; shardstream's own
+def test_a_loader_whose_epoch_failed_is_freed_when_the_loop_lets_go_of_it(packed, error):
     """Regression: torch re-raises a worker's error from a local variable, so the error, its traceback and the
     loader in its frames made a reference cycle: the loader, and the persistent workers of the epochs after,
-    were freed only by the cyclic garbage collector, which waited 5 s for each worker (10 s here)."""
+    were freed only by the cyclic garbage collector, which waited 5 s for each worker (10 s here). A
+    ShardstreamError comes as an item (`RaisedInWorker`), which must let go of it as it raises it."""
     import weakref
 
     ds = StreamingDataset(packed, decode=None, fields=("__key__",), batch_size=4, collate_fn=list)
-    ds.transform = _FailsEveryOtherEpoch(lambda: ds._shared.epoch)
+    ds.transform = _FailsEveryOtherEpoch(lambda: ds._shared.epoch, error)
     loader = DataLoader(ds, num_workers=2)
     failed = 0
     for epoch in range(2):  # fails, then runs on fresh persistent workers
@@ -490,7 +493,7 @@ def test_a_loader_whose_epoch_failed_is_freed_when_the_loop_lets_go_of_it(packed
         try:
             for _ in loader:
                 pass
-        except ValueError:
+        except error:
             failed += 1
     assert failed == 1
     gone = weakref.ref(loader)
