@@ -4,10 +4,14 @@ For remote datasets read more than once (every epoch), downloading each shard on
 to local disk beats streaming it again. The cache is a folder, safe to share between
 processes:
 
-* **One download per shard at a time.** A download holds an exclusive `flock` on the
-  shard's lock file; a second process asking for the same shard waits for a shared
-  lock and then finds the file there. The exclusive lock is only ever tried, never
-  waited for, so processes holding shards in use cannot wait for each other.
+* **One download per shard at a time.** Every reader of a shard, and every download of
+  it, holds a shared `flock` on the shard's lock file (`NAME.lock`), which keeps the copy
+  from being evicted. A download also holds an exclusive `flock` on the shard's download
+  lock (`NAME.dl`); a second process (or thread) finding the copy absent waits for that
+  lock, then finds the copy there. A download waits for nothing a reader holds, so no
+  process waits on another that waits on it, nor on itself: a copy found damaged while
+  others read it, in this process or another, is downloaded again and renamed over it,
+  and they read the old file until they let go of it.
 * **No torn files.** Shards are downloaded under a temporary name, verified against
   the manifest's SHA-256 (downloaded again on a mismatch, `DOWNLOAD_ATTEMPTS` times in
   all, then an error naming the file), and renamed into place.
@@ -25,7 +29,7 @@ processes:
   `LEDGER_TRUST_S` after that walk, and a walk that must evict goes down to `LOW_WATER`
   of the limit, so that the downloads after it fit by the ledger.
 * **Self-healing.** The first use of a cached shard in each process re-hashes it; a
-  file damaged on disk is deleted and fetched again. A download's temporary file left by
+  file damaged on disk is fetched again and renamed over it. A download's temporary file left by
   a killed process is deleted by the next walk (its download's `flock` is gone with it),
   which comes when the ledger runs short of room, or a minute after the last one.
 * **Versioned.** A shard's copy lives in a folder named by its checksum (the manifest's), so a
@@ -52,12 +56,11 @@ import contextlib
 import hashlib
 import logging
 import os
-import random
 import tempfile
 import time
 import weakref
 from dataclasses import dataclass, replace
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Callable, Iterator
 
 from .cacheroom import Room, names_file
 from .cancel import pause
@@ -77,8 +80,8 @@ __all__ = ["ShardCache"]
 
 CHUNK = 16 << 20  # bytes per ranged request when downloading
 DOWNLOAD_ATTEMPTS = 3  # whole downloads of a file before its checksum mismatch is an error
-# A copy this process finds damaged (or missing) while other readers hold it must wait for
-# them to let go before it is fetched again; past this long, say so (it may be an epoch).
+# Past this long waiting for another download of the same shard, say so (a slow store, or a
+# large shard; the wait goes on).
 SLOW_WAIT_S = 60.0
 log = logging.getLogger("shardstream")
 
@@ -163,54 +166,27 @@ class ShardCache:
         """The lock file of `path`, share-locked, with a verified copy of `ref` at `path`.
 
         Checking a copy only reads it, under the shared lock, so readers never wait for
-        each other. Downloading needs the exclusive lock, and it is only ever *tried*:
-        a process waiting for it while holding shared locks on the shards it is reading
-        could wait for a second process doing the same the other way round, forever.
-        When another process holds the shard, this one waits for a shared lock (which
-        only a download in progress delays) and looks again. A walk may delete the lock
-        file while nobody holds it (`_evict`): whenever this process is left holding a
-        deleted one, it lets go and starts again on the file now there.
+        each other. A copy absent or damaged is downloaded under the download lock, the
+        shared lock still held: no walk evicts the shard meanwhile, and readers of a
+        damaged copy go on reading it until they let go (module doc). A walk may delete
+        the lock file while nobody holds it (`_evict`): `_shared_lock` only returns one
+        that is still the file at its path.
         """
         assert ref.info is not None
-        lock_path = path + ".lock"
-        vanished, since = 0, time.monotonic()
-        while True:
-            lock = _shared_lock(lock_path)
-            try:
-                if self._check(path, ref):
-                    io_stats.add(cache_hits=1)
-                    return lock
-                try:  # converting drops the shared lock first, whether or not this succeeds
-                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    if since is not None and time.monotonic() - since > SLOW_WAIT_S:
-                        log.warning("%s: waited %.0f s for another reader of the cached copy to let go of it, "
-                                    "which must be fetched again here; still waiting", ref.url, SLOW_WAIT_S)
-                        since = None  # said once
-                    pause(random.uniform(0.005, 0.05), ref.url)  # another process has it: let it download
-                else:
-                    # In the conversion's gap a walk may have evicted the shard and deleted its lock
-                    # file: downloading under a lock on the deleted file would race the process
-                    # locking the new one.
-                    if names_file(lock_path, lock):
-                        if not self._check(path, ref):
-                            io_stats.add(cache_misses=1)
-                            self._download(ref, path)
-                            _verified.add(path)
-                        # Downgrade so readers can share. flock converts by unlocking first, so an
-                        # evictor may slip in between: check again that the file is still there.
-                        fcntl.flock(lock, fcntl.LOCK_SH)
-                        if names_file(lock_path, lock) and self._present(path, ref):
-                            return lock
-                        _verified.discard(path)
-                        vanished += 1
-                        if vanished >= 3:
-                            raise StorageError("cached shard keeps disappearing (cache_limit too small for the "
-                                               "shards in use?)", url=ref.url)
-            except BaseException:
-                lock.close()
-                raise
+        lock = _shared_lock(path + ".lock")
+        try:
+            if self._check(path, ref):
+                io_stats.add(cache_hits=1)
+                return lock
+            with _download_lock(path + ".dl", ref.url):
+                if not self._check(path, ref):  # unless another download got there first
+                    io_stats.add(cache_misses=1)
+                    self._download(ref, path)
+                    _verified.add(path)
+            return lock
+        except BaseException:
             lock.close()
+            raise
 
     def _check(self, path: str, ref: ShardRef) -> bool:
         """Whether the copy at `path` is whole: hashed once per process, then trusted."""
@@ -250,7 +226,6 @@ class ShardCache:
         files = ((ref.name, ref.name, ref.info.bytes, ref.info.sha256),  # (remote, local, ...)
                  (ref.info.index, _cached_index(ref), ref.info.index_bytes, ref.info.index_sha256))
         parts: list[tuple[str, BinaryIO]] = []
-        landed: list[str] = []
         try:
             with self.room.turn(), _writing(folder):
                 self.room.make(ref.info.bytes + ref.info.index_bytes)
@@ -266,23 +241,20 @@ class ShardCache:
                         raise StorageError(f"downloaded file does not match the manifest's checksum "
                                            f"({DOWNLOAD_ATTEMPTS} downloads)", url=ref.store.url(remote))
                     io_stats.add(retries=1)
-                with self.room.turn(), _writing(part):  # a walk sees the file under one name or the other
-                    os.replace(part, os.path.join(folder, name))
-                landed.append(os.path.join(folder, name))
-        except BaseException:
-            # A shard is of no use without its index (`_present`), and once this download has failed
-            # nobody holds it, so no release trims it: a shard whose index was not fetched (its
-            # iteration stopped between the two) would hold its room, over the limit, until some
-            # later walk. This process still holds the exclusive lock: nobody reads them.
-            for path in landed:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(path)
-            raise
+            # Both land once both are here, in one turn (a walk sees each file under one name or
+            # the other): a shard is of no use without its index (`_present`), and one landed
+            # alone, its download failing after, would hold its room until a later walk. Over a
+            # damaged copy that others still read, the rename leaves them the old file.
+            with self.room.turn():
+                for (_, name, _, _), (part, _) in zip(files, parts):
+                    with _writing(part):
+                        os.replace(part, os.path.join(folder, name))
         finally:
             for part, f in parts:  # what did not land is no longer coming
                 f.close()
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(part)
+
 
 def _shared_lock(path: str) -> BinaryIO:
     """The lock file at `path` (made, and its folders, if absent), open and share-locked.
@@ -307,12 +279,26 @@ def _shared_lock(path: str) -> BinaryIO:
             continue
         _locks.add(lock)
         try:
-            _share(lock, path)
+            _take(lock, fcntl.LOCK_SH, path)  # only a walk evicting it holds it exclusively
             if names_file(path, lock):
                 return lock
         except BaseException:
             lock.close()
             raise
+        lock.close()
+
+
+@contextlib.contextmanager
+def _download_lock(path: str, url: str) -> Iterator[None]:
+    """Hold the download lock at `path` (made if absent) exclusively. Taken only while the
+    shard's lock file is held shared, which keeps walks from deleting either (`_evict`)."""
+    lock = open(path, "a+b", buffering=0)  # see _locks
+    _locks.add(lock)
+    try:
+        _take(lock, fcntl.LOCK_EX, path, lambda waited: log.warning(
+            "%s: waited %.0f s for another download of this shard into the cache; still waiting", url, waited))
+        yield
+    finally:
         lock.close()
 
 
@@ -323,17 +309,19 @@ def _cached_index(ref: ShardRef) -> str:
     return ref.name + INDEX_SUFFIX
 
 
-def _share(lock: BinaryIO, path: str) -> None:
-    """Share-lock `lock`, which a download in another process holds exclusively for as long
-    as it takes: polled rather than blocked on, so that a reading that stops (cancel.py)
-    stops waiting too, instead of holding up the end of its iteration until that download
-    is done."""
-    delay = 0.002
+def _take(lock: BinaryIO, kind: int, path: str, slow: Callable[[float], None] | None = None) -> None:
+    """`flock` `lock` (`kind`: LOCK_SH or LOCK_EX), polled rather than blocked on, so that a
+    reading that stops (cancel.py) stops waiting too, instead of holding up the end of its
+    iteration until the holder is done. `slow(waited)` is called once past `SLOW_WAIT_S`."""
+    delay, started = 0.002, time.monotonic()
     while True:
         try:
-            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            fcntl.flock(lock, kind | fcntl.LOCK_NB)
             return
         except BlockingIOError:
+            if slow is not None and (waited := time.monotonic() - started) > SLOW_WAIT_S:
+                slow(waited)
+                slow = None  # said once
             pause(delay, path)
             delay = min(2 * delay, 0.05)
 

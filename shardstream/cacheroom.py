@@ -37,6 +37,8 @@ ABANDONED_PART_S = 3600
 # process, not a thread, and is not inherited by a forked child (a forked DataLoader worker must not
 # keep a lock its parent's thread held at the fork, as an inherited `flock` would).
 _room = threading.Lock()
+# What lives beside a cached shard NAME: its lock file, its index, its download lock (cache.py).
+COMPANIONS = (".lock", ".idx", ".dl")
 ROOM_LOCK = ".room.lock"  # at the cache's root: one walk, or one landing, at a time
 OVER_LIMIT = ".over-limit"  # at the cache's root while the last walk left it over its limit
 # At the cache's root: the bytes the last walk counted plus every reservation since, and when it walked.
@@ -113,10 +115,10 @@ class Room:
             occupied[base] = 0
             if _depth(self.root, base) == 2:  # a version folder
                 leftovers += sorted({os.path.join(base, stem) for stem, suffix in map(os.path.splitext, names)
-                                     if suffix in (".lock", ".idx") and stem not in names})
+                                     if suffix in COMPANIONS and stem not in names})
             for name in names:
                 full = os.path.join(base, name)
-                if name.endswith((".lock", ".idx")) or name in (OVER_LIMIT, LEDGER):
+                if name.endswith(COMPANIONS) or name in (OVER_LIMIT, LEDGER):
                     continue
                 if name.endswith(".part"):
                     reserved += _reserved_bytes(full, now)
@@ -167,8 +169,9 @@ class Room:
 
     @staticmethod
     def _evict(path: str) -> bool:
-        """Delete the copy at `path`, its index and its lock file, unless a process holds the
-        lock (reading the copy, or downloading it). The lock file goes last, while this walk
+        """Delete the copy at `path`, its index, its download lock and its lock file, unless a
+        process holds the lock (reading the copy, or downloading it: a download lock is only
+        taken while the lock is held). The lock file goes last, while this walk
         holds it: a process that opened it meanwhile finds, once it has the lock, that the
         file is no longer the one at the path (`names_file`) and starts again on a new one."""
         lock_path = path + ".lock"
@@ -179,7 +182,7 @@ class Room:
                 return False  # in use by a reader
             if not names_file(lock_path, lock):  # only walks delete lock files, and this one has the turn
                 return False
-            for victim in (path, path + ".idx", lock_path):
+            for victim in (path, path + ".idx", path + ".dl", lock_path):
                 try:
                     os.remove(victim)
                 except FileNotFoundError:

@@ -104,10 +104,17 @@ class Readers:
 
     def heal(self, shard: int) -> None:
         """Drop `shard`'s cached copy, found damaged on disk after it was checked: the
-        next `get` hashes it again, and downloads it again when the hash says so."""
+        next `get` hashes it again, and downloads it again when the hash says so. Its lock
+        is held until then (as `hold` holds one), so that the shard is not evicted under
+        another thread reading a piece of it; the download does not wait for it (cache.py)."""
         assert self.cache is not None
-        self.release(shard)
         self.cache.forget(self.source.shards[shard])
+        with self._guard:
+            entry = self._entries.pop(shard, None)
+            lock = self._shard_locks.pop(shard, None)
+            if lock is not None and shard not in self._held:
+                self._held[shard] = lock  # `get` lets go of it once it holds the copy anew
+        del entry
 
     def close(self) -> None:
         """Let go of every shard still held (an iteration ended, or stopped early), and trim

@@ -1166,9 +1166,9 @@ def cached_file(cache_dir: Path, name: str) -> Path:
 
 
 def cached_names(cache_dir: Path) -> list[str]:
-    """The shards cached (not their indexes, locks or temporary files), by name."""
+    """The shards cached (not their indexes, lock files, download locks or temporary files), by name."""
     return sorted(p.name for p in cache_folder(cache_dir).glob("*/*")
-                  if not p.name.endswith((".lock", ".idx", ".part")))
+                  if not p.name.endswith((".lock", ".idx", ".dl", ".part")))
 
 
 def folder_bytes(folder: Path) -> int:
@@ -1670,6 +1670,93 @@ def test_cache_heals_a_copy_damaged_after_it_was_checked(local_ds, shard_names, 
         assert server.gets(shard_names[0]) == 2 and server.gets(shard_names[1]) == 1
 
 
+def _flip_a_byte(path: Path) -> None:
+    """Damage a cached copy in place: same inode and size."""
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def _open_within(cache, ref, timeout: float = 30):
+    """`cache.open(ref)` in a daemon thread, or an assertion error if it is still waiting after `timeout`
+    (a daemon, so that an open waiting forever does not hold up the test process's exit)."""
+    result: list = []
+    opener = threading.Thread(target=lambda: result.append(cache.open(ref)), daemon=True)
+    opener.start()
+    opener.join(timeout)
+    assert not opener.is_alive(), "the open still waits"
+    assert result, "the open raised (see the thread's traceback)"
+    return result[0]
+
+
+@pytest.mark.parametrize("how", ["deleted", "damaged"])
+def test_a_process_opening_again_a_shard_it_holds_whose_copy_went_fetches_it(local_ds, tmp_path, how):
+    """Regression: downloading needed the shard's lock file exclusively, so a process that held the shard
+    (an iteration reading it) and opened it again after the copy was deleted, or found damaged, waited on
+    its own shared lock until its reading was cancelled. A download takes its own lock now."""
+    from shardstream.cache import ShardCache
+
+    with H.CountingHTTPServer(local_ds) as server:
+        ref = shardstream.open_dataset(server.url).shards[0]
+        cache = ShardCache(str(tmp_path / "cache"), 1 << 30)
+        _, held = cache.open(ref)
+        try:
+            path = Path(cache.path(ref))
+            if how == "deleted":
+                path.unlink()
+            else:
+                _flip_a_byte(path)
+                cache.forget(ref)  # as the stream's heal does once frame checksums fail
+            reader, again = _open_within(cache, ref)
+            again.close()
+            assert server.gets(ref.name) == 2
+            assert path.read_bytes() == Path(local_ds, ref.name).read_bytes()
+            assert [s["__key__"] for s in reader.read(0, 2)] == [s["__key__"] for s in ref.reader().read(0, 2)]
+        finally:
+            held.close()
+
+
+def test_a_copy_another_process_reads_and_this_one_finds_damaged_is_replaced_without_waiting(local_ds, tmp_path):
+    """Regression: a process that found a cached copy damaged waited for every other reader of it to let go
+    before fetching it again: with DDP, a rank holding the shard for its epoch held up another rank until
+    the collective timed out. The good copy is now renamed over the damaged one, which the reader keeps."""
+    from shardstream.cache import ShardCache
+
+    cache_dir = tmp_path / "cache"
+    with H.CountingHTTPServer(local_ds) as server:
+        code = textwrap.dedent(f"""
+            import sys, shardstream
+            from shardstream.cache import ShardCache
+            ref = shardstream.open_dataset({server.url!r}).shards[0]
+            reader, held = ShardCache({str(cache_dir)!r}, 1 << 30).open(ref)
+            print("held", flush=True)
+            sys.stdin.readline()  # holds the shard until told
+            print(sum(1 for _ in reader.read(0, 2)), flush=True)
+        """)
+        other = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 text=True)
+        try:
+            assert other.stdout.readline().strip() == "held"
+            ref = shardstream.open_dataset(server.url).shards[0]
+            cache = ShardCache(str(cache_dir), 1 << 30)
+            path = Path(cache.path(ref))
+            _flip_a_byte(path)  # this process has not hashed it: its first open does
+            reader, held = _open_within(cache, ref)
+            held.close()
+            assert server.gets(ref.name) == 2
+            assert path.read_bytes() == Path(local_ds, ref.name).read_bytes()
+            other.stdin.write("\n")
+            other.stdin.flush()
+            assert other.stdout.readline().strip() == "2"  # the other reader still reads its file
+        finally:
+            other.kill()
+            other.wait(timeout=30)
+            other.stdin.close()
+            other.stdout.close()
+
+
 def test_cache_heals_a_damaged_index(local_ds, shard_names, jpg_digests, tmp_path):
     """Regression: only the cached shard was re-hashed, so a cached index damaged on disk was
     never fetched again and every later process failed with CorruptIndexError."""
@@ -1729,7 +1816,7 @@ def cache_debris(cache_dir: Path) -> list[str]:
         debris += [] if versions else [location]
         for version in versions:
             names = {p.name for p in version.iterdir()}
-            shards = {n for n in names if not n.endswith((".lock", ".idx", ".part"))}
+            shards = {n for n in names if not n.endswith((".lock", ".idx", ".dl", ".part"))}
             debris += [] if shards else [version]
             debris += [version / n for n in names - shards
                        if n.endswith(".part") or os.path.splitext(n)[0] not in shards]
@@ -1826,7 +1913,8 @@ def test_a_process_waiting_on_a_lock_file_a_walk_deletes_starts_again_on_the_one
                     time.sleep(0.01)
                 time.sleep(0.1)  # it has tried the lock by now, and waits
                 assert not opening.done()
-                for victim in (path, path.with_name(path.name + ".idx"), lock_path):  # what the walk deletes
+                for victim in (path, path.with_name(path.name + ".idx"), path.with_name(path.name + ".dl"),
+                               lock_path):  # what the walk deletes
                     victim.unlink()
                 path.parent.rmdir()  # left empty
             finally:
