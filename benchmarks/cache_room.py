@@ -4,7 +4,7 @@
     python benchmarks/cache_room.py [--shards 50000] [--downloads 20]
 
 A cache folder laid out as `ShardCache` lays it out (a location folder; under it one
-version folder per shard, holding the shard, its index and its lock file; the shards
+version folder per shard, holding the shard, its index, its lock file and its download lock; the shards
 sparse files of 64 MB, so no disk is used) is made once, then `--downloads` times in a
 row the room for one more shard is made, as a download does (`Room.make`
 in its turn), in two cases: room to spare (the limit twice the cache), and a full cache
@@ -58,6 +58,7 @@ def make_layout(root: str, shards: int) -> None:
         with open(name + ".idx", "wb") as f:
             f.truncate(INDEX)
         open(name + ".lock", "wb").close()
+        open(name + ".dl", "wb").close()  # the download lock every downloaded shard leaves
         os.utime(name, (1_000_000 + i, 1_000_000 + i))
 
 
