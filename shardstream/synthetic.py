@@ -21,6 +21,7 @@ import colorsys
 import ctypes
 import functools
 import io
+import multiprocessing
 import os
 import pathlib
 import signal
@@ -275,20 +276,23 @@ def _write_one(job: tuple[str, int, int, int, int, int]) -> str:
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-def _die_with(parent: int) -> None:
+def _die_with(parent: int | None) -> None:
     """Pool initializer: on Linux, the worker is killed when the process that started it ends.
 
     A `Pool` worker waits on the task queue, whose write end its forked siblings hold
     too, so workers whose parent is killed outright (SIGKILL, the OOM killer, a test
-    runner's timeout) would otherwise wait there forever.
+    runner's timeout) would otherwise wait there forever. `parent`: the pid the worker's
+    parent must have (the caller's, for a forked worker); None where the worker has
+    another parent (forkserver's server), which is then the one it has now.
     """
     if not sys.platform.startswith("linux"):
         return
+    expected = os.getppid() if parent is None else parent
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):  # no prctl in this libc: best effort
         return
-    if os.getppid() != parent:  # the parent ended before the prctl took effect
+    if os.getppid() != expected:  # the parent ended before the prctl took effect
         os._exit(1)
 
 
@@ -333,7 +337,8 @@ def make_image_folder(
             jobs.append((str(class_dir / f"img_{i:0{idigits}d}.jpg"), image_seed, width, height, quality, c))
     if workers > 1 and len(jobs) > 1:
         _tiles()  # build once here so that forked workers share it
-        with Pool(min(workers, len(jobs)), initializer=_die_with, initargs=(os.getpid(),)) as pool:
+        forked = multiprocessing.get_context().get_start_method() == "fork"
+        with Pool(min(workers, len(jobs)), initializer=_die_with, initargs=(os.getpid() if forked else None,)) as pool:
             written = pool.map(_write_one, jobs, chunksize=max(1, len(jobs) // (workers * 8)))
     else:
         written = [_write_one(job) for job in jobs]

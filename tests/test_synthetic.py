@@ -21,6 +21,20 @@ def test_same_images_for_any_number_of_workers(tmp_path):
     assert [p.read_bytes() for p in one] == [p.read_bytes() for p in two]
 
 
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_workers_started_either_way_write_the_folder(tmp_path, method):
+    """Regression: the workers' parent-death check took the caller for their parent, which a forkserver
+    worker's is not (the server is): every worker exited at once, and the pool started new ones forever."""
+    code = ("import multiprocessing, sys; from shardstream.synthetic import make_image_folder; "
+            f"multiprocessing.set_start_method({method!r}); "
+            f"print(len(make_image_folder(sys.argv[1], num_classes=2, images_per_class=4, size_range={TINY!r}, "
+            "workers=2)))")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "images")], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["8"]
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
 def test_workers_end_with_a_parent_killed_outright(tmp_path):
     """A pool worker would otherwise wait on its task queue forever (its siblings hold the write end)."""
