@@ -778,7 +778,8 @@ def section_steadydecode(d: Data, repeats: int, out: dict, server: ServerProcess
     """The steady section's decode contenders that issue #3's targets compare, alone, so
     that many rounds fit: shardstream with 1 and 2 workers (and both at prefetch 0: is the
     reader thread worth its place?), WebDataset with 2."""
-    makers = {name: make for name, make in _steady_makers(d, server).items() if name in (SS_1, SS_2, WDS_2, SS_1_P0, SS_2_P0)}
+    chosen = (SS_1, SS_2, WDS_2, SS_1_P0, SS_2_P0)
+    makers = {name: make for name, make in _steady_makers(d, server).items() if name in chosen}
     by = _run_steady("steadydecode", makers, d, repeats, server)
     group = list(by.values())
     out["steadydecode"] = {"rows": [g.row() for g in group],

@@ -50,7 +50,7 @@ from .writer import parse_size
 __all__ = ["StreamingDataset"]
 
 # Default read-ahead, in pieces (one storage request each). Local reads need little,
-# but a reader thread still pays: decoding and cropping 4,000 JPEGs of 114 KB from local
+# but a reader thread still pays off: decoding and cropping 4,000 JPEGs of 114 KB from local
 # shards (benchmarks/loader.py, BENCHMARKS.md "Twenty-second session"), prefetch 0 ran at
 # 0.93x the rate of prefetch 2 in one process, 0.95x in one DataLoader worker, and 1.00x
 # in each of two. Over HTTP with 50 ms per request, 6 in flight read fastest (raw
