@@ -1649,6 +1649,15 @@ def test_cache_deletes_downloads_abandoned_by_killed_processes(local_ds, shard_n
             assert not abandoned.exists() and live.exists()
 
 
+def _flip_a_byte(path: Path) -> None:
+    """Damage a cached copy in place: same inode and size."""
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_cache_heals_a_copy_damaged_after_it_was_checked(local_ds, shard_names, jpg_digests, tmp_path, prefetch):
     """Regression: a process hashes a cached copy once and then trusts it, so a copy damaged on disk
@@ -1659,24 +1668,10 @@ def test_cache_heals_a_copy_damaged_after_it_was_checked(local_ds, shard_names, 
         ds = StreamingDataset(server.url, decode=None, fields=("__key__", "jpg"), cache_dir=str(cache_dir),
                               cache_limit="1GB", prefetch=prefetch)
         assert {key: hashlib.sha256(jpg).hexdigest() for key, jpg in ds} == jpg_digests
-        victim = cached_file(cache_dir, shard_names[0])
-        with open(victim, "r+b") as f:  # in place: same inode, size and (nearly) mtime
-            f.seek(victim.stat().st_size // 2)
-            byte = f.read(1)
-            f.seek(-1, 1)
-            f.write(bytes([byte[0] ^ 0xFF]))
+        _flip_a_byte(cached_file(cache_dir, shard_names[0]))  # in place: same inode, size and (nearly) mtime
         ds.set_epoch(1)
         assert {key: hashlib.sha256(jpg).hexdigest() for key, jpg in ds} == jpg_digests
         assert server.gets(shard_names[0]) == 2 and server.gets(shard_names[1]) == 1
-
-
-def _flip_a_byte(path: Path) -> None:
-    """Damage a cached copy in place: same inode and size."""
-    with open(path, "r+b") as f:
-        f.seek(path.stat().st_size // 2)
-        byte = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([byte[0] ^ 0xFF]))
 
 
 def _open_within(cache, ref, timeout: float = 30):
