@@ -52,6 +52,7 @@ __all__ = [
     "rank_block_length",
     "chunks_of",
     "consumed_positions",
+    "left_out_positions",
     "consumed_samples",
     "remaining_after",
     "remaining_sequence",
@@ -319,6 +320,29 @@ def consumed_positions(n: int, layout: Layout, seed: int, epoch: int, delivered:
             order = yield_order(samples[w], layout, seed, epoch, rank, w, segment, emitted)
             taken.append(block[worker_positions(len(block), layout.workers, layout.chunk, w)[order]])
     return np.concatenate(taken) if taken else np.zeros(0, dtype=np.int64)
+
+
+def left_out_positions(n: int, layout: Layout, seed: int, epoch: int, segment: int = 0) -> np.ndarray:
+    """Positions in an epoch sequence of length `n` that `layout` never delivers in the
+    epoch: the tail ``partial="drop"`` leaves off the rank blocks, and what the last
+    partial batch that `drop_last` drops holds (one per rank: only a block's last chunk
+    is short), unless a padded repeat of it is delivered elsewhere."""
+    if not n:
+        return np.zeros(0, dtype=np.int64)
+    per_rank = rank_block_length(n, layout)
+    dropped = []  # positions in the (padded) rank blocks laid end to end
+    for rank in range(layout.world_size):
+        for w, s in enumerate(worker_samples(per_rank, layout)):
+            delivers = samples_of_items(items_of(s, layout), s, layout)
+            if delivers < s:  # the batch drop_last drops is the last the buffer emits: replayed whole
+                order = yield_order(s, layout, seed, epoch, rank, w, segment)[delivers:]
+                dropped.append(rank * per_rank + worker_positions(per_rank, layout.workers, layout.chunk, w)[order])
+    # Position k of the sequence appears in the blocks at k, k + n, ... (padding repeats
+    # from the start): it is left out when every appearance is dropped, or it has none.
+    total = per_rank * layout.world_size
+    appearances = total // n + (np.arange(n) < total % n)
+    hits = np.bincount(np.concatenate(dropped) % n, minlength=n) if dropped else np.zeros(n, dtype=np.int64)
+    return np.flatnonzero(hits == appearances)
 
 
 def consumed_samples(sequence: np.ndarray, layout: Layout, seed: int, epoch: int, delivered: int,

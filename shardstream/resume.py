@@ -9,8 +9,11 @@ for all.
 An epoch may pass through several layouts (a job restarted with another world size or
 worker count). Each finished part is a `Segment`: the layout and how far it got. The
 samples it consumed are recomputed from the plan and removed from the epoch sequence;
-the next layout plans the rest. With the same layout, resumption is exact: the same
-items, bit for bit, as the uninterrupted run.
+the next layout plans the rest. What a finished layout would never have delivered in
+the epoch (`partial="drop"`'s tail, a batch `drop_last` drops) counts as consumed too,
+so a resumed epoch yields only samples the uninterrupted run would have, and a state
+taken at an epoch's end leaves nothing of it to any layout. With the same layout,
+resumption is exact: the same items, bit for bit, as the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from .errors import ShardstreamError
-from .plan import PARTIAL, Layout, consumed_positions, rank_block_length, remaining_after, worker_items
+from .plan import PARTIAL, Layout, consumed_positions, left_out_positions, rank_block_length, remaining_after, worker_items
 from .roundrobin import EndlessDeal
 
 if TYPE_CHECKING:
@@ -34,7 +37,10 @@ if TYPE_CHECKING:
 __all__ = ["ResumeState", "Segment", "SequenceAfter", "check_counts", "current_place", "current_sequence", "endless_deal", "finished_before",
            "endless_onto", "endless_place", "fingerprint", "sequence_after"]
 
-STATE_VERSION = 1
+STATE_VERSION = 2
+# Version 1 states are read as they were written: their segments' left-out samples
+# remain for the layouts after them (`Segment.spends_left_out`).
+READ_VERSIONS = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -44,29 +50,36 @@ class Segment:
     # Items each plan worker handed over, where `delivered` alone does not say (the
     # epoch an endless stream was resumed onto another layout in: see `endless_onto`).
     per_worker: tuple[int, ...] | None = None
+    # Whether what the layout never delivers in the epoch counts as consumed when a later
+    # layout reads the rest (`plan.left_out_positions`). False only for segments of
+    # version 1 states, taken when it did not: the layouts after them planned with it left.
+    spends_left_out: bool = True
 
     def to_dict(self) -> dict[str, Any]:
-        out = {"layout": asdict(self.layout), "delivered": self.delivered}
+        out: dict[str, Any] = {"layout": asdict(self.layout), "delivered": self.delivered}
         if self.per_worker is not None:
             out["per_worker"] = list(self.per_worker)
+        if not self.spends_left_out:
+            out["spends_left_out"] = False
         return out
 
     @classmethod
-    def from_dict(cls, raw: Any, field: str) -> "Segment":
-        """The segment stored at `field` of a resume state, each value checked (see `_int`)."""
+    def from_dict(cls, raw: Any, field: str, version: int = STATE_VERSION) -> "Segment":
+        """The segment stored at `field` of a resume state of `version`, each value checked (see `_int`)."""
         raw = _dict(raw, field)
         layout = _layout(_entry(raw, "layout", field), f"{field}.layout")
         delivered = _int(_entry(raw, "delivered", field), f"{field}.delivered", minimum=0)
+        spends = version > 1 and _bool(raw.get("spends_left_out", True), f"{field}.spends_left_out")
         per_worker = raw.get("per_worker")
         if per_worker is None:
-            return cls(layout, delivered)
+            return cls(layout, delivered, spends_left_out=spends)
         counts = _list(per_worker, f"{field}.per_worker")
         done = tuple(_int(n, f"{field}.per_worker[{w}]", minimum=0) for w, n in enumerate(counts))
         if len(done) != layout.workers:
             raise _invalid(f"{field}.per_worker", f"one count per worker of its layout ({layout.workers})", per_worker)
         if sum(done) != delivered:
             raise _invalid(f"{field}.delivered", f"the sum of {field}.per_worker ({sum(done)})", delivered)
-        return cls(layout, delivered, done)
+        return cls(layout, delivered, done, spends)
 
 
 def fingerprint(counts: np.ndarray, names: list[str], checksums: bytes | None = None) -> str:
@@ -113,16 +126,17 @@ class ResumeState:
         `dataset` with its seed. Whether its counts fit in the epoch is `check_counts`'s part."""
         raw = _dict(raw, "the state")
         version = _int(_entry(raw, "version", ""), "version")
-        if version != STATE_VERSION:
-            raise ShardstreamError(f"resume state version {version} is not {STATE_VERSION}")
-        current = Segment.from_dict(_entry(raw, "current", ""), "current")
+        if version not in READ_VERSIONS:
+            raise ShardstreamError(f"resume state version {version} is not one of {READ_VERSIONS} (this "
+                                   f"shardstream reads those)")
+        current = Segment.from_dict(_entry(raw, "current", ""), "current", version)
         state = cls(
             dataset=_str(_entry(raw, "dataset", ""), "dataset"),
             # Any int: seeds and epochs are masked to 64 bits (plan.rng_for), and set_epoch takes any.
             seed=_int(_entry(raw, "seed", ""), "seed"),
             shuffle=_bool(_entry(raw, "shuffle", ""), "shuffle"),
             epoch=_int(_entry(raw, "epoch", ""), "epoch"),
-            finished=tuple(Segment.from_dict(s, f"finished[{i}]")
+            finished=tuple(Segment.from_dict(s, f"finished[{i}]", version)
                            for i, s in enumerate(_list(_entry(raw, "finished", ""), "finished"))),
             current=current,
             position=_position(raw.get("position"), current.layout.workers),
@@ -260,8 +274,11 @@ def sequence_after(sequence: np.ndarray, finished: tuple[Segment, ...], seed: in
     each segment reads what the segments before it left. `first` is the number of the first
     of them in the epoch (`sequence` is then what the ones before it left)."""
     for number, segment in enumerate(finished, first):
-        sequence = remaining_after(sequence, consumed_positions(
-            len(sequence), segment.layout, seed, epoch, segment.delivered, number, segment.per_worker))
+        n = len(sequence)
+        spent = consumed_positions(n, segment.layout, seed, epoch, segment.delivered, number, segment.per_worker)
+        if segment.spends_left_out:
+            spent = np.concatenate([spent, left_out_positions(n, segment.layout, seed, epoch, number)])
+        sequence = remaining_after(sequence, spent)
     return sequence
 
 

@@ -16,11 +16,14 @@ import pytest
 from shardstream.plan import (
     Layout,
     buffer_shuffle,
+    consumed_positions,
     consumed_samples,
     deal_chunks,
     epoch_block,
     epoch_sequence,
     items_of,
+    left_out_positions,
+    rank_block_length,
     read_order,
     remaining_sequence,
     rng_for,
@@ -527,6 +530,25 @@ def test_consumed_and_remaining_partition_the_epoch():
         if layout.batch_size is None or not layout.drop_last:
             assert set(remaining_sequence(seq, everything).tolist()) == set(seq.tolist()) - set(
                 blocks.reshape(-1).tolist())
+
+
+def test_left_out_positions_are_what_a_whole_epoch_never_delivers():
+    """Replayed alone (one worker's whole buffer where drop_last cuts its last batch), the
+    positions a layout leaves out are exactly those the whole epoch's deliveries miss,
+    padded repeats counted where they are delivered."""
+    rng = np.random.default_rng(11)
+    seen_out = 0
+    for _ in range(300):
+        counts = random_counts(rng)
+        layout = random_layout(rng)
+        seed, epoch, segment = int(rng.integers(0, 1000)), int(rng.integers(0, 4)), int(rng.integers(0, 3))
+        n = int(np.sum(counts))
+        items = sum(worker_items(rank_block_length(n, layout), layout))
+        delivered = set(consumed_positions(n, layout, seed, epoch, items, segment).tolist())
+        left_out = left_out_positions(n, layout, seed, epoch, segment).tolist()
+        assert left_out == sorted(set(range(n)) - delivered)
+        seen_out += bool(left_out)
+    assert seen_out > 30, "the random layouts leave samples out often enough to test"
 
 
 def test_samples_of_items():

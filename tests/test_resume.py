@@ -297,6 +297,87 @@ def test_elastic_resume_partial_drop(url, keys):
     assert len(keys - set(everything)) < 3
 
 
+# Layouts that leave samples out of an epoch: the tail that does not divide over ranks (21
+# over 2), the last partial batch of each rank (11 or 10 over batches of 4), or both.
+LEAVING_OUT = {"partial-drop": dict(partial="drop"), "drop-last": dict(batch_size=4, drop_last=True),
+               "both": dict(partial="drop", batch_size=4, drop_last=True)}
+
+
+def whole_epoch(url, world_size, workers, **opts):
+    """Every rank's keys of one uninterrupted epoch, through `workers` real DataLoader workers."""
+    return [D.flat(D.run(dataset(url, rank=rank, world_size=world_size, **opts), workers)) for rank in range(world_size)]
+
+
+def stopped(url, world_size, workers, k, **opts):
+    """Each rank's first `k` items through real DataLoader workers, as keys, and the state there."""
+    got, states = [], []
+    for rank in range(world_size):
+        ds = dataset(url, rank=rank, world_size=world_size, **opts)
+        got += D.flat(D.take(ds, workers, k))
+        states.append(ds.state_dict(delivered=k, num_workers=workers))
+    assert all(s == states[0] for s in states)
+    return got, json.loads(json.dumps(states[0]))
+
+
+def loaded(url, state, **opts):
+    """A fresh dataset that loaded `state`."""
+    ds = dataset(url, **opts)
+    ds.load_state_dict(state)
+    return ds
+
+
+@pytest.mark.parametrize("opts", LEAVING_OUT.values(), ids=LEAVING_OUT.keys())
+@pytest.mark.parametrize(("new_world", "new_workers"), [(1, 0), (3, 2)])
+def test_an_end_of_epoch_state_leaves_nothing_of_the_epoch_to_another_layout(url, opts, new_world, new_workers):
+    """Regression: with partial="drop" or drop_last, a state taken at an epoch's end and resumed
+    onto another world size yielded what the old layout had left out, as extra batches of a
+    finished epoch (where the new layout did not drop them in turn: one rank)."""
+    full = whole_epoch(url, 2, 2, **opts)
+    assert N - sum(map(len, full)) > 0, "the layout leaves samples out"
+    _, state = stopped(url, 2, 2, len(dataset(url, rank=0, world_size=2, **opts)), **opts)
+    for rank in range(new_world):
+        ds = loaded(url, state, rank=rank, world_size=new_world, **opts)
+        assert len(ds) == 0 and D.run(ds, new_workers) == [], "the epoch was complete"
+        assert D.flat(D.run(ds, new_workers)) == whole_epoch(url, new_world, new_workers, **opts)[rank], \
+            "the next pass is whole"
+
+
+@pytest.mark.parametrize("opts", LEAVING_OUT.values(), ids=LEAVING_OUT.keys())
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize(("new_world", "new_workers"), [(3, 0), (1, 2)])
+def test_a_resumed_epoch_yields_only_what_the_uninterrupted_one_would(url, opts, k, new_world, new_workers):
+    """Interrupted mid-epoch and resumed onto another layout, the epoch yields each sample at most
+    once, and only samples the uninterrupted run would have yielded; it leaves out no more than
+    the new layout's own dropping does."""
+    delivers = {key for rank in whole_epoch(url, 2, 2, **opts) for key in rank}
+    got, state = stopped(url, 2, 2, k, **opts)
+    rest = [D.flat(D.run(loaded(url, state, rank=rank, world_size=new_world, **opts), new_workers))
+            for rank in range(new_world)]
+    everything = got + [key for r in rest for key in r]
+    assert len(everything) == len(set(everything)), "nothing twice"
+    assert set(everything) <= delivers, "nothing the uninterrupted epoch leaves out"
+    assert len({len(r) for r in rest}) == 1, "equal ranks"
+    # The new layout leaves out at most its own tail (< new_world) and a partial batch per rank.
+    own = (new_world - 1 if opts.get("partial") == "drop" else 0) + new_world * (3 if opts.get("drop_last") else 0)
+    assert len(delivers) - len(everything) <= own
+
+
+def test_a_version_1_state_reads_as_it_was_written(url):
+    """A state of version 1 (before left-out samples counted as consumed) leaves its layout's
+    left-out samples to the layouts after it, as the shardstream that wrote it did, and keeps
+    doing so through a further checkpoint, so that the later layout continues exactly."""
+    opts = LEAVING_OUT["drop-last"]
+    _, state = stopped(url, 2, 2, 1, **opts)
+    old = {**state, "version": 1}  # what an earlier shardstream wrote for the same run
+    assert len(loaded(url, old, **opts)) > len(loaded(url, state, **opts)), "the versions read differently"
+    rest = [D.freeze(item) for item in loaded(url, old, **opts)]
+    ds = loaded(url, old, **opts)
+    head = D.take_main(ds, 1)
+    again = json.loads(json.dumps(ds.state_dict()))
+    assert again["version"] == 2 and again["finished"][0]["spends_left_out"] is False
+    assert head + [D.freeze(item) for item in loaded(url, again, **opts)] == rest, "continues exactly"
+
+
 # -- the state itself ----------------------------------------------------------------------------------------
 
 
