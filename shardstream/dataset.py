@@ -430,8 +430,8 @@ class StreamingDataset(Checkpointing, IterableDataset):
         samples = read_samples(source, mine[needed], self.counts(), self.prefetch, self._cache,
                                tolerant=self.on_error.mode == "skip", head_start=head_start, next_ids=next_ids)
         ordered = reorder(zip(needed.tolist(), samples), remaining)
-        prep = SamplePrep(self._decoder, self.transform, self.fields, self.seed, part.epoch,
-                          get_worker_info() is not None, self._ahead, self.decode_threads)
+        prep = SamplePrep(self._decoder, self.transform, self.fields, self.seed, part.epoch, self._ahead,
+                          self.decode_threads)
         ids = mine[remaining].tolist()
         on_skip = lambda: self._shared.add_skip(world.worker)  # noqa: E731
         if self.decode_threads:
@@ -440,6 +440,8 @@ class StreamingDataset(Checkpointing, IterableDataset):
             items = guarded(zip(ordered, ids), lambda pair: prep(*pair), self.on_error, len(mine), on_skip)
         if self.batch_size is not None:
             items = prep.batched(items, ids, self.batch_size, self.drop_last, self.collate_fn)
+        if get_worker_info() is None:  # the training loop's process: its own random numbers stay its own
+            items = prep.in_callers_process(items, self.collate_fn if self.batch_size is not None else None)
         return items
 
     def _endless(self, world: World, plan: RankPlan, first: WorkerEpoch) -> Iterator[Any]:

@@ -32,15 +32,16 @@ from .errors import MissingFieldError, ShardstreamError, add_note
 from .threads import ordered_map
 from .transforms import CenterCropJPEG, RandomResizedCropJPEG
 
-__all__ = ["SamplePrep", "batches", "sample_seed"]
+__all__ = ["SamplePrep", "batches", "keeping_callers_generators", "sample_seed"]
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplePrep:
     """How to prepare a sample: its decoding, transform and fields, and the seed of its draws.
 
-    `in_worker` says whether this runs in a DataLoader worker; in the main process the
-    caller's generator state is put back after each sample.
+    Preparing leaves the generators as the last sample's draws left them; in the training
+    loop's own process, `keeping_callers_generators` puts the loop's states back around
+    each item.
     """
 
     decoder: Decoder
@@ -48,7 +49,6 @@ class SamplePrep:
     fields: Sequence[str] | None
     seed: int
     epoch: int
-    in_worker: bool
     ahead: DecodeAhead | None = None  # with `decode_threads`
     decode_threads: int = 0
 
@@ -82,12 +82,21 @@ class SamplePrep:
         images = self.decoder.images
         return self.transform is not None or (callable(images) and not isinstance(images, _OWN_DECODES))
 
+    def in_callers_process(self, items: Iterator[Any], collate: Callable[[list[Any]], Any] | None) -> Iterator[Any]:
+        """`items` (prepared by this, collated by `collate` if batched) as the training
+        loop's own process takes them: where anything draws, with the loop's generator states
+        put back around each (`keeping_callers_generators`)."""
+        python_too = self.runs_user_code or (collate is not None and collate not in _OWN_COLLATES)
+        if not (self.draws or python_too):
+            return items
+        return keeping_callers_generators(items, python_too)
+
     def _seeded(self, sample_id: int, torch_only: bool = False) -> contextlib.AbstractContextManager[None]:
         # The CPU generator only: torch.manual_seed also queues CUDA seeding, which costs
         # ~0.8 ms per call, as much as decoding a small image.
         seed = sample_seed(self.seed, self.epoch, sample_id)
         python_seed = seed if self.runs_user_code and not torch_only else None
-        return _generators_as(lambda generator: generator.manual_seed(seed), python_seed, self.in_worker)
+        return _generators_as(lambda generator: generator.manual_seed(seed), python_seed)
 
     def batched(self, items: Iterator[Any], ids: Sequence[int], size: int, drop_last: bool,
                 collate: Callable[[list[Any]], Any]) -> Iterator[Any]:
@@ -102,9 +111,9 @@ class SamplePrep:
                 yield collate(batch)
                 continue
             seed = sample_seed(self.seed, self.epoch, hash(tuple(ids[k * size : (k + 1) * size])) & _MASK63)
-            with _generators_as(lambda generator: generator.manual_seed(seed), seed, self.in_worker):
+            with _generators_as(lambda generator: generator.manual_seed(seed), seed):
                 out = collate(batch)
-            yield out  # outside: the consumer's own draws are not ours
+            yield out
 
     def _picked(self, sample: dict[str, Any]) -> Any:
         if self.fields is None:
@@ -162,7 +171,7 @@ class SamplePrep:
             # caller's own state comes back).
             state = staged.state
             python_seed = sample_seed(self.seed, self.epoch, staged.sample_id) if self.runs_user_code else None
-            with _generators_as(lambda generator: generator.set_state(state), python_seed, self.in_worker):
+            with _generators_as(lambda generator: generator.set_state(state), python_seed):
                 if self.transform is not None:
                     sample = _transformed(self.transform, sample)
         return self._picked(sample)
@@ -192,23 +201,39 @@ _OWN_COLLATES = (default_collate, pad_collate)
 _MASK63 = (1 << 63) - 1
 
 
+def keeping_callers_generators(items: Iterator[Any], python_too: bool) -> Iterator[Any]:
+    """`items`, with the caller's generators (torch's CPU one; with `python_too`, Python's
+    and numpy's global ones too) put back as they were each time one is handed over, so
+    that the training loop's own random numbers do not depend on ours: for an iteration
+    in the loop's own process. Saved and put back once an item (a whole batch where the
+    dataset batches), not once a sample: Python's and numpy's states cost about 130 us
+    a sample to save and put back, a few percent of an image's preparation."""
+    pending = iter(items)
+    try:
+        while True:
+            saved = _generator_states(python_too)
+            try:
+                item = next(pending)
+            except StopIteration:
+                return
+            finally:
+                _restore_generators(*saved)
+            yield item
+    finally:
+        close = getattr(pending, "close", None)
+        if close is not None:  # a loop that stops early ends the reading now, not at collection
+            close()
+
+
 @contextlib.contextmanager
-def _generators_as(setup: Callable[[torch.Generator], Any], python_seed: int | None, in_worker: bool
-                   ) -> Iterator[None]:
+def _generators_as(setup: Callable[[torch.Generator], Any], python_seed: int | None) -> Iterator[None]:
     """torch's CPU generator set up for a sample, and with `python_seed` Python's and numpy's
-    global generators seeded; in the main process the caller's states are put back after, so
-    that the training loop's own random numbers do not depend on ours."""
-    generator = torch.default_generator
-    saved = None if in_worker else _generator_states(python_seed is not None)
-    setup(generator)
+    global generators seeded (`keeping_callers_generators` puts the caller's back)."""
+    setup(torch.default_generator)
     if python_seed is not None:
         random.seed(python_seed)
         np.random.seed(python_seed & 0xFFFFFFFF)  # numpy's legacy seeding takes 32 bits
-    try:
-        yield
-    finally:
-        if saved is not None:
-            _restore_generators(*saved)
+    yield
 
 
 def _generator_states(python_too: bool) -> tuple[torch.Tensor, Any, Any]:

@@ -634,7 +634,7 @@ def test_samples_are_seeded_only_where_something_can_draw(packed):
     from shardstream.prepare import SamplePrep
 
     def prep(decode, transform=None, allow_pickle=False):
-        return SamplePrep(Decoder(decode, allow_pickle), transform, None, 0, 0, False)
+        return SamplePrep(Decoder(decode, allow_pickle), transform, None, 0, 0)
 
     assert not prep(None).draws and not prep("rgb8").draws and not prep("pil").draws
     assert prep(shardstream.RandomResizedCropJPEG(8)).draws and prep("rgb8", transform=lambda s: s).draws
@@ -679,6 +679,37 @@ def test_python_and_numpy_draws_are_seeded_per_sample_too(packed, num_workers):
     assert len(python) == len(numpy) == len(plain) > 10
     later = draws(seed=1)
     assert later.keys() == plain.keys() and all(later[k][1:] != plain[k][1:] for k in plain)
+
+
+@pytest.mark.parametrize("batch_size", [None, 4])
+def test_the_loops_own_draws_between_items_are_its_own(packed, batch_size):
+    """In the main process, a loop that draws from torch's, Python's and numpy's generators
+    between the items it takes (and stops early) draws what it would with no dataset at all:
+    the dataset's per-sample seeding is put back around every item, a whole batch or a sample,
+    and a transform's draws stay per sample whatever the batching."""
+    def loop(take: int | None) -> tuple[list, list]:
+        torch.manual_seed(5), random.seed(5), np.random.seed(5)
+        ds = StreamingDataset(packed, decode=None, transform=_draws_everywhere, batch_size=batch_size,
+                              collate_fn=list if batch_size else None)
+        items, own = [], []
+        for item in ds:
+            items.extend(item if batch_size else [item])
+            own.append((torch.rand(1).item(), random.random(), float(np.random.rand())))
+            if len(own) == take:
+                break
+        own.append((torch.rand(1).item(), random.random(), float(np.random.rand())))  # after the loop
+        return items, own
+
+    def alone(n: int) -> list:
+        torch.manual_seed(5), random.seed(5), np.random.seed(5)
+        return [(torch.rand(1).item(), random.random(), float(np.random.rand())) for _ in range(n)]
+
+    items, own = loop(None)
+    assert own == alone(len(own)) and len(own) > 3
+    early, own = loop(2)
+    assert own == alone(3) and early == items[:len(early)]
+    per_sample = {key: rest for key, *rest in loop(None)[0]}
+    assert per_sample == {key: rest for key, *rest in StreamingDataset(packed, decode=None, transform=_draws_everywhere)}
 
 
 def _mixup_keys(items: list) -> tuple:
