@@ -157,7 +157,21 @@ class Checkpointing:
                                  f"before the resume onto this layout, and {delivered} is fewer "
                                  "(resumed_items() says how many came before this pass)")
             segment = delivered - earlier
+        loaded = self._resumed_from(world)
+        if segment == 0 and loaded is not None:
+            # Nothing read in this layout yet (a checkpoint right after a restart): the state is
+            # the one loaded. Made again, it would end with an empty segment of this layout, and
+            # resuming it onto the loaded layout would no longer continue that one exactly.
+            return loaded.to_dict()
         return ResumeState.current_of(self, world, segment).to_dict()
+
+    def _resumed_from(self, world: World) -> ResumeState | None:
+        """The state the reading with `world`'s layout resumed from (`_state_resume`), as loaded:
+        an endless stream's not re-expressed for this layout; None for a worker's own state."""
+        resume = self._state_resume(world)
+        if resume is not None and self._translated is not None and resume is self._translated[2]:
+            resume = self._translated[0]
+        return resume if resume is not None and resume.position is None else None
 
     def _earlier_layouts_items(self, world: World) -> int:
         """Items of the current epoch delivered in layouts before the current one (the resumed

@@ -276,7 +276,7 @@ def sequence_after(sequence: np.ndarray, finished: tuple[Segment, ...], seed: in
     for number, segment in enumerate(finished, first):
         n = len(sequence)
         spent = consumed_positions(n, segment.layout, seed, epoch, segment.delivered, number, segment.per_worker)
-        if segment.spends_left_out:
+        if segment.spends_left_out and segment.delivered:  # a layout that delivered nothing left nothing out
             spent = np.concatenate([spent, left_out_positions(n, segment.layout, seed, epoch, number)])
         sequence = remaining_after(sequence, spent)
     return sequence

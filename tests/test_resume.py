@@ -378,6 +378,50 @@ def test_a_version_1_state_reads_as_it_was_written(url):
     assert head + [D.freeze(item) for item in loaded(url, again, **opts)] == rest, "continues exactly"
 
 
+@pytest.mark.parametrize("endless", [False, True])
+def test_a_state_taken_right_after_loading_onto_another_layout_is_the_loaded_one(url, endless):
+    """Regression: a checkpoint right after a restart onto another layout (no step taken)
+    described an empty segment of the new layout after the loaded one. Resumed onto the loaded
+    layout, that state no longer continued it exactly; and since left-out samples count as
+    consumed, the empty segment's left-out was lost as well. An endless stream's state came back
+    re-expressed for the new layout, with the same result."""
+    opts = dict(LEAVING_OUT["drop-last"], **({"sampling": shardstream.Sampling(resampled=True)} if endless else {}))
+
+    def loader(workers, state=None):
+        made = shardstream.DataLoader(dataset(url, **opts), num_workers=workers, persistent_workers=False)
+        if state is not None:
+            made.load_state_dict(state)
+        return made
+
+    def first(made, k):
+        it = iter(made)
+        try:
+            return [D.freeze(next(it)) for _ in range(k)]
+        finally:
+            it.close()
+
+    full = first(loader(2), 4)
+    made = loader(2)
+    head = first(made, 1)
+    state = json.loads(json.dumps(made.state_dict()))
+    again = json.loads(json.dumps(loader(0, state).state_dict()))  # restarted in one process, checkpointed at once
+    assert again == state
+    assert head + first(loader(2, again), 3) == full, "the loaded layout continues exactly"
+
+
+def test_an_earlier_layout_that_delivered_nothing_leaves_nothing_out(url):
+    """A state whose earlier layout delivered nothing (as shardstream wrote right after a restart
+    before the fix above) resumes onto the same samples as the state before it: that layout
+    consumed nothing, and what it would have left out is not spent."""
+    opts = LEAVING_OUT["both"]
+    _, state = stopped(url, 2, 2, 1, **opts)
+    empty = {**state["current"], "layout": {**state["current"]["layout"], "world_size": 3, "workers": 1},
+             "delivered": 0}
+    with_empty = {**state, "finished": [state["current"]], "current": empty}
+    rest = D.flat(loaded(url, state, **opts))
+    assert rest and sorted(D.flat(loaded(url, with_empty, **opts))) == sorted(rest)  # a later segment: its own order
+
+
 # -- the state itself ----------------------------------------------------------------------------------------
 
 
