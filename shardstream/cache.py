@@ -10,8 +10,9 @@ processes:
   lock (`NAME.dl`); a second process (or thread) finding the copy absent waits for that
   lock, then finds the copy there. A download waits for nothing a reader holds, so no
   process waits on another that waits on it, nor on itself: a copy found damaged while
-  others read it, in this process or another, is downloaded again and renamed over it,
-  and they read the old file until they let go of it.
+  others read it, in this process or another, is downloaded again and renamed over it;
+  their next reads open the file by its name, so they read the new copy (the same bytes,
+  whole again), and none of them is waited for.
 * **No torn files.** Shards are downloaded under a temporary name, verified against
   the manifest's SHA-256 (downloaded again on a mismatch, `DOWNLOAD_ATTEMPTS` times in
   all, then an error naming the file), and renamed into place.
@@ -62,7 +63,7 @@ import weakref
 from dataclasses import dataclass, replace
 from typing import BinaryIO, Callable, Iterator
 
-from .cacheroom import Room, names_file
+from .cacheroom import Room, names_file, writing as _writing
 from .cancel import pause
 from .errors import ShardstreamError, StorageError
 from .format import INDEX_SUFFIX
@@ -151,7 +152,8 @@ class ShardCache:
         path = self.path(ref)
         lock = self._acquire(path, ref)
         try:
-            os.utime(path)  # most recently used
+            with _writing(path):
+                os.utime(path)  # most recently used
         except BaseException:
             lock.close()
             raise
@@ -173,7 +175,8 @@ class ShardCache:
         that is still the file at its path.
         """
         assert ref.info is not None
-        lock = _shared_lock(path + ".lock")
+        with _writing(path + ".lock"):
+            lock = _shared_lock(path + ".lock")
         try:
             if self._check(path, ref):
                 io_stats.add(cache_hits=1)
@@ -183,6 +186,8 @@ class ShardCache:
                     io_stats.add(cache_misses=1)
                     self._download(ref, path)
                     _verified.add(path)
+                else:
+                    io_stats.add(cache_hits=1)
             return lock
         except BaseException:
             lock.close()
@@ -244,7 +249,7 @@ class ShardCache:
             # Both land once both are here, in one turn (a walk sees each file under one name or
             # the other): a shard is of no use without its index (`_present`), and one landed
             # alone, its download failing after, would hold its room until a later walk. Over a
-            # damaged copy that others still read, the rename leaves them the old file.
+            # damaged copy that others still read, they read the new one from their next read on.
             with self.room.turn():
                 for (_, name, _, _), (part, _) in zip(files, parts):
                     with _writing(part):
@@ -292,7 +297,8 @@ def _shared_lock(path: str) -> BinaryIO:
 def _download_lock(path: str, url: str) -> Iterator[None]:
     """Hold the download lock at `path` (made if absent) exclusively. Taken only while the
     shard's lock file is held shared, which keeps walks from deleting either (`_evict`)."""
-    lock = open(path, "a+b", buffering=0)  # see _locks
+    with _writing(path):
+        lock = open(path, "a+b", buffering=0)  # see _locks
     _locks.add(lock)
     try:
         _take(lock, fcntl.LOCK_EX, path, lambda waited: log.warning(
@@ -343,18 +349,6 @@ def _reserve(folder: str, name: str, size: int) -> tuple[str, BinaryIO]:
         raise
     _locks.add(f)  # a forked child closes its copy (see `_after_fork_in_child`)
     return part, f
-
-
-@contextlib.contextmanager
-def _writing(path: str) -> Iterator[None]:
-    """The cache's own disk failing (full, quota, I/O error) raises a `StorageError` naming
-    the cache's file, not a bare OSError, which said neither where nor that it was the cache."""
-    try:
-        yield
-    except ShardstreamError:
-        raise
-    except OSError as error:
-        raise StorageError(f"cannot write the cache: {error.strerror or error}", url=path) from error
 
 
 def _download_into(store: Store, name: str, size: int, digest: str, f: BinaryIO, part: str) -> bool:

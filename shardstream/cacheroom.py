@@ -21,12 +21,14 @@ import time
 from dataclasses import dataclass
 from typing import BinaryIO, Iterator
 
+from .errors import ShardstreamError, StorageError
+
 try:
     import fcntl
 except ImportError:  # Windows: the cache is not offered there (`ShardCache`)
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["Room", "names_file", "ROOM_LOCK", "OVER_LIMIT", "LEDGER"]
+__all__ = ["Room", "names_file", "writing", "ROOM_LOCK", "OVER_LIMIT", "LEDGER"]
 
 # A live download writes its file a `cache.CHUNK` at a time. One try of a 16 MB read may take 350 s
 # on a slow link (`deadlines.deadline_s`, counted in its share of the time when reads
@@ -82,15 +84,23 @@ class Room:
     @contextlib.contextmanager
     def turn(self) -> Iterator[None]:
         """Hold the cache's room lock: across threads by `_room`, across processes by `lockf`."""
-        with _room, open(os.path.join(self.root, ROOM_LOCK), "a+b") as lock:
-            fcntl.lockf(lock, fcntl.LOCK_EX)
-            yield  # closing the file lets go of the lock
+        path = os.path.join(self.root, ROOM_LOCK)
+        with _room:
+            with writing(path):
+                lock = open(path, "a+b")
+            with lock:
+                fcntl.lockf(lock, fcntl.LOCK_EX)
+                yield  # closing the file lets go of the lock
 
     def make(self, incoming: int) -> None:
         """Make room for `incoming` more bytes, which the caller then reserves (0: only
         trim). Where the ledger, less than `LEDGER_TRUST_S` old, shows room for them, count
         them in it; else walk the cache (`walk`) and start the ledger anew from what it
         counted. Called in `turn`."""
+        with writing(self.root):
+            self._make(incoming)
+
+    def _make(self, incoming: int) -> None:
         ledger = _read_ledger(self.root)
         if incoming and ledger is not None:
             counted, walked = ledger
@@ -188,6 +198,20 @@ class Room:
                 except FileNotFoundError:
                     pass
             return True
+
+
+@contextlib.contextmanager
+def writing(path: str) -> Iterator[None]:
+    """The cache's own disk failing (full, read-only, quota, I/O error) raises a `StorageError`
+    naming the cache's file (the one the error names, else `path`), not a bare OSError, which
+    said neither where nor that it was the cache."""
+    try:
+        yield
+    except ShardstreamError:
+        raise
+    except OSError as error:
+        raise StorageError(f"cannot write the cache: {error.strerror or error}",
+                           url=str(error.filename) if error.filename else path) from error
 
 
 def _read_ledger(root: str) -> tuple[int, float] | None:

@@ -102,14 +102,20 @@ class Readers:
             self.cache.trim()  # shards in use may have pushed it over its limit: back under it now
         del entry
 
-    def heal(self, shard: int) -> None:
-        """Drop `shard`'s cached copy, found damaged on disk after it was checked: the
-        next `get` hashes it again, and downloads it again when the hash says so. Its lock
-        is held until then (as `hold` holds one), so that the shard is not evicted under
-        another thread reading a piece of it; the download does not wait for it (cache.py)."""
+    def heal(self, shard: int, damaged: ShardReader | StreamTarReader) -> None:
+        """Drop `shard`'s cached copy, which `damaged` (its reader) found damaged on disk after
+        it was checked: the next `get` hashes it again, and downloads it again when the hash
+        says so. Its lock is held until then (as `hold` holds one), so that the shard is not
+        evicted under another thread reading a piece of it; the download does not wait for it
+        (cache.py). Where another thread reading a piece of it healed it first, the shard is
+        being opened anew already: dropping that entry too would open it twice, and the
+        first of the two locks would be held to the end of the iteration."""
         assert self.cache is not None
-        self.cache.forget(self.source.shards[shard])
         with self._guard:
+            current = self._entries.get(shard)
+            if current is None or current[1] is not damaged:
+                return
+            self.cache.forget(self.source.shards[shard])
             entry = self._entries.pop(shard, None)
             lock = self._shard_locks.pop(shard, None)
             if lock is not None and shard not in self._held:
@@ -298,13 +304,14 @@ def _read_healing(read: Any, readers: Readers, shard: int, a: int, b: int) -> It
         yield from read(readers.get(shard), a, b)
         return
     done = 0
+    reader = readers.get(shard)  # opening finds no damage: the copy is hashed (or trusted) there, read here
     try:
-        for sample in read_whole(readers.get(shard), a, b):
+        for sample in read_whole(reader, a, b):
             yield sample
             done += 1
         return
     except (CorruptShardError, CorruptIndexError):
-        readers.heal(shard)
+        readers.heal(shard, reader)
     yield from read(readers.get(shard), a + done, b)
 
 

@@ -44,6 +44,11 @@ from shardstream.format import MANIFEST_NAME, ShardIndex
 from shardstream.policy import ErrorPolicy, TooManyErrors
 from shardstream.synthetic import synthetic_jpeg
 
+try:  # tests/ may or may not be a package
+    from ._mounts import remount, tmpfs
+except ImportError:
+    from _mounts import remount, tmpfs
+
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
 CHILD_TIMEOUT = 120  # seconds: generous for a loaded 2-core machine; a hang still fails
@@ -256,22 +261,6 @@ def clean_pack(pack_source, tmp_path_factory) -> Path:
     return dst
 
 
-@contextlib.contextmanager
-def tmpfs(path: Path, size: int):
-    """A tmpfs of `size` bytes at `path`; skips the test where mounting is not permitted."""
-    path.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
-                          text=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.strip() or proc.returncode}); the RLIMIT_FSIZE "
-                    "variant covers a full disk")
-    try:
-        yield path
-    finally:
-        if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(path)], capture_output=True)
-
-
 def _pack_into_small_tmpfs(pack_source: Path, clean_pack: Path, tmp_path: Path, fraction: float, workers: int):
     total = sum(len(b) for b in visible_files(clean_pack).values())
     size = max(4096, int(total * fraction) // 4096 * 4096)
@@ -283,7 +272,7 @@ def _pack_into_small_tmpfs(pack_source: Path, clean_pack: Path, tmp_path: Path, 
         shards = assert_no_partial_dataset(dst)
         leftovers = leftover_parts(dst)
         # Room again (the disk was cleaned up): resuming finishes the same dataset.
-        subprocess.run(["mount", "-o", f"remount,size={4 * total + (1 << 20)}", str(mount)], check=True)
+        remount(mount, f"size={4 * total + (1 << 20)}")
         shardstream.pack(str(pack_source), str(dst), workers=workers, resume=True, **PACK_OPTS)
         resumed = visible_files(dst)
         hidden = sorted(p.name for p in dst.iterdir() if p.name.startswith("."))

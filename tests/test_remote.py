@@ -53,10 +53,12 @@ from shardstream.testing import Faults, MotoS3Server
 try:  # tests/ may or may not be a package
     from . import _data as D
     from . import _remote_helpers as H
+    from ._mounts import remount, tmpfs
     from .test_http_ranges import _Served, serving
 except ImportError:
     import _data as D
     import _remote_helpers as H
+    from _mounts import remount, tmpfs
     from test_http_ranges import _Served, serving
 
 IMAGES_PER_CLASS = [7, 9, 5]
@@ -1716,7 +1718,7 @@ def test_a_process_opening_again_a_shard_it_holds_whose_copy_went_fetches_it(loc
 def test_a_copy_another_process_reads_and_this_one_finds_damaged_is_replaced_without_waiting(local_ds, tmp_path):
     """Regression: a process that found a cached copy damaged waited for every other reader of it to let go
     before fetching it again: with DDP, a rank holding the shard for its epoch held up another rank until
-    the collective timed out. The good copy is now renamed over the damaged one, which the reader keeps."""
+    the collective timed out. The good copy is now renamed over the damaged one, and the reader reads on."""
     from shardstream.cache import ShardCache
 
     cache_dir = tmp_path / "cache"
@@ -1744,7 +1746,7 @@ def test_a_copy_another_process_reads_and_this_one_finds_damaged_is_replaced_wit
             assert path.read_bytes() == Path(local_ds, ref.name).read_bytes()
             other.stdin.write("\n")
             other.stdin.flush()
-            assert other.stdout.readline().strip() == "2"  # the other reader still reads its file
+            assert other.stdout.readline().strip() == "2"  # the other reader reads on (the new copy)
         finally:
             other.kill()
             other.wait(timeout=30)
@@ -2023,6 +2025,85 @@ def test_an_open_ahead_that_comes_after_its_shard_was_read_is_dropped(local_ds, 
             readers.close()
 
 
+def _locked_by_someone(path: Path) -> bool:
+    """Whether some open file holds an flock on `path` (an exclusive try of our own fails)."""
+    import fcntl
+
+    with open(path, "rb") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        return False
+
+
+def test_two_threads_healing_one_shard_open_it_once(local_ds, tmp_path):
+    """Regression: two piece threads of one shard both failed on its damaged copy; the second's heal
+    dropped the entry the first one's re-open was filling, so the shard was opened twice, and the
+    first of the two locks stayed held after the shard was released: not evictable, the cache over
+    its limit, to the iteration's end. A heal now drops only the reader that failed."""
+    from shardstream.cache import ShardCache
+    from shardstream.stream import Readers
+
+    with H.CountingHTTPServer(local_ds, latency_s=0.3) as server:
+        source = shardstream.open_dataset(server.url)
+        cache = ShardCache(str(tmp_path / "cache"), 1)  # smaller than a shard: only shards in use stay
+        readers = Readers(source, cache)
+        try:
+            damaged = readers.get(0)
+            path = Path(cache.path(source.shards[0]))
+            _flip_a_byte(path)
+            readers.heal(0, damaged)  # the first thread's
+            first = threading.Thread(target=readers.get, args=(0,))
+            first.start()
+            deadline = time.monotonic() + 30
+            while not (path.parent / (path.name + ".dl")).exists() or not _locked_by_someone(
+                    path.parent / (path.name + ".dl")):
+                assert time.monotonic() < deadline, "the first thread's download did not start"
+                time.sleep(0.01)
+            readers.heal(0, damaged)  # the second thread's, on the same damaged reader, mid-download
+            again = readers.get(0)
+            first.join(30)
+            assert readers.get(0) is again and server.gets(source.shards[0].name) == 2
+            readers.release(0)
+            assert not path.exists() or not _locked_by_someone(Path(str(path) + ".lock")), \
+                "released, the shard is no longer held"
+        finally:
+            readers.close()
+
+
+def test_an_open_that_waited_for_another_download_counts_a_hit(local_ds, tmp_path):
+    """Regression: an open that found no good copy, waited for another process's download of it,
+    and then found the copy there counted neither a cache hit nor a miss."""
+    from shardstream.cache import ShardCache
+
+    cache_dir = tmp_path / "cache"
+    with H.CountingHTTPServer(local_ds, latency_s=0.5) as server:
+        code = textwrap.dedent(f"""
+            import shardstream
+            from shardstream.cache import ShardCache
+            ref = shardstream.open_dataset({server.url!r}).shards[0]
+            ShardCache({str(cache_dir)!r}, 1 << 30).open(ref)[1].close()
+        """)
+        ref = shardstream.open_dataset(server.url).shards[0]
+        path = Path(ShardCache(str(cache_dir), 1 << 30).path(ref))
+        dl = path.parent / (path.name + ".dl")
+        other = subprocess.Popen([sys.executable, "-c", code])
+        try:
+            deadline = time.monotonic() + 60
+            while not dl.exists() or not _locked_by_someone(dl):
+                assert time.monotonic() < deadline and other.poll() is None, "the other download did not start"
+                time.sleep(0.01)
+            before = io_stats.snapshot()
+            _, lock = ShardCache(str(cache_dir), 1 << 30).open(ref)
+            lock.close()
+            after = io_stats.snapshot()
+            assert (after["cache_hits"] - before["cache_hits"], after["cache_misses"] - before["cache_misses"]) == (1, 0)
+            assert server.gets(ref.name) == 1
+        finally:
+            other.wait(timeout=60)
+
+
 def test_a_forked_process_does_not_hold_the_cache_locks_of_its_parent(local_ds, tmp_path):
     """A DataLoader forked while this process held a cached shard (a head start's, between epochs) kept a copy of
     the lock file, and an flock is held while any copy is open: the shard stayed pinned for the worker's life."""
@@ -2145,6 +2226,52 @@ def test_a_cache_on_a_full_disk_says_so_naming_its_file(local_ds, tmp_path):
     assert run.stdout.startswith("StorageError") and "cannot write the cache" in run.stdout, run.stdout
     assert str(tmp_path / "cache") in run.stdout
     assert not list((tmp_path / "cache").rglob("*.part")), "the failed download's reserved files were left"
+
+
+def _fill(folder: Path) -> None:
+    """Take every byte and inode left on the file system of `folder`."""
+    n = 0
+    try:
+        with open(folder / "filler", "wb") as f:
+            while True:
+                f.write(b"\0" * (1 << 16))
+    except OSError:
+        pass
+    try:
+        while True:
+            (folder / f"filler{n}").touch()
+            n += 1
+    except OSError:
+        pass
+
+
+@pytest.mark.parametrize("how", ["out of inodes", "read-only", "full, trimming"])
+def test_the_cache_disk_failing_anywhere_says_so_naming_the_cache(local_ds, tmp_path, how):
+    """Regression: only a download's writes turned the cache disk's failures into a StorageError; making a
+    shard's lock file (a disk out of inodes), opening a cached shard (a disk remounted read-only) and the trim
+    after a release (a full disk) raised a bare OSError, the last naming no file. A real tmpfs, each time."""
+    from shardstream.cache import ShardCache
+    from shardstream.cacheroom import LEDGER, OVER_LIMIT
+
+    with tmpfs(tmp_path / "mnt", 16 << 20, "nr_inodes=64") as mount:
+        cache = ShardCache(str(mount / "cache"), 1 << 30)
+        with H.CountingHTTPServer(local_ds) as server:
+            refs = shardstream.open_dataset(server.url).shards
+            cache.open(refs[0])[1].close()
+            if how == "out of inodes":
+                _fill(mount)
+                failing = lambda: cache.open(refs[1])  # noqa: E731
+            elif how == "read-only":
+                remount(mount, "ro")
+                failing = lambda: cache.open(refs[0])  # noqa: E731
+            else:
+                (mount / "cache" / OVER_LIMIT).touch()
+                (mount / "cache" / LEDGER).unlink()  # the walk writes it anew: a file more
+                _fill(mount)
+                failing = cache.trim
+            with pytest.raises(StorageError, match="cannot write the cache") as info:
+                failing()
+    assert info.value.url and info.value.url.startswith(str(mount / "cache")), info.value.url
 
 
 def test_a_process_forked_while_a_download_writes_starts(tmp_path):
