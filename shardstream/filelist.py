@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import os
 import re
+from typing import Iterable, Iterator
 
 from .columns import MAX_CLASS
 from .errors import PackError
@@ -21,20 +22,36 @@ __all__ = ["list_file"]
 
 
 def _read_rows(path: str) -> list[tuple[int, str, str | None]]:
-    """The (line number, path, label or None) rows of a file list; blank lines and `#` comments left out."""
+    """The (line number, path, label or None) rows of a file list; blank lines and `#` comments left out.
+
+    A comment is a line that begins with `#`: a path cell that begins with one, quoted
+    (``"#1.jpg",cat``), is a path. A path cell is read without the spaces around it
+    (``a.jpg, cat``), unless a file is named with them (``" b.jpg"``)."""
     rows: list[tuple[int, str, str | None]] = []
+    root = os.path.dirname(os.path.abspath(path))
+    line = 0
+
+    def uncommented(lines: Iterable[str]) -> Iterator[str]:
+        # On the lines as written, before csv takes the quotes off: only there is a quoted `#` a path.
+        nonlocal line
+        for line, text in enumerate(lines, 1):
+            if not text.startswith("#"):
+                yield text
+
     try:
         # utf-8-sig: Excel's "CSV UTF-8" and PowerShell begin with a byte-order mark, which
         # would otherwise be the first path's first character.
         with open(path, newline="", encoding="utf-8-sig") as f:
-            for number, row in enumerate(csv.reader(f), 1):
-                if not row or not row[0].strip() or row[0].startswith("#"):
+            for row in csv.reader(uncommented(f)):
+                if not row or not row[0].strip():
                     continue
                 if len(row) > 2:
-                    raise PackError(f"line {number}: expected 'path[,label]', got {len(row)} columns", url=path)
+                    raise PackError(f"line {line}: expected 'path[,label]', got {len(row)} columns", url=path)
+                cell = row[0]
+                named = cell if cell != cell.strip() and os.path.lexists(os.path.join(root, cell)) else cell.strip()
                 # An empty label cell (`a.jpg,`) is no label: as a label it would be a class named ""
                 # and turn integer labels into names, every class index moved by one.
-                rows.append((number, row[0].strip(), (row[1].strip() or None) if len(row) == 2 else None))
+                rows.append((line, named, (row[1].strip() or None) if len(row) == 2 else None))
     except UnicodeDecodeError as e:
         raise PackError(f"the file list is not UTF-8 text (byte {e.start})", url=path) from None
     return rows

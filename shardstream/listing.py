@@ -41,7 +41,7 @@ def _list_folder(root: str) -> Listing:
         if printable(name) != name:
             raise PackError("class folder name is not UTF-8", url=printable(os.path.join(root, name)))
     files: list[SourceFile] = []
-    ignored: list[str] = [e.name for e in os.scandir(root) if e.is_file()]
+    ignored: list[str] = [e.name for e in os.scandir(root) if not e.is_dir()]  # links that lead nowhere too
     for hidden in sorted(e.name for e in os.scandir(root) if e.is_dir() and e.name.startswith(".")):
         # Not a class, but its files are counted: nothing in the source goes unaccounted.
         for folder, names in _walk(os.path.join(root, hidden)):

@@ -105,28 +105,66 @@ def verify_shard(reader: ShardReader, decode_images: bool = True) -> Iterator[Pr
     try:
         if reader.store.size(info.index) != info.index_bytes:
             yield Problem(info.name, None, f"{info.index} is not the {info.index_bytes} bytes the manifest says")
-        fields: set[str] = set()
-        for sample in reader:
-            key = str(sample["__key__"])
-            fields.update(name for name in sample if not name.startswith("__"))
-            for name, value in sample.items():
-                if decode_images and not name.startswith("__") and field_extension(name) in IMAGE_EXTENSIONS:
-                    try:
-                        decode_image(value, "pil", url=reader.url, key=key, name=name).load()  # type: ignore[union-attr,arg-type]
-                    except ShardstreamError as e:
-                        yield Problem(info.name, key, e.detail)
-                    else:
-                        damage = jpeg_damage(value)  # type: ignore[arg-type]
-                        if damage is not None:
-                            yield Problem(info.name, key, f"decodes with data missing ({damage})", warning=True)
-                    yield 1
-        if fields != set(info.fields):
-            yield Problem(info.name, None, f"holds the fields {sorted(fields)}, the manifest says {sorted(info.fields)}")
+        reader.index
     except ShardstreamError as e:
-        # The error may be about another file than the shard (its index): name that file.
-        other = e.url is not None and e.url != reader.url
-        yield Problem(info.name, e.key, (f"{posixpath.basename(e.url)}: " if other else "") + e.detail
-                      + (f" (byte {e.offset})" if e.offset is not None else ""))
+        yield _problem(reader, e)
+        return
+    fields: set[str] = set()
+    unread = 0
+    for sample in _every_sample(reader):
+        if isinstance(sample, Problem):
+            unread += 1
+            yield sample
+            continue
+        key = str(sample["__key__"])
+        fields.update(name for name in sample if not name.startswith("__"))
+        for name, value in sample.items():
+            if decode_images and not name.startswith("__") and field_extension(name) in IMAGE_EXTENSIONS:
+                try:
+                    decode_image(value, "pil", url=reader.url, key=key, name=name).load()  # type: ignore[union-attr,arg-type]
+                except ShardstreamError as e:
+                    yield Problem(info.name, key, e.detail)
+                else:
+                    damage = jpeg_damage(value)  # type: ignore[arg-type]
+                    if damage is not None:
+                        yield Problem(info.name, key, f"decodes with data missing ({damage})", warning=True)
+                yield 1
+    if not unread and fields != set(info.fields):  # samples unread may hold the others
+        yield Problem(info.name, None, f"holds the fields {sorted(fields)}, the manifest says {sorted(info.fields)}")
+
+
+def _every_sample(reader: ShardReader) -> Iterator[dict[str, Any] | Problem]:
+    """Every sample of the shard in order, or, for each one that cannot be read, a `Problem`
+    naming it; reading goes on after it, from the next zstd frame (a frame is decompressed
+    whole: every sample of a bad one is unread) or the next sample of a plain tar, so one
+    damaged frame does not hide the rest of the shard."""
+    index = reader.index
+    start, n = 0, len(index)
+    while start < n:
+        at = start
+        try:
+            for sample in reader.read(start, n):
+                yield sample
+                at += 1
+            return
+        except ShardstreamError as e:
+            stop = at + 1
+            if index.compression == "zstd":  # the first sample of the next frame
+                frame = index.frame_of(at)
+                stop = int(np.searchsorted(index.sample_offsets, index.frame_raw_offsets[frame + 1], side="left"))
+            for unread in range(at, max(stop, at + 1)):
+                yield _problem(reader, e, index.keys[unread])
+            start = max(stop, at + 1)
+
+
+def _problem(reader: ShardReader, error: ShardstreamError, key: str | None = None) -> Problem:
+    """`error`, met reading `reader`'s shard (at the sample `key`), as a problem of the shard.
+    The error may be about another file than the shard (its index): that file is named."""
+    assert reader.info is not None
+    other = error.url is not None and error.url != reader.url
+    return Problem(reader.info.name, key if key is not None else error.key,
+                   (f"{posixpath.basename(error.url)}: " if other else "") + error.detail
+                   + (f" (byte {error.offset})" if error.offset is not None else ""))
 
 
 def verify_dataset(

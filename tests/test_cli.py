@@ -233,10 +233,44 @@ def test_verify_in_threads_reports_what_one_thread_reports(tmp_path):
 
     one, three = (verify_dataset(str(dst), workers=w) for w in (1, 3))
     assert [str(p) for p in one.problems] == [str(p) for p in three.problems]
-    assert [(p.shard, p.key) for p in one.problems if p.key] == [(shards[1].name, "s005"), (shards[4].name, "s017")]
+    flipped = [(shards[3].name, f"s{i:03d}") for i in range(12, 16)]  # its one frame fails: every sample named
+    assert [(p.shard, p.key) for p in one.problems if p.key] == [(shards[1].name, "s005")] + flipped + [
+        (shards[4].name, "s017")]
     assert any(p.shard == shards[3].name and "sha256" in p.message for p in one.problems)
     # The flipped shard's 4 images are never reached (its frame fails its checksum); the 2 bad ones were tried.
     assert (one.shards, one.samples, one.images) == (three.shards, three.samples, three.images) == (6, 24, 20)
+
+
+def test_verify_names_the_samples_of_every_bad_frame_and_checks_the_frames_between(tmp_path):
+    """Regression: a shard's first frame that failed its checksum ended the shard's check, naming no sample:
+    a second bad frame went unreported, and the good frames after the first were never read. Now every
+    sample of a bad frame is named, and each frame is checked on its own."""
+    from PIL import Image
+
+    from shardstream import ShardWriter
+    from shardstream.verify import verify_dataset
+
+    good = io.BytesIO()
+    Image.new("RGB", (32, 24), (30, 200, 30)).save(good, "JPEG")
+    dst = tmp_path / "ds"
+    with ShardWriter(str(dst), frame_size=3 * len(good.getvalue())) as writer:
+        for i in range(16):
+            writer.write({"__key__": f"s{i:03d}", "jpg": good.getvalue() if i != 7 else b"not a jpeg", "cls": 0})
+    (shard,) = open_dataset(str(dst)).shards
+    index = shard.reader().index
+    frames = [[k for k, o in zip(index.keys, index.sample_offsets[:-1])
+               if index.frame_raw_offsets[f] <= o < index.frame_raw_offsets[f + 1]] for f in range(len(index.frame_offsets) - 1)]
+    assert len(frames) >= 4 and "s007" not in frames[0] + frames[-1]
+    data = bytearray((dst / shard.name).read_bytes())
+    for f in (0, len(frames) - 1):  # the first and the last frame
+        data[(int(index.frame_offsets[f]) + int(index.frame_offsets[f + 1])) // 2] ^= 0xFF
+    (dst / shard.name).write_bytes(bytes(data))
+
+    report = verify_dataset(str(dst))
+    named = [p.key for p in report.problems if p.key]
+    assert named == frames[0] + ["s007"] + frames[-1]
+    assert all("bad zstd frame" in p.message for p in report.problems if p.key in frames[0] + frames[-1])
+    assert report.images == 16 - len(frames[0]) - len(frames[-1]), "the frames between are read and decoded"
 
 
 def test_verify_holds_the_indexes_of_the_shards_at_work_not_of_every_shard(tmp_path, monkeypatch):

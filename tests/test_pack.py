@@ -196,6 +196,29 @@ def test_file_list_txt_with_named_labels(image_folder, tmp_path):
     assert list(manifest.class_counts) == counts
 
 
+def test_file_list_paths_that_begin_with_a_hash_or_a_space_are_files(image_folder, tmp_path):
+    """Regression: a row whose path cell began with `#`, quoted, was taken for a comment, and a path cell
+    was always read without its spaces: an image named `#1.jpg` was neither packed nor skipped (files in no
+    longer added up), and one named ` b.jpg` was reported missing as `b.jpg`. A comment is a line that
+    begins with `#` as written; spaces around a path go unless a file is named with them."""
+    files = sorted(image_folder.rglob("*.jpg"))[:3]
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for name, path in zip(("#1.jpg", " b.jpg", "c.jpg"), files):
+        shutil.copy(path, folder / name)
+    lst = folder / "list.csv"
+    lst.write_text('# a comment\n"#1.jpg",cat\n" b.jpg",dog\n  c.jpg  ,dog\n')
+    run_pack(lst, tmp_path / "ds", shuffle=False)
+    manifest = open_dataset(str(tmp_path / "ds")).manifest
+    assert (manifest.samples, manifest.skipped, manifest.classes, list(manifest.class_counts)) == (
+        3, (), ("cat", "dog"), [1, 2])
+    got = {s["jpg"] for ref in open_dataset(str(tmp_path / "ds")).shards for s in ref.reader()}
+    assert got == {p.read_bytes() for p in files}
+    lst.write_text('# a comment\n"#1.jpg",cat\nc.jpg,dog,extra\n')
+    with pytest.raises(PackError, match="line 3: expected 'path\\[,label\\]', got 3 columns"):
+        run_pack(lst, tmp_path / "ds2")
+
+
 def test_file_list_csv_with_integer_labels(image_folder, tmp_path):
     files = sorted(image_folder.rglob("*.jpg"))[:8]
     lst = tmp_path / "list.csv"
@@ -275,6 +298,17 @@ def test_bad_sources(tmp_path, image_folder):
     with pytest.raises(ShardstreamError):
         run_pack(image_folder, tmp_path / "ds", compression="lz4")
     assert not (tmp_path / "ds" / MANIFEST_NAME).exists()
+
+
+def test_entries_beside_the_class_folders_that_are_no_files_are_accounted_for(image_folder_copy, tmp_path):
+    """Regression: beside the class folders only regular files counted as ignored; a link that leads
+    nowhere or a named pipe there was neither packed, skipped nor ignored."""
+    folder = image_folder_copy
+    run_pack(folder, tmp_path / "before")
+    (folder / "gone.jpg").symlink_to(folder / "nowhere.jpg")
+    os.mkfifo(folder / "pipe")
+    run_pack(folder, tmp_path / "ds")
+    assert open_dataset(str(tmp_path / "ds")).manifest.ignored == open_dataset(str(tmp_path / "before")).manifest.ignored + 2
 
 
 def test_every_file_is_accounted_for(image_folder_copy, tmp_path):
