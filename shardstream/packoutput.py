@@ -8,6 +8,8 @@ half written when an error comes is dropped, never published.
 
 from __future__ import annotations
 
+import collections
+
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -80,9 +82,17 @@ def dataset_manifest(finished: dict[int, tuple[ShardInfo, list[tuple[str, str]]]
     shards = [finished[s][0] for s in sorted(finished) if finished[s][0].samples]
     skipped = [skip for s in sorted(finished) for skip in finished[s][1]]
     counts = np.zeros(len(listing.classes), dtype=np.int64)
-    skipped_paths = {p for p, _ in skipped}  # not `listed_skips`: their files are packed, from their first rows
+    # Not `listed_skips`: their files are packed, from their first rows. By how many times a
+    # name was skipped, not whether: two files can print alike (a name not UTF-8, escaped,
+    # and one spelt as that escape), and only one of them was skipped.
+    unskipped = collections.Counter(p for p, _ in skipped)
     for entry in entries:
-        if entry.label is not None and printable(entry.path) not in skipped_paths:
+        if entry.label is None:
+            continue
+        name = printable(entry.path) if unskipped else None
+        if name is not None and unskipped[name] > 0:
+            unskipped[name] -= 1
+        else:
             counts[entry.label] += 1
     return Manifest(
         shards=tuple(shards),

@@ -603,6 +603,26 @@ def test_file_name_that_is_not_utf8_is_skipped_or_named(image_folder_copy, tmp_p
     assert manifest.samples == 21 and manifest.class_counts == (7, 7, 7)
 
 
+def test_a_file_named_as_a_skipped_names_escape_still_counts_in_its_class(image_folder_copy, tmp_path):
+    """Regression: a skipped file whose name is not UTF-8 is recorded escaped (`caf\\xe9.jpg`); a file
+    spelt as that escape in the same class was packed but left out of the class counts, and verify then
+    failed on the fresh pack (class_counts not the indexes')."""
+    from shardstream.verify import verify_dataset
+
+    folder = image_folder_copy
+    data = (folder / "class_002" / "img_00000.jpg").read_bytes()
+    try:
+        (folder / "class_002" / os.fsdecode(b"caf\xe9.jpg")).write_bytes(data)
+    except (OSError, UnicodeError):
+        pytest.skip("this file system refuses file names that are not UTF-8")
+    (folder / "class_002" / "caf\\xe9.jpg").write_bytes(data)  # a backslash, x, e, 9
+    run_pack(folder, tmp_path / "ds", on_error="skip")
+    manifest = open_dataset(str(tmp_path / "ds")).manifest
+    assert manifest.skipped == (("class_002/caf\\xe9.jpg", "file name is not UTF-8"),)
+    assert manifest.samples == 22 and manifest.class_counts == (7, 7, 8)
+    assert verify_dataset(str(tmp_path / "ds")).ok
+
+
 def test_skip_reasons_do_not_depend_on_where_the_source_lies(image_folder, tmp_path, dataset_files):
     """A skip reason names no absolute path: the same source packed from two places (or
     parts on machines with other mount points) gives the same manifest, byte for byte."""
