@@ -201,15 +201,20 @@ def decode_rgb_crop(data: bytes, size: tuple[int, int], box: tuple[float, float,
         except ValueError:
             pass  # decoded whole below, by simplejpeg or Pillow, which raise what they raise
     pixels = decode_rgb(data, at_least)
-    sy, sx = pixels.shape[0] / size[1], pixels.shape[1] / size[0]
+    reduced = pixels.shape[:2] != (size[1], size[0])
+    s = 1 / jpeg_reduction(size, at_least) if reduced else 1.0  # see _decode_region
     top, left, height, width = box
-    return DecodedCrop(pixels, (top * sy, left * sx, height * sy, width * sx), pixels.shape[:2] != (size[1], size[0]))
+    return DecodedCrop(pixels, (top * s, left * s, height * s, width * s), reduced)
 
 
 def _decode_region(data: bytes, size: tuple[int, int], scaled: tuple[int, int], box: tuple[float, float, float, float],
                    k: int, margin: int) -> DecodedCrop:
-    sy, sx = scaled[1] / size[1], scaled[0] / size[0]
-    top, left, height, width = box[0] * sy, box[1] * sx, box[2] * sy, box[3] * sx
+    # A reduction by k makes each decoded pixel of k x k full-size ones, from the image's
+    # top left: full-size x is x / k decoded, whatever the size (the last decoded pixel
+    # runs past the image's edge where k does not divide it, as Pillow's `draft` box says).
+    # Scaled by decoded size over full size instead, a box drifted towards the bottom
+    # right, by up to k - 1 full-size pixels.
+    top, left, height, width = (v / k for v in box)
     y0, x0 = max(0, math.floor(top) - margin), max(0, math.floor(left) - margin)
     y1 = min(scaled[1], math.ceil(top + height) + margin)
     x1 = min(scaled[0], math.ceil(left + width) + margin)
@@ -285,7 +290,9 @@ def _msgpack(data: bytes) -> Any:
 
 
 def _npy(data: bytes) -> np.ndarray:
-    return np.load(io.BytesIO(data), allow_pickle=False)
+    # The .npy format only: np.load also opens bytes that begin as a zip does, as a lazy
+    # NpzFile (not an array), and raises zipfile's own errors on damaged ones.
+    return np.lib.format.read_array(io.BytesIO(data), allow_pickle=False)
 
 
 def _pickle(data: bytes) -> Any:

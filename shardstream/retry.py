@@ -79,6 +79,13 @@ def http_status(error: BaseException) -> int | None:
     return None
 
 
+# The jitter's own generator: drawn from Python's global one, a retry in a prefetch thread
+# moved the numbers a sample's seeded transform draws meanwhile (prepare.py), so the same
+# sample got other augmentations when storage failed. From the OS: no state, so forked
+# workers do not back off in step.
+_JITTER = random.SystemRandom()
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     """Exponential backoff with full jitter, bounded in attempts.
@@ -103,7 +110,7 @@ class RetryPolicy:
 
     def delay(self, attempt: int, error: BaseException | None = None) -> float:
         """Seconds to wait after failed try number `attempt` (from 0)."""
-        backoff = random.uniform(0, min(self.max_delay, self.base_delay * 2**attempt))
+        backoff = _JITTER.uniform(0, min(self.max_delay, self.base_delay * 2**attempt))
         asked = retry_after(error) if error is not None else None
         return backoff if asked is None else max(backoff, min(asked, self.max_delay))
 

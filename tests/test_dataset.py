@@ -372,6 +372,28 @@ def test_pickle_refused_without_allow_pickle(pickled, num_workers):
     assert not marker.exists(), "refusing must not unpickle"
 
 
+@pytest.mark.parametrize("npy", ["npz archive", "damaged zip"])
+def test_an_npy_field_that_is_a_zip_is_bad_data_naming_the_sample(tmp_path, npy):
+    """Regression: numpy's loader opens bytes that begin as a zip does as an npz archive: a real one decoded
+    to a lazy NpzFile, not an array, and a damaged one raised zipfile's BadZipFile, which named no shard or
+    sample and which on_error="skip" did not skip. An npy field is the .npy format only."""
+    archive = io.BytesIO()
+    np.savez(archive, a=np.arange(3))
+    bad = archive.getvalue() if npy == "npz archive" else b"PK\x03\x04" + b"\0" * 40
+    good = io.BytesIO()
+    np.save(good, np.arange(4))
+    with ShardWriter(str(tmp_path / "ds")) as writer:
+        for i in range(4):
+            writer.write({"__key__": f"n{i}", "npy": bad if i == 2 else good.getvalue()})
+    with pytest.raises(DecodeError, match="n2") as info:
+        list(StreamingDataset(str(tmp_path / "ds")))
+    assert info.value.key == "n2"
+    del info
+    ds = StreamingDataset(str(tmp_path / "ds"), on_error=shardstream.ErrorPolicy(mode="skip", max_skips=1))
+    got = list(ds)
+    assert ds.skipped == 1 and len(got) == 4 and all(isinstance(s["npy"], np.ndarray) for s in got)
+
+
 def test_pickle_decoded_with_allow_pickle(pickled):
     url, marker = pickled
     [sample] = list(StreamingDataset(url, allow_pickle=True))

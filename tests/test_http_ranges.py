@@ -193,6 +193,20 @@ def test_retry_after_is_honoured_up_to_the_policy_cap(monkeypatch):
         thread.join(5)
 
 
+def test_backoff_leaves_the_global_generators_alone():
+    """Regression: the backoff's jitter drew from Python's global generator, in prefetch threads while a
+    sample's seeded transform drew from it too: the same sample got other augmentations when storage failed.
+    The jitter still varies (so workers do not retry in step) and stays within its bound."""
+    import random
+
+    random.seed(5)
+    expected = [random.random() for _ in range(3)]
+    random.seed(5)
+    delays = [RetryPolicy(base_delay=0.5, max_delay=10).delay(4) for _ in range(20)]
+    assert [random.random() for _ in range(3)] == expected
+    assert all(0 <= d <= 8 for d in delays) and len(set(delays)) > 1
+
+
 def test_a_retry_policy_must_try_at_least_once():
     with pytest.raises(ValueError, match="attempts >= 1"):
         RetryPolicy(attempts=0)

@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 from scipy.stats import ks_2samp
 
-from shardstream.decode import REGION_DECODER, decode_rgb, decode_rgb_crop
+from shardstream.decode import REGION_DECODER, decode_rgb, decode_rgb_crop, jpeg_reduction
 from shardstream.transforms import CenterCropJPEG, CropPlan, RandomResizedCropJPEG, crop_params, crop_resize
 
 
@@ -167,8 +167,8 @@ def test_crop_matches_pillow_crop_and_antialiased_resize():
         torch.manual_seed(seed)
         top, left, h, w = crop_params(467, 301, (0.08, 1.0), (3 / 4, 4 / 3))
         image = Image.open(io.BytesIO(data))
-        image.draft("RGB", (max(1, 467 * size // w), max(1, 301 * size // h)))
-        sx, sy = image.size[0] / 467, image.size[1] / 301
+        _, (_, _, right, bottom) = image.draft("RGB", (max(1, 467 * size // w), max(1, 301 * size // h)))
+        sx, sy = right / 467, bottom / 301  # the full image's box in the decoded pixels: 1/k, not size over size
         box = (left * sx, top * sy, (left + w) * sx, (top + h) * sy)
         ref = np.asarray(image.convert("RGB").resize((size, size), Image.Resampling.BILINEAR, box=box))
         if image.size == full.size:
@@ -218,7 +218,7 @@ def test_region_decode_gives_the_pixels_of_the_whole_decode():
             crop = decode_rgb_crop(data, (width, height), (top, left, h, w), at_least, margin=rng.randrange(4))
             whole = decode_rgb(data, at_least)
             checked.add((whole.shape[0] != height, crop.reduced))
-            sy, sx = whole.shape[0] / height, whole.shape[1] / width
+            sy = sx = 1 / jpeg_reduction((width, height), at_least)  # k x k full-size pixels a decoded one
             y0 = math.floor(top * sy) - math.floor(crop.box[0])
             x0 = math.floor(left * sx) - math.floor(crop.box[1])
             assert crop.box[2:] == pytest.approx((h * sy, w * sx))
