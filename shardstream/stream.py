@@ -51,8 +51,20 @@ class Readers:
         self._released: set[int] = set()  # shards this iteration is done with
 
     def get(self, shard: int) -> ShardReader | StreamTarReader:
+        entry = self._entry(shard, ahead=False)
+        assert entry is not None
+        return self._opened(shard, entry)
+
+    def _entry(self, shard: int, ahead: bool) -> list[Any] | None:
+        """`shard`'s entry, [lock, reader or None], made if absent; for an open `ahead` of need,
+        None once this iteration is done with the shard (told in the same turn of the guard
+        as the entry is made: a release between the two would leave the shard held)."""
         with self._guard:
-            entry = self._entries.setdefault(shard, [threading.Lock(), None])
+            if ahead and shard in self._released:
+                return None
+            return self._entries.setdefault(shard, [threading.Lock(), None])
+
+    def _opened(self, shard: int, entry: list[Any]) -> ShardReader | StreamTarReader:
         with entry[0]:
             if entry[1] is None:
                 ref = self.source.shards[shard]
@@ -82,10 +94,10 @@ class Readers:
         """Open `shard` ahead of need (download it, with a cache; else fetch its index),
         unless this iteration is already done with it: an open queued behind slow ones can
         come after the shard was read, and would download it again and hold it to the end."""
-        with self._guard:
-            if shard in self._released:
-                return
-        reader = self.get(shard)
+        entry = self._entry(shard, ahead=True)
+        if entry is None:
+            return
+        reader = self._opened(shard, entry)
         if isinstance(reader, ShardReader):
             reader.index
 
