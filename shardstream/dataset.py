@@ -463,13 +463,25 @@ class StreamingDataset(Checkpointing, IterableDataset):
         dataset's iterations, summed over the processes that ran them (the workers, or this
         process) and over epochs; an iteration adds to them every 50 ms and at its end. The
         counters themselves are per process: two datasets iterated at the same time in one
-        process would each count the other's reads too."""
+        process would each count the other's reads too. What a process reads ahead for its
+        next iteration (remote shards, between iterations) is counted by the next count:
+        in this process by this call, in a DataLoader worker by its next iteration's."""
+        self._count_read_ahead(0)
         return self._shared.io()
 
     def _count_io(self, worker: int, since: dict[str, float]) -> dict[str, float]:
         now = io_stats.snapshot()
         self._shared.add_io(worker, since, now)
+        self._count_read_ahead(worker)
         return now
+
+    def _count_read_ahead(self, worker: int) -> None:
+        """Add what this process's head start has read since the last count (it reads between
+        iterations, outside their snapshots: iostats.py)."""
+        if self._heads is not None and self._heads[0] == os.getpid():
+            ahead = self._heads[1].io.drain()
+            if any(ahead.values()):  # a slot is another process's too (worker 0's): touched only to add
+                self._shared.add_io(worker, dict.fromkeys(ahead, 0), ahead)
 
     @property
     def skipped(self) -> int:

@@ -38,6 +38,7 @@ import numpy as np
 from .cache import ShardCache
 from .cancel import Cancellation
 from .errors import ShardstreamError
+from .iostats import IOStats, count_into
 from .pieces import PieceKey, first_window, piece_key, sample_runs
 from .reader import Sample
 from .source import Source
@@ -73,6 +74,9 @@ class HeadStart:
         self._held: dict[int, BinaryIO] = {}  # shard: the shared lock on its copy in the cache
         self._failure: Exception | None = None
         self._cancellation = Cancellation()  # its reads' (cancel.py): at the process's exit
+        # What its threads ask of storage: the next count of its dataset's iteration takes it
+        # (iostats.py), since the reads run between iterations, outside their counts.
+        self.io = IOStats()
         _live.add(self)
 
     def stop(self) -> None:
@@ -105,11 +109,16 @@ class HeadStart:
         self._planner = threading.Thread(target=work, args=args, name="shardstream-headstart", daemon=True)
         self._planner.start()
 
+    def _bind_thread(self) -> None:
+        """Make the calling thread one of this head start's: cancelled with it, counted in `io`."""
+        self._cancellation.bind()
+        count_into(self.io)
+
     def _download(self, cache: ShardCache, source: Source, shard: int) -> None:
         # The copy's shared lock is held until the next iteration opens the shard (`take`,
         # `Readers.hold`): the shards this iteration still holds may keep the cache over its
         # limit, and a trim would evict the only copy it could, this one.
-        self._cancellation.bind()
+        self._bind_thread()
         with self._errors_kept():
             _, lock = cache.open(source.shards[shard])
             self._held[shard] = lock
@@ -118,11 +127,11 @@ class HeadStart:
               piece_bytes: int) -> None:
         # Planning needs the first shards' indexes (usually in the per-process memo): here, not
         # in the iterating thread, where the current iteration's last samples are wanted.
-        self._cancellation.bind()  # the index reads of planning
+        self._bind_thread()  # the index reads of planning
         readers = Readers(source, None)
         read = read_tolerant if tolerant else read_whole
         pool = ThreadPoolExecutor(max_workers=max(prefetch, MAX_AHEAD), thread_name_prefix="shardstream-headstart",
-                                  initializer=self._cancellation.bind)
+                                  initializer=self._bind_thread)
         try:
             with self._errors_kept():
                 for shard, (a, b, keep, _, _) in first_window(readers.get, list(sample_runs(ids, counts)), prefetch,

@@ -3,6 +3,10 @@
 One `IOStats`, `io_stats`, per process, added to from every thread that reads: the
 store's reads, the retries of `RetryPolicy`, the shard cache's hits and misses. A
 dataset reports the difference between two snapshots (`StreamingDataset.io_stats`).
+A thread that reads for a dataset between its iterations (the head start on the next
+one, headstart.py) counts into an `IOStats` of its own instead (`count_into`), which
+the dataset's next count takes (`drain`): between two iterations no snapshot of the
+process's counters can tell its reads from another dataset's.
 It imports nothing of shardstream, so that every layer doing storage work (the store,
 the retries, the cache) counts into it without depending on the others.
 """
@@ -13,7 +17,7 @@ import os
 import threading
 from dataclasses import dataclass
 
-__all__ = ["IOStats", "io_stats"]
+__all__ = ["IOStats", "count_into", "io_stats"]
 
 
 @dataclass
@@ -32,13 +36,24 @@ class IOStats:
     cache_misses: int = 0
 
     def add(self, **amounts: float) -> None:
+        into = self
+        if self is io_stats:  # the process's counters, unless this thread counts elsewhere
+            into = getattr(_counting, "into", None) or self
         with _stats_lock:
             for name, amount in amounts.items():
-                setattr(self, name, getattr(self, name) + amount)
+                setattr(into, name, getattr(into, name) + amount)
 
     def snapshot(self) -> dict[str, float]:
         with _stats_lock:
             return dict(self.__dict__)
+
+    def drain(self) -> dict[str, float]:
+        """The counts so far, and start again from zero, in one step."""
+        with _stats_lock:
+            counts = dict(self.__dict__)
+            for name in self.__dict__:
+                setattr(self, name, type(getattr(self, name))())
+            return counts
 
     def reset(self) -> None:
         with _stats_lock:
@@ -48,6 +63,13 @@ class IOStats:
 
 _stats_lock = threading.Lock()
 io_stats = IOStats()
+_counting = threading.local()
+
+
+def count_into(stats: IOStats | None) -> None:
+    """Count what the calling thread asks of storage into `stats` from now on, not into the
+    process's `io_stats` (None: into `io_stats` again)."""
+    _counting.into = stats
 
 
 def _new_lock_in_child() -> None:
