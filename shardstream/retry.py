@@ -11,6 +11,7 @@ retry is counted in `io_stats`).
 from __future__ import annotations
 
 import random
+import ssl
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,13 +19,18 @@ from .cancel import pause, raise_if_cancelled
 from .errors import ShardstreamError, StorageError, safe_cause
 from .iostats import io_stats
 
-__all__ = ["RetryPolicy", "http_status", "is_transient", "retry_after"]
+__all__ = ["RetryPolicy", "error_code", "http_status", "is_transient", "retry_after"]
 
 
 def is_transient(error: BaseException) -> bool:
     """Errors worth retrying: 5xx, throttling, timeouts, dropped connections."""
     if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
         return False
+    if any(isinstance(e, ssl.SSLCertVerificationError) or "CertificateError" in type(e).__name__
+           for e in (error, error.__cause__) if e is not None):
+        return False  # a certificate that does not verify will not on the next try (aiohttp's, too)
+    if error_code(error) in _TRANSIENT_CODES:  # whatever status it came with
+        return True
     status = http_status(error)
     if status is not None:
         return (status >= 500 and status != 501) or status in (408, 429)  # 501: the server never will
@@ -37,6 +43,13 @@ def is_transient(error: BaseException) -> bool:
         return any(c.__name__ in _BOTOCORE_TRANSIENT for c in type(error).__mro__) or "Timeout" in name
     return module.startswith(("aiohttp", "urllib3", "requests")) or "Timeout" in name
 
+
+# S3's error codes that another try can get past, some sent with a status that says otherwise:
+# RequestTimeout with 400 (the request's body came too slowly), throttling with 400 or 403
+# on some S3-compatible stores.
+_TRANSIENT_CODES = frozenset({"RequestTimeout", "SlowDown", "Throttling", "ThrottlingException",
+                              "RequestLimitExceeded", "TooManyRequestsException", "InternalError",
+                              "ServiceUnavailable"})
 
 # botocore's connection and transfer failures (and their subclasses: endpoint, proxy and
 # connect-timeout errors; closed connections, read timeouts).
@@ -58,6 +71,18 @@ def retry_after(error: BaseException) -> float | None:
         return max(0.0, float(value)) if value is not None else None
     except ValueError:
         return None
+
+
+def error_code(error: BaseException) -> str | None:
+    """The S3 error code (botocore's ``Error.Code``) an error, or the error it was raised from
+    (s3fs's OSErrors), carries."""
+    for candidate in (error, error.__cause__):
+        response = getattr(candidate, "response", None)
+        if isinstance(response, dict):
+            code = response.get("Error", {}).get("Code")
+            if isinstance(code, str) and code:
+                return code
+    return None
 
 
 def http_status(error: BaseException) -> int | None:

@@ -219,6 +219,34 @@ def test_backoff_leaves_the_global_generators_alone():
     assert all(0 <= d <= 8 for d in delays) and len(set(delays)) > 1
 
 
+@pytest.mark.parametrize(("code", "status", "transient"), [
+    ("RequestTimeout", 400, True), ("SlowDown", 503, True), ("Throttling", 400, True),
+    ("InvalidArgument", 400, False), ("AccessDenied", 403, False), ("InternalError", 500, True)])
+def test_s3_error_codes_decide_before_the_status(code, status, transient):
+    """Regression: S3's RequestTimeout comes with a 400, which the status alone read as permanent, so a
+    read or upload whose request body came too slowly failed at once. Raised by botocore, and as s3fs
+    passes it on (an OSError raised from it)."""
+    from botocore.exceptions import ClientError
+
+    error = ClientError({"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}},
+                        "GetObject")
+    wrapped = OSError(22, "wrapped")
+    wrapped.__cause__ = error
+    assert is_transient(error) is transient and is_transient(wrapped) is transient
+
+
+def test_a_certificate_that_does_not_verify_is_not_retried():
+    """An SSL error is an OSError, which reads as transient: a server whose certificate does not verify
+    was tried 10 times over about 33 s before saying so."""
+    import ssl
+
+    error = ssl.SSLCertVerificationError(1, "certificate verify failed: self-signed certificate")
+    wrapped = OSError("cannot connect")
+    wrapped.__cause__ = error
+    assert not is_transient(error) and not is_transient(wrapped)
+    assert is_transient(ssl.SSLError(1, "record layer failure"))  # a connection's blip may pass
+
+
 def test_a_retry_policy_must_try_at_least_once():
     with pytest.raises(ValueError, match="attempts >= 1"):
         RetryPolicy(attempts=0)
