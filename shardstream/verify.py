@@ -16,6 +16,8 @@ from .decode import IMAGE_EXTENSIONS, decode_image, jpeg_damage
 from .fields import field_extension
 from .errors import ShardstreamError
 from .reader import ShardReader
+from .shardfile import seek_table
+from .tario import END_OF_ARCHIVE
 from .source import Source, open_dataset
 from .threads import ordered_map
 
@@ -105,7 +107,11 @@ def verify_shard(reader: ShardReader, decode_images: bool = True) -> Iterator[Pr
     try:
         if reader.store.size(info.index) != info.index_bytes:
             yield Problem(info.name, None, f"{info.index} is not the {info.index_bytes} bytes the manifest says")
-        reader.index
+        index = reader.index
+        if index.compression == "zstd" and size == info.bytes:
+            problem = _seek_table_problem(reader, size)
+            if problem is not None:
+                yield problem
     except ShardstreamError as e:
         yield _problem(reader, e)
         return
@@ -131,6 +137,22 @@ def verify_shard(reader: ShardReader, decode_images: bool = True) -> Iterator[Pr
                 yield 1
     if not unread and fields != set(info.fields):  # samples unread may hold the others
         yield Problem(info.name, None, f"holds the fields {sorted(fields)}, the manifest says {sorted(info.fields)}")
+
+
+def _seek_table_problem(reader: ShardReader, size: int) -> Problem | None:
+    """A problem if the shard's zstd seek table (FORMAT.md) is not the one its index implies:
+    shardstream's readers go by the index, but other seekable-zstd tools seek by the table."""
+    index = reader.index
+    assert reader.info is not None
+    comp, raw = index.frame_offsets.tolist(), index.frame_raw_offsets.tolist()
+    frames = [(b - a, d - c) for a, b, c, d in zip(comp, comp[1:], raw, raw[1:])]
+    length = len(seek_table(frames + [(0, 0)]))
+    end_frame = size - length - comp[-1]  # what lies between the last data frame and the table
+    expected = seek_table(frames + [(end_frame, len(END_OF_ARCHIVE))])
+    if end_frame <= 0 or reader.store.read(reader.name, size - length, size) != expected:
+        return Problem(reader.info.name, None, "the zstd seek table at its end is not the one its index gives "
+                       "(tools that seek by the seekable format would read the wrong bytes)")
+    return None
 
 
 def _every_sample(reader: ShardReader) -> Iterator[dict[str, Any] | Problem]:

@@ -273,6 +273,32 @@ def test_verify_names_the_samples_of_every_bad_frame_and_checks_the_frames_betwe
     assert report.images == 16 - len(frames[0]) - len(frames[-1]), "the frames between are read and decoded"
 
 
+def test_verify_checks_the_seek_table_against_the_index(packed, tmp_path):
+    """Regression: nothing read a shard's zstd seek table, which other seekable-zstd tools seek by: one
+    whose entry was altered (the manifest's checksum made to match) verified as sound."""
+    import hashlib
+
+    import msgpack
+
+    from shardstream.verify import verify_dataset
+
+    copy = tmp_path / "ds"
+    shutil.copytree(packed, copy)
+    assert verify_dataset(str(copy), decode_images=False).ok
+    raw = msgpack.unpackb((copy / MANIFEST_NAME).read_bytes())
+    entry = raw["shards"][0]
+    data = bytearray((copy / entry["name"]).read_bytes())
+    frames = int.from_bytes(data[-9:-5], "little")
+    first_entry = len(data) - 9 - 8 * frames  # the first frame's compressed size
+    data[first_entry] ^= 0x01
+    (copy / entry["name"]).write_bytes(bytes(data))
+    entry["sha256"] = hashlib.sha256(bytes(data)).hexdigest()
+    (copy / MANIFEST_NAME).write_bytes(msgpack.packb(raw))
+    report = verify_dataset(str(copy), decode_images=False)
+    assert [(p.shard, p.key) for p in report.problems] == [(entry["name"], None)]
+    assert "seek table" in report.problems[0].message
+
+
 def test_verify_holds_the_indexes_of_the_shards_at_work_not_of_every_shard(tmp_path, monkeypatch):
     """verify kept a reader per shard to the end, to count the classes there: every shard's index (every key
     of the dataset) stayed in memory, 10 GB at 100M samples. The indexes loaded and still held, at any time,
