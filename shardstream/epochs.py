@@ -12,13 +12,13 @@ ask). The plan then splits the sequence across ranks and workers.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from .plan import epoch_block, epoch_sequence, split_ranks
 from .resume import Segment, SequenceAfter, sequence_after
-from .sampling import Sampling, class_sample_weights, mix_picks, mixed_sequence, sized_sequence, weighted_sequence
+from .sampling import Sampling, class_sample_weights, mixed_sequence, sized_sequence, stream_slice, weighted_sequence
 from .source import Source
 
 __all__ = ["EpochSequences"]
@@ -51,21 +51,22 @@ class EpochSequences:
             bounds = np.concatenate([[0], np.cumsum(sizes)])
             offsets = np.concatenate([[0], np.cumsum(counts)])[bounds[:-1]]
             part_counts = [counts[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
-
             total = n or int(counts.sum())
-            # Unshuffled, each source walks its data in order from where its last epoch's picks
-            # stopped (as `sized_sequence` does): else a source a mix reads less of than it
-            # holds would have its tail never read.
-            taken = np.bincount(mix_picks(self.mix_weights, total), minlength=len(sizes)) * epoch
 
-            def sequence(i: int, k: int) -> np.ndarray:  # source i's k-th pass this epoch
-                if not shuffle:
-                    size = int(part_counts[i].sum())
-                    return offsets[i] + np.roll(np.arange(size, dtype=np.int64), -(int(taken[i]) % max(size, 1)))
-                return offsets[i] + epoch_sequence(part_counts[i], seed, epoch, shuffle, salt=(i << 20) + k)
+            def stream(i: int) -> Callable[[int, int], np.ndarray]:
+                # Source i's own stream, pass after pass, read on from where its picks of earlier
+                # epochs stopped (`sampling.mix_schedule`): a source a mix reads less of than it
+                # holds has its tail read too.
+                size = int(part_counts[i].sum())
 
-            passes = [lambda k, i=i: sequence(i, k) for i in range(len(sizes))]
-            return mixed_sequence([sequence(i, 0) for i in range(len(sizes))], self.mix_weights, total, passes)
+                def pass_of(p: int) -> np.ndarray:
+                    if not shuffle:
+                        return offsets[i] + np.arange(size, dtype=np.int64)
+                    return offsets[i] + epoch_sequence(part_counts[i], seed, p, shuffle, salt=i << 20)
+
+                return lambda first, count: stream_slice(pass_of, size, first, count)
+
+            return mixed_sequence([stream(i) for i in range(len(sizes))], self.mix_weights, total, start=epoch * total)
         if self.sampling is not None and self.sampling.weighted:
             return weighted_sequence(counts, self._draw_weights(), seed, epoch, shuffle, n or int(counts.sum()))
         if n is not None:

@@ -39,7 +39,8 @@ __all__ = ["ResumeState", "Segment", "SequenceAfter", "check_counts", "current_p
 
 STATE_VERSION = 2
 # Version 1 states are read as they were written: their segments' left-out samples
-# remain for the layouts after them (`Segment.spends_left_out`).
+# remain for the layouts after them (`Segment.spends_left_out`). Those of a Mix or of
+# `samples_per_epoch` are refused: their epochs were drawn otherwise (`_walks_a_stream`).
 READ_VERSIONS = (1, 2)
 
 
@@ -141,6 +142,11 @@ class ResumeState:
             current=current,
             position=_position(raw.get("position"), current.layout.workers),
         )
+        if version == 1 and _walks_a_stream(dataset):
+            raise ShardstreamError(
+                "resume state version 1 was taken when a Mix and samples_per_epoch drew each epoch afresh; they now "
+                "walk on across epochs (each epoch a window of one stream), so its epoch holds other samples here: "
+                "resume with the shardstream that took it, or start the epoch afresh without the state")
         mine = _fingerprint_of(dataset)
         # States taken before the checksums counted name the shards and counts only: still accepted.
         if state.dataset != mine and state.dataset != _fingerprint_of(dataset, checksums=False):
@@ -244,6 +250,14 @@ def _layout(raw: Any, field: str) -> Layout:
         shuffle=_bool(value["shuffle"], f"{field}.shuffle"),
         buffer=_int(value["buffer"], f"{field}.buffer"),  # any int: 1 or less means no buffer
     )
+
+
+def _walks_a_stream(dataset: "StreamingDataset") -> bool:
+    """Whether the dataset's epochs are windows of a stream across epochs (`sampling.mix_schedule`,
+    `sampling.sized_sequence`), which version 1 states took as drawn afresh every epoch."""
+    sampling = dataset.sampling
+    sized = sampling is not None and sampling.samples_per_epoch is not None and not sampling.weighted
+    return sized or getattr(dataset.source, "weights", None) is not None
 
 
 def _fingerprint_of(dataset: "StreamingDataset", checksums: bool = True) -> str:

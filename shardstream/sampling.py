@@ -18,10 +18,12 @@ downstream holds unchanged: equal counts per rank, deterministic order, exact re
   proportional to its own weight, times its class weight if both are given. "weight"
   is the per-sample `weight` field, which the shard indexes record (FORMAT.md), so
   the epoch is planned without reading any sample.
-* **Epoch size** (``samples_per_epoch``) without weights: shuffled, a prefix of the
-  epoch sequence when smaller than the data, further independent passes appended when
-  larger; unshuffled, the data in order from where the last epoch stopped (a `Mix`'s
-  sources too), so that no tail goes unread.
+* **Epoch size** (``samples_per_epoch``) without weights: epoch e is positions
+  [e n, (e + 1) n) of one stream of whole passes over the data (pass p shuffled as
+  epoch p; in order unshuffled), so epochs go on from where the last stopped, and
+  every sample is read once a pass (`sized_sequence`); a `Mix`'s sources too. Cut
+  short at the same place every epoch, shards larger than an epoch would have their
+  tails never read.
 * **Endless** (``resampled=True``): the stream runs epoch after epoch (seed, epoch
   + 1, ...) and never ends; ranks stay in lockstep, and so do a rank's workers:
   each epoch is dealt by the items each worker has handed over (`roundrobin.EndlessDeal`),
@@ -38,7 +40,10 @@ downstream holds unchanged: equal counts per rank, deterministic order, exact re
   sample of its share when two sources mix. With more sources the error grows with their
   number (measured worst cases over random weights: 1.9 samples with 3 sources, 2.6 with
   4, 3.3 with 6 to 10; 4.5 with one source at 0.908 and six tiny ones, whose first picks
-  fall together). A source that runs out starts another pass.
+  fall together). The picks run on across epochs: an epoch is a window of one mixed
+  stream (`mix_schedule`), so the shares hold across epochs too, and a source too
+  small for a pick an epoch gets one every few. A source that runs out starts another
+  pass of its own stream.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ import math
 import numbers
 import os
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -56,7 +61,8 @@ from .arguments import integer
 from .columns import MAX_CLASS
 from .plan import epoch_sequence, rng_for
 
-__all__ = ["Sampling", "Mix", "sized_sequence", "weighted_sequence", "mixed_sequence", "class_sample_weights"]
+__all__ = ["Sampling", "Mix", "sized_sequence", "stream_slice", "weighted_sequence", "mix_picks", "mix_schedule",
+           "mixed_sequence", "class_sample_weights"]
 
 
 @dataclass(frozen=True)
@@ -134,23 +140,29 @@ def source_urls(source: "str | os.PathLike[str] | Sequence[str | os.PathLike[str
 
 
 def sized_sequence(counts: np.ndarray, seed: int, epoch: int, shuffle: bool, n: int) -> np.ndarray:
-    """`n` ids: the epoch sequence cut short, or extended by further independent passes.
+    """`n` ids: epoch `epoch`'s window of a stream of whole passes over the data.
 
-    Unshuffled, epochs walk the data in order, each from where the last stopped (as
-    WebDataset's `with_epoch` does): cut short at the same place every epoch, the tail
-    would never be read."""
+    The stream is pass after pass (pass p in epoch p's order when shuffling, so an epoch
+    of the data's size is the plain epoch), and epoch e is its positions [e n, (e + 1) n):
+    epochs walk on from where the last stopped, as WebDataset's `with_epoch` does. Cut
+    short at the same place every epoch instead, the samples beyond the cut of every
+    shard larger than an epoch would never be read, shuffled or not."""
     total = int(counts.sum())
-    if not shuffle:
-        return (np.arange(n, dtype=np.int64) + epoch * n) % total if total else np.zeros(0, dtype=np.int64)
-    parts, have, salt = [], 0, 0
-    while have < n:
-        part = epoch_sequence(counts, seed, epoch, shuffle, salt=salt)
-        if not len(part):
-            break
-        parts.append(part)
-        have += len(part)
-        salt += 1
-    return np.concatenate(parts)[:n] if parts else np.zeros(0, dtype=np.int64)
+
+    def pass_of(p: int) -> np.ndarray:
+        return epoch_sequence(counts, seed, p, shuffle) if shuffle else np.arange(total, dtype=np.int64)
+
+    return stream_slice(pass_of, total, epoch * n, n)
+
+
+def stream_slice(pass_of: Callable[[int], np.ndarray], size: int, start: int, n: int) -> np.ndarray:
+    """Positions [start, start + n) of the stream made of the passes `pass_of(0)`, `pass_of(1)`,
+    ..., each `size` long (none: an empty stream)."""
+    if not size or n <= 0:
+        return np.zeros(0, dtype=np.int64)
+    first, last = start // size, (start + n - 1) // size
+    passes = np.concatenate([pass_of(p) for p in range(first, last + 1)])
+    return passes[start - first * size : start - first * size + n]
 
 
 def class_sample_weights(labels: np.ndarray, class_weights: str | Mapping[int, float]) -> np.ndarray:
@@ -183,32 +195,55 @@ def weighted_sequence(counts: np.ndarray, weights: np.ndarray, seed: int, epoch:
     return draws[np.argsort(rank[shard_of], kind="stable")]
 
 
-def mix_picks(weights: Sequence[float], n: int) -> np.ndarray:
-    """Which source each of `n` mixed picks comes from (see the module docstring)."""
-    weights = np.asarray(weights, dtype=np.float64)
-    weights = weights / weights.sum()
-    # Source i's k-th pick happens at time (k + 1/2) / w_i; the first n picks in time win.
-    quota = np.floor(weights * n).astype(np.int64) + 2
-    times = np.concatenate([(np.arange(q) + 0.5) / w for q, w in zip(quota, weights)])
-    source = np.concatenate([np.full(q, i) for i, q in enumerate(quota)])
-    return source[np.argsort(times, kind="stable")[:n]]
+def mix_picks(weights: Sequence[float], n: int, start: int = 0) -> np.ndarray:
+    """Which source each of the mixed picks at positions [start, start + n) comes from (see the
+    module docstring)."""
+    return mix_schedule(weights, start, n)[0]
 
 
-def mixed_sequence(sequences: Sequence[np.ndarray], weights: Sequence[float], n: int,
-                   more: Sequence = ()) -> np.ndarray:
-    """Interleave per-source sequences by weight into `n` ids (see the module docstring).
+def mix_schedule(weights: Sequence[float], start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the sources of the picks at positions [start, start + n) of the mixed stream, and how
+    many picks of each source come before `start`).
 
-    `more[i](k)` gives source i's k-th further pass when its sequence runs out.
+    Source i's k-th pick is at time (k + 1/2) / w_i, and the stream is every pick in time
+    order (the lower source first at equal times), over all epochs: an epoch is a window
+    of it, so shares hold across epochs too, and a source too small for one pick an
+    epoch gets one every few epochs. Picks before a time `tau` a little ahead of the
+    start are counted from the formula, those after merged: the count of picks before
+    time t is within a source count of t, so `tau = start - sources - 1` is early enough.
     """
-    picked = mix_picks(weights, n)
+    w = np.asarray(weights, dtype=np.float64)
+    w = w / w.sum()
+    tau = max(0.0, float(start) - len(w) - 1)
+    before = np.maximum(0, np.ceil(tau * w - 0.5)).astype(np.int64)
+    for i, wi in enumerate(w):  # exactly the picks whose (float) time is below tau, as merged below
+        while before[i] > 0 and (before[i] - 1 + 0.5) / wi >= tau:
+            before[i] -= 1
+        while (before[i] + 0.5) / wi < tau:
+            before[i] += 1
+    skip = start - int(before.sum())
+    assert skip >= 0
+    quota = np.floor(w * (skip + n + len(w))).astype(np.int64) + 2
+    while True:
+        times = np.concatenate([(before[i] + np.arange(q) + 0.5) / wi for i, (q, wi) in enumerate(zip(quota, w))])
+        source = np.concatenate([np.full(q, i) for i, q in enumerate(quota)])
+        picked = source[np.argsort(times, kind="stable")[: skip + n]]
+        if (np.bincount(picked, minlength=len(w)) < quota).all():  # no source ran out of candidates
+            break
+        quota = quota * 2 + 2
+    return picked[skip:], before + np.bincount(picked[:skip], minlength=len(w))
+
+
+def mixed_sequence(sources: Sequence[Callable[[int, int], np.ndarray]], weights: Sequence[float], n: int,
+                   start: int = 0) -> np.ndarray:
+    """`n` ids interleaved from the sources by weight: the mixed stream's positions
+    [start, start + n) (see the module docstring). `sources[i](first, count)` gives the ids
+    at positions [first, first + count) of source i's own stream."""
+    picked, before = mix_schedule(weights, start, n)
     out = np.empty(n, dtype=np.int64)
-    for i, seq in enumerate(sequences):
+    for i, take in enumerate(sources):
         where = np.flatnonzero(picked == i)
-        stream, k = [seq], 1
-        while sum(len(s) for s in stream) < len(where) and len(seq):
-            stream.append(more[i](k))
-            k += 1
-        ids = np.concatenate(stream)[: len(where)] if len(seq) else np.zeros(0, np.int64)
+        ids = take(int(before[i]), len(where)) if len(where) else np.zeros(0, dtype=np.int64)
         if len(ids) < len(where):
             raise ValueError(f"mixed source {i} has no samples")
         out[where] = ids

@@ -9,7 +9,8 @@ import pytest
 from scipy.stats import chisquare
 
 import shardstream as ss
-from shardstream.sampling import Mix, Sampling, class_sample_weights, mixed_sequence, sized_sequence, weighted_sequence
+from shardstream.sampling import (Mix, Sampling, class_sample_weights, mix_picks, mix_schedule, mixed_sequence,
+                                  sized_sequence, stream_slice, weighted_sequence)
 from shardstream.synthetic import make_image_folder
 
 TINY = ((8, 8), (12, 12))
@@ -184,7 +185,8 @@ def test_mix_resume_is_exact_and_elastic(imbalanced, small, num_workers):
 
 def test_mixed_sequence_reuses_a_short_source():
     a, b = np.arange(10), np.arange(100, 103)
-    out = mixed_sequence([a, b], [0.5, 0.5], 20, more=[None, lambda k: np.arange(100, 103)])
+    streams = [lambda first, count, ids=ids: stream_slice(lambda p: ids, len(ids), first, count) for ids in (a, b)]
+    out = mixed_sequence(streams, [0.5, 0.5], 20)
     assert sorted(out[out >= 100].tolist()) == sorted([100, 101, 102] * 3 + [100])
 
 
@@ -455,6 +457,90 @@ def test_unshuffled_epochs_cut_short_walk_the_data_in_order(small):
         mixed.set_epoch(epoch)
         counts.update(k for (k,) in mixed)
     assert set(counts) == set(every)  # the first source's 30 picks an epoch reach its tail in 3 epochs
+
+
+@pytest.fixture(scope="module")
+def big_shards(tmp_path_factory):
+    """Two datasets of shards of 100 samples: `a` of 4 shards, `b` of 3."""
+    root = tmp_path_factory.mktemp("bigshards")
+    for name, shards in (("a", 4), ("b", 3)):
+        with ss.ShardWriter(str(root / name), max_samples=100) as writer:
+            for i in range(100 * shards):
+                writer.write({"__key__": f"{name}{i:04d}", "cls": i % 2})
+    return str(root / "a"), str(root / "b")
+
+
+def keys_over_epochs(ds, epochs) -> list[str]:
+    out = []
+    for epoch in epochs:
+        ds.set_epoch(epoch)
+        out += [k for (k,) in ds]
+    return out
+
+
+def test_shuffled_epochs_cut_short_walk_on_through_every_sample(big_shards):
+    """Regression: shuffled, an epoch cut short (samples_per_epoch) took the first samples of a freshly
+    shuffled pass, each shard's in file order: with epochs smaller than a shard, the samples beyond the
+    cut in every shard were never read (200 of 400 over 40 epochs of 50). Epochs are windows of one
+    stream of passes now: every 8 epochs of 50 read the 400 samples once each."""
+    a, _ = big_shards
+    ds = ss.StreamingDataset(a, decode=None, fields=("__key__",), shuffle=True, seed=1,
+                             sampling=Sampling(samples_per_epoch=50))
+    first, second = keys_over_epochs(ds, range(8)), keys_over_epochs(ds, range(8, 16))
+    assert sorted(first) == sorted(second) == sorted(f"a{i:04d}" for i in range(400))
+    assert first != second  # another pass, in another order
+    whole = ss.StreamingDataset(a, decode=None, fields=("__key__",), shuffle=True, seed=1,
+                                sampling=Sampling(samples_per_epoch=400))
+    plain = ss.StreamingDataset(a, decode=None, fields=("__key__",), shuffle=True, seed=1)
+    assert keys_over_epochs(whole, [3]) == keys_over_epochs(plain, [3])  # an epoch the data's size is the plain one
+
+
+def test_a_mix_keeps_its_shares_across_epochs_and_reads_every_samples(big_shards):
+    """Regression: each epoch of a Mix drew its picks afresh from the start, so every epoch had the same
+    per-source counts, rounding errors added up epoch after epoch, and a source with less than half a pick
+    an epoch was never read (0.98/0.02 over 100 epochs of 20: none of b); a source's share was the first
+    samples of a freshly shuffled pass, so the tails of its shards were never read either. Epochs are
+    windows of one mixed stream now, and each source's picks walk on through its own passes."""
+    a, b = big_shards
+    ds = ss.StreamingDataset(Mix([a, b], [0.98, 0.02]), decode=None, fields=("__key__",), shuffle=True, seed=2,
+                             sampling=Sampling(samples_per_epoch=20))
+    keys = keys_over_epochs(ds, range(100))
+    assert abs(sum(k.startswith("b") for k in keys) - 40) <= 1
+    wide = ss.StreamingDataset(Mix([a, b], [0.95, 0.05]), decode=None, fields=("__key__",), shuffle=True, seed=2,
+                               sampling=Sampling(samples_per_epoch=600))
+    from_b = [k for k in keys_over_epochs(wide, range(10)) if k.startswith("b")]  # 30 an epoch, 300 in all
+    assert sorted(from_b) == sorted(f"b{i:04d}" for i in range(300))
+
+
+def test_the_mixed_stream_is_the_same_whatever_the_epoch_size():
+    """An epoch's picks are a window of one schedule: epochs of n picks laid end to end are the schedule's
+    first picks, and the counts before a window are those picks' counts, for many weights."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        weights = rng.random(int(rng.integers(1, 7))) + 0.001
+        n, epochs = int(rng.integers(1, 200)), int(rng.integers(1, 6))
+        whole = mix_picks(weights, n * epochs)
+        for e in range(epochs):
+            picks, before = mix_schedule(weights, e * n, n)
+            assert (picks == whole[e * n : (e + 1) * n]).all()
+            assert (before == np.bincount(whole[: e * n], minlength=len(weights))).all()
+
+
+def test_a_version_1_state_of_a_mix_or_a_sized_epoch_is_refused(big_shards):
+    """Version 1 states were taken when a Mix and samples_per_epoch drew each epoch afresh: resumed here they
+    would describe other samples, so they are refused, saying why; plain datasets' still load."""
+    a, b = big_shards
+    for source, sampling in ((Mix([a, b], [0.5, 0.5]), None), (a, Sampling(samples_per_epoch=50))):
+        ds = ss.StreamingDataset(source, decode=None, fields=("__key__",), sampling=sampling)
+        it = iter(ds)
+        next(it)
+        state = {**ds.state_dict(), "version": 1}
+        with pytest.raises(ss.ShardstreamError, match="walk on across epochs"):
+            ss.StreamingDataset(source, decode=None, fields=("__key__",), sampling=sampling).load_state_dict(state)
+    plain = ss.StreamingDataset(a, decode=None, fields=("__key__",))
+    it = iter(plain)
+    next(it)
+    ss.StreamingDataset(a, decode=None, fields=("__key__",)).load_state_dict({**plain.state_dict(), "version": 1})
 
 
 def test_samples_per_epoch_must_be_a_whole_count():
