@@ -127,9 +127,10 @@ class Mix:
             raise ValueError("Mix needs one weight per source")
         if not all(isinstance(w, numbers.Real) and math.isfinite(w) and w > 0 for w in weights):
             raise ValueError(f"Mix weights must be finite and positive, not {list(weights)}")
-        total = float(sum(weights))
+        top = float(max(weights))  # each finite, their sum may not be (1e308 twice)
+        total = sum(w / top for w in weights)
         object.__setattr__(self, "sources", tuple(source_urls(s) for s in sources))
-        object.__setattr__(self, "weights", tuple(w / total for w in weights))
+        object.__setattr__(self, "weights", tuple(w / top / total for w in weights))
 
 
 def source_urls(source: "str | os.PathLike[str] | Sequence[str | os.PathLike[str]]") -> str | tuple[str, ...]:
@@ -173,9 +174,16 @@ def class_sample_weights(labels: np.ndarray, class_weights: str | Mapping[int, f
     if isinstance(class_weights, str):
         table = 1.0 / np.maximum(np.bincount(labels), 1)
     else:
-        table = np.zeros(int(max(labels.max(initial=0), max(class_weights, default=0))) + 1)
+        table = np.full(int(max(labels.max(initial=0), max(class_weights, default=0))) + 1, np.nan)
         for c, w in class_weights.items():
             table[c] = w
+        unlisted = np.unique(labels[np.isnan(table[labels])])
+        if len(unlisted):
+            # Weight 0 by default would leave a class out of every epoch without a word (Keras
+            # weighs an unlisted class 1): say which, and let the mapping say 0 where that is meant.
+            raise ValueError(f"class_weights gives no weight for class {int(unlisted[0])}, which samples have"
+                             f"{f' (nor for {len(unlisted) - 1} more)' if len(unlisted) > 1 else ''}: give every "
+                             "class present a weight (0 leaves it out)")
     return table[labels]
 
 
@@ -183,8 +191,10 @@ def weighted_sequence(counts: np.ndarray, weights: np.ndarray, seed: int, epoch:
                       n: int) -> np.ndarray:
     """`n` ids drawn with replacement with probability ∝ `weights`, grouped by shard for reading."""
     weights = np.asarray(weights, dtype=np.float64)
-    if weights.sum() <= 0:
-        raise ValueError("sample weights sum to zero")
+    if not weights.sum() > 0:
+        raise ValueError("the sampling weights (class weight times sample weight) are 0 for every sample")
+    if not math.isfinite(weights.sum()):
+        weights = weights / weights.max()  # each finite, their sum past float's range
     draws = np.sort(rng_for(seed, epoch, 2).choice(len(weights), size=n, p=weights / weights.sum()))
     # Shards in the epoch's order, each shard's draws sorted: sequential reads.
     starts = np.concatenate([[0], np.cumsum(counts)])

@@ -543,6 +543,26 @@ def test_a_version_1_state_of_a_mix_or_a_sized_epoch_is_refused(big_shards):
     ss.StreamingDataset(a, decode=None, fields=("__key__",)).load_state_dict({**plain.state_dict(), "version": 1})
 
 
+def test_a_class_left_out_of_class_weights_is_an_error_naming_it(imbalanced):
+    """Regression: a class missing from a class_weights mapping had weight 0, so it left every epoch without
+    a word; and weights that were all 0 were reported as "sample weights sum to zero" when none were given."""
+    with pytest.raises(ValueError, match="no weight for class 0, which samples have \\(nor for 1 more\\)"):
+        len(ss.StreamingDataset(imbalanced, sampling=Sampling(class_weights={1: 5.0})))
+    ds = ss.StreamingDataset(imbalanced, decode=None, fields=("cls",),
+                             sampling=Sampling(class_weights={0: 0.0, 1: 1.0, 2: 0.0}, samples_per_epoch=50))
+    assert {int(c) for (c,) in ds} == {1}  # 0 says "leave it out"
+    with pytest.raises(ValueError, match="are 0 for every sample"):
+        list(ss.StreamingDataset(imbalanced, sampling=Sampling(class_weights={0: 0.0, 1: 0.0, 2: 0.0})))
+
+
+def test_weights_whose_sum_overflows_still_weigh():
+    """Each finite, two weights of 1e308 summed past float's range: a Mix normalised them to 0 and failed
+    later with "negative dimensions", class weights with numpy's "probabilities do not sum to 1"."""
+    assert Mix(["a", "b"], [1e308, 1e308]).weights == (0.5, 0.5)
+    drawn = weighted_sequence(np.array([2, 2]), np.array([1e308, 1e308, 0.0, 0.0]), 0, 0, False, 20)
+    assert set(drawn.tolist()) == {0, 1}
+
+
 def test_samples_per_epoch_must_be_a_whole_count():
     """Regression: 1e6 from a config file was taken, then failed with numpy's slicing error when the epoch was
     first planned (in a DataLoader worker); True was taken as 1."""
