@@ -103,8 +103,10 @@ class _Progress:
     def finish_run(self, planned_s: float) -> None:
         self.done += planned_s
 
-    def close(self) -> None:
-        self.bar.n = self.bar.total
+    def close(self, complete: bool = True) -> None:
+        """End the bar: full where every run ended, else where it stopped (Ctrl-C, an error)."""
+        if complete:
+            self.bar.n = self.bar.total
         self.bar.close()
 
 
@@ -295,7 +297,7 @@ def bench(
             if on_row is not None:
                 on_row(row)
     finally:
-        bar.close()
+        bar.close(complete=len(result.rows) == len(workers))
     return result
 
 

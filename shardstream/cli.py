@@ -46,6 +46,54 @@ def _int_at_least(text: str, least: int, what: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+def _size(text: str) -> str:
+    """A size such as 256MB (checked here, passed on as written)."""
+    from .writer import parse_size
+
+    try:
+        size = parse_size(text)
+    except ShardstreamError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"a shard size must be at least one byte, not {text!r}")
+    return text
+
+
+def _part_spec(text: str) -> str:
+    """I/N with 0 <= I < N (checked here, passed on as written)."""
+    index, _, total = text.partition("/")
+    try:
+        i, n = int(index), int(total)
+    except ValueError:
+        i, n = -1, 0
+    if not 0 <= i < n:
+        raise argparse.ArgumentTypeError(f"expected I/N with 0 <= I < N (e.g. 0/4), got {text!r}")
+    return text
+
+
+def _check_combinations(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Options that go with others, given without them: a usage error (exit 2), as argparse's own.
+    Ignored, they made a pack the user did not ask for."""
+    if args.command != "pack":
+        return
+    if args.executor == "ray" and args.part is not None:
+        parser.error("--executor ray runs all parts itself; leave out --part")
+    if args.executor != "ray" and (args.parts is not None or args.ray_address is not None):
+        parser.error("--parts and --ray-address go with --executor ray (for one part: --part I/N)")
+    if args.no_merge and args.part is None:
+        parser.error("--no-merge goes with --part I/N")
+
+
 def _worker_counts(text: str) -> list[int]:
     try:
         counts = [int(part) for part in text.split(",") if part.strip()]
@@ -66,13 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("pack", help="pack an image folder or file list into shards")
     p.add_argument("src", help="image folder (one subfolder per class) or a .txt/.csv list of path[,label]")
     p.add_argument("dst", help="output folder or fsspec URL (s3://bucket/prefix)")
-    p.add_argument("--shard-size", default="256MB", help="uncompressed bytes per shard (default 256MB)")
+    p.add_argument("--shard-size", type=_size, default="256MB", help="uncompressed bytes per shard (default 256MB)")
     p.add_argument("--max-samples", type=_positive_int, default=None, help="at most this many samples per shard")
     p.add_argument("--compression", choices=("zstd", "none"), default="zstd")
     p.add_argument("--level", type=int, default=IMAGE_LEVEL,
                    help=f"zstd level, {MIN_LEVEL}..22 (default {IMAGE_LEVEL}, a fast level: image files do not "
                    "shrink, and higher levels cost twice the time and more for a fraction of a percent)")
-    p.add_argument("--workers", type=int, default=None,
+    p.add_argument("--workers", type=_positive_int, default=None,
                    help="parallel workers: threads for large images, processes for small ones (default: all cores)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sample order")
     p.add_argument("--no-shuffle", action="store_true", help="keep sorted order (class-sorted shards!)")
@@ -84,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"with --max-side: JPEG/WebP quality of shrunk images (default {DEFAULT_QUALITY})")
     p.add_argument("--overwrite", action="store_true", help="replace a dataset already at DST")
     p.add_argument("--resume", action="store_true", help="continue an interrupted pack from its last complete shard")
-    p.add_argument("--part", default=None, metavar="I/N",
+    p.add_argument("--part", type=_part_spec, default=None, metavar="I/N",
                    help="pack only part I of N; the last part to finish merges (or: shardstream merge DST)")
     p.add_argument("--no-merge", action="store_true", help="with --part: do not merge, even as the last part")
     p.add_argument("--executor", choices=("local", "ray"), default="local",
@@ -112,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("repack", help="rewrite other tools' tars (.tar, .tar.gz, .tar.zst) as a shardstream dataset")
     p.add_argument("source", help="folder or URL prefix of tars, a brace pattern, or one shard's URL")
     p.add_argument("dst", help="output folder or fsspec URL")
-    p.add_argument("--shard-size", default="256MB", help="uncompressed bytes per shard (default 256MB)")
+    p.add_argument("--shard-size", type=_size, default="256MB", help="uncompressed bytes per shard (default 256MB)")
     p.add_argument("--compression", choices=("zstd", "none"), default="zstd")
     p.add_argument("--level", type=int, default=IMAGE_LEVEL, help=f"zstd level (default {IMAGE_LEVEL})")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -146,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=_positive_int, default=64)
     p.add_argument("--transform", choices=("train", "val", "none"), default="train",
                    help="train: RandomResizedCropJPEG(224); val: CenterCropJPEG(224); none: raw bytes")
-    p.add_argument("--seconds", type=float, default=5.0, help="measured seconds per worker count (default 5)")
+    p.add_argument("--seconds", type=_positive_float, default=5.0, help="measured seconds per worker count (default 5)")
     p.add_argument("--warmup", type=float, default=1.0, help="seconds discarded first (default 1)")
     p.add_argument("--device", default="cpu", help="where batches go: cpu or cuda (default cpu)")
     p.add_argument("--decode-on-device", action="store_true",
@@ -211,13 +259,19 @@ def _stopped(command: str, error: KeyboardInterrupt, resume: bool) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_combinations(parser, args)
     try:
         with _sigterm_interrupts():
             return int(args.run(args))
     except ShardstreamError as e:
         print(f"shardstream {args.command}: error: {e}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # `shardstream inspect DST | head`: the reader has gone, as `yes | head` reads
+        # Quiet, as Unix tools are; stdout points nowhere, so flushing at exit raises nothing more.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except OSError as e:  # a file or folder the command was given: missing, not a folder, not writable
         where = f"{e.filename}: " if e.filename is not None else ""
         print(f"shardstream {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)

@@ -38,12 +38,7 @@ def cmd_pack(args: argparse.Namespace) -> int:
 
     if args.executor == "ray":
         return _pack_with_ray(args)
-    # Options of another mode, given here, were ignored: a pack the user did not ask for ran.
-    if args.parts is not None or args.ray_address is not None:
-        raise ShardstreamError("--parts and --ray-address go with --executor ray (for one part: --part I/N)")
-    if args.no_merge and args.part is None:
-        raise ShardstreamError("--no-merge goes with --part I/N")
-    part = _part(args.part)
+    part = _part(args.part)  # the option combinations and the part's form: checked by the parser (cli.py)
     summary = pack(args.src, args.dst, workers=args.workers, part=part, progress=not args.quiet,
                    **_pack_options(args))
     print(summary)
@@ -83,8 +78,6 @@ def _pack_options(args: argparse.Namespace) -> dict:
 def _pack_with_ray(args: argparse.Namespace) -> int:
     from .executors import pack_with_ray
 
-    if args.part is not None:
-        raise ShardstreamError("--executor ray runs all parts itself; leave out --part")
     manifest, summaries = pack_with_ray(args.src, args.dst, parts=args.parts or 4, address=args.ray_address,
                                         cpus_per_part=args.workers or 1, progress=not args.quiet,
                                         **_pack_options(args))
@@ -97,10 +90,7 @@ def _pack_with_ray(args: argparse.Namespace) -> int:
 def _part(text: str | None) -> tuple[int, int] | None:
     if text is None:
         return None
-    try:
-        index, total = (int(x) for x in text.split("/"))
-    except ValueError:
-        raise ShardstreamError(f"--part takes I/N (e.g. 0/4), not {text!r}") from None
+    index, total = (int(x) for x in text.split("/"))  # its form checked by the parser (cli.py)
     return index, total
 
 

@@ -214,6 +214,10 @@ def pack(
     """
     src, dst = expand_home(os.fspath(src)), os.fspath(dst)  # pathlib.Path too; dst's Store expands dst
     _check_arguments(compression, level, on_error, part, max_samples, max_side, quality)
+    if workers is not None and workers < 1:  # 0 meant all cores and -3 one, without a word
+        raise ShardstreamError(f"workers must be a positive number (None: all cores), not {workers}")
+    if parse_size(shard_size) < 1:  # 0 wrote a shard a sample
+        raise ShardstreamError(f"shard_size must be at least one byte, not {shard_size!r}")
     prefix = "shard" if part is None else f"shard-p{part[0]:05d}"
     opts = PackOptions(parse_size(shard_size), max_samples, compression, level, seed, shuffle, FRAME_SIZE, prefix,
                        max_side, quality)
@@ -360,6 +364,7 @@ def _finished_summary(store: Store, name: str, options: dict[str, Any]) -> PackS
         seconds=0.0,
         skipped=list(manifest.skipped),
         ignored=manifest.ignored,
+        resumed=manifest.samples,  # every one packed by the earlier run: "0 img/s" said otherwise
     )
 
 

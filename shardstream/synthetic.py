@@ -277,7 +277,8 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def _die_with(parent: int | None) -> None:
-    """Pool initializer: on Linux, the worker is killed when the process that started it ends.
+    """Pool initializer: on Linux, the worker is killed when the process that started it ends;
+    it ignores SIGINT, which its caller handles.
 
     A `Pool` worker waits on the task queue, whose write end its forked siblings hold
     too, so workers whose parent is killed outright (SIGKILL, the OOM killer, a test
@@ -285,6 +286,9 @@ def _die_with(parent: int | None) -> None:
     parent must have (the caller's, for a forked worker); None where the worker has
     another parent (forkserver's server), which is then the one it has now.
     """
+    # Ctrl-C in a terminal reaches every process of the group: the caller handles it and ends
+    # the pool; a worker raising KeyboardInterrupt too printed a traceback each (as pack's do not).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if not sys.platform.startswith("linux"):
         return
     expected = os.getppid() if parent is None else parent

@@ -188,9 +188,38 @@ def test_usage_errors(tmp_path):
     missing = cli("pack", tmp_path / "nope", tmp_path / "ds", "--quiet")
     assert missing.returncode == 1 and "nope" in missing.stderr
     assert cli("inspect", tmp_path / "nothing").returncode == 1
-    for size in ("1.2.3MB", ".MB", "12XB"):  # a clean error naming the value, never a traceback
+    for size in ("1.2.3MB", ".MB", "12XB"):  # a clean usage error naming the value, never a traceback
         bad = cli("pack", tmp_path / "nope", tmp_path / "ds", "--shard-size", size, "--quiet")
-        assert bad.returncode == 1 and bad.stderr.startswith(f"shardstream pack: error: bad size {size!r}"), bad.stderr
+        assert bad.returncode == 2 and f"bad size {size!r}" in bad.stderr, bad.stderr
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--workers", "0"], "expected a positive integer, got '0'"),
+    (["--workers", "-3"], "expected a positive integer, got '-3'"),
+    (["--shard-size", "0"], "a shard size must be at least one byte, not '0'"),
+    (["--shard-size", "0.4"], "a shard size must be at least one byte"),
+    (["--part", "3/2"], "expected I/N with 0 <= I < N (e.g. 0/4), got '3/2'"),
+    (["--part", "a/b"], "expected I/N with 0 <= I < N"),
+    (["--part=-1/2"], "expected I/N with 0 <= I < N"),
+])
+def test_bad_pack_arguments_are_usage_errors(image_folder, tmp_path, extra, message):
+    """Regression: `--workers 0` or `-3` packed with all cores or one, `--shard-size 0` wrote a shard a
+    sample, and a bad --part or shard size exited 1 as a data problem would: now each is a usage error (2)."""
+    result = cli_pack(image_folder, tmp_path / "ds", *extra)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert not (tmp_path / "ds").exists()
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(packed):
+    """Regression: `shardstream inspect DST | head -1` printed "error: Broken pipe" and exited 1. As Unix tools
+    do, it ends quietly, with the status a shell gives a process SIGPIPE ends (141)."""
+    command = [sys.executable, "-c", "import sys; from shardstream.cli import main; sys.exit(main())",
+               "inspect", str(packed)]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+        proc.stdout.close()  # the reader has gone before the first line
+        stderr = proc.stderr.read().decode()
+        status = proc.wait(timeout=120)
+    assert status == 141 and stderr == "", (status, stderr)
 
 
 def test_demo_runs_the_whole_path(tmp_path):
@@ -453,9 +482,10 @@ def test_verify_warns_of_a_jpeg_that_decodes_with_data_missing(tmp_path):
     (["--no-merge"], "--no-merge goes with --part I/N"),
 ])
 def test_pack_options_of_another_mode_are_refused(image_folder, tmp_path, extra, message):
-    """Regression: `pack SRC DST --parts 3` (without --executor ray) packed one ordinary dataset, exit 0."""
+    """Regression: `pack SRC DST --parts 3` (without --executor ray) packed one ordinary dataset, exit 0.
+    A usage error (2), as argparse's own."""
     result = cli_pack(image_folder, tmp_path / "ds", *extra)
-    assert result.returncode == 1 and message in result.stderr, result.stderr
+    assert result.returncode == 2 and message in result.stderr, result.stderr
     assert not (tmp_path / "ds").exists()
 
 

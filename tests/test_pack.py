@@ -742,6 +742,14 @@ def test_resume_stores_and_reports_a_misnamed_image_as_a_clean_pack_does(image_f
     assert resumed.misnamed == [("class_002/zz_png.jpg", "PNG")]
 
 
+def test_a_finished_pack_rerun_with_resume_says_an_earlier_run_packed_it(image_folder, tmp_path):
+    """Regression: rerunning a finished pack with resume said it had packed every sample, at 0 img/s."""
+    run_pack(image_folder, tmp_path / "ds")
+    again = run_pack(image_folder, tmp_path / "ds", resume=True)
+    assert again.resumed == again.samples > 0
+    assert f"({again.samples} of them by an earlier run)" in str(again)
+
+
 # -- crash safety -------------------------------------------------------------------------------------
 
 

@@ -126,7 +126,7 @@ def test_cli_part_and_merge(source, tmp_path):
     assert not os.path.exists(os.path.join(dst, "manifest.msgpack"))  # --no-merge
     result = cli("merge", dst)
     assert result.returncode == 0 and "merged 2 parts: 21 samples" in result.stdout
-    assert cli("pack", str(source / "src"), dst, "--part", "2/2").returncode == 1  # I must be < N
+    assert cli("pack", str(source / "src"), dst, "--part", "2/2").returncode == 2  # I must be < N: a usage error
 
 
 def test_cli_last_part_to_finish_merges(source, tmp_path):

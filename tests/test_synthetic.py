@@ -59,3 +59,12 @@ def test_workers_end_with_a_parent_killed_outright(tmp_path):
         except ProcessLookupError:
             pass
         proc.wait(timeout=30)
+
+
+def test_pool_workers_leave_ctrl_c_to_their_caller():
+    """Regression: Ctrl-C reaches every process of a terminal's group, and each pool worker of `demo` (or
+    tools/make_images.py) printed a KeyboardInterrupt traceback while its caller stopped the pool."""
+    code = ("import signal; from shardstream.synthetic import _die_with; _die_with(None); "
+            "print(signal.getsignal(signal.SIGINT) == signal.SIG_IGN)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "True", out.stderr
