@@ -126,7 +126,7 @@ def _run_one(
     tree = TreeRSS(exclude)
     images = payload = 0
     epoch = epochs = 0
-    cpu_start = cpu_end = None
+    cpu_start = cpu_end = machine_start = machine_end = None
     first_batch_s: float | None = None
     window_start: float | None = None
     now = start = time.perf_counter()
@@ -158,7 +158,7 @@ def _run_one(
                 if window_start is None:
                     if now - start >= warmup:
                         window_start = now  # the warm-up is over; count what arrives from here
-                        cpu_start = tree.cpu_seconds()
+                        cpu_start, machine_start = tree.cpu_seconds(), _machine_busy_seconds()
                     progress.update(min(now - start, warmup), f"num_workers={num_workers}: warm-up")
                     continue
                 images += _batch_images(batch, raw)
@@ -170,7 +170,7 @@ def _run_one(
                 progress.update(warmup + elapsed, f"num_workers={num_workers}: {images / elapsed:,.0f} img/s")
             sync()  # with CUDA: the copies of the counted batches have landed
             now = time.perf_counter()
-            cpu_end = tree.cpu_seconds()
+            cpu_end, machine_end = tree.cpu_seconds(), _machine_busy_seconds()
             sampler.sample()
         finally:
             if batches is not None:
@@ -199,6 +199,8 @@ def _run_one(
         peak_rss_mb=round(peak / _MB, 1) if peak is not None else None,
         epochs=epochs,
         cpus_busy=round((cpu_end - cpu_start) / window, 3) if cpu_start is not None and cpu_end is not None else None,
+        machine_busy=(round((machine_end - machine_start) / window, 3)
+                      if machine_start is not None and machine_end is not None else None),
     )
     return row, payload
 
@@ -308,6 +310,23 @@ def _labelled(source: Any) -> bool:
         return bool(source.manifest.classes)
     first = next(iter(source.reader(0)), None) if source.shards else None
     return first is not None and "cls" in first
+
+
+def _machine_busy_seconds() -> float | None:
+    """CPU seconds every process has used on the CPUs this one may run on, since boot (not idle,
+    not waiting on I/O), from Linux's /proc/stat; None where there is none."""
+    try:
+        allowed = os.sched_getaffinity(0)
+        with open("/proc/stat") as f:
+            lines = [line.split() for line in f if line.startswith("cpu") and line[3:4].isdigit()]
+    except (AttributeError, OSError):
+        return None
+    ticks = 0
+    for fields in lines:
+        if int(fields[0][3:]) in allowed:
+            values = [int(v) for v in fields[1:]]
+            ticks += sum(values[:8]) - values[3] - values[4]  # user .. steal, less idle and iowait
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _cpus() -> int | None:

@@ -49,6 +49,9 @@ class BenchRow:
     peak_rss_mb: float | None  # main process + its workers; None where it cannot be measured
     epochs: int  # epochs started (warm-up included)
     cpus_busy: float | None = None  # CPU seconds of the process tree per second of the window
+    # The same of every process on the CPUs this one may use (Linux's /proc/stat): where it is
+    # near all of them and `cpus_busy` is not, other work held the CPUs.
+    machine_busy: float | None = None
 
 
 @dataclass
@@ -115,6 +118,10 @@ class BenchResult:
             levers = "a cheaper transform, pack --max-side" + ("" if "on the device" in self.transform
                                                                else ", the decode on the GPU")
             return f"{busy}: CPU-bound. More workers cannot help; less work per image can ({levers}) or more CPUs."
+        others = row.machine_busy - row.cpus_busy if row.machine_busy is not None else 0.0
+        if row.machine_busy is not None and row.machine_busy >= CPU_BOUND * self.cpus and others >= 0.5:
+            return (f"{busy}, and the machine {row.machine_busy:.1f}: other processes held {others:.1f} CPUs. "
+                    "The rate is bounded by the CPUs left to it; measure again on an idle machine.")
         if row.num_workers == max(r.num_workers for r in self.rows):
             return f"{busy}, and it is the most workers measured: measure more workers, they may still pay."
         return (f"{busy}: not CPU-bound. The limit is elsewhere: storage (raise prefetch, use cache_dir), "

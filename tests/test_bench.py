@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -107,6 +108,26 @@ def test_diagnosis_at_the_knee():
     rising.rows = rising.rows[:2]  # the knee is the most workers measured, CPUs to spare
     assert rising.knee == 4 and "measure more workers" in rising.diagnosis()
     assert result(3.1, cpus=None).diagnosis() is None
+    crowded = result(3.1)  # the bench kept 3.1 of 8 busy, the machine all but 0.4 of them
+    crowded.rows[1].machine_busy = 7.6
+    assert "other processes held 4.5 CPUs" in crowded.diagnosis() and "prefetch" not in crowded.diagnosis()
+    alone = result(3.1)
+    alone.rows[1].machine_busy = 3.3  # the machine as busy as the bench: its own limit is elsewhere
+    assert "not CPU-bound" in alone.diagnosis()
+
+
+def test_a_bench_reads_the_machines_cpus_beside_its_own():
+    """Regression: bench counted only its own processes' CPU, and blamed storage for a rate that other
+    processes, holding the CPUs, bounded. Each row now has the machine-wide reading too (Linux)."""
+    from shardstream.bench import _machine_busy_seconds
+
+    if _machine_busy_seconds() is None:
+        pytest.skip("no /proc/stat here")
+    start = _machine_busy_seconds()
+    deadline = time.process_time() + 0.3
+    while time.process_time() < deadline:  # this process alone keeps one CPU busy for 0.3 s
+        pass
+    assert _machine_busy_seconds() - start >= 0.25
 
 
 # -- the command and the function, on a tiny packed dataset ------------------------------------
