@@ -216,6 +216,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@contextlib.contextmanager
+def _warnings_as_lines(command: str) -> Iterator[None]:
+    """The library's warnings (tars left out by `index`, ...) as one line each, not Python's
+    `file:line: UserWarning:` and the source line that raised them."""
+    import warnings
+
+    def show(message: Warning | str, category: type[Warning], *rest: Any, **kw: Any) -> None:
+        print(f"shardstream {command}: warning: {message}", file=sys.stderr)
+
+    before = warnings.showwarning
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = before
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised in the main thread where it is, as Ctrl-C raises KeyboardInterrupt:
     whatever cleans up after an interrupt cleans up after it."""
@@ -263,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _check_combinations(parser, args)
     try:
-        with _sigterm_interrupts():
+        with _sigterm_interrupts(), _warnings_as_lines(args.command):
             return int(args.run(args))
     except ShardstreamError as e:
         print(f"shardstream {args.command}: error: {e}", file=sys.stderr)

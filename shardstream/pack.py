@@ -338,7 +338,7 @@ def _repeated_rows(listing: Listing, src: str, skip: bool, part: tuple[int, int]
     if listing.repeated and not skip:
         first = listing.repeated[0]
         raise PackError(f"lines {first.first_line} and {first.line} both name {first.path!r}, which would be "
-                        "packed twice; remove one (or pass on_error='skip' to pack the first)", url=src)
+                        "packed twice; remove one (or pass on_error='skip', --on-error skip, to pack the first)", url=src)
     if part is not None and part[0] != 0:
         return []
     return [(printable(r.path), r.reason) for r in listing.repeated]

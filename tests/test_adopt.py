@@ -148,6 +148,12 @@ def test_compressed_tars_beside_plain_ones_are_left_out_with_a_warning(wds_folde
     with pytest.warns(UserWarning, match=r"1 compressed tars \(such as shard-000001\.tar\.gz\) are left out"):
         manifest = index_tars(str(mixed))
     assert [s.name for s in manifest.shards] == [plain.name]
+    # The command says it in one line (it showed Python's "file:line: UserWarning:" and the source line).
+    result = subprocess.run([sys.executable, "-m", "shardstream.cli", "index", str(mixed), "--quiet", "--overwrite"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.startswith(f"shardstream index: warning: {mixed}: 1 compressed tars") and "UserWarning" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_a_read_only_location_is_refused_before_any_read():
