@@ -58,6 +58,7 @@ from torch.utils.data import get_worker_info
 import shardstream
 from shardstream import DataLoader, DecodeOnDevice, DeferDecode, Normalize, RandomResizedCropJPEG, StreamingDataset
 from shardstream.device_jpeg import gpu_decoder_available
+from shardstream.cli import _positive_int  # the command line's own check: a count of at least 1
 from shardstream.synthetic import make_image_folder
 
 MEAN = (0.485, 0.456, 0.406)
@@ -440,18 +441,12 @@ def loader_decode(report: Report, data: str, args: argparse.Namespace, batch_siz
 # -- main ------------------------------------------------------------------------------------------------------
 
 
-def _positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return int(text)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--images", type=_positive, default=None,
+    p.add_argument("--images", type=_positive_int, default=None,
                    help="synthetic ImageNet-like JPEGs to make (default 160 with CUDA, 48 without)")
-    p.add_argument("--batch-size", type=_positive, default=None, help="for (a) (default 16) and (c)/(d) (default 128)")
+    p.add_argument("--batch-size", type=_positive_int, default=None, help="for (a) (default 16) and (c)/(d) (default 128)")
     p.add_argument("--image-size", type=int, default=224, help="crop size of the decoded and in-memory images")
     p.add_argument("--workers", type=int, default=None, help="DataLoader workers (default: min(4, cores))")
     p.add_argument("--compute-ms", type=float, default=20.0, help="(d) duration of the synthetic step")
