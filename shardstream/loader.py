@@ -238,6 +238,7 @@ class DataLoader:
         self.timeout = timeout if num_workers > 0 else 0
         self.stats = LoaderStats()
         self._loader: torch.utils.data.DataLoader | None = None
+        self._iteration: object | None = None  # the iteration that counts into _delivered (see __iter__)
         self._recount()  # a state the dataset loaded before still counts
 
     def _torch_loader(self) -> torch.utils.data.DataLoader:
@@ -266,9 +267,11 @@ class DataLoader:
 
     def _recount(self) -> None:
         """Count the epoch's items delivered from what the dataset says came before this pass
-        (a loaded state's items, or none)."""
+        (a loaded state's items, or none). An iteration still open counts no more: it is of
+        the place this replaces."""
         self._delivered = self.dataset.resumed_items(self.num_workers)
         self._counted_epoch = self.dataset.epoch
+        self._iteration = None
 
     def _follow_the_callers_dataset(self) -> None:
         """Catch up with what the training loop did through its own dataset rather than the
@@ -312,11 +315,16 @@ class DataLoader:
         self._drop_workers()  # persistent workers hold the old state: start fresh ones
 
     def __iter__(self) -> Iterator[Any]:
-        self.stats = LoaderStats()
+        self.stats = stats = LoaderStats()
         start = time.perf_counter()
         self._follow_the_callers_dataset()
         self._delivered = self.dataset.start_pass(self.num_workers)
         self._counted_epoch = self.dataset.epoch
+        # This iteration owns the count until a state is loaded or an epoch set (_recount), as
+        # the dataset's latest iteration owns its own: a loop that rolled back to a checkpoint
+        # (load_state_dict inside it) and ran on counted its old epoch's batches on top of the
+        # loaded state, and its end dropped that state, so the next pass replayed the epoch whole.
+        self._iteration = iteration = object()
         with torch.cuda.device(self.device) if self._use_cuda() else contextlib.nullcontext():
             try:
                 source = iter(self._torch_loader())  # torch's pin-memory thread pins on the current device
@@ -334,7 +342,7 @@ class DataLoader:
             try:
                 batch = next(batches)
             except StopIteration:
-                self.stats.wait_s += time.perf_counter() - t0
+                stats.wait_s += time.perf_counter() - t0
                 break
             except BaseException as error:
                 # A worker that died (or raised) leaves torch's persistent workers unusable:
@@ -343,17 +351,19 @@ class DataLoader:
                 _free_frames_holding(error)
                 raise
             now = time.perf_counter()
-            self.stats.wait_s += now - t0
-            if self.stats.batches == 0:
-                self.stats.first_batch_s = now - start
-            self.stats.batches += 1
-            self.stats.samples += count_samples(batch, by_fields) if self.dataset.batch_size is not None else 1
-            self.stats.elapsed_s = now - start
-            self._delivered += 1
+            stats.wait_s += now - t0
+            if stats.batches == 0:
+                stats.first_batch_s = now - start
+            stats.batches += 1
+            stats.samples += count_samples(batch, by_fields) if self.dataset.batch_size is not None else 1
+            stats.elapsed_s = now - start
+            if self._iteration is iteration:
+                self._delivered += 1
             yield batch
             t0 = time.perf_counter()
-        self.stats.elapsed_s = time.perf_counter() - start
-        self.dataset.finish_pass()  # the epoch is complete; workers forgot it too
+        stats.elapsed_s = time.perf_counter() - start
+        if self._iteration is iteration:
+            self.dataset.finish_pass()  # the epoch is complete; workers forgot it too
 
     def _use_cuda(self) -> bool:
         return self.device is not None and self.device.type == "cuda"

@@ -706,6 +706,29 @@ def test_loader_state_dict_right_after_load_keeps_the_progress(url):
     assert fresh.state_dict() == state
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_state_loaded_into_the_loader_during_an_iteration_applies_to_the_next(url, num_workers):
+    """Regression: `loader.load_state_dict` inside the loop (a rollback to a checkpoint) left the open
+    iteration counting: without workers it ran on and its batches were added to the loaded state's
+    (the state said more batches delivered than the epoch has), and either way its end dropped the
+    state, so the next iteration replayed the epoch whole instead of continuing from the checkpoint."""
+    full = loader_keys(shardstream.DataLoader(dataset(url), num_workers=num_workers))
+    checkpointed = shardstream.DataLoader(dataset(url), num_workers=num_workers)
+    it = iter(checkpointed)
+    for _ in range(3):
+        next(it)
+    state = checkpointed.state_dict()
+    it.close()
+    loader = shardstream.DataLoader(dataset(url), num_workers=num_workers)
+    it = iter(loader)
+    next(it)
+    loader.load_state_dict(state)
+    for _ in it:  # runs on without workers; with them it ends (its workers held the old state)
+        assert loader.state_dict() == state
+    assert loader.state_dict() == state
+    assert loader_keys(loader) == full[3:]
+
+
 def test_loader_set_epoch_of_the_loaded_epoch_keeps_the_progress(url):
     """The usual restart loop, ``for epoch in range(state["epoch"], E): loader.set_epoch(epoch)``,
     with a checkpoint before the first step: it still counts what was delivered before."""
