@@ -397,12 +397,21 @@ class DataLoader:
                 event.record(copy_stream)
             pending.append((moved, event))
 
-        for batch in source:
-            issue(batch)
-            if len(pending) >= self.prefetch_to_device:
-                yield self._hand_over(*pending.popleft())
+        # An error (a worker's, a device transform's) is raised after the batches copied before it
+        # are handed over, as the host path and torch's loader raise it: raised as it came, it
+        # dropped the `prefetch_to_device` - 1 good batches before it, which the loop never got.
+        failure: Exception | None = None
+        try:
+            for batch in source:
+                issue(batch)
+                if len(pending) >= self.prefetch_to_device:
+                    yield self._hand_over(*pending.popleft())
+        except Exception as error:  # not GeneratorExit: a loop that stops takes nothing more
+            failure = error
         while pending:
             yield self._hand_over(*pending.popleft())
+        if failure is not None:
+            raise failure
 
     def _hand_over(self, batch: Any, event: torch.cuda.Event) -> Any:
         consumer = torch.cuda.current_stream(self.device)

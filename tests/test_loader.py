@@ -230,6 +230,73 @@ def test_a_cuda_device_without_cuda_runs_the_same_script_on_the_cpu(packed):
         assert kn == kb
 
 
+class _FakeStream:
+    """Stands in for `torch.cuda.Stream` (and `Event`): the copy path's ordering calls, doing nothing."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+
+def _fake_cuda(monkeypatch, loader: DataLoader) -> None:
+    """Send `loader` down its CUDA copy path (`_on_device`) on a machine without CUDA: the streams and
+    events do nothing and the batches stay where they are, so only the path's own logic runs."""
+    import contextlib
+
+    import shardstream.loader
+
+    for name in ("Stream", "Event"):
+        monkeypatch.setattr(torch.cuda, name, _FakeStream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeStream())
+    monkeypatch.setattr(shardstream.loader, "to_device", lambda batch, device, non_blocking=True: batch)
+    loader.device = torch.device("cuda")
+
+
+class _FailsAt:
+    def __init__(self, key: str):
+        self.key = key
+
+    def __call__(self, sample):
+        if sample["__key__"] == self.key:
+            raise shardstream.DecodeError(f"cannot decode {self.key}")
+        return sample
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_an_error_on_the_cuda_path_comes_after_the_batches_before_it(packed, monkeypatch, num_workers):
+    """Regression: on a CUDA device the loader copies `prefetch_to_device` batches ahead, and an error (a
+    worker's, a device transform's) was raised as it arrived: the good batches copied before it, which the
+    host path and torch's loader deliver first, were dropped (two here), and the loop never got them."""
+    order = [key for batch in DataLoader(keys_of(packed), batch_size=BATCH) for key in batch[0]]
+    bad = order[3 * BATCH + 1]  # in the fourth batch
+
+    def received(fake: bool) -> list:
+        loader = DataLoader(keys_of(packed, transform=_FailsAt(bad)), batch_size=BATCH, num_workers=num_workers,
+                            persistent_workers=False, prefetch_to_device=3)
+        if fake:
+            _fake_cuda(monkeypatch, loader)
+        got = []
+        with pytest.raises(shardstream.DecodeError, match="cannot decode"):
+            for batch in loader:
+                got.append(list(batch[0]))
+        assert loader.state_dict()["current"]["delivered"] == len(got)
+        return got
+
+    on_host = received(fake=False)
+    assert len(on_host) == 3
+    assert received(fake=True) == on_host
+
+
 def test_collate_encoded_keeps_every_images_bytes_and_plan():
     blobs = [b"\xff\xd8first", b"", b"\xff\xd8third one"]
     plans = [CropPlan((10, 8), (0, 0, 8, 10), (4, 4), i == 1) for i in range(3)]
