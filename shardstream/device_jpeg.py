@@ -185,7 +185,10 @@ class DecodeOnDevice:
                             f"makes; field {self.field!r} of this batch is a {type(batch).__name__}")
         if self.on_gpu:
             return _decode_gpu(batch, torch.device(self.device))
-        return _decode_cpu(batch, range(len(batch))).to(_target(self.device), non_blocking=True)
+        target = _target(self.device)
+        # Asynchronously to CUDA only: the decoded batch is let go of at once, and on Apple's GPU
+        # ("mps") a copy still reading released memory gave wrong values, silently (pytorch#189690).
+        return _decode_cpu(batch, range(len(batch))).to(target, non_blocking=target.type == "cuda")
 
     def __call__(self, batch: Any) -> Any:
         if isinstance(batch, EncodedBatch):

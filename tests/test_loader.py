@@ -81,6 +81,30 @@ def test_a_device_other_than_cuda_gets_each_batch_copied_synchronously(packed):
     assert not any(_CopyProbe.asked)
 
 
+def test_decode_on_device_copies_to_a_device_other_than_cuda_synchronously(packed):
+    """Regression: `DecodeOnDevice("mps")` decodes on the CPU, then copied each batch to the device with
+    ``non_blocking=True`` from a batch let go of at once: the copy the loader itself makes synchronously
+    for such devices (pytorch#189690: wrong values, silently). The meta device stands in for MPS."""
+    from torch.overrides import TorchFunctionMode
+
+    asked = []
+
+    class Probe(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.Tensor.to:
+                asked.append(bool(kwargs.get("non_blocking", False)))
+            return func(*args, **kwargs)
+
+    dataset = StreamingDataset(packed, decode=DeferDecode(RandomResizedCropJPEG(SIZE)), fields=("jpg", "cls"),
+                               batch_size=BATCH)
+    loader = DataLoader(dataset, num_workers=0, device="meta", transform_on_device=DecodeOnDevice("meta"))
+    with Probe():
+        images, labels = next(iter(loader))
+    assert images.device.type == labels.device.type == "meta" and images.shape[0] == BATCH
+    assert asked and not any(asked)
+
+
 def test_stats_count_what_the_loop_received(packed):
     loader = DataLoader(images(packed, RandomResizedCropJPEG(SIZE)), num_workers=2)
     batches = list(loader)
