@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.utils.data
 
-from .arguments import integer
+from .arguments import flag, integer
 from .batches import count_samples, map_field, tensors, to_device, usable_device
 from .collate import default_collate, pad_collate
 from .dataset import StreamingDataset
@@ -222,11 +222,17 @@ class DataLoader:
         self.device = usable_device(device) if device is not None else None  # CUDA asked for, none here: the CPU
         cuda = self.device is not None and self.device.type == "cuda"
         self.num_workers = num_workers
+        # Flags and counts checked here: torch takes "no" for pin_memory as true, and checks
+        # prefetch_factor only when the workers start, by an assertion.
+        pin_memory = flag(pin_memory, "pin_memory") if pin_memory is not None else None
         self.pin_memory = cuda if pin_memory is None else pin_memory and torch.cuda.is_available()
         self._copy_stream: torch.cuda.Stream | None = None  # see _on_device
-        self.persistent_workers = num_workers > 0 if persistent_workers is None else persistent_workers
+        self.persistent_workers = (num_workers > 0 if persistent_workers is None
+                                   else flag(persistent_workers, "persistent_workers"))
+        if prefetch_factor is not None:
+            prefetch_factor = integer(prefetch_factor, "prefetch_factor", 1)
         self.prefetch_factor = prefetch_factor if num_workers > 0 else None
-        self.prefetch_to_device = max(1, prefetch_to_device)
+        self.prefetch_to_device = max(1, integer(prefetch_to_device, "prefetch_to_device", 0))  # 0: none ahead
         self.transform_on_device = _chain(transform_on_device)
         self.multiprocessing_context = multiprocessing_context
         if timeout < 0:

@@ -520,6 +520,27 @@ def test_the_loader_checks_its_arguments_where_they_are_given(packed):
     assert [len(b) for b in DataLoader(batched, batch_size=8)] == [len(b) for b in batched]
 
 
+def test_the_loaders_flags_and_prefetch_counts_are_checked_where_given(packed):
+    """Regression: pin_memory="no" (from a config) pinned on a CUDA machine, truthy; prefetch_factor=0 failed
+    at the first iteration on torch's assertion (then an AttributeError from its iterator's __del__);
+    prefetch_to_device="2" failed on a bare comparison and -3 was taken as 1."""
+    ds = StreamingDataset(packed, decode=None, fields=("__key__",))
+    with pytest.raises(TypeError, match="pin_memory must be True or False, not 'no'"):
+        DataLoader(ds, pin_memory="no")
+    with pytest.raises(TypeError, match="persistent_workers must be True or False, not 'yes'"):
+        DataLoader(ds, num_workers=2, persistent_workers="yes")
+    with pytest.raises(ValueError, match="prefetch_factor must be 1 or more, not 0"):
+        DataLoader(ds, num_workers=2, prefetch_factor=0)
+    with pytest.raises(TypeError, match="prefetch_to_device must be an integer, not '2'"):
+        DataLoader(ds, prefetch_to_device="2")
+    with pytest.raises(ValueError, match="prefetch_to_device must be 0 or more, not -3"):
+        DataLoader(ds, prefetch_to_device=-3)
+    loader = DataLoader(ds, batch_size=4, num_workers=2, persistent_workers=False, pin_memory=np.bool_(False),
+                        prefetch_factor=np.int64(3), prefetch_to_device=0)
+    assert (loader.pin_memory, loader.prefetch_factor, loader.prefetch_to_device) == (False, 3, 1)
+    assert sum(len(keys) for (keys,) in loader) == int(shardstream.open_dataset(packed).counts().sum())
+
+
 def test_dataset_flags_and_epochs_are_checked(packed):
     """shuffle="no" shuffled (a truthy string); a negative epoch was taken."""
     for name in ("shuffle", "drop_last"):
