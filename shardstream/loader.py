@@ -83,6 +83,11 @@ class Normalize:
     dtype: torch.dtype = torch.float32
 
     def normalize(self, images: torch.Tensor) -> torch.Tensor:
+        if images.dim() not in (3, 4):
+            # The constants broadcast over the last three dimensions: a video batch (N, C, T, H, W)
+            # of 3 frames was normalised along its frames, silently, and others failed on the broadcast.
+            raise ValueError(f"Normalize takes CHW images or NCHW batches of them, not a tensor of shape "
+                             f"{tuple(images.shape)}")
         mean, inv_std = _normalize_constants(tuple(self.mean), tuple(self.std), images.device, self.dtype, images.dim())
         out = (images.to(self.dtype) - mean) * inv_std
         if self.channels_last and out.dim() == 4:

@@ -193,6 +193,17 @@ def test_normalize_is_the_formula_on_any_field():
     assert isinstance(out_named, Batch) and torch.allclose(out_named.images.double(), expected, atol=1e-6)
 
 
+def test_normalize_refuses_what_is_not_images_in_chw():
+    """Regression: the constants broadcast over the last three dimensions, so a video batch (N, C, T, H, W)
+    of 3 frames was normalised along its frames with the channels' constants, silently."""
+    video = torch.zeros(1, 3, 3, 2, 2, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"CHW images or NCHW batches of them, not a tensor of shape \(1, 3, 3, 2, 2\)"):
+        Normalize()(video)
+    with pytest.raises(ValueError, match=r"not a tensor of shape \(5, 7\)"):
+        Normalize()(torch.zeros(5, 7, dtype=torch.uint8))
+    assert Normalize()(torch.zeros(3, 5, 7, dtype=torch.uint8)).shape == (3, 5, 7)
+
+
 def test_to_device_keeps_the_batch_structure():
     Pair = collections.namedtuple("Pair", "x y")
     batch = {"a": [torch.ones(2), (torch.zeros(1), "text")], "b": Pair(torch.arange(3), 7)}
