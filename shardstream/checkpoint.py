@@ -79,6 +79,19 @@ class Checkpointing:
         if self._pass_resume is not None and self._pass_resume.epoch != epoch:
             self._pass_resume = None
 
+    def _state_not_reached(self) -> ShardstreamError | None:
+        """In a DataLoader worker beginning an iteration: the error to raise where the main
+        process loaded a state after this worker was started. The state stays in the main
+        process (only the epoch is shared), so a persistent worker of torch's DataLoader
+        would read the loaded epoch from its start while `len()` says what is left."""
+        loaded = self._shared.loaded_resume
+        if get_worker_info() is None or self._worker_resume or not loaded or loaded == self._resume_id:
+            return None
+        return ShardstreamError(
+            "load_state_dict was called after this DataLoader's persistent workers started, and the state does "
+            "not reach them (they would read the epoch from its start): make a new DataLoader after "
+            "load_state_dict, or use shardstream.DataLoader, which starts fresh workers for a loaded state")
+
     def _active_resume(self, world: World) -> ResumeState | None:
         """The loaded resume state, unless every worker has already finished that epoch, or
         the epoch has changed since it was loaded."""
@@ -234,6 +247,7 @@ class Checkpointing:
         self.finish_pass()
         self._pass_resume = None
         self._shared.loaded_unread = False
+        self._shared.loaded_resume = 0  # dropped: no worker misses it
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from `state` on the next iteration (exactly, or elastically if the layout changed).
@@ -251,6 +265,7 @@ class Checkpointing:
         self._shared.iterating_workers = 0  # until workers iterate again, the loaded state describes progress
         self._shared.loaded_unread = True
         self._take_resume(resume, self._shared.new_resume())
+        self._shared.loaded_resume = self._resume_id
 
     def _take_resume(self, resume: ResumeState | None, resume_id: int) -> None:
         self._resume = resume

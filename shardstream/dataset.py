@@ -374,6 +374,9 @@ class StreamingDataset(Checkpointing, IterableDataset):
         self._check_fields()
         counted = io_stats.snapshot()  # this iteration's storage work counts from here (io_stats())
         world = self.world()
+        missed = self._state_not_reached()
+        if missed is not None:  # at the first item: torch's worker dies of an error from iter() without a word
+            return _raising(missed)
         self._forget_stale()  # a worker's own loaded place too, if the epoch has moved on
         loaded, self._loaded_position = self._loaded_position, None
         if loaded is None and self._worker_resume:  # a worker's own state applies to one iteration
@@ -487,6 +490,11 @@ class StreamingDataset(Checkpointing, IterableDataset):
     def skipped(self) -> int:
         """Bad samples skipped so far under ``on_error="skip"``, summed over this rank's workers."""
         return self._shared.skips
+
+
+def _raising(error: Exception) -> Iterator[Any]:
+    raise error
+    yield
 
 
 def _in_process_group() -> bool:

@@ -24,8 +24,8 @@ __all__ = ["SharedState", "IO_FIELDS", "SLOTS"]
 SLOTS = 64  # workers per rank that have a slot
 IO_FIELDS = ("requests", "bytes", "retries", "wait_s", "cache_hits", "cache_misses")
 _EPOCH, _RESUME_ID, _SKIPS, _DONE = 0, 1, 2, 2 + SLOTS  # offsets in the int array
-_WORKERS, _UNREAD, _LOADER_COPY = 2 + 2 * SLOTS, 3 + 2 * SLOTS, 4 + 2 * SLOTS
-_INTS = 5 + 2 * SLOTS
+_WORKERS, _UNREAD, _LOADER_COPY, _LOADED = 2 + 2 * SLOTS, 3 + 2 * SLOTS, 4 + 2 * SLOTS, 5 + 2 * SLOTS
+_INTS = 6 + 2 * SLOTS
 
 
 class SharedState:
@@ -94,6 +94,17 @@ class SharedState:
         for w in range(SLOTS):
             self._ints[_DONE + w] = 0
         return int(self._ints[_RESUME_ID])
+
+    @property
+    def loaded_resume(self) -> int:
+        """The id of the state the main process loaded last and still holds (0: none, or it
+        was dropped for another epoch): a persistent worker started before it was loaded
+        does not have it (`Checkpointing._state_not_reached`)."""
+        return int(self._ints[_LOADED])
+
+    @loaded_resume.setter
+    def loaded_resume(self, value: int) -> None:
+        self._ints[_LOADED] = value
 
     def finish_resume(self, resume_id: int, worker: int) -> None:
         if self._ints[_RESUME_ID] == resume_id and worker < SLOTS:

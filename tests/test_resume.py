@@ -1153,3 +1153,37 @@ def test_the_callers_dataset_refuses_to_describe_what_the_loaders_copy_read(url)
     with pytest.raises(shardstream.ShardstreamError, match=r"loader\.state_dict\(\)"):
         ds.state_dict()
     it.close()
+
+
+def test_a_state_loaded_after_persistent_torch_workers_started_is_refused_not_ignored(url):
+    """Regression: the state stays in the main process (only the epoch is shared), so torch's persistent
+    workers, started before `load_state_dict`, read the loaded epoch from its start: 8 batches where
+    `len()` said 5 were left, silently. They refuse now, saying what to do; a state dropped for
+    another epoch before they iterate misses nothing, and a new DataLoader resumes exactly."""
+    import torch.utils.data
+
+    expected = dataset(url)
+    expected.set_epoch(1)
+    epoch_1 = D.run(expected, 2)
+    interrupted = dataset(url)
+    interrupted.set_epoch(1)
+    D.take(interrupted, 2, 3)
+    state = interrupted.state_dict(delivered=3, num_workers=2)
+
+    ds = dataset(url)
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
+    try:
+        assert len(loader_keys(loader)) == len(D.run(dataset(url), 2))  # epoch 0: the workers have started
+        ds.load_state_dict(state)
+        assert len(ds) == len(epoch_1) - 3
+        with pytest.raises(ShardstreamError, match="after this DataLoader's persistent workers started"):
+            loader_keys(loader)
+        assert D.run(ds, 2) == epoch_1[3:]  # a new DataLoader's workers have the state
+
+        ds.load_state_dict(state)
+        with pytest.warns(UserWarning, match="drops the state"):
+            ds.set_epoch(2)  # the state is dropped: the persistent workers miss nothing
+        expected.set_epoch(2)
+        assert loader_keys(loader) == D.run(expected, 2)
+    finally:
+        D.shut_down(loader._iterator)
