@@ -9,6 +9,7 @@ from itertools import product
 from typing import Iterator
 
 from .errors import BracePatternError
+from .urls import split_query
 
 __all__ = ["expand_braces", "names_shards", "BracePatternError", "MAX_BRACE_NAMES"]
 
@@ -177,7 +178,8 @@ def names_shards(source: str) -> bool:
     A folder whose name has braces that stand only for themselves (``data/{v1}``) is a folder;
     a malformed pattern names shards, so that expanding it explains what is wrong.
     """
-    if source.endswith(_SHARD_SUFFIXES):
+    # A presigned or SAS-signed shard URL ends in its query string (``a.tar?X-Amz-Signature=...``).
+    if split_query(source)[0].endswith(_SHARD_SUFFIXES):
         return True
     if "{" not in source and "}" not in source:
         return False

@@ -141,9 +141,20 @@ def test_the_limit_is_an_argument_and_a_query_stays_out_of_the_message():
     ("data/s-{0..3}", True),
     ("data/s-{0..3", True),  # malformed: expanding it says what is wrong
     ("data/s-0.tar", True),
+    ("https://h/s-0.tar?X-Amz-Signature=abc", True),  # a presigned shard URL, as WebDataset takes it
+    ("https://h/s-0.tar.gz?sv=1&sig=abc", True),
+    ("https://h/ds?sig=abc", False),
 ])
 def test_names_shards(source, shards):
     assert names_shards(source) is shards
+
+
+def test_one_presigned_shard_url_is_a_shard_not_a_dataset_folder():
+    """WebDataset("https://h/s-0.tar?X-Amz-Signature=...") reads the shard; so must we, not look
+    for https://h/s-0.tar/manifest.msgpack (no request is made here)."""
+    source = resolve_source("https://h/s-0.tar?X-Amz-Signature=abc")
+    assert source.names() == ["s-0.tar"] and source.manifest is None
+    assert source.shards[0].url == "https://h/s-0.tar?X-Amz-Signature=abc"
 
 
 def test_resolve_source_refuses_a_malformed_pattern(tmp_path):
