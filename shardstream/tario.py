@@ -316,6 +316,26 @@ def _gnu_name(data: bytes) -> str:
     return data.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")  # see `_member_name`
 
 
+# The first bytes of the compressed streams a tar is commonly kept in: a shard named
+# ``.tar`` that starts with one was compressed and misnamed (``tar czf x.tar``).
+_COMPRESSED_MAGIC = ((b"\x1f\x8b", "gzip", ".tar.gz"), (b"\x28\xb5\x2f\xfd", "zstd", ".tar.zst"),
+                     (b"BZh", "bzip2", ".tar.bz2"), (b"\xfd7zXZ\x00", "xz", ".tar.xz"))
+
+
+def _first_header(block: bytes, url: str, verify: bool) -> Header | None:
+    """`parse_header` of a tar's first block, where a compressed stream read as a plain tar
+    is said to be one, not reported as a bad checksum or a truncated header at byte 0.
+    Only a block that is no header is looked at (a first member may be named ``BZh...``)."""
+    try:
+        return parse_header(block, url, 0, verify)
+    except CorruptShardError:
+        for magic, kind, suffix in _COMPRESSED_MAGIC:
+            if block.startswith(magic):
+                raise CorruptShardError(f"a {kind}-compressed stream, not a plain tar: name the shard {suffix} "
+                                        "(the decompressor is chosen by the name)", url=url, offset=0) from None
+        raise
+
+
 def iter_stream_members(f: BinaryIO, *, url: str, verify: bool = True) -> Iterator[tuple[str, bytes, int]]:
     """Yield (name, data, offset of its first header) for each regular file of a tar read from `f`.
 
@@ -328,7 +348,8 @@ def iter_stream_members(f: BinaryIO, *, url: str, verify: bool = True) -> Iterat
         block = read(BLOCK)
         if not block:
             return  # EOF without an end-of-archive block: accepted, as GNU tar does
-        header = parse_header(block, url, offset, verify, long_name is not None)
+        header = parse_header(block, url, offset, verify, long_name is not None) if offset else \
+            _first_header(block, url, verify)
         if header is None:
             return
         data = read(header.size)

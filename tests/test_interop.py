@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import bz2
 import gzip
 import io
+import lzma
 import os
 import shutil
 import subprocess
@@ -11,6 +13,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
+import zstandard
 
 from shardstream import ShardstreamError, ShardWriter, open_dataset, open_shard
 from shardstream.adopt import index_tars
@@ -216,6 +219,33 @@ def test_gzip_stream_of_a_tar(image_folder, tmp_path):
     with open(tmp_path / "plain.tar", "rb") as f, gzip.open(tmp_path / "data.tgz", "wb") as g:
         shutil.copyfileobj(f, g)
     assert read_front_to_back(open_shard(str(tmp_path / "data.tgz"))) == [as_bytes(s) for s in samples]
+
+
+@pytest.mark.parametrize(("compress", "kind", "suffix"), [
+    (gzip.compress, "gzip", ".tar.gz"),
+    (lambda data: zstandard.ZstdCompressor().compress(data), "zstd", ".tar.zst"),
+    (bz2.compress, "bzip2", ".tar.bz2"),
+    (lzma.compress, "xz", ".tar.xz"),
+])
+def test_a_compressed_tar_named_tar_is_said_to_be_one(tmp_path, compress, kind, suffix):
+    """Regression: `tar czf shard.tar` (a gzip stream named .tar, which WebDataset sniffs and reads) was
+    reported as "bad tar header: checksum field b'\\xffk...'", or "truncated tar header" if small, at byte 0,
+    by the reader, the dataset and `index` alike."""
+    write_tar(tmp_path / "plain.tar", [{"__key__": f"k{i}", "txt": "x" * 700} for i in range(3)])
+    for size in (None, 300):  # a shard of any size, and one whose compressed stream is under a tar block
+        data = compress((tmp_path / "plain.tar").read_bytes())
+        (tmp_path / "misnamed.tar").write_bytes(data if size is None else data[:size])
+        with pytest.raises(ShardstreamError, match=f"a {kind}-compressed stream, not a plain tar: name the shard "
+                                                   f"\\{suffix}"):
+            list(open_shard(str(tmp_path / "misnamed.tar")))
+    with pytest.raises(ShardstreamError, match=f"{kind}-compressed"):
+        index_tars(str(tmp_path / "misnamed.tar"), progress=False)
+
+
+def test_a_plain_tar_whose_first_member_starts_like_a_compressed_stream_is_read(tmp_path):
+    """The compressed-stream check looks only at a first block that is no tar header."""
+    write_tar(tmp_path / "t.tar", [{"__key__": "BZh91AY", "txt": "x"}])
+    assert [s["__key__"] for s in open_shard(str(tmp_path / "t.tar"))] == ["BZh91AY"]
 
 
 def test_list_of_a_compressed_stream_reader(image_folder, tmp_path):
