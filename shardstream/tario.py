@@ -115,6 +115,13 @@ class Header:
     offset: int  # of the header block in the tar stream
 
 
+def _high_bytes(block: bytes) -> int:
+    """Bytes of 128 or more in a header outside its checksum field. Old Sun tar and others
+    summed the bytes as signed: such a checksum is less by 256 for each (GNU tar and tarfile,
+    and so WebDataset, take either sum)."""
+    return sum(1 for b in block[:148] if b >= 128) + sum(1 for b in block[156:] if b >= 128)
+
+
 def _number(field: bytes, what: str, url: str, offset: int) -> int:
     if field[:1] == b"\x80":  # GNU base-256 for sizes >= 8 GiB
         return int.from_bytes(field[1:], "big")
@@ -139,7 +146,8 @@ def parse_header(block: bytes | memoryview, url: str, offset: int, verify: bool,
     if verify:
         stored = _number(block[148:156], "checksum", url, offset)
         # The checksum is the byte sum of the header with its own field read as spaces.
-        if stored != sum(block[:148]) + 256 + sum(block[156:]):
+        unsigned = sum(block[:148]) + 256 + sum(block[156:])
+        if stored != unsigned and stored != unsigned - 256 * _high_bytes(block):
             raise CorruptShardError("bad tar header checksum", url=url, offset=offset)
     size = _number(block[124:136], "size", url, offset)
     if size < 0:
@@ -303,11 +311,12 @@ def checksums_ok(buf: bytes, positions: list[int]) -> bool:
     digits = field[:, :6].astype(np.int64) - 48
     good = ((digits >= 0) & (digits <= 7)).all(axis=1) & (field[:, 6] == 0) & (field[:, 7] == 32)
     good &= digits @ _SUM_WEIGHTS == computed
-    for k in np.flatnonzero(~good).tolist():  # other layouts: as parse_header reads them
+    for k in np.flatnonzero(~good).tolist():  # other layouts, and signed sums: as parse_header reads them
         try:
-            if _number(field[k].tobytes(), "checksum", "", 0) != int(computed[k]):
-                return False
+            stored = _number(field[k].tobytes(), "checksum", "", 0)
         except CorruptShardError:
+            return False
+        if stored != int(computed[k]) and stored != int(computed[k]) - 256 * _high_bytes(blocks[k].tobytes()):
             return False
     return True
 

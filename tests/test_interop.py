@@ -19,6 +19,7 @@ from shardstream import ShardstreamError, ShardWriter, open_dataset, open_shard
 from shardstream.adopt import index_tars
 from shardstream.tarstream import StreamTarReader
 from shardstream.source import resolve_source
+from shardstream.storage import Store
 
 wds = pytest.importorskip("webdataset")
 
@@ -246,6 +247,29 @@ def test_a_plain_tar_whose_first_member_starts_like_a_compressed_stream_is_read(
     """The compressed-stream check looks only at a first block that is no tar header."""
     write_tar(tmp_path / "t.tar", [{"__key__": "BZh91AY", "txt": "x"}])
     assert [s["__key__"] for s in open_shard(str(tmp_path / "t.tar"))] == ["BZh91AY"]
+
+
+def test_headers_whose_checksums_are_signed_sums_are_read(tmp_path):
+    """Regression: old Sun tar (and others) summed header bytes as signed; GNU tar, tarfile and so
+    WebDataset take either sum, and a tar whose names are not ASCII was refused ("bad tar header
+    checksum") by every reader here, indexed or not, and by `index`."""
+    write_tar(tmp_path / "t.tar", [{"__key__": "café", "txt": "a", "cls": 1}, {"__key__": "plain", "txt": "b"}],
+              fmt=tarfile.USTAR_FORMAT)
+    data = bytearray((tmp_path / "t.tar").read_bytes())
+    for at in (0, 1024):  # café.cls and café.txt: the bytes of é are 128 or more
+        header = data[at : at + 512]
+        signed = 256 + sum(b - 256 if b >= 128 else b for b in header[:148] + header[156:])
+        data[at + 148 : at + 156] = b"%06o\0 " % signed
+    (tmp_path / "t.tar").write_bytes(bytes(data))
+    assert [s["__key__"] for s in wds.WebDataset(str(tmp_path / "t.tar"), shardshuffle=False)] == ["café", "plain"]
+    assert [s["__key__"] for s in open_shard(str(tmp_path / "t.tar"))] == ["café", "plain"]
+    index_tars(str(tmp_path), progress=False)
+    reader = open_dataset(str(tmp_path)).shards[0].reader()
+    assert [reader[i]["txt"] for i in range(2)] == [b"a", b"b"] and reader[0]["cls"] == b"1"
+    data[1024 + 100] ^= 1  # a flipped bit is still caught
+    (tmp_path / "t.tar").write_bytes(bytes(data))
+    with pytest.raises(ShardstreamError, match="bad tar header checksum"):
+        list(StreamTarReader(Store(str(tmp_path)), "t.tar"))
 
 
 def test_list_of_a_compressed_stream_reader(image_folder, tmp_path):
