@@ -119,8 +119,10 @@ class StreamTarReader:
         self._cursor: Iterator[Sample] | None = None
         self._position = 0
 
-    def _open(self) -> BinaryIO:
-        f = self.store.open(self.name)
+    def _decompressed(self, f: BinaryIO) -> BinaryIO:
+        """The tar stream in `f`, the shard's bytes, decompressed as its name says. Closing
+        what this returns does not close `f` (gzip, bz2 and lzma leave a file they were
+        given open): the caller closes both."""
         if self.name.endswith((".gz", ".tgz")):
             return gzip.GzipFile(fileobj=f)  # type: ignore[return-value]
         if self.name.endswith(".zst"):
@@ -134,7 +136,7 @@ class StreamTarReader:
 
     def __iter__(self) -> Iterator[Sample]:
         try:
-            with self._open() as f:
+            with self.store.open(self.name) as raw, self._decompressed(raw) as f:
                 members = tario.iter_stream_members(f, url=self.url)
                 for sample, _ in tario.group_samples(members, url=self.url):
                     sample["__url__"] = self.url

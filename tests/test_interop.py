@@ -213,6 +213,28 @@ def test_tar_gz_read_front_to_back(image_folder, tmp_path):
         reader[0]
 
 
+@pytest.mark.parametrize("suffix", [".tar.gz", ".tar.bz2", ".tar.xz", ".tar.zst", ".tar"])
+def test_a_compressed_tar_read_through_closes_its_file(tmp_path, monkeypatch, suffix):
+    """Regression: gzip, bz2 and lzma leave open a file they are given, so each `.tar.gz`, `.tar.bz2`
+    and `.tar.xz` read through (every epoch, every worker) left its file open until the garbage
+    collector found it (a ResourceWarning), also when the read stopped early or failed."""
+    write_tar(tmp_path / "plain.tar", [{"__key__": f"k{i}", "txt": "x"} for i in range(3)])
+    data = (tmp_path / "plain.tar").read_bytes()
+    compress = {".tar.gz": gzip.compress, ".tar.bz2": bz2.compress, ".tar.xz": lzma.compress,
+                ".tar.zst": zstandard.ZstdCompressor().compress, ".tar": bytes}[suffix]
+    (tmp_path / f"t{suffix}").write_bytes(compress(data))
+    (tmp_path / f"bad{suffix}").write_bytes(compress(data[:1500]) if suffix != ".tar" else data[:1500])  # cut
+    opened = []
+    store_open = Store.open
+    monkeypatch.setattr(Store, "open", lambda self, name: opened.append(store_open(self, name)) or opened[-1])
+    store = Store(str(tmp_path))
+    assert len(list(StreamTarReader(store, f"t{suffix}"))) == 3
+    next(iter(StreamTarReader(store, f"t{suffix}")))  # stopped early: closed with the generator
+    with pytest.raises(ShardstreamError):
+        list(StreamTarReader(store, f"bad{suffix}"))
+    assert len(opened) >= 3 and all(f.closed for f in opened)  # list() of a plain tar opens it for len() too
+
+
 def test_gzip_stream_of_a_tar(image_folder, tmp_path):
     """A .tar.gz made by compressing a tar with gzip (not tarfile's own gzip mode)."""
     samples = source_samples(image_folder)[:4]
