@@ -141,6 +141,12 @@ class StreamTarReader:
                 for sample, _ in tario.group_samples(members, url=self.url):
                     sample["__url__"] = self.url
                     yield sample
+                # The rest of the stream, past the end-of-archive block: gzip's CRC, the last zstd
+                # frame's checksum (one frame for the whole tar, from the zstd CLI or `tar --zstd`),
+                # bz2's and xz's block checks are only tested at their end, so a flipped byte in
+                # a sample's data read silently without this (a few KB of padding: cheap).
+                while f is not raw and f.read(1 << 16):
+                    pass
         except (zstandard.ZstdError, gzip.BadGzipFile, EOFError, zlib.error, lzma.LZMAError) as e:
             raise CorruptShardError(f"bad compressed stream: {e}", url=self.url) from e
         except OSError as e:

@@ -235,6 +235,39 @@ def test_a_compressed_tar_read_through_closes_its_file(tmp_path, monkeypatch, su
     assert len(opened) >= 3 and all(f.closed for f in opened)  # list() of a plain tar opens it for len() too
 
 
+@pytest.mark.parametrize("suffix", [".tar.gz", ".tar.zst", ".tar.bz2", ".tar.xz"])
+def test_a_flipped_byte_in_a_compressed_tar_fails_its_check(tmp_path, suffix):
+    """Regression: reading stopped at the tar's end-of-archive block, before the stream's own check
+    (gzip's CRC at its end; the frame checksum of a .tar.zst of one frame, as the zstd CLI and
+    `tar --zstd` write; bz2's and xz's block checks), so a flipped byte in a sample's data was read
+    without an error, by the reader, the dataset's count and `repack` (`gzip -t`, `zstd -t` fail it).
+    A stream cut in its trailer read silently too."""
+    write_tar(tmp_path / "plain.tar", [{"__key__": f"k{i}", "txt": "HELLO" * 100} for i in range(3)])
+    data = (tmp_path / "plain.tar").read_bytes()
+    if suffix == ".tar.gz":
+        packed = bytearray(gzip.compress(data, compresslevel=0))  # stored blocks: the byte is the data's
+        at = packed.find(b"HELLO") + 2
+    elif suffix == ".tar.zst":
+        packed = bytearray(zstandard.ZstdCompressor(level=1, write_checksum=True).compress(data))
+        at = packed.find(b"HELLO") + 2  # the literals of the first sample
+    else:
+        packed = bytearray((bz2.compress if suffix == ".tar.bz2" else lzma.compress)(data))
+        at = None
+    assert len(list(open_shard(_written(tmp_path / f"ok{suffix}", packed)))) == 3
+    if at is not None:
+        packed[at] ^= 0x20  # 'L' to 'l': still a valid stream, wrong bytes
+        with pytest.raises(ShardstreamError, match="bad compressed stream"):
+            list(open_shard(_written(tmp_path / f"flip{suffix}", packed)))
+    cut = _written(tmp_path / f"cut{suffix}", bytes(packed[:-6]))  # the trailer (checksum, sizes, index)
+    with pytest.raises(ShardstreamError):
+        list(open_shard(cut))
+
+
+def _written(path: Path, data: bytes) -> str:
+    path.write_bytes(bytes(data))
+    return str(path)
+
+
 def test_gzip_stream_of_a_tar(image_folder, tmp_path):
     """A .tar.gz made by compressing a tar with gzip (not tarfile's own gzip mode)."""
     samples = source_samples(image_folder)[:4]
