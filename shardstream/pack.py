@@ -38,7 +38,7 @@ from .journal import Journal
 from .listing import list_source, look_up_files
 from .packoutput import dataset_manifest, write_shards
 from .packplan import PackOptions, order, part_slice, plan_frames, shrunk_estimates
-from .parts import other_packs
+from .parts import other_packs, unplanned_part_shards
 from .scratch import cleanup_scratch
 from .shardfile import FRAME_SIZE, IMAGE_LEVEL
 from .shrink import DEFAULT_QUALITY
@@ -263,6 +263,10 @@ def pack(
     plan_record = {"options": opts.as_dict(), "listing": fingerprint, "part": list(part or ()), "on_error": on_error,
                    "files": _files_stamp(entries)}
     done = journal.start(plan_record, resume)
+    if part is not None:  # after the journal's fresh start, which removes its own run's shards
+        planned_names = {shard_name(opts.prefix, frame.shard, compression) for frame in planned}
+        stale = unplanned_part_shards(store, part[0], planned_names)
+        store.remove_all(file for name in stale for file in (name, name + INDEX_SUFFIX))
     to_build = [frame for frame in planned if frame.shard not in done]
     jobs = [(frame.shard, frame.entries, listing.root, opts, on_error == "skip") for frame in to_build]
     job_bytes = [frame.size for frame in to_build]  # what each frame holds once built

@@ -22,7 +22,7 @@ from .journal import FOLDER as JOURNAL_FOLDER, remove_journal_folder
 from .threads import ordered_map
 from .writer import write_manifest
 
-__all__ = ["merge", "missing_parts", "other_packs"]
+__all__ = ["merge", "missing_parts", "other_packs", "unplanned_part_shards"]
 
 _PART = re.compile(r"manifest\.part-(\d{5})-of-(\d{5})\.msgpack")
 _PART_SHARD = re.compile(r"shard-p(\d{5})-\d{6}\.tar(\.zst)?")
@@ -59,6 +59,18 @@ def other_packs(store: Store, parts: int | None) -> tuple[list[str], list[str]]:
         manifests.insert(0, MANIFEST_NAME)
     shards = [name for name in names if (match := _PART_SHARD.fullmatch(name)) and int(match.group(1)) >= parts]
     return manifests, shards
+
+
+def unplanned_part_shards(store: Store, index: int, planned: set[str]) -> list[str]:
+    """Part `index`'s shard names in `store` that are not in its plan (`planned`), once other
+    packs' manifests are gone (`other_packs`): a part of another number of parts, numbered
+    as this one, wrote them (a removed manifest's shards of this part's number stay, for
+    this part to overwrite, as another part of the pack may be writing them), or a part
+    of another number killed before its manifest. Listed by no manifest, overwritten by
+    none of this part's shards, they would stay beside the dataset for good."""
+    prefix = f"shard-p{index:05d}-"
+    return [name for name in store.list() if name.startswith(prefix) and _PART_SHARD.fullmatch(name)
+            and name not in planned]
 
 
 def _merged_parts(store: Store) -> int | None:

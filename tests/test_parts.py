@@ -359,3 +359,20 @@ def test_resume_of_a_finished_pack_refuses_a_changed_source(source, tmp_path):
     shutil.copy(src / "class_001" / "img_00000.jpg", src / "class_000" / "new.jpg")
     with pytest.raises(ShardstreamError, match="made from another source or with other options"):
         ss.pack(str(src), dst, shard_size="8KB", resume=True, progress=False)
+
+
+def test_a_pack_in_another_number_of_parts_leaves_no_shard_of_the_old_one(source, tmp_path):
+    """Part 0 of 3 removes the 2-part manifests, but keeps the shards of part 1 of 2 (numbered as part
+    1 of 3's, which may be writing them at once): part 1 of 3 packs fewer shards than part 1 of 2 did,
+    and those past its own stayed in the dataset's folder, listed by no manifest."""
+    src, dst = str(source / "src"), str(tmp_path / "parts")
+    for part in range(2):
+        ss.pack(src, dst, shard_size="4KB", part=(part, 2), progress=False)
+    old = set(files(dst))
+    for part in range(3):
+        ss.pack(src, dst, shard_size="4KB", part=(part, 3), overwrite=True, progress=False)
+    manifest = merge(dst)
+    listed = {name for shard in manifest.shards for name in (shard.name, shard.index)}
+    assert {name for name in old if name.startswith("shard")} - listed  # the old parts had shards the new ones do not write
+    assert sorted(name for name in files(dst) if not name.startswith("manifest")) == sorted(listed)
+    assert samples(dst) == samples(str(source / "single"))
