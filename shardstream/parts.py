@@ -120,11 +120,16 @@ def merge(dst: str, *, storage_options: dict[str, Any] | None = None, fsync: boo
         where = store.url(found[i][1])
         if part.options.get("part") != [i, total]:
             raise ManifestError(f"this manifest says it is part {part.options.get('part')}, not [{i}, {total}]", url=where)
-        if _common_options(part) != common or part.compression != first.compression:
-            raise ManifestError(f"part {i} was packed with other options than part 0: {_common_options(part)} "
-                                f"vs {common}", url=where)
-        if (part.classes, part.ignored) != (first.classes, first.ignored):
-            raise ManifestError(f"part {i} saw another source (class table or file count differs)", url=where)
+        # The options first: another seed orders the listing otherwise, and changes its digest too.
+        differ = _differences(_common_options(part), common)
+        if differ or part.compression != first.compression:
+            raise ManifestError(f"part {i} was packed with other options than part 0: {differ or 'compression'}",
+                                url=where)
+        if (part.options.get("listing"), part.classes, part.ignored) != (
+                first.options.get("listing"), first.classes, first.ignored):
+            raise ManifestError(f"part {i} listed another source than part 0 (other file names, labels or class "
+                                "folders, or another count of files that are not images): every part must list "
+                                "the same source", url=where)
     names = [name for part in parts for name in part.shards.names]
     if len(names) != len(set(names)):
         raise ManifestError("parts list the same shard twice", url=dst)
@@ -183,3 +188,11 @@ def _common_options(manifest: Manifest) -> dict[str, Any]:
     """The options every part must share (all but its number, its shard prefix and the
     digest of its own files' sizes)."""
     return {k: v for k, v in manifest.options.items() if k not in ("part", "prefix", "sizes")}
+
+
+def _differences(options: dict[str, Any], first: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """The options but the source listing's digest in which a part differs from part 0:
+    name -> (the part's, part 0's). The digest is told apart, as another source: printed
+    among the options, two digests read as two options."""
+    names = sorted((options.keys() | first.keys()) - {"listing"})
+    return {name: (options.get(name), first.get(name)) for name in names if options.get(name) != first.get(name)}
