@@ -46,6 +46,32 @@ def _int_at_least(text: str, least: int, what: str) -> int:
     return value
 
 
+def _level(text: str) -> int:
+    """A zstd level the writer takes (checked here, as the writer checks it)."""
+    from .writer import check_compression
+
+    try:
+        level = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    try:
+        check_compression("zstd", level)
+    except ShardstreamError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return level
+
+
+def _quality(text: str) -> int:
+    return _int_in(text, 1, 100)
+
+
+def _int_in(text: str, least: int, most: int) -> int:
+    value = _int_at_least(text, least, f"an integer {least}..{most}")
+    if value > most:
+        raise argparse.ArgumentTypeError(f"expected an integer {least}..{most}, got {text!r}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -117,18 +143,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-size", type=_size, default="256MB", help="uncompressed bytes per shard (default 256MB)")
     p.add_argument("--max-samples", type=_positive_int, default=None, help="at most this many samples per shard")
     p.add_argument("--compression", choices=("zstd", "none"), default="zstd")
-    p.add_argument("--level", type=int, default=IMAGE_LEVEL,
+    p.add_argument("--level", type=_level, default=IMAGE_LEVEL,
                    help=f"zstd level, {MIN_LEVEL}..22 (default {IMAGE_LEVEL}, a fast level: image files do not "
                    "shrink, and higher levels cost twice the time and more for a fraction of a percent)")
     p.add_argument("--workers", type=_positive_int, default=None,
                    help="parallel workers: threads for large images, processes for small ones (default: all cores)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sample order")
+    p.add_argument("--seed", type=_count, default=0, help="seed of the sample order")
     p.add_argument("--no-shuffle", action="store_true", help="keep sorted order (class-sorted shards!)")
     p.add_argument("--on-error", choices=("fail", "skip"), default="fail", help="on a corrupt image")
-    p.add_argument("--max-side", type=int, default=None, metavar="PX",
+    p.add_argument("--max-side", type=_positive_int, default=None, metavar="PX",
                    help="shrink images whose longer side exceeds PX to PX, encoded again (JPEG and WebP at "
                    "--quality, PNG losslessly); smaller images keep their bytes (default: keep every file's bytes)")
-    p.add_argument("--quality", type=int, default=DEFAULT_QUALITY,
+    p.add_argument("--quality", type=_quality, default=DEFAULT_QUALITY,
                    help=f"with --max-side: JPEG/WebP quality of shrunk images (default {DEFAULT_QUALITY})")
     p.add_argument("--overwrite", action="store_true", help="replace a dataset already at DST")
     p.add_argument("--resume", action="store_true", help="continue an interrupted pack from its last complete shard")
@@ -157,12 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=cmd_index)
 
-    p = sub.add_parser("repack", help="rewrite other tools' tars (.tar, .tar.gz, .tar.zst) as a shardstream dataset")
+    p = sub.add_parser("repack", help="rewrite other tools' tars (.tar, .tar.gz, .tar.zst, .tar.bz2, .tar.xz) as a shardstream dataset")
     p.add_argument("source", help="folder or URL prefix of tars, a brace pattern, or one shard's URL")
     p.add_argument("dst", help="output folder or fsspec URL")
     p.add_argument("--shard-size", type=_size, default="256MB", help="uncompressed bytes per shard (default 256MB)")
     p.add_argument("--compression", choices=("zstd", "none"), default="zstd")
-    p.add_argument("--level", type=int, default=IMAGE_LEVEL, help=f"zstd level (default {IMAGE_LEVEL})")
+    p.add_argument("--level", type=_level, default=IMAGE_LEVEL, help=f"zstd level (default {IMAGE_LEVEL})")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=cmd_repack)
 

@@ -22,6 +22,7 @@ lists each such file.
 from __future__ import annotations
 
 import hashlib
+import numbers
 import os
 import time
 import warnings
@@ -213,7 +214,7 @@ def pack(
     cannot, either way); local `dst` only, as object stores publish only whole uploads.
     """
     src, dst = expand_home(os.fspath(src)), os.fspath(dst)  # pathlib.Path too; dst's Store expands dst
-    _check_arguments(compression, level, on_error, part, max_samples, max_side, quality)
+    _check_arguments(compression, level, on_error, part, max_samples, max_side, quality, seed)
     if workers is not None and workers < 1:  # 0 meant all cores and -3 one, without a word
         raise ShardstreamError(f"workers must be a positive number (None: all cores), not {workers}")
     if parse_size(shard_size) < 1:  # 0 wrote a shard a sample
@@ -321,8 +322,12 @@ def pack(
 
 
 def _check_arguments(compression: str, level: int, on_error: str, part: tuple[int, int] | None,
-                     max_samples: int | None, max_side: int | None, quality: int) -> None:
+                     max_samples: int | None, max_side: int | None, quality: int, seed: int) -> None:
     check_compression(compression, level)
+    # numpy's generator takes non-negative integers only: -1 failed with its ValueError from
+    # deep inside the shuffle, after the source was listed.
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
+        raise ShardstreamError(f"seed must be a non-negative integer, not {seed!r}")
     if on_error not in ON_ERROR:
         raise ShardstreamError(f"on_error must be one of {ON_ERROR}, not {on_error!r}")
     if part is not None and not 0 <= part[0] < part[1]:

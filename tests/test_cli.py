@@ -201,10 +201,15 @@ def test_usage_errors(tmp_path):
     (["--part", "3/2"], "expected I/N with 0 <= I < N (e.g. 0/4), got '3/2'"),
     (["--part", "a/b"], "expected I/N with 0 <= I < N"),
     (["--part=-1/2"], "expected I/N with 0 <= I < N"),
+    (["--seed=-1"], "expected a non-negative integer, got '-1'"),
+    (["--level", "50"], "zstd level must be 1..22"),
+    (["--max-side", "0"], "expected a positive integer, got '0'"),
+    (["--quality", "101"], "expected an integer 1..100, got '101'"),
 ])
 def test_bad_pack_arguments_are_usage_errors(image_folder, tmp_path, extra, message):
     """Regression: `--workers 0` or `-3` packed with all cores or one, `--shard-size 0` wrote a shard a
-    sample, and a bad --part or shard size exited 1 as a data problem would: now each is a usage error (2)."""
+    sample, and a bad --part or shard size exited 1 as a data problem would: now each is a usage error (2).
+    So are a seed, level, --max-side or --quality out of range (`--seed=-1` ended in numpy's traceback)."""
     result = cli_pack(image_folder, tmp_path / "ds", *extra)
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert not (tmp_path / "ds").exists()
