@@ -101,6 +101,12 @@ class ShardWriter:
         fsync: bool = False,
     ) -> None:
         check_compression(compression, level)
+        # As pack refuses them: each of 0 (or a negative number) wrote a shard a sample, or
+        # a frame a sample, which no one asks for by it.
+        for name, value in (("shard_size", parse_size(shard_size)), ("max_samples", max_samples),
+                            ("frame_size", frame_size)):
+            if value is not None and value < 1:
+                raise ShardstreamError(f"{name} must be a positive number, not {value!r}")
         self.overwrite = overwrite
         self._claimed = False  # see _claim
         self.store = Store(dst, storage_options or {}, durable=fsync)

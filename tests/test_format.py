@@ -628,7 +628,8 @@ def test_writer_oversized_sample_gets_its_own_shard(tmp_path):
 
 def test_writer_bad_size_and_options(tmp_path):
     for kwargs in ({"shard_size": "lots"}, {"shard_size": "5XB"}, {"compression": "gzip"}, {"level": 0},
-                   {"level": 23}, {"level": -101}):
+                   {"level": 23}, {"level": -101}, {"shard_size": 0}, {"max_samples": 0}, {"max_samples": -1},
+                   {"frame_size": 0}):  # regression: the last four wrote a shard (or frame) a sample
         with pytest.raises(ShardstreamError):
             ShardWriter(str(tmp_path / "ds"), **kwargs)
 
