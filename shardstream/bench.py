@@ -11,7 +11,8 @@ images for a fixed time, looping over epochs (`set_epoch`) if the dataset is sma
 * **time to the first batch** (worker start, shard opening, shuffle buffer, decode);
 * **CPUs busy**: CPU seconds of the main process and its workers (every thread) per
   second of the window. At the knee it says what limits the rate (`BenchResult.diagnosis`):
-  CPUs nearly all busy (85% or more) mean the work per image does, and more workers
+  CPUs nearly all busy (85% or more; of the CPU quota, where a cgroup sets one: Docker's
+  ``--cpus``, a Kubernetes limit) mean the work per image does, and more workers
   cannot help; CPUs idle at a knee below the most workers measured mean storage, the
   consuming loop or the device does; at the most workers measured, more may still pay;
 * **peak RSS** of the main process plus the worker processes it started, sampled every
@@ -281,7 +282,7 @@ def bench(
         transform=transform + (" decoded on the device" if on_device else ""),
         device=str(device), seconds=seconds,
         warmup=warmup, samples=samples, bytes_per_sample=bytes_per_sample, memory=peak_memory_method(),
-        tolerance=tolerance, cpus=_cpus(),
+        tolerance=tolerance, cpus=_cpus(), cpu_quota=_cpu_quota(),
     )
     _prime(make_loader(0).dataset)
     bar = _Progress(len(workers) * (warmup + seconds), progress)
@@ -335,6 +336,59 @@ def _cpus() -> int | None:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count()
+
+
+def _cpu_quota(proc_cgroup: str = "/proc/self/cgroup", mount: str = "/sys/fs/cgroup") -> float | None:
+    """CPUs' worth of time this process's cgroup may use (Docker's ``--cpus``, a Kubernetes CPU
+    limit), the least along its cgroup path; None where none is set or Linux has no cgroups.
+
+    A quota leaves the affinity as it was: in a pod limited to 2 CPUs of a 64-core node this
+    process may run on 64 CPUs but gets 2 CPUs' time, and a rate bounded by that read as "2 of
+    64 CPUs busy: not CPU-bound". cgroup v2 says it in ``cpu.max`` ("max 100000" or "200000
+    100000"), v1 in ``cpu.cfs_quota_us`` (-1: none) over ``cpu.cfs_period_us``. In a
+    container the hierarchy mounted at `mount` is often the container's own cgroup while
+    `proc_cgroup` names it from the host's root, so each ancestor that exists is read."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    quotas = []
+    for line in lines:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "":  # cgroup v2 (alone, or the unified one beside v1's)
+            tops = [mount, os.path.join(mount, "unified")]
+        elif "cpu" in controllers.split(","):
+            tops = [os.path.join(mount, controllers), os.path.join(mount, "cpu")]
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for top in dict.fromkeys(tops):
+            for depth in range(len(parts) + 1):
+                quota = _quota_in(os.path.join(top, *parts[:depth]))
+                if quota is not None:
+                    quotas.append(quota)
+    return min(quotas) if quotas else None
+
+
+def _quota_in(folder: str) -> float | None:
+    """The CPU quota one cgroup folder sets, in CPUs (None: none, or no such folder)."""
+    try:
+        with open(os.path.join(folder, "cpu.max")) as f:
+            limit, period = (f.read().split() + ["100000"])[:2]
+        if limit == "max":
+            return None
+        return int(limit) / int(period) if int(limit) > 0 and int(period) > 0 else None
+    except (OSError, ValueError):
+        pass
+    try:
+        with open(os.path.join(folder, "cpu.cfs_quota_us")) as f:
+            limit = f.read().strip()
+        with open(os.path.join(folder, "cpu.cfs_period_us")) as f:
+            period = f.read().strip()
+        return int(limit) / int(period) if int(limit) > 0 and int(period) > 0 else None
+    except (OSError, ValueError):
+        return None
 
 
 @contextlib.contextmanager

@@ -71,6 +71,8 @@ class BenchResult:
     decode_threads: int = 0  # decode threads in each iterating process
     tolerance: float = 0.05
     cpus: int | None = None  # CPUs this process may run on
+    # CPUs' worth of time its cgroup allows (Docker's --cpus, a Kubernetes limit); None: no quota.
+    cpu_quota: float | None = None
 
     @property
     def rates(self) -> dict[int, float]:
@@ -113,8 +115,12 @@ class BenchResult:
         row = next((r for r in self.rows if r.num_workers == self.knee), None) if self.rows else None
         if row is None or row.cpus_busy is None or not self.cpus:
             return None
-        busy = f"num_workers={row.num_workers} kept {row.cpus_busy:.1f} of {self.cpus} CPUs busy"
-        if row.cpus_busy >= CPU_BOUND * self.cpus:
+        # Under a quota the CPUs' time, not their number, bounds the rate; the machine's other
+        # processes still share the CPUs themselves.
+        usable = min(self.cpus, self.cpu_quota) if self.cpu_quota else self.cpus
+        busy = (f"num_workers={row.num_workers} kept {row.cpus_busy:.1f} of {round(usable, 2):g} CPUs busy"
+                + (" (the CPU quota of its cgroup)" if usable < self.cpus else ""))
+        if row.cpus_busy >= CPU_BOUND * usable:
             levers = "a cheaper transform, pack --max-side" + ("" if "on the device" in self.transform
                                                                else ", the decode on the GPU")
             return f"{busy}: CPU-bound. More workers cannot help; less work per image can ({levers}) or more CPUs."

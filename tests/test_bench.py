@@ -116,6 +116,43 @@ def test_diagnosis_at_the_knee():
     assert "not CPU-bound" in alone.diagnosis()
 
 
+def test_diagnosis_under_a_cpu_quota():
+    """Regression: under a cgroup's CPU quota (Docker --cpus, a Kubernetes limit) the affinity still names
+    every CPU of the machine, so a rate bounded by the quota read "kept 0.5 of 2 CPUs busy: not CPU-bound...
+    storage". The quota is the CPUs the rate is measured against now; the machine's CPUs stay the measure
+    of how crowded it is."""
+    rows = _rows_with_cpu(1.9)  # 1.9 CPUs busy at the knee (4 workers)
+    quota = BenchResult("ds", 64, "train", "cpu", 1.0, 0.2, None, None, "/proc", rows, cpus=64, cpu_quota=2.0)
+    assert quota.diagnosis().startswith("num_workers=4 kept 1.9 of 2 CPUs busy (the CPU quota of its cgroup): "
+                                        "CPU-bound")
+    assert json.loads(json.dumps(quota.to_dict()))["cpu_quota"] == 2.0
+    loose = BenchResult("ds", 64, "train", "cpu", 1.0, 0.2, None, None, "/proc", rows, cpus=8, cpu_quota=16.0)
+    assert loose.diagnosis().startswith("num_workers=4 kept 1.9 of 8 CPUs busy: not CPU-bound")
+
+
+@pytest.mark.parametrize("layout", ["v2", "v1", "v1-container"])
+def test_cpu_quota_from_cgroups(tmp_path, layout):
+    from shardstream.bench import _cpu_quota
+
+    mount = tmp_path / "sys"
+    if layout == "v2":  # the least along the path: the pod's 1.5 CPUs below the node's "max"
+        proc = "0::/kubepods/pod1/ctr\n"
+        for folder, limit in (("", "max 100000"), ("kubepods/pod1", "150000 100000"), ("kubepods/pod1/ctr", "max")):
+            (mount / folder).mkdir(parents=True, exist_ok=True)
+            (mount / folder / "cpu.max").write_text(limit + "\n")
+    else:  # v1; in a container the mount is the container's own cgroup, named from the host's root
+        proc = "4:memory:/docker/abc\n3:cpu,cpuacct:/docker/abc\n"
+        top = mount / "cpu,cpuacct" / ("" if layout == "v1-container" else "docker/abc")
+        top.mkdir(parents=True)
+        (top / "cpu.cfs_quota_us").write_text("50000\n")
+        (top / "cpu.cfs_period_us").write_text("100000\n")
+    (tmp_path / "cgroup").write_text(proc)
+    assert _cpu_quota(str(tmp_path / "cgroup"), str(mount)) == (1.5 if layout == "v2" else 0.5)
+    (tmp_path / "none").write_text("0::/\n")
+    assert _cpu_quota(str(tmp_path / "none"), str(tmp_path / "empty")) is None
+    assert _cpu_quota(str(tmp_path / "missing"), str(mount)) is None
+
+
 def test_a_bench_reads_the_machines_cpus_beside_its_own():
     """Regression: bench counted only its own processes' CPU, and blamed storage for a rate that other
     processes, holding the CPUs, bounded. Each row now has the machine-wide reading too (Linux)."""
