@@ -293,6 +293,37 @@ def _is_python_child(pid: int) -> bool:
     return b"python" in cmdline and b"resource_tracker" not in cmdline
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs /proc")
+def test_a_worker_killed_mid_bench_is_named_in_one_line(tiny):
+    """Regression: a worker killed outright (the out-of-memory killer, a crash in a decoder) ended the command
+    with a 60-line traceback through torch's signal handler, or a bare "Connection reset by peer" (killed
+    while it handed over a batch), instead of an error naming the worker count and the signal."""
+    import signal
+
+    before = set(TreeRSS().descendants())
+    killed: list[int] = []
+
+    def kill_the_worker() -> None:
+        deadline = time.monotonic() + 60
+        while not killed and time.monotonic() < deadline:
+            new = [p for p in TreeRSS().descendants() if p not in before and _is_python_child(p)]
+            if new:
+                time.sleep(0.5)  # batches are coming
+                os.kill(new[0], signal.SIGKILL)
+                killed.append(new[0])
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_the_worker, daemon=True)
+    killer.start()
+    with pytest.raises(ShardstreamError) as error:
+        bench(tiny, workers=[1], batch_size=4, transform="none", seconds=60, warmup=0.0)
+    killer.join(timeout=60)
+    assert killed and str(error.value) == (f"num_workers=1: DataLoader worker (pid {killed[0]}) killed by SIGKILL "
+                                           "(killed outright: by the out-of-memory killer, or a crash in native code "
+                                           "such as a decoder)")
+    assert not [p for p in TreeRSS().descendants() if p not in before and _is_python_child(p)]
+
+
 def test_bench_with_the_decode_on_the_device_side(tiny):
     """Without CUDA the device side decodes on the CPU: the same images reach the consumer,
     so the rows count whole batches, and the result says which path it measured."""
