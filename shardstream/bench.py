@@ -39,7 +39,7 @@ import time
 from typing import Any, Callable, Iterator, Sequence
 
 from .benchresult import BenchResult, BenchRow, find_knee
-from .errors import ShardstreamError
+from .errors import ShardstreamError, scrubbed
 from .peakmem import PeakSampler, TreeRSS, peak_memory_method
 
 __all__ = ["BenchResult", "BenchRow", "bench", "find_knee", "peak_memory_method", "TRANSFORMS"]
@@ -324,7 +324,9 @@ def bench(
                           transform_on_device=on_device)
 
     result = BenchResult(
-        dataset=str(dataset), batch_size=batch_size, decode_threads=decode_threads,
+        # As messages show it: the result is printed, saved as JSON and drawn, and ends up shared,
+        # so an HTTP(S) URL's token or password stays out of it.
+        dataset=scrubbed(str(dataset)), batch_size=batch_size, decode_threads=decode_threads,
         transform=transform + (" decoded on the device" if on_device else ""),
         device=str(device), seconds=seconds,
         warmup=warmup, samples=samples, bytes_per_sample=bytes_per_sample, memory=peak_memory_method(),

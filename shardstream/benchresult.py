@@ -160,7 +160,8 @@ class BenchResult:
         ax.set_xlabel("num_workers")
         ax.set_ylabel("images / s")
         ax.set_ylim(0, max(ys, default=1.0) * 1.12 or 1.0)
-        ax.set_title(f"{os.path.basename(str(self.dataset).rstrip('/')) or self.dataset}: "
+        where = str(self.dataset).removesuffix("?...").rstrip("/")  # a hidden query string names nothing
+        ax.set_title(f"{os.path.basename(where) or self.dataset}: "
                      f"transform={self.transform}, batch {self.batch_size}, {self.device}", fontsize=10)
         ax.grid(True, alpha=0.3)
         fig.tight_layout()

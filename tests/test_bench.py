@@ -324,6 +324,23 @@ def test_a_worker_killed_mid_bench_is_named_in_one_line(tiny):
     assert not [p for p in TreeRSS().descendants() if p not in before and _is_python_child(p)]
 
 
+def test_a_bench_over_http_keeps_the_token_and_password_out_of_its_result(tiny, tmp_path):
+    """Regression: the result named the dataset as given, so the JSON (made to be shared) and the plot's
+    title held an HTTP URL's password and its query string (a token, a signature) whole."""
+    from shardstream import http_ranges
+    from shardstream.benchresult import save_json
+    from shardstream.testing import HTTPTestServer
+
+    with HTTPTestServer(tiny) as server:
+        url = server.url.replace("http://", "http://alice:s3cret@") + "/?sig=TOKEN123"
+        result = bench(url, workers=[0], batch_size=4, transform="none", seconds=0.2, warmup=0.0)
+        http_ranges._pool.get().clear()  # the server's keep-alive handlers end
+    save_json(result, tmp_path / "out.json")
+    saved = (tmp_path / "out.json").read_text()
+    assert result.dataset == server.url.replace("http://", "http://***@") + "/?..."
+    assert "s3cret" not in saved and "TOKEN123" not in saved and json.loads(saved)["dataset"] == result.dataset
+
+
 def test_bench_with_the_decode_on_the_device_side(tiny):
     """Without CUDA the device side decodes on the CPU: the same images reach the consumer,
     so the rows count whole batches, and the result says which path it measured."""
