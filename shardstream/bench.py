@@ -295,6 +295,8 @@ def bench(
         raise ShardstreamError("batch_size must be positive")
     if not (math.isfinite(seconds) and seconds > 0 and math.isfinite(warmup) and warmup >= 0):
         raise ShardstreamError("seconds must be positive and warmup non-negative, both finite")
+    if not 0 <= tolerance < 1:  # checked by the knee, but only once every worker count has run
+        raise ShardstreamError(f"tolerance must be in [0, 1) (0.05: within 5% of the best rate), not {tolerance}")
     if decode_on_device and transform == "none":
         raise ShardstreamError("decode_on_device needs a transform to defer (train or val), not 'none'")
     if decode_threads < 0 or (decode_threads and (transform == "none" or decode_on_device)):

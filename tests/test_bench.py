@@ -381,6 +381,12 @@ def test_bench_rejects_bad_arguments(tiny):
         bench(tiny, workers=[-1])
     with pytest.raises(ShardstreamError, match="workers"):
         bench(tiny, workers=[])
+    # Regression: a bad tolerance failed in the knee, once every worker count had been measured.
+    for tolerance in (5, -0.1, float("nan")):
+        started = time.monotonic()
+        with pytest.raises(ShardstreamError, match="tolerance"):
+            bench(tiny, workers=[0, 1], seconds=30, tolerance=tolerance)
+        assert time.monotonic() - started < 10
 
 
 def test_bench_cuda_unavailable(tiny):
