@@ -82,6 +82,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _seconds_at_least_zero(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a non-negative number of seconds, got {text!r}")
+    return value
+
+
 def _size(text: str) -> str:
     """A size such as 256MB (checked here, passed on as written)."""
     from .writer import parse_size
@@ -110,6 +120,12 @@ def _part_spec(text: str) -> str:
 def _check_combinations(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Options that go with others, given without them: a usage error (exit 2), as argparse's own.
     Ignored, they made a pack the user did not ask for."""
+    if args.command == "bench":
+        if args.decode_on_device and args.transform == "none":
+            parser.error("--decode-on-device needs a transform to defer: --transform train or val")
+        if args.decode_threads and (args.transform == "none" or args.decode_on_device):
+            parser.error("--decode-threads decodes images here: it goes with --transform train or val, "
+                         "without --decode-on-device")
     if args.command != "pack":
         return
     if args.executor == "ray" and args.part is not None:
@@ -221,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transform", choices=("train", "val", "none"), default="train",
                    help="train: RandomResizedCropJPEG(224); val: CenterCropJPEG(224); none: raw bytes")
     p.add_argument("--seconds", type=_positive_float, default=5.0, help="measured seconds per worker count (default 5)")
-    p.add_argument("--warmup", type=float, default=1.0, help="seconds discarded first (default 1)")
+    p.add_argument("--warmup", type=_seconds_at_least_zero, default=1.0, help="seconds discarded first (default 1)")
     p.add_argument("--device", default="cpu", help="where batches go: cpu or cuda (default cpu)")
     p.add_argument("--decode-on-device", action="store_true",
                    help="workers ship JPEG bytes, the device decodes (nvJPEG on cuda; see README)")
