@@ -289,6 +289,10 @@ def bench(
     workers = [int(n) for n in workers]
     if not workers or any(n < 0 for n in workers):
         raise ShardstreamError(f"workers must be one or more non-negative counts, not {workers}")
+    if len(set(workers)) < len(workers):
+        # The knee, the best rate and the plot take one rate for each count: a count measured twice
+        # was judged by its last row, the diagnosis read its first, and the JSON's best rate was not the table's.
+        raise ShardstreamError(f"workers must name each count once, not {workers}")
     if transform not in TRANSFORMS:
         raise ShardstreamError(f"transform must be one of {TRANSFORMS}, not {transform!r}")
     if batch_size < 1:

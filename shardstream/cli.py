@@ -143,6 +143,8 @@ def _worker_counts(text: str) -> list[int]:
         counts = []
     if not counts or any(n < 0 for n in counts):
         raise argparse.ArgumentTypeError(f"expected comma-separated non-negative integers, like 0,1,2,4,8; got {text!r}")
+    if len(set(counts)) < len(counts):
+        raise argparse.ArgumentTypeError(f"each worker count once (the knee takes one rate for each); got {text!r}")
     return counts
 
 

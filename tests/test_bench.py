@@ -239,6 +239,9 @@ def test_cli_bench_errors(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["bench", str(tmp_path), "--workers", "0,x"])
     assert exit_.value.code == 2 and "non-negative integers" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["bench", str(tmp_path), "--workers", "0,2,0"])
+    assert exit_.value.code == 2 and "each worker count once" in capsys.readouterr().err
     assert cli.main(["bench", str(tmp_path / "nothing"), "--workers", "0", "--quiet"]) == 1
     assert capsys.readouterr().err.startswith("shardstream bench: error:")
     # infinity passed `> 0`, then failed in a comparison with None: refused by the parser, or the bench
@@ -389,6 +392,8 @@ def test_bench_rejects_bad_arguments(tiny):
         bench(tiny, workers=[-1])
     with pytest.raises(ShardstreamError, match="workers"):
         bench(tiny, workers=[])
+    with pytest.raises(ShardstreamError, match="each count once"):  # regression: rows the knee did not read
+        bench(tiny, workers=[0, 2, 0])
     # Regression: a bad tolerance failed in the knee, once every worker count had been measured.
     for tolerance in (5, -0.1, float("nan")):
         started = time.monotonic()
