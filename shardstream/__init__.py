@@ -22,6 +22,7 @@ from .errors import (
     PackError,
     ShardstreamError,
     StorageError,
+    WorkerDiedError,
 )
 from .format import Manifest, ShardInfo
 from .pack import PackSummary, pack
@@ -78,6 +79,7 @@ __all__ = [
     "StorageError",
     "Source",
     "StreamTarReader",
+    "WorkerDiedError",
     "TooManyErrors",
     "open_dataset",
     "open_shard",

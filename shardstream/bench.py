@@ -39,7 +39,7 @@ import time
 from typing import Any, Callable, Iterator, Sequence
 
 from .benchresult import BenchResult, BenchRow, find_knee
-from .errors import ShardstreamError, scrubbed
+from .errors import ShardstreamError, WorkerDiedError, scrubbed
 from .peakmem import PeakSampler, TreeRSS, peak_memory_method
 
 __all__ = ["BenchResult", "BenchRow", "bench", "find_knee", "peak_memory_method", "TRANSFORMS"]
@@ -132,7 +132,6 @@ def _run_one(
     window_start: float | None = None
     now = start = time.perf_counter()
     batches: Iterator[Any] | None = None
-    workers: list[Any] = []
     with PeakSampler(tree) as sampler:
         try:
             while True:
@@ -152,21 +151,13 @@ def _run_one(
                         raise ShardstreamError("the dataset yields no batches", url=str(loader.dataset.source))
                     batches, epoch = None, epoch + 1
                     continue
-                except (RuntimeError, EOFError, ConnectionError) as e:
-                    dead = _dead_workers(workers, e) if num_workers > 0 else []
-                    if not dead:
-                        raise
-                    raise ShardstreamError(
-                        f"num_workers={num_workers}: {'; '.join(dead)} (killed outright: by the "
-                        "out-of-memory killer, or a crash in native code such as a decoder)") from e
+                except WorkerDiedError as e:  # the loader's one line, said of this worker count
+                    raise WorkerDiedError(f"num_workers={num_workers}: {e}") from e.__cause__
                 delivered += 1
                 now = time.perf_counter()
                 if first_batch_s is None:
                     first_batch_s = now - start
                     sampler.sample()
-                    # torch's worker processes (persistent: one set for every epoch), to say which
-                    # one ended if one does: the loader has shut them down by the time its error comes.
-                    workers = list(getattr(getattr(loader._loader, "_iterator", None), "_workers", ()))
                 if window_start is None:
                     if now - start >= warmup:
                         window_start = now  # the warm-up is over; count what arrives from here
@@ -215,41 +206,6 @@ def _run_one(
                       if machine_start is not None and machine_end is not None else None),
     )
     return row, payload
-
-
-def _dead_workers(workers: list[Any], error: BaseException, wait_s: float = 1.0) -> list[str]:
-    """The `workers` (torch's processes) that ended outright, as "DataLoader worker (pid N)
-    killed by SIGKILL" (or "exited with status N"), waiting up to `wait_s` for one to be seen
-    ended; else the one torch's `error` names (a worker that died before the first batch).
-
-    A worker killed (the out-of-memory killer, a crash in a decoder's native code) came out
-    of the command as a 60-line traceback through torch's signal handler, the signal in the
-    middle of it; or, killed while it handed over a batch, as a bare EOFError or "Connection
-    reset by peer" from the socket that batch's memory was passed on. A worker torch itself
-    ended (SIGTERM, at shutdown) is not one of them."""
-    import signal
-
-    deadline = time.monotonic() + wait_s
-    while workers:
-        ended = [w for w in workers if w.exitcode and w.exitcode != -signal.SIGTERM]
-        if ended:
-            return [f"DataLoader worker (pid {w.pid}) " + (f"killed by {_signal_name(-w.exitcode)}" if w.exitcode < 0
-                                                           else f"exited with status {w.exitcode}") for w in ended]
-        if time.monotonic() >= deadline:
-            break
-        time.sleep(0.05)
-    named = [e for e in (error.__cause__, error)
-             if isinstance(e, RuntimeError) and str(e).startswith("DataLoader worker (pid")]
-    return [str(named[0]).strip().rstrip(".")] if named else []
-
-
-def _signal_name(number: int) -> str:
-    import signal
-
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
 
 
 def bench(

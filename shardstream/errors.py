@@ -163,6 +163,10 @@ class BracePatternError(ShardstreamError, ValueError):
     """A brace pattern that names no shards: unbalanced braces, a range of mixed kinds, or too many names."""
 
 
+class WorkerDiedError(ShardstreamError):
+    """A DataLoader worker process ended outright (killed by a signal, or exited) mid-epoch."""
+
+
 class PackError(ShardstreamError):
     """Packing could not proceed: bad source, unreadable or corrupt input file."""
 

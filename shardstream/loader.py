@@ -38,7 +38,7 @@ from .arguments import flag, integer
 from .batches import count_samples, map_field, tensors, to_device, usable_device
 from .collate import default_collate, pad_collate
 from .dataset import StreamingDataset
-from .errors import RaisedInWorker
+from .errors import RaisedInWorker, WorkerDiedError
 
 __all__ = ["DataLoader", "LoaderStats", "Normalize", "to_device"]
 
@@ -181,6 +181,46 @@ def _raising_workers_errors(source: Iterator[Any]) -> Iterator[Any]:
         if type(batch) is RaisedInWorker:
             batch.reraise()
         yield batch
+
+
+def _worker_died(iterator: Any, error: BaseException, wait_s: float = 1.0) -> WorkerDiedError | None:
+    """The error to raise where `error` came of a worker of torch's `iterator` ending
+    outright (the out-of-memory killer, a crash in a decoder's native code), naming the
+    worker, its pid and the signal; None for any other error.
+
+    Such a death came out of the loop as torch's 60-line traceback through its signal
+    handler, the signal in the middle of it, or, killed while it handed over a batch, as
+    a bare EOFError or "Connection reset by peer" from the socket that batch's memory was
+    passed on. Its exit code may be seen a moment after the error, so it is waited for up
+    to `wait_s`; where it is not, the worker torch's own message names is."""
+    # torch's own words for a worker gone, or the socket a batch came on cut: an error a worker
+    # raised (a user's RuntimeError too) is none of these, and is not waited on.
+    named = isinstance(error, RuntimeError) and str(error).startswith("DataLoader worker (pid")
+    if not (named or isinstance(error, (EOFError, ConnectionError))):
+        return None
+    workers = list(getattr(iterator, "_workers", ()))
+    deadline = time.monotonic() + wait_s
+    while workers:
+        ended = [w for w in workers if w.exitcode and w.exitcode != -signal.SIGTERM]  # SIGTERM: torch's own
+        if ended:
+            return WorkerDiedError("; ".join(f"DataLoader worker (pid {w.pid}) {_ending(w.exitcode)}" for w in ended)
+                                   + _DIED_HOW)
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    return WorkerDiedError(str(error).strip().rstrip(".") + _DIED_HOW) if named else None
+
+
+_DIED_HOW = " (killed outright: by the out-of-memory killer, or a crash in native code such as a decoder)"
+
+
+def _ending(exitcode: int) -> str:
+    if exitcode > 0:
+        return f"exited with status {exitcode}"
+    try:
+        return f"killed by {signal.Signals(-exitcode).name}"
+    except ValueError:
+        return f"killed by signal {-exitcode}"
 
 
 class DataLoader:
@@ -356,10 +396,14 @@ class DataLoader:
                 stats.wait_s += time.perf_counter() - t0
                 break
             except BaseException as error:
+                # Before the workers are shut down below, which ends them all alike.
+                died = _worker_died(source, error) if self.num_workers > 0 else None
                 # A worker that died (or raised) leaves torch's persistent workers unusable:
                 # the next epoch starts fresh ones instead of raising the same error again.
                 self._drop_workers(source)
                 _free_frames_holding(error)
+                if died is not None:
+                    raise died from error
                 raise
             now = time.perf_counter()
             stats.wait_s += now - t0

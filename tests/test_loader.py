@@ -650,3 +650,32 @@ def test_workers_of_a_failed_epoch_are_shut_down(packed):
     del errors, loader  # the last epoch's persistent workers, and their queues' threads, go with the loader
     gc.collect()
     assert failed == 3 and len(children) <= 2, children  # the last epoch's two workers at most
+
+
+def _slowly(sample: dict) -> dict:
+    time.sleep(0.05)  # the loop waits in next() when the worker is killed, where the loader sees it
+    return sample
+
+
+def test_a_worker_killed_outright_is_one_error_naming_it_and_the_signal(packed):
+    """Regression: a worker killed outright (the out-of-memory killer, a crash in a decoder's native code)
+    came out of the training loop as torch's traceback through its signal handler, or a bare EOFError or
+    "Connection reset by peer" from the socket a batch came on. It is a WorkerDiedError naming the pid and
+    the signal now, and no worker is left."""
+    import multiprocessing
+    import os
+    import signal
+    import threading
+
+    before = set(multiprocessing.active_children())
+    loader = DataLoader(StreamingDataset(packed, decode=None, transform=_slowly, batch_size=1), num_workers=1)
+    batches = iter(loader)
+    next(batches)
+    [worker] = [p for p in multiprocessing.active_children() if p not in before]
+    threading.Timer(0.1, os.kill, (worker.pid, signal.SIGKILL)).start()
+    with pytest.raises(shardstream.WorkerDiedError) as error:
+        for _ in batches:
+            pass
+    assert str(error.value) == (f"DataLoader worker (pid {worker.pid}) killed by SIGKILL (killed outright: by the "
+                                "out-of-memory killer, or a crash in native code such as a decoder)")
+    assert not [p for p in multiprocessing.active_children() if p not in before]
