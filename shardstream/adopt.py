@@ -158,7 +158,8 @@ def _shards(source: str | Sequence[str], options: dict[str, Any], *,
         packed = [n for n in listed if n.endswith(_COMPRESSED)] if not compressed else []
         if not names:
             raise ShardstreamError("no .tar shards here" + (
-                f" (only compressed ones, such as {packed[0]}: decompress them first)" if packed else ""),
+                f" (only compressed ones, such as {packed[0]}: decompress them first, or `shardstream repack` "
+                "the folder)" if packed else ""),
                 url=source)
         if packed:  # left out of the manifest: say so, or their samples are missing without a word
             warnings.warn(f"{store.location}: {len(packed)} compressed tars (such as {packed[0]}) are left out: "

@@ -129,7 +129,7 @@ def test_compressed_tars_are_refused_by_name(wds_folder, tmp_path):
     for path in folder.glob("*.tar"):
         (gz / (path.name + ".gz")).write_bytes(gzip.compress(path.read_bytes()))
     with pytest.raises(ShardstreamError, match=r"no \.tar shards here \(only compressed ones, such as "
-                                               r"shard-000000\.tar\.gz: decompress them first\)"):
+                                               r"shard-000000\.tar\.gz: decompress them first, or `shardstream repack` the folder\)"):
         index_tars(str(gz))
     with pytest.raises(ShardstreamError, match=r"only plain \.tar.*shard-000001\.tar\.gz"):
         index_tars([str(gz / "shard-000001.tar.gz")])
