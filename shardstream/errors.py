@@ -163,8 +163,11 @@ class BracePatternError(ShardstreamError, ValueError):
     """A brace pattern that names no shards: unbalanced braces, a range of mixed kinds, or too many names."""
 
 
-class WorkerDiedError(ShardstreamError):
-    """A DataLoader worker process ended outright (killed by a signal, or exited) mid-epoch."""
+class WorkerDiedError(ShardstreamError, RuntimeError):
+    """A DataLoader worker process ended outright (killed by a signal, or exited) mid-epoch.
+
+    A RuntimeError too, as torch's own error for a dead worker is: a training script that
+    catches that keeps working under `shardstream.DataLoader`."""
 
 
 class PackError(ShardstreamError):
