@@ -61,6 +61,12 @@ ratios are between medians of the same run):
   persistent worker streaming raw samples over the 50 ms HTTP server, with the head
   start on the next epoch and without it (`HeadStart.begin` patched out in the workers
   of those loaders), without a cache and with one a third of the dataset's size.
+* readahead (not in the default run): raw samples (decode=None, shuffled) read in this
+  process, as fast as they come, from local shards and over HTTP servers 50 ms and
+  150 ms away (processes of their own), with the read-ahead window growing while the
+  reader waits (readahead.py, the default) and with it fixed at its start
+  (`readahead.GROWTH` set to 1 for that contender's epochs). Each contender is one
+  dataset whose every round is its next epoch (`set_epoch`), as a training run's are.
 * shrink (not in the default run): what `pack --max-side` costs once and saves every
   epoch. Pack the image folder as is and with `max_side=--max-side` (2 workers, zstd,
   fresh output each round), then the decode section's one-process pipeline over each
@@ -111,7 +117,7 @@ from shardstream.transforms import RandomResizedCropJPEG, crop_params  # noqa: E
 from shardstream.writer import parse_size  # noqa: E402
 
 SECTIONS = ("decode", "loader", "remote", "resume", "shrink", "adopt", "steady", "steadyraw", "steadydecode",
-            "epochstart")
+            "epochstart", "readahead")
 DEFAULT_SECTIONS = ("decode", "loader", "remote", "resume")
 SHARD_SIZE = "32MB"
 BATCH = 64
@@ -864,6 +870,44 @@ def section_epochstart(d: Data, repeats: int, out: dict, server: ServerProcess) 
     out["epochstart"] = {"rows": [g.row() for g in group], "table": text, "cache_limit": limit}
 
 
+def section_readahead(d: Data, repeats: int, out: dict) -> None:
+    """Raw samples in this process, the read-ahead window growing (the default) or fixed at
+    its start, over HTTP 50 ms and 150 ms away; local shards for scale."""
+    from shardstream import readahead
+
+    servers = {latency: ServerProcess(d.root, latency) for latency in (LATENCY_S, 0.15)}
+    raw = dict(decode=None, fields=("__key__", "jpg"))
+
+    def epochs(url: str, growth: int) -> Callable[[], dict]:
+        dataset, epoch = ss_dataset(url, **raw), iter(range(1 << 30))
+
+        def run() -> dict:
+            dataset.set_epoch(next(epoch))
+            saved, readahead.GROWTH = readahead.GROWTH, growth
+            try:
+                return drain(lambda: dataset)
+            finally:
+                readahead.GROWTH = saved
+        return run
+
+    group = [Contender("raw in-process: local", epochs(d.ss_url(), readahead.GROWTH), expect=d.n)]
+    for latency, server in servers.items():
+        for growth, how in ((1, "window fixed"), (readahead.GROWTH, "window growing (default)")):
+            group.append(Contender(f"raw in-process: HTTP {latency * 1000:.0f} ms, {how}",
+                                   epochs(d.ss_url(server.url), growth), expect=d.n))
+    try:
+        measure("readahead", group, repeats)
+    finally:
+        for server in servers.values():
+            server.close()
+    text = table(f"readahead: raw samples in one process, {d.n} images, median of {repeats}", group, group[0])
+    out["readahead"] = {"rows": [g.row() for g in group], "table": text}
+    for k in (1, 3):
+        fixed, growing = group[k], group[k + 1]
+        out["targets"][f"readahead: {growing.name} vs fixed, per round (informative)"] = _target(
+            per_round(growing, fixed), None, None, "x")
+
+
 def _steady(con: Contender, i: int) -> float:
     """Run i's rate after its first item: an epoch of a few seconds, less the start that a long one hides."""
     return (con.samples - 1) / (con.wall[i] - con.first[i])
@@ -1028,6 +1072,8 @@ def main(argv: list[str] | None = None) -> int:
                 section_steadydecode(d, args.repeats, results, server)
             elif name == "epochstart":
                 section_epochstart(d, args.repeats, results, server)
+            elif name == "readahead":
+                section_readahead(d, args.repeats, results)
             results["load_average"][name] = {"start": la0, "end": os.getloadavg()[0],
                                              "section_s": time.perf_counter() - t0}
     finally:

@@ -16,6 +16,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .errors import ShardstreamError
+from .readahead import ReadAhead
 from .reader import READ_BYTES, ShardReader
 from .tarstream import StreamTarReader
 
@@ -127,11 +128,11 @@ def first_window(reader_of: Callable[[int], ShardReader | StreamTarReader], runs
     sample is due: the same pieces, in the same order, as its own planning makes first
     (`stream.read_samples` keeps `prefetch` in flight, or more while they are small, up
     to half of `prefetch` full pieces' bytes and `max_ahead` pieces)."""
-    sizes, budget = ramp(piece_bytes), prefetch * piece_bytes // 2
+    sizes, window = ramp(piece_bytes), ReadAhead.start(prefetch, piece_bytes, max_ahead)
     count = total = 0
     for shard, stretch, _ in stretches(runs):
         for piece in planned_pieces(reader_of(shard), stretch, sizes):
-            if count > max_ahead or (count > prefetch and total > budget):
+            if window.full(count, total):
                 return
             yield shard, piece
             count, total = count + 1, total + piece[4]

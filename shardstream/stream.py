@@ -21,6 +21,7 @@ from .cancel import Cancellation
 from .errors import CorruptIndexError, CorruptShardError, ShardstreamError, StorageError
 from .pieces import PieceKey, piece_key, planned_pieces, ramp, sample_runs, stretches
 from .reader import READ_BYTES, Sample, ShardReader
+from .readahead import ReadAhead
 from .tarstream import StreamTarReader
 from .source import Source
 
@@ -180,8 +181,9 @@ def read_samples(source: Source, ids: np.ndarray, counts: np.ndarray, prefetch: 
     pieces, or more while they are small, up to half of `prefetch` full pieces' bytes
     (fetched, or held decompressed where those are more) and `MAX_AHEAD` pieces (a
     resume reads scattered single frames, whose cost is the request's latency, not its
-    bytes). With a `cache` the next `prefetch` shards are downloaded ahead: storage
-    latency then overlaps decoding. A piece is one storage request of at most about
+    bytes); that budget of bytes doubles each time the caller has to wait for a piece,
+    up to four times its start (readahead.py). With a `cache` the next `prefetch`
+    shards are downloaded ahead: storage latency then overlaps decoding. A piece is one storage request of at most about
     `piece_bytes`, cut between frames (`ShardReader.pieces`), so no two pieces fetch the
     same frame, and holds at most about `piece_bytes` of samples decompressed (or one
     frame, where that is larger); the next shards' indexes are fetched while the
@@ -211,7 +213,7 @@ def read_samples(source: Source, ids: np.ndarray, counts: np.ndarray, prefetch: 
         # pieces would hold up planning the next shard's pieces by a whole piece transfer,
         # and a resume, whose first batch draws on many shards, would fetch their indexes
         # one at a time.
-        budget = prefetch * piece_bytes // 2  # the first pieces (1, 2, 4 MB) stay `prefetch` in flight
+        window = ReadAhead.start(prefetch, piece_bytes, MAX_AHEAD)  # grows while this reader waits
         # Reads still running when the iteration stops are cancelled (cancel.py): else leaving
         # the pools waits for them, through their retries' backoff when storage is failing.
         cancellation = Cancellation()
@@ -228,10 +230,12 @@ def read_samples(source: Source, ids: np.ndarray, counts: np.ndarray, prefetch: 
                     openers.submit(readers.open_ahead, upcoming[opened])
                     opened += 1
 
-            def finish_one() -> list[Sample]:
+            def finish_one(window_full: bool = False) -> list[Sample]:
                 nonlocal ahead_bytes
                 shard, last, size, future = ahead.popleft()
                 ahead_bytes -= size
+                if window_full:
+                    window.took(future.done())
                 samples = future.result()
                 if last:
                     readers.release(shard)
@@ -266,8 +270,8 @@ def read_samples(source: Source, ids: np.ndarray, counts: np.ndarray, prefetch: 
                             future = pool.submit(read_piece, read, readers, shard, a, b, keep)
                         ahead.append((shard, final and last, size, future))
                         ahead_bytes += size
-                        while len(ahead) > MAX_AHEAD or (len(ahead) > prefetch and ahead_bytes > budget):
-                            yield from finish_one()
+                        while window.full(len(ahead), ahead_bytes):
+                            yield from finish_one(window_full=True)
                 while ahead:
                     samples = finish_one()
                     begin_next()  # the link is idle once this iteration's reads are in; and

@@ -1,9 +1,10 @@
 """Helpers for test_remote.py: a request-counting HTTP test server, and ranks run as processes.
 
 `CountingHTTPServer` is `shardstream.testing.HTTPTestServer` (same handler: Range
-support, latency, injected 503s and dropped connections) with two additions for tests:
-it records every response it sends by (method, path, status), and `close()` also shuts
-down the keep-alive connections still open, so no handler thread outlives the server.
+support, latency, injected 503s and dropped connections) with three additions for tests:
+it records every response it sends by (method, path, status), the most GETs it served
+at once of each kind of file (`most_at_once`), and `close()` also shuts down the
+keep-alive connections still open, so no handler thread outlives the server.
 
 `run_ranks` runs simulated ranks at the same time, each a process streaming a dataset
 through a torch DataLoader with real worker processes, and collects what they received.
@@ -40,6 +41,8 @@ class CountingHTTPServer(HTTPTestServer):
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
         self._handlers: set[threading.Thread] = set()
+        self._gets: collections.Counter = collections.Counter()  # by file suffix: being served now, latency included
+        self._most_gets: collections.Counter = collections.Counter()  # by file suffix: the most at once so far
         base = self.server.RequestHandlerClass  # the configured subclass of testing._Handler
         outer = self
 
@@ -57,6 +60,17 @@ class CountingHTTPServer(HTTPTestServer):
                     with outer._lock:
                         outer._connections.discard(self.connection)
 
+            def do_GET(self) -> None:
+                suffix = "." + self.path.split("?", 1)[0].rsplit("/", 1)[-1].split(".", 1)[-1]
+                with outer._lock:
+                    outer._gets[suffix] += 1
+                    outer._most_gets[suffix] = max(outer._most_gets[suffix], outer._gets[suffix])
+                try:
+                    super().do_GET()
+                finally:
+                    with outer._lock:
+                        outer._gets[suffix] -= 1
+
             def send_response(self, code: int, message: str | None = None) -> None:
                 with outer._lock:
                     outer.responses[(self.command, self.path.split("?", 1)[0], code)] += 1
@@ -64,6 +78,11 @@ class CountingHTTPServer(HTTPTestServer):
 
         # No request has been served yet: swapping the class is safe.
         self.server.RequestHandlerClass = Handler
+
+    def most_at_once(self, suffix: str) -> int:
+        """The most GETs of files named ``*<suffix>`` (``.tar.zst``, ``.tar.zst.idx``) served at once."""
+        with self._lock:
+            return self._most_gets[suffix]
 
     def gets(self, name: str) -> int:
         """Successful GETs (200 or 206) of the file `name` at the root."""

@@ -290,41 +290,18 @@ def test_remote_tars_without_an_index_warn_and_indexed_ones_do_not(samples, tmp_
             assert sorted(k for (k,) in ds) == sorted(s["__key__"] for s in samples)
 
 
-class _IndexGetsInFlight(H.CountingHTTPServer):
-    """Counts the GETs of shard indexes it answers at once, each held `latency_s`."""
-
-    def __init__(self, root: str, **kwargs: Any) -> None:
-        super().__init__(root, **kwargs)
-        self.in_flight = self.most_in_flight = 0
-        base, outer = self.server.RequestHandlerClass, self
-
-        class Handler(base):  # type: ignore[misc,valid-type]
-            def do_GET(self) -> None:
-                index = self.path.endswith(".idx")
-                with outer._lock:
-                    outer.in_flight += index
-                    outer.most_in_flight = max(outer.most_in_flight, outer.in_flight)
-                try:
-                    super().do_GET()
-                finally:
-                    with outer._lock:
-                        outer.in_flight -= index
-
-        self.server.RequestHandlerClass = Handler
-
-
 def test_class_weights_read_remote_indexes_several_at_once(local_ds):
     """Class-weighted sampling needs every sample's label, from every shard's index: read one after
     another, 10k shards on S3 were 10k round trips before the first sample."""
     from shardstream.sampling import Sampling
 
-    with _IndexGetsInFlight(local_ds, latency_s=0.05) as server:
+    with H.CountingHTTPServer(local_ds, latency_s=0.05) as server:
         ds = StreamingDataset(server.url, decode=None, fields=("__key__", "cls"),
                               sampling=Sampling(class_weights="balanced", samples_per_epoch=30))
         drawn = [cls for _, cls in ds]
     shards = len(shardstream.open_dataset(local_ds).shards)
     assert shards >= 4 and len(drawn) == 30 and set(drawn) == {0, 1, 2}
-    assert server.most_in_flight > 1  # one at a time before
+    assert server.most_at_once(".tar.zst.idx") > 1  # one at a time before
 
 
 def test_tars_without_an_index_are_read_through_once(samples, tmp_path, write_webdataset):
@@ -938,6 +915,51 @@ def test_prefetch_fetches_each_frame_once_one_request_per_piece(tmp_path):
     for ref in local.shards:
         assert counts[ref.name] == pieces[ref.name], f"{ref.name}: {counts[ref.name]} requests, {pieces[ref.name]} pieces"
         assert counts[ref.name + ".idx"] == 1
+
+
+def test_read_ahead_widens_while_the_reader_waits_for_storage(tmp_path, monkeypatch):
+    """A reader that takes samples faster than requests 30 ms away arrive widens its read-ahead
+    (readahead.py): the server sees more pieces requested at once than with the window fixed at
+    its start, and the samples are the same, in the same order."""
+    from shardstream import readahead
+    from shardstream.stream import read_samples
+
+    rng = random.Random(1)
+    samples = [{"__key__": f"s{i:04d}", "bin": rng.randbytes(rng.randrange(500, 3000))} for i in range(240)]
+    with shardstream.ShardWriter(str(tmp_path / "ds"), frame_size=4000) as writer:  # one shard, many frames
+        for sample in samples:
+            writer.write(sample)
+    ids = np.random.default_rng(0).permutation(len(samples))[:160]
+    most = {}
+    for growth in (1, readahead.GROWTH):
+        monkeypatch.setattr(readahead, "GROWTH", growth)
+        with H.CountingHTTPServer(str(tmp_path / "ds"), latency_s=0.03) as server:
+            source = shardstream.open_dataset(server.url)
+            got = [s["__key__"] for s in read_samples(source, np.sort(ids), source.counts(), prefetch=2,
+                                                       piece_bytes=16000)]
+            most[growth] = server.most_at_once(".tar.zst")
+        assert got == [samples[i]["__key__"] for i in np.sort(ids)]
+    assert most[readahead.GROWTH] > most[1] >= 2, most
+
+
+def test_read_ahead_starts_as_a_fixed_window_and_doubles_on_waits_up_to_its_limit():
+    from shardstream.readahead import GROWTH, ReadAhead
+
+    window = ReadAhead.start(prefetch=6, piece_bytes=8 << 20, max_pieces=32)
+    assert (window.budget, window.limit) == (24 << 20, GROWTH * (24 << 20))
+    assert not window.full(6, 200 << 20)  # `prefetch` pieces in flight, whatever their bytes
+    assert not window.full(7, 24 << 20) and window.full(7, (24 << 20) + 1)
+    assert window.full(33, 1)  # never more than max_pieces
+    window.took(ready=False)  # an iteration's first piece waits for its request: no sign of a small window
+    assert window.budget == 24 << 20
+    window.took(ready=True)
+    assert window.budget == 24 << 20
+    budgets = []
+    for _ in range(4):
+        window.took(ready=False)
+        budgets.append(window.budget >> 20)
+    assert budgets == [48, 96, 96, 96]
+    assert not window.full(7, 96 << 20) and window.full(7, (96 << 20) + 1)
 
 
 def test_dataset_io_stats_count_every_process_and_epoch_once(local_ds):

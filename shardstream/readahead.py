@@ -1,0 +1,57 @@
+"""How much an iteration reads ahead: a window of pieces that widens while its reader waits.
+
+What must be in flight to keep a reader fed is its rate times the storage's latency (the
+bandwidth-delay product), and both vary by orders of magnitude: a local read against a
+50 ms object-store request, a worker cutting raw samples at 400 MB/s against one
+decoding JPEGs at a quarter of that. A fixed read-ahead fits one pair. `ReadAhead`
+starts where the fixed one did (at least `prefetch` pieces in flight, more within
+half of `prefetch` full pieces' bytes while they are small, `max_pieces` at most) and
+doubles its byte budget each time the reader, with the window full, finds the piece it
+needs not yet read, up to `GROWTH` times the start: memory goes to read-ahead only where
+the reader has shown it waits. Raw samples through one DataLoader worker over HTTP with
+50 ms a request read at 0.87x of local shards with the start's window, and at 1.02x and
+1.03x with two and four times its budget (BENCHMARKS.md, "Twenty-fifth session").
+
+Only the timing changes: pieces are read and handed over in the same order whatever the
+window, so the samples are the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["GROWTH", "ReadAhead"]
+
+GROWTH = 4  # the budget grows to at most this many times its start
+
+
+@dataclass
+class ReadAhead:
+    """The read-ahead window of one iteration: how many pieces, and bytes, may be in flight."""
+
+    prefetch: int  # pieces kept in flight whatever their bytes
+    budget: int  # bytes in flight beyond `prefetch` pieces
+    limit: int  # the most `budget` grows to
+    max_pieces: int  # pieces in flight at most, however small
+    taken: int = 0  # pieces taken from a full window so far
+
+    @classmethod
+    def start(cls, prefetch: int, piece_bytes: int, max_pieces: int) -> ReadAhead:
+        """The window an iteration starts with: `prefetch` pieces, or more while they are
+        small (the first pieces are: pieces.ramp), up to half of `prefetch` full pieces' bytes."""
+        budget = prefetch * piece_bytes // 2
+        return cls(prefetch, budget, budget * GROWTH, max_pieces)
+
+    def full(self, pieces: int, in_flight: int) -> bool:
+        """Whether `pieces` in flight, of `in_flight` bytes, fill the window: the reader takes
+        one before another is asked for."""
+        return pieces > self.max_pieces or (pieces > self.prefetch and in_flight > self.budget)
+
+    def took(self, ready: bool) -> None:
+        """The reader took a piece from a full window, `ready` or not yet read: where it must
+        wait, the window was too small for the storage's latency at the reader's rate, and
+        its budget doubles. The first piece of an iteration waits for its request whatever
+        the window, so its wait says nothing of the window."""
+        self.taken += 1
+        if not ready and self.taken > 1:
+            self.budget = min(self.limit, self.budget * 2)
