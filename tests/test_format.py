@@ -1239,3 +1239,22 @@ def test_a_writer_refuses_a_dataset_or_replaces_it_whole(tmp_path):
     assert names == ["manifest.msgpack"] + sorted(f"shard-{i:06d}.tar.zst{x}" for i in range(2) for x in ("", ".idx"))
     assert [s["txt"] for ref in open_dataset(str(tmp_path / "ds")).shards for s in ref.reader()] == \
         [f"sample {i} of 4".encode() for i in range(4)]
+
+
+def test_frames_built_one_after_another_in_a_thread_hold_each_its_own_samples():
+    """Frames are laid out in a buffer each thread reuses (shardfile._raw_frame): a frame after a
+    larger one, or after one too large to keep the buffer for, holds exactly its own members, as a
+    tar of the same samples does."""
+    from shardstream.shardfile import FRAME_SIZE, KEPT_RAW_BYTES, build_frame
+
+    rng = np.random.default_rng(0)
+    sizes = (FRAME_SIZE, 10, KEPT_RAW_BYTES + 1000, 700, 3 * FRAME_SIZE // 2, 1)
+    for n, size in enumerate(sizes):
+        payload = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+        frame = build_frame([(f"k{n}", [("bin", payload), ("cls", b"3")])], "zstd", -1)
+        raw = zstandard.ZstdDecompressor().decompress(frame.data)
+        assert len(raw) == frame.raw_size == sum(frame.sizes)
+        with tarfile.open(fileobj=io.BytesIO(raw)) as tar:
+            members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+        assert members == {f"k{n}.bin": payload, f"k{n}.cls": b"3"}, n
+        assert frame.labels == [3]
