@@ -183,11 +183,11 @@ def read_samples(source: Source, ids: np.ndarray, counts: np.ndarray, prefetch: 
     resume reads scattered single frames, whose cost is the request's latency, not its
     bytes); that budget of bytes doubles each time the caller has to wait for a piece,
     up to four times its start (readahead.py). With a `cache` the next `prefetch`
-    shards are downloaded ahead: storage latency then overlaps decoding. A piece is one storage request of at most about
-    `piece_bytes`, cut between frames (`ShardReader.pieces`), so no two pieces fetch the
-    same frame, and holds at most about `piece_bytes` of samples decompressed (or one
-    frame, where that is larger); the next shards' indexes are fetched while the
-    current shard is read. The threads start with the iteration and are joined when it
+    shards are downloaded ahead: storage latency then overlaps decoding. A piece is one
+    storage request of at most about `piece_bytes`, cut between frames
+    (`ShardReader.pieces`), so no two pieces fetch the same frame, and holds at most
+    about `piece_bytes` of samples decompressed (or one frame, where that is larger);
+    the next shards' indexes are fetched while the current shard is read. The threads start with the iteration and are joined when it
     ends or is closed.
 
     With a `head_start` (headstart.py), the pieces it read ahead are used where this
