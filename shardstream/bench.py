@@ -151,8 +151,6 @@ def _run_one(
                         raise ShardstreamError("the dataset yields no batches", url=str(loader.dataset.source))
                     batches, epoch = None, epoch + 1
                     continue
-                except WorkerDiedError as e:  # the loader's one line, said of this worker count
-                    raise WorkerDiedError(f"num_workers={num_workers}: {e}") from e.__cause__
                 delivered += 1
                 now = time.perf_counter()
                 if first_batch_s is None:
@@ -175,6 +173,14 @@ def _run_one(
             now = time.perf_counter()
             cpu_end, machine_end = tree.cpu_seconds(), _machine_busy_seconds()
             sampler.sample()
+        except RuntimeError as error:
+            # A worker that ended outright: the loader's WorkerDiedError where next() saw it,
+            # else torch's own error, which its SIGCHLD handler raises wherever this loop is.
+            died = error if isinstance(error, WorkerDiedError) else loader._worker_death(error)
+            if died is None:
+                raise
+            cause = died.__cause__ if died is error else error
+            raise WorkerDiedError(f"num_workers={num_workers}: {died}") from cause
         finally:
             if batches is not None:
                 close = getattr(batches, "close", None)

@@ -214,6 +214,11 @@ def _worker_died(iterator: Any, error: BaseException, wait_s: float = 1.0) -> Wo
 _DIED_HOW = " (killed outright: by the out-of-memory killer, or a crash in native code such as a decoder)"
 
 
+def _dead_worker(iterator: Any) -> bool:
+    """Whether a worker process of torch's `iterator` has ended."""
+    return any(w.exitcode is not None for w in getattr(iterator, "_workers", ()))
+
+
 def _ending(exitcode: int) -> str:
     if exitcode > 0:
         return f"exited with status {exitcode}"
@@ -290,9 +295,15 @@ class DataLoader:
         self.stats = LoaderStats()
         self._loader: torch.utils.data.DataLoader | None = None
         self._iteration: object | None = None  # the iteration that counts into _delivered (see __iter__)
+        self._source: Any = None  # torch's iterator of the latest iteration (see _worker_death)
         self._recount()  # a state the dataset loaded before still counts
 
     def _torch_loader(self) -> torch.utils.data.DataLoader:
+        if _dead_worker(getattr(self._loader, "_iterator", None)):
+            # Persistent workers of which one died while the training loop ran its own code,
+            # where torch's SIGCHLD handler raised and no error passed through this loader:
+            # torch's iterator would wait for that worker's batches. Fresh ones instead.
+            self._drop_workers()
         if self._loader is None:
             if self.num_workers > 0:
                 # Count once, here, rather than in every worker: the workers inherit the
@@ -335,6 +346,14 @@ class DataLoader:
             self._recount()
         elif self._counted_epoch != self.dataset.epoch:
             self._recount()
+
+    def _worker_death(self, error: BaseException) -> WorkerDiedError | None:
+        """`error` as a WorkerDiedError naming the worker and the signal, where it is torch's
+        word of a worker of the current iteration ending outright; None for any other error.
+        torch's SIGCHLD handler raises wherever the training loop is when it sees a worker
+        gone, in the loop's own code too, where no error passes through this loader: a
+        caller that wraps its loop (bench.py) asks here."""
+        return _worker_died(self._source, error) if self._source is not None and self.num_workers > 0 else None
 
     def _drop_workers(self, iterator: Any = None) -> None:
         """Shut down the torch loader's workers (those of `iterator` too) and forget it: the
@@ -383,6 +402,7 @@ class DataLoader:
                 if self.num_workers > 0:
                     self.dataset.explain_pickling(error, _start_method(self.multiprocessing_context))
                 raise
+        self._source = source
         received = _raising_workers_errors(source)
         batches = self._on_device(received) if self._use_cuda() else self._on_host(received)
         by_fields = self.dataset.collate_fn in (default_collate, pad_collate, torch.utils.data.default_collate)
