@@ -128,6 +128,7 @@ def _run_one(
     images = payload = 0
     epoch = epochs = 0
     cpu_start = cpu_end = machine_start = machine_end = None
+    waits_start = waits_end = 0.0  # readers' waits with their read-ahead at its largest (io_stats)
     first_batch_s: float | None = None
     window_start: float | None = None
     now = start = time.perf_counter()
@@ -160,6 +161,7 @@ def _run_one(
                     if now - start >= warmup:
                         window_start = now  # the warm-up is over; count what arrives from here
                         cpu_start, machine_start = tree.cpu_seconds(), _machine_busy_seconds()
+                        waits_start = loader.dataset.io_stats()["readahead_waits"]
                     progress.update(min(now - start, warmup), f"num_workers={num_workers}: warm-up")
                     continue
                 images += _batch_images(batch, raw)
@@ -172,6 +174,7 @@ def _run_one(
             sync()  # with CUDA: the copies of the counted batches have landed
             now = time.perf_counter()
             cpu_end, machine_end = tree.cpu_seconds(), _machine_busy_seconds()
+            waits_end = loader.dataset.io_stats()["readahead_waits"]
             sampler.sample()
         except RuntimeError as error:
             # A worker that ended outright: the loader's WorkerDiedError where next() saw it,
@@ -210,6 +213,7 @@ def _run_one(
         cpus_busy=round((cpu_end - cpu_start) / window, 3) if cpu_start is not None and cpu_end is not None else None,
         machine_busy=(round((machine_end - machine_start) / window, 3)
                       if machine_start is not None and machine_end is not None else None),
+        readahead_waits=int(waits_end - waits_start),
     )
     return row, payload
 

@@ -52,6 +52,9 @@ class BenchRow:
     # The same of every process on the CPUs this one may use (Linux's /proc/stat): where it is
     # near all of them and `cpus_busy` is not, other work held the CPUs.
     machine_busy: float | None = None
+    # Pieces the readers waited for with their read-ahead window at its largest (io_stats):
+    # storage latency that only a larger `prefetch` (or a cache) would have hidden.
+    readahead_waits: int = 0
 
 
 @dataclass
@@ -128,6 +131,10 @@ class BenchResult:
         if row.machine_busy is not None and row.machine_busy >= CPU_BOUND * self.cpus and others >= 0.5:
             return (f"{busy}, and the machine {row.machine_busy:.1f}: other processes held {others:.1f} CPUs. "
                     "The rate is bounded by the CPUs left to it; measure again on an idle machine.")
+        if row.readahead_waits:
+            return (f"{busy}: not CPU-bound, and its readers waited {row.readahead_waits} times for pieces with "
+                    "their read-ahead window at its largest: storage latency limits the rate. Raise prefetch "
+                    "(StreamingDataset(prefetch=...)), or use cache_dir.")
         if row.num_workers == max(r.num_workers for r in self.rows):
             return f"{busy}, and it is the most workers measured: measure more workers, they may still pay."
         return (f"{busy}: not CPU-bound. The limit is elsewhere: storage (raise prefetch, use cache_dir), "

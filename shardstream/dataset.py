@@ -465,8 +465,9 @@ class StreamingDataset(Checkpointing, IterableDataset):
         return self._heads[1]
 
     def io_stats(self) -> dict[str, float]:
-        """Storage counters (requests, bytes, retries, wait_s, cache hits and misses) of this
-        dataset's iterations, summed over the processes that ran them (the workers, or this
+        """Storage counters (requests, bytes, retries, wait_s, cache hits and misses, and
+        `readahead_waits`: pieces a reader waited for with its read-ahead window at its
+        largest, a sign to raise `prefetch`) of this dataset's iterations, summed over the processes that ran them (the workers, or this
         process) and over epochs; an iteration adds to them every 50 ms and at its end. The
         counters themselves are per process: two datasets iterated at the same time in one
         process would each count the other's reads too. What a process reads ahead for its

@@ -25,7 +25,9 @@ class IOStats:
     """What this process asked of storage: read them to tell a slow run's cause.
 
     `wait_s` is time spent inside storage calls (in the worker's reading thread or its
-    prefetch threads); `cache_*` count shard lookups in a local cache.
+    prefetch threads); `cache_*` count shard lookups in a local cache; `readahead_waits`
+    counts the pieces a reader had to wait for with its read-ahead window at its largest
+    (readahead.py): storage latency the window could not cover at the reader's rate.
     """
 
     requests: int = 0
@@ -34,6 +36,7 @@ class IOStats:
     wait_s: float = 0.0
     cache_hits: int = 0
     cache_misses: int = 0
+    readahead_waits: int = 0
 
     def add(self, **amounts: float) -> None:
         into = self

@@ -48,11 +48,16 @@ class ReadAhead:
         one before another is asked for."""
         return pieces > self.max_pieces or (pieces > self.prefetch and in_flight > self.budget)
 
-    def took(self, ready: bool) -> None:
+    def took(self, ready: bool) -> bool:
         """The reader took a piece from a full window, `ready` or not yet read: where it must
         wait, the window was too small for the storage's latency at the reader's rate, and
         its budget doubles. The first piece of an iteration waits for its request whatever
-        the window, so its wait says nothing of the window."""
+        the window, so its wait says nothing of the window. True where the reader waited
+        with the window at its largest: only a larger `prefetch` (or a cache) would have
+        spared that wait."""
         self.taken += 1
-        if not ready and self.taken > 1:
-            self.budget = min(self.limit, self.budget * 2)
+        if ready or self.taken == 1:
+            return False
+        at_limit = self.budget >= self.limit
+        self.budget = min(self.limit, self.budget * 2)
+        return at_limit

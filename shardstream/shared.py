@@ -22,7 +22,7 @@ from multiprocessing.context import get_spawning_popen
 __all__ = ["SharedState", "IO_FIELDS", "SLOTS"]
 
 SLOTS = 64  # workers per rank that have a slot
-IO_FIELDS = ("requests", "bytes", "retries", "wait_s", "cache_hits", "cache_misses")
+IO_FIELDS = ("requests", "bytes", "retries", "wait_s", "cache_hits", "cache_misses", "readahead_waits")
 _EPOCH, _RESUME_ID, _SKIPS, _DONE = 0, 1, 2, 2 + SLOTS  # offsets in the int array
 _WORKERS, _UNREAD, _LOADER_COPY, _LOADED = 2 + 2 * SLOTS, 3 + 2 * SLOTS, 4 + 2 * SLOTS, 5 + 2 * SLOTS
 _INTS = 6 + 2 * SLOTS

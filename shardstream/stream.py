@@ -19,6 +19,7 @@ import numpy as np
 from .cache import ShardCache
 from .cancel import Cancellation
 from .errors import CorruptIndexError, CorruptShardError, ShardstreamError, StorageError
+from .iostats import io_stats
 from .pieces import PieceKey, piece_key, planned_pieces, ramp, sample_runs, stretches
 from .reader import READ_BYTES, Sample, ShardReader
 from .readahead import ReadAhead
@@ -234,8 +235,8 @@ def read_samples(source: Source, ids: np.ndarray, counts: np.ndarray, prefetch: 
                 nonlocal ahead_bytes
                 shard, last, size, future = ahead.popleft()
                 ahead_bytes -= size
-                if window_full:
-                    window.took(future.done())
+                if window_full and window.took(future.done()):
+                    io_stats.add(readahead_waits=1)
                 samples = future.result()
                 if last:
                     readers.release(shard)

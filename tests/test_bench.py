@@ -114,6 +114,13 @@ def test_diagnosis_at_the_knee():
     alone = result(3.1)
     alone.rows[1].machine_busy = 3.3  # the machine as busy as the bench: its own limit is elsewhere
     assert "not CPU-bound" in alone.diagnosis()
+    latency = result(3.1)
+    latency.rows[1].readahead_waits = 12  # readers waited with their read-ahead at its largest: storage
+    assert latency.diagnosis() == ("num_workers=4 kept 3.1 of 8 CPUs busy: not CPU-bound, and its readers waited 12 "
+                                   "times for pieces with their read-ahead window at its largest: storage latency "
+                                   "limits the rate. Raise prefetch (StreamingDataset(prefetch=...)), or use cache_dir.")
+    latency.rows = latency.rows[:2]  # at the most workers measured too: more workers would wait the same
+    assert "storage latency" in latency.diagnosis()
 
 
 def test_diagnosis_under_a_cpu_quota():

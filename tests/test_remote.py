@@ -930,16 +930,25 @@ def test_read_ahead_widens_while_the_reader_waits_for_storage(tmp_path, monkeypa
         for sample in samples:
             writer.write(sample)
     ids = np.random.default_rng(0).permutation(len(samples))[:160]
-    most = {}
+    most, waits = {}, {}
     for growth in (1, readahead.GROWTH):
         monkeypatch.setattr(readahead, "GROWTH", growth)
         with H.CountingHTTPServer(str(tmp_path / "ds"), latency_s=0.03) as server:
             source = shardstream.open_dataset(server.url)
+            io_stats.reset()
             got = [s["__key__"] for s in read_samples(source, np.sort(ids), source.counts(), prefetch=2,
                                                        piece_bytes=16000)]
-            most[growth] = server.most_at_once(".tar.zst")
+            most[growth], waits[growth] = server.most_at_once(".tar.zst"), io_stats.readahead_waits
         assert got == [samples[i]["__key__"] for i in np.sort(ids)]
     assert most[readahead.GROWTH] > most[1] >= 2, most
+    # Fixed, the window is at its largest from the start: its reader's waits are counted as such (a sign to
+    # raise `prefetch`); growing, it counts only those after its largest was reached.
+    assert waits[1] > waits[readahead.GROWTH] and waits[1] >= 5, waits
+    io_stats.reset()
+    local = shardstream.open_dataset(str(tmp_path / "ds"))
+    slowly = (time.sleep(0.004) or s for s in read_samples(local, np.sort(ids), local.counts(), prefetch=2,
+                                                           piece_bytes=16000))
+    assert sum(1 for _ in slowly) == len(ids) and io_stats.readahead_waits == 0  # its reads keep up
 
 
 def test_read_ahead_starts_as_a_fixed_window_and_doubles_on_waits_up_to_its_limit():
@@ -950,15 +959,16 @@ def test_read_ahead_starts_as_a_fixed_window_and_doubles_on_waits_up_to_its_limi
     assert not window.full(6, 200 << 20)  # `prefetch` pieces in flight, whatever their bytes
     assert not window.full(7, 24 << 20) and window.full(7, (24 << 20) + 1)
     assert window.full(33, 1)  # never more than max_pieces
-    window.took(ready=False)  # an iteration's first piece waits for its request: no sign of a small window
+    assert not window.took(ready=False)  # an iteration's first piece waits for its request: no sign of a small window
     assert window.budget == 24 << 20
-    window.took(ready=True)
+    assert not window.took(ready=True)
     assert window.budget == 24 << 20
-    budgets = []
+    budgets, at_limit = [], []
     for _ in range(4):
-        window.took(ready=False)
+        at_limit.append(window.took(ready=False))
         budgets.append(window.budget >> 20)
     assert budgets == [48, 96, 96, 96]
+    assert at_limit == [False, False, True, True]  # waits with the window already at its largest
     assert not window.full(7, 96 << 20) and window.full(7, (96 << 20) + 1)
 
 
