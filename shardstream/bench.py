@@ -229,6 +229,7 @@ def bench(
     *,
     decode_on_device: bool = False,
     decode_threads: int = 0,
+    prefetch: int | None = None,
     progress: bool = False,
     storage_options: dict[str, Any] | None = None,
     tolerance: float = 0.05,
@@ -247,7 +248,9 @@ def bench(
     threads (`StreamingDataset(decode_threads=...)`): run it beside a run without, to see
     whether threads or worker processes feed this machine faster. The 0-worker run
     iterates in this process with `torch.set_num_threads(1)`, as DataLoader workers run
-    (restored after). `on_row` is called with each row as it is measured.
+    (restored after). `prefetch` is the dataset's (None: its default): where the
+    diagnosis says the readers waited with their read-ahead at its largest, measure again
+    with more. `on_row` is called with each row as it is measured.
     """
     from .dataset import StreamingDataset
     from .loader import DataLoader
@@ -272,6 +275,8 @@ def bench(
     if decode_threads < 0 or (decode_threads and (transform == "none" or decode_on_device)):
         raise ShardstreamError("decode_threads must be 0 or more, and decode images here: transform train or val, "
                                "without decode_on_device")
+    if prefetch is not None and not (isinstance(prefetch, int) and prefetch >= 0):
+        raise ShardstreamError(f"prefetch must be 0 or more pieces (None: the dataset's default), not {prefetch!r}")
     sync = _device_sync(device)
 
     probe = StreamingDataset(dataset, storage_options=storage_options)
@@ -291,6 +296,7 @@ def bench(
         ds = StreamingDataset(
             dataset, shuffle=True, decode=decode, fields=fields, storage_options=storage_options,
             collate_fn=_list_collate if transform == "none" else None, decode_threads=decode_threads,
+            prefetch=prefetch,
         )
         return DataLoader(ds, batch_size=batch_size, num_workers=num_workers, device=device,
                           transform_on_device=on_device)
@@ -298,7 +304,7 @@ def bench(
     result = BenchResult(
         # As messages show it: the result is printed, saved as JSON and drawn, and ends up shared,
         # so an HTTP(S) URL's token or password stays out of it.
-        dataset=scrubbed(str(dataset)), batch_size=batch_size, decode_threads=decode_threads,
+        dataset=scrubbed(str(dataset)), batch_size=batch_size, decode_threads=decode_threads, prefetch=prefetch,
         transform=transform + (" decoded on the device" if on_device else ""),
         device=str(device), seconds=seconds,
         warmup=warmup, samples=samples, bytes_per_sample=bytes_per_sample, memory=peak_memory_method(),

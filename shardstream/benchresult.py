@@ -72,6 +72,7 @@ class BenchResult:
     memory: str  # how peak RSS was sampled: "psutil", "/proc" or "unavailable"
     rows: list[BenchRow] = field(default_factory=list)
     decode_threads: int = 0  # decode threads in each iterating process
+    prefetch: int | None = None  # each reader's read-ahead in pieces (None: StreamingDataset's default)
     tolerance: float = 0.05
     cpus: int | None = None  # CPUs this process may run on
     # CPUs' worth of time its cgroup allows (Docker's --cpus, a Kubernetes limit); None: no quota.

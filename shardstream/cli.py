@@ -245,6 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="workers ship JPEG bytes, the device decodes (nvJPEG on cuda; see README)")
     p.add_argument("--decode-threads", type=_count, default=0, metavar="N",
                    help="decode in N threads in each process that iterates (default 0: in the iterating thread)")
+    p.add_argument("--prefetch", type=_count, default=None, metavar="N",
+                   help="pieces each reader reads ahead (StreamingDataset's prefetch; default: 2 local, 6 remote)")
     p.add_argument("--plot", default=None, metavar="PNG", help="write the curve here (needs matplotlib)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -201,6 +201,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         device=args.device,
         decode_on_device=args.decode_on_device,
         decode_threads=args.decode_threads,
+        prefetch=args.prefetch,
         progress=not args.quiet,
         storage_options=_storage_options(args.storage_options),
     )

@@ -225,6 +225,30 @@ def test_cli_bench_plot(tiny, tmp_path):
     assert (tmp_path / "curve.png").read_bytes()[:8] == PNG_MAGIC
 
 
+def test_cli_bench_measures_with_the_prefetch_it_is_given(tiny, tmp_path, monkeypatch, capsys):
+    """`--prefetch N` (what the diagnosis says to raise where readers waited on storage) reaches every
+    dataset the bench makes, and the result says what it measured with."""
+    from shardstream import cli
+    from shardstream.dataset import StreamingDataset
+
+    given = []
+    original = StreamingDataset.__init__
+
+    def recording(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        given.append(self.prefetch)
+
+    monkeypatch.setattr(StreamingDataset, "__init__", recording)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["bench", tiny, "--workers", "0,1", "--seconds", "0.2", "--warmup", "0", "--transform", "none",
+                     "--prefetch", "5", "--json", "out.json", "--quiet"]) == 0
+    assert given[0] != 5 and len(given) >= 3 and set(given[1:]) == {5}  # the probe of the source aside, all
+    assert json.loads((tmp_path / "out.json").read_text())["prefetch"] == 5
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["bench", tiny, "--prefetch", "-2"])
+    assert exit_.value.code == 2 and "--prefetch" in capsys.readouterr().err
+
+
 def test_cli_bench_plot_without_matplotlib(tiny, tmp_path, monkeypatch, capsys):
     from shardstream import cli
 
@@ -397,6 +421,8 @@ def test_bench_raw_bytes_counts_mb(tiny):
 def test_bench_rejects_bad_arguments(tiny):
     with pytest.raises(ShardstreamError, match="transform"):
         bench(tiny, transform="random")
+    with pytest.raises(ShardstreamError, match="prefetch must be 0 or more"):
+        bench(tiny, prefetch=-1)
     with pytest.raises(ShardstreamError, match="workers"):
         bench(tiny, workers=[-1])
     with pytest.raises(ShardstreamError, match="workers"):
