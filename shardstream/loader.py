@@ -183,8 +183,8 @@ def _raising_workers_errors(source: Iterator[Any]) -> Iterator[Any]:
         yield batch
 
 
-def _worker_died(iterator: Any, error: BaseException, wait_s: float = 1.0) -> WorkerDiedError | None:
-    """The error to raise where `error` came of a worker of torch's `iterator` ending
+def _worker_died(workers: Sequence[Any], error: BaseException, wait_s: float = 1.0) -> WorkerDiedError | None:
+    """The error to raise where `error` came of one of torch's `workers` (processes) ending
     outright (the out-of-memory killer, a crash in a decoder's native code), naming the
     worker, its pid and the signal; None for any other error.
 
@@ -198,7 +198,6 @@ def _worker_died(iterator: Any, error: BaseException, wait_s: float = 1.0) -> Wo
     named = isinstance(error, RuntimeError) and str(error).startswith("DataLoader worker (pid")
     if not (named or isinstance(error, (EOFError, ConnectionError))):
         return None
-    workers = list(getattr(iterator, "_workers", ()))
     deadline = time.monotonic() + wait_s
     while workers:
         ended = [w for w in workers if w.exitcode and w.exitcode != -signal.SIGTERM]  # SIGTERM: torch's own
@@ -295,7 +294,7 @@ class DataLoader:
         self.stats = LoaderStats()
         self._loader: torch.utils.data.DataLoader | None = None
         self._iteration: object | None = None  # the iteration that counts into _delivered (see __iter__)
-        self._source: Any = None  # torch's iterator of the latest iteration (see _worker_death)
+        self._workers: list[Any] = []  # the worker processes of the latest iteration (see _worker_death)
         self._recount()  # a state the dataset loaded before still counts
 
     def _torch_loader(self) -> torch.utils.data.DataLoader:
@@ -353,7 +352,7 @@ class DataLoader:
         torch's SIGCHLD handler raises wherever the training loop is when it sees a worker
         gone, in the loop's own code too, where no error passes through this loader: a
         caller that wraps its loop (bench.py) asks here."""
-        return _worker_died(self._source, error) if self._source is not None and self.num_workers > 0 else None
+        return _worker_died(self._workers, error) if self.num_workers > 0 else None
 
     def _drop_workers(self, iterator: Any = None) -> None:
         """Shut down the torch loader's workers (those of `iterator` too) and forget it: the
@@ -402,7 +401,9 @@ class DataLoader:
                 if self.num_workers > 0:
                     self.dataset.explain_pickling(error, _start_method(self.multiprocessing_context))
                 raise
-        self._source = source
+        # Their handles only, not the iterator, which would keep the workers of an iteration the
+        # loop left early alive until the next one.
+        self._workers = list(getattr(source, "_workers", ()))
         received = _raising_workers_errors(source)
         batches = self._on_device(received) if self._use_cuda() else self._on_host(received)
         by_fields = self.dataset.collate_fn in (default_collate, pad_collate, torch.utils.data.default_collate)
@@ -417,7 +418,7 @@ class DataLoader:
                 break
             except BaseException as error:
                 # Before the workers are shut down below, which ends them all alike.
-                died = _worker_died(source, error) if self.num_workers > 0 else None
+                died = _worker_died(self._workers, error) if self.num_workers > 0 else None
                 # A worker that died (or raised) leaves torch's persistent workers unusable:
                 # the next epoch starts fresh ones instead of raising the same error again.
                 self._drop_workers(source)
