@@ -403,7 +403,7 @@ class DataLoader:
                 raise
         # Their handles only, not the iterator, which would keep the workers of an iteration the
         # loop left early alive until the next one.
-        self._workers = list(getattr(source, "_workers", ()))
+        self._workers = workers = list(getattr(source, "_workers", ()))
         received = _raising_workers_errors(source)
         batches = self._on_device(received) if self._use_cuda() else self._on_host(received)
         by_fields = self.dataset.collate_fn in (default_collate, pad_collate, torch.utils.data.default_collate)
@@ -418,7 +418,7 @@ class DataLoader:
                 break
             except BaseException as error:
                 # Before the workers are shut down below, which ends them all alike.
-                died = _worker_died(self._workers, error) if self.num_workers > 0 else None
+                died = _worker_died(workers, error) if self.num_workers > 0 else None  # this iteration's
                 # A worker that died (or raised) leaves torch's persistent workers unusable:
                 # the next epoch starts fresh ones instead of raising the same error again.
                 self._drop_workers(source)
