@@ -115,9 +115,9 @@ class StreamingDataset(Checkpointing, IterableDataset):
             own); each is held whole until its samples are yielded. Default: 2 for local
             shards, 6 for remote ones, where each request waits tens of milliseconds
             and several must be in flight (6 measured best at 50 ms of latency). Beyond
-            `prefetch` pieces, up to `prefetch` x 4 MB are in flight; that budget
-            doubles each time the iteration has to wait for a piece, up to four times
-            (readahead.py), so a fast reader of slow storage keeps more in flight.
+            `prefetch` pieces, up to `prefetch` x 4 MB are in flight; for remote shards
+            that budget doubles each time the iteration has to wait for a piece, up to
+            four times (readahead.py), so a fast reader of slow storage keeps more in flight.
             Remote shards also get a head start: a process on its second iteration
             or later reads the first pieces of the next epoch (``set_epoch(epoch + 1)``)
             while the current one ends, or with `cache_dir` downloads its first shard

@@ -14,7 +14,10 @@ one DataLoader worker at 50 ms, at 84-87% of the local rate against 78% (BENCHMA
 "Twenty-fifth session"). Decoding workers, whose reads keep up, ran as fast as before.
 
 Only the timing changes: pieces are read and handed over in the same order whatever the
-window, so the samples are the same.
+window, so the samples are the same. The window of local shards does not grow: a reader
+of local files waits on the threads that decompress, not on latency, and a larger window
+only holds more memory (reading well-compressed local samples, it grew past the bound
+`tests/test_memory.py` holds reading to).
 """
 
 from __future__ import annotations
@@ -34,14 +37,16 @@ class ReadAhead:
     budget: int  # bytes in flight beyond `prefetch` pieces
     limit: int  # the most `budget` grows to
     max_pieces: int  # pieces in flight at most, however small
+    remote: bool = True  # storage with latency to hide: the window grows, and its waits are counted
     taken: int = 0  # pieces taken from a full window so far
 
     @classmethod
-    def start(cls, prefetch: int, piece_bytes: int, max_pieces: int) -> ReadAhead:
+    def start(cls, prefetch: int, piece_bytes: int, max_pieces: int, *, remote: bool = True) -> ReadAhead:
         """The window an iteration starts with: `prefetch` pieces, or more while they are
-        small (the first pieces are: pieces.ramp), up to half of `prefetch` full pieces' bytes."""
+        small (the first pieces are: pieces.ramp), up to half of `prefetch` full pieces' bytes.
+        Of local files (not `remote`), it stays so."""
         budget = prefetch * piece_bytes // 2
-        return cls(prefetch, budget, budget * GROWTH, max_pieces)
+        return cls(prefetch, budget, budget * GROWTH if remote else budget, max_pieces, remote)
 
     def full(self, pieces: int, in_flight: int) -> bool:
         """Whether `pieces` in flight, of `in_flight` bytes, fill the window: the reader takes
@@ -52,11 +57,12 @@ class ReadAhead:
         """The reader took a piece from a full window, `ready` or not yet read: where it must
         wait, the window was too small for the storage's latency at the reader's rate, and
         its budget doubles. The first piece of an iteration waits for its request whatever
-        the window, so its wait says nothing of the window. True where the reader waited
-        with the window at its largest: only a larger `prefetch` (or a cache) would have
-        spared that wait."""
+        the window, so its wait says nothing of the window. True where the reader of remote
+        storage waited with the window at its largest: only a larger `prefetch` (or a cache)
+        would have spared that wait. A reader of local files waits on the threads that
+        decompress, not on latency: nothing grows, and nothing is counted."""
         self.taken += 1
-        if ready or self.taken == 1:
+        if ready or self.taken == 1 or not self.remote:
             return False
         at_limit = self.budget >= self.limit
         self.budget = min(self.limit, self.budget * 2)

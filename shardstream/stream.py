@@ -182,8 +182,8 @@ def read_samples(source: Source, ids: np.ndarray, counts: np.ndarray, prefetch: 
     pieces, or more while they are small, up to half of `prefetch` full pieces' bytes
     (fetched, or held decompressed where those are more) and `MAX_AHEAD` pieces (a
     resume reads scattered single frames, whose cost is the request's latency, not its
-    bytes); that budget of bytes doubles each time the caller has to wait for a piece,
-    up to four times its start (readahead.py). With a `cache` the next `prefetch`
+    bytes); for remote shards that budget of bytes doubles each time the caller has to
+    wait for a piece, up to four times its start (readahead.py). With a `cache` the next `prefetch`
     shards are downloaded ahead: storage latency then overlaps decoding. A piece is one
     storage request of at most about `piece_bytes`, cut between frames
     (`ShardReader.pieces`), so no two pieces fetch the same frame, and holds at most
@@ -214,7 +214,8 @@ def read_samples(source: Source, ids: np.ndarray, counts: np.ndarray, prefetch: 
         # pieces would hold up planning the next shard's pieces by a whole piece transfer,
         # and a resume, whose first batch draws on many shards, would fetch their indexes
         # one at a time.
-        window = ReadAhead.start(prefetch, piece_bytes, MAX_AHEAD)  # grows while this reader waits
+        # Remote shards' window grows while this reader waits for storage (readahead.py).
+        window = ReadAhead.start(prefetch, piece_bytes, MAX_AHEAD, remote=not source.local)
         # Reads still running when the iteration stops are cancelled (cancel.py): else leaving
         # the pools waits for them, through their retries' backoff when storage is failing.
         cancellation = Cancellation()

@@ -970,6 +970,9 @@ def test_read_ahead_starts_as_a_fixed_window_and_doubles_on_waits_up_to_its_limi
     assert budgets == [48, 96, 96, 96]
     assert at_limit == [False, False, True, True]  # waits with the window already at its largest
     assert not window.full(7, 96 << 20) and window.full(7, (96 << 20) + 1)
+    local = ReadAhead.start(prefetch=2, piece_bytes=8 << 20, max_pieces=32, remote=False)  # no latency to hide
+    local.took(ready=False)
+    assert [local.took(ready=False), local.budget] == [False, 8 << 20]  # its waits are the CPU's: not counted
 
 
 def test_dataset_io_stats_count_every_process_and_epoch_once(local_ds):
