@@ -131,8 +131,9 @@ class StreamingDataset(Checkpointing, IterableDataset):
             ranged reads of just the samples planned.
         on_error: ``"raise"`` stops at a bad sample (corrupt frame, undecodable image,
             missing field) naming shard and key; ``"skip"`` logs and counts it and
-            yields a good sample in its place (counts stay equal per rank), raising past
-            a cap; an `ErrorPolicy` sets the cap.
+            yields the next good sample of its worker in its place (counts stay equal
+            per rank, and a resumed run yields the same stand-ins), raising past a cap;
+            an `ErrorPolicy` sets the cap.
         sampling: class-weighted draws and the epoch size (`Sampling`); a `Mix` as the
             source mixes datasets by weight (with a `Mix`, only the epoch size and
             `resampled` apply, not class or sample weights). Both keep every guarantee

@@ -3,7 +3,10 @@
 ``on_error="raise"`` (the default) stops at the first bad sample with an error naming
 shard, key and offset. ``"skip"`` logs each bad sample (shard and key), counts it, and
 yields a good sample of the same worker in its place, so every rank still yields the
-same number of samples and batches and DDP cannot hang; past a cap (more than
+same number of samples and batches and DDP cannot hang. The stand-in is the next good
+sample after it (the last good one before it at the end of a worker's pass): a function
+of the samples from the bad one on, so a run resumed anywhere before a bad sample
+yields the same stand-in as the uninterrupted run. Past a cap (more than
 `max_skips` samples, or more than `max_fraction` of a worker's planned samples in an
 epoch) it raises, because a dataset that bad should stop a run, not quietly shrink it.
 
@@ -48,9 +51,13 @@ class ErrorPolicy:
 
 def guarded(inputs: Iterable[Any], prepare: Callable[[Any], Any], policy: ErrorPolicy, planned: int,
             on_skip: Callable[[], None] = lambda: None) -> Iterator[Any]:
-    """`prepare` each input; under "skip", a failure yields the last good result instead.
+    """`prepare` each input; under "skip", a failure is stood in for by the next good result.
 
-    Failures before the first good result are made up by repeating the first good one.
+    The stand-in comes after the bad sample's place has passed, so each bad place is owed
+    and paid with the next good result, yielded in the bad sample's place and then in its
+    own; failures with no good result after them (the end of the pass) are paid with the
+    last good one. The next good one, rather than the last, because a resumed run has no
+    "last" at its first place: it starts there, and must yield what the uninterrupted run did.
     `planned` (the worker's samples this epoch) sets the fraction cap.
     """
     skips = 0
@@ -70,15 +77,14 @@ def guarded(inputs: Iterable[Any], prepare: Callable[[Any], Any], policy: ErrorP
             if skips > limit:
                 raise TooManyErrors(f"{skips} bad samples of {planned} planned in this worker exceed the limit "
                                     f"({limit}); last: {error}", url=error.url, key=error.key) from error
-            if not have_good:
-                owed += 1
-                continue
-            yield last
+            owed += 1
             continue
         last, have_good = result, True
-        yield result
         for _ in range(owed):
-            yield last
+            yield result
         owed = 0
-    if owed:
+        yield result
+    if owed and not have_good:
         raise TooManyErrors(f"all {owed} samples of this worker failed; nothing good to pad with")
+    for _ in range(owed):
+        yield last

@@ -415,6 +415,33 @@ def test_skip_keeps_every_rank_at_its_planned_count(corrupt_dataset, num_workers
         assert len(logged) == 2 and all(any(k in m for m in logged) for k in bad), logged
 
 
+def test_skip_stands_in_the_next_good_sample_and_resumes_exactly_at_every_place(corrupt_dataset, caplog):
+    """A bad sample's place gets the next good sample of its worker, so a run resumed at any
+    place, the bad ones included, yields what the uninterrupted run did from there on (with
+    the last good one before it as the stand-in, a run resumed at a bad place had none)."""
+    url, _, bad = corrupt_dataset
+
+    def dataset() -> StreamingDataset:
+        return _skip_dataset(url, on_error=ErrorPolicy(mode="skip", max_skips=len(bad)), shuffle=True, seed=3,
+                             rank=0, world_size=1)
+
+    whole = [key for key, _ in dataset()]
+    places = [i for i, key in enumerate(whole) if key not in bad and i > 0 and whole[i - 1] == key]
+    assert len(places) == len(bad) and not bad & set(whole)
+    for place in places:  # the stand-in is the sample after the bad one, yielded twice in a row
+        assert whole[place - 1] == whole[place]
+    for k in range(len(whole)):
+        ds = dataset()
+        it = iter(ds)
+        head = [next(it)[0] for _ in range(k)]
+        state = json.loads(json.dumps(ds.state_dict()))
+        it.close()
+        resumed = dataset()
+        resumed.load_state_dict(state)
+        assert head + [key for key, _ in resumed] == whole, f"resumed at place {k}"
+    _release(caplog)
+
+
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_skip_is_for_bad_data_not_for_storage(tmp_path, prefetch):
     """A shard that is gone is not a bad sample: it raises a StorageError naming it under
