@@ -39,6 +39,7 @@ from .batches import count_samples, map_field, tensors, to_device, usable_device
 from .collate import default_collate, pad_collate
 from .dataset import StreamingDataset
 from .errors import RaisedInWorker, WorkerDiedError
+from .workercontext import lock_free_context
 
 __all__ = ["DataLoader", "LoaderStats", "Normalize", "to_device"]
 
@@ -202,8 +203,9 @@ def _worker_died(workers: Sequence[Any], error: BaseException, wait_s: float = 1
     while workers:
         ended = [w for w in workers if w.exitcode and w.exitcode != -signal.SIGTERM]  # SIGTERM: torch's own
         if ended:
+            how = _DIED_HOW if any(w.exitcode < 0 for w in ended) else _EXITED_HOW
             return WorkerDiedError("; ".join(f"DataLoader worker (pid {w.pid}) {_ending(w.exitcode)}" for w in ended)
-                                   + _DIED_HOW)
+                                   + how)
         if time.monotonic() >= deadline:
             break
         time.sleep(0.05)
@@ -211,6 +213,9 @@ def _worker_died(workers: Sequence[Any], error: BaseException, wait_s: float = 1
 
 
 _DIED_HOW = " (killed outright: by the out-of-memory killer, or a crash in native code such as a decoder)"
+# A status, not a signal: the worker ended itself, without an error torch could pass on.
+_EXITED_HOW = (" (it ended itself, without raising an error: sys.exit or os._exit in code it ran, or a failure "
+               "as it started, such as a spawned worker importing the main module; its stderr above says which)")
 
 
 def _dead_worker(iterator: Any) -> bool:
@@ -316,7 +321,9 @@ class DataLoader:
                 pin_memory=self.pin_memory,
                 persistent_workers=self.persistent_workers and self.num_workers > 0,
                 prefetch_factor=self.prefetch_factor,
-                multiprocessing_context=self.multiprocessing_context,
+                # No lock shared with the workers that a killed one could leave held (workercontext.py).
+                multiprocessing_context=(lock_free_context(self.multiprocessing_context) if self.num_workers > 0
+                                         else self.multiprocessing_context),
                 timeout=self.timeout,
                 worker_init_fn=_worker_exits_on_sigterm,
             )

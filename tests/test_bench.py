@@ -325,14 +325,14 @@ def test_bench_function(tiny):
 
 
 def _is_python_child(pid: int) -> bool:
-    """A Python process, other than the resource tracker multiprocessing keeps for the whole
-    session once any test has started a process by spawn or forkserver."""
+    """A Python process, other than those multiprocessing keeps for the whole session once any
+    test has started a process by spawn or forkserver: the resource tracker, and the fork server."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             cmdline = f.read()
     except OSError:
         return False
-    return b"python" in cmdline and b"resource_tracker" not in cmdline
+    return b"python" in cmdline and b"resource_tracker" not in cmdline and b"forkserver" not in cmdline
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs /proc")

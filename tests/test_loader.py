@@ -655,19 +655,33 @@ def test_workers_of_a_failed_epoch_are_shut_down(packed):
     assert failed == 3 and len(children) <= 2, children  # the last epoch's two workers at most
 
 
+class _Slow:
+    """A transform that takes `seconds` a sample: workers still mid-epoch when the loop leaves."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __call__(self, sample: dict) -> dict:
+        time.sleep(self.seconds)
+        return sample
+
+
 class _DiesOnItsThirdSample:
     """A transform that SIGKILLs the DataLoader worker it runs in, on that worker's third sample. From
     inside, where the worker runs this code: a kill from another thread of the test landed once while the
     worker held the lock of an event torch shares with the training process, which then waited on it
     forever (torch's hazard with any kill, rare; not this test's question)."""
 
-    def __init__(self) -> None:
+    def __init__(self, exit_status: int | None = None) -> None:
         self.seen = 0
+        self.exit_status = exit_status  # end with this status (os._exit) instead
 
     def __call__(self, sample: dict) -> dict:
         self.seen += 1
         if self.seen == 3 and torch.utils.data.get_worker_info() is not None:
             time.sleep(0.1)  # the loop waits in next() when the worker dies, where the loader sees it
+            if self.exit_status is not None:
+                os._exit(self.exit_status)
             os.kill(os.getpid(), signal.SIGKILL)
         return sample
 
@@ -691,6 +705,86 @@ def test_a_worker_killed_outright_is_one_error_naming_it_and_the_signal(packed):
     assert str(error.value) == (f"DataLoader worker (pid {worker.pid}) killed by SIGKILL (killed outright: by the "
                                 "out-of-memory killer, or a crash in native code such as a decoder)")
     assert not [p for p in multiprocessing.active_children() if p not in before]
+
+
+_DIES_HOLDING_THE_DONE_EVENT = r"""
+import os, signal, sys, time
+import torch.utils.data
+import shardstream
+
+class DiesHoldingTheDoneEvent:
+    # SIGKILLs its worker on the third sample, holding the lock of the "done" event the worker
+    # shares with the training process if the event has one: where a kill from outside (the
+    # out-of-memory killer) lands when the worker is inside the event's is_set().
+    seen = 0
+    def __call__(self, sample):
+        self.seen += 1
+        if self.seen == 3 and torch.utils.data.get_worker_info() is not None:
+            frame = sys._getframe()
+            while frame.f_code.co_name != "_worker_loop":
+                frame = frame.f_back
+            done = frame.f_locals["done_event"]
+            if hasattr(done, "_cond"):  # multiprocessing.Event: a Condition over a shared lock
+                done._cond.acquire()
+            time.sleep(0.1)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return sample
+
+ds = shardstream.StreamingDataset(sys.argv[1], decode=None, transform=DiesHoldingTheDoneEvent(), batch_size=1)
+try:
+    for _ in shardstream.DataLoader(ds, num_workers=2, prefetch_factor=1):
+        pass
+except RuntimeError as error:
+    print("raised", type(error).__name__, flush=True)
+"""
+
+
+def test_a_worker_killed_holding_a_lock_it_shares_does_not_hang_the_training_process(packed, tmp_path):
+    """Regression (RELIABILITY 211): a worker SIGKILLed while it held the lock of torch's
+    `multiprocessing.Event` that tells workers the epoch is done left the training process
+    waiting on that lock forever, in torch's shutdown of the workers. The loader's workers
+    share a lock-free flag instead (workercontext.py), so the death is an error and the
+    process ends."""
+    script = tmp_path / "dies.py"
+    script.write_text(_DIES_HOLDING_THE_DONE_EVENT)
+    proc = subprocess.run([sys.executable, str(script), packed], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "raised WorkerDiedError" in proc.stdout, (proc.stdout, proc.stderr[-2000:])
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")  # torch's checks in its shutdown
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_workers_of_every_start_method_share_the_done_flag_and_end_cleanly(packed, method):
+    """The lock-free flag in place of torch's shared Event reaches workers however they start
+    (inherited, or pickled to a spawned process): an epoch left after one batch ends its workers
+    cleanly (a worker told to stop mid-epoch that did not see the flag set fails torch's
+    assertion and exits with 1), and whole epochs yield every sample once."""
+    expected = sorted(key for (key,) in keys_of(packed))
+    slow = StreamingDataset(packed, decode=None, fields=("__key__",), transform=_Slow(0.05))
+    loader = DataLoader(slow, num_workers=2, multiprocessing_context=method, persistent_workers=False)
+    batches = iter(loader)
+    next(batches)
+    workers = list(loader._workers)
+    batches.close()  # left mid-epoch: the workers are told to stop
+    gc.collect()
+    for worker in workers:
+        worker.join(10)
+    assert [worker.exitcode for worker in workers] == [0, 0]
+    loader = DataLoader(keys_of(packed), num_workers=2, multiprocessing_context=method, persistent_workers=False)
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        assert sorted(key for (key,) in loader) == expected
+
+
+def test_a_worker_that_ends_itself_is_named_with_its_status_not_as_killed(packed):
+    """Regression: a worker that ended with a status (os._exit in a dataset's code, a spawned worker that
+    failed to import the main module) was reported as "killed outright: by the out-of-memory killer"."""
+    loader = DataLoader(StreamingDataset(packed, decode=None, transform=_DiesOnItsThirdSample(exit_status=3),
+                                         batch_size=1), num_workers=1, prefetch_factor=1)
+    with pytest.raises(shardstream.WorkerDiedError) as error:
+        for _ in loader:
+            pass
+    assert re.fullmatch(r"DataLoader worker \(pid \d+\) exited with status 3 \(it ended itself, without raising an "
+                        r"error: .*its stderr above says which\)", str(error.value)), str(error.value)
 
 
 def test_a_worker_that_dies_while_the_loop_runs_its_own_code_is_named_and_replaced(packed):
