@@ -3,7 +3,8 @@
 `ShardCache` (cache.py) downloads a shard only after `Room.make` has made room for it,
 in the room lock's turn (`Room.turn`), which every thread and process on the machine
 takes in turn. Making room is a walk of the whole cache (every cached file, download
-in flight and leftover; `Room.walk`), which evicts the least recently used shards that
+in flight and leftover, in the cache's own folders, `<location>/<version>/NAME`, each
+named by 16 hex digits: nothing else in the folder is counted or touched; `Room.walk`), which evicts the least recently used shards that
 no process holds, deletes what killed processes left, and marks the cache over its
 limit where the shards in use alone exceed it. A walk of a large cache is long (2.1 s
 at 50k shards), so a ledger of the bytes it counted, plus every reservation since,
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -54,6 +56,9 @@ LEDGER_TRUST_S = 60.0
 # A walk that has to evict goes down to this share of the limit, so that the downloads after it find
 # room by the ledger: without it, a full cache (a dataset larger than the limit) walks for every download.
 LOW_WATER = 0.95
+# The name of a location's folder and of a version's (16 hex digits of a SHA-256: cache.py). A walk
+# looks into these alone, so other files in the cache's folder are the user's, untouched.
+_FOLDER = re.compile("[0-9a-fA-F]{16}")
 
 
 def _after_fork_in_child() -> None:
@@ -121,14 +126,21 @@ class Room:
         now = time.time()
         leftovers = []  # shards absent whose lock file or index is there
         occupied: dict[str, int] = {}  # by folder: its files other than lock files and indexes
-        for base, _, names in os.walk(self.root):
+        for base, folders, names in os.walk(self.root):
+            depth = _depth(self.root, base)
+            # The cache's own folders only (module doc): a cache_dir may be a folder that holds
+            # other files too (~/.cache), and those are neither counted, nor evicted, nor swept.
+            folders[:] = [f for f in folders if depth < 2 and _FOLDER.fullmatch(f)]
+            if depth == 0:
+                continue  # the root: the room's own files, and whatever else the folder holds
             occupied[base] = 0
-            if _depth(self.root, base) == 2:  # a version folder
-                leftovers += sorted({os.path.join(base, stem) for stem, suffix in map(os.path.splitext, names)
-                                     if suffix in COMPANIONS and stem not in names})
+            if depth == 1:
+                continue  # a location's folder, of version folders
+            leftovers += sorted({os.path.join(base, stem) for stem, suffix in map(os.path.splitext, names)
+                                 if suffix in COMPANIONS and stem not in names})
             for name in names:
                 full = os.path.join(base, name)
-                if name.endswith(COMPANIONS) or name in (OVER_LIMIT, LEDGER):
+                if name.endswith(COMPANIONS):
                     continue
                 if name.endswith(".part"):
                     reserved += _reserved_bytes(full, now)

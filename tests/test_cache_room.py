@@ -41,8 +41,12 @@ def cache(tmp_path) -> Counted:
     return made
 
 
+# A cached shard lives at <location>/<version>/NAME, each folder named by 16 hex digits (cache.py).
+LOCATION, VERSION = "0123456789abcdef", "fedcba9876543210"
+
+
 def add_cached_file(root: Path, i: int) -> None:
-    version = root / "location" / "version"
+    version = root / LOCATION / VERSION
     version.mkdir(parents=True, exist_ok=True)
     path = version / f"shard-{i:06d}.tar.zst"
     path.write_bytes(b"\0" * MB)
@@ -55,7 +59,7 @@ def make_room(room: Room, incoming: int) -> None:
 
 
 def cached(cache: Room) -> list[str]:
-    return sorted(n for n in os.listdir(Path(cache.root) / "location" / "version") if n.endswith(".tar.zst"))
+    return sorted(n for n in os.listdir(Path(cache.root) / LOCATION / VERSION) if n.endswith(".tar.zst"))
 
 
 def test_downloads_that_fit_by_the_ledger_do_not_walk(cache):
@@ -87,3 +91,22 @@ def test_a_walk_that_evicts_goes_down_to_the_low_water_mark(cache):
     assert not os.path.exists(os.path.join(cache.root, ".over-limit"))
     make_room(cache, MB)  # 7 + 2 + 1 fit by the ledger: no walk
     assert len(cache.walks) == 1
+
+
+def test_a_walk_counts_and_touches_the_caches_own_files_only(cache):
+    """Regression: a cache_dir that held other files too (~/.cache, a shared scratch folder) lost them. A
+    walk counted every file under the cache's folder as a cached shard, evicted them oldest first, and
+    removed the folders that left empty. It looks into the cache's own folders only now."""
+    root = Path(cache.root)
+    theirs = [root / "notes.txt", root / "pip" / "wheel.whl", root / "pip" / "wheels" / "old.whl",
+              root / LOCATION / "not-a-version" / "shard-000000.tar.zst", root / "pip" / "x.lock"]
+    for path in theirs:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"\1" * MB)
+        os.utime(path, (1, 1))  # older than every cached shard: first to go, were they the cache's
+    (root / "empty-of-theirs").mkdir()
+    make_room(cache, 6 * MB)  # the cache's own 5 MB + 6 > 10: down to low water, 2 shards of the cache's go
+    assert cached(cache) == [f"shard-{i:06d}.tar.zst" for i in range(2, 5)]
+    assert all(path.read_bytes() == b"\1" * MB for path in theirs)
+    assert (root / "empty-of-theirs").is_dir()
+    assert not os.path.exists(root / ".over-limit")  # their 5 MB are not the cache's: it fits

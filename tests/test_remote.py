@@ -1673,8 +1673,9 @@ def test_cache_deletes_downloads_abandoned_by_killed_processes(local_ds, shard_n
     limit = str(int(shards.bytes.sum() + shards.index_bytes.sum()))
     with H.CountingHTTPServer(local_ds) as server:
         H.run_ranks(server.url, 1, num_workers=0, cache_dir=str(cache_dir), cache_limit=limit)
-        folder = cache_folder(cache_dir)
-        abandoned, live = folder / f".{shard_names[0]}.x1.part", folder / f".{shard_names[1]}.x2.part"
+        # Where a download makes its temporary file: beside the copy, in its version's folder.
+        abandoned, live = (cached_file(cache_dir, name).parent / f".{name}.x{i}.part"
+                           for i, name in enumerate(shard_names[:2]))
         for part in (abandoned, live):
             part.write_bytes(b"\0" * 1000)
         os.utime(live, (time.time() - 7200,) * 2)  # untouched for two hours: slow, but alive
