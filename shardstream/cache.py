@@ -158,7 +158,9 @@ class ShardCache:
             lock.close()
             raise
         info = replace(ref.info, index=_cached_index(ref))
-        return ShardReader(Store(os.path.dirname(path)), ref.name, info), lock
+        # Errors name the dataset's shard, not its copy: a copy that disagrees with the manifest is
+        # downloaded again (`_acquire`), so bad data in one that agrees is the dataset's.
+        return ShardReader(Store(os.path.dirname(path)), ref.name, info, url=ref.url), lock
 
     def forget(self, ref: ShardRef) -> None:
         """Check the cached copy of `ref` again at its next `open` (it was found damaged)."""

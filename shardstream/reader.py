@@ -111,13 +111,16 @@ class ShardReader:
     """An indexed shard: ``len(reader)``, ``iter(reader)``, ``reader[i]``, ``reader.read(a, b)``.
 
     `info` (the shard's manifest entry) lets the index be checked against its checksum;
-    without it the index is trusted as found. Nothing is read until first use.
+    without it the index is trusted as found. `url` is the shard's name in errors, where
+    it is read from a copy (the cache's) of the shard at that URL. Nothing is read until
+    first use.
     """
 
-    def __init__(self, store: Store, name: str, info: ShardInfo | None = None, index: ShardIndex | None = None):
+    def __init__(self, store: Store, name: str, info: ShardInfo | None = None, index: ShardIndex | None = None,
+                 url: str | None = None):
         self.store = store
         self.name = name
-        self.url = store.url(name)
+        self.url = url if url is not None else store.url(name)
         self.info = info
         self._index = index
         self._lock = threading.Lock()

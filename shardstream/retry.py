@@ -24,13 +24,17 @@ __all__ = ["RetryPolicy", "error_code", "http_status", "is_transient", "retry_af
 
 def is_transient(error: BaseException) -> bool:
     """Errors worth retrying: 5xx, throttling, timeouts, dropped connections."""
+    if error_code(error) in _TRANSIENT_CODES:  # whatever status, or exception, it came as
+        return True
     if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
         return False
+    # A URL that does not parse (urllib3's LocationParseError, aiohttp's InvalidURL) will not on the
+    # next try: a ValueError, where the client library's module alone read as transient.
+    if isinstance(error, ValueError):
+        return False
     if any(isinstance(e, ssl.SSLCertVerificationError) or "CertificateError" in type(e).__name__
-           for e in (error, error.__cause__) if e is not None):
+           for e in _causes(error)):
         return False  # a certificate that does not verify will not on the next try (aiohttp's, too)
-    if error_code(error) in _TRANSIENT_CODES:  # whatever status it came with
-        return True
     status = http_status(error)
     if status is not None:
         return (status >= 500 and status != 501) or status in (408, 429)  # 501: the server never will
@@ -42,6 +46,23 @@ def is_transient(error: BaseException) -> bool:
         # name, no region), which were tried 10 times over 20 s before saying so.
         return any(c.__name__ in _BOTOCORE_TRANSIENT for c in type(error).__mro__) or "Timeout" in name
     return module.startswith(("aiohttp", "urllib3", "requests")) or "Timeout" in name
+
+
+def _causes(error: BaseException, most: int = 8) -> list[BaseException]:
+    """`error` and what it came of: its cause or context, each in turn, and exceptions passed
+    as arguments. Client libraries wrap the error that says what happened: urllib3's SSLError
+    holds the certificate's failure as its context and argument, and botocore's SSLError
+    holds urllib3's as its context."""
+    found: list[BaseException] = []
+    todo = [error]
+    while todo and len(found) < most:
+        e = todo.pop(0)
+        if e in found:
+            continue
+        found.append(e)
+        todo += [a for a in getattr(e, "args", ()) if isinstance(a, BaseException)]
+        todo += [c for c in (e.__cause__, e.__context__) if c is not None]
+    return found
 
 
 # S3's error codes that another try can get past, some sent with a status that says otherwise:

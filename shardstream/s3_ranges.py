@@ -28,6 +28,7 @@ from typing import Any, Mapping
 from .deadlines import deadline_s, headers_due, read_body, watched
 from .http_ranges import range_header
 from .perprocess import PerProcess
+from .retry import is_transient
 
 
 __all__ = ["supports", "read_range"]
@@ -118,7 +119,9 @@ def read_range(url: str, start: int | None, end: int | None, options: Mapping[st
         status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         if status == 404 or code in ("NoSuchKey", "NoSuchBucket"):
             raise FileNotFoundError(url) from e
-        if status == 403 or code == "AccessDenied":
+        # A 403 is access denied, unless its code says throttling (some S3-compatible stores):
+        # RetryPolicy then retries it.
+        if code == "AccessDenied" or (status == 403 and not is_transient(e)):
             raise PermissionError(f"{code or status} for {url}") from e
         if status == 416 or code == "InvalidRange":  # the range starts at or past the end
             return b""

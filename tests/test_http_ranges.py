@@ -737,3 +737,129 @@ def test_credentials_stay_with_their_host_across_redirects():
             front.server_close()
             thread.join(5)
     assert "Authorization" not in seen[-1] and "Cookie" not in seen[-1] and seen[-1]["X-Keep"] == "1"
+
+
+# -- errors another try cannot get past, and throttling that says so in a 403 ---------------------------
+
+
+def _self_signed(folder: Path) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 that no one signed, and its key: (cert.pem, key.pem)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = folder / "cert.pem", folder / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return str(cert_path), str(key_path)
+
+
+@contextlib.contextmanager
+def _serving(handler: type, cert: tuple[str, str] | None = None):
+    """A local HTTP server (HTTPS with `cert`) answering with `handler`; yields its address."""
+    import ssl
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    if cert is not None:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(*cert)
+        server.socket = context.wrap_socket(server.socket, server_side=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"{'https' if cert else 'http'}://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+class _S3Like(http.server.BaseHTTPRequestHandler):
+    """Answers GETs with S3's error XML (`code`, `status`) `failures` times, then with the range asked of DATA."""
+
+    code, status, failures = "SlowDown", 403, 2
+    requests: list = []
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        self.requests.append(self.path)
+        if len(self.requests) <= self.failures:
+            body = f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{self.code}</Code><Message>m</Message></Error>'
+            self.send_response(self.status)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body.encode())
+            return
+        start, end = (int(x) for x in self.headers["Range"].split("=")[1].split("-"))
+        body = DATA[start : end + 1]
+        self.send_response(206)
+        self.send_header("Content-Range", f"bytes {start}-{start + len(body) - 1}/{len(DATA)}")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def _s3_store(endpoint: str) -> Store:
+    options = {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+    return Store("s3://bucket", options=options, retry=RetryPolicy(attempts=5, base_delay=0.01, max_delay=0.02))
+
+
+def _retries() -> int:
+    return int(shardstream.iostats.io_stats.snapshot()["retries"])
+
+
+@pytest.mark.parametrize(("code", "retried"), [("SlowDown", True), ("AccessDenied", False)])
+def test_a_403_is_retried_where_its_code_says_throttling(code, retried):
+    """Regression: the S3 reader made every 403 a PermissionError before the retry policy saw its code,
+    so throttling that some S3-compatible stores send as a 403 (SlowDown) failed at once."""
+    handler = type("Handler", (_S3Like,), {"code": code, "requests": []})
+    with _serving(handler) as endpoint:
+        store = _s3_store(endpoint)
+        assert store._direct == "s3"
+        if retried:
+            assert store.read("obj", 0, 16) == DATA[:16]
+            assert len(handler.requests) == 3
+        else:
+            with pytest.raises(StorageError, match="AccessDenied") as raised:
+                store.read("obj", 0, 16)
+            assert isinstance(raised.value.__cause__, PermissionError) and len(handler.requests) == 1
+
+
+@pytest.mark.parametrize("reader", ["http", "s3"])
+def test_a_certificate_that_does_not_verify_is_tried_once_by_each_direct_reader(tmp_path, reader):
+    """Regression: urllib3 raises its SSLError with the certificate's failure as its context (not its cause),
+    and botocore its own SSLError (a ConnectionError) over urllib3's: both read as transient, and a server
+    whose certificate does not verify was tried 10 times (up to half a minute) before the error."""
+    handler = type("Handler", (_S3Like,), {"failures": 0, "requests": []})
+    with _serving(handler, cert=_self_signed(tmp_path)) as url:
+        store = _s3_store(url) if reader == "s3" else Store(url, retry=RetryPolicy(attempts=5, base_delay=0.01))
+        assert store._direct == reader
+        before = _retries()
+        with pytest.raises(StorageError, match="CERTIFICATE_VERIFY_FAILED"):
+            store.read("obj", 0, 16)
+        assert _retries() == before
+
+
+def test_a_url_that_does_not_parse_is_tried_once():
+    """Regression: urllib3's LocationParseError (a port past 65535) read as transient, as anything from
+    urllib3's module did: 10 tries of a URL that can never parse."""
+    store = Store("http://127.0.0.1:99999/ds", retry=RetryPolicy(attempts=5, base_delay=0.01))
+    before = _retries()
+    with pytest.raises(StorageError):
+        store.read("shard.tar", 0, 16)
+    assert _retries() == before

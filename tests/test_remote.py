@@ -1712,6 +1712,31 @@ def test_cache_heals_a_copy_damaged_after_it_was_checked(local_ds, shard_names, 
         assert server.gets(shard_names[0]) == 2 and server.gets(shard_names[1]) == 1
 
 
+def test_an_error_in_a_cached_shard_names_the_datasets_shard_not_the_copy(local_ds, shard_names, tmp_path):
+    """Regression: read from the cache, bad data (a frame that fails its checksum in a shard whose SHA-256
+    the manifest agrees with: the dataset's fault, not the copy's) named the copy in the cache, a path
+    the user cannot tie to a dataset and which eviction may remove. It names the shard's URL, as without
+    the cache."""
+    import msgpack
+
+    bad = tmp_path / "bad"
+    shutil.copytree(local_ds, bad)
+    shard = bad / shard_names[1]
+    _flip_a_byte(shard)
+    manifest = msgpack.unpackb((bad / MANIFEST_NAME).read_bytes(), raw=False)
+    [entry] = [e for e in manifest["shards"] if e["name"] == shard_names[1]]
+    entry["sha256"] = hashlib.sha256(shard.read_bytes()).hexdigest()
+    (bad / MANIFEST_NAME).write_bytes(msgpack.packb(manifest, use_bin_type=True))
+    with H.CountingHTTPServer(str(bad)) as server:
+        named = []
+        for cache in ({}, {"cache_dir": str(tmp_path / "cache"), "cache_limit": "1GB"}):
+            with pytest.raises(shardstream.CorruptShardError) as raised:
+                list(StreamingDataset(server.url, decode=None, fields=("__key__",), **cache))
+            named.append(raised.value.url)
+            del raised
+        assert named == [f"{server.url}/{shard_names[1]}"] * 2
+
+
 def _open_within(cache, ref, timeout: float = 30):
     """`cache.open(ref)` in a daemon thread, or an assertion error if it is still waiting after `timeout`
     (a daemon, so that an open waiting forever does not hold up the test process's exit)."""
