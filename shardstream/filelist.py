@@ -30,6 +30,7 @@ def _read_rows(path: str) -> list[tuple[int, str, str | None]]:
     rows: list[tuple[int, str, str | None]] = []
     root = os.path.dirname(os.path.abspath(path))
     line = 0
+    row_from = 1  # where the row being read begins, at the latest: errors name it
 
     def uncommented(lines: Iterable[str]) -> Iterator[str]:
         # On the lines as written, before csv takes the quotes off: only there is a quoted `#` a path.
@@ -43,15 +44,21 @@ def _read_rows(path: str) -> list[tuple[int, str, str | None]]:
         # would otherwise be the first path's first character.
         with open(path, newline="", encoding="utf-8-sig") as f:
             for row in csv.reader(uncommented(f)):
+                row_from = line + 1
                 if not row or not row[0].strip():
                     continue
                 if len(row) > 2:
                     raise PackError(f"line {line}: expected 'path[,label]', got {len(row)} columns", url=path)
                 cell = row[0]
+                if "\0" in cell:  # os.stat would raise a bare ValueError on it
+                    raise PackError(f"line {line}: the path holds a NUL byte, which no file name can", url=path)
                 named = cell if cell != cell.strip() and os.path.lexists(os.path.join(root, cell)) else cell.strip()
                 # An empty label cell (`a.jpg,`) is no label: as a label it would be a class named ""
                 # and turn integer labels into names, every class index moved by one.
                 rows.append((line, named, (row[1].strip() or None) if len(row) == 2 else None))
+    except csv.Error as e:  # a quote left open reads on to the end, past csv's field limit
+        raise PackError(f"the row from line {row_from} on does not parse as CSV ({e}): a quote left open?",
+                        url=path) from None
     except UnicodeDecodeError as e:
         raise PackError(f"the file list is not UTF-8 text (byte {e.start})", url=path) from None
     return rows

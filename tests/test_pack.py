@@ -270,6 +270,23 @@ def test_file_list_labels_that_would_renumber_or_explode_the_classes(image_folde
         run_pack(lst, tmp_path / "ds")
 
 
+@pytest.mark.parametrize(("second", "message"), [
+    # A quote left open reads on to the end of the list, past csv's field limit for a long one.
+    ('"{path},1', r"list.csv: the row from line 2 on does not parse as CSV \(field larger than field limit"),
+    ("{path}\0.jpg,1", "list.csv: line 2: the path holds a NUL byte"),
+])
+@pytest.mark.parametrize("on_error", ["fail", "skip"])
+def test_file_list_rows_no_file_can_match_are_named(image_folder, tmp_path, second, message, on_error):
+    """Regression: a quote left open in a long list, and a NUL byte in a path, ended pack with a bare
+    traceback (csv's Error, os.stat's ValueError), under --on-error skip too, naming neither list nor line."""
+    files = sorted(image_folder.rglob("*.jpg"))
+    lst = tmp_path / "list.csv"
+    rows = [f"{files[0]},0", second.format(path=files[1])] + [f"{files[2]},{i % 2}" for i in range(4000)]
+    lst.write_text("\n".join(rows) + "\n")
+    with pytest.raises(PackError, match=message):
+        run_pack(lst, tmp_path / "ds", on_error=on_error)
+
+
 def test_file_list_labels_in_other_digits_are_names(image_folder, tmp_path):
     files = sorted(image_folder.rglob("*.jpg"))[:2]
     lst = tmp_path / "list.csv"
