@@ -428,7 +428,8 @@ class StreamingDataset(Checkpointing, IterableDataset):
     def _epoch_items(self, world: World, plan: RankPlan, part: WorkerEpoch) -> Iterator[Any]:
         """The items of `part` (one plan worker's share of an epoch, after its first items):
         read, decode, batch."""
-        mine, remaining, needed = plan.reads(part)
+        draws, remaining, needed = plan.reads(part)
+        mine = plan.sequences.samples_of(draws)  # a sample drawn twice is read twice; its draws seed apart
         source = self.resolve()
         head_start = self._head_start(source)
         next_ids = None  # a process on its second iteration or later will likely see another
@@ -439,7 +440,7 @@ class StreamingDataset(Checkpointing, IterableDataset):
         ordered = reorder(zip(needed.tolist(), samples), remaining)
         prep = SamplePrep(self._decoder, self.transform, self.fields, self.seed, part.epoch, self._ahead,
                           self.decode_threads)
-        ids = mine[remaining].tolist()
+        ids = draws[remaining].tolist()
         on_skip = lambda: self._shared.add_skip(world.worker)  # noqa: E731
         if self.decode_threads:
             items = guarded(prep.ahead_of(zip(ordered, ids)), prep.complete, self.on_error, len(mine), on_skip)

@@ -18,7 +18,8 @@ import numpy as np
 
 from .plan import epoch_block, epoch_sequence, split_ranks
 from .resume import Segment, SequenceAfter, sequence_after
-from .sampling import Sampling, class_sample_weights, mixed_sequence, sized_sequence, stream_slice, weighted_sequence
+from .sampling import (Sampling, class_sample_weights, distinct_draws, drawn_samples, mixed_sequence, sized_sequence,
+                       stream_slice, weighted_sequence)
 from .source import Source
 
 __all__ = ["EpochSequences"]
@@ -73,6 +74,27 @@ class EpochSequences:
             return sized_sequence(counts, seed, epoch, shuffle, n)
         return epoch_sequence(counts, seed, epoch, shuffle)
 
+    def draws(self, epoch: int) -> np.ndarray:
+        """Epoch `epoch`'s sequence as the plan splits it: sample ids, where a sequence may
+        hold a sample more than once (weighted draws, an epoch larger than the data, a mix)
+        with each draw of a sample told apart (`sampling.distinct_draws`; `samples_of`
+        gives back the samples), so that each gets its own augmentations."""
+        ids = self.ids(epoch)
+        if self.sampling is None and self.mix_weights is None:
+            return ids  # every sample once
+        return distinct_draws(ids, self.total)
+
+    def samples_of(self, draws: np.ndarray) -> np.ndarray:
+        """The sample ids of the plan's `draws` (see `draws`), to read."""
+        if self.sampling is None and self.mix_weights is None:
+            return draws
+        return drawn_samples(draws, self.total)
+
+    @property
+    def total(self) -> int:
+        """The samples of the source."""
+        return int(self.counts.sum())
+
     def rank_block(self, epoch: int, finished: tuple[Segment, ...], world_size: int, rank: int,
                    partial: str) -> np.ndarray:
         """Rank `rank`'s block of what the `finished` segments left of `epoch`'s sequence
@@ -92,7 +114,7 @@ class EpochSequences:
             if kept is not None and kept[0] == epoch and finished[:len(kept[1])] == kept[1]:
                 done, sequence = kept[1], kept[2]
             else:
-                done, sequence = (), self.ids(epoch)
+                done, sequence = (), self.draws(epoch)
             if len(finished) > len(done):
                 sequence = sequence_after(sequence, finished[len(done):], self.seed, epoch, first=len(done))
                 self._left = (epoch, finished, sequence)

@@ -63,9 +63,10 @@ class RankPlan:
         return loader_start(worker_items(block, self.layout), delivered, loader_worker)
 
     def reads(self, part: WorkerEpoch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The plan worker's samples of the epoch (global ids), the positions among them it
-        has still to yield after its first `part.done` items, in order, and those positions
-        in the order they are read."""
+        """The plan worker's draws of the epoch (global ids, each draw of a sample told apart
+        where the epoch draws one more than once: `EpochSequences.draws`), the positions
+        among them it has still to yield after its first `part.done` items, in order, and
+        those positions in the order they are read."""
         mine, perm = worker_plan(part.block, self.layout, self.sequences.seed, part.epoch, self.rank, part.worker,
                                  part.segment)
         start = part.done * (self.layout.batch_size or 1)
@@ -83,7 +84,7 @@ class RankPlan:
         if worker is None:
             worker, _ = self.start(len(block), 0, loader_worker)
         mine, _, needed = self.reads(WorkerEpoch(epoch + 1, block, 0, worker, 0))
-        return mine[needed]
+        return self.sequences.samples_of(mine[needed])
 
     def endless_epochs(self, first: WorkerEpoch) -> Iterator[WorkerEpoch]:
         """Epoch after epoch from `first`, without end, for the DataLoader worker that serves

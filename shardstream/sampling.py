@@ -61,7 +61,8 @@ from .arguments import integer
 from .columns import MAX_CLASS
 from .plan import epoch_sequence, rng_for
 
-__all__ = ["Sampling", "Mix", "sized_sequence", "stream_slice", "weighted_sequence", "mix_picks", "mix_schedule",
+__all__ = ["Sampling", "Mix", "sized_sequence", "stream_slice", "weighted_sequence", "distinct_draws", "drawn_samples",
+           "mix_picks", "mix_schedule",
            "mixed_sequence", "class_sample_weights"]
 
 
@@ -203,6 +204,29 @@ def weighted_sequence(counts: np.ndarray, weights: np.ndarray, seed: int, epoch:
     rank = np.empty(len(counts), dtype=np.int64)
     rank[order] = np.arange(len(counts))
     return draws[np.argsort(rank[shard_of], kind="stable")]
+
+
+def distinct_draws(sequence: np.ndarray, total: int) -> np.ndarray:
+    """`sequence` (sample ids below `total`, a sample possibly drawn more than once) with each
+    draw told apart: the k-th draw of sample i (k from 0, in sequence order) becomes
+    ``i + k * total``, so a first draw keeps its id. A sample's augmentations are seeded by
+    its id (prepare.py): without this, every draw of a sample oversampled by its class
+    weight, or met again on a second pass of an epoch larger than the data, got the same
+    crop and flip. Which draw is the k-th is fixed by the epoch's whole sequence, so it
+    holds for any layout and any resume. `drawn_samples` undoes it."""
+    sequence = np.asarray(sequence, dtype=np.int64)
+    order = np.argsort(sequence, kind="stable")
+    ordered = sequence[order]
+    places = np.arange(len(sequence), dtype=np.int64)
+    first = np.maximum.accumulate(np.where(np.r_[True, ordered[1:] != ordered[:-1]], places, 0))
+    draw = np.empty_like(places)
+    draw[order] = places - first  # k: the draws of the same sample before it
+    return sequence + draw * total
+
+
+def drawn_samples(draws: np.ndarray, total: int) -> np.ndarray:
+    """The sample ids of `distinct_draws`'s draws."""
+    return np.asarray(draws, dtype=np.int64) % total
 
 
 def mix_picks(weights: Sequence[float], n: int, start: int = 0) -> np.ndarray:

@@ -300,16 +300,17 @@ def test_a_killed_downloads_reservation_is_freed_by_the_next_walk(tmp_path):
     from shardstream.cache import ShardCache, _reserve
 
     root = tmp_path / "cache"
-    (root / "v").mkdir(parents=True)
+    version = root / "0123456789abcdef" / "fedcba9876543210"  # a location's and a version's folder (cache.py)
+    version.mkdir(parents=True)
     killed = ("import os, signal, sys; from shardstream.cache import _reserve; "
               "_reserve(sys.argv[1], 'shard-000000.tar.zst', 10_000_000); os.kill(os.getpid(), signal.SIGKILL)")
-    assert subprocess.run([sys.executable, "-c", killed, str(root / "v")]).returncode < 0
-    live_part, live = _reserve(str(root / "v"), "shard-000001.tar.zst", 20_000_000)
+    assert subprocess.run([sys.executable, "-c", killed, str(version)]).returncode < 0
+    live_part, live = _reserve(str(version), "shard-000001.tar.zst", 20_000_000)
     try:
         cache = ShardCache(str(root), 30_000_000)
         with cache.room.turn():
             cache.room.make(6_000_000)  # fits only if the killed process's 10 MB no longer counts
-        assert sorted(p.name.split(".tar")[0] for p in (root / "v").glob("*.part")) == [".shard-000001"]
+        assert sorted(p.name.split(".tar")[0] for p in version.glob("*.part")) == [".shard-000001"]
         assert not (root / ".over-limit").exists()
         with cache.room.turn():
             cache.room.make(10_000_001)  # the live download's 20 MB still counts

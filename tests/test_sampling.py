@@ -9,8 +9,8 @@ import pytest
 from scipy.stats import chisquare
 
 import shardstream as ss
-from shardstream.sampling import (Mix, Sampling, class_sample_weights, mix_picks, mix_schedule, mixed_sequence,
-                                  sized_sequence, stream_slice, weighted_sequence)
+from shardstream.sampling import (Mix, Sampling, class_sample_weights, distinct_draws, drawn_samples, mix_picks,
+                                  mix_schedule, mixed_sequence, sized_sequence, stream_slice, weighted_sequence)
 from shardstream.synthetic import make_image_folder
 
 TINY = ((8, 8), (12, 12))
@@ -109,6 +109,49 @@ def test_weighted_resume_is_exact_and_elastic(imbalanced):
         other.load_state_dict(state)
         seen.update(k for batch in other for (k,) in batch)
     assert seen == collections.Counter(k for batch in full for (k,) in batch)
+
+
+def test_distinct_draws_number_each_samples_draws_in_sequence_order():
+    sequence = np.array([3, 1, 3, 3, 1, 0])
+    assert distinct_draws(sequence, 10).tolist() == [3, 1, 13, 23, 11, 0]
+    assert drawn_samples(distinct_draws(sequence, 10), 10).tolist() == sequence.tolist()
+    assert distinct_draws(np.arange(5)[::-1], 5).tolist() == [4, 3, 2, 1, 0]  # drawn once: ids kept
+
+
+def _noise(sample: dict) -> dict:
+    """A transform's own random draw, seeded per draw by the dataset (prepare.py)."""
+    import torch
+
+    return {**sample, "noise": float(torch.rand(()))}
+
+
+@pytest.mark.parametrize("sampling", [Sampling(class_weights={0: 1, 1: 20}, samples_per_epoch=200),
+                                      Sampling(samples_per_epoch=150)], ids=["weighted", "larger"])
+def test_each_draw_of_a_sample_gets_its_own_augmentations_in_any_layout(small, sampling):
+    """Regression: a sample's augmentations were seeded by (seed, epoch, sample), so every draw of a sample
+    an epoch holds more than once (oversampled by its class weight, or met again on a second pass of an epoch
+    larger than the data) got the same crop and flip. Each draw is seeded apart now, and which draw is the
+    k-th is fixed by the epoch's sequence, so the draws are the same with any number of ranks, and resumed."""
+    def draws(**kw) -> list[tuple[str, float]]:
+        return list(ss.StreamingDataset(small, decode=None, fields=("__key__", "noise"), shuffle=True, seed=5,
+                                        transform=_noise, sampling=sampling, **kw))
+
+    one = draws()
+    by_key = collections.defaultdict(list)
+    for key, noise in one:
+        by_key[key].append(noise)
+    repeated = [noises for noises in by_key.values() if len(noises) > 1]
+    assert len(repeated) > 20 and all(len(set(noises)) == len(noises) for noises in repeated)
+    two = draws(rank=0, world_size=2) + draws(rank=1, world_size=2)
+    assert sorted(two) == sorted(one)
+    ds = ss.StreamingDataset(small, decode=None, fields=("__key__", "noise"), shuffle=True, seed=5,
+                             transform=_noise, sampling=sampling)
+    it = iter(ds)
+    head = [next(it) for _ in range(37)]
+    resumed = ss.StreamingDataset(small, decode=None, fields=("__key__", "noise"), shuffle=True, seed=5,
+                                  transform=_noise, sampling=sampling)
+    resumed.load_state_dict(ds.state_dict())
+    assert head + list(resumed) == one
 
 
 def test_samples_per_epoch_smaller_and_larger(small):
