@@ -24,6 +24,10 @@ MANIFEST_NAME = "manifest.msgpack"
 INDEX_SUFFIX = ".idx"
 MAX_MANIFEST_BYTES = 1 << 30
 MAX_INDEX_BYTES = 256 << 20
+# Uncompressed, a zstd frame's most; a frame holds whole samples, so a sample's tar bytes (its
+# members, headers and padding) may be no more, in either compression: writers refuse a larger
+# sample, which readers would refuse to read.
+MAX_FRAME_BYTES = 1 << 31
 COMPRESSIONS = ("zstd", "none")
 SHARD_SUFFIX = {"zstd": ".tar.zst", "none": ".tar"}
 
@@ -201,9 +205,14 @@ def _items(values: list, kind: type, name: str, url: str) -> tuple:
     return tuple(values)
 
 
+def safe_name(name: str) -> bool:
+    """Whether `name` is a plain file name, as every shard's is: a manifest must not point
+    outside its folder."""
+    return bool(name) and not ("/" in name or "\\" in name or name in (".", "..") or "\0" in name)
+
+
 def _safe_name(name: str, url: str) -> str:
-    """Shard names are plain file names: a manifest must not point outside its folder."""
-    if not name or "/" in name or "\\" in name or name in (".", "..") or "\0" in name:
+    if not safe_name(name):
         raise ManifestError(f"unsafe shard file name {name!r}", url=url)
     return name
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 from .errors import PackError, reason
 from .imagecheck import check_image, sniff_image
-from .packplan import PackOptions
+from .format import MAX_FRAME_BYTES
+from .packplan import PackOptions, tar_size
 from .shardfile import Frame, build_frame
 from .shrink import shrink_or_keep
 from .sourcefile import SourceFile, printable
@@ -38,6 +39,14 @@ class FrameResult:
     kept_whole: list[tuple[str, str]] = field(default_factory=list)
 
 
+def _check_fits(entry: SourceFile, size: int) -> None:
+    """A PackError where an image of `size` bytes would make a sample larger than any frame
+    may hold: written, no reader would read it (FORMAT.md, limits)."""
+    if tar_size(entry, size) > MAX_FRAME_BYTES:
+        raise PackError(f"{size} bytes: larger than a sample may be ({MAX_FRAME_BYTES} bytes in the tar, "
+                        "FORMAT.md)")
+
+
 def build_job(job: tuple[int, list[SourceFile], str, PackOptions, bool]) -> FrameResult:
     shard, entries, root, opts, skip = job
     samples, skipped, bytes_in = [], [], 0
@@ -48,8 +57,11 @@ def build_job(job: tuple[int, list[SourceFile], str, PackOptions, bool]) -> Fram
         try:
             if printable(entry.path) != entry.path:  # its key could not be written into a tar
                 raise PackError("file name is not UTF-8", url=printable(path))
-            if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO or a device: opening it would wait forever
+            found = os.stat(path)
+            if not stat.S_ISREG(found.st_mode):  # a FIFO or a device: opening it would wait forever
                 raise PackError("not a regular file", url=printable(path))
+            if opts.max_side is None:  # refused before 2 GiB are read
+                _check_fits(entry, found.st_size)
             with open(path, "rb") as f:
                 data = f.read()
             kind = check_image(data, path)
@@ -59,6 +71,7 @@ def build_job(job: tuple[int, list[SourceFile], str, PackOptions, bool]) -> Fram
                 # Encoded again, if at all, in the format of its field: then the field tells the truth.
                 data, kept = shrink_or_keep(data, opts.max_side, opts.quality, path=path,
                                             as_format=_PILLOW_FORMATS[entry.field])
+            _check_fits(entry, len(data))  # as stored (and a file grown since it was looked at)
         except (OSError, PackError) as e:
             # The manifest records the reason, which must be reproducible: no absolute path.
             why = e.detail if isinstance(e, PackError) else f"unreadable: {reason(e)}"

@@ -19,10 +19,11 @@ import numpy as np
 
 from . import tario
 from .decode import image_size
+from .format import MAX_FRAME_BYTES
 from .sourcefile import Listing, SourceFile
 from .shrink import DEFAULT_QUALITY, shrunk_size
 
-__all__ = ["PackOptions", "PlannedFrame", "order", "part_slice", "plan_frames", "shrunk_estimates"]
+__all__ = ["PackOptions", "PlannedFrame", "order", "part_slice", "plan_frames", "shrunk_estimates", "tar_size"]
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,9 @@ def part_slice(entries: list[SourceFile], index: int, parts: int) -> list[Source
     return entries[index * n // parts : (index + 1) * n // parts]
 
 
-def _estimated_size(entry: SourceFile, file_bytes: int | None = None) -> int:
+def tar_size(entry: SourceFile, file_bytes: int | None = None) -> int:
+    """The bytes `entry`'s sample takes in the tar, its image being `file_bytes` long (by
+    default its size in the listing): its members, headers and padding included."""
     # Deterministic, from the listing alone: the members' sizes in the tar, headers included
     # (a long or non-ASCII name takes a pax record: planned without it, frames of such names
     # grew to twice their size). Exact where the file keeps its bytes.
@@ -112,7 +115,7 @@ def plan_frames(entries: list[SourceFile], opts: PackOptions,
     frame: list[SourceFile] = []
     frame_total = 0
     for entry in entries:
-        size = _estimated_size(entry, (file_bytes or {}).get(entry.path))
+        size = tar_size(entry, (file_bytes or {}).get(entry.path))
         full = shard_count and (
             shard_bytes + size > opts.shard_size or (opts.max_samples is not None and shard_count >= opts.max_samples)
         )
@@ -120,6 +123,9 @@ def plan_frames(entries: list[SourceFile], opts: PackOptions,
             if frame:
                 jobs.append(PlannedFrame(shard, frame, frame_total))
             shard, shard_bytes, shard_count, frame, frame_total = shard + 1, 0, 0, [], 0
+        if frame and frame_total + size > MAX_FRAME_BYTES:  # joined, a frame no reader reads
+            jobs.append(PlannedFrame(shard, frame, frame_total))
+            frame, frame_total = [], 0
         frame.append(entry)
         frame_total += size
         shard_bytes += size

@@ -24,7 +24,7 @@ import zstandard
 
 from . import tario
 from .errors import CorruptIndexError, CorruptShardError
-from .format import INDEX_SUFFIX, ShardIndex, ShardInfo
+from .format import INDEX_SUFFIX, MAX_FRAME_BYTES, ShardIndex, ShardInfo
 from .indexes import load_index
 from .storage import Store
 
@@ -40,7 +40,6 @@ __all__ = ["ShardReader", "Sample"]
 
 Sample = dict[str, object]
 
-MAX_FRAME_BYTES = 1 << 31  # uncompressed; one frame holds whole samples, each under 2 GiB
 MAX_WINDOW = 1 << 27  # zstd window limit: a hostile frame cannot ask for more memory
 READ_BYTES = 8 << 20  # compressed bytes fetched per storage request when reading a range
 # Local files are read in smaller pieces: a request costs microseconds there, and a

@@ -112,6 +112,11 @@ def verify_shard(reader: ShardReader, decode_images: bool = True) -> Iterator[Pr
             problem = _seek_table_problem(reader, size)
             if problem is not None:
                 yield problem
+        # FORMAT.md: the tar stream's size, which planning reads (samples a frame holds)
+        raw = int(index.frame_raw_offsets[-1]) + len(END_OF_ARCHIVE) if index.compression == "zstd" else size
+        if info.raw_bytes != raw:
+            yield Problem(info.name, None, f"raw_bytes is {info.raw_bytes} in the manifest; the "
+                          f"{'index gives' if index.compression == 'zstd' else 'file is'} {raw}")
     except ShardstreamError as e:
         yield _problem(reader, e)
         return

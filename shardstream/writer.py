@@ -16,7 +16,7 @@ from . import tario
 from .columns import MAX_CLASS, check_weight
 from .errors import ShardstreamError
 from .fields import encode_sample
-from .format import COMPRESSIONS, MANIFEST_NAME, SHARD_SUFFIX, Manifest, ShardInfo
+from .format import COMPRESSIONS, MANIFEST_NAME, MAX_FRAME_BYTES, SHARD_SUFFIX, Manifest, ShardInfo, safe_name
 from .indexes import load_index
 from .scratch import cleanup_scratch
 from .seenkeys import SeenKeys
@@ -107,6 +107,9 @@ class ShardWriter:
                             ("frame_size", frame_size)):
             if value is not None and value < 1:
                 raise ShardstreamError(f"{name} must be a positive number, not {value!r}")
+        if not safe_name(shard_name(prefix, 0, compression)):  # else written, and refused by every reader
+            raise ShardstreamError(f"prefix {prefix!r} would not make plain file names (no '/', '\\' or NUL): "
+                                   "shards are files in the dataset's folder")
         self.overwrite = overwrite
         self._claimed = False  # see _claim
         self.store = Store(dst, storage_options or {}, durable=fsync)
@@ -144,6 +147,9 @@ class ShardWriter:
         label = self._label(key, fields)
         _check_weight(key, fields)
         size = sum(tario.member_size(len(data), f"{key}.{name}") for name, data in fields)
+        if size > MAX_FRAME_BYTES:  # written, it would be a frame no reader reads
+            raise ShardstreamError(f"the sample takes {size} bytes in the tar, more than the {MAX_FRAME_BYTES} a "
+                                   "sample may (FORMAT.md, limits)", key=key)
         shard = self._shard
         if shard is not None:
             filled = shard.raw_bytes + self._pending_bytes
@@ -156,6 +162,8 @@ class ShardWriter:
                 self.store, shard_name(self.prefix, len(self.shards), self.compression), self.compression, self.level
             )
             self.store.makedirs()
+        if self._pending_bytes + size > MAX_FRAME_BYTES:  # the frame, joined, would be one no reader reads
+            self._flush_frame()
         self._keys.add(key)  # to the shard it goes to (after the one before is finished), once it is queued
         self._pending.append((key, fields))
         self._pending_bytes += size

@@ -127,6 +127,9 @@ def _edited_manifest(packed, tmp_path, edit) -> str:
     ("an index's size", lambda m: m["shards"][1].__setitem__("index_bytes", m["shards"][1]["index_bytes"] + 1),
      "is not the .* bytes the manifest says"),
     ("the version", lambda m: m.__setitem__("version", 0), "format version 0 does not exist"),
+    # Regression: the one size of a shard's entry verify did not check (planning reads it).
+    ("a shard's tar size", lambda m: m["shards"][0].__setitem__("raw_bytes", m["shards"][0]["raw_bytes"] + 512000),
+     r"raw_bytes is \d+ in the manifest; the index gives \d+"),
 ])
 def test_verify_checks_what_the_manifest_says_against_the_files(packed, tmp_path, what, edit, message):
     """Single-bit flips in the manifest that verify passed: every shard and index hashed right, but the class

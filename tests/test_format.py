@@ -717,6 +717,34 @@ def test_writer_refuses_bad_samples(tmp_path, case):
     assert [s["__key__"] for s in open_dataset(str(tmp_path / "ds")).shards[0].reader()] == ["good"]
 
 
+def test_writer_keeps_every_frame_within_what_readers_read(tmp_path, monkeypatch):
+    """Regression: ShardWriter wrote a field of more than 2 GiB, and a frame of small samples of any
+    frame_size, which every reader then refused ("exceeds the limit"). A sample over the limit is refused,
+    and a frame is cut before a sample that would take it over. (The limit, 2 GiB, made 1 MB here.)"""
+    import shardstream.writer
+
+    limit = 1 << 20
+    monkeypatch.setattr(shardstream.writer, "MAX_FRAME_BYTES", limit)
+    with ShardWriter(str(tmp_path / "ds"), frame_size=64 << 20) as writer:
+        with pytest.raises(ShardstreamError, match="more than the 1048576 a sample may"):
+            writer.write({"__key__": "big", "bin": bytes(limit)})
+        for i in range(8):
+            writer.write({"__key__": f"s{i}", "bin": bytes([i]) * (300 << 10)})
+    [ref] = open_dataset(str(tmp_path / "ds")).shards
+    raw = ref.reader().index.frame_raw_offsets
+    assert len(raw) > 3 and all(b - a <= limit for a, b in zip(raw, raw[1:]))
+    assert [s["bin"][:1] for s in ref.reader()] == [bytes([i]) for i in range(8)]
+
+
+@pytest.mark.parametrize("prefix", ["a\\b", "sub/x", "x\0y"])
+def test_writer_refuses_a_prefix_that_makes_no_plain_file_name(tmp_path, prefix):
+    """Regression: ShardWriter took any prefix, and published a manifest every reader refuses ("unsafe
+    shard file name"), or failed late on the scratch file. It refuses the prefix before writing anything."""
+    with pytest.raises(ShardstreamError, match="would not make plain file names"):
+        ShardWriter(str(tmp_path / "ds"), prefix=prefix)
+    assert not (tmp_path / "ds").exists()
+
+
 def check_keys_round_trip(dst: Path, keys: list[str], compression: str) -> None:
     write_samples(dst, [{"__key__": k, "txt": k} for k in keys], frame_size=600, compression=compression)
     info = open_dataset(str(dst)).manifest.shards[0]

@@ -1237,6 +1237,24 @@ def test_a_fifo_named_as_an_image_is_skipped_not_waited_on(image_folder_copy, tm
         run_pack(image_folder_copy, tmp_path / "ds2")
 
 
+def test_an_image_larger_than_a_sample_may_be_is_refused_before_it_is_read(image_folder_copy, tmp_path):
+    """Regression: a JPEG with 2 GiB of bytes after it (Pillow decodes it) was packed, and the published
+    dataset could not be read: its frame was over the 2 GiB a reader takes. It is refused by its size (the
+    file is sparse here: nothing of it is read), or skipped with the reason."""
+    from shardstream.synthetic import synthetic_jpeg
+
+    huge = image_folder_copy / "class_000" / "huge.jpg"
+    with open(huge, "wb") as f:
+        f.write(synthetic_jpeg(0, 32, 32))
+        f.truncate((1 << 31) + 4096)
+    summary = run_pack(image_folder_copy, tmp_path / "ds", on_error="skip")
+    [(name, why)] = summary.skipped
+    assert name == "class_000/huge.jpg" and re.fullmatch(r"2147487744 bytes: larger than a sample may be .*", why)
+    assert sum(ref.info.samples for ref in open_dataset(str(tmp_path / "ds")).shards) == summary.samples > 0
+    with pytest.raises(PackError, match="huge.jpg: 2147487744 bytes: larger than a sample may be"):
+        run_pack(image_folder_copy, tmp_path / "ds2")
+
+
 @pytest.mark.parametrize("stat_seconds", [0.0, 2 * SLOW_STAT_S])
 def test_files_are_looked_up_in_threads_where_a_stat_is_slow(tmp_path, monkeypatch, stat_seconds):
     """On a network file system a stat is a round trip: the listing's files are looked up by
