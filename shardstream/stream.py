@@ -51,6 +51,9 @@ class Readers:
         self._shard_locks: dict[int, BinaryIO] = {}
         self._held: dict[int, BinaryIO] = {}  # see `hold`
         self._released: set[int] = set()  # shards this iteration is done with
+        # Shards whose cached copy was checked again after a read failed (see `heal`): found sound,
+        # the failure is the data's own, and a later failure in it should not hash it once more.
+        self.rechecked: set[int] = set()
 
     def get(self, shard: int) -> ShardReader | StreamTarReader:
         entry = self._entry(shard, ahead=False)
@@ -129,6 +132,7 @@ class Readers:
             current = self._entries.get(shard)
             if current is None or current[1] is not damaged:
                 return
+            self.rechecked.add(shard)
             self.cache.forget(self.source.shards[shard])
             entry = self._entries.pop(shard, None)
             lock = self._shard_locks.pop(shard, None)
@@ -317,8 +321,11 @@ def _read_healing(read: Any, readers: Readers, shard: int, a: int, b: int) -> It
     """Samples [a, b) of `shard` by `read`. A cached copy is hashed once per process and
     then trusted; one damaged on disk after that fails its frame checksums here, and is
     then checked and downloaded again before `read` goes on: it is not the data's fault,
-    so no error policy should see it."""
-    if readers.cache is None or readers.source.shards[shard].store.local:
+    so no error policy should see it. Once an iteration: after that, the copy found
+    sound, a failure is the data's."""
+    if readers.cache is None or readers.source.shards[shard].store.local or shard in readers.rechecked:
+        # Checked again already this iteration: a shard whose data is bad (under on_error="skip",
+        # a frame in every piece) was hashed whole once per bad piece, minutes for a large one.
         yield from read(readers.get(shard), a, b)
         return
     done = 0

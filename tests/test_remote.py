@@ -1737,6 +1737,47 @@ def test_an_error_in_a_cached_shard_names_the_datasets_shard_not_the_copy(local_
         assert named == [f"{server.url}/{shard_names[1]}"] * 2
 
 
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_shard_whose_data_is_bad_is_checked_again_once_an_iteration_not_once_a_bad_piece(tmp_path, monkeypatch,
+                                                                                           prefetch):
+    """Regression: read from the cache under on_error="skip", each piece that met a bad frame of a shard whose
+    data is bad (its SHA-256 agrees with the manifest) had the copy checked again, the whole shard hashed,
+    once per bad piece: minutes of a large shard's hashing for a few bad frames. Once the copy is found
+    sound in an iteration, its later failures are the data's."""
+    import msgpack
+
+    from shardstream import cache as cache_module
+    from shardstream.cache import ShardCache
+    from shardstream.stream import read_samples
+
+    url = tmp_path / "ds"
+    with shardstream.ShardWriter(str(url), frame_size=4096) as writer:
+        for i in range(40):
+            writer.write({"__key__": f"s{i:03d}", "bin": random.Random(i).randbytes(3000)})
+    [ref] = shardstream.open_dataset(str(url)).shards
+    frames = ref.reader().index.frame_offsets.tolist()
+    shard = url / ref.name
+    data = bytearray(shard.read_bytes())
+    for f in (2, 9, 17):  # three frames, pieces apart
+        data[(frames[f] + frames[f + 1]) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    manifest = msgpack.unpackb((url / MANIFEST_NAME).read_bytes(), raw=False)
+    manifest["shards"][0]["sha256"] = hashlib.sha256(data).hexdigest()
+    (url / MANIFEST_NAME).write_bytes(msgpack.packb(manifest, use_bin_type=True))
+    hashed = []
+    real_sha256 = cache_module._sha256
+    monkeypatch.setattr(cache_module, "_sha256", lambda path: hashed.append(path) or real_sha256(path))
+    with H.CountingHTTPServer(str(url)) as server:
+        source = shardstream.open_dataset(server.url)
+        samples = list(read_samples(source, np.arange(40), source.counts(), prefetch=prefetch,
+                                    cache=ShardCache(str(tmp_path / "cache"), 1 << 30), tolerant=True,
+                                    piece_bytes=8192))
+    bad = [s["__key__"] for s in samples if "__error__" in s]
+    assert len(samples) == 40 and len(bad) >= 3
+    copies = [path for path in hashed if path.endswith(ref.name)]
+    assert len(copies) <= 2, copies  # hashed as it was opened, and once more at the first bad piece
+
+
 def _open_within(cache, ref, timeout: float = 30):
     """`cache.open(ref)` in a daemon thread, or an assertion error if it is still waiting after `timeout`
     (a daemon, so that an open waiting forever does not hold up the test process's exit)."""
