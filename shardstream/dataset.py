@@ -419,7 +419,7 @@ class StreamingDataset(Checkpointing, IterableDataset):
             yield item
         self._count_io(world.worker, counted)
         if resume_id is not None:  # the resumed epoch is complete: later passes start afresh
-            self._shared.finish_resume(resume_id, world.worker)
+            self._shared.finish_resume(resume_id, world.worker, world.workers)
         # A worker's own state stays until its next iteration (see _worker_state); a state loaded
         # while this iteration ran (it no longer owns the place) is the next iteration's.
         if not self._worker_resume and self._iteration is iteration:

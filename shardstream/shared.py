@@ -25,7 +25,8 @@ SLOTS = 64  # workers per rank that have a slot
 IO_FIELDS = ("requests", "bytes", "retries", "wait_s", "cache_hits", "cache_misses", "readahead_waits")
 _EPOCH, _RESUME_ID, _SKIPS, _DONE = 0, 1, 2, 2 + SLOTS  # offsets in the int array
 _WORKERS, _UNREAD, _LOADER_COPY, _LOADED = 2 + 2 * SLOTS, 3 + 2 * SLOTS, 4 + 2 * SLOTS, 5 + 2 * SLOTS
-_INTS = 6 + 2 * SLOTS
+_RESUMED_BY = 6 + 2 * SLOTS  # the workers of the pass that read the resumed epoch (0: none has finished it)
+_INTS = 7 + 2 * SLOTS
 
 
 class SharedState:
@@ -93,6 +94,7 @@ class SharedState:
         self._ints[_RESUME_ID] += 1
         for w in range(SLOTS):
             self._ints[_DONE + w] = 0
+        self._ints[_RESUMED_BY] = 0
         return int(self._ints[_RESUME_ID])
 
     @property
@@ -106,9 +108,11 @@ class SharedState:
     def loaded_resume(self, value: int) -> None:
         self._ints[_LOADED] = value
 
-    def finish_resume(self, resume_id: int, worker: int) -> None:
+    def finish_resume(self, resume_id: int, worker: int, workers: int) -> None:
+        """`worker` of a pass of `workers` has read the resumed epoch to its end."""
         if self._ints[_RESUME_ID] == resume_id and worker < SLOTS:
             self._ints[_DONE + worker] = 1
+            self._ints[_RESUMED_BY] = workers
 
     def begin_pass(self, worker: int) -> None:
         """`worker` begins a pass without a resume state: if it finished the resumed pass
@@ -121,10 +125,14 @@ class SharedState:
         return any(self._ints[_DONE + w] == 2 for w in range(SLOTS))
 
     def resume_used_up(self, resume_id: int, workers: int) -> bool:
-        """True once all `workers` finished the resumed epoch (later passes start afresh)."""
+        """True once every worker of the pass that read the resumed epoch has finished it
+        (later passes start afresh, with any number of workers: a pass of 3 after one of 2
+        replayed the resumed remainder, its third slot never finished); before any has,
+        asked of a pass of `workers`."""
         if self._ints[_RESUME_ID] != resume_id:
             return True
-        return all(self._ints[_DONE + w] for w in range(min(workers, SLOTS)))
+        readers = self._ints[_RESUMED_BY] or workers
+        return all(self._ints[_DONE + w] for w in range(min(readers, SLOTS)))
 
     # -- counters --------------------------------------------------------------------
 

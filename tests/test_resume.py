@@ -797,6 +797,21 @@ def test_after_a_resumed_epoch_the_next_pass_is_full(url, num_workers):
     assert len(resumed) == len(full)
 
 
+def test_after_a_resumed_epoch_the_next_pass_is_full_with_more_workers(url, keys):
+    """Regression: the resumed remainder counted as used up once the workers of the pass asking had all
+    finished it: a pass with 3 workers after the 2 that read it to its end found its third never
+    finished, and replayed the remainder instead of the whole epoch."""
+    ds = dataset(url)
+    D.take_main(ds, 3)
+    state = ds.state_dict(num_workers=2)
+    resumed = dataset(url)
+    resumed.load_state_dict(state)
+    rest = D.run(resumed, 2)
+    assert len(rest) == len(D.run(dataset(url), 2)) - 3
+    again = D.run(resumed, 3)
+    assert sorted(D.flat(again)) == sorted(keys), "the next pass is the whole epoch"
+
+
 def loader_keys(loader) -> list[tuple[str, ...]]:
     return [D.freeze(b) for b in loader]
 
