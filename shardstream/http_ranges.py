@@ -54,8 +54,8 @@ class HTTPStatusError(OSError):
     """A response with an error status, carried as `status` (as aiohttp's errors do), and
     its headers (`Retry-After` is what `RetryPolicy` reads)."""
 
-    def __init__(self, status: int, url: str, headers: Mapping[str, str] | None = None):
-        super().__init__(f"HTTP {status} for {shown_url(url)}")
+    def __init__(self, status: int, url: str, headers: Mapping[str, str] | None = None, why: str = ""):
+        super().__init__(f"HTTP {status} for {shown_url(url)}" + (f" ({why})" if why else ""))
         self.status = status
         self.headers = dict(headers or {})
 
@@ -104,12 +104,12 @@ def _read_once(url: str, start: int | None, end: int | None, headers: dict[str, 
 
     timeout = urllib3.Timeout(connect=connect_s, read=read_s)
     started = time.monotonic()
-    for _ in range(MAX_REDIRECTS + 1):
+    for hop in range(MAX_REDIRECTS + 1):
         # Not urllib3's own redirects: those go through its Retry object, which is off
         # here so that every retry is `RetryPolicy`'s, and counted.
         response = _request(url, request_headers, timeout, started, started + deadline_s(0, connect_s, read_s))
         location = response.get_redirect_location()
-        if not location:
+        if not location or hop == MAX_REDIRECTS:  # the last: an error naming the URL that sent it
             break
         _release(response, url, started, started + deadline_s(0, connect_s, read_s))
         target = urllib.parse.urljoin(url, location)
@@ -125,7 +125,8 @@ def _read_once(url: str, start: int | None, end: int | None, headers: dict[str, 
         if response.status == 416:  # the range starts at or past the end
             return b"", url, headers, None
         if response.status >= 300:  # errors, and redirects beyond MAX_REDIRECTS or without a Location
-            raise HTTPStatusError(response.status, url, response.headers)
+            raise HTTPStatusError(response.status, url, response.headers,
+                                  f"a redirect after {MAX_REDIRECTS}: a loop?" if location else "")
         data = read_body(response, response.read, url, started, size, connect_s, read_s)
     finally:
         # An error's body too: the connection goes back to the pool clean.

@@ -112,7 +112,7 @@ def test_errors_are_classified_for_the_retry_policy(folder):
 
 
 class _Redirector(http.server.BaseHTTPRequestHandler):
-    """Sends /moved/<path> on to `target` with a 302, /loop to itself, /other with a bare 304."""
+    """Sends /moved/<path> on to `target` with a 302, /loop/N to /loop/N+1, /other with a bare 304."""
 
     target = ""
     protocol_version = "HTTP/1.0"
@@ -124,9 +124,9 @@ class _Redirector(http.server.BaseHTTPRequestHandler):
         if self.path.startswith("/moved/"):
             self.send_response(302)
             self.send_header("Location", self.target + self.path[len("/moved"):])
-        elif self.path == "/loop":
+        elif self.path.startswith("/loop/"):  # /loop/N to /loop/N+1, without end
             self.send_response(307)
-            self.send_header("Location", "/loop")
+            self.send_header("Location", f"/loop/{int(self.path[len('/loop/'):]) + 1}")
         else:
             self.send_response(304)
         self.send_header("Content-Length", "18")
@@ -145,8 +145,10 @@ def test_redirects_are_followed_with_the_range(folder, packed):
         try:
             assert read_range(f"{url}/moved/blob.bin", 10, 20) == DATA[10:20]
             assert files.gets("blob.bin") == 1
-            with pytest.raises(HTTPStatusError, match="307"):  # a loop ends, with an error
-                read_range(f"{url}/loop", 0, 10)
+            # A loop ends, with an error naming the URL that sent the last redirect (it named the one
+            # that redirect pointed to, after releasing the response twice).
+            with pytest.raises(HTTPStatusError, match=r"^HTTP 307 for http://127\.0\.0\.1:\d+/loop/5 \(a redirect after 5"):
+                read_range(f"{url}/loop/0", 0, 10)
             with pytest.raises(HTTPStatusError, match="304"):
                 read_range(f"{url}/other", 0, 10)
             # A whole dataset behind the redirect streams as it does directly.
