@@ -89,23 +89,27 @@ def index_tars(source: str | Sequence[str], *, workers: int = 8, overwrite: bool
 
 def repack_tars(source: str | Sequence[str], dst: str, *, shard_size: int | str = "256MB",
                 compression: str = "zstd", level: int = IMAGE_LEVEL,
-                storage_options: dict[str, Any] | None = None, progress: bool = False) -> Manifest:
+                storage_options: dict[str, Any] | None = None, progress: bool = False,
+                overwrite: bool = False) -> Manifest:
     """Rewrite tars written by other tools (`.tar`, `.tar.gz`, `.tar.zst`, ...) as a shardstream dataset at `dst`.
 
     `source` is as for `index_tars`, but compressed tars are welcome: each is read
     once, front to back, and every sample goes to `dst` with its key and its fields'
     bytes unchanged, in order, through `ShardWriter` (zstd frames, indexes, a manifest;
     a `cls` field must then hold an integer, and keys must be unique). The shards are
-    read one after another; the output is the same whatever the machine.
+    read one after another; the output is the same whatever the machine. A dataset
+    already at `dst` is replaced only with `overwrite`, as `pack` does.
     """
     from .progress import progress_bar
     from .writer import ShardWriter
 
     options = storage_options or {}
     store, names = _shards(source, options, compressed=True)
-    if Store(dst, options).exists(MANIFEST_NAME):
-        raise ShardstreamError("already holds a dataset", url=Store(dst, options).url(MANIFEST_NAME))
-    writer = ShardWriter(dst, shard_size, compression=compression, level=level, storage_options=options)
+    if not overwrite and Store(dst, options).exists(MANIFEST_NAME):
+        raise ShardstreamError("already holds a dataset; pass overwrite=True (--overwrite) to replace it",
+                               url=Store(dst, options).url(MANIFEST_NAME))
+    writer = ShardWriter(dst, shard_size, compression=compression, level=level, storage_options=options,
+                         overwrite=overwrite)
     try:
         with progress_bar(total=len(names), unit="shard", desc="repack", disable=not progress) as bar:
             for name in names:

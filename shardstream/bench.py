@@ -220,7 +220,7 @@ def _run_one(
 
 def bench(
     dataset: str | Sequence[str],
-    workers: Sequence[int] = (0, 1, 2),
+    workers: Sequence[int] = (0, 1, 2, 4, 8),  # as the command's --workers
     batch_size: int = 64,
     transform: str = "train",
     seconds: float = 5.0,

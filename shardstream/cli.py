@@ -126,6 +126,8 @@ def _check_combinations(parser: argparse.ArgumentParser, args: argparse.Namespac
         if args.decode_threads and (args.transform == "none" or args.decode_on_device):
             parser.error("--decode-threads decodes images here: it goes with --transform train or val, "
                          "without --decode-on-device")
+    if args.command == "demo" and args.images < args.classes:
+        parser.error(f"--images ({args.images}) must be at least --classes ({args.classes}): an image a class")
     if args.command != "pack":
         return
     if args.executor == "ray" and args.part is not None:
@@ -134,6 +136,13 @@ def _check_combinations(parser: argparse.ArgumentParser, args: argparse.Namespac
         parser.error("--parts and --ray-address go with --executor ray (for one part: --part I/N)")
     if args.no_merge and args.part is None:
         parser.error("--no-merge goes with --part I/N")
+    from .shardfile import IMAGE_LEVEL
+    from .shrink import DEFAULT_QUALITY
+
+    if args.max_side is None and args.quality != DEFAULT_QUALITY:
+        parser.error("--quality goes with --max-side (only images shrunk are encoded again)")
+    if args.compression == "none" and args.level != IMAGE_LEVEL:
+        parser.error("--level goes with --compression zstd (uncompressed shards have no level)")
 
 
 def _worker_counts(text: str) -> list[int]:
@@ -207,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-size", type=_size, default="256MB", help="uncompressed bytes per shard (default 256MB)")
     p.add_argument("--compression", choices=("zstd", "none"), default="zstd")
     p.add_argument("--level", type=_level, default=IMAGE_LEVEL, help=f"zstd level (default {IMAGE_LEVEL})")
+    p.add_argument("--overwrite", action="store_true", help="replace a dataset already at DST")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=cmd_repack)
 

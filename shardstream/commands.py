@@ -117,7 +117,7 @@ def cmd_repack(args: argparse.Namespace) -> int:
     from .adopt import repack_tars
 
     manifest = repack_tars(args.source, args.dst, shard_size=args.shard_size, compression=args.compression,
-                           level=args.level, progress=not args.quiet,
+                           level=args.level, progress=not args.quiet, overwrite=args.overwrite,
                            storage_options=_storage_options(args.storage_options))
     print(f"repacked {manifest.samples:,} samples into {len(manifest.shards)} shards "
           f"({manifest.shards.bytes.sum() / 1e6:,.1f} MB)")

@@ -34,6 +34,8 @@ def run_demo(images: int = 400, classes: int = 4, workers: int = 2, keep: str | 
     run would make, and refused if not (a ShardstreamError), so that the counts checked
     and printed are those of the images there.
     """
+    if images < classes:  # a class of no image; `images // classes` per class made `classes` of them
+        raise ShardstreamError(f"the demo makes at least one image a class: {images} images for {classes} classes")
     if keep is not None and os.path.exists(keep) and not os.path.isdir(keep):
         raise ShardstreamError("--keep needs a folder, and this is a file", url=keep)
     root = keep or tempfile.mkdtemp(prefix="shardstream-demo-")
@@ -42,8 +44,8 @@ def run_demo(images: int = 400, classes: int = 4, workers: int = 2, keep: str | 
     failed: list[str] = []
     try:
         t = time.perf_counter()
-        per_class = max(1, images // classes)
-        total = per_class * classes
+        per_class = [images // classes + (c < images % classes) for c in range(classes)]  # exactly `images`
+        total = images
         if os.path.isdir(src):
             _check_kept_images(src, total, classes)
             print(f"1. reused the {total} ImageNet-like JPEGs an earlier demo made in {src}")

@@ -45,12 +45,24 @@ from .shardfile import FRAME_SIZE, IMAGE_LEVEL
 from .shrink import DEFAULT_QUALITY
 from .sourcefile import Listing, SourceFile, printable
 from .storage import Store
-from .urls import expand_home
+from .urls import expand_home, local_path
 from .writer import check_compression, parse_size, remove_dataset, shard_name, write_manifest
 
 __all__ = ["pack", "PackSummary"]
 
 ON_ERROR = ("fail", "skip")
+
+
+def _check_outside(src: str, store: Store) -> None:
+    """Refuse a destination inside the source folder: the next pack of that source would list
+    the dataset as one of its classes (an empty one, and its files as not images), and
+    change the class table of the same command."""
+    if not (store.local and os.path.isdir(src)):
+        return
+    folder, dst = os.path.realpath(src), os.path.realpath(local_path(store.root))
+    if os.path.commonpath([folder, dst]) == folder:
+        raise PackError("the destination lies inside the source folder, where the next pack of it would list the "
+                        "dataset among the images (as a class): choose a destination outside it", url=store.root)
 
 
 @dataclass
@@ -223,6 +235,7 @@ def pack(
     opts = PackOptions(parse_size(shard_size), max_samples, compression, level, seed, shuffle, FRAME_SIZE, prefix,
                        max_side, quality)
     store = Store(dst, storage_options or {}, durable=fsync)
+    _check_outside(src, store)
     target = MANIFEST_NAME if part is None else part_manifest_name(*part)
     # A finished pack or part rerun with `resume` (a scheduler's retry after the pack, a
     # part's merge, or clearing the journal failed) has nothing left to do but tidy up; a
@@ -338,6 +351,12 @@ def _check_arguments(compression: str, level: int, on_error: str, part: tuple[in
         raise ShardstreamError(f"max_side must be a positive number of pixels, not {max_side}")
     if not 1 <= quality <= 100:
         raise ShardstreamError(f"quality must be 1..100, not {quality}")
+    # Recorded in the manifest, each changed the options a rerun with `resume` compares, and
+    # so refused it, for a pack with not a byte different.
+    if max_side is None and quality != DEFAULT_QUALITY:
+        raise ShardstreamError(f"quality ({quality}) goes with max_side: only images shrunk are encoded again")
+    if compression == "none" and level != IMAGE_LEVEL:
+        raise ShardstreamError(f"level ({level}) goes with compression 'zstd': uncompressed shards have no level")
 
 
 def _repeated_rows(listing: Listing, src: str, skip: bool, part: tuple[int, int] | None) -> list[tuple[str, str]]:

@@ -70,7 +70,8 @@ __all__ = ["Sampling", "Mix", "sized_sequence", "stream_slice", "weighted_sequen
 class Sampling:
     """How an epoch draws from the data (see the module docstring)."""
 
-    class_weights: str | Mapping[int, float] | None = None
+    # "balanced", {class index: weight}, or one weight per class index in order ([2.0, 1.0, 1.0]).
+    class_weights: str | Mapping[int, float] | Sequence[float] | None = None
     samples_per_epoch: int | None = None
     resampled: bool = False  # endless: epoch after epoch, never StopIteration
     # "weight": each sample's `weight` field, as the shard indexes record it; or one
@@ -80,6 +81,12 @@ class Sampling:
     def __post_init__(self) -> None:
         if isinstance(self.class_weights, str) and self.class_weights != "balanced":
             raise ValueError(f"class_weights must be 'balanced' or a mapping, not {self.class_weights!r}")
+        if isinstance(self.class_weights, (Sequence, np.ndarray)) and not isinstance(self.class_weights, str):
+            # A weight per class in order, as a list (it failed on a bare "no attribute 'items'")
+            object.__setattr__(self, "class_weights", dict(enumerate(np.asarray(self.class_weights).tolist())))
+        if self.class_weights is not None and not isinstance(self.class_weights, (str, Mapping)):
+            raise ValueError("class_weights must be 'balanced', a mapping of class index to weight, or a weight "
+                             f"per class in order, not a {type(self.class_weights).__name__}")
         if self.class_weights is not None and not isinstance(self.class_weights, str):
             # Checked here, not at the first draw in a DataLoader worker: a key of -1 weighted the
             # last class, one of 1e9 asked for an 8 GB table, NaN failed deep in numpy.

@@ -13,6 +13,7 @@ import gzip
 import hashlib
 import lzma
 import math
+import os
 import zlib
 from typing import Any, BinaryIO, Iterator
 
@@ -264,12 +265,14 @@ def scan_tar(f: CountingReader, url: str) -> tuple[ShardIndex, tuple[str, ...]]:
     return index, tuple(sorted(fields))
 
 
-def open_shard(url: str, *, storage_options: dict[str, Any] | None = None) -> ShardReader | StreamTarReader:
+def open_shard(url: str | os.PathLike[str], *,
+               storage_options: dict[str, Any] | None = None) -> ShardReader | StreamTarReader:
     """Open one shard by URL or path.
 
     A shard with an index beside it (``<shard>.idx``, as shardstream writes) gives a
     `ShardReader` with random access; any other tar gives a `StreamTarReader`.
     """
+    url = os.fspath(url)
     parent, name = split_url(url)
     store = Store(parent, storage_options or {})
     if store.exists(name + INDEX_SUFFIX):

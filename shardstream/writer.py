@@ -9,6 +9,7 @@ that lists a missing or half-written shard.
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any, Callable, Iterator, Sequence
 
@@ -87,7 +88,7 @@ class ShardWriter:
 
     def __init__(
         self,
-        dst: str,
+        dst: str | os.PathLike[str],
         shard_size: int | str = "256MB",
         max_samples: int | None = None,
         compression: str = "zstd",
@@ -112,7 +113,7 @@ class ShardWriter:
                                    "shards are files in the dataset's folder")
         self.overwrite = overwrite
         self._claimed = False  # see _claim
-        self.store = Store(dst, storage_options or {}, durable=fsync)
+        self.store = Store(os.fspath(dst), storage_options or {}, durable=fsync)
         self.shard_size = parse_size(shard_size)
         self.max_samples = max_samples
         self.compression = compression

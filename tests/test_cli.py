@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+import shardstream
 from shardstream import open_dataset
 from shardstream.format import MANIFEST_NAME
 
@@ -74,6 +75,19 @@ def test_pack_options_uncompressed_sorted(image_folder, tmp_path):
     keys = [s["__key__"] for ref in open_dataset(str(dst)).shards for s in ref.reader()]
     assert keys == sorted(keys) and len(keys) == 21
     assert cli("verify", dst, "--quiet", "--no-decode").returncode == 0
+
+
+def test_verify_counts_as_decoded_only_the_images_that_decode(tmp_path):
+    """Regression: an image that failed to decode was counted among the "images decoded"."""
+    from shardstream.synthetic import synthetic_jpeg
+    from shardstream.verify import verify_dataset
+
+    good = synthetic_jpeg(0, 32, 24)
+    with shardstream.ShardWriter(str(tmp_path / "ds")) as writer:
+        for i, jpg in enumerate([good, good[: len(good) // 3], good, b"not a jpeg"]):
+            writer.write({"__key__": f"s{i}", "jpg": jpg})
+    report = verify_dataset(str(tmp_path / "ds"))
+    assert report.samples == 4 and report.images == 2 and len(report.problems) == 2
 
 
 @pytest.mark.parametrize("dataset", ["packed", "packed_plain"])
@@ -208,6 +222,10 @@ def test_usage_errors(tmp_path):
     (["--level", "50"], "zstd level must be 1..22"),
     (["--max-side", "0"], "expected a positive integer, got '0'"),
     (["--quality", "101"], "expected an integer 1..100, got '101'"),
+    # Regression: each was recorded in the manifest for a pack not a byte different, and a rerun with
+    # --resume then refused the pack as made with other options.
+    (["--quality", "50"], "--quality goes with --max-side"),
+    (["--compression", "none", "--level", "5"], "--level goes with --compression zstd"),
 ])
 def test_bad_pack_arguments_are_usage_errors(image_folder, tmp_path, extra, message):
     """Regression: `--workers 0` or `-3` packed with all cores or one, `--shard-size 0` wrote a shard a
@@ -246,6 +264,15 @@ def test_demo_runs_the_whole_path(tmp_path):
     assert (tmp_path / "demo" / "shards").is_dir()
 
 
+def test_demo_makes_exactly_the_images_asked_for(tmp_path):
+    """Regression: `demo --images 5 --classes 10` made 10 images (one a class) and resumed after 0 batches;
+    `--images 13 --classes 4` made 12. Now the count is exact, and fewer images than classes a usage error."""
+    result = cli("demo", "--images", 13, "--classes", 4, "--workers", 0, "--keep", tmp_path / "demo")
+    assert result.returncode == 0 and "made 13 ImageNet-like JPEGs" in result.stdout, result.stderr
+    result = cli("demo", "--images", 5, "--classes", 10)
+    assert result.returncode == 2 and "--images (5) must be at least --classes (10)" in result.stderr
+
+
 def test_verify_in_threads_reports_what_one_thread_reports(tmp_path):
     """Shards are checked several at once; the report (problems in shard order, counts) is the same as one
     worker's: images that do not decode in two shards (their checksums are sound) and a shard with a flipped
@@ -275,7 +302,8 @@ def test_verify_in_threads_reports_what_one_thread_reports(tmp_path):
         (shards[4].name, "s017")]
     assert any(p.shard == shards[3].name and "sha256" in p.message for p in one.problems)
     # The flipped shard's 4 images are never reached (its frame fails its checksum); the 2 bad ones were tried.
-    assert (one.shards, one.samples, one.images) == (three.shards, three.samples, three.images) == (6, 24, 20)
+    # 24 samples: those of the shard with the flipped byte (4) unread, 2 that do not decode
+    assert (one.shards, one.samples, one.images) == (three.shards, three.samples, three.images) == (6, 24, 18)
 
 
 def test_verify_names_the_samples_of_every_bad_frame_and_checks_the_frames_between(tmp_path):
@@ -307,7 +335,8 @@ def test_verify_names_the_samples_of_every_bad_frame_and_checks_the_frames_betwe
     named = [p.key for p in report.problems if p.key]
     assert named == frames[0] + ["s007"] + frames[-1]
     assert all("bad zstd frame" in p.message for p in report.problems if p.key in frames[0] + frames[-1])
-    assert report.images == 16 - len(frames[0]) - len(frames[-1]), "the frames between are read and decoded"
+    # the frames between are read and decoded: every image of them but s007, which does not decode
+    assert report.images == 16 - len(frames[0]) - len(frames[-1]) - 1, "the frames between are read and decoded"
 
 
 def test_verify_checks_the_seek_table_against_the_index(packed, tmp_path):

@@ -736,6 +736,15 @@ def test_writer_keeps_every_frame_within_what_readers_read(tmp_path, monkeypatch
     assert [s["bin"][:1] for s in ref.reader()] == [bytes([i]) for i in range(8)]
 
 
+def test_writer_and_open_shard_take_a_path_object(tmp_path):
+    """Regression: ShardWriter(Path) and open_shard(Path) failed on `'PosixPath' object has no attribute
+    'startswith'`, where pack, StreamingDataset and open_dataset take a Path."""
+    with ShardWriter(tmp_path / "ds") as writer:
+        writer.write({"__key__": "a", "txt": "x"})
+    [ref] = open_dataset(tmp_path / "ds").shards
+    assert [s["__key__"] for s in shardstream.open_shard(tmp_path / "ds" / ref.name)] == ["a"]
+
+
 @pytest.mark.parametrize("prefix", ["a\\b", "sub/x", "x\0y"])
 def test_writer_refuses_a_prefix_that_makes_no_plain_file_name(tmp_path, prefix):
     """Regression: ShardWriter took any prefix, and published a manifest every reader refuses ("unsafe

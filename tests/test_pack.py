@@ -1228,6 +1228,28 @@ def test_a_folder_that_cannot_be_listed_fails_the_pack(image_folder_copy, tmp_pa
             listing.os.walk = restore
 
 
+@pytest.mark.parametrize(("options", "message", "with_it"), [
+    ({"quality": 50}, r"quality \(50\) goes with max_side", {"quality": 50, "max_side": 64}),
+    ({"compression": "none", "level": 5}, r"level \(5\) goes with compression 'zstd'", {"level": 5}),
+])
+def test_options_that_change_nothing_without_another_are_refused(image_folder, tmp_path, options, message, with_it):
+    """Regression: recorded in the manifest, each made a rerun with resume refuse the pack as made with other
+    options, though not a byte of it differed."""
+    with pytest.raises(ShardstreamError, match=message):
+        run_pack(image_folder, tmp_path / "ds", **options)
+    run_pack(image_folder, tmp_path / "ds", **with_it)
+
+
+@pytest.mark.parametrize("inside", ["packed", "class_000/packed"])
+def test_a_destination_inside_the_source_folder_is_refused(image_folder_copy, tmp_path, inside):
+    """Regression: `pack imgs imgs/packed` worked once; run again (--overwrite) it listed the dataset as a class
+    of its own, and the same command made another class table."""
+    with pytest.raises(PackError, match="the destination lies inside the source folder"):
+        run_pack(image_folder_copy, image_folder_copy / inside)
+    assert not (image_folder_copy / inside).exists()
+    run_pack(image_folder_copy, tmp_path / "beside")  # outside it: as always
+
+
 def test_a_fifo_named_as_an_image_is_skipped_not_waited_on(image_folder_copy, tmp_path):
     """Regression: pack opened a FIFO named stuck.jpg and waited for a writer forever, under skip too."""
     os.mkfifo(image_folder_copy / "class_000" / "stuck.jpg")

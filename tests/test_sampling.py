@@ -67,6 +67,16 @@ def test_explicit_class_weights_follow_their_ratio(imbalanced):
     assert chisquare(counts[:2]).pvalue > 0.01
 
 
+def test_class_weights_as_a_list_are_a_weight_per_class_in_order(imbalanced):
+    """Regression: a list of class weights failed with a bare "'list' object has no attribute 'items'"."""
+    as_list = Sampling(class_weights=[1.0, 10.0, 0.0], samples_per_epoch=500)
+    assert as_list == Sampling(class_weights={0: 1.0, 1: 10.0, 2: 0.0}, samples_per_epoch=500)
+    drawn = labels_of(ss.StreamingDataset(imbalanced, decode=None, fields=("cls",), seed=1, sampling=as_list))
+    assert len(drawn) == 500 and 2 not in drawn
+    with pytest.raises(ValueError, match="a weight per class in order, not a int"):
+        Sampling(class_weights=3)
+
+
 def test_weighted_epochs_are_deterministic_and_differ_by_epoch(imbalanced):
     make = lambda: ss.StreamingDataset(imbalanced, decode=None, fields=("__key__",), shuffle=True,
                                        sampling=Sampling(class_weights="balanced", samples_per_epoch=200))
