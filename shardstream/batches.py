@@ -79,20 +79,25 @@ def count_samples(batch: Any, by_first_field: bool = False) -> int:
 
     `by_first_field`: the batch is what a collate of fields makes (`default_collate`,
     `pad_collate`: a tensor, or fields in a list, tuple or dict), counted by its first
-    field, whatever that holds (a tensor's leading dimension, the keys' list). Otherwise
+    field where that is a tensor (its leading dimension), else by the first field that
+    is (a first field of two views, ``((view1, view2), label)``, is a list of two batches:
+    counted by its length it made 2 samples of 8), else by the first field's length (the
+    keys' list, an EncodedBatch, a list of per-sample tensors). Otherwise
     (another collate) a list whose first item is not a tensor is a list of samples
     (``collate_fn=list``: torch's DataLoader turns each sample tuple into a list, so the
     structure alone cannot tell it from collated fields), and anything else counts by the
     leading dimension of its first tensor (1 if none).
     """
     if by_first_field:
-        first = batch
+        fields = [batch]
         if isinstance(batch, Mapping):
-            first = next(iter(batch.values()), None)
+            fields = list(batch.values())
         elif isinstance(batch, (list, tuple)):
-            first = batch[0] if batch else None
-        if isinstance(first, torch.Tensor) and first.dim():
-            return int(first.shape[0])
+            fields = list(batch)
+        for field in fields:
+            if isinstance(field, torch.Tensor) and field.dim():
+                return int(field.shape[0])
+        first = fields[0] if fields else None
         if first is not None and not isinstance(first, torch.Tensor) and hasattr(first, "__len__"):
             return len(first)  # a list of keys, an EncodedBatch
     if isinstance(batch, list) and batch and not isinstance(batch[0], torch.Tensor):

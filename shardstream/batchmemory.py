@@ -21,8 +21,9 @@ The worker reuses a slot only when the board says it was released; when none is,
 takes another slot, up to `SLOTS`, then falls back to torch's fresh memory. So a
 training loop that keeps every batch gets them all intact, only not faster.
 
-Releases are noticed when the next pooled batch arrives (any worker's), which is when
-they are needed. A pooled batch the training process sends on to another process (a
+Releases are noticed when the next batch of a worker arrives (any worker's, pooled or in
+fresh memory), which is when they are needed. A slot is reused only when the worker, too,
+holds nothing of it: a collate_fn may keep its last batch to mix into the next. A pooled batch the training process sends on to another process (a
 torch.multiprocessing queue) is never released: that process may read it after the
 training process has let go. A process forked from the training process (another
 loader's worker) starts with nothing to release: the batches are its parent's. What
@@ -46,7 +47,7 @@ import torch.multiprocessing
 from torch.multiprocessing.reductions import StorageWeakRef, reduce_storage
 from torch.utils.data._utils.collate import collate_tensor_fn
 
-__all__ = ["BatchMemory", "collate_tensors", "one_batch", "pooled_tensor", "rebuild_pooled"]
+__all__ = ["BatchMemory", "collate_tensors", "one_batch", "pooled_tensor", "rebuild_pooled", "rebuild_noticing"]
 
 SLOTS = 16  # buffers per worker at most: a worker's batches in flight, with a margin
 
@@ -103,7 +104,10 @@ class BatchMemory:
         return None if slot is None else (slot, self._handed_out[slot])
 
     def _free_slot(self, nbytes: int) -> int | None:
-        free = [s for s, n in enumerate(self._handed_out) if self._released[s] == n]
+        # Free: released by the training process, and held by nothing here but the pool. A
+        # collate_fn that keeps its last batch (to mix into the next) still reads it: reused, it
+        # was overwritten under that collate.
+        free = [s for s, n in enumerate(self._handed_out) if self._released[s] == n and _only_pooled(self._storages[s])]
         large_enough = [s for s in free if (st := self._storages[s]) is not None and st.nbytes() >= nbytes]
         empty = [s for s in free if self._storages[s] is None]
         return (large_enough or empty or free or [None])[0]
@@ -116,6 +120,15 @@ class BatchMemory:
         self._storages[slot] = storage
         self._slot_at[storage.data_ptr()] = slot
         return storage
+
+
+# A storage's count of references (tensors viewing it, and the pool's own), where torch tells it.
+_use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _only_pooled(storage: torch.UntypedStorage | None) -> bool:
+    """Whether nothing in this process but the pool holds `storage` (True where torch cannot tell)."""
+    return storage is None or _use_count is None or _use_count(storage._cdata) <= 1
 
 
 _memory: BatchMemory | None = None  # this worker process's, made at its first batch
@@ -174,9 +187,12 @@ def _reduce_storage(storage: torch.UntypedStorage) -> tuple[Callable[..., Any], 
     (a torch.multiprocessing queue) is never released, as that process may read it after
     the training process has let go."""
     reduced = reduce_storage(storage)
-    handed = _memory.handed_out(storage) if _memory is not None and _memory.pid == os.getpid() else None
+    in_worker = _memory is not None and _memory.pid == os.getpid()
+    handed = _memory.handed_out(storage) if in_worker else None  # type: ignore[union-attr]
     if handed is not None:
         return rebuild_pooled, (reduced, _memory.board, *handed)  # type: ignore[union-attr]
+    if in_worker:  # a batch in fresh memory, no slot being free: its arrival releases what was let go
+        return rebuild_noticing, (reduced,)
     _releases.keep(storage)
     return reduced
 
@@ -187,6 +203,18 @@ def rebuild_pooled(reduced: tuple[Callable[..., Any], tuple[Any, ...]], board: t
     rebuild, args = reduced
     storage = rebuild(*args)
     _releases.watch(storage, board, slot, handed_out)
+    return storage
+
+
+def rebuild_noticing(reduced: tuple[Callable[..., Any], tuple[Any, ...]]) -> torch.UntypedStorage:
+    """Unpickle a worker's storage in fresh memory in the training process, releasing the
+    slots let go of since. A worker whose slots were all held (a loop that kept more than
+    `SLOTS` batches a while) ships fresh memory until one is released; releases were noticed
+    only as pooled batches arrived, so none ever was, and its batches stayed in fresh
+    memory for the rest of the run."""
+    rebuild, args = reduced
+    storage = rebuild(*args)
+    _releases.notice()
     return storage
 
 
@@ -207,6 +235,12 @@ class _Releases:
                 self._sharing_watched = True
             self._release_expired()
             self._held.append((StorageWeakRef(storage), storage.data_ptr(), board, slot, handed_out))
+
+    def notice(self) -> None:
+        """Release the slots of the storages let go of since the last look."""
+        if self._held:
+            with self._lock:
+                self._release_expired()
 
     def keep(self, storage: torch.UntypedStorage) -> None:
         """Never release `storage`'s slot, if it is a pooled one held here."""

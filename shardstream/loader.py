@@ -89,6 +89,11 @@ class Normalize:
             # of 3 frames was normalised along its frames, silently, and others failed on the broadcast.
             raise ValueError(f"Normalize takes CHW images or NCHW batches of them, not a tensor of shape "
                              f"{tuple(images.shape)}")
+        channels = images.shape[-3]
+        if len(self.mean) != len(self.std) or len(self.mean) not in (1, channels):
+            # A grey batch (N, 1, H, W) broadcast against 3 means came out as 3 channels, silently.
+            raise ValueError(f"Normalize has {len(self.mean)} means and {len(self.std)} stds for images of {channels} "
+                             f"channels (shape {tuple(images.shape)}): give one of each a channel, or one for all")
         mean, inv_std = _normalize_constants(tuple(self.mean), tuple(self.std), images.device, self.dtype, images.dim())
         out = (images.to(self.dtype) - mean) * inv_std
         if self.channels_last and out.dim() == 4:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing.resource_sharer
 import os
+import time
 
 import pytest
 import torch
@@ -66,6 +67,67 @@ def test_batches_held_by_the_training_loop_are_never_overwritten():
         assert torch.equal(images, _expected(int(index[0])))
 
 
+class _Epochs(IterableDataset):
+    """`Batches` epoch after epoch, through one worker's persistent iterator: `epochs` x `count` batches."""
+
+    def __init__(self, count: int, epochs: int, collate=default_collate):
+        self.count, self.epochs, self.collate = count, epochs, collate
+
+    def __iter__(self):
+        for _ in range(self.epochs):
+            yield from Batches(self.count, self.collate)
+
+
+def test_memory_is_reused_again_after_the_loop_held_more_batches_than_slots():
+    """Regression: a loop that once held more batches than a worker's slots (a window of recent batches) left
+    every slot held; the worker shipped fresh memory, whose arrival noticed no release, and so never pooled
+    again: a new buffer a batch for the rest of the run."""
+    held, inodes = [], []
+    for k, (images, index) in enumerate(DataLoader(_Epochs(SLOTS + 8, 3), batch_size=None, num_workers=1)):
+        assert torch.equal(images, _expected(int(index[0])))
+        if k < SLOTS + 4:
+            held.append(images)  # more than the worker's slots, at once
+        else:
+            held.clear()
+            if k >= 2 * (SLOTS + 8):  # the last epoch
+                inodes.append(_inode(images))
+    assert len(inodes) == SLOTS + 8 and len(set(inodes)) <= 6
+
+
+class _MixesWithThePrevious:
+    """A collate_fn that keeps the batch it made, to mix into the next (MixUp with the previous batch), and
+    says whether the batch it kept is still what it made."""
+
+    def __init__(self) -> None:
+        self.kept: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self, samples):
+        images, index = default_collate(samples)
+        intact = None if self.kept is None else bool(torch.equal(*self.kept))
+        self.kept = (images, images.clone())
+        return images, index, intact
+
+
+class _SlowFirstWorker(Batches):
+    """`Batches`, worker 0 making each one slowly: its slots are released when worker 1's batches arrive,
+    before it makes its next one (while its collate_fn still holds its last)."""
+
+    def __iter__(self):
+        slow = torch.utils.data.get_worker_info().id == 0
+        for i in range(self.count):
+            if slow:  # before the collate: meanwhile the loop takes its last batch, and lets go of it
+                time.sleep(0.05)
+            yield self.collate([(_image(i, j), i) for j in range(4)])
+
+
+def test_a_batch_the_workers_collate_keeps_is_never_reused_under_it():
+    """Regression: a slot was reused as soon as the training process let go of its batch, though the worker's
+    collate_fn still held it: the batch it kept to mix into the next was overwritten under it."""
+    flags = [intact for _, _, intact in DataLoader(_SlowFirstWorker(2 * SLOTS, collate=_MixesWithThePrevious()),
+                                                   batch_size=None, num_workers=2)]
+    assert flags.count(True) == len(flags) - 2  # every batch but each worker's first had one kept before it
+
+
 def test_a_view_kept_after_its_batch_is_dropped_keeps_the_memory():
     views = []
     for images, index in DataLoader(Batches(3 * SLOTS), batch_size=None, num_workers=1):
@@ -110,9 +172,13 @@ def test_a_slot_is_free_only_when_released():
     assert memory.tensor((4, 8), torch.uint8) is None  # both handed out, neither released
     slot, handed_out = memory.handed_out(first.untyped_storage())
     memory.board[slot] = handed_out  # what the training process writes once it let go
+    assert memory.tensor((2, 8), torch.uint8) is None  # ... but this process still holds it (a collate's keep)
+    where = first.untyped_storage().data_ptr()
+    del first
     again = memory.tensor((2, 8), torch.uint8)
-    assert again is not None and again.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+    assert again is not None and again.untyped_storage().data_ptr() == where
     memory.board[1 - slot] = memory.handed_out(second.untyped_storage())[1]
+    del second
     larger = memory.tensor((64, 64), torch.uint8)  # too large for the free slot: it grows
     assert larger is not None and larger.untyped_storage().nbytes() >= 64 * 64
 

@@ -207,6 +207,20 @@ def test_normalize_refuses_what_is_not_images_in_chw():
     assert Normalize()(torch.zeros(3, 5, 7, dtype=torch.uint8)).shape == (3, 5, 7)
 
 
+def test_normalize_refuses_constants_for_another_number_of_channels():
+    """Regression: a grey batch (N, 1, H, W) came out as (N, 3, H, W), each channel normalised with other
+    constants, broadcast silently against the three means."""
+    grey = torch.full((2, 1, 4, 4), 128, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"3 means and 3 stds for images of 1 channels \(shape \(2, 1, 4, 4\)\)"):
+        Normalize()(grey)
+    with pytest.raises(ValueError, match="for images of 1 channels"):
+        Normalize()(grey[0])  # CHW
+    out = Normalize(mean=(0.5,), std=(0.25,))(grey)
+    assert out.shape == (2, 1, 4, 4) and torch.allclose(out, torch.full_like(out, (128 / 255 - 0.5) / 0.25))
+    with pytest.raises(ValueError, match="2 means and 3 stds"):
+        Normalize(mean=(0.5, 0.5), std=(0.2, 0.2, 0.2))(torch.zeros(1, 3, 2, 2, dtype=torch.uint8))
+
+
 def test_to_device_keeps_the_batch_structure():
     Pair = collections.namedtuple("Pair", "x y")
     batch = {"a": [torch.ones(2), (torch.zeros(1), "text")], "b": Pair(torch.arange(3), 7)}
@@ -249,6 +263,21 @@ def test_stats_count_samples_when_the_first_field_is_a_list(packed):
                                batch_size=BATCH)
     loader = DataLoader(dataset, num_workers=0)
     assert sum(len(keys) for keys, _, _ in loader) == loader.stats.samples
+    assert loader.stats.samples == int(shardstream.open_dataset(packed).counts().sum())
+
+
+def _two_views(sample: dict) -> dict:
+    """Two crops of one image, as contrastive training takes them: ((view1, view2), label) once collated."""
+    return {**sample, "views": (sample["jpg"], sample["jpg"].flip(-1))}
+
+
+def test_stats_count_samples_when_the_first_field_holds_two_views(packed):
+    """Regression: a first field of two views collates to a list of two batches, and counted by its length,
+    a batch of 8 was 2 samples (stats.samples and samples_per_s a quarter of the truth)."""
+    dataset = StreamingDataset(packed, decode=RandomResizedCropJPEG(SIZE), transform=_two_views,
+                               fields=("views", "cls"), batch_size=BATCH)
+    loader = DataLoader(dataset, num_workers=0)
+    assert sum(len(labels) for (_, labels) in loader) == loader.stats.samples
     assert loader.stats.samples == int(shardstream.open_dataset(packed).counts().sum())
 
 
