@@ -86,11 +86,14 @@ static int decode(const unsigned char *data, size_t size, int denom, JDIMENSION 
        without this). jpeg_crop_scanline then widens the span to whole iMCUs. */
     JDIMENSION x = left > 0 ? left - 1 : 0;
     JDIMENSION right = left + width + 1 < cinfo.output_width ? left + width + 1 : cinfo.output_width;
-    if (right - x < 3) {
-        /* A span of two columns at an edge holds one chroma column of a 4:2:0 image,
-           which h2v2 fancy upsampling takes for the image's edge (16 levels off). */
-        right = x + 3 < cinfo.output_width ? x + 3 : cinfo.output_width;
-        x = right > 3 ? right - 3 : 0;
+    /* A span of two columns at an edge holds one chroma column of a 4:2:0 image, which
+       h2v2 fancy upsampling takes for the image's edge (16 levels off); with a component
+       sampled 4 times across (rare mixed samplings) three columns were not enough either
+       (up to 36 levels off): two chroma columns' worth, and one more, are. */
+    JDIMENSION least = 2 * (JDIMENSION)cinfo.max_h_samp_factor + 1;
+    if (right - x < least) {
+        right = x + least < cinfo.output_width ? x + least : cinfo.output_width;
+        x = right > least ? right - least : 0;
     }
     JDIMENSION span = right - x;
     jpeg_crop_scanline(&cinfo, &x, &span);

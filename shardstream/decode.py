@@ -246,8 +246,14 @@ def jpeg_damage(data: bytes) -> str | None:
 
 def narrowed_grey(image: Image.Image) -> Image.Image:
     """A 16-bit grey image (I;16 or I: PNG depth maps, medical and satellite images) as 8-bit
-    grey, its top 8 bits: Pillow's own convert clips at 255 rather than scaling, nearly all white."""
-    scaled = np.right_shift(np.asarray(image, dtype=np.uint32), 8).clip(0, 255).astype(np.uint8)
+    grey, its top 8 bits: Pillow's own convert clips at 255 rather than scaling, nearly all white.
+    Mode I holds 32-bit signed values: where they leave 0..65535 there is no 16-bit reading
+    (shifted as one, a 32-bit TIFF came out all white), and no 8-bit one to assume."""
+    values = np.asarray(image)
+    if values.size and (int(values.min()) < 0 or int(values.max()) > 0xFFFF):
+        raise ValueError(f"a 32-bit integer image (values {int(values.min())}..{int(values.max())}) has no 8-bit "
+                         "reading; decode it with a callable (decode=...)")
+    scaled = np.right_shift(values.astype(np.uint32), 8).astype(np.uint8)
     return Image.fromarray(scaled, "L")
 
 

@@ -119,7 +119,14 @@ def crop_resize(data: bytes, plan: CropPlan) -> torch.Tensor:
         # DCT-reduced, or a crop of a resized image: the box falls between pixels, which
         # Pillow's resize takes exactly (a box resize there is the whole resize's pixels).
         y, x, bh, bw = crop.box
-        resized = Image.fromarray(crop.pixels).resize(size, Image.Resampling.BILINEAR, box=(x, y, x + bw, y + bh))
+        pixels = crop.pixels
+        if whole:
+            # A crop then a resize (RandomResizedCrop's order): the filter reads the box's pixels
+            # only. Given the margin around it, the edges blended in what lies outside the crop.
+            top, left = math.floor(y), math.floor(x)
+            pixels = pixels[top : math.ceil(y + bh), left : math.ceil(x + bw)]
+            y, x = y - top, x - left
+        resized = Image.fromarray(pixels).resize(size, Image.Resampling.BILINEAR, box=(x, y, x + bw, y + bh))
         out = torch.from_numpy(np.asarray(resized).copy()).permute(2, 0, 1)
     if plan.flip:
         out = out.flip(-1)

@@ -155,9 +155,10 @@ def test_cmyk_jpeg_is_decoded_to_rgb():
 
 def test_crop_matches_pillow_crop_and_antialiased_resize():
     """The fused path gives what decoding, cropping and resizing with Pillow gives: up to resampling rounding
-    at full scale (torch's antialiased bilinear kernel); where the crop allows a DCT reduction, Pillow's draft
-    and resize with the same box, exactly from a whole decode, and within one level from a region decode (the
-    box's offset in the region changes the float rounding of the filter's coefficients)."""
+    at full scale (torch's antialiased bilinear kernel); where the crop allows a DCT reduction, Pillow's draft,
+    a crop to the box's pixels and a resize of the box in them (a crop then a resize: nothing outside the box
+    is read), exactly from a whole decode, and within one level from a region decode (the box's offset in the
+    region changes the float rounding of the filter's coefficients)."""
     data = _jpeg_variants()[0]
     full = Image.open(io.BytesIO(data)).convert("RGB")
     reduced = 0
@@ -170,7 +171,10 @@ def test_crop_matches_pillow_crop_and_antialiased_resize():
         _, (_, _, right, bottom) = image.draft("RGB", (max(1, 467 * size // w), max(1, 301 * size // h)))
         sx, sy = right / 467, bottom / 301  # the full image's box in the decoded pixels: 1/k, not size over size
         box = (left * sx, top * sy, (left + w) * sx, (top + h) * sy)
-        ref = np.asarray(image.convert("RGB").resize((size, size), Image.Resampling.BILINEAR, box=box))
+        x0, y0 = math.floor(box[0]), math.floor(box[1])
+        cropped = image.convert("RGB").crop((x0, y0, math.ceil(box[2]), math.ceil(box[3])))
+        ref = np.asarray(cropped.resize((size, size), Image.Resampling.BILINEAR,
+                                        box=(box[0] - x0, box[1] - y0, box[2] - x0, box[3] - y0)))
         if image.size == full.size:
             assert np.abs(out - ref).mean() < 0.5, (seed, size)
         else:
@@ -203,6 +207,24 @@ def _region_variants() -> list[bytes]:
 
 
 @needs_region_decoder
+@pytest.mark.parametrize("region", [True, False])
+def test_a_reduced_random_crop_reads_nothing_outside_its_box(monkeypatch, region):
+    """Regression: at a DCT reduction, the box resize read the margin decoded around the crop, so the output's
+    edge rows and columns blended in what lies outside it (a crop then a resize, RandomResizedCrop's order,
+    never sees it): the crop of exactly a white square on black came out with grey edges (195)."""
+    import shardstream.decode as decode_module
+
+    if not region:  # the whole image decoded (reduced), as where the region decoder is not built
+        monkeypatch.setattr(decode_module, "_jpegregion", None)
+    pixels = np.zeros((1600, 1600, 3), np.uint8)
+    pixels[400:1200, 400:1200] = 255
+    encoded = io.BytesIO()
+    Image.fromarray(pixels).save(encoded, "JPEG", quality=95, subsampling=0)
+    plan = CropPlan((1600, 1600), (400, 400, 800, 800), (224, 224), False)
+    out = crop_resize(encoded.getvalue(), plan)
+    assert out.shape == (3, 224, 224) and int(out.min()) >= 250, int(out.min())
+
+
 def test_region_decode_gives_the_pixels_of_the_whole_decode():
     """For random boxes at every DCT reduction, the region decoder's pixels are the whole decode's pixels at
     the same place, byte for byte (its first and last columns included, where fancy upsampling reads a
@@ -360,6 +382,75 @@ JPEG_410 = base64.b64decode(
 )
 
 
+# 40x16 JPEGs whose components are sampled differently from each other (Y, Cb, Cr as h x v: 1x1, 2x1, 4x1;
+# 2x1, 4x1, 1x2; 4x1, 2x2, 1x2), from a libjpeg encoder that sets any factors (cjpeg's -sample sets them too).
+JPEG_MIXED_112141 = base64.b64decode(
+    "/9j/4AAQSkZJRgABAQAAAQABAAD/2wBDAAQDAwMDAgQDAwMEBAQFBgoGBgUFBgwICQcKDgwPDg4MDQ0PERYTDxAVEQ0NExoT"
+    "FRcYGRkZDxIbHRsYHRYYGRj/2wBDAQQEBAYFBgsGBgsYEA0QGBgYGBgYGBgYGBgYGBgYGBgYGBgYGBgYGBgYGBgYGBgYGBgY"
+    "GBgYGBgYGBgYGBgYGBj/wAARCAAQACgDAREAAiEBA0EB/8QAHwAAAQUBAQEBAQEAAAAAAAAAAAECAwQFBgcICQoL/8QAtRAA"
+    "AgEDAwIEAwUFBAQAAAF9AQIDAAQRBRIhMUEGE1FhByJxFDKBkaEII0KxwRVS0fAkM2JyggkKFhcYGRolJicoKSo0NTY3ODk6"
+    "Q0RFRkdISUpTVFVWV1hZWmNkZWZnaGlqc3R1dnd4eXqDhIWGh4iJipKTlJWWl5iZmqKjpKWmp6ipqrKztLW2t7i5usLDxMXG"
+    "x8jJytLT1NXW19jZ2uHi4+Tl5ufo6erx8vP09fb3+Pn6/8QAHwEAAwEBAQEBAQEBAQAAAAAAAAECAwQFBgcICQoL/8QAtREA"
+    "AgECBAQDBAcFBAQAAQJ3AAECAxEEBSExBhJBUQdhcRMiMoEIFEKRobHBCSMzUvAVYnLRChYkNOEl8RcYGRomJygpKjU2Nzg5"
+    "OkNERUZHSElKU1RVVldYWVpjZGVmZ2hpanN0dXZ3eHl6goOEhYaHiImKkpOUlZaXmJmaoqOkpaanqKmqsrO0tba3uLm6wsPE"
+    "xcbHyMnK0tPU1dbX2Nna4uPk5ebn6Onq8vP09fb3+Pn6/9oADAMBAAIRAxEAPwDdm+z2vgWLQ2uYzNp1vHfKCQC5eNk2j1+/"
+    "n8K87i7DLKctnw/D3pNXbXmt7HJl9BUOFsNlcdeVvX1/r/hzp46wuC4zpqlCrGKT6tbdPP1tol6My4W8P1k9CFKnUUvR6rT7"
+    "9F8te7PtZ8eVuGqDw/sXLm8r+S2ul+O1vX8Nw+V/2rmk80rStd3/AD+7y0ORtZBHZQxtG2VQKcD0GP7wr7/IqFfC4KEKceZe"
+    "jf6MD73F+F2BzyTrPEpP1T08u33+mmoABt+IvB85+IJ1dbyQRrNEnlZOCqsE2n1HzA189l2VPNpyz2q7+0XJbtotf630IqZV"
+    "/YeUY6cnfkg36b/8A/n3Kcvx3tUo1pXsvT0ST09dOtlpp/UnCGHqYPArGVZNpbN6t6f1rb1tY4OIfEChisTDC1aabuo/P8f0"
+    "6b7n0Wb8ERzPJo4ii+S66dPPTpd9NNeiR6/L8A/tEzTx6p5SOdwQO2Fz2r3OBeNadfJMPVq0rtrsB+CT4XzLBTcY4h+l+z7X"
+    "tvrr8rbgAH//2Q=="
+)
+JPEG_MIXED_214112 = base64.b64decode(
+    "/9j/4AAQSkZJRgABAQAAAQABAAD/2wBDAAQDAwMDAgQDAwMEBAQFBgoGBgUFBgwICQcKDgwPDg4MDQ0PERYTDxAVEQ0NExoT"
+    "FRcYGRkZDxIbHRsYHRYYGRj/2wBDAQQEBAYFBgsGBgsYEA0QGBgYGBgYGBgYGBgYGBgYGBgYGBgYGBgYGBgYGBgYGBgYGBgY"
+    "GBgYGBgYGBgYGBgYGBj/wAARCAAQACgDASEAAkEBAxIB/8QAHwAAAQUBAQEBAQEAAAAAAAAAAAECAwQFBgcICQoL/8QAtRAA"
+    "AgEDAwIEAwUFBAQAAAF9AQIDAAQRBRIhMUEGE1FhByJxFDKBkaEII0KxwRVS0fAkM2JyggkKFhcYGRolJicoKSo0NTY3ODk6"
+    "Q0RFRkdISUpTVFVWV1hZWmNkZWZnaGlqc3R1dnd4eXqDhIWGh4iJipKTlJWWl5iZmqKjpKWmp6ipqrKztLW2t7i5usLDxMXG"
+    "x8jJytLT1NXW19jZ2uHi4+Tl5ufo6erx8vP09fb3+Pn6/8QAHwEAAwEBAQEBAQEBAQAAAAAAAAECAwQFBgcICQoL/8QAtREA"
+    "AgECBAQDBAcFBAQAAQJ3AAECAxEEBSExBhJBUQdhcRMiMoEIFEKRobHBCSMzUvAVYnLRChYkNOEl8RcYGRomJygpKjU2Nzg5"
+    "OkNERUZHSElKU1RVVldYWVpjZGVmZ2hpanN0dXZ3eHl6goOEhYaHiImKkpOUlZaXmJmaoqOkpaanqKmqsrO0tba3uLm6wsPE"
+    "xcbHyMnK0tPU1dbX2Nna4uPk5ebn6Onq8vP09fb3+Pn6/9oADAMBAAIRAxEAPwDfv7bWvBWiQaf4V0rzdRSTzZJRLgbSfQ9e"
+    "hrIub7Vdb1dY7nQBp13qhEMuoCYP544G3b2rVYrCvThTDXqO+8vXv+bPHzfhjMs5w8v7UlabXw6fmvx+S9J4PyjGcKuUaGH5"
+    "b9b3/r8/uO3jLBQwWFlmWYzv1ta3yv8A8Dy6GmNw0cHgMYqL5o46pe6+zeal8vhMeBqcp5JhsprvmlXc7N9OWLsdHF8GPHVp"
+    "bpBa6as8CjCOHUcfjRWvAWb5NmOHdXD1OX+v69LAACn4IYHFyeI+t259d111PgllGa0f3Sqtpaf1qf/Z"
+)
+JPEG_MIXED_412212 = base64.b64decode(
+    "/9j/4AAQSkZJRgABAQAAAQABAAD/2wBDAAQDAwMDAgQDAwMEBAQFBgoGBgUFBgwICQcKDgwPDg4MDQ0PERYTDxAVEQ0NExoT"
+    "FRcYGRkZDxIbHRsYHRYYGRj/2wBDAQQEBAYFBgsGBgsYEA0QGBgYGBgYGBgYGBgYGBgYGBgYGBgYGBgYGBgYGBgYGBgYGBgY"
+    "GBgYGBgYGBgYGBgYGBj/wAARCAAQACgDAUEAAiIBAxIB/8QAHwAAAQUBAQEBAQEAAAAAAAAAAAECAwQFBgcICQoL/8QAtRAA"
+    "AgEDAwIEAwUFBAQAAAF9AQIDAAQRBRIhMUEGE1FhByJxFDKBkaEII0KxwRVS0fAkM2JyggkKFhcYGRolJicoKSo0NTY3ODk6"
+    "Q0RFRkdISUpTVFVWV1hZWmNkZWZnaGlqc3R1dnd4eXqDhIWGh4iJipKTlJWWl5iZmqKjpKWmp6ipqrKztLW2t7i5usLDxMXG"
+    "x8jJytLT1NXW19jZ2uHi4+Tl5ufo6erx8vP09fb3+Pn6/8QAHwEAAwEBAQEBAQEBAQAAAAAAAAECAwQFBgcICQoL/8QAtREA"
+    "AgECBAQDBAcFBAQAAQJ3AAECAxEEBSExBhJBUQdhcRMiMoEIFEKRobHBCSMzUvAVYnLRChYkNOEl8RcYGRomJygpKjU2Nzg5"
+    "OkNERUZHSElKU1RVVldYWVpjZGVmZ2hpanN0dXZ3eHl6goOEhYaHiImKkpOUlZaXmJmaoqOkpaanqKmqsrO0tba3uLm6wsPE"
+    "xcbHyMnK0tPU1dbX2Nna4uPk5ebn6Onq8vP09fb3+Pn6/9oADAMBAAIRAxEAPwDrNM8E2HhOWS/vbAXAUcYcjB7c5/z+VY2o"
+    "+JfiHZ6x5/h7Q/Ls93UzA459OfX+ftUeo63rPiFEm1rwKur+WPvC7EW33OOv9ffNUbD+0fFV0nh5Yv7Ni+59kBDqBkA9u/PI"
+    "9M+tedxdhllOWz4fh70mrtrzW9jky+gqHC2GyuOvK3r6/wBf8Oe9l2VPNpyz2q7+0XJbtotf630IqZV/YeUY6cnfkg36b/8A"
+    "ANMbho4PAYxUXzRx1S919m81L5fCY8DU5TyTDZTXfNKu52b6csXY6i1+B/jOwhK6bbJcRAY4YDufX/PNFFFfSZFQr4XBQhTj"
+    "zL0b/Rgc/AvGtOvkmHq1aV212AU/BDA4uTxH1u3Pruuup8EsozWj+6VVtLT+tT//2Q=="
+)
+
+
+@needs_region_decoder
+@pytest.mark.parametrize("data", [JPEG_MIXED_112141, JPEG_MIXED_214112, JPEG_MIXED_412212],
+                         ids=["112141", "214112", "412212"])
+def test_region_decoder_narrow_boxes_of_mixed_samplings_are_the_whole_decodes(data):
+    """Regression: a box 1 to 3 columns wide was widened to 3 columns for the upsampling to see a neighbour,
+    which is enough for 4:2:0 and 4:2:2 but not where a component is sampled 4 times across: 8 or 9 of the
+    boxes of such an image were up to 36 levels off the whole decode. The span is at least two chroma
+    columns' worth now."""
+    from shardstream import _jpegregion
+
+    whole = decode_rgb(data)
+    height, width = whole.shape[:2]
+    for box_width in (1, 2, 3, 4):
+        for left in range(width - box_width + 1):
+            out = np.empty((height, box_width, 3), np.uint8)
+            _jpegregion.decode_region(data, out, 1, 0, left, height, box_width)
+            assert np.array_equal(out, whole[:, left : left + box_width]), (box_width, left)
+
+
 def test_a_subsampling_simplejpeg_does_not_know_is_decoded_by_pillow():
     """Regression: simplejpeg raised KeyError on a valid 4:4:1 JPEG, which escaped as neither a decoded image
     nor a DecodeError, so on_error="skip" could not skip it and the run died."""
@@ -468,6 +559,20 @@ def test_sixteen_bit_grey_is_scaled_not_clipped(mode):
     pixels = decode_rgb(data.getvalue())
     assert np.array_equal(pixels[..., 0], (values >> 8).astype(np.uint8))
     assert np.array_equal(pixels[..., 0], pixels[..., 2])
+
+
+@pytest.mark.parametrize("values", [np.array([[0, 1 << 20]]), np.array([[-5, 100]])], ids=["32-bit", "negative"])
+def test_a_32_bit_integer_image_is_refused_naming_the_sample_not_made_white(values):
+    """Regression: mode I was read as 16-bit whatever its values: a TIFF of 32-bit values came out all white
+    (shifted by 8 and clipped), and negative ones wrapped round."""
+    from shardstream.decode import Decoder
+    from shardstream.errors import DecodeError
+
+    data = io.BytesIO()
+    Image.fromarray(values.astype(np.int32)).save(data, format="TIFF")
+    with pytest.raises(DecodeError, match="32-bit integer image .* has no 8-bit reading") as raised:
+        Decoder(images="rgb8")({"__key__": "deep", "tif": data.getvalue()})
+    assert raised.value.key == "deep"
 
 
 @pytest.mark.parametrize("size", [(500, 375), (333, 500), (300, 256), (640, 480), (512, 512), (1200, 900)])
