@@ -23,9 +23,9 @@ training loop that keeps every batch gets them all intact, only not faster.
 
 Releases are noticed when the next batch of a worker arrives (any worker's, pooled or in
 fresh memory), which is when they are needed. A slot is reused only when the worker, too,
-holds nothing of it: a collate_fn may keep its last batch to mix into the next. A pooled batch the training process sends on to another process (a
-torch.multiprocessing queue) is never released: that process may read it after the
-training process has let go. A process forked from the training process (another
+holds nothing of it: a collate_fn may keep its last batch to mix into the next. A pooled
+batch the training process sends on to another process (a torch.multiprocessing queue)
+is never released: that process may read it after the training process has let go. A process forked from the training process (another
 loader's worker) starts with nothing to release: the batches are its parent's. What
 stays unguarded: such a child reading a batch through its inherited copy after the
 parent let go of it. Only
@@ -107,7 +107,8 @@ class BatchMemory:
         # Free: released by the training process, and held by nothing here but the pool. A
         # collate_fn that keeps its last batch (to mix into the next) still reads it: reused, it
         # was overwritten under that collate.
-        free = [s for s, n in enumerate(self._handed_out) if self._released[s] == n and _only_pooled(self._storages[s])]
+        free = [s for s, n in enumerate(self._handed_out)
+                if self._released[s] == n and _only_pooled(self._storages[s])]
         large_enough = [s for s in free if (st := self._storages[s]) is not None and st.nbytes() >= nbytes]
         empty = [s for s in free if self._storages[s] is None]
         return (large_enough or empty or free or [None])[0]

@@ -4,9 +4,10 @@
 in the room lock's turn (`Room.turn`), which every thread and process on the machine
 takes in turn. Making room is a walk of the whole cache (every cached file, download
 in flight and leftover, in the cache's own folders, `<location>/<version>/NAME`, each
-named by 16 hex digits: nothing else in the folder is counted or touched; `Room.walk`), which evicts the least recently used shards that
-no process holds, deletes what killed processes left, and marks the cache over its
-limit where the shards in use alone exceed it. A walk of a large cache is long (2.1 s
+named by 16 hex digits: nothing else in the folder is counted or touched; `Room.walk`),
+which evicts the least recently used shards that no process holds, deletes what killed
+processes left, and marks the cache over its limit where the shards in use alone
+exceed it. A walk of a large cache is long (2.1 s
 at 50k shards), so a ledger of the bytes it counted, plus every reservation since,
 spares the walk while it shows room, for a minute; and a walk that must evict goes
 down to `LOW_WATER` of the limit. The ledger only errs high: a download given up, a
