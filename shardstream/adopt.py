@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ._version import __version__
-from .braces import expand_braces, names_shards
+from .braces import expand_braces, folder_named, names_shards
 from .errors import ShardstreamError
 from .format import INDEX_SUFFIX, MANIFEST_NAME, Manifest, ShardInfo
 from .tarstream import CountingReader, StreamTarReader, scan_tar
@@ -38,7 +38,7 @@ from .writer import write_manifest
 
 __all__ = ["index_tars", "repack_tars"]
 
-_COMPRESSED = (".tar.gz", ".tgz", ".tar.zst", ".tar.bz2", ".tar.xz")
+_COMPRESSED = (".tar.gz", ".tgz", ".tar.zst", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
 
 
 def index_tars(source: str | Sequence[str], *, workers: int = 8, overwrite: bool = False,
@@ -156,6 +156,7 @@ def _shards(source: str | Sequence[str], options: dict[str, Any], *,
     """The one folder the shards are in, and their names (plain tars only, unless `compressed`)."""
     kinds = (".tar", *_COMPRESSED) if compressed else (".tar",)
     if isinstance(source, str) and not names_shards(source):
+        source = folder_named(source)
         store = Store(source, options, RetryPolicy())
         listed = store.list()
         names = [n for n in listed if n.endswith(kinds)]

@@ -11,7 +11,7 @@ from typing import Iterator
 from .errors import BracePatternError
 from .urls import split_query
 
-__all__ = ["expand_braces", "names_shards", "BracePatternError", "MAX_BRACE_NAMES"]
+__all__ = ["expand_braces", "folder_named", "names_shards", "BracePatternError", "MAX_BRACE_NAMES"]
 
 # WebDataset's patterns, as its `braceexpand` dependency (0.1.7) expands them, which follows bash:
 # lists ``{train,val}``, ranges ``{0..99}``, ``{9..0}``, ``{0..10..2}``, ``{a..e}``, zero padding
@@ -30,7 +30,7 @@ _LETTER_RANGE = re.compile(r"([A-Za-z])\.\.([A-Za-z])(?:\.\.-?(\d+))?")
 _RANGE_LIKE = re.compile(r"-?[A-Za-z0-9]+\.\.-?[A-Za-z0-9]+(?:\.\.-?[A-Za-z0-9]+)?")
 _LETTERS = string.ascii_uppercase + string.ascii_lowercase  # bash's order: Z..a is Z, a
 _ESCAPE = re.compile(r"\\(.)")
-_SHARD_SUFFIXES = (".tar", ".tgz", ".gz", ".zst", ".bz2", ".xz")
+_SHARD_SUFFIXES = (".tar", ".tgz", ".gz", ".zst", ".bz2", ".tbz2", ".xz", ".txz")  # what StreamTarReader reads
 
 
 @dataclass(frozen=True)
@@ -170,6 +170,12 @@ def expand_braces(pattern: str, *, limit: int = MAX_BRACE_NAMES) -> list[str]:
         raise BracePatternError(f"expands to {n:,} names, more than the limit of {limit:,} (a typo in a range?)",
                                 url=pattern)
     return list(_brace_names(parts))
+
+
+def folder_named(source: str) -> str:
+    """The folder a `source` that does not name shards (`names_shards`) names: its escaped
+    braces (``data/\\{v1\\}``) unescaped, as in a pattern; braces standing for themselves kept."""
+    return expand_braces(source)[0] if "{" in source or "}" in source else source
 
 
 def names_shards(source: str) -> bool:

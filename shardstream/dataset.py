@@ -30,7 +30,7 @@ from .collate import default_collate
 from .decode import Decoder
 from .decode_ahead import DecodeAhead
 from .epochs import EpochSequences
-from .errors import MissingFieldError, RaisedInWorker, ShardstreamError, add_note
+from .errors import MissingFieldError, RaisedInWorker, ShardstreamError, StorageError, add_note
 from .headstart import HeadStart
 from .iostats import io_stats
 from .policy import ErrorPolicy, guarded
@@ -291,7 +291,13 @@ class StreamingDataset(Checkpointing, IterableDataset):
     def resolve(self) -> Source:
         """Read the manifest (or list the shards) once per process."""
         if self._resolved is None:
-            self._resolved = resolve_source(self.source, storage_options=self.storage_options, retry=self.retry)
+            source = resolve_source(self.source, storage_options=self.storage_options, retry=self.retry)
+            if self._cache is not None and not source.cacheable:
+                # Here, not at the first sample: counting tars without an index read them all first.
+                raise StorageError("cache_dir keeps the shards of datasets with a manifest (its checksums verify "
+                                   "each copy), and these remote shards have none: `shardstream index` writes one, "
+                                   "or leave out cache_dir", url=source.url)
+            self._resolved = source
         return self._resolved
 
     @property

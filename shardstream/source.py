@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar, overload
 
 import numpy as np
 
-from .braces import expand_braces, names_shards
+from .braces import expand_braces, folder_named, names_shards
 from .errors import ManifestError, ShardstreamError, StorageError
 from .format import INDEX_SUFFIX, MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ShardIndex, ShardInfo
 from .shardtable import ShardTable, checked_index
@@ -53,7 +53,7 @@ class ShardRef:
     def reader(self) -> ShardReader | StreamTarReader:
         if self.info is not None:
             return ShardReader(self.store, self.name, self.info)
-        if self.store.exists(self.name + INDEX_SUFFIX):
+        if self.store.may_read(self.name + INDEX_SUFFIX):
             return ShardReader(self.store, self.name)
         return StreamTarReader(self.store, self.name)
 
@@ -149,6 +149,14 @@ class Source:
         if self.parts:
             return all(p.indexed for p in self.parts)
         return self.manifest is not None
+
+    @property
+    def cacheable(self) -> bool:
+        """True when a shard cache can keep this source's remote shards: each remote part has
+        a manifest, whose checksums verify each copy (local shards are read in place)."""
+        if self.parts:
+            return all(p.cacheable for p in self.parts)
+        return self.manifest is not None or self.local
 
     @property
     def local(self) -> bool:
@@ -349,7 +357,7 @@ def resolve_source(source: "str | Sequence[str] | Mix", *, storage_options: dict
     source = source_urls(source)  # a pathlib.Path is a location too
     if isinstance(source, str):
         if not names_shards(source):
-            return open_dataset(source, storage_options=options, retry=retry)
+            return open_dataset(folder_named(source), storage_options=options, retry=retry)
         urls = expand_braces(source)
     else:
         urls = list(source)

@@ -267,11 +267,21 @@ class Store:
 
     def exists(self, name: str) -> bool:
         """Whether `name` exists; remote errors other than "not found" are retried, never read as "absent"."""
+        return self._look_up(name, (FileNotFoundError,))
+
+    def may_read(self, name: str) -> bool:
+        """Whether `name` exists and may be read here: as `exists`, with access denied read as
+        absent too. For a file that may be missing beside another (a tar's index): a
+        presigned URL signs its own object alone, and a public bucket that does not list
+        answers 403 for a missing key, so the probe for an index was a fatal error there."""
+        return self._look_up(name, (FileNotFoundError, PermissionError))
+
+    def _look_up(self, name: str, absent: tuple[type[OSError], ...]) -> bool:
         if self.local:
             return os.path.exists(self.url(name))
         try:
             self.retry.call(self._remote_info, name, url=self.url(name))
-        except FileNotFoundError:
+        except absent:
             return False
         except OSError as e:
             raise self._wrap(name, "look up", e) from safe_cause(e)

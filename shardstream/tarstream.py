@@ -275,7 +275,7 @@ def open_shard(url: str | os.PathLike[str], *,
     url = os.fspath(url)
     parent, name = split_url(url)
     store = Store(parent, storage_options or {})
-    if store.exists(name + INDEX_SUFFIX):
+    if store.may_read(name + INDEX_SUFFIX):
         return ShardReader(store, name)
     if not store.exists(name):
         raise ShardstreamError("no such shard", url=url)

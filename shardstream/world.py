@@ -47,6 +47,14 @@ class World:
                     raise ValueError(f"world_size={world_size} without a rank: pass rank too, or run under "
                                      "torch.distributed or torchrun (RANK and WORLD_SIZE)")
                 found = (0, 1)
+            if rank is None and world_size is not None and world_size != found[1]:
+                # A rank of another world: world_size=4 in a world of 2 put the two processes at
+                # ranks 0 and 1 of 4, and half the data went unread; world_size=1 (every rank
+                # reads all, to validate) failed on rank 1 of 1.
+                if world_size > 1:
+                    raise ValueError(f"world_size={world_size} without a rank, in a world of {found[1]} processes: "
+                                     "pass rank too")
+                found = (0, 1)
             # Each value given explicitly wins; the other comes from the environment.
             rank = found[0] if rank is None else rank
             world_size = found[1] if world_size is None else world_size

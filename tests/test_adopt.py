@@ -310,6 +310,22 @@ def test_repack_reads_bz2_and_xz_tars_too(wds_folder, tmp_path):
     assert [(s["__key__"], s["jpg"]) for s in read] == [(s["__key__"], s["jpg"]) for s in samples]
 
 
+def test_tbz2_and_txz_tars_are_read_as_a_name_and_repacked(wds_folder, tmp_path):
+    """Regression: .tbz2 and .txz tars were read in a list of shards, but one named alone was "a file, not a
+    dataset folder", and repack refused them as "not tars"."""
+    folder, samples = wds_folder
+    names = sorted(p.name for p in folder.glob("*.tar"))
+    for name, suffix, compress in ((names[0], ".tbz2", bz2.compress), (names[1], ".txz", lzma.compress)):
+        (folder / (name[: -len(".tar")] + suffix)).write_bytes(compress((folder / name).read_bytes()))
+    first = [s["__key__"] for s in ss.open_shard(str(folder / names[0]))]
+    for suffix in (".tbz2", ".txz"):
+        name = (names[0] if suffix == ".tbz2" else names[1])[: -len(".tar")] + suffix
+        alone = [s["__key__"] for s in ss.StreamingDataset(str(folder / name), decode=None)]
+        assert alone == [s["__key__"] for s in ss.open_shard(str(folder / (name[: -len(suffix)] + ".tar")))]
+    manifest = repack_tars([str(folder / (names[0][: -len(".tar")] + ".tbz2"))], str(tmp_path / "out"))
+    assert manifest.samples == len(first)
+
+
 def test_index_refuses_a_shard_listed_twice(wds_folder):
     """Regression: the manifest it wrote listed the shard twice, which every reader then refused."""
     folder, _ = wds_folder

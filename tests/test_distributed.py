@@ -363,6 +363,20 @@ def test_an_explicit_rank_alone_is_not_silently_ignored(url, monkeypatch):
     assert got == D.run(D.key_dataset(url, rank=1, world_size=2, **OPTS), 0)
 
 
+def test_an_explicit_world_size_alone_takes_the_rank_of_its_own_world_only(url, keys, monkeypatch):
+    """Regression: world_size given without rank took the rank of the world found: world_size=1 (every rank
+    reads all, to validate) failed on rank 1 of 2 ("inconsistent world"), and world_size=4 in a world of 2
+    put the processes at ranks 0 and 1 of 4, half the data never read, silently."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    whole = D.run(D.key_dataset(url, world_size=1, **OPTS), 0)  # rank 1 of 2, reading all as rank 0 of 1
+    assert sorted(D.flat(whole)) == sorted(keys)
+    assert D.run(D.key_dataset(url, world_size=2, **OPTS), 0) == D.run(D.key_dataset(url, rank=1, world_size=2,
+                                                                                      **OPTS), 0)
+    with pytest.raises(ValueError, match="world_size=4 without a rank, in a world of 2 processes: pass rank too"):
+        D.run(D.key_dataset(url, world_size=4, **OPTS), 0)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--rank", type=int, required=True)

@@ -19,6 +19,7 @@ import collections
 import contextlib
 import errno
 import hashlib
+import http.server
 import json
 import os
 import random
@@ -30,6 +31,7 @@ import sys
 import textwrap
 import threading
 import time
+import urllib.parse
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -302,6 +304,82 @@ def test_class_weights_read_remote_indexes_several_at_once(local_ds):
     shards = len(shardstream.open_dataset(local_ds).shards)
     assert shards >= 4 and len(drawn) == 30 and set(drawn) == {0, 1, 2}
     assert server.most_at_once(".tar.zst.idx") > 1  # one at a time before
+
+
+class _SignedPaths(http.server.BaseHTTPRequestHandler):
+    """Files of `root`, each only at its own signed URL (`?sig=`, as a presigned URL signs its one object):
+    any other path, a tar's `.idx` beside it too, is a 403. Records (path, allowed) of every request."""
+
+    root = ""
+    requests: list = []
+
+    @staticmethod
+    def signed(path: str) -> str:
+        return hashlib.sha256(b"secret" + path.encode()).hexdigest()
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        url = urllib.parse.urlsplit(self.path)
+        allowed = urllib.parse.parse_qs(url.query).get("sig", [""])[0] == self.signed(url.path)
+        self.requests.append((url.path, allowed))
+        path = os.path.join(self.root, url.path.lstrip("/"))
+        if not allowed or not os.path.isfile(path):
+            self.send_response(403 if not allowed else 404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        data = open(path, "rb").read()
+        start, end = 0, len(data) - 1
+        if "Range" in self.headers:
+            first, last = self.headers["Range"].split("=")[1].split("-")
+            start, end = int(first), min(int(last) if last else end, end)
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
+        else:
+            self.send_response(200)
+        self.send_header("Content-Length", str(end + 1 - start))
+        self.end_headers()
+        self.wfile.write(data[start : end + 1])
+
+    do_HEAD = do_GET
+
+
+def test_presigned_tar_urls_stream_though_their_index_is_forbidden(samples, tmp_path, write_webdataset):
+    """Regression: a list of presigned shard URLs failed at once: the probe for each tar's index beside it
+    (its URL, signed for the tar alone) got a 403, which was an error, not "no index"; a public bucket that
+    does not list answers a missing key with 403 too. An index that may not be read is no index."""
+    write_webdataset(samples, tmp_path / "wds", len(samples) // 2 + 1)  # two tars
+    handler = type("Handler", (_SignedPaths,), {"root": str(tmp_path / "wds"), "requests": []})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        names = sorted(os.listdir(tmp_path / "wds"))
+        urls = [f"http://127.0.0.1:{server.server_address[1]}/{n}?sig={_SignedPaths.signed('/' + n)}" for n in names]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # tars without an index: read through to count, as warned
+            keys = sorted(s["__key__"] for s in StreamingDataset(urls, decode=None, fields=None))
+        assert keys == sorted(s["__key__"] for s in samples)
+        assert {path for path, allowed in handler.requests if not allowed} == {f"/{n}.idx" for n in names}
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def test_cache_dir_for_remote_shards_without_a_manifest_is_refused_before_reading(samples, tmp_path,
+                                                                                   write_webdataset):
+    """Regression: the cache needs a manifest's checksums, and said so only at the first sample, after `len()`
+    had read every tar without an index through to count it. It is refused before anything is read now."""
+    write_webdataset(samples, tmp_path / "wds", len(samples) // 2 + 1)
+    with H.CountingHTTPServer(str(tmp_path / "wds")) as server:
+        dataset = StreamingDataset(server.url + "/shard-{000000..000001}.tar", decode=None,
+                                   cache_dir=str(tmp_path / "cache"))
+        with pytest.raises(StorageError, match="cache_dir keeps the shards of datasets with a manifest"):
+            len(dataset)
+        assert server.gets("shard-000000.tar") == server.gets("shard-000001.tar") == 0
 
 
 def test_tars_without_an_index_are_read_through_once(samples, tmp_path, write_webdataset):

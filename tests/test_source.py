@@ -157,6 +157,17 @@ def test_one_presigned_shard_url_is_a_shard_not_a_dataset_folder():
     assert source.shards[0].url == "https://h/s-0.tar?X-Amz-Signature=abc"
 
 
+def test_a_dataset_folder_named_with_escaped_braces_is_opened(packed_plain, tmp_path):
+    """Regression: README says `\\{` and `\\}` write plain braces, and they did in a pattern, but a dataset's
+    folder written so (`data/\\{v1\\}`) was looked for with its backslashes: "no manifest"."""
+    import shutil
+
+    shutil.copytree(packed_plain, tmp_path / "{v1}")
+    expected = sorted(s["__key__"] for s in StreamingDataset(packed_plain, decode=None))
+    for written in (str(tmp_path / "\\{v1\\}"), str(tmp_path / "{v1}")):
+        assert sorted(s["__key__"] for s in StreamingDataset(written, decode=None)) == expected, written
+
+
 def test_resolve_source_refuses_a_malformed_pattern(tmp_path):
     for pattern in (f"{tmp_path}/s-{{0..a}}", f"{tmp_path}/s-{{0..3.tar"):
         with pytest.raises(BracePatternError):
