@@ -59,8 +59,12 @@ def sniff_image(data: bytes) -> tuple[str | None, str | None]:
     return None, None
 
 
-# JPEG markers that start a frame (SOF0-15 less DHT, JPG and DAC), and that stand alone.
-_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+# JPEG markers that start a frame libjpeg-turbo decodes (baseline, extended, progressive, and
+# their arithmetic-coded kinds; not lossless, hierarchical or differential ones, which Pillow opens
+# and no decoder here reads), the other segments a header holds before its scan, and those that
+# stand alone. A marker outside them (JPG, JPGn, DHP, EXP) is unusual: Pillow decodes the file.
+_SOF = frozenset({0xC0, 0xC1, 0xC2, 0xC9, 0xCA})
+_HEADER = _SOF | {0xC4, 0xCC, 0xDB, 0xDD, 0xFE, *range(0xE0, 0xF0)}  # DHT, DAC, DQT, DRI, COM, APPn
 _STANDALONE = frozenset([0x01, *range(0xD0, 0xD8)])
 
 
@@ -76,6 +80,8 @@ def _plain_jpeg(data: bytes) -> bool:
     if not is_jpeg(data) or not jpeg_ends(data):
         return False
     pos, end, frame = 2, len(data), False
+    defined: set[int] = set()  # quantisation tables defined
+    wanted: list[int] = []  # the tables the frame's components name
     while pos + 4 <= end:
         if data[pos] != 0xFF:
             return False
@@ -86,7 +92,7 @@ def _plain_jpeg(data: bytes) -> bool:
         if marker in _STANDALONE:
             pos += 2
             continue
-        if marker < 0xC0 or marker in (0xD8, 0xD9):  # not a segment Pillow knows, or SOI/EOI mid-header
+        if marker not in _HEADER and marker != 0xDA:  # unusual, or SOI/EOI mid-header
             return False
         length = data[pos + 2] << 8 | data[pos + 3]
         if length < 2 or pos + 2 + length > end:
@@ -98,20 +104,64 @@ def _plain_jpeg(data: bytes) -> bool:
             if (bits != 8 or components not in (1, 3, 4) or length != 8 + 3 * components
                     or not 0 < width * height <= (Image.MAX_IMAGE_PIXELS or 1 << 62)):
                 return False
+            specs = [data[pos + 10 + 3 * c : pos + 13 + 3 * c] for c in range(components)]  # id, sampling, table
+            if not all(1 <= h_v >> 4 <= 4 and 1 <= h_v & 0x0F <= 4 for _, h_v, _ in specs):
+                return False
+            wanted = [table for _, _, table in specs]
             frame = True
-        elif marker == 0xDB and not _whole_tables(data, pos + 4, pos + 2 + length):
+        elif marker == 0xDB:
+            tables = _quantisation_tables(data, pos + 4, pos + 2 + length)
+            if tables is None:
+                return False
+            defined |= tables
+        elif marker == 0xC4 and not _whole_huffman_tables(data, pos + 4, pos + 2 + length):
             return False
         elif marker == 0xDA:  # start of scan: the header is over
-            return frame
+            return frame and defined.issuperset(wanted)
         pos += 2 + length
     return False
 
 
-def _whole_tables(data: bytes, start: int, end: int) -> bool:
-    """A DQT segment's body is whole quantization tables (64 entries of 1 or 2 bytes each)."""
+def _quantisation_tables(data: bytes, start: int, end: int) -> set[int] | None:
+    """The ids of the tables a DQT segment's body defines, if it is whole tables (64 entries
+    of 1 or 2 bytes each, ids 0 to 3); else None."""
+    ids = set()
     while start < end:
-        start += 1 + 64 * (1 if data[start] >> 4 == 0 else 2)
+        precision, table = data[start] >> 4, data[start] & 0x0F
+        if precision > 1 or table > 3:
+            return None
+        ids.add(table)
+        start += 1 + 64 * (1 + precision)
+    return ids if start == end else None
+
+
+def _whole_huffman_tables(data: bytes, start: int, end: int) -> bool:
+    """A DHT segment's body is whole Huffman tables: a class and id, 16 code counts, and as
+    many symbols as they add up to (at most 256). A count off by one bit here was accepted,
+    and every decoder then refused the image."""
+    while start < end:
+        if data[start] >> 4 > 1 or data[start] & 0x0F > 3 or start + 17 > end:
+            return False
+        counts = data[start + 1 : start + 17]
+        symbols = sum(counts)
+        if symbols > 256 or start + 17 + symbols > end or not _prefix_code(counts):
+            return False
+        if data[start] >> 4 == 0 and max(data[start + 17 : start + 17 + symbols], default=0) > 15:
+            return False  # a DC table's symbols are bit counts, 0 to 15 (libjpeg's check)
+        start += 17 + symbols
     return start == end
+
+
+def _prefix_code(counts: bytes) -> bool:
+    """Whether codes of these counts, by length 1 to 16, fit the code space (libjpeg refuses
+    a table whose codes run out of it: "bad Huffman table")."""
+    code = 0
+    for length, count in enumerate(counts, 1):
+        code += count
+        if code >= 1 << length:  # the all-ones code of a length is reserved
+            return False
+        code <<= 1
+    return True
 
 
 def check_image(data: bytes, path: str) -> str:
@@ -122,8 +172,9 @@ def check_image(data: bytes, path: str) -> str:
 
     Cheap by design (a full decode would cost more than the rest of packing): the format
     is told from the first bytes, the header is parsed, PNG chunk checksums verified, and
-    a JPEG that does not end with its end-of-image marker is fully decoded to tell
-    truncation from trailing bytes. `verify` does the full decode of every image.
+    a JPEG whose header is unusual, or that does not end with its end-of-image marker, is
+    fully decoded (to tell truncation from trailing bytes, and a header no decoder reads).
+    `verify` does the full decode of every image.
     """
     kind, name = sniff_image(data)
     if kind is None:
@@ -137,8 +188,11 @@ def check_image(data: bytes, path: str) -> str:
         with open_image(data) as image:
             _within_bomb_limit(image.size)
             if image.format == "JPEG":
-                if not jpeg_ends(data):
-                    image.load()
+                # Decoded: a JPEG comes here only where its header walk (`_plain_jpeg`) found it
+                # unusual or damaged (a frame kind, marker or table no decoder here reads), or
+                # it does not end with its end marker (truncated, or bytes after it); Pillow
+                # opens such files and every decoder then refused them.
+                image.load()
             elif image.format == "PNG":
                 image.verify()
             else:

@@ -44,7 +44,7 @@ def _list_folder(root: str) -> Listing:
     ignored: list[str] = [e.name for e in os.scandir(root) if not e.is_dir()]  # links that lead nowhere too
     for hidden in sorted(e.name for e in os.scandir(root) if e.is_dir() and e.name.startswith(".")):
         # Not a class, but its files are counted: nothing in the source goes unaccounted.
-        for folder, names in _walk(os.path.join(root, hidden)):
+        for folder, names in _walk(os.path.join(root, hidden), within=root):  # no link back in: counted twice
             ignored += [os.path.relpath(os.path.join(folder, n), root).replace(os.sep, "/") for n in names]
     for label, name in enumerate(classes):
         for folder, names in _walk(os.path.join(root, name), within=root):

@@ -114,7 +114,7 @@ def shrink_or_keep(data: bytes, max_side: int, quality: int = DEFAULT_QUALITY, *
             if out_fmt != fmt and image.mode not in _WRITES[out_fmt]:
                 image, icc = _writable(image, out_fmt, icc)
             # What Image.thumbnail does, but to exactly the size `shrunk_size` promises.
-            image = image.resize(target, Image.Resampling.BICUBIC, box=box, reducing_gap=2.0)
+            image = _resized(image, target, box)
             if deep and image.mode == "I":  # back to 16 bits, the overshoot of the bicubic clipped
                 image = image.convert("I;16")
             out = io.BytesIO()
@@ -127,6 +127,22 @@ def shrink_or_keep(data: bytes, max_side: int, quality: int = DEFAULT_QUALITY, *
         raise PackError(f"too large to shrink safely: {e}", url=path) from e
     except (OSError, ValueError, SyntaxError) as e:
         raise PackError(f"cannot shrink the image: {e}", url=path) from e
+
+
+def _resized(image: Image.Image, size: tuple[int, int], box: tuple[int, int, int, int] | None) -> Image.Image:
+    """`image` resized to `size` (bicubic, from `box`), with an alpha band resized apart.
+
+    Pillow resizes RGBA and LA with their colours weighted by alpha, so a pixel wholly
+    transparent comes out black; the decoders drop alpha and show the colour stored under
+    it, as torchvision's loader does, so a shrunk image's transparent half turned from the
+    white stored there to black. Resized apart, the colours are the image's own."""
+    def resize(band: Image.Image) -> Image.Image:
+        return band.resize(size, Image.Resampling.BICUBIC, box=box, reducing_gap=2.0)
+
+    if image.mode not in ("RGBA", "LA"):
+        return resize(image)
+    colour, alpha = image.convert(image.mode[:-1]), image.getchannel("A")
+    return Image.merge(image.mode, (*resize(colour).split(), resize(alpha)))
 
 
 def _writable(image: Image.Image, fmt: str, icc: bytes | None) -> tuple[Image.Image, bytes | None]:

@@ -76,3 +76,17 @@ def test_a_listing_sorts_by_path_and_makes_colliding_keys_unique(tmp_path):
     assert {f.field for f in listing.files} == {"jpg", "png"}
     assert sorted(listing.ignored) == ["c0/sub/.jpg", "c0/sub/notes.txt", "c1/.jpg", "c1/notes.txt"]
     assert {(f.size, f.modified) for f in listing.files} == {(-1, -1)}  # names only: nothing looked up
+
+
+def test_a_link_back_into_the_source_from_a_hidden_folder_is_not_followed(tmp_path):
+    """Regression: a hidden folder (not a class; its files counted as not images) holding a link back to the
+    source counted every image of every class again as "not images", so the summary's files in were more
+    than the files there. Links into the source are not followed from a hidden folder, as from a class."""
+    root = tmp_path / "src"
+    for path in ("cat/a.jpg", "cat/b.jpg", "dog/c.jpg", ".ipynb_checkpoints/x.jpg"):
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_bytes(b"\xff\xd8 not decoded by a listing")
+    os.symlink("..", root / ".ipynb_checkpoints" / "up")
+    listing = list_source(str(root))
+    assert sorted(f.path for f in listing.files) == ["cat/a.jpg", "cat/b.jpg", "dog/c.jpg"]
+    assert list(listing.ignored) == [".ipynb_checkpoints/x.jpg"]

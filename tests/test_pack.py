@@ -551,6 +551,42 @@ def test_image_over_the_pixel_limit_is_skipped_with_pillows_reason(image_folder_
     assert warnings.filters == filters
 
 
+def _header_damage() -> dict[str, tuple[bytes, bytes]]:
+    """A JPEG, and one-byte changes of its header that Pillow opens and no decoder reads."""
+    import numpy as np
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 80, 3), dtype=np.uint8)).save(out, "JPEG")
+    data = out.getvalue()
+    sof, dht = data.index(b"\xff\xc0"), data.index(b"\xff\xc4")
+    return data, {
+        "hierarchical frame (SOF5)": data[: sof + 1] + b"\xc5" + data[sof + 2 :],
+        "lossless arithmetic frame (SOF11)": data[: sof + 1] + b"\xcb" + data[sof + 2 :],
+        "a JPGn marker (0xF0)": data[:3] + b"\xf0" + data[4:],
+        "a sampling factor of 0": data[: sof + 11] + b"\x03" + data[sof + 12 :],
+        "Huffman counts past their segment": data[: dht + 5] + bytes([data[dht + 5] + 16]) + data[dht + 6 :],
+    }
+
+
+@pytest.mark.parametrize("case", ["hierarchical frame (SOF5)", "lossless arithmetic frame (SOF11)",
+                                  "a JPGn marker (0xF0)", "a sampling factor of 0",
+                                  "Huffman counts past their segment"])
+def test_check_image_refuses_a_jpeg_header_no_decoder_reads(case):
+    """Regression: the header walk took any frame marker, any marker, and Huffman tables unread, and the
+    fallback only opened the file with Pillow, which takes all of these: pack stored images that `verify`
+    and every reader then refused ("broken data stream")."""
+    from shardstream.decode import decode_rgb
+    from shardstream.imagecheck import check_image
+
+    good, damaged = _header_damage()
+    assert check_image(good, "good.jpg") == "jpg"
+    with pytest.raises(PackError, match="bad.jpg: not a readable image"):
+        check_image(damaged[case], "bad.jpg")
+    with pytest.raises(Exception):  # what every decoder makes of it
+        decode_rgb(damaged[case])
+
+
 def test_check_image_refuses_an_image_over_the_pixel_limit(monkeypatch):
     from PIL import Image
 

@@ -71,8 +71,14 @@ def test_a_larger_image_is_shrunk_in_its_own_format(fmt, mode):
     out = opened(shrink_image(data, 100))
     assert (out.format, out.mode, out.size) == (fmt, mode, (100, 75))
     # The same picture, shrunk: Pillow's own resize of the decoded original, exactly
-    # where the format is lossless (JPEG and WebP lose some, chroma most of all).
-    reference = opened(data).resize((100, 75), Image.Resampling.BICUBIC, reducing_gap=2.0)
+    # where the format is lossless (JPEG and WebP lose some, chroma most of all); its alpha
+    # resized apart from its colours, which the decoders read without it (not weighted by it).
+    def resized(image: Image.Image) -> Image.Image:
+        return image.resize((100, 75), Image.Resampling.BICUBIC, reducing_gap=2.0)
+
+    decoded = opened(data)
+    reference = resized(decoded) if "A" not in mode else Image.merge(
+        mode, (*resized(decoded.convert(mode[:-1])).split(), resized(decoded.getchannel("A"))))
     assert difference(out, reference) == 0 if fmt == "PNG" else difference(out, reference) < 8
     # ... and far from a picture that is merely the same size (a crop of it).
     assert difference(out, opened(data).crop((0, 0, 100, 75))) > 20
@@ -385,3 +391,29 @@ def test_a_16_bit_grey_image_shrinks_to_what_the_decoders_read(as_format):
     small = decode_image(shrunk, "rgb8").float()
     assert small.shape == (3, 64, 128)
     assert abs(small.mean() - whole.mean()) < 2 and small[:, :, :4].mean() < 8 and small[:, :, -4:].mean() > 247
+
+
+@pytest.mark.parametrize("mode", ["RGBA", "LA", "P"])
+def test_shrunk_into_its_own_format_a_transparent_pixel_keeps_the_colour_stored_under_it(mode):
+    """Regression: Pillow resizes RGBA and LA weighting colour by alpha, so a wholly transparent pixel came
+    out black where the image stored white: the decoders (dropping alpha, as torchvision's loader does) saw
+    the transparent half of a shrunk PNG turn from white to black, unlike the same image unshrunk. (A PNG:
+    WebP, shrunk at --quality, is lossy, and its encoder may change what lies under transparent pixels.)"""
+    from shardstream.decode import decode_rgb
+
+    fmt = "PNG"
+
+    if mode == "P":
+        image = Image.new("P", (400, 400), 1)
+        image.putpalette([255, 0, 0, 255, 255, 255] + [0] * 762)
+        image.paste(0, (0, 0, 200, 400))
+        data = encode(image, fmt, transparency=1)
+    else:
+        pixels = np.zeros((400, 400, 4), np.uint8)
+        pixels[:, :200] = (255, 0, 0, 255)
+        pixels[:, 200:] = (255, 255, 255, 0)  # transparent, stored white (as many editors keep it)
+        data = encode(Image.fromarray(pixels, "RGBA").convert(mode), fmt)
+    before = decode_rgb(data)
+    after = decode_rgb(shrink_image(data, 100, as_format=fmt))
+    assert before[200, 300].tolist() == after[50, 80].tolist() == ([255, 255, 255] if mode != "LA" else [255] * 3)
+    assert after[50, 20].tolist() == before[200, 100].tolist()
