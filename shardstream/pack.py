@@ -39,7 +39,7 @@ from .journal import Journal
 from .listing import list_source, look_up_files
 from .packoutput import dataset_manifest, write_shards
 from .packplan import PackOptions, order, part_slice, plan_frames, shrunk_estimates
-from .parts import other_packs, unplanned_part_shards
+from .parts import other_packs, unplanned_part_shards, unplanned_single_shards
 from .scratch import cleanup_scratch
 from .shardfile import FRAME_SIZE, IMAGE_LEVEL
 from .shrink import DEFAULT_QUALITY
@@ -143,9 +143,21 @@ def _clear_other_packs(store: Store, part: tuple[int, int] | None, *, overwrite:
                                "pass overwrite=True (--overwrite) to replace it", url=store.root)
     if stale_merge:
         store.remove(MANIFEST_NAME)  # its shards are this pack's other parts: they stay
+    elif part is None and manifests:
+        # A merge of those parts lists their shards: gone first, or a crash while they are removed
+        # left it listing shards that are not there. (This pack replaces it anyway.)
+        store.remove(MANIFEST_NAME)
     for name in manifests:
         remove_dataset(store, name, keep=_siblings_shard(part))
-    store.remove_all(file for name in shards for file in (name, name + INDEX_SUFFIX))
+    store.remove_all(_with_indexes(shards))
+
+
+def _with_indexes(names: list[str]) -> Iterator[str]:
+    """`names` (shards, and indexes left without their shard), each shard's index after it."""
+    for name in names:
+        yield name
+        if not name.endswith(INDEX_SUFFIX):
+            yield name + INDEX_SUFFIX
 
 
 def part_manifest_name(index: int, parts: int) -> str:
@@ -277,16 +289,20 @@ def pack(
     plan_record = {"options": opts.as_dict(), "listing": fingerprint, "part": list(part or ()), "on_error": on_error,
                    "files": _files_stamp(entries)}
     done = journal.start(plan_record, resume)
-    if part is not None:  # after the journal's fresh start, which removes its own run's shards
-        planned_names = {shard_name(opts.prefix, frame.shard, compression) for frame in planned}
-        stale = unplanned_part_shards(store, part[0], planned_names)
-        store.remove_all(file for name in stale for file in (name, name + INDEX_SUFFIX))
+    # After the journal's fresh start, which removes its own run's shards: others' left behind.
+    planned_names = {shard_name(opts.prefix, frame.shard, compression) for frame in planned}
+    if part is not None:
+        store.remove_all(_with_indexes(unplanned_part_shards(store, part[0], planned_names)))
+    elif overwrite or resume:  # a run that replaced a dataset, or one killed doing so, left them
+        store.remove_all(_with_indexes(unplanned_single_shards(store, planned_names)))
     to_build = [frame for frame in planned if frame.shard not in done]
     jobs = [(frame.shard, frame.entries, listing.root, opts, on_error == "skip") for frame in to_build]
     job_bytes = [frame.size for frame in to_build]  # what each frame holds once built
     # A killed run's half-written shards (a fresh start's too: it may follow a killed run).
     todo = {shard_name(opts.prefix, frame.shard, compression) for frame in to_build}
-    scratch_names = [target, *(name for shard in todo for name in (shard, shard + INDEX_SUFFIX))]
+    # The merged manifest's too: a merge killed mid-write left its scratch file, and no merge can be
+    # under way while this part's manifest is not there yet.
+    scratch_names = [target, MANIFEST_NAME, *(name for shard in todo for name in (shard, shard + INDEX_SUFFIX))]
     cleanup_scratch(store, scratch_names)
     workers = max(1, min(workers or os.cpu_count() or 1, len(jobs) or 1))
 

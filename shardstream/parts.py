@@ -15,17 +15,20 @@ import re
 from typing import Any
 
 from .errors import ManifestError, ShardstreamError
-from .format import MANIFEST_NAME, Manifest, ShardInfo
+from .format import INDEX_SUFFIX, MANIFEST_NAME, Manifest, ShardInfo
 from .shardtable import ShardTable
 from .storage import Store
 from .journal import FOLDER as JOURNAL_FOLDER, remove_journal_folder
 from .threads import ordered_map
 from .writer import write_manifest
 
-__all__ = ["merge", "missing_parts", "other_packs", "unplanned_part_shards"]
+__all__ = ["merge", "missing_parts", "other_packs", "unplanned_part_shards", "unplanned_single_shards"]
 
 _PART = re.compile(r"manifest\.part-(\d{5})-of-(\d{5})\.msgpack")
-_PART_SHARD = re.compile(r"shard-p(\d{5})-\d{6}\.tar(\.zst)?")
+# A part's shard, or its index: one whose shard went first (a removal killed between the two,
+# or removals remote in any order) would be matched by nothing else, and stay for good.
+_PART_SHARD = re.compile(r"shard-p(\d{5})-\d{6}\.tar(\.zst)?(\.idx)?")
+_SINGLE_SHARD = re.compile(r"shard-\d{6}\.tar(\.zst)?(\.idx)?")
 CHECK_THREADS = 16  # indexes read at once by `merge` from a remote store, whose latency they hide
 
 
@@ -70,7 +73,17 @@ def unplanned_part_shards(store: Store, index: int, planned: set[str]) -> list[s
     none of this part's shards, they would stay beside the dataset for good."""
     prefix = f"shard-p{index:05d}-"
     return [name for name in store.list() if name.startswith(prefix) and _PART_SHARD.fullmatch(name)
-            and name not in planned]
+            and name.removesuffix(INDEX_SUFFIX) not in planned]
+
+
+def unplanned_single_shards(store: Store, planned: set[str]) -> list[str]:
+    """The shard files in `store` that a single pack planning `planned` would not write and no
+    manifest of it lists: a single pack's beyond the plan, and any part's. An overwrite
+    removes the dataset it replaces manifest first, then shards (parts.py's order, so that
+    nothing lists a shard that is gone): killed between, the shards stayed, listed by none,
+    and the rerun (fresh or resumed) knew nothing of them."""
+    return [name for name in store.list() if (_SINGLE_SHARD.fullmatch(name) or _PART_SHARD.fullmatch(name))
+            and name.removesuffix(INDEX_SUFFIX) not in planned]
 
 
 def _merged_parts(store: Store) -> int | None:

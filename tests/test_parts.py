@@ -266,6 +266,84 @@ def test_a_part_rerun_removes_the_stale_merge_before_its_own_shards(source, tmp_
         assert (dst / "manifest.part-00000-of-00002.msgpack").exists()  # the other part stays for the rerun
 
 
+def test_a_single_pack_over_a_merged_one_removes_the_merge_before_the_parts_shards(source, tmp_path, monkeypatch):
+    """Regression: a single pack with overwrite over a pack in parts removed the part manifests and their
+    shards first, the merged manifest that lists those shards last: killed between, it listed shards that
+    were gone. The merge goes first now."""
+    from shardstream.storage import Store
+
+    dst = tmp_path / "parts"
+    for part in range(2):
+        ss.pack(str(source / "src"), str(dst), shard_size="8KB", part=(part, 2), progress=False)
+    merge(str(dst))
+    remove = Store.remove
+
+    def crash_at_the_first_part_shard(store, name):
+        remove(store, name)
+        if name.startswith("shard-p"):
+            raise KeyboardInterrupt  # a kill, right after the first shard of the parts is gone
+
+    monkeypatch.setattr(Store, "remove", crash_at_the_first_part_shard)
+    with pytest.raises(KeyboardInterrupt):
+        ss.pack(str(source / "src"), str(dst), shard_size="8KB", overwrite=True, progress=False)
+    monkeypatch.setattr(Store, "remove", remove)
+    assert not (dst / "manifest.msgpack").exists()  # nothing listing a shard that is gone
+
+
+def test_an_index_left_without_its_part_shard_is_swept(source, tmp_path):
+    """Regression: a removal killed between a part's shard and its index (or remote removals done in another
+    order) left the index, which no sweep matched: only shard names were. It goes with the part's rerun."""
+    src, dst = str(source / "src"), tmp_path / "parts"
+    for part in range(2):
+        ss.pack(src, str(dst), shard_size="4KB", part=(part, 2), progress=False)
+    orphan = dst / "shard-p00000-000999.tar.zst.idx"
+    orphan.write_bytes(b"the index of a shard removed")
+    ss.pack(src, str(dst), shard_size="4KB", part=(0, 2), overwrite=True, progress=False)
+    assert not orphan.exists()
+    listed = {name for shard in merge(str(dst)).shards for name in (shard.name, shard.index)}
+    assert sorted(name for name in files(str(dst)) if not name.startswith("manifest")) == sorted(listed)
+
+
+def test_a_part_packed_again_removes_what_a_killed_merge_left(source, tmp_path):
+    """Regression: a merge killed while writing the dataset manifest left its scratch file for good: the
+    parts' runs cleaned their own files only. A part not finished yet cleans it (no merge can be under way
+    while one of its parts is missing)."""
+    from shardstream.scratch import SCRATCH
+
+    src, dst = str(source / "src"), tmp_path / "parts"
+    ss.pack(src, str(dst), shard_size="8KB", part=(0, 2), progress=False)
+    left = dst / SCRATCH / ".manifest.msgpack.k1ll3d.part"
+    left.write_bytes(b"half a manifest")
+    ss.pack(src, str(dst), shard_size="8KB", part=(1, 2), progress=False)
+    assert not left.exists()
+
+
+def test_a_single_pack_over_one_killed_while_replacing_leaves_none_of_its_shards(source, tmp_path, monkeypatch):
+    """Regression: an overwrite removes the old dataset's manifest, then its shards; killed between, they
+    stayed listed by no manifest, and a rerun, fresh or resumed, knew nothing of them: 36 shards of an old
+    pack with smaller shards stayed beside the new one for good. A single pack that overwrites, or resumes,
+    removes the shard files it does not plan."""
+    from shardstream.storage import Store
+
+    src, dst = str(source / "src"), tmp_path / "ds"
+    ss.pack(src, str(dst), shard_size="2KB", progress=False)  # many small shards
+    remove = Store.remove
+
+    def killed_after_the_manifest(store, name):
+        remove(store, name)
+        if name == "manifest.msgpack":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(Store, "remove", killed_after_the_manifest)
+    with pytest.raises(KeyboardInterrupt):
+        ss.pack(src, str(dst), shard_size="64KB", overwrite=True, progress=False)
+    monkeypatch.setattr(Store, "remove", remove)
+    ss.pack(src, str(dst), shard_size="64KB", resume=True, progress=False)
+    listed = {name for shard in ss.open_dataset(str(dst)).manifest.shards for name in (shard.name, shard.index)}
+    assert sorted(name for name in files(str(dst)) if not name.startswith("manifest")) == sorted(listed)
+    assert samples(str(dst)) == samples(str(source / "single"))
+
+
 def test_an_overwrite_from_a_source_that_fails_keeps_the_dataset(source, tmp_path):
     dst = tmp_path / "ds"
     ss.pack(str(source / "src"), str(dst), shard_size="8KB", progress=False)
