@@ -6,6 +6,7 @@ import collections
 import os
 import subprocess
 import sys
+from typing import Callable
 
 import pytest
 
@@ -34,6 +35,23 @@ def samples(url: str) -> dict[str, bytes]:
 
 def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "shardstream.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def killed_after_removing(monkeypatch, first: Callable[[str], bool], run: Callable[[], object]) -> None:
+    """`run()`, killed (a KeyboardInterrupt) right after it removes the first file `first` picks."""
+    from shardstream.storage import Store
+
+    remove = Store.remove
+
+    def removing(store, name):
+        remove(store, name)
+        if first(name):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(Store, "remove", removing)
+    with pytest.raises(KeyboardInterrupt):
+        run()
+    monkeypatch.setattr(Store, "remove", remove)
 
 
 def test_parts_in_any_order_with_a_rerun_merge_into_the_single_pack(source, tmp_path):
@@ -242,23 +260,13 @@ def test_merge_asks_the_store_once_for_every_size_and_reads_each_index_once(sour
 
 def test_a_part_rerun_removes_the_stale_merge_before_its_own_shards(source, tmp_path, monkeypatch):
     """A crash between the removals must not leave a merged manifest that lists removed shards."""
-    from shardstream.storage import Store
-
     dst = tmp_path / "parts"
     for part in range(2):
         ss.pack(str(source / "src"), str(dst), shard_size="8KB", part=(part, 2), progress=False)
     merge(str(dst))
-    remove = Store.remove
-
-    def crash_at_the_first_shard(store, name):
-        remove(store, name)
-        if name.startswith("shard-p00001-"):
-            raise KeyboardInterrupt  # a kill, right after the first shard of the part is gone
-
-    monkeypatch.setattr(Store, "remove", crash_at_the_first_shard)
-    with pytest.raises(KeyboardInterrupt):
-        ss.pack(str(source / "src"), str(dst), shard_size="8KB", part=(1, 2), overwrite=True, progress=False)
-    monkeypatch.setattr(Store, "remove", remove)
+    killed_after_removing(monkeypatch, lambda name: name.startswith("shard-p00001-"),  # the part's first shard
+                          lambda: ss.pack(str(source / "src"), str(dst), shard_size="8KB", part=(1, 2),
+                                          overwrite=True, progress=False))
     if (dst / "manifest.msgpack").exists():  # what a reader finds must be whole
         listed = ss.open_dataset(str(dst)).manifest.shards
         assert all((dst / shard.name).exists() for shard in listed)
@@ -270,23 +278,13 @@ def test_a_single_pack_over_a_merged_one_removes_the_merge_before_the_parts_shar
     """Regression: a single pack with overwrite over a pack in parts removed the part manifests and their
     shards first, the merged manifest that lists those shards last: killed between, it listed shards that
     were gone. The merge goes first now."""
-    from shardstream.storage import Store
-
     dst = tmp_path / "parts"
     for part in range(2):
         ss.pack(str(source / "src"), str(dst), shard_size="8KB", part=(part, 2), progress=False)
     merge(str(dst))
-    remove = Store.remove
-
-    def crash_at_the_first_part_shard(store, name):
-        remove(store, name)
-        if name.startswith("shard-p"):
-            raise KeyboardInterrupt  # a kill, right after the first shard of the parts is gone
-
-    monkeypatch.setattr(Store, "remove", crash_at_the_first_part_shard)
-    with pytest.raises(KeyboardInterrupt):
-        ss.pack(str(source / "src"), str(dst), shard_size="8KB", overwrite=True, progress=False)
-    monkeypatch.setattr(Store, "remove", remove)
+    killed_after_removing(monkeypatch, lambda name: name.startswith("shard-p"),  # the parts' first shard
+                          lambda: ss.pack(str(source / "src"), str(dst), shard_size="8KB", overwrite=True,
+                                          progress=False))
     assert not (dst / "manifest.msgpack").exists()  # nothing listing a shard that is gone
 
 
@@ -323,21 +321,10 @@ def test_a_single_pack_over_one_killed_while_replacing_leaves_none_of_its_shards
     stayed listed by no manifest, and a rerun, fresh or resumed, knew nothing of them: 36 shards of an old
     pack with smaller shards stayed beside the new one for good. A single pack that overwrites, or resumes,
     removes the shard files it does not plan."""
-    from shardstream.storage import Store
-
     src, dst = str(source / "src"), tmp_path / "ds"
     ss.pack(src, str(dst), shard_size="2KB", progress=False)  # many small shards
-    remove = Store.remove
-
-    def killed_after_the_manifest(store, name):
-        remove(store, name)
-        if name == "manifest.msgpack":
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(Store, "remove", killed_after_the_manifest)
-    with pytest.raises(KeyboardInterrupt):
-        ss.pack(src, str(dst), shard_size="64KB", overwrite=True, progress=False)
-    monkeypatch.setattr(Store, "remove", remove)
+    killed_after_removing(monkeypatch, lambda name: name == "manifest.msgpack",
+                          lambda: ss.pack(src, str(dst), shard_size="64KB", overwrite=True, progress=False))
     ss.pack(src, str(dst), shard_size="64KB", resume=True, progress=False)
     listed = {name for shard in ss.open_dataset(str(dst)).manifest.shards for name in (shard.name, shard.index)}
     assert sorted(name for name in files(str(dst)) if not name.startswith("manifest")) == sorted(listed)
