@@ -17,6 +17,7 @@ It needs of the dataset: `world()`, `layout(world)`, `epoch`, `resampled`,
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import get_worker_info
@@ -301,6 +302,14 @@ class Checkpointing:
                 f"this worker state was taken with {resume.current.layout}, and this run has {self.layout(world)}: "
                 "torchdata's StatefulDataLoader resumes with the same world size and num_workers only; for an "
                 "elastic resume, checkpoint shardstream.DataLoader's state_dict() instead")
+        if self._shared.epoch_chosen and resume.epoch != self._shared.epoch:
+            # torchdata's StatefulDataLoader loads each worker's state as its iteration begins, after
+            # the loop's set_epoch: another epoch there is the loop's choice (the next epoch after an
+            # end-of-epoch checkpoint), which the state overrode, in every process through the shared
+            # epoch: an epoch skipped, or a finished one replayed under the next one's number.
+            warnings.warn(f"the state loaded for epoch {resume.epoch} is dropped: set_epoch({self._shared.epoch}) "
+                          "chose another epoch", stacklevel=2)
+            return
         self._shared.epoch = resume.epoch  # the same value from every worker
         self._resume = resume
         self._pass_resume = None

@@ -242,6 +242,7 @@ class StreamingDataset(Checkpointing, IterableDataset):
                               f"{self.epoch})", stacklevel=2)
             self.forget_resume()
         self._shared.epoch = epoch
+        self._shared.epoch_chosen = True
 
     def world(self) -> World:
         """This process's place: rank and size (explicit, or detected), DataLoader worker."""

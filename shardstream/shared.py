@@ -26,7 +26,8 @@ IO_FIELDS = ("requests", "bytes", "retries", "wait_s", "cache_hits", "cache_miss
 _EPOCH, _RESUME_ID, _SKIPS, _DONE = 0, 1, 2, 2 + SLOTS  # offsets in the int array
 _WORKERS, _UNREAD, _LOADER_COPY, _LOADED = 2 + 2 * SLOTS, 3 + 2 * SLOTS, 4 + 2 * SLOTS, 5 + 2 * SLOTS
 _RESUMED_BY = 6 + 2 * SLOTS  # the workers of the pass that read the resumed epoch (0: none has finished it)
-_INTS = 7 + 2 * SLOTS
+_EPOCH_SET = 7 + 2 * SLOTS  # 1 once the training loop has chosen the epoch with set_epoch
+_INTS = 8 + 2 * SLOTS
 
 
 class SharedState:
@@ -54,6 +55,15 @@ class SharedState:
     @epoch.setter
     def epoch(self, value: int) -> None:
         self._ints[_EPOCH] = value
+
+    @property
+    def epoch_chosen(self) -> bool:
+        """Whether the training loop chose the epoch (`set_epoch`), rather than a loaded state."""
+        return bool(self._ints[_EPOCH_SET])
+
+    @epoch_chosen.setter
+    def epoch_chosen(self, value: bool) -> None:
+        self._ints[_EPOCH_SET] = int(value)
 
     @property
     def iterating_workers(self) -> int:

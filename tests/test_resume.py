@@ -1026,6 +1026,37 @@ def test_exact_resume_under_torchdata_stateful_dataloader(url, num_workers, k, t
 
 
 @pytestmark_stateful
+@pytest.mark.parametrize("mid_epoch", [False, True])
+def test_torchdata_worker_state_gives_way_to_the_epoch_the_loop_chose(url, mid_epoch):
+    """Regression: StatefulDataLoader loads each worker's state as the iteration begins, after the loop's
+    set_epoch, and the state wrote its epoch over the loop's in every process: restarted at the next epoch
+    after an end-of-epoch checkpoint, the run replayed the finished epoch under the next one's number; after
+    a mid-epoch one, set_epoch(another) yielded the old epoch's rest. The epoch the loop chose wins now: the
+    state is dropped, with a warning, and the iteration is the chosen epoch's, every batch once (in the turns
+    over the workers that torchdata resumes)."""
+    def epoch_batches(epoch: int) -> list:
+        ds = dataset(url)
+        ds.set_epoch(epoch)
+        return [D.freeze(b) for b in stateful_loader(ds, 2)]
+
+    ds = dataset(url)
+    ds.set_epoch(1)
+    loader = stateful_loader(ds, 2)
+    it = iter(loader)
+    taken = [next(it) for _ in range(3)] if mid_epoch else list(it)
+    assert taken
+    state = loader.state_dict()
+    del it
+
+    ds = dataset(url)
+    restarted = stateful_loader(ds, 2)
+    restarted.load_state_dict(state)
+    ds.set_epoch(2)
+    got = [D.freeze(b) for b in restarted]  # the workers warn, each on its stderr
+    assert sorted(got) == sorted(epoch_batches(2)) and ds.epoch == 2
+
+
+@pytestmark_stateful
 def test_torchdata_worker_state_with_another_layout_is_refused(url):
     """A StatefulDataLoader worker state resumes the same world size and worker count only; another layout is
     refused with a clear error (shardstream.DataLoader's own state is the one that resumes elastically)."""
