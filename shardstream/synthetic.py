@@ -21,16 +21,16 @@ import colorsys
 import ctypes
 import functools
 import io
-import multiprocessing
 import os
 import pathlib
 import signal
 import sys
 from collections.abc import Sequence
-from multiprocessing import Pool
 
 import numpy as np
 from PIL import Image, ImageDraw
+
+from .framepool import pool_context
 
 __all__ = ["synthetic_jpeg", "make_image_folder"]
 
@@ -341,8 +341,12 @@ def make_image_folder(
             jobs.append((str(class_dir / f"img_{i:0{idigits}d}.jpg"), image_seed, width, height, quality, c))
     if workers > 1 and len(jobs) > 1:
         _tiles()  # build once here so that forked workers share it
-        forked = multiprocessing.get_context().get_start_method() == "fork"
-        with Pool(min(workers, len(jobs)), initializer=_die_with, initargs=(os.getpid() if forked else None,)) as pool:
+        # Not forked from a process running threads (a test runner's, a training script's): a child
+        # forked while another thread held a lock waits on it forever, and `demo` hung so in a test.
+        context = pool_context()
+        forked = context.get_start_method() == "fork"
+        with context.Pool(min(workers, len(jobs)), initializer=_die_with,
+                          initargs=(os.getpid() if forked else None,)) as pool:
             written = pool.map(_write_one, jobs, chunksize=max(1, len(jobs) // (workers * 8)))
     else:
         written = [_write_one(job) for job in jobs]
