@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.sharedctypes
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from multiprocessing.context import get_spawning_popen
 
@@ -28,6 +28,24 @@ _WORKERS, _UNREAD, _LOADER_COPY, _LOADED = 2 + 2 * SLOTS, 3 + 2 * SLOTS, 4 + 2 *
 _RESUMED_BY = 6 + 2 * SLOTS  # the workers of the pass that read the resumed epoch (0: none has finished it)
 _EPOCH_SET = 7 + 2 * SLOTS  # 1 once the training loop has chosen the epoch with set_epoch
 _INTS = 8 + 2 * SLOTS
+
+
+T = TypeVar("T", int, bool)
+
+
+class _Slot(Generic[T]):
+    """An attribute of `SharedState` kept in a slot of its shared int array, read as `kind`."""
+
+    def __init__(self, index: int, kind: type[T], doc: str) -> None:
+        self.index, self.kind, self.__doc__ = index, kind, doc
+
+    def __get__(self, state: "SharedState | None", owner: type | None = None) -> T:
+        if state is None:  # on the class: the slot itself (help(), documentation tools)
+            return self  # type: ignore[return-value]
+        return self.kind(state._ints[self.index])
+
+    def __set__(self, state: "SharedState", value: T) -> None:
+        state._ints[self.index] = int(value)
 
 
 class SharedState:
@@ -46,54 +64,21 @@ class SharedState:
         else:
             self._ints, self._floats = state["ints"], state["floats"]
 
-    # -- epoch ---------------------------------------------------------------------
+    # -- epoch, and what the processes tell each other of iterations and loaded states --
 
-    @property
-    def epoch(self) -> int:
-        return int(self._ints[_EPOCH])
-
-    @epoch.setter
-    def epoch(self, value: int) -> None:
-        self._ints[_EPOCH] = value
-
-    @property
-    def epoch_chosen(self) -> bool:
-        """Whether the training loop chose the epoch (`set_epoch`), rather than a loaded state."""
-        return bool(self._ints[_EPOCH_SET])
-
-    @epoch_chosen.setter
-    def epoch_chosen(self, value: bool) -> None:
-        self._ints[_EPOCH_SET] = int(value)
-
-    @property
-    def iterating_workers(self) -> int:
-        """The `num_workers` of the DataLoader whose workers iterate the dataset last began
-        (0: it was iterated in its own process last, or loaded since): the main process
-        cannot count what such workers deliver, so `state_dict` asks for the count."""
-        return int(self._ints[_WORKERS])
-
-    @iterating_workers.setter
-    def iterating_workers(self, value: int) -> None:
-        self._ints[_WORKERS] = value
-
-    @property
-    def loaded_unread(self) -> bool:
-        """A state was loaded, and no iteration has begun since (in any process)."""
-        return bool(self._ints[_UNREAD])
-
-    @loaded_unread.setter
-    def loaded_unread(self, value: bool) -> None:
-        self._ints[_UNREAD] = int(value)
-
-    @property
-    def loader_copy_iterates(self) -> bool:
-        """The iteration begun last is that of `shardstream.DataLoader`'s copy of the dataset
-        (in this process or its workers): the caller's dataset has not seen what it read."""
-        return bool(self._ints[_LOADER_COPY])
-
-    @loader_copy_iterates.setter
-    def loader_copy_iterates(self, value: bool) -> None:
-        self._ints[_LOADER_COPY] = int(value)
+    epoch = _Slot(_EPOCH, int, "The epoch the next iteration reads (`set_epoch`, or a loaded state's).")
+    epoch_chosen = _Slot(_EPOCH_SET, bool, "Whether the training loop chose the epoch (`set_epoch`), rather than "
+                         "a loaded state.")
+    iterating_workers = _Slot(_WORKERS, int, """The `num_workers` of the DataLoader whose workers iterate the
+        dataset last began (0: it was iterated in its own process last, or loaded since): the main
+        process cannot count what such workers deliver, so `state_dict` asks for the count.""")
+    loaded_unread = _Slot(_UNREAD, bool, "A state was loaded, and no iteration has begun since (in any process).")
+    loader_copy_iterates = _Slot(_LOADER_COPY, bool, """The iteration begun last is that of
+        `shardstream.DataLoader`'s copy of the dataset (in this process or its workers): the caller's
+        dataset has not seen what it read.""")
+    loaded_resume = _Slot(_LOADED, int, """The id of the state the main process loaded last and still holds
+        (0: none, or it was dropped for another epoch): a persistent worker started before it was
+        loaded does not have it (`Checkpointing._state_not_reached`).""")
 
     # -- resume: used up once every worker has finished the resumed epoch ------------
     # A worker's slot: 0 while it reads the resumed pass, 1 once it has finished it, 2 once
@@ -106,17 +91,6 @@ class SharedState:
             self._ints[_DONE + w] = 0
         self._ints[_RESUMED_BY] = 0
         return int(self._ints[_RESUME_ID])
-
-    @property
-    def loaded_resume(self) -> int:
-        """The id of the state the main process loaded last and still holds (0: none, or it
-        was dropped for another epoch): a persistent worker started before it was loaded
-        does not have it (`Checkpointing._state_not_reached`)."""
-        return int(self._ints[_LOADED])
-
-    @loaded_resume.setter
-    def loaded_resume(self, value: int) -> None:
-        self._ints[_LOADED] = value
 
     def finish_resume(self, resume_id: int, worker: int, workers: int) -> None:
         """`worker` of a pass of `workers` has read the resumed epoch to its end."""
