@@ -80,15 +80,16 @@ class EpochSequences:
         with each draw of a sample told apart (`sampling.distinct_draws`; `samples_of`
         gives back the samples), so that each gets its own augmentations."""
         ids = self.ids(epoch)
-        if self.sampling is None and self.mix_weights is None:
-            return ids  # every sample once
-        return distinct_draws(ids, self.total)
+        return ids if self._each_once else distinct_draws(ids, self.total)
 
     def samples_of(self, draws: np.ndarray) -> np.ndarray:
         """The sample ids of the plan's `draws` (see `draws`), to read."""
-        if self.sampling is None and self.mix_weights is None:
-            return draws
-        return drawn_samples(draws, self.total)
+        return draws if self._each_once else drawn_samples(draws, self.total)
+
+    @property
+    def _each_once(self) -> bool:
+        """Whether an epoch holds every sample once, draws being ids (no sampling, no mix)."""
+        return self.sampling is None and self.mix_weights is None
 
     @property
     def total(self) -> int:
