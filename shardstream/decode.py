@@ -52,6 +52,9 @@ PICKLE_EXTENSIONS = frozenset({"pyd", "pickle", "pkl", "pth"})
 # Pillow recognises a file by its bytes, not its name, and would open anything it knows:
 # an EPS stored as a `jpg` field would run Ghostscript on a shard's PostScript.
 PIL_FORMATS = ("JPEG", "PNG", "WEBP", "PPM", "BMP", "GIF", "TIFF")
+# What Pillow raises on damaged image bytes. Mostly OSError, but its parsers raise others on
+# some damage: IndexError from PNG's `verify` on a file with no image-data (IDAT) chunk.
+DAMAGED_IMAGE_ERRORS = (OSError, SyntaxError, ValueError, IndexError, Image.DecompressionBombError)
 
 
 def open_image(data: bytes) -> Image.Image:
@@ -74,7 +77,7 @@ def decode_image(data: bytes, mode: str | None, *, url: str = "", key: str = "",
         if mode == "pil":
             return _pil_rgb(data)
         return hwc_to_chw_tensor(decode_rgb(data))
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+    except DAMAGED_IMAGE_ERRORS as e:
         field = f" field {name!r}" if name else ""
         raise DecodeError(f"cannot decode image{field}: {reason(e)}", url=url or None, key=key or None) from e
 
@@ -356,7 +359,7 @@ class Decoder:
                 return self.images(data)
             except DecodeError:
                 raise
-            except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+            except DAMAGED_IMAGE_ERRORS as e:
                 raise DecodeError(f"cannot decode image field {name!r}: {reason(e)}", url=url or None,
                                   key=key or None) from e
         if ext in PICKLE_EXTENSIONS:

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from .batches import map_field, usable_device
-from .decode import is_jpeg
+from .decode import DAMAGED_IMAGE_ERRORS, is_jpeg
 from .errors import DecodeError
 from .transforms import CropPlan, crop_resize
 
@@ -207,7 +207,7 @@ def _decode_cpu(batch: EncodedBatch, which: Iterable[int]) -> torch.Tensor:
     for i in which:
         try:
             out.append(crop_resize(bytes(memoryview(encoded[i].numpy())), batch.plans[i]))
-        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+        except DAMAGED_IMAGE_ERRORS as e:
             raise DecodeError(f"image {i} of a batch of {len(batch)} ({len(encoded[i])} bytes) cannot be decoded: {e}; "
                               "`shardstream verify` names the sample") from e
     return torch.stack(out)

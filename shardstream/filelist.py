@@ -31,20 +31,26 @@ def _read_rows(path: str) -> list[tuple[int, str, str | None]]:
     root = os.path.dirname(os.path.abspath(path))
     line = 0
     row_from = 1  # where the row being read begins, at the latest: errors name it
+    # Whether csv's next request for a line begins a row. csv reads no further than the row
+    # it is on, so a request that comes with no row finished since is for a quoted cell's
+    # next line (`"x<newline>#y.jpg",1`), which is no comment however it begins.
+    row_starts = True
 
     def uncommented(lines: Iterable[str]) -> Iterator[str]:
         # On the lines as written, before csv takes the quotes off: only there is a quoted `#` a path.
-        nonlocal line
+        nonlocal line, row_starts
         for line, text in enumerate(lines, 1):
-            if not text.startswith("#"):
-                yield text
+            if row_starts and text.startswith("#"):
+                continue
+            row_starts = False
+            yield text
 
     try:
         # utf-8-sig: Excel's "CSV UTF-8" and PowerShell begin with a byte-order mark, which
         # would otherwise be the first path's first character.
         with open(path, newline="", encoding="utf-8-sig") as f:
             for row in csv.reader(uncommented(f)):
-                row_from = line + 1
+                row_from, row_starts = line + 1, True
                 if not row or not row[0].strip():
                     continue
                 if len(row) > 2:

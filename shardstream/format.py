@@ -143,6 +143,8 @@ class Manifest:
         )
         if _require(raw, "samples", int, url, E) != manifest.samples:
             raise E("sample total disagrees with the shard list", url=url)
+        if manifest.ignored < 0 or any(count < 0 for count in manifest.class_counts):
+            raise E("negative count", url=url)
         if manifest.classes and len(manifest.class_counts) != len(manifest.classes):
             raise E("class_counts and classes differ in length", url=url)
         if len(set(manifest.classes)) != len(manifest.classes):  # a label would have two names, or none

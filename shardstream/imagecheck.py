@@ -15,7 +15,7 @@ import struct
 
 from PIL import Image
 
-from .decode import is_jpeg, jpeg_ends, open_image
+from .decode import DAMAGED_IMAGE_ERRORS, is_jpeg, jpeg_ends, open_image
 from .errors import PackError, reason
 
 __all__ = ["check_image", "sniff_image"]
@@ -199,7 +199,7 @@ def check_image(data: bytes, path: str) -> str:
                 image.load()
     except Image.UnidentifiedImageError as e:
         raise PackError("not a readable image: unknown or damaged format", url=path) from e
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+    except (*DAMAGED_IMAGE_ERRORS, Image.DecompressionBombWarning) as e:
         # The reason goes into the manifest, which must be reproducible.
         raise PackError(f"not a readable image: {reason(e)}", url=path) from e
     return kind

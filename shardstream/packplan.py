@@ -81,6 +81,8 @@ def shrunk_estimates(entries: list[SourceFile], root: str, max_side: int) -> dic
     """
     estimates = {}
     for entry in entries:
+        if entry.size <= 0:  # not a regular file (a FIFO would block the open), or empty: the work step reports it
+            continue
         try:
             with open(entry.full_path(root), "rb") as f:
                 size = image_size(f.read(1 << 16))

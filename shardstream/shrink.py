@@ -7,7 +7,8 @@ bounded resolution, once, at pack time, rather than decoded at full size every e
 An image whose longer side is at most `max_side` keeps its original bytes. A larger
 one is decoded, shrunk as Pillow's `Image.thumbnail` does it (bicubic, antialiased;
 a JPEG decoded at a DCT reduction of no less than twice the target), keeping its
-aspect ratio, and encoded again: JPEG and WebP at `quality`, PNG losslessly. `pack`
+aspect ratio, and encoded again: JPEG and lossy WebP at `quality`, PNG and lossless WebP
+losslessly. `pack`
 asks for the format of the image's field, the one its file name gives: its own
 format, unless the name lies, and then a PNG named .jpg is shrunk into a JPEG, whose
 field then says what its bytes are. Bound for another format than its own, an image
@@ -35,7 +36,7 @@ import io
 
 from PIL import Image
 
-from .decode import image_size, narrowed_grey, open_image
+from .decode import DAMAGED_IMAGE_ERRORS, image_size, narrowed_grey, open_image
 from .errors import PackError
 
 __all__ = ["shrink_image", "shrink_or_keep", "shrunk_size", "DEFAULT_QUALITY", "KEPT_ANIMATED", "KEPT_PICTURES"]
@@ -118,15 +119,32 @@ def shrink_or_keep(data: bytes, max_side: int, quality: int = DEFAULT_QUALITY, *
             if deep and image.mode == "I":  # back to 16 bits, the overshoot of the bicubic clipped
                 image = image.convert("I;16")
             out = io.BytesIO()
-            extra = {name: quality for name in _SAVE_OPTIONS[out_fmt]}
+            if out_fmt == "WEBP" and (fmt == "PNG" or _lossless_webp(data)):
+                # A lossless image stays lossless. `exact`: the colours under transparent pixels are
+                # kept, as the decoders show them (they drop alpha), where libwebp would change them.
+                extra = {"lossless": True, "exact": True}
+            else:
+                extra = {name: quality for name in _SAVE_OPTIONS[out_fmt]}
             image.save(out, out_fmt, icc_profile=icc, **extra)
             return out.getvalue(), None
     except PackError:
         raise
     except Image.DecompressionBombError as e:  # Pillow's limit on pixels, which decoding would hold in memory
         raise PackError(f"too large to shrink safely: {e}", url=path) from e
-    except (OSError, ValueError, SyntaxError) as e:
+    except DAMAGED_IMAGE_ERRORS as e:
         raise PackError(f"cannot shrink the image: {e}", url=path) from e
+
+
+def _lossless_webp(data: bytes) -> bool:
+    """Whether WebP `data`'s image is lossless (a `VP8L` chunk), from its RIFF chunks: the
+    first image chunk found, past an extended header's (`VP8X`, `ICCP`, `ALPH`, ...)."""
+    at = 12  # past "RIFF", the size, "WEBP"
+    while at + 8 <= len(data):
+        kind, size = data[at:at + 4], int.from_bytes(data[at + 4:at + 8], "little")
+        if kind in (b"VP8L", b"VP8 "):
+            return kind == b"VP8L"
+        at += 8 + size + (size & 1)  # chunks are padded to even sizes
+    return False
 
 
 def _resized(image: Image.Image, size: tuple[int, int], box: tuple[int, int, int, int] | None) -> Image.Image:

@@ -64,8 +64,8 @@ class Problem:
 @dataclass
 class VerifyReport:
     shards: int = 0
-    samples: int = 0
-    images: int = 0
+    samples: int = 0  # read whole: those that damage left unread are not counted
+    images: int = 0  # decoded
     problems: list[Problem] = field(default_factory=list)
     warnings: list[Problem] = field(default_factory=list)  # images that decode with data missing
 
@@ -92,7 +92,9 @@ def _file_sha256(store: Any, name: str) -> tuple[str, int]:
 
 
 def verify_shard(reader: ShardReader, decode_images: bool = True) -> Iterator[Problem | int]:
-    """Check one shard; yields problems, and 1 per image decoded (for progress)."""
+    """Check one shard; yields problems, and for each sample read whole the number of its
+    images that decoded (for progress, and the report's counts: a sample the damage left
+    unread is no sample verified)."""
     info = reader.info
     assert info is not None
     try:
@@ -129,6 +131,7 @@ def verify_shard(reader: ShardReader, decode_images: bool = True) -> Iterator[Pr
             continue
         key = str(sample["__key__"])
         fields.update(name for name in sample if not name.startswith("__"))
+        decoded = 0
         for name, value in sample.items():
             if decode_images and not name.startswith("__") and field_extension(name) in IMAGE_EXTENSIONS:
                 try:
@@ -139,7 +142,8 @@ def verify_shard(reader: ShardReader, decode_images: bool = True) -> Iterator[Pr
                     damage = jpeg_damage(value)  # type: ignore[arg-type]
                     if damage is not None:
                         yield Problem(info.name, key, f"decodes with data missing ({damage})", warning=True)
-                    yield 1  # decoded (one that failed was counted as decoded)
+                    decoded += 1
+        yield decoded
     if not unread and fields != set(info.fields):  # samples unread may hold the others
         yield Problem(info.name, None, f"holds the fields {sorted(fields)}, the manifest says {sorted(info.fields)}")
 
@@ -219,21 +223,21 @@ def verify_dataset(
 
     tally = _ClassTally(source.manifest.classes if source.manifest is not None else ())
 
-    def check(reader: ShardReader) -> tuple[list[Problem], list[Problem], int, np.ndarray | None]:
+    def check(reader: ShardReader) -> tuple[list[Problem], list[Problem], int, int, np.ndarray | None]:
         problems: list[Problem] = []
         warnings: list[Problem] = []
-        images = 0
+        samples = images = 0
         for item in verify_shard(reader, decode_images):
             if isinstance(item, Problem):
                 (warnings if item.warning else problems).append(item)
             else:
-                images += 1
+                samples, images = samples + 1, images + item
                 with bar_lock:
                     bar.update(1)
         # The shard's labels are counted now, its reader then dropped: readers kept for a count
         # at the end held every shard's index, every key of the dataset (10 GB at 100M samples).
         labels = _label_counts(reader) if tally.wanted and not problems else None
-        return problems, warnings, images, labels
+        return problems, warnings, samples, images, labels
 
     local = source.local
     workers = max(1, min(workers or max(os.cpu_count() or 1, 1 if local else 4), len(source.shards) or 1))
@@ -241,12 +245,12 @@ def verify_dataset(
     try:
         with contextlib.closing(ordered_map(check, readers, workers, name="shardstream-verify")) as futures:
             for ref, future in zip(source.shards, futures):
-                problems, warnings, images, labels = future.result()
+                problems, warnings, samples, images, labels = future.result()
                 report.shards += 1
                 report.problems += problems
                 report.warnings += warnings
+                report.samples += samples
                 report.images += images
-                report.samples += ref.info.samples if ref.info else 0
                 tally.add(ref.name, labels)
     finally:
         bar.close()

@@ -301,9 +301,11 @@ def test_verify_in_threads_reports_what_one_thread_reports(tmp_path):
     assert [(p.shard, p.key) for p in one.problems if p.key] == [(shards[1].name, "s005")] + flipped + [
         (shards[4].name, "s017")]
     assert any(p.shard == shards[3].name and "sha256" in p.message for p in one.problems)
-    # The flipped shard's 4 images are never reached (its frame fails its checksum); the 2 bad ones were tried.
-    # 24 samples: those of the shard with the flipped byte (4) unread, 2 that do not decode
-    assert (one.shards, one.samples, one.images) == (three.shards, three.samples, three.images) == (6, 24, 18)
+    # The flipped shard's 4 samples are never read (its frame fails its checksum): 20 samples verified, of whose
+    # images 2 do not decode. (Regression: the samples were the manifest's 24, read or not.)
+    assert (one.shards, one.samples, one.images) == (three.shards, three.samples, three.images) == (6, 20, 18)
+    (dst / shards[0].name).unlink()  # a shard gone: none of its samples verified
+    assert (verify_dataset(str(dst)).samples, verify_dataset(str(dst), decode_images=False).samples) == (16, 16)
 
 
 def test_verify_names_the_samples_of_every_bad_frame_and_checks_the_frames_between(tmp_path):

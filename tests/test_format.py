@@ -295,6 +295,8 @@ BAD_MANIFESTS = {
     "class_counts wrong length": (("class_counts",), [7, 7]),
     "skipped not a list": (("skipped",), {}),
     "ignored is a string": (("ignored",), "1"),
+    "ignored is negative": (("ignored",), -5),  # regression: accepted, and `verify` passed it
+    "a class count is negative": (("class_counts", 0), -1),
     "options not a map": (("options",), [1]),
     "writer missing": (("writer",), _DELETE),
 }

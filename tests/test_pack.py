@@ -15,6 +15,7 @@ import sys
 import tarfile
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -225,6 +226,25 @@ def test_file_list_paths_that_begin_with_a_hash_or_a_space_are_files(image_folde
     lst.write_text('# a comment\n"#1.jpg",cat\nc.jpg,dog,extra\n')
     with pytest.raises(PackError, match="line 3: expected 'path\\[,label\\]', got 3 columns"):
         run_pack(lst, tmp_path / "ds2")
+
+def test_file_list_quoted_path_lines_that_begin_with_a_hash_are_no_comments(image_folder, tmp_path):
+    """Regression: comments were dropped line by line before csv read the quotes, so the second line of a
+    quoted path (`"x<newline>#b.jpg"`) went as a comment and csv read on with the quote open: three of five
+    images vanished, a garbled path was counted as no image, and a class was lost."""
+    files = sorted(image_folder.rglob("*.jpg"))[:4]
+    folder = tmp_path / "images"
+    folder.mkdir()
+    names = ("a.jpg", "x\n#b.jpg", "c.jpg", "e\nf.jpg")
+    for name, path in zip(names, files):
+        shutil.copy(path, folder / name)
+    lst = folder / "list.csv"
+    lst.write_text('a.jpg,0\n"x\n#b.jpg",1\n# a comment\nc.jpg,0\n"e\nf.jpg",1\n# the end\n', newline="")
+    run_pack(lst, tmp_path / "ds", shuffle=False)
+    manifest = open_dataset(str(tmp_path / "ds")).manifest
+    assert (manifest.samples, manifest.skipped, manifest.ignored, list(manifest.class_counts)) == (4, (), 0, [2, 2])
+    got = {s["jpg"] for ref in open_dataset(str(tmp_path / "ds")).shards for s in ref.reader()}
+    assert got == {p.read_bytes() for p in files}
+
 
 
 def test_file_list_csv_with_integer_labels(image_folder, tmp_path):
@@ -606,6 +626,24 @@ def _small_png() -> bytes:
     out = io.BytesIO()
     Image.new("RGB", (20, 20)).save(out, "PNG")
     return out.getvalue()
+
+
+def test_a_png_without_image_data_is_a_named_bad_image_under_either_policy(tmp_path):
+    """Regression: a PNG of a header and an end chunk, no image data (IDAT) and every checksum right, made
+    Pillow's check raise IndexError, which pack let through as a bare traceback, under `skip` too."""
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    folder = tmp_path / "src" / "c"
+    folder.mkdir(parents=True)
+    (folder / "empty.png").write_bytes(
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 4, 4, 8, 2, 0, 0, 0)) + chunk(b"IEND", b""))
+    (folder / "good.png").write_bytes(_small_png())
+    with pytest.raises(PackError, match="empty.png: not a readable image"):
+        run_pack(tmp_path / "src", tmp_path / "failed")
+    run_pack(tmp_path / "src", tmp_path / "ds", on_error="skip")
+    manifest = open_dataset(str(tmp_path / "ds")).manifest
+    assert manifest.samples == 1 and [path for path, _ in manifest.skipped] == ["c/empty.png"]
 
 
 def test_missing_file_in_list_is_skipped(image_folder, tmp_path):
@@ -1293,6 +1331,30 @@ def test_a_fifo_named_as_an_image_is_skipped_not_waited_on(image_folder_copy, tm
     assert ("class_000/stuck.jpg", "not a regular file") in summary.skipped
     with pytest.raises(PackError, match="not a regular file"):
         run_pack(image_folder_copy, tmp_path / "ds2")
+
+
+def test_a_fifo_named_as_an_image_is_not_opened_to_plan_shrinking(image_folder_copy, tmp_path):
+    """Regression: with `max_side`, planning opened every file to read its header, a FIFO too, and waited for
+    its writer forever. Here a writer comes after 20 s, to end such a wait, and says that it had to."""
+    fifo = image_folder_copy / "class_000" / "stuck.jpg"
+    os.mkfifo(fifo)
+    done, unblocked = threading.Event(), []
+
+    def unblock() -> None:
+        if not done.wait(20):
+            unblocked.append(True)
+            with open(fifo, "wb"):  # lets a reader blocked in open() go on, and read nothing
+                pass
+
+    thread = threading.Thread(target=unblock, daemon=True)
+    thread.start()
+    try:
+        summary = run_pack(image_folder_copy, tmp_path / "ds", on_error="skip", max_side=16)
+    finally:
+        done.set()
+        thread.join()
+    assert not unblocked, "pack waited on the FIFO"
+    assert ("class_000/stuck.jpg", "not a regular file") in summary.skipped
 
 
 def test_an_image_larger_than_a_sample_may_be_is_refused_before_it_is_read(image_folder_copy, tmp_path):

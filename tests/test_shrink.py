@@ -84,6 +84,31 @@ def test_a_larger_image_is_shrunk_in_its_own_format(fmt, mode):
     assert difference(out, opened(data).crop((0, 0, 100, 75))) > 20
 
 
+@pytest.mark.parametrize("mode", ["RGB", "RGBA"])
+@pytest.mark.parametrize("source", ["WEBP", "PNG"])
+def test_a_lossless_image_shrunk_into_webp_stays_lossless(source, mode):
+    """Regression: a lossless WebP was shrunk into a lossy one (a mean error of 8 levels on a screenshot-like
+    picture). Lossless in (a lossless WebP, or a PNG stored under a `webp` name), lossless out: exactly
+    Pillow's resize of the decoded picture, the colours under transparent pixels kept."""
+    from shardstream.shrink import _lossless_webp
+
+    original = photo(400, 300, mode)
+    data = encode(original, source, **({"lossless": True} if source == "WEBP" else {}))
+    assert source != "WEBP" or _lossless_webp(data)
+    out_bytes = shrink_image(data, 100, as_format="WEBP")
+    assert _lossless_webp(out_bytes) and not _lossless_webp(encode(original, "WEBP", quality=90))
+    out = opened(out_bytes)
+
+    def resized(image: Image.Image) -> Image.Image:
+        return image.resize((100, 75), Image.Resampling.BICUBIC, reducing_gap=2.0)
+
+    decoded = opened(data)
+    reference = resized(decoded) if mode == "RGB" else Image.merge(
+        mode, (*resized(decoded.convert("RGB")).split(), resized(decoded.getchannel("A"))))
+    assert (out.format, out.mode, out.size) == ("WEBP", mode, (100, 75))
+    assert difference(out, reference) == 0
+
+
 def test_palette_png_is_resampled_not_picked():
     original = photo(200, 100).quantize(64)
     data = encode(original, "PNG")
