@@ -53,8 +53,12 @@ def _list_folder(root: str) -> Listing:
             # of the paths and keys is worked out once a folder, not once a file.
             prefix = folder[len(root) :].lstrip(os.sep).replace(os.sep, "/") + "/"
             folder_keys = key_prefix(prefix)
+            # Hidden files and folders are no images, whatever their names end with: macOS
+            # copies leave an AppleDouble `._x.jpg` beside every image, and tools keep copies
+            # (`.ipynb_checkpoints`) or thumbnails (`.thumbnails`) there.
+            hidden = "/." in prefix
             for file in names:
-                field = image_field(file)
+                field = None if hidden or file.startswith(".") else image_field(file)
                 if field is None:
                     ignored.append(prefix + file)
                 else:

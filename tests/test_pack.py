@@ -372,6 +372,21 @@ def test_every_file_is_accounted_for(image_folder_copy, tmp_path):
     assert nested["jpg"] == (folder / "class_002" / "img_00000.jpg").read_bytes()
 
 
+def test_hidden_files_and_folders_in_a_class_folder_are_no_images(image_folder_copy, tmp_path):
+    """Regression: macOS's AppleDouble `._x.jpg` (no JPEG) stopped a default pack, and a `.thumbnails` folder's
+    copies were packed as samples of the class. Hidden names are counted with the non-image files."""
+    folder = image_folder_copy
+    original = run_pack(folder, tmp_path / "before").samples
+    (folder / "class_000" / "._img_00000.jpg").write_bytes(b"\x00\x05\x16\x07 AppleDouble")
+    (folder / "class_001" / ".thumbnails").mkdir()
+    shutil.copy(folder / "class_001" / "img_00001.jpg", folder / "class_001" / ".thumbnails" / "img_00001.jpg")
+    run_pack(folder, tmp_path / "ds")
+    manifest = open_dataset(str(tmp_path / "ds")).manifest
+    assert (manifest.samples, manifest.skipped) == (original, ())
+    assert manifest.ignored == open_dataset(str(tmp_path / "before")).manifest.ignored + 2
+    assert not any("thumbnails" in key for key in samples_by_key(tmp_path / "ds"))
+
+
 def test_colliding_stems_get_distinct_keys(image_folder_copy, tmp_path):
     from PIL import Image
 
