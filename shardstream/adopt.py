@@ -34,7 +34,7 @@ from .retry import RetryPolicy
 from .storage import Store
 from .urls import split_url
 from .threads import ordered_map
-from .writer import write_manifest
+from .writer import check_level_used, write_manifest
 
 __all__ = ["index_tars", "repack_tars"]
 
@@ -103,6 +103,7 @@ def repack_tars(source: str | Sequence[str], dst: str, *, shard_size: int | str 
     from .progress import progress_bar
     from .writer import ShardWriter
 
+    check_level_used(compression, level, IMAGE_LEVEL)
     options = storage_options or {}
     store, names = _shards(source, options, compressed=True)
     if not overwrite and Store(dst, options).exists(MANIFEST_NAME):

@@ -56,7 +56,8 @@ def check_weight(data: bytes, *, url: str | None = None, key: str | None = None,
         raise ShardstreamError(f"weight must be a number, not {data[:20]!r}", url=url, key=key,
                                offset=offset) from None
     if not (math.isfinite(weight) and 0 <= weight <= _MAX_WEIGHT):
-        raise ShardstreamError(f"weight must be finite and non-negative, not {weight}", url=url, key=key,
+        raise ShardstreamError(f"weight must be finite and non-negative, at most float32's {_MAX_WEIGHT:.4g}, "
+                               f"not {weight}", url=url, key=key,
                                offset=offset)
     return weight
 

@@ -4,7 +4,7 @@ Paths are relative to the list's folder (or absolute), labels integer class indi
 or class names, the same kind on every row; a header row, blank lines and `#`
 comments are left out. A row naming a file that an earlier row names is not packed
 twice: it is kept as a `Repeat`, which `pack` fails on or skips under its error
-policy. Classes come from every row, so that leaving a row out never renumbers them.
+policy, as a row naming an image of a format pack does not store (an `Unstored`). Classes come from every row, so that leaving a row out never renumbers them.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from typing import Iterable, Iterator
 
 from .columns import MAX_CLASS
 from .errors import PackError
-from .sourcefile import IMAGE_FIELDS, Listing, Repeat, SourceFile, image_field, make_keys_unique, sample_key
+from .sourcefile import (IMAGE_FIELDS, Listing, Repeat, SourceFile, Unstored, image_field, make_keys_unique,
+                         other_images, sample_key)
 
 __all__ = ["list_file"]
 
@@ -150,18 +151,21 @@ def list_file(path: str) -> Listing:
     else:
         classes = tuple(sorted(labels))
         index = {name: i for i, name in enumerate(classes)}
-    files, ignored, repeated = [], [], []
+    files, ignored, left_out = [], [], []
     first_lines: dict[str, int] = {}
     for number, file, label in rows:
         # Normalised, so that "a.jpg", "./a.jpg" and its full path are one file, listed once.
         rel = _relative(file, root)
         if rel in first_lines:
-            repeated.append(Repeat(rel, number, first_lines[rel]))
+            left_out.append(Repeat(rel, number, first_lines[rel]))
             continue
         first_lines[rel] = number
         field = image_field(os.path.basename(file))
         if field is None:
-            ignored.append(rel)
+            if other_images([rel]):
+                left_out.append(Unstored(rel, number))
+            else:
+                ignored.append(rel)
             continue
         # The path as listed is kept only where it is not the root joined with `rel` (a million
         # rows of a list in normal form need none).
@@ -171,4 +175,4 @@ def list_file(path: str) -> Listing:
         raise PackError("the file list names no images (rows are 'path[,label]', comma-separated; a row's path "
                         "needs an image extension: .jpg, .jpeg, .png, .webp)", url=path)
     make_keys_unique(files)
-    return Listing(root, tuple(files), classes, tuple(sorted(ignored)), tuple(repeated))
+    return Listing(root, tuple(files), classes, tuple(sorted(ignored)), tuple(left_out))

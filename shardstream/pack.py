@@ -43,10 +43,10 @@ from .parts import other_packs, unplanned_part_shards, unplanned_single_shards
 from .scratch import cleanup_scratch
 from .shardfile import FRAME_SIZE, IMAGE_LEVEL
 from .shrink import DEFAULT_QUALITY
-from .sourcefile import Listing, SourceFile, printable
+from .sourcefile import Listing, SourceFile, other_images, printable
 from .storage import Store
 from .urls import expand_home, local_path
-from .writer import check_compression, parse_size, remove_dataset, shard_name, write_manifest
+from .writer import check_compression, check_level_used, parse_size, remove_dataset, shard_name, write_manifest
 
 __all__ = ["pack", "PackSummary"]
 
@@ -91,6 +91,9 @@ class PackSummary:
     misnamed: list[tuple[str, str]] = field(default_factory=list)
     kept_whole: list[tuple[str, str]] = field(default_factory=list)
     resumed: int = 0  # of `samples`, those an earlier run packed (`resume=True`), not in `seconds`
+    # Of `ignored`, the images of formats pack does not store, by extension ({".bmp": 3}): a
+    # torchvision ImageFolder reads some of them, and they would go unnoticed in a count.
+    other_images: dict[str, int] = field(default_factory=dict)
 
     def __str__(self) -> str:
         rate = (self.samples - self.resumed) / self.seconds if self.seconds else 0.0
@@ -101,6 +104,10 @@ class PackSummary:
             f"bytes in {self.bytes_in / 1e6:,.1f} MB, out {self.bytes_out / 1e6:,.1f} MB",
             f"skipped {len(self.skipped)}, not images {self.ignored}",
         ]
+        if self.other_images:
+            counts = ", ".join(f"{n} {extension}" for extension, n in self.other_images.items())
+            lines.append(f"  not images include images pack does not store: {counts} (convert them to JPEG, PNG "
+                         "or WebP to pack them)")
         lines += [f"  skipped {path}: {reason}" for path, reason in self.skipped]
         if self.misnamed:
             lines.append(f"content differs from its name: {len(self.misnamed)}, stored as named: shardstream's "
@@ -260,7 +267,7 @@ def pack(
     # The source is listed and checked before anything in `dst` is removed: a mistyped or
     # empty source must not cost the dataset it would have replaced.
     listing = list_source(src)
-    listed_skips = _repeated_rows(listing, src, on_error == "skip", part)
+    listed_skips = _rows_left_out(listing, src, on_error == "skip", part)
     entries = order(listing, opts)
     fingerprint = listing_fingerprint(entries)
     if part is not None:
@@ -344,6 +351,7 @@ def pack(
         seconds=time.perf_counter() - start,
         skipped=list(manifest.skipped),
         ignored=len(listing.ignored),
+        other_images=other_images(listing.ignored),
         misnamed=written.misnamed,
         kept_whole=written.kept_whole,
         resumed=sum(info.samples for info, _ in done.values()),
@@ -371,21 +379,18 @@ def _check_arguments(compression: str, level: int, on_error: str, part: tuple[in
     # so refused it, for a pack with not a byte different.
     if max_side is None and quality != DEFAULT_QUALITY:
         raise ShardstreamError(f"quality ({quality}) goes with max_side: only images shrunk are encoded again")
-    if compression == "none" and level != IMAGE_LEVEL:
-        raise ShardstreamError(f"level ({level}) goes with compression 'zstd': uncompressed shards have no level")
+    check_level_used(compression, level, IMAGE_LEVEL)
 
 
-def _repeated_rows(listing: Listing, src: str, skip: bool, part: tuple[int, int] | None) -> list[tuple[str, str]]:
-    """The skip records of a file list's rows that name a file again, or (unless `skip`)
-    PackError at the first. Every part lists the source, so part 0 alone records them,
+def _rows_left_out(listing: Listing, src: str, skip: bool, part: tuple[int, int] | None) -> list[tuple[str, str]]:
+    """The skip records of a file list's rows left out (naming a file again, or an image of
+    a format pack does not store), or (unless `skip`) PackError at the first. Every part lists the source, so part 0 alone records them,
     and a merge holds each once."""
-    if listing.repeated and not skip:
-        first = listing.repeated[0]
-        raise PackError(f"lines {first.first_line} and {first.line} both name {first.path!r}, which would be "
-                        "packed twice; remove one (or pass on_error='skip', --on-error skip, to pack the first)", url=src)
+    if listing.left_out and not skip:
+        raise PackError(listing.left_out[0].refusal, url=src)
     if part is not None and part[0] != 0:
         return []
-    return [(printable(r.path), r.reason) for r in listing.repeated]
+    return [(printable(r.path), r.reason) for r in listing.left_out]
 
 
 def _finished_summary(store: Store, name: str, options: dict[str, Any]) -> PackSummary:

@@ -10,10 +10,11 @@ folder listing (listing.py) and the file list (filelist.py) both make these reco
 from __future__ import annotations
 
 import os
+from typing import Iterable
 from dataclasses import dataclass
 
-__all__ = ["IMAGE_FIELDS", "Listing", "Repeat", "SourceFile", "image_field", "key_prefix", "make_keys_unique",
-           "printable", "sample_key", "stem_key"]
+__all__ = ["IMAGE_FIELDS", "OTHER_IMAGE_EXTENSIONS", "Listing", "Repeat", "SourceFile", "Unstored", "image_field",
+           "key_prefix", "make_keys_unique", "other_images", "printable", "sample_key", "stem_key"]
 
 # File extension -> field name. The field says what the name says the bytes are, so .jpeg
 # and .JPG become `jpg`, which is what WebDataset's decoders and `fields=("jpg", "cls")`
@@ -65,6 +66,56 @@ class Repeat:
     def reason(self) -> str:
         return f"duplicate of line {self.first_line}"
 
+    @property
+    def refusal(self) -> str:
+        return (f"lines {self.first_line} and {self.line} both name {self.path!r}, which would be packed twice; "
+                "remove one (or pass on_error='skip', --on-error skip, to pack the first)")
+
+
+@dataclass(frozen=True)
+class Unstored:
+    """A row of a file list naming an image of a format `pack` does not store (`a.bmp`):
+    named, and labelled, it is no file to leave out as not an image without a word (as an
+    image folder's `.bmp` files are, counted). `pack` fails on it or skips it, under its
+    `on_error` policy."""
+
+    path: str  # as `SourceFile.path`
+    line: int  # the row's line number in the list (from 1)
+
+    @property
+    def reason(self) -> str:
+        return f"a {_extension(self.path)} file: pack stores JPEG, PNG and WebP images only"
+
+    @property
+    def refusal(self) -> str:
+        return (f"line {self.line} names {self.path!r}, {self.reason}; convert it (or pass on_error='skip', "
+                "--on-error skip, to leave it out)")
+
+
+# Extensions of image formats `pack` does not store (torchvision's ImageFolder reads some):
+# a pack's summary names the files of these it left out.
+OTHER_IMAGE_EXTENSIONS = frozenset({".bmp", ".gif", ".tif", ".tiff", ".ppm", ".pgm", ".pbm", ".heic", ".heif",
+                                    ".avif", ".jfif", ".jpe", ".jp2", ".jxl"})
+
+
+def _extension(path: str) -> str:
+    """The extension of the file name `path` ends with, lower case ("" where none). As
+    os.path.splitext splits (leading dots start no extension: ".jpg" has none), at a third
+    of its cost: a listing asks it of every file."""
+    name = path[path.rfind("/") + 1:]
+    dot = name.rfind(".")
+    return name[dot:].lower() if dot > 0 and name[:dot].lstrip(".") else ""
+
+
+def other_images(paths: Iterable[str]) -> dict[str, int]:
+    """How many of `paths` name images of each format `pack` does not store, by extension."""
+    counts: dict[str, int] = {}
+    for path in paths:
+        extension = _extension(path)
+        if extension in OTHER_IMAGE_EXTENSIONS:
+            counts[extension] = counts.get(extension, 0) + 1
+    return dict(sorted(counts.items()))
+
 
 @dataclass(frozen=True)
 class Listing:
@@ -74,7 +125,9 @@ class Listing:
     files: tuple[SourceFile, ...]  # sorted by path, keys unique
     classes: tuple[str, ...]
     ignored: tuple[str, ...]  # files that are not images, by relative path
-    repeated: tuple[Repeat, ...] = ()  # file list rows left out of `files`, as naming a file again
+    # File list rows left out of `files` under the error policy: naming a file again, or an
+    # image pack does not store.
+    left_out: tuple[Repeat | Unstored, ...] = ()
 
 
 def sample_key(relpath: str) -> str:
@@ -96,13 +149,8 @@ def stem_key(name: str) -> str:
 
 
 def image_field(name: str) -> str | None:
-    """The field a file name's extension gives (`IMAGE_FIELDS`), None for another file.
-    As os.path.splitext splits (leading dots start no extension: ".jpg" has none), at a
-    third of its cost: a listing asks it of every file."""
-    dot = name.rfind(".")
-    if dot <= 0 or not name[:dot].lstrip("."):
-        return None
-    return IMAGE_FIELDS.get(name[dot:].lower())
+    """The field a file name's extension gives (`IMAGE_FIELDS`), None for another file."""
+    return IMAGE_FIELDS.get(_extension(name))
 
 
 def make_keys_unique(files: list[SourceFile]) -> None:

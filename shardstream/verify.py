@@ -12,6 +12,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from .columns import label_of, weight_of
 from .decode import IMAGE_EXTENSIONS, decode_image, jpeg_damage
 from .fields import field_extension
 from .errors import ShardstreamError
@@ -124,12 +125,15 @@ def verify_shard(reader: ShardReader, decode_images: bool = True) -> Iterator[Pr
         return
     fields: set[str] = set()
     unread = 0
-    for sample in _every_sample(reader):
+    for position, sample in enumerate(_every_sample(reader)):  # one item a sample: read, or a Problem
         if isinstance(sample, Problem):
             unread += 1
             yield sample
             continue
         key = str(sample["__key__"])
+        disagreement = _index_disagrees(index, position, sample)
+        if disagreement is not None:
+            yield Problem(info.name, key, disagreement)
         fields.update(name for name in sample if not name.startswith("__"))
         decoded = 0
         for name, value in sample.items():
@@ -146,6 +150,29 @@ def verify_shard(reader: ShardReader, decode_images: bool = True) -> Iterator[Pr
         yield decoded
     if not unread and fields != set(info.fields):  # samples unread may hold the others
         yield Problem(info.name, None, f"holds the fields {sorted(fields)}, the manifest says {sorted(info.fields)}")
+
+
+def _index_disagrees(index: Any, position: int, sample: dict[str, Any]) -> str | None:
+    """How the index's label or weight for the sample at `position` differs from what its
+    `cls` and `weight` fields say (FORMAT.md: class-weighted and weighted sampling plan from
+    the index alone, so a second writer's wrong column would go unseen), or None."""
+    label = label_of(sample["cls"]) if "cls" in sample else -1
+    indexed = int(index.labels[position]) if index.labels is not None else -1
+    if label != indexed:
+        return f"the index gives {_label_words(indexed)}, its cls field gives {_label_words(label)}"
+    weight = np.float32(weight_of(sample["weight"]) if "weight" in sample else np.nan)
+    stored = np.float32(index.weights[position] if index.weights is not None else np.nan)
+    if weight != stored and not (np.isnan(weight) and np.isnan(stored)):
+        return f"the index gives {_weight_words(stored)}, the sample has {_weight_words(weight)}"
+    return None
+
+
+def _label_words(label: int) -> str:
+    return "no label" if label < 0 else f"label {label}"
+
+
+def _weight_words(weight: np.float32) -> str:
+    return "no weight" if np.isnan(weight) else f"weight {weight}"
 
 
 def _seek_table_problem(reader: ShardReader, size: int) -> Problem | None:

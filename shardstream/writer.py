@@ -57,6 +57,13 @@ def check_compression(compression: str, level: int) -> None:
         raise ShardstreamError(f"zstd level must be 1..22, or {MIN_LEVEL}..-1 for zstd's fast levels, not {level}")
 
 
+def check_level_used(compression: str, level: int, default: int) -> None:
+    """Refuse a level other than `default` for uncompressed shards: recorded in the manifest, it
+    would say something of bytes it did not decide (and `pack --resume` compares it)."""
+    if compression == "none" and level != default:
+        raise ShardstreamError(f"level ({level}) goes with compression 'zstd': uncompressed shards have no level")
+
+
 def remove_dataset(store: Store, manifest_name: str, keep: Callable[[str], bool] = lambda name: False) -> None:
     """Remove a dataset's manifest first (so a crash cannot leave it listing replaced
     shards), then the shards and indexes it listed (but those `keep` says), so no stale

@@ -339,6 +339,10 @@ def test_repack_refuses_a_dataset_and_leaves_none_on_a_bad_tar(wds_folder, tmp_p
     folder, _ = wds_folder
     with pytest.raises(ShardstreamError, match="already holds a dataset"):
         repack_tars(str(folder), packed)
+    # Regression: a level with uncompressed shards went into the manifest, as pack refuses it to.
+    with pytest.raises(ShardstreamError, match="level \\(5\\) goes with compression 'zstd'"):
+        repack_tars(str(folder), str(tmp_path / "plain"), compression="none", level=5)
+    assert not (tmp_path / "plain").exists()
     shard = folder / "shard-000002.tar"
     shard.write_bytes(gzip.compress(shard.read_bytes())[:2000])  # a cut .gz under a .tar name: garbage
     (folder / "shard-000003.tar.gz").write_bytes(gzip.compress((folder / "shard-000003.tar").read_bytes())[:-40])

@@ -308,6 +308,43 @@ def test_verify_in_threads_reports_what_one_thread_reports(tmp_path):
     assert (verify_dataset(str(dst)).samples, verify_dataset(str(dst), decode_images=False).samples) == (16, 16)
 
 
+def test_verify_checks_the_index_labels_and_weights_against_the_samples(tmp_path):
+    """Regression: `verify` compared only the index's label totals with the manifest's class counts, so an
+    index with two samples' labels swapped, or weights for samples that have none (a second writer's bug,
+    its checksums made right), passed; class-weighted and weighted sampling plan from these columns."""
+    import dataclasses
+    import hashlib
+
+    import msgpack
+    import numpy as np
+
+    from shardstream import ShardWriter
+    from shardstream.verify import verify_dataset
+
+    dst = tmp_path / "ds"
+    with ShardWriter(str(dst)) as writer:
+        for i in range(6):
+            writer.write({"__key__": f"s{i}", "txt": "x", "cls": i % 3, **({"weight": "0.5"} if i < 3 else {})})
+    assert verify_dataset(str(dst)).ok
+    (shard,) = open_dataset(str(dst)).shards
+    index = shard.reader().index
+    labels, weights = index.labels.copy(), index.weights.copy()
+    labels[[0, 1]] = labels[[1, 0]]  # the totals, and so the class counts, stay
+    weights[4] = 2.0  # s4 has no weight field
+    new = dataclasses.replace(index, labels=labels, weights=weights).to_bytes()
+    (dst / shard.info.index).write_bytes(new)
+    manifest = msgpack.unpackb((dst / MANIFEST_NAME).read_bytes(), raw=False)
+    manifest["shards"][0].update(index_bytes=len(new), index_sha256=hashlib.sha256(new).hexdigest())
+    (dst / MANIFEST_NAME).write_bytes(msgpack.packb(manifest, use_bin_type=True))
+    assert not np.array_equal(open_dataset(str(dst)).shards[0].reader().index.labels, index.labels)
+    report = verify_dataset(str(dst))
+    assert [(p.key, p.message) for p in report.problems] == [
+        ("s0", "the index gives label 1, its cls field gives label 0"),
+        ("s1", "the index gives label 0, its cls field gives label 1"),
+        ("s4", "the index gives weight 2.0, the sample has no weight"),
+    ]
+
+
 def test_verify_names_the_samples_of_every_bad_frame_and_checks_the_frames_between(tmp_path):
     """Regression: a shard's first frame that failed its checksum ended the shard's check, naming no sample:
     a second bad frame went unreported, and the good frames after the first were never read. Now every

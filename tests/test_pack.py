@@ -514,6 +514,35 @@ def test_a_repeated_row_is_recorded_once_by_a_pack_in_parts(image_folder_copy, t
     assert manifest.samples == 5 and manifest.class_counts == (3, 2)
 
 
+def test_a_file_list_row_naming_an_image_pack_does_not_store_is_refused_or_skipped(image_folder, tmp_path):
+    """Regression: a labelled row naming `b.bmp` (torchvision's ImageFolder reads BMP) was counted as "not an
+    image" and left out with exit status 0, its class then empty. A row was meant to be a sample: it fails the
+    pack naming its line, or under skip is a recorded skip. An image folder's `.bmp` files are still not
+    images (the issue's rule), but the summary names them."""
+    from PIL import Image
+
+    folder = tmp_path / "src"
+    (folder / "cat").mkdir(parents=True)
+    shutil.copy(sorted(image_folder.rglob("*.jpg"))[0], folder / "cat" / "a.jpg")
+    Image.new("RGB", (8, 8)).save(folder / "cat" / "b.bmp")
+    Image.new("RGB", (8, 8)).save(folder / "cat" / "c.gif")
+    (folder / "cat" / "notes.txt").write_text("not an image")
+    listing = folder / "list.csv"
+    listing.write_text("cat/a.jpg,0\ncat/b.bmp,1\ncat/notes.txt,0\n")
+    with pytest.raises(PackError, match=r"line 2 names 'cat/b.bmp', a .bmp file: pack stores JPEG, PNG and WebP"):
+        run_pack(listing, tmp_path / "failed")
+    run_pack(listing, tmp_path / "ds", on_error="skip")
+    manifest = open_dataset(str(tmp_path / "ds")).manifest
+    assert manifest.skipped == (("cat/b.bmp", "a .bmp file: pack stores JPEG, PNG and WebP images only"),)
+    assert (manifest.samples, manifest.ignored, manifest.class_counts) == (1, 1, (1, 0))
+
+    listing.unlink()
+    summary = run_pack(folder, tmp_path / "folder")
+    assert (summary.samples, summary.skipped, summary.ignored) == (1, [], 3)
+    assert summary.other_images == {".bmp": 1, ".gif": 1}
+    assert "images pack does not store: 1 .bmp, 1 .gif" in str(summary)
+
+
 # -- corrupt input --------------------------------------------------------------------------------------
 
 
