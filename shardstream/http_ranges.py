@@ -135,6 +135,8 @@ def _read_once(url: str, start: int | None, end: int | None, headers: dict[str, 
     if response.status == 200 and (start or end is not None):  # a server that ignores ranges sends it all
         return data[start or 0 : end], url, request_headers, None
     more = _check_range(response, data, url, start, end) if response.status == 206 else None
+    if end is not None and len(data) > end - (start or 0):  # a range past the one asked (servers may round up)
+        data = data[: end - (start or 0)]
     return data, url, request_headers, more
 
 

@@ -17,13 +17,13 @@ then hold ~10 GB.
 from __future__ import annotations
 
 import threading
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import numpy as np
 import zstandard
 
 from . import tario
-from .errors import CorruptIndexError, CorruptShardError
+from .errors import CorruptIndexError, CorruptShardError, ShardstreamError
 from .format import INDEX_SUFFIX, MAX_FRAME_BYTES, ShardIndex, ShardInfo
 from .indexes import load_index
 from .storage import Store
@@ -122,6 +122,7 @@ class ShardReader:
         self.url = url if url is not None else store.url(name)
         self.info = info
         self._index = index
+        self._index_error: tuple[ShardstreamError, Any] | None = None  # the failed load, and its traceback
         self._lock = threading.Lock()
 
     @property
@@ -130,7 +131,18 @@ class ShardReader:
             return self._index
         with self._lock:  # prefetch threads share readers: load the index once
             if self._index is None:
-                self._index = self._load_index()
+                # Tried once: a reader is asked by its opener thread, by the planning of its reads
+                # and by each read, and each went through every retry again (an index that timed
+                # out failed after three times the retry policy's time; under on_error="skip", once
+                # a sample). The reader lives an iteration: the next one tries anew.
+                if self._index_error is not None:
+                    error, trace = self._index_error
+                    raise error.with_traceback(trace)
+                try:
+                    self._index = self._load_index()
+                except ShardstreamError as e:
+                    self._index_error = (e, e.__traceback__)
+                    raise
         return self._index
 
     def _load_index(self) -> ShardIndex:

@@ -319,9 +319,9 @@ def read_piece(read: Any, readers: Readers, shard: int, a: int, b: int, keep: np
 
 def _read_healing(read: Any, readers: Readers, shard: int, a: int, b: int) -> Iterator[Sample]:
     """Samples [a, b) of `shard` by `read`. A cached copy is hashed once per process and
-    then trusted; one damaged on disk after that fails its frame checksums here, and is
-    then checked and downloaded again before `read` goes on: it is not the data's fault,
-    so no error policy should see it. Once an iteration: after that, the copy found
+    then trusted; one damaged on disk after that fails its frame checksums here (or one
+    removed, its reads), and is then checked and downloaded again before `read` goes on:
+    it is not the data's fault, so no error policy should see it. Once an iteration: after that, the copy found
     sound, a failure is the data's."""
     if readers.cache is None or readers.source.shards[shard].store.local or shard in readers.rechecked:
         # Checked again already this iteration: a shard whose data is bad (under on_error="skip",
@@ -336,6 +336,12 @@ def _read_healing(read: Any, readers: Readers, shard: int, a: int, b: int) -> It
             done += 1
         return
     except (CorruptShardError, CorruptIndexError):
+        readers.heal(shard, reader)
+    except StorageError as e:
+        # The copy is gone (a cleaner of old files in /tmp, a user emptying the cache): it is
+        # downloaded again, as a damaged one is.
+        if e.detail != "file not found":
+            raise
         readers.heal(shard, reader)
     yield from read(readers.get(shard), a + done, b)
 

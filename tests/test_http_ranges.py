@@ -669,6 +669,7 @@ def test_a_child_forked_while_the_watchdog_stops_a_read_has_a_watchdog_of_its_ow
 
 class _Ranges(_Served):
     """Serves DATA by ranges as `mode` says: "cap" at most 1,000 bytes a response (its Content-Range says so),
+    "round" more than asked, to the end of a kilobyte,
     "cut" a 206 whose body ends 5 bytes early (no Content-Length: the connection closes), "shift" the bytes
     of another range than asked; each request's headers recorded in `seen`."""
 
@@ -681,6 +682,8 @@ class _Ranges(_Served):
         last = min(last, len(DATA) - 1)
         if self.mode == "cap":
             last = min(last, first + 999)
+        if self.mode == "round":  # a range rounded up to whole kilobytes, as some caches serve them
+            last = min(len(DATA) - 1, (last // 1024 + 1) * 1024 - 1)
         body = DATA[first : last + 1]
         if self.mode == "shift":
             first, last, body = 0, last - first, DATA[: last - first + 1]
@@ -699,6 +702,9 @@ def test_a_range_sent_in_parts_is_asked_for_the_rest_and_a_cut_or_wrong_one_is_a
         assert read_range(f"{url}/blob.bin", 100, 4_100) == DATA[100:4_100]
         assert read_range(f"{url}/blob.bin", 9_500, None) == DATA[9_500:]
         assert len(requests) == 5  # 4 pieces of 1,000 bytes, then one
+    with serving(_Ranges, mode="round") as (url, _):  # regression: the whole longer range was returned
+        assert read_range(f"{url}/blob.bin", 100, 200) == DATA[100:200]
+        assert read_range(f"{url}/blob.bin", 1_030, None) == DATA[1_030:]
     with serving(_Ranges, mode="cut") as (url, _):
         with pytest.raises(ConnectionError, match="sent 995 of the 1000 bytes"):
             read_range(f"{url}/blob.bin", 0, 1_000)

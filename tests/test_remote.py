@@ -1790,6 +1790,44 @@ def test_cache_heals_a_copy_damaged_after_it_was_checked(local_ds, shard_names, 
         assert server.gets(shard_names[0]) == 2 and server.gets(shard_names[1]) == 1
 
 
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_cache_emptied_mid_epoch_is_filled_again(local_ds, shard_names, jpg_digests, tmp_path, prefetch):
+    """Regression: the cache's folder removed mid-epoch (a cleaner of old files in /tmp, a user emptying it)
+    failed the epoch with "file not found" naming the copy. The copies are downloaded again, as damaged ones."""
+    cache_dir = tmp_path / "cache"
+    with H.CountingHTTPServer(local_ds) as server:
+        ds = StreamingDataset(server.url, decode=None, fields=("__key__", "jpg"), cache_dir=str(cache_dir),
+                              cache_limit="1GB", prefetch=prefetch)
+        got = {}
+        for i, (key, jpg) in enumerate(ds):
+            if i == 1:
+                shutil.rmtree(cache_dir)
+            got[key] = hashlib.sha256(jpg).hexdigest()
+        assert got == jpg_digests
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_an_index_that_fails_is_asked_for_once_an_iteration(local_ds, shard_names, tmp_path, prefetch):
+    """Regression: a reader's index was asked for by the thread opening it ahead, by the planning of its reads
+    and by the reads, and each went through the retry policy anew: an index that timed out failed after three
+    times the policy's time, and under on_error="skip" a damaged index was fetched again for each sample. A
+    failed load is remembered for the iteration; the next one tries again."""
+    from shardstream.policy import ErrorPolicy
+
+    bad = tmp_path / "bad"
+    shutil.copytree(local_ds, bad)
+    info = next(ref.info for ref in shardstream.open_dataset(str(bad)).shards if ref.name == shard_names[2])
+    (bad / info.index).write_bytes(b"\x00" * info.index_bytes)  # its size right, its checksum wrong
+    with H.CountingHTTPServer(str(bad)) as server:
+        ds = StreamingDataset(server.url, decode=None, fields=("__key__",), prefetch=prefetch,
+                              on_error=ErrorPolicy("skip", max_fraction=1.0))
+        for epoch in range(2):
+            ds.set_epoch(epoch)
+            assert len(list(ds)) == shardstream.open_dataset(local_ds).manifest.samples
+            assert server.gets(info.index) == epoch + 1
+        assert ds.skipped == 2 * info.samples
+
+
 def test_an_error_in_a_cached_shard_names_the_datasets_shard_not_the_copy(local_ds, shard_names, tmp_path):
     """Regression: read from the cache, bad data (a frame that fails its checksum in a shard whose SHA-256
     the manifest agrees with: the dataset's fault, not the copy's) named the copy in the cache, a path
