@@ -598,3 +598,29 @@ def test_a_child_forked_under_the_command_dies_of_sigterm_quietly():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["-15"] and "Traceback" not in done.stderr, (done.stdout, done.stderr)
+
+
+def test_a_child_forked_under_the_command_has_sigterms_default():
+    """Regression: a forked child kept the CLI's Python SIGTERM handler, which runs only between bytecodes: a
+    SIGTERM arriving just before the child blocked in a lock went unhandled while the lock was held, and
+    `demo`'s pool worker, waiting on the lock `Pool.terminate` holds, outlived the terminate: the demo hung
+    (twice in about 140 runs under load). The child has the kernel's default, which needs no Python."""
+    script = textwrap.dedent("""
+        import multiprocessing, signal
+        from shardstream.cli import _sigterm_interrupts
+
+        def report(queue):
+            queue.put(signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
+
+        context = multiprocessing.get_context("fork")
+        with _sigterm_interrupts():
+            assert signal.getsignal(signal.SIGTERM) != signal.SIG_DFL  # the command's own
+            queue = context.SimpleQueue()
+            child = context.Process(target=report, args=(queue,))
+            child.start()
+            print(queue.get())
+            child.join(30)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True"], (done.stdout, done.stderr)
