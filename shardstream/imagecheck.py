@@ -12,6 +12,7 @@ it runs in the pack workers (framebuild.py).
 from __future__ import annotations
 
 import struct
+from typing import NamedTuple
 
 from PIL import Image
 
@@ -66,10 +67,12 @@ def sniff_image(data: bytes) -> tuple[str | None, str | None]:
 _SOF = frozenset({0xC0, 0xC1, 0xC2, 0xC9, 0xCA})
 _HEADER = _SOF | {0xC4, 0xCC, 0xDB, 0xDD, 0xFE, *range(0xE0, 0xF0)}  # DHT, DAC, DQT, DRI, COM, APPn
 _STANDALONE = frozenset([0x01, *range(0xD0, 0xD8)])
+_PARSED = _SOF | {0xC4, 0xDB, 0xDA}  # DHT, DQT, SOS
 
 
 def _plain_jpeg(data: bytes) -> bool:
-    """True if `data` is a JPEG whose header segments are whole, with a sane frame size, ending with EOI.
+    """True if `data` is a JPEG whose header segments are whole, with a sane frame size and
+    a first scan the decoders read, ending with EOI.
 
     The fast path of `check_image`, for the common case: walking the segment headers
     up to the start of scan costs about 10 µs, where `Image.open` costs 150-275 µs,
@@ -79,9 +82,10 @@ def _plain_jpeg(data: bytes) -> bool:
     """
     if not is_jpeg(data) or not jpeg_ends(data):
         return False
-    pos, end, frame = 2, len(data), False
-    defined: set[int] = set()  # quantisation tables defined
-    wanted: list[int] = []  # the tables the frame's components name
+    pos, end = 2, len(data)
+    frame: _Frame | None = None
+    quantisation: set[int] = set()  # the ids of the tables defined so far
+    huffman: set[tuple[int, int]] = set()  # (class, id)
     while pos + 4 <= end:
         if data[pos] != 0xFF:
             return False
@@ -97,59 +101,128 @@ def _plain_jpeg(data: bytes) -> bool:
         length = data[pos + 2] << 8 | data[pos + 3]
         if length < 2 or pos + 2 + length > end:
             return False
+        # The segments parsed are small (tables, the frame, the scan); APPn (EXIF, ICC: up to
+        # 64 KB each) is passed over uncopied.
+        body = data[pos + 4 : pos + 2 + length] if marker in _PARSED else b""
         if marker in _SOF:
-            if frame or length < 8:
+            if frame is not None:
                 return False
-            bits, height, width, components = struct.unpack_from(">BHHB", data, pos + 4)
-            if (bits != 8 or components not in (1, 3, 4) or length != 8 + 3 * components
-                    or not 0 < width * height <= (Image.MAX_IMAGE_PIXELS or 1 << 62)):
+            frame = _frame(marker, body)
+            if frame is None:
                 return False
-            specs = [data[pos + 10 + 3 * c : pos + 13 + 3 * c] for c in range(components)]  # id, sampling, table
-            if not all(1 <= h_v >> 4 <= 4 and 1 <= h_v & 0x0F <= 4 for _, h_v, _ in specs):
-                return False
-            wanted = [table for _, _, table in specs]
-            frame = True
         elif marker == 0xDB:
-            tables = _quantisation_tables(data, pos + 4, pos + 2 + length)
+            tables = _quantisation_tables(body)
             if tables is None:
                 return False
-            defined |= tables
-        elif marker == 0xC4 and not _whole_huffman_tables(data, pos + 4, pos + 2 + length):
-            return False
+            quantisation |= tables
+        elif marker == 0xC4:
+            codes = _huffman_tables(body)
+            if codes is None:
+                return False
+            huffman |= codes
         elif marker == 0xDA:  # start of scan: the header is over
-            return frame and defined.issuperset(wanted)
+            return (frame is not None and quantisation.issuperset(table for *_, table in frame.components)
+                    and _scan_readable(body, frame, huffman))
         pos += 2 + length
     return False
 
 
-def _quantisation_tables(data: bytes, start: int, end: int) -> set[int] | None:
+class _Frame(NamedTuple):
+    """A start-of-frame segment: its marker (the kind of frame) and its components' (id,
+    horizontal sampling, vertical sampling, quantisation table)."""
+
+    marker: int
+    components: list[tuple[int, int, int, int]]
+
+    @property
+    def progressive(self) -> bool:
+        return self.marker in (0xC2, 0xCA)
+
+    @property
+    def arithmetic(self) -> bool:
+        return self.marker in (0xC9, 0xCA)
+
+
+def _frame(marker: int, body: bytes) -> _Frame | None:
+    """The frame a start-of-frame segment's body describes, if the decoders read it: 8 bits,
+    1, 3 or 4 components of distinct ids, a size within Pillow's pixel limit, sampling
+    factors 1 to 4 that divide the largest (libjpeg refuses fractional ratios)."""
+    if len(body) < 6:
+        return None
+    bits, height, width, count = struct.unpack_from(">BHHB", body)
+    if (bits != 8 or count not in (1, 3, 4) or len(body) != 6 + 3 * count
+            or not 0 < width * height <= (Image.MAX_IMAGE_PIXELS or 1 << 62)):
+        return None
+    components = [(body[6 + 3 * c], body[7 + 3 * c] >> 4, body[7 + 3 * c] & 0x0F, body[8 + 3 * c])
+                  for c in range(count)]
+    h_max, v_max = max(c[1] for c in components), max(c[2] for c in components)
+    if (len({c[0] for c in components}) != count
+            or not all(1 <= h <= 4 and 1 <= v <= 4 and h_max % h == 0 and v_max % v == 0 for _, h, v, _ in components)):
+        return None
+    return _Frame(marker, components)
+
+
+def _scan_readable(body: bytes, frame: _Frame, huffman: set[tuple[int, int]]) -> bool:
+    """Whether the first scan's header (its SOS segment's body) is one the decoders read in
+    `frame`: its components the frame's, at most 10 blocks an interleaved MCU, the spectral
+    selection and approximation a sequential or progressive scan may have, and the Huffman
+    tables it uses defined (libjpeg: "Huffman table 0x.. was not defined"). Damage here was
+    accepted, and every decoder then refused the image (RELIABILITY 248)."""
+    count = body[0] if body else 0
+    if not 1 <= count <= len(frame.components) or len(body) != 4 + 2 * count:
+        return False
+    selectors, tables = body[1 : 1 + 2 * count : 2], body[2 : 2 + 2 * count : 2]
+    by_id = {c[0]: c for c in frame.components}
+    if len(set(selectors)) != count or not all(s in by_id for s in selectors):
+        return False
+    if count > 1 and sum(by_id[s][1] * by_id[s][2] for s in selectors) > 10:
+        return False
+    first, last, high, low = body[-3], body[-2], body[-1] >> 4, body[-1] & 0x0F
+    if frame.progressive:
+        if not (first <= last <= 63 and (first == 0) == (last == 0) and (first == 0 or count == 1)
+                and low <= 13 and (high == 0 or low == high - 1)):
+            return False
+    elif (first, last, high, low) != (0, 63, 0, 0):
+        return False
+    if frame.arithmetic:  # conditioning tables (DAC) are optional: defaults stand in
+        return all(t >> 4 <= 3 and t & 0x0F <= 3 for t in tables)
+    dc = not frame.progressive or (first == 0 and high == 0)  # a DC refinement scan reads raw bits
+    ac = not frame.progressive or last > 0
+    return all((not dc or (0, t >> 4) in huffman) and (not ac or (1, t & 0x0F) in huffman) for t in tables)
+
+
+def _quantisation_tables(body: bytes) -> set[int] | None:
     """The ids of the tables a DQT segment's body defines, if it is whole tables (64 entries
     of 1 or 2 bytes each, ids 0 to 3); else None."""
-    ids = set()
-    while start < end:
-        precision, table = data[start] >> 4, data[start] & 0x0F
+    ids, at = set(), 0
+    while at < len(body):
+        precision, table = body[at] >> 4, body[at] & 0x0F
         if precision > 1 or table > 3:
             return None
         ids.add(table)
-        start += 1 + 64 * (1 + precision)
-    return ids if start == end else None
+        at += 1 + 64 * (1 + precision)
+    return ids if at == len(body) else None
 
 
-def _whole_huffman_tables(data: bytes, start: int, end: int) -> bool:
-    """A DHT segment's body is whole Huffman tables: a class and id, 16 code counts, and as
-    many symbols as they add up to (at most 256). A count off by one bit here was accepted,
-    and every decoder then refused the image."""
-    while start < end:
-        if data[start] >> 4 > 1 or data[start] & 0x0F > 3 or start + 17 > end:
-            return False
-        counts = data[start + 1 : start + 17]
+def _huffman_tables(body: bytes) -> set[tuple[int, int]] | None:
+    """The (class, id) of the tables a DHT segment's body defines, if it is whole Huffman
+    tables: a class and id, 16 code counts, and as many symbols as they add up to (at most
+    256); else None. A count off by one bit here was accepted, and every decoder then
+    refused the image."""
+    codes, at, end = set(), 0, len(body)
+    while at < end:
+        kind, table = body[at] >> 4, body[at] & 0x0F
+        if kind > 1 or table > 3 or at + 17 > end:
+            return None
+        counts = body[at + 1 : at + 17]
         symbols = sum(counts)
-        if symbols > 256 or start + 17 + symbols > end or not _prefix_code(counts):
-            return False
-        if data[start] >> 4 == 0 and max(data[start + 17 : start + 17 + symbols], default=0) > 15:
-            return False  # a DC table's symbols are bit counts, 0 to 15 (libjpeg's check)
-        start += 17 + symbols
-    return start == end
+        if symbols > 256 or at + 17 + symbols > end or not _prefix_code(counts):
+            return None
+        if kind == 0 and max(body[at + 17 : at + 17 + symbols], default=0) > 15:
+            return None  # a DC table's symbols are bit counts, 0 to 15 (libjpeg's check)
+        codes.add((kind, table))
+        at += 17 + symbols
+    return codes
 
 
 def _prefix_code(counts: bytes) -> bool:
