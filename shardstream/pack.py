@@ -35,11 +35,11 @@ from .errors import PackError, ShardstreamError
 from .format import INDEX_SUFFIX, MANIFEST_NAME, Manifest, ShardInfo
 from .framebuild import FrameResult, build_job
 from .framepool import pool_context, process_results, thread_results, threads_pay
-from .journal import Journal
+from .journal import FOLDER as JOURNAL_FOLDER, Journal
 from .listing import list_source, look_up_files
 from .packoutput import dataset_manifest, write_shards
 from .packplan import PackOptions, order, part_slice, plan_frames, shrunk_estimates
-from .parts import other_packs, unplanned_part_shards, unplanned_single_shards
+from .parts import other_journals, other_packs, part_shards, unplanned_part_shards, unplanned_single_shards
 from .scratch import cleanup_scratch
 from .shardfile import FRAME_SIZE, IMAGE_LEVEL
 from .shrink import DEFAULT_QUALITY
@@ -131,16 +131,23 @@ def _siblings_shard(part: tuple[int, int] | None) -> Callable[[str], bool]:
     return lambda name: name.startswith(others)
 
 
-def _clear_other_packs(store: Store, part: tuple[int, int] | None, *, overwrite: bool, finished_part: bool) -> None:
+def _clear_other_packs(store: Store, part: tuple[int, int] | None, *, overwrite: bool, resume: bool,
+                       finished_part: bool) -> None:
     """Refuse (or, with `overwrite`, remove) what another pack left in `store` that this one
     would overwrite or mix with (`parts.other_packs`): a part's shard names do not say how
-    many parts there are, so part 0 of 3 would overwrite part 0 of 2's shards."""
+    many parts there are, so part 0 of 3 would overwrite part 0 of 2's shards. A pack of
+    the other layout killed before its manifest left shards and a journal that nothing
+    lists; a single pack that resumes removes parts' shards itself (it may be the one that
+    was removing them, as an overwrite, when it was killed)."""
     manifests, shards = other_packs(store, None if part is None else part[1])
+    if part is None and not (overwrite or resume):
+        shards += part_shards(store)
+    journals = other_journals(store, None if part is None else part[1])
     # The merge of this very pack's parts: still true for a finished part's no-op rerun,
     # stale once a part is packed again (the last part to finish merges anew).
     stale_merge = (part is not None and not finished_part and MANIFEST_NAME not in manifests
                    and store.exists(MANIFEST_NAME))
-    found = ([MANIFEST_NAME] if stale_merge else []) + manifests + shards
+    found = ([MANIFEST_NAME] if stale_merge else []) + manifests + shards + [f"{JOURNAL_FOLDER}/{j}/" for j in journals]
     if not found:
         return
     if not overwrite:
@@ -157,6 +164,8 @@ def _clear_other_packs(store: Store, part: tuple[int, int] | None, *, overwrite:
     for name in manifests:
         remove_dataset(store, name, keep=_siblings_shard(part))
     store.remove_all(_with_indexes(shards))
+    for name in journals:
+        Journal(store, name).clear()
 
 
 def _with_indexes(names: list[str]) -> Iterator[str]:
@@ -279,7 +288,7 @@ def pack(
                "sizes": sizes_digest(entries)}
     # Other packs' files first, a stale merge among them: a merge that lists this part's
     # shards must be gone before they are, or a crash between would leave it listing none.
-    _clear_other_packs(store, part, overwrite=overwrite, finished_part=complete)
+    _clear_other_packs(store, part, overwrite=overwrite, resume=resume, finished_part=complete)
     if replace:
         remove_dataset(store, target)
     journal = Journal(store, "main" if part is None else f"part-{part[0]:05d}-of-{part[1]:05d}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import re
+from dataclasses import replace
 from typing import Any
 
 from .errors import ManifestError, ShardstreamError
@@ -22,13 +23,15 @@ from .journal import FOLDER as JOURNAL_FOLDER, remove_journal_folder
 from .threads import ordered_map
 from .writer import write_manifest
 
-__all__ = ["merge", "missing_parts", "other_packs", "unplanned_part_shards", "unplanned_single_shards"]
+__all__ = ["merge", "missing_parts", "other_journals", "other_packs", "part_shards", "unplanned_part_shards",
+           "unplanned_single_shards"]
 
 _PART = re.compile(r"manifest\.part-(\d{5})-of-(\d{5})\.msgpack")
 # A part's shard, or its index: one whose shard went first (a removal killed between the two,
 # or removals remote in any order) would be matched by nothing else, and stay for good.
 _PART_SHARD = re.compile(r"shard-p(\d{5})-\d{6}\.tar(\.zst)?(\.idx)?")
 _SINGLE_SHARD = re.compile(r"shard-\d{6}\.tar(\.zst)?(\.idx)?")
+_JOURNAL = re.compile(r"part-\d{5}-of-\d{5}")  # a part's journal (the single pack's is "main")
 CHECK_THREADS = 16  # indexes read at once by `merge` from a remote store, whose latency they hide
 
 
@@ -60,8 +63,27 @@ def other_packs(store: Store, parts: int | None) -> tuple[list[str], list[str]]:
         return manifests, []
     if MANIFEST_NAME in names and _merged_parts(store) != parts:
         manifests.insert(0, MANIFEST_NAME)
-    shards = [name for name in names if (match := _PART_SHARD.fullmatch(name)) and int(match.group(1)) >= parts]
+    # A single pack's shards too (no part writes their names): one killed before its manifest
+    # left them, listed by none, holding the samples the parts pack again.
+    shards = [name for name in names if (match := _PART_SHARD.fullmatch(name)) and int(match.group(1)) >= parts
+              or _SINGLE_SHARD.fullmatch(name)]
     return manifests, shards
+
+
+def part_shards(store: Store) -> list[str]:
+    """Every part's shard names in `store`: what a single pack finds of parts killed before
+    their manifests (or left by an overwrite killed while it removed them)."""
+    return [name for name in store.list() if _PART_SHARD.fullmatch(name)]
+
+
+def other_journals(store: Store, parts: int | None) -> list[str]:
+    """The journals (`journal.Journal` names) in `store` of packs of another layout than one
+    in `parts` parts (None: a single pack): the single pack's (`main`), for a part, and
+    those of parts of another number of parts (any part's, for a single pack). A pack
+    killed before its manifest left one, which no pack of this layout would remove."""
+    names = replace(store, root=store.url(JOURNAL_FOLDER)).folders()
+    own = re.compile("main" if parts is None else rf"part-\d{{5}}-of-{parts:05d}")
+    return [name for name in names if (name == "main" or _JOURNAL.fullmatch(name)) and not own.fullmatch(name)]
 
 
 def unplanned_part_shards(store: Store, index: int, planned: set[str]) -> list[str]:

@@ -319,6 +319,22 @@ class Store:
             raise self._wrap("", "list", e) from safe_cause(e)
         return sorted(posixpath.basename(e) for e in entries if e.endswith(suffix))
 
+    def folders(self) -> list[str]:
+        """Names of the folders directly in this store, sorted (remotely: the prefixes a listing
+        shows as folders); none where the store's folder does not exist."""
+        if self.local:
+            root = local_path(self.root)
+            if not os.path.isdir(root):
+                return []
+            return sorted(entry.name for entry in os.scandir(root) if entry.is_dir())
+        try:
+            entries = self.retry.call(self._remote_entries, url=self.url(""))
+        except FileNotFoundError:
+            return []
+        except OSError as e:
+            raise self._wrap("", "list", e) from safe_cause(e)
+        return sorted(posixpath.basename(e["name"].rstrip("/")) for e in entries if e.get("type") == "directory")
+
     def _remote_list(self) -> list[str]:
         fs, path = self._fs_path("")
         return fs.ls(path.rstrip("/"), detail=False)

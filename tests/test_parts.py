@@ -331,6 +331,52 @@ def test_a_single_pack_over_one_killed_while_replacing_leaves_none_of_its_shards
     assert samples(str(dst)) == samples(str(source / "single"))
 
 
+def killed_after_publishing(monkeypatch, shards: int, run: Callable[[], object]) -> None:
+    """`run()`, killed (a KeyboardInterrupt) right after it publishes its `shards`-th shard index."""
+    from shardstream.storage import Store
+
+    put, published = Store.put, []
+
+    def publishing(store, file, name):
+        put(store, file, name)
+        published.append(name.endswith(".idx"))
+        if sum(published) == shards:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(Store, "put", publishing)
+    with pytest.raises(KeyboardInterrupt):
+        run()
+    monkeypatch.setattr(Store, "put", put)
+
+
+@pytest.mark.parametrize("killed", ["single", "part"])
+def test_a_pack_of_the_other_layout_refuses_or_removes_what_a_killed_pack_left(source, tmp_path, monkeypatch, killed):
+    """Regression: a single pack killed before its manifest left its shards and journal, and parts packed into
+    the same folder then left them beside their merge for good (shard-000000.tar.zst holding samples the
+    parts hold too, for anything that globs shard names); a part killed so, then a single pack, the same. The
+    pack of the other layout refuses the folder, naming what it holds, or with overwrite removes it all."""
+    src, dst = str(source / "src"), tmp_path / "ds"
+    single = lambda **kw: ss.pack(src, str(dst), shard_size="8KB", workers=1, progress=False, **kw)  # noqa: E731
+    parts = lambda **kw: [ss.pack(src, str(dst), shard_size="8KB", workers=1, progress=False,  # noqa: E731
+                                  part=(i, 2), **kw) for i in range(2)]
+    first, then = (single, parts) if killed == "single" else (lambda: parts()[0], single)
+    killed_after_publishing(monkeypatch, 2, first)
+    left = sorted(os.listdir(dst))
+    assert any(name.endswith(".tar.zst") for name in left) and ".shardstream-pack" in left
+    with pytest.raises(ShardstreamError, match="already holds another pack") as refused:
+        then()
+    assert ("shard-000000.tar.zst" if killed == "single" else "shard-p00000-000000.tar.zst") in str(refused.value)
+    assert sorted(os.listdir(dst)) == left
+    then(overwrite=True)
+    if killed == "single":
+        merge(str(dst))  # the CLI's last part merges; the API's caller does
+    listed = {name for shard in ss.open_dataset(str(dst)).manifest.shards for name in (shard.name, shard.index)}
+    leftover = {os.path.relpath(os.path.join(root, name), dst) for root, _, names in os.walk(dst) for name in names}
+    part_manifests = {f"manifest.part-0000{i}-of-00002.msgpack" for i in range(2)} if killed == "single" else set()
+    assert leftover == listed | {"manifest.msgpack"} | part_manifests
+    assert samples(str(dst)) == samples(str(source / "single"))
+
+
 def test_an_overwrite_from_a_source_that_fails_keeps_the_dataset(source, tmp_path):
     dst = tmp_path / "ds"
     ss.pack(str(source / "src"), str(dst), shard_size="8KB", progress=False)
