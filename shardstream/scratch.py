@@ -13,7 +13,9 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shutil
+import socket
 import tempfile
 from typing import TYPE_CHECKING, BinaryIO, Iterable
 
@@ -105,11 +107,12 @@ def _remove_ended(folder: str) -> None:
 
 
 def cleanup_scratch(store: Store, names: Iterable[str] = ()) -> None:
-    """Remove what killed writers of `names` left in `store`'s local scratch folder, then
-    the folder if empty.
+    """Remove what killed writers left in `store`'s local scratch folder, then the folder if
+    empty: the files of `names`, whoever wrote them, and any file that a process of this
+    host wrote and ended without putting in place (its name says which: `_writer_tag`).
 
-    Only the given names' files go: other writers (the other parts of a pack, say)
-    may be writing into the same folder at this moment.
+    Other writers (the other parts of a pack, say, on this host or another sharing the
+    folder) may be writing into the same folder at this moment: their files stay.
     """
     if not store.local:
         return
@@ -118,11 +121,34 @@ def cleanup_scratch(store: Store, names: Iterable[str] = ()) -> None:
         return
     prefixes = tuple(f".{name}." for name in names)
     for entry in os.listdir(path):
-        if prefixes and entry.startswith(prefixes) and entry.endswith(".part"):
+        if entry.endswith(".part") and (prefixes and entry.startswith(prefixes) or _left_by_an_ended_process(entry)):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(path, entry))
     with contextlib.suppress(OSError):
         os.rmdir(path)  # only if empty; another writer may still be using it
+
+
+# This host's name in scratch file names, where it may hold no dot (names are split at them)
+# and no dash (the tag's fields are).
+_HOST = re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname()) or "host"
+
+
+def _writer_tag() -> str:
+    """``HOST-PID-START``: which process, on which host, writes a scratch file. A merge killed
+    while writing the dataset manifest left a file no later writer named (every part was
+    finished): one per killed merge stayed for good, until the tag told its process ended."""
+    return f"{_HOST}-{_process_tag(os.getpid()) or os.getpid()}"
+
+
+def _left_by_an_ended_process(entry: str) -> bool:
+    """Whether the scratch file `entry` (``.<name>.<tag>.<random>.part``) was written by a
+    process of this host that has ended. Another host's processes cannot be asked about."""
+    fields = entry.removesuffix(".part").rsplit(".", 2)
+    if len(fields) != 3:
+        return False
+    host, _, process = fields[1].partition("-")
+    pid = process.partition("-")[0]
+    return host == _HOST and pid.isdigit() and _process_tag(int(pid)) != process
 
 
 def _umask_by_setting() -> int:
@@ -158,7 +184,7 @@ def scratch_file(store: Store, name: str) -> tuple[str, BinaryIO]:
     """
     for attempt in range(3):
         try:
-            fd, path = tempfile.mkstemp(dir=scratch_dir(store), prefix=f".{name}.", suffix=".part")
+            fd, path = tempfile.mkstemp(dir=scratch_dir(store), prefix=f".{name}.{_writer_tag()}.", suffix=".part")
             break
         except FileNotFoundError:  # another writer's `cleanup_scratch` removed the folder, then empty
             if attempt == 2:

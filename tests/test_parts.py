@@ -316,6 +316,28 @@ def test_a_part_packed_again_removes_what_a_killed_merge_left(source, tmp_path):
     assert not left.exists()
 
 
+def test_a_merge_removes_what_a_killed_merge_of_this_host_left(source, tmp_path):
+    """Regression: with every part finished, a merge killed while writing the dataset manifest left its
+    scratch file for good (a merge run again, or a finished part's --resume, removed nothing), one more per
+    killed merge. Scratch files say which process of which host wrote them: a merge removes those of ended
+    processes of its own host, and keeps a running one's, and those of other hosts, which it cannot ask."""
+    from shardstream.scratch import _HOST, SCRATCH, _writer_tag
+
+    src, dst = str(source / "src"), tmp_path / "parts"
+    for i in range(2):
+        ss.pack(src, str(dst), shard_size="8KB", part=(i, 2), progress=False)
+    ended = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                               text=True).stdout)
+    (dst / SCRATCH).mkdir(exist_ok=True)
+    left = {kind: dst / SCRATCH / f".manifest.msgpack.{tag}.x1y2z3.part" for kind, tag in [
+        ("ended", f"{_HOST}-{ended}-1"), ("other host", f"elsewhere-{ended}-1"), ("running", _writer_tag())]}
+    for path in left.values():
+        path.write_bytes(b"half a manifest")
+    merge(str(dst))
+    assert {kind: path.exists() for kind, path in left.items()} == {"ended": False, "other host": True,
+                                                                   "running": True}
+
+
 def test_a_single_pack_over_one_killed_while_replacing_leaves_none_of_its_shards(source, tmp_path, monkeypatch):
     """Regression: an overwrite removes the old dataset's manifest, then its shards; killed between, they
     stayed listed by no manifest, and a rerun, fresh or resumed, knew nothing of them: 36 shards of an old
