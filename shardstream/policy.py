@@ -50,7 +50,8 @@ class ErrorPolicy:
 
 
 def guarded(inputs: Iterable[Any], prepare: Callable[[Any], Any], policy: ErrorPolicy, planned: int,
-            on_skip: Callable[[], None] = lambda: None) -> Iterator[Any]:
+            on_skip: Callable[[], None] = lambda: None,
+            earlier: Callable[[], Iterable[Any]] | None = None) -> Iterator[Any]:
     """`prepare` each input; under "skip", a failure is stood in for by the next good result.
 
     The stand-in comes after the bad sample's place has passed, so each bad place is owed
@@ -58,7 +59,10 @@ def guarded(inputs: Iterable[Any], prepare: Callable[[Any], Any], policy: ErrorP
     own; failures with no good result after them (the end of the pass) are paid with the
     last good one. The next good one, rather than the last, because a resumed run has no
     "last" at its first place: it starts there, and must yield what the uninterrupted run did.
-    `planned` (the worker's samples this epoch) sets the fraction cap.
+    Where a resumed run has nothing good left, its last good one is among the inputs the
+    run before yielded: `earlier` gives them, latest first, and the first that prepares
+    is the stand-in (a resume there raised, on every restart). `planned` (the worker's
+    samples this epoch) sets the fraction cap.
     """
     skips = 0
     owed = 0
@@ -84,7 +88,22 @@ def guarded(inputs: Iterable[Any], prepare: Callable[[Any], Any], policy: ErrorP
             yield result
         owed = 0
         yield result
+    if owed and not have_good and earlier is not None:
+        have_good, last = _last_good(earlier(), prepare)
     if owed and not have_good:
         raise TooManyErrors(f"all {owed} samples of this worker failed; nothing good to pad with")
     for _ in range(owed):
         yield last
+
+
+def _last_good(earlier: Iterable[Any], prepare: Callable[[Any], Any]) -> tuple[bool, Any]:
+    """(True, the first of `earlier` that prepares), or (False, None). Their failures were
+    the run before's, skipped and counted then: not again."""
+    for item in earlier:
+        try:
+            return True, prepare(item)
+        except StorageError:
+            raise
+        except ShardstreamError:
+            continue
+    return False, None

@@ -75,6 +75,13 @@ class RankPlan:
         frontier = int(perm[:start].max()) + 1 if start and source.indexed else 0
         return mine, remaining, read_order(remaining, frontier, source.samples_per_frame())
 
+    def yielded(self, part: WorkerEpoch) -> np.ndarray:
+        """The positions among the plan worker's draws (`reads`) that it yielded before its
+        first `part.done` items (a resumed run's: the run before yielded them), in order."""
+        _, perm = worker_plan(part.block, self.layout, self.sequences.seed, part.epoch, self.rank, part.worker,
+                              part.segment)
+        return perm[: part.done * (self.layout.batch_size or 1)]
+
     def next_epoch_reads(self, epoch: int, worker: int | None, loader_worker: int) -> np.ndarray:
         """The samples DataLoader worker `loader_worker` will read next, in reading order, if
         what comes next is `epoch + 1` from its start: the next iteration after

@@ -442,6 +442,43 @@ def test_skip_stands_in_the_next_good_sample_and_resumes_exactly_at_every_place(
     _release(caplog)
 
 
+@pytest.mark.parametrize("decode_threads", [0, 2])
+@pytest.mark.parametrize("batch_size", [None, 3])
+def test_a_resume_with_only_bad_samples_left_pads_with_the_last_good_one_before(tmp_path, caplog, batch_size,
+                                                                                 decode_threads):
+    """Regression: the last samples of a pass bad, the uninterrupted run pads their places with the last good
+    one before them; a run resumed after that good one had nothing good left and raised TooManyErrors, on
+    every restart: the checkpoint could never be resumed (17 places of a review's sweep). It pads with the
+    good one the run before yielded last, read again."""
+    url = str(tmp_path / "ds")
+    with shardstream.ShardWriter(url, shard_size="12KB") as w:
+        for i in range(10):
+            jpg = synthetic_jpeg(i, 32, 24, quality=70)
+            w.write({"__key__": f"s{i:03d}", "jpg": jpg[: len(jpg) // 2] if i >= 8 else jpg, "cls": i % 3})
+
+    def dataset() -> StreamingDataset:
+        collate = (lambda batch: [key for key, _ in batch]) if batch_size else None
+        return _skip_dataset(url, on_error=ErrorPolicy(mode="skip", max_skips=2), batch_size=batch_size,
+                             collate_fn=collate, decode_threads=decode_threads)
+
+    def keys(items) -> list:
+        return [item if batch_size else item[0] for item in items]
+
+    whole = keys(dataset())
+    assert whole == ([["s000", "s001", "s002"], ["s003", "s004", "s005"], ["s006", "s007", "s007"], ["s007"]]
+                     if batch_size else [f"s{i:03d}" for i in range(8)] + ["s007", "s007"])
+    for k in range(len(whole)):
+        ds = dataset()
+        it = iter(ds)
+        head = keys(next(it) for _ in range(k))
+        state = json.loads(json.dumps(ds.state_dict()))
+        it.close()
+        resumed = dataset()
+        resumed.load_state_dict(state)
+        assert head + keys(resumed) == whole, f"resumed after {k}"
+    _release(caplog)
+
+
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_skip_is_for_bad_data_not_for_storage(tmp_path, prefetch):
     """A shard that is gone is not a bad sample: it raises a StorageError naming it under
