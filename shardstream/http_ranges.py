@@ -72,7 +72,7 @@ def range_header(start: int | None, end: int | None) -> str:
 
 
 def read_range(url: str, start: int | None, end: int | None, *, headers: Mapping[str, str] = {},
-               connect_s: float = 10.0, read_s: float = 20.0) -> bytes:
+               connect_s: float = 10.0, read_s: float = 20.0, size: int | None = None) -> bytes:
     """Bytes [start, end) of `url` (to its end when `end` is None; the whole file when both are None).
 
     Like fsspec's `cat_file`, a range that runs past the end of the file gives the bytes
@@ -80,13 +80,14 @@ def read_range(url: str, start: int | None, end: int | None, *, headers: Mapping
     with the same range; any other 3xx is an error. A server that sends less of a range
     than asked (a proxy that caps them; its Content-Range says so) is asked for the rest.
     `connect_s` and `read_s` bound each wait on the socket, `deadline_s` of them each
-    request, redirects and all.
+    request, redirects and all. `size`: the file's size as its reader knows it (a shard's,
+    from the manifest); a response for a file of another size raises `SizeMismatchError`.
     """
     request_headers = dict(headers)
     url = _credentials_to_header(url, request_headers)
     pieces = []
     while True:
-        data, url, request_headers, more = _read_once(url, start, end, request_headers, connect_s, read_s)
+        data, url, request_headers, more = _read_once(url, start, end, request_headers, connect_s, read_s, size)
         pieces.append(data)
         if more is None:
             return pieces[0] if len(pieces) == 1 else b"".join(pieces)
@@ -94,7 +95,7 @@ def read_range(url: str, start: int | None, end: int | None, *, headers: Mapping
 
 
 def _read_once(url: str, start: int | None, end: int | None, headers: dict[str, str], connect_s: float,
-               read_s: float) -> tuple[bytes, str, dict[str, str], int | None]:
+               read_s: float, file_size: int | None = None) -> tuple[bytes, str, dict[str, str], int | None]:
     """One request for bytes [start, end) of `url`, its redirects followed: (the bytes, the URL
     that sent them, the headers sent there, where to go on from if the server sent less)."""
     request_headers = dict(headers)
@@ -132,9 +133,11 @@ def _read_once(url: str, start: int | None, end: int | None, headers: dict[str, 
         # An error's body too: the connection goes back to the pool clean.
         _release(response, url, started, started + deadline_s(size or 0, connect_s, read_s))
     request_headers.pop("Range", None)
-    if response.status == 200 and (start or end is not None):  # a server that ignores ranges sends it all
-        return data[start or 0 : end], url, request_headers, None
-    more = _check_range(response, data, url, start, end) if response.status == 206 else None
+    if response.status == 200:
+        check_size(url, len(data), file_size)  # the whole file
+        if start or end is not None:  # a server that ignores ranges sends it all
+            return data[start or 0 : end], url, request_headers, None
+    more = _check_range(response, data, url, start, end, file_size) if response.status == 206 else None
     if end is not None and len(data) > end - (start or 0):  # a range past the one asked (servers may round up)
         data = data[: end - (start or 0)]
     return data, url, request_headers, more
@@ -146,7 +149,22 @@ class RangeMismatchError(OSError):
     status = 206  # what `retry.is_transient` reads: a status it does not retry
 
 
-def _check_range(response: Any, data: bytes, url: str, start: int | None, end: int | None) -> int | None:
+class SizeMismatchError(OSError):
+    """A response for a file of another size than its reader knows (a shard replaced since
+    its manifest was written): its bytes would mix two versions of the file. Not retried."""
+
+    status = 412  # what `retry.is_transient` reads: a status it does not retry
+
+
+def check_size(url: str, total: int | None, size: int | None) -> None:
+    """Raise `SizeMismatchError` if a response says its file is `total` bytes, not `size`."""
+    if total is not None and size is not None and total != size:
+        raise SizeMismatchError(f"{shown_url(url)} is {total} bytes, where its manifest says {size}: replaced "
+                                "since the manifest was written? (its bytes would mix two versions)")
+
+
+def _check_range(response: Any, data: bytes, url: str, start: int | None, end: int | None,
+                 file_size: int | None = None) -> int | None:
     """Where to go on from if the 206 `response` holds less of [start, end) than asked (its
     Content-Range ends early), else None; an error if its body is not the range it names
     (cut short: retried) or the range is another than asked (the server's fault). Either
@@ -156,6 +174,7 @@ def _check_range(response: Any, data: bytes, url: str, start: int | None, end: i
     if match is None:
         return None  # none given (or "*"): the length was all there was to check
     first, last, total = int(match[1]), int(match[2]), None if match[3] == "*" else int(match[3])
+    check_size(url, total, file_size)
     if first != (start or 0):
         raise RangeMismatchError(f"{shown_url(url)} sent bytes {first}-{last} for bytes {start or 0}-")
     if len(data) < last + 1 - first:

@@ -277,7 +277,8 @@ class ShardReader:
         than it), which the caller reuses piece after piece; a remote one into fresh bytes.
         """
         if buffer is None:
-            piece = memoryview(self.store.read(self.name, begin, begin + size))
+            known = self.info.bytes if self.info is not None else None
+            piece = memoryview(self.store.read(self.name, begin, begin + size, size=known))
         else:
             if len(buffer) < size:  # one frame or sample larger than a piece
                 buffer = bytearray(size)

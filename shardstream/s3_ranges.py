@@ -26,7 +26,7 @@ import time
 from typing import Any, Mapping
 
 from .deadlines import deadline_s, headers_due, read_body, watched
-from .http_ranges import range_header
+from .http_ranges import check_size, range_header
 from .perprocess import PerProcess
 from .retry import is_transient
 
@@ -99,7 +99,7 @@ def _watch_headers(client: Any) -> None:
 
 
 def read_range(url: str, start: int | None, end: int | None, options: Mapping[str, Any], *,
-               connect_s: float = 10.0, read_s: float = 20.0) -> bytes:
+               connect_s: float = 10.0, read_s: float = 20.0, size: int | None = None) -> bytes:
     """Bytes [start, end) of the object at ``s3://bucket/key`` (as `http_ranges.read_range`)."""
     bucket, _, key = url[len("s3://"):].partition("/")
     request: dict[str, Any] = {"Bucket": bucket, "Key": key}
@@ -127,10 +127,18 @@ def read_range(url: str, start: int | None, end: int | None, options: Mapping[st
             return b""
         raise  # RetryPolicy reads the status: 5xx and throttling are retried
     body = response["Body"]
+    total = response.get("ContentLength") if "Range" not in request else _range_total(response.get("ContentRange"))
     try:
+        check_size(url, total, size)
         # botocore's body wraps urllib3's response (`_raw_stream`, a private name), whose
         # socket the deadline shuts; were it gone, a read past the deadline would still fail, once done.
         return read_body(getattr(body, "_raw_stream", None), body.read, url, started,
                          response.get("ContentLength"), connect_s, read_s)
     finally:
         body.close()
+
+
+def _range_total(content_range: str | None) -> int | None:
+    """The object's size a ``bytes a-b/size`` Content-Range gives (None where it gives none)."""
+    total = (content_range or "").rpartition("/")[2]
+    return int(total) if total.isdigit() else None

@@ -188,12 +188,15 @@ class Store:
 
     # -- reading ---------------------------------------------------------------
 
-    def read(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
+    def read(self, name: str, start: int | None = None, end: int | None = None, *, size: int | None = None) -> bytes:
         """Read bytes [start, end) of `name` (the whole file when both are None).
 
         Remote reads are retried on transient errors (see `RetryPolicy`); a permanent
         error, or a transient one that outlasts the retries, raises `StorageError`
-        naming the URL. Every read is counted in `io_stats`.
+        naming the URL. Every read is counted in `io_stats`. `size`, the file's size
+        where the caller knows it (a shard's manifest entry): a remote file of another
+        size (replaced since) is an error, where the direct HTTP and S3 readers see its
+        size, rather than bytes of two versions mixed.
         """
         started = time.perf_counter()
         with self._errors(name, "read"):
@@ -203,7 +206,7 @@ class Store:
                         f.seek(start)
                     data = f.read() if end is None else f.read(end - (start or 0))
             else:
-                data = self.retry.call(self._remote_read, name, start, end, url=self.url(name))
+                data = self.retry.call(self._remote_read, name, start, end, size, url=self.url(name))
         io_stats.add(requests=1, bytes=len(data), wait_s=time.perf_counter() - started)
         return data
 
@@ -226,14 +229,14 @@ class Store:
         io_stats.add(requests=1, bytes=done, wait_s=time.perf_counter() - started)
         return done
 
-    def _remote_read(self, name: str, start: int | None, end: int | None) -> bytes:
+    def _remote_read(self, name: str, start: int | None, end: int | None, size: int | None = None) -> bytes:
         direct = self._direct
         if direct == "http":
             return http_ranges.read_range(self.url(name), start, end, headers=self.options.get("headers", {}),
-                                          connect_s=HTTP_CONNECT_TIMEOUT_S, read_s=HTTP_READ_TIMEOUT_S)
+                                          connect_s=HTTP_CONNECT_TIMEOUT_S, read_s=HTTP_READ_TIMEOUT_S, size=size)
         if direct == "s3":
             return s3_ranges.read_range(self.url(name), start, end, self.options,
-                                        connect_s=HTTP_CONNECT_TIMEOUT_S, read_s=HTTP_READ_TIMEOUT_S)
+                                        connect_s=HTTP_CONNECT_TIMEOUT_S, read_s=HTTP_READ_TIMEOUT_S, size=size)
         fs, path = self._fs_path(name)
         if start is None and end is None:
             return fs.cat_file(path)

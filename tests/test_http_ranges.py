@@ -92,6 +92,25 @@ def test_a_server_that_ignores_ranges_and_headers_passed_through(plain_server):
     assert seen[-1]["X-Token"] == "xyz"
 
 
+def test_a_file_of_another_size_than_its_reader_knows_is_refused(folder, plain_server):
+    """Regression: a shard replaced while an epoch read it (a dataset packed again to the same place) gave
+    bytes of both versions, mixed, with no error (a plain tar's samples came from both). A response for a
+    file whose size is not the manifest's is refused, by its Content-Range or, from a server that ignores
+    ranges, its length; not retried."""
+    from shardstream.http_ranges import SizeMismatchError
+
+    with H.CountingHTTPServer(str(folder)) as server:  # ranges: the size from Content-Range
+        assert read_range(f"{server.url}/blob.bin", 10, 20, size=len(DATA)) == DATA[10:20]
+        with pytest.raises(SizeMismatchError, match=f"is {len(DATA)} bytes, where its manifest says 9000"):
+            read_range(f"{server.url}/blob.bin", 10, 20, size=9000)
+        with pytest.raises(StorageError, match="replaced since the manifest was written") as caught:
+            Store(server.url, {}).read("blob.bin", 0, 10, size=9000)
+        assert "after" not in str(caught.value) and server.gets("blob.bin") == 3  # one each: not retried
+    url, _ = plain_server  # ranges ignored: the whole file's length
+    with pytest.raises(SizeMismatchError):
+        read_range(f"{url}/blob.bin", 10, 20, size=9000)
+
+
 def test_errors_are_classified_for_the_retry_policy(folder):
     with H.CountingHTTPServer(str(folder), fail_fraction=1.0, seed=0) as server:
         errors = []

@@ -51,6 +51,20 @@ def test_a_missing_object_is_not_found(moto):
         Store(f"s3://{BUCKET}/dir", moto.storage_options).read("missing.bin", 0, 10)
 
 
+def test_an_object_of_another_size_than_its_reader_knows_is_refused(moto):
+    """Regression: a shard replaced while an epoch read it (a dataset packed again to the same place) gave
+    bytes of both versions, mixed, with no error. An object whose size is not the manifest's is refused,
+    not retried, whole or by ranges."""
+    url, options = f"s3://{BUCKET}/dir/blob.bin", moto.storage_options
+    assert read_range(url, 10, 20, options, size=len(DATA)) == DATA[10:20]
+    for start, end in ((10, 20), (None, None)):
+        with pytest.raises(OSError, match=f"is {len(DATA)} bytes, where its manifest says 9000: replaced"):
+            read_range(url, start, end, options, size=9000)
+    with pytest.raises(StorageError, match="replaced since the manifest was written") as caught:
+        Store(f"s3://{BUCKET}/dir", options).read("blob.bin", 0, 10, size=9000)
+    assert "after" not in str(caught.value)  # not retried: "failed after N attempts" says it was
+
+
 def test_which_stores_read_through_botocore(moto):
     assert supports(moto.storage_options) and supports({}) and supports({"anon": True})
     assert not supports({"requester_pays": True}) and not supports({"client_kwargs": {"verify": False}})
