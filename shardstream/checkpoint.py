@@ -145,7 +145,9 @@ class Checkpointing:
         the current epoch, from its start, through a DataLoader with `num_workers`
         workers: after a restart, those received before it count too (`resumed_items`
         says how many, also after a resume onto another layout, whose items were counted
-        in that layout's units). By default: what this dataset yielded when iterated in
+        in that layout's units). The count is read in torch's round-robin order of the
+        workers' items: through a DataLoader with ``in_order=False`` it names other items,
+        and the resume loses and repeats samples. By default: what this dataset yielded when iterated in
         this process, by its latest iteration where several are open (or, if not iterated
         since `load_state_dict`, what the loaded state says). `shardstream.DataLoader`
         counts and passes both for you.
