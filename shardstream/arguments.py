@@ -15,8 +15,9 @@ import numpy as np
 __all__ = ["flag", "integer"]
 
 
-def integer(value: Any, name: str, minimum: int | None = None) -> int:
-    """`value` as a plain int (numpy's too), or an error naming the argument."""
+def integer(value: Any, name: str, minimum: int | None = None, below: int | None = None) -> int:
+    """`value` as a plain int (numpy's too) of at least `minimum` and below `below`, or an
+    error naming the argument."""
     if isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be an integer, not {value!r}")
     try:
@@ -25,6 +26,8 @@ def integer(value: Any, name: str, minimum: int | None = None) -> int:
         raise TypeError(f"{name} must be an integer, not {value!r}") from None
     if minimum is not None and number < minimum:
         raise ValueError(f"{name} must be {minimum} or more, not {number}")
+    if below is not None and number >= below:
+        raise ValueError(f"{name} must be below {below}, not {number}")
     return number
 
 

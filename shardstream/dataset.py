@@ -186,7 +186,8 @@ class StreamingDataset(Checkpointing, IterableDataset):
         self.shuffle = flag(shuffle, "shuffle")
         # Plain ints (a numpy seed from a sweep overflowed the plan's masking, and numpy ints in
         # the layout made state_dict() neither JSON nor loadable by torch.load's weights_only).
-        self.seed = integer(seed, "seed")
+        # numpy's generators take the seed modulo 2**64: -1 and 2**64 - 1 would shuffle alike, 2**64 as 0.
+        self.seed = integer(seed, "seed", minimum=0, below=1 << 64)
         self.shuffle_buffer = integer(shuffle_buffer, "shuffle_buffer", 0)
         self.transform = transform
         # A string is WebDataset's to_tuple spelling ("jpg;png cls"), not a sequence of letters.

@@ -372,8 +372,9 @@ def _check_arguments(compression: str, level: int, on_error: str, part: tuple[in
     check_compression(compression, level)
     # numpy's generator takes non-negative integers only: -1 failed with its ValueError from
     # deep inside the shuffle, after the source was listed.
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
-        raise ShardstreamError(f"seed must be a non-negative integer, not {seed!r}")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 1 << 64:
+        # (numpy takes seeds modulo 2**64: 2**64 would shuffle as 0)
+        raise ShardstreamError(f"seed must be a non-negative integer below 2**64, not {seed!r}")
     if on_error not in ON_ERROR:
         raise ShardstreamError(f"on_error must be one of {ON_ERROR}, not {on_error!r}")
     if part is not None and not 0 <= part[0] < part[1]:

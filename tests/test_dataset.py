@@ -806,6 +806,12 @@ def test_arguments_as_training_scripts_pass_them(url):
     assert shardstream.open_dataset(Path(url)).url == url  # was the Path itself, where Source.url says str
     with pytest.raises(TypeError, match="seed must be an integer"):
         StreamingDataset(url, seed=1.5)
+    # Regression: numpy takes seeds modulo 2**64, so -1 shuffled as 2**64 - 1, and 2**64 as 0.
+    with pytest.raises(ValueError, match="seed must be 0 or more, not -1"):
+        StreamingDataset(url, seed=-1)
+    with pytest.raises(ValueError, match=f"seed must be below {2**64}"):
+        StreamingDataset(url, seed=2**64)
+    StreamingDataset(url, seed=2**64 - 1)
     with pytest.raises(ValueError, match="shuffle_buffer must be 0 or more"):
         StreamingDataset(url, shuffle_buffer=-5)
 

@@ -156,10 +156,11 @@ def test_max_samples_must_be_positive(image_folder, tmp_path, max_samples):
     assert not (tmp_path / "ds").exists()
 
 
-@pytest.mark.parametrize("seed", [-1, 1.5, "3"])
+@pytest.mark.parametrize("seed", [-1, 1.5, "3", 2**64])
 def test_seed_must_be_a_non_negative_integer(image_folder, tmp_path, seed):
-    """Regression: `seed=-1` failed with numpy's "expected non-negative integer" from inside the shuffle."""
-    with pytest.raises(ShardstreamError, match=rf"seed must be a non-negative integer, not {seed!r}$"):
+    """Regression: `seed=-1` failed with numpy's "expected non-negative integer" from inside the shuffle; 2**64
+    shuffled as 0 (numpy takes seeds modulo 2**64)."""
+    with pytest.raises(ShardstreamError, match=rf"seed must be a non-negative integer below 2\*\*64, not {seed!r}$"):
         run_pack(image_folder, tmp_path / "ds", seed=seed)
     assert not (tmp_path / "ds").exists()
 
