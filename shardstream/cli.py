@@ -269,6 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
             "--storage-options", default=os.environ.get("SHARDSTREAM_STORAGE_OPTIONS"),
             help="fsspec options as JSON, e.g. '{\"endpoint_url\": \"http://127.0.0.1:9000\"}'",
         )
+    for command in sub.choices.values():  # a usage error after parsing shows its command's usage
+        command.set_defaults(command_parser=command)
     return parser
 
 
@@ -343,7 +345,7 @@ def _stopped(command: str, error: KeyboardInterrupt, resume: bool) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    _check_combinations(parser, args)
+    _check_combinations(args.command_parser, args)
     try:
         with _sigterm_interrupts(), _warnings_as_lines(args.command):
             return int(args.run(args))

@@ -233,6 +233,7 @@ def test_bad_pack_arguments_are_usage_errors(image_folder, tmp_path, extra, mess
     So are a seed, level, --max-side or --quality out of range (`--seed=-1` ended in numpy's traceback)."""
     result = cli_pack(image_folder, tmp_path / "ds", *extra)
     assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert result.stderr.startswith("usage: shardstream pack ")  # the command's usage (was the top level's)
     assert not (tmp_path / "ds").exists()
 
 
