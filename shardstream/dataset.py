@@ -220,7 +220,10 @@ class StreamingDataset(Checkpointing, IterableDataset):
         self.sampling = sampling
         self._epochs: EpochSequences | None = None  # see _sequences
         self._shared = SharedState()  # epoch and counters, seen by the workers too
-        self._heads: tuple[int, HeadStart] | None = None  # (process id, its head start): see _head_start
+        # This process's head start, by process id (see _head_start): a dict, so that the copies of
+        # this dataset (`shardstream.DataLoader`'s) share it, and a copy's read-ahead is counted
+        # by the caller's `io_stats` too.
+        self._heads: dict[int, HeadStart] = {}
         self._init_checkpointing()
 
     # -- epochs, world and layout --------------------------------------------------------
@@ -249,13 +252,21 @@ class StreamingDataset(Checkpointing, IterableDataset):
         """This process's place: rank and size (explicit, or detected), DataLoader worker."""
         return World.detect(self.rank, self.world_size)
 
+    def __copy__(self) -> "StreamingDataset":
+        """A shallow copy sharing this one's attributes (`shardstream.DataLoader` holds one),
+        its head start among them: `copy.copy` would otherwise go through `__getstate__`,
+        which drops it (for pickling), and the copy's read-ahead went uncounted here."""
+        copied = type(self).__new__(type(self))
+        copied.__dict__.update(self.__dict__)
+        return copied
+
     def __getstate__(self) -> dict[str, Any]:
         # A DataLoader worker started by spawn or forkserver cannot see the parent's process
         # group: pin the rank and world size of that group. Only of a process group: a
         # launcher's own spawn (mp.spawn of the training processes, which then join a group)
         # must leave each child to find its rank, and children inherit torchrun's variables.
         state = self.__dict__.copy()
-        state["_heads"] = None  # threads and their reads stay in their process
+        state["_heads"] = {}  # threads and their reads stay in their process
         if get_worker_info() is None and get_spawning_popen() is not None and _in_process_group():
             world = World.detect(self.rank, self.world_size)
             state["rank"], state["world_size"] = world.rank, world.size
@@ -488,9 +499,11 @@ class StreamingDataset(Checkpointing, IterableDataset):
         remote shards, with prefetch on."""
         if self.prefetch <= 0 or not source.indexed or source.local:
             return None
-        if self._heads is None or self._heads[0] != os.getpid():
-            self._heads = (os.getpid(), HeadStart())
-        return self._heads[1]
+        process = os.getpid()
+        if process not in self._heads:
+            self._heads.clear()  # a forked child's copy of its parent's, whose threads it has not
+            self._heads[process] = HeadStart()
+        return self._heads[process]
 
     def io_stats(self) -> dict[str, float]:
         """Storage counters (requests, bytes, retries, wait_s, cache hits and misses, and
@@ -513,8 +526,9 @@ class StreamingDataset(Checkpointing, IterableDataset):
     def _count_read_ahead(self, worker: int) -> None:
         """Add what this process's head start has read since the last count (it reads between
         iterations, outside their snapshots: iostats.py)."""
-        if self._heads is not None and self._heads[0] == os.getpid():
-            ahead = self._heads[1].io.drain()
+        head_start = self._heads.get(os.getpid())
+        if head_start is not None:
+            ahead = head_start.io.drain()
             if any(ahead.values()):  # a slot is another process's too (worker 0's): touched only to add
                 self._shared.add_io(worker, dict.fromkeys(ahead, 0), ahead)
 
