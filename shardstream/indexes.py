@@ -38,7 +38,14 @@ def load_index(store: Store, name: str, info: ShardInfo | None = None) -> ShardI
     key = (url, info.index_sha256) if info is not None and not store.local else None
     if key is not None and (known := _index_memo.get(key)) is not None:
         return known
-    data = store.read(index_name)
+    if info is None or store.local:
+        data = store.read(index_name)
+    else:
+        # As a range of the manifest's length: a body cut short is then told by its Content-Range
+        # and retried, where the whole file sent without a length ended where the connection did,
+        # failed its checksum as a damaged index, and was not retried (nor, under
+        # on_error="skip", remembered: fetched again a sample).
+        data = store.read(index_name, 0, info.index_bytes, size=info.index_bytes)
     if info is not None and hashlib.sha256(data).hexdigest() != info.index_sha256:
         raise CorruptIndexError("index checksum does not match the manifest", url=url)
     index = ShardIndex.from_bytes(data, url)
