@@ -478,8 +478,11 @@ class StreamingDataset(Checkpointing, IterableDataset):
             return zip(read_samples(source, plan.sequences.samples_of(back), self.counts(), 0, self._cache,
                                     tolerant=True), back.tolist())
 
+        stages = [samples]  # closed when the items end, however (see _closing)
         if self.decode_threads:
-            items = guarded(prep.ahead_of(zip(ordered, ids)), prep.complete, self.on_error, len(mine), on_skip,
+            ahead = prep.ahead_of(zip(ordered, ids))
+            stages.insert(0, ahead)
+            items = guarded(ahead, prep.complete, self.on_error, len(mine), on_skip,
                             lambda: prep.ahead_of(earlier()))
         else:
             items = guarded(zip(ordered, ids), lambda pair: prep(*pair), self.on_error, len(mine), on_skip, earlier)
@@ -487,7 +490,7 @@ class StreamingDataset(Checkpointing, IterableDataset):
             items = prep.batched(items, ids, self.batch_size, self.drop_last, self.collate_fn)
         if get_worker_info() is None:  # the training loop's process: its own random numbers stay its own
             items = prep.in_callers_process(items, self.collate_fn if self.batch_size is not None else None)
-        return items
+        return _closing(items, stages)
 
     def _endless(self, world: World, plan: RankPlan, first: WorkerEpoch) -> Iterator[Any]:
         """The items of an endless stream from `first` on, epoch after epoch (`RankPlan.endless_epochs`)."""
@@ -554,3 +557,16 @@ def _urls(source: Any) -> list[str]:
     if isinstance(source, Mix):
         return [url for part in source.sources for url in _urls(part)]
     return [source] if isinstance(source, str) else [str(url) for url in source]
+
+
+def _closing(items: Iterator[Any], stages: list[Any]) -> Iterator[Any]:
+    """`items`, then, however the iteration ends, each stage (generator) closed: its thread
+    pools shut down now. A bad sample's error, raised again in `guarded`, holds in its
+    traceback the frames that hold the stages: caught by the loop (or a `break` after it),
+    they lived, threads, read-ahead and all, until the garbage collector found the cycle:
+    126 threads and 170 MB more after 60 such epochs (RELIABILITY 256)."""
+    try:
+        yield from items
+    finally:
+        for stage in stages:
+            stage.close()

@@ -479,6 +479,34 @@ def test_a_resume_with_only_bad_samples_left_pads_with_the_last_good_one_before(
     _release(caplog)
 
 
+def test_an_epoch_ended_by_a_bad_image_leaves_no_threads_behind(tmp_path):
+    """Regression: the error of a bad image, raised again in the loop, held in its traceback the frames that
+    held the epoch's stages; caught by the loop, which went on to the next epoch, they lived, thread pools
+    and read-ahead and all, until the cyclic garbage collector ran (126 threads after 60 epochs). The stages
+    are closed as the epoch's items end."""
+    import gc
+    import threading
+
+    url = str(tmp_path / "ds")
+    with shardstream.ShardWriter(url, shard_size="12KB") as w:
+        for i in range(20):
+            jpg = synthetic_jpeg(i, 32, 24, quality=70)
+            w.write({"__key__": f"s{i:03d}", "jpg": jpg[: len(jpg) // 2] if i == 10 else jpg, "cls": i % 3})
+    dataset = _skip_dataset(url, decode_threads=2, prefetch=2)
+    before = threading.active_count()
+    gc.disable()  # the time between two of its collections, in a large process
+    try:
+        for epoch in range(3):
+            dataset.set_epoch(epoch)
+            with pytest.raises(shardstream.DecodeError):
+                for _ in dataset:
+                    pass
+            time.sleep(0.2)  # pools shutting down
+            assert threading.active_count() <= before, [t.name for t in threading.enumerate()]
+    finally:
+        gc.enable()
+
+
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_skip_is_for_bad_data_not_for_storage(tmp_path, prefetch):
     """A shard that is gone is not a bad sample: it raises a StorageError naming it under
