@@ -321,7 +321,15 @@ def _sigterm_interrupts() -> Iterator[None]:
 
 def _raise_terminated(signum: int, frame: Any) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _SIGTERMS.append(signum)
     raise Terminated()
+
+
+# The SIGTERMs a command was sent. Python runs a handler between any two bytecodes, also in a
+# weakref callback or a __del__, where an exception raised is printed and dropped: the command
+# then ran on to its end, exit status 0 (seen once in a clean-clone suite). `main` still says
+# a signal ended it.
+_SIGTERMS: list[int] = []
 
 
 def _default_sigterm_in_child() -> None:
@@ -346,9 +354,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _check_combinations(args.command_parser, args)
+    resume = args.command == "pack" and args.executor == "local"
+    sigterms = len(_SIGTERMS)
     try:
         with _sigterm_interrupts(), _warnings_as_lines(args.command):
-            return int(args.run(args))
+            status = int(args.run(args))
+        if len(_SIGTERMS) > sigterms:  # a Terminated dropped where it was raised (see _SIGTERMS)
+            return _stopped(args.command, Terminated(), resume)
+        return status
     except ShardstreamError as e:
         print(f"shardstream {args.command}: error: {e}", file=sys.stderr)
         return 1
@@ -361,7 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"shardstream {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (`Terminated`)
-        return _stopped(args.command, e, resume=args.command == "pack" and args.executor == "local")
+        return _stopped(args.command, e, resume)
 
 
 if __name__ == "__main__":

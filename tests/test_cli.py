@@ -601,6 +601,33 @@ def test_a_child_forked_under_the_command_dies_of_sigterm_quietly():
     assert done.stdout.split() == ["-15"] and "Traceback" not in done.stderr, (done.stdout, done.stderr)
 
 
+def test_a_sigterm_whose_exception_python_drops_still_ends_the_command_with_143():
+    """Regression (a clean-clone suite, once): SIGTERM's handler ran inside a weakref callback, where Python
+    prints an exception raised and drops it; `pack` ran on to its end and exited 0, not 143. The command's
+    exit status still says that a signal ended it."""
+    script = textwrap.dedent("""
+        import os, signal, sys, weakref
+        from shardstream import cli
+
+        class Thing:
+            pass
+
+        def run(args):
+            thing = Thing()
+            ref = weakref.ref(thing, lambda ref: os.kill(os.getpid(), signal.SIGTERM))  # handled in the callback
+            del thing
+            return 0
+
+        args = cli.build_parser().parse_args(["inspect", "/tmp"])
+        args.run = run
+        cli.build_parser = lambda: type("Parser", (), {"parse_args": lambda self, argv: args})()
+        sys.exit(cli.main([]))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 143 and "Exception ignored" in done.stderr, done.stderr
+    assert done.stderr.rstrip().endswith("shardstream inspect: terminated (SIGTERM)")
+
+
 def test_a_child_forked_under_the_command_has_sigterms_default():
     """Regression: a forked child kept the CLI's Python SIGTERM handler, which runs only between bytecodes: a
     SIGTERM arriving just before the child blocked in a lock went unhandled while the lock was held, and
