@@ -330,13 +330,8 @@ class Store:
             if not os.path.isdir(root):
                 return []
             return sorted(entry.name for entry in os.scandir(root) if entry.is_dir())
-        try:
-            entries = self.retry.call(self._remote_entries, url=self.url(""))
-        except FileNotFoundError:
-            return []
-        except OSError as e:
-            raise self._wrap("", "list", e) from safe_cause(e)
-        return sorted(posixpath.basename(e["name"].rstrip("/")) for e in entries if e.get("type") == "directory")
+        return sorted(posixpath.basename(e["name"].rstrip("/")) for e in self._listed_entries()
+                      if e.get("type") == "directory")
 
     def _remote_list(self) -> list[str]:
         fs, path = self._fs_path("")
@@ -348,16 +343,20 @@ class Store:
         where the folder does not exist. Remote listings are retried as reads are."""
         if self.local:
             return _local_sizes(local_path(self.root))
-        try:
-            entries = self.retry.call(self._remote_entries, url=self.url(""))
-        except FileNotFoundError:
-            return {}
-        except OSError as e:
-            raise self._wrap("", "list", e) from safe_cause(e)
         # A server that lists no size (fsspec's HTTP) is asked for it.
         return {name: int(size) if size is not None else self.size(name)
-                for name, size in ((posixpath.basename(e["name"].rstrip("/")), e.get("size")) for e in entries
-                                   if e.get("type") != "directory")}
+                for name, size in ((posixpath.basename(e["name"].rstrip("/")), e.get("size"))
+                                   for e in self._listed_entries() if e.get("type") != "directory")}
+
+    def _listed_entries(self) -> list[dict]:
+        """The remote listing's entries, with details (name, type, size), retried as reads are;
+        none where the folder does not exist."""
+        try:
+            return self.retry.call(self._remote_entries, url=self.url(""))
+        except FileNotFoundError:
+            return []
+        except OSError as e:
+            raise self._wrap("", "list", e) from safe_cause(e)
 
     def _remote_entries(self) -> list[dict]:
         fs, path = self._fs_path("")
