@@ -1020,8 +1020,9 @@ def test_read_ahead_widens_while_the_reader_waits_for_storage(tmp_path, monkeypa
         assert got == [samples[i]["__key__"] for i in np.sort(ids)]
     assert most[readahead.GROWTH] > most[1] >= 2, most
     # Fixed, the window is at its largest from the start: its reader's waits are counted as such (a sign to
-    # raise `prefetch`); growing, it counts only those after its largest was reached.
-    assert waits[1] > waits[readahead.GROWTH] and waits[1] >= 5, waits
+    # raise `prefetch`). Which waits a growing window counts is the next test's, without timing: compared
+    # here, the two counts came out equal once on a loaded CI machine (31 and 31).
+    assert waits[1] >= 5, waits
     io_stats.reset()
     local = shardstream.open_dataset(str(tmp_path / "ds"))
     slowly = (time.sleep(0.004) or s for s in read_samples(local, np.sort(ids), local.counts(), prefetch=2,
