@@ -133,6 +133,7 @@ def _run_one(
     window_start: float | None = None
     now = start = time.perf_counter()
     batches: Iterator[Any] | None = None
+    interrupted = False
     with PeakSampler(tree) as sampler:
         try:
             while True:
@@ -184,6 +185,10 @@ def _run_one(
                 raise
             cause = died.__cause__ if died is error else error
             raise WorkerDiedError(f"num_workers={num_workers}: {died}") from cause
+        except BaseException as error:
+            # Ctrl-C (not an `Exception`): the shutdown below does not wait for the workers' reads.
+            interrupted = not isinstance(error, Exception)
+            raise
         finally:
             if batches is not None:
                 close = getattr(batches, "close", None)
@@ -193,7 +198,7 @@ def _run_one(
             # The workers are shut down here, before the next worker count starts, not by the
             # garbage collector: a Ctrl-C while torch's `__del__` waited for them was printed
             # as "Exception ignored" and lost, and the bench went on to the next count.
-            loader._drop_workers()
+            loader._drop_workers(at_once=interrupted)
             loader = None
             gc.collect()
     assert window_start is not None and first_batch_s is not None

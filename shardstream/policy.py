@@ -77,6 +77,10 @@ def guarded(inputs: Iterable[Any], prepare: Callable[[Any], Any], policy: ErrorP
             skips += 1
             on_skip()
             log.warning("shardstream: skipped bad sample: %s", error)
+            # Raised again from where it was stored (read_tolerant), its traceback holds the
+            # frame of the sample that stores it: a reference cycle, keeping that sample's
+            # bytes until the cyclic GC ran. The skip is counted and logged; nothing reads it.
+            error.__traceback__ = None
             limit = policy.max_skips if policy.max_skips is not None else max(1, int(policy.max_fraction * planned))
             if skips > limit:
                 raise TooManyErrors(f"{skips} bad samples of {planned} planned in this worker exceed the limit "

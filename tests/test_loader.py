@@ -780,6 +780,45 @@ def test_a_worker_killed_holding_a_lock_it_shares_does_not_hang_the_training_pro
     assert proc.returncode == 0 and "raised WorkerDiedError" in proc.stdout, (proc.stdout, proc.stderr[-2000:])
 
 
+_INTERRUPTED_WHILE_WORKERS_WAIT = r"""
+import os, signal, sys, threading, time
+import torch.utils.data
+import shardstream
+
+# torch's graceful shutdown waits this long for each worker before it terminates it: here
+# longer than the test waits, so that a loader that waited for its workers hangs the test.
+torch.utils.data._utils.MP_STATUS_CHECK_INTERVAL = 600.0
+
+class StuckAfterTheFirstSamples:  # a worker waiting on storage that does not answer
+    seen = 0
+    def __call__(self, sample):
+        self.seen += 1
+        if self.seen > 2:
+            time.sleep(3600)
+        return sample
+
+ds = shardstream.StreamingDataset(sys.argv[1], decode=None, transform=StuckAfterTheFirstSamples(), batch_size=1)
+loader = shardstream.DataLoader(ds, num_workers=2, prefetch_factor=1)
+try:
+    for n, _ in enumerate(loader):
+        if n == 0:  # Ctrl-C while the loop waits for the next batch
+            threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+except KeyboardInterrupt:
+    print("interrupted", [worker.is_alive() for worker in loader._workers], flush=True)
+"""
+
+
+def test_ctrl_c_ends_the_workers_without_waiting_for_what_they_read(packed, tmp_path):
+    """Regression: a KeyboardInterrupt while the loop waited for a batch shut the persistent
+    workers down gracefully, waiting up to 5 s for each to finish what it was reading: with
+    slow storage a Ctrl-C took 5.5 to 10.5 s to end the program. The workers are ended at
+    once instead (`_end_workers_now`); here torch's wait is made longer than the test's."""
+    script = tmp_path / "interrupted.py"
+    script.write_text(_INTERRUPTED_WHILE_WORKERS_WAIT)
+    proc = subprocess.run([sys.executable, str(script), packed], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "interrupted [False, False]" in proc.stdout, (proc.stdout, proc.stderr[-2000:])
+
+
 @pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")  # torch's checks in its shutdown
 @pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
 def test_workers_of_every_start_method_share_the_done_flag_and_end_cleanly(packed, method):
