@@ -177,6 +177,16 @@ class PackError(ShardstreamError):
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
+def described(error: BaseException) -> str:
+    """`error` as our messages quote it: its type's name and its text. urllib3 starts its
+    text with the connection pool the error came from, "None" where a response's read had
+    none ("None: Read timed out."): that None is left out."""
+    text = str(error)
+    if getattr(error, "pool", True) is None and text.startswith("None: "):
+        text = text[len("None: "):]
+    return f"{type(error).__name__}: {text}"
+
+
 def reason(error: BaseException) -> str:
     """`error`'s message without object addresses (Pillow names ``<_io.BytesIO object at 0x...>``)
     and, for a failed file operation, without the file's path (the caller names the file

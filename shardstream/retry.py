@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .cancel import pause, raise_if_cancelled
-from .errors import ShardstreamError, StorageError, safe_cause
+from .errors import ShardstreamError, StorageError, described, safe_cause
 from .iostats import io_stats
 
 __all__ = ["RetryPolicy", "error_code", "http_status", "is_transient", "retry_after"]
@@ -169,10 +169,10 @@ class RetryPolicy:
                 if not is_transient(error):
                     if isinstance(error, (OSError, ShardstreamError)):  # already says what went wrong
                         raise
-                    raise StorageError(f"{type(error).__name__}: {error}", url=url) from safe_cause(error)
+                    raise StorageError(described(error), url=url) from safe_cause(error)
                 if attempt + 1 == self.attempts:
                     raise StorageError(
-                        f"failed after {self.attempts} attempts: {type(error).__name__}: {error}", url=url
+                        f"failed after {self.attempts} attempts: {described(error)}", url=url
                     ) from safe_cause(error)
                 io_stats.add(retries=1)
                 pause(self.delay(attempt, error), url)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Iterable, Iterator, Mapping
 
 from . import forkloop  # noqa: F401 - registers the fork handlers for fsspec's event loop
 from . import http_ranges, s3_ranges
-from .errors import StorageError, safe_cause
+from .errors import StorageError, described, safe_cause
 from .iostats import io_stats
 from .retry import RetryPolicy, http_status
 from .scratch import drop_scratch, scratch_file, sync_file, sync_folder
@@ -168,7 +168,7 @@ class Store:
         return fs, cls._strip_protocol(url)
 
     def _wrap(self, name: str, action: str, error: BaseException) -> StorageError:
-        return StorageError(f"could not {action}: {type(error).__name__}: {error}", url=self.url(name))
+        return StorageError(f"could not {action}: {described(error)}", url=self.url(name))
 
     @contextlib.contextmanager
     def _errors(self, name: str, action: str) -> Iterator[None]:

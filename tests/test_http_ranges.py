@@ -379,6 +379,21 @@ def test_a_trickling_server_fails_the_request_at_its_deadline(monkeypatch):
         assert requests == ["/blob.bin"] + ["/data/blob.bin"] * 2
 
 
+def test_a_body_that_stalls_past_the_read_timeout_is_named_as_a_read_timeout(monkeypatch):
+    """A body whose next byte comes later than the read timeout fails the read, is retried,
+    and then is a StorageError naming the file and the timeout, in words: urllib3 names the
+    connection pool, None here, which the message left as "None: Read timed out."."""
+    monkeypatch.setattr(storage, "HTTP_CONNECT_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(storage, "HTTP_READ_TIMEOUT_S", 0.5)
+    with trickling(interval=2.0) as (url, requests):
+        store = Store(f"{url}/data", {}, RetryPolicy(attempts=2, base_delay=0.001))
+        with pytest.raises(StorageError) as raised:
+            store.read("blob.bin", 0, 200)
+    assert str(raised.value).endswith("data/blob.bin: failed after 2 attempts: ReadTimeoutError: Read timed out."), \
+        str(raised.value)
+    assert requests == ["/data/blob.bin"] * 2
+
+
 class _HeaderTrickler(_Served):
     """Sends its status line, then one header a byte every `interval` seconds (20 s in all),
     each byte well within a read timeout of 1 s, then an empty body."""
