@@ -50,6 +50,7 @@ from torch.utils.data._utils.collate import collate_tensor_fn
 __all__ = ["BatchMemory", "collate_tensors", "one_batch", "pooled_tensor", "rebuild_pooled", "rebuild_noticing"]
 
 SLOTS = 16  # buffers per worker at most: a worker's batches in flight, with a margin
+FIT = 2  # a tensor takes a slot at most this many times its size
 
 
 class BatchMemory:
@@ -57,10 +58,14 @@ class BatchMemory:
 
     def __init__(self, slots: int = SLOTS) -> None:
         # board[s]: how many times the training process has released slot s; a slot is
-        # free when that equals how many times the worker has handed it out.
+        # free when that equals how many times the worker has shipped it (sent it to the
+        # training process) and nothing here holds it. Handed out but never shipped (a
+        # collate_fn that calls ours and ships something made from it: MixUp), nothing
+        # would ever release it: counted against handouts, such a slot stayed taken for good.
         self.board = torch.zeros(slots, dtype=torch.int64).share_memory_()
         self._released = self.board.numpy()
         self._handed_out = [0] * slots
+        self._shipped = [0] * slots  # `_handed_out` as it stood when the slot was last pickled
         self._storages: list[torch.UntypedStorage | None] = [None] * slots
         self._slot_at: dict[int, int] = {}  # a slot's storage data_ptr -> the slot (never 0: see `tensor`)
         self._batch: list[int] | None = None  # slots handed out in the open `one_batch` block
@@ -103,15 +108,31 @@ class BatchMemory:
         slot = self._slot_at.get(storage.data_ptr())
         return None if slot is None else (slot, self._handed_out[slot])
 
+    def shipping(self, storage: torch.UntypedStorage) -> tuple[int, int] | None:
+        """`handed_out`, for pickling `storage` to the training process, which will release
+        that count once it lets go (`rebuild_pooled`)."""
+        handed = self.handed_out(storage)
+        if handed is not None:
+            self._shipped[handed[0]] = handed[1]
+        return handed
+
     def _free_slot(self, nbytes: int) -> int | None:
-        # Free: released by the training process, and held by nothing here but the pool. A
-        # collate_fn that keeps its last batch (to mix into the next) still reads it: reused, it
-        # was overwritten under that collate.
-        free = [s for s, n in enumerate(self._handed_out)
+        # Free: released by the training process as often as shipped to it, and held by
+        # nothing here but the pool. A collate_fn that keeps its last batch (to mix into the
+        # next) still reads it: reused, it was overwritten under that collate.
+        free = [s for s, n in enumerate(self._shipped)
                 if self._released[s] == n and _only_pooled(self._storages[s])]
-        large_enough = [s for s in free if (st := self._storages[s]) is not None and st.nbytes() >= nbytes]
-        empty = [s for s in free if self._storages[s] is None]
-        return (large_enough or empty or free or [None])[0]
+        size = {s: (st.nbytes() if (st := self._storages[s]) is not None else -1) for s in free}
+        # The closest fit, and none more than FIT times too large: a small field (labels) in
+        # an image batch's slot pinned the whole slot as long as the loop kept the labels.
+        fits = [s for s in free if nbytes <= size[s] <= FIT * nbytes]
+        if fits:
+            return min(fits, key=size.__getitem__)
+        empty = [s for s in free if size[s] < 0]
+        too_small = [s for s in free if 0 <= size[s] < nbytes]  # grown: see `tensor`
+        # Only slots much larger are free: they stay for the batches that fill them, and
+        # this tensor takes torch's fresh memory.
+        return (empty or sorted(too_small, key=size.__getitem__, reverse=True) or [None])[0]
 
     def _allocate(self, slot: int, nbytes: int) -> torch.UntypedStorage:
         old = self._storages[slot]
@@ -189,7 +210,7 @@ def _reduce_storage(storage: torch.UntypedStorage) -> tuple[Callable[..., Any], 
     the training process has let go."""
     reduced = reduce_storage(storage)
     in_worker = _memory is not None and _memory.pid == os.getpid()
-    handed = _memory.handed_out(storage) if in_worker else None  # type: ignore[union-attr]
+    handed = _memory.shipping(storage) if in_worker else None  # type: ignore[union-attr]
     if handed is not None:
         return rebuild_pooled, (reduced, _memory.board, *handed)  # type: ignore[union-attr]
     if in_worker:  # a batch in fresh memory, no slot being free: its arrival releases what was let go

@@ -170,17 +170,58 @@ def test_a_slot_is_free_only_when_released():
     second = memory.tensor((4, 8), torch.uint8)
     assert first is not None and second is not None
     assert memory.tensor((4, 8), torch.uint8) is None  # both handed out, neither released
-    slot, handed_out = memory.handed_out(first.untyped_storage())
+    slot, handed_out = memory.shipping(first.untyped_storage())  # pickled to the training process
     memory.board[slot] = handed_out  # what the training process writes once it let go
     assert memory.tensor((2, 8), torch.uint8) is None  # ... but this process still holds it (a collate's keep)
     where = first.untyped_storage().data_ptr()
     del first
     again = memory.tensor((2, 8), torch.uint8)
     assert again is not None and again.untyped_storage().data_ptr() == where
-    memory.board[1 - slot] = memory.handed_out(second.untyped_storage())[1]
+    memory.board[1 - slot] = memory.shipping(second.untyped_storage())[1]
     del second
     larger = memory.tensor((64, 64), torch.uint8)  # too large for the free slot: it grows
     assert larger is not None and larger.untyped_storage().nbytes() >= 64 * 64
+
+
+def test_a_slot_handed_out_and_never_shipped_is_free_once_let_go():
+    """Regression: a collate_fn that calls ours and ships something made from it (MixUp's
+    float images) let go of the pooled stack in the worker; counted as handed out, never
+    shipped, so never released, the slot stayed taken: after 16 batches no slot was free for
+    the rest of the run, each worker holding 16 dead shared-memory buffers."""
+    memory = BatchMemory(slots=1)
+    stacked = memory.tensor((4, 8), torch.uint8)
+    where = stacked.untyped_storage().data_ptr()
+    assert memory.tensor((4, 8), torch.uint8) is None  # held here
+    del stacked  # made into something else, which was shipped instead
+    again = memory.tensor((4, 8), torch.uint8)
+    assert again is not None and again.untyped_storage().data_ptr() == where
+    memory.shipping(again.untyped_storage())
+    del again
+    assert memory.tensor((4, 8), torch.uint8) is None  # shipped: free only once the training process releases it
+
+
+def test_a_tensor_takes_the_closest_slot_and_none_much_larger():
+    """Regression: a small field (labels) took the first free slot large enough, an image
+    batch's: a loop that kept the labels pinned the image-sized buffer, and pickling them
+    (`torch.save`) wrote it whole, another batch's pixels with it."""
+    memory = BatchMemory(slots=3)
+    images, labels = memory.tensor((4, 1024), torch.uint8), memory.tensor((4,), torch.int64)
+    sizes = {images.untyped_storage().data_ptr(): "images", labels.untyped_storage().data_ptr(): "labels"}
+    del images, labels  # let go of in the worker, never shipped: free
+    labels = memory.tensor((4,), torch.int64)
+    images = memory.tensor((4, 1024), torch.uint8)
+    assert sizes[labels.untyped_storage().data_ptr()] == "labels" and labels.untyped_storage().nbytes() == 32
+    assert sizes[images.untyped_storage().data_ptr()] == "images"
+    del labels
+    small = memory.tensor((2,), torch.int64)  # 16 bytes: the 32-byte slot is within twice that
+    assert small is not None and small.untyped_storage().nbytes() == 32
+    tiny = memory.tensor((1,), torch.uint8)  # the third slot, empty, is made to its size
+    assert tiny is not None and tiny.untyped_storage().nbytes() == 1
+    for pooled in (small, tiny):
+        memory.shipping(pooled.untyped_storage())
+    del images, small, tiny
+    assert memory.tensor((4,), torch.int64) is None  # only the 4 KB slot is free: fresh memory instead
+    assert memory.tensor((3, 1024), torch.uint8) is not None
 
 
 @pytest.mark.parametrize("workers", [1, 2])
