@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from ._version import __version__
 from .errors import (
     BracePatternError,
+    CollateError,
     CorruptIndexError,
     CorruptShardError,
     DecodeError,
@@ -62,6 +63,7 @@ _LAZY = {
 __all__ = [
     "__version__",
     "BracePatternError",
+    "CollateError",
     "CorruptIndexError",
     "CorruptShardError",
     "DecodeError",

@@ -9,15 +9,18 @@ field, and `EncodedImage`s (JPEGs left for the device to decode) are packed into
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import functools
+from typing import Any, Callable, Mapping, Sequence
 
+import numpy as np
 import torch
 from torch.utils.data._utils.collate import collate, default_collate_fn_map
 
 from .batchmemory import collate_tensors, one_batch, pooled_tensor
 from .device_jpeg import EncodedImage, collate_encoded
+from .errors import CollateError, ShardstreamError, reason
 
-__all__ = ["default_collate", "pad_collate"]
+__all__ = ["collated", "default_collate", "pad_collate", "unlike_the_first"]
 
 _COLLATE_FN_MAP = {
     **default_collate_fn_map,
@@ -27,9 +30,98 @@ _COLLATE_FN_MAP = {
 
 
 def default_collate(batch: Sequence[Any]) -> Any:
-    """torch's `default_collate`, which also packs `EncodedImage`s into an `EncodedBatch`."""
+    """torch's `default_collate`, which also packs `EncodedImage`s into an `EncodedBatch`.
+
+    Sample dicts (no `fields`) must all have the same fields: torch's collate takes the
+    first's, and a field the first lacked vanished from the whole batch, silently."""
+    if batch and isinstance(batch[0], Mapping):
+        unlike = unlike_the_first(batch, mappings_only=True)
+        if unlike is not None:
+            position, how = unlike
+            raise _collate_error(batch, position, how, lambda _: (None, None))
     with one_batch():  # a field that fails gives back the slots of the fields stacked before it
         return collate(batch, collate_fn_map=_COLLATE_FN_MAP)
+
+
+Where = Callable[[int], "tuple[str | None, str | None]"]  # a batch position -> (shard URL, sample key)
+
+
+def collated(collate_fn: Callable[[list[Any]], Any], batch: list[Any], where: Where,
+             names: Sequence[str] | None = None) -> Any:
+    """`collate_fn(batch)`; where it fails, a CollateError naming the first sample unlike the
+    batch's first (by `where`, or the sample's own `__key__`) and how it differs (`names`
+    names the parts of tuple items), not torch's "stack expects each tensor to be equal
+    size ... at entry 1"."""
+    try:
+        return collate_fn(batch)
+    except ShardstreamError:
+        raise
+    except Exception as error:
+        unlike = unlike_the_first(batch, names=names)
+        position, how = unlike if unlike is not None else (0, "")
+        raise _collate_error(batch, position, how, where, error) from error
+
+
+def _collate_error(batch: Sequence[Any], position: int, how: str, where: Where,
+                   error: BaseException | None = None) -> CollateError:
+    item = batch[position]
+    url, key = where(position)
+    if isinstance(item, Mapping):  # a sample dict names itself
+        url, key = item.get("__url__", url), item.get("__key__", key)
+    said = f"could not collate a batch of {len(batch)}"
+    if how:
+        said += f": sample {position} of the batch {how}"
+    if error is not None:
+        said += f" ({type(error).__name__}: {reason(error)})"
+    return CollateError(said, url=url if isinstance(url, str) else None, key=key if isinstance(key, str) else None)
+
+
+def unlike_the_first(batch: Sequence[Any], *, mappings_only: bool = False,
+                     names: Sequence[str] | None = None) -> tuple[int, str] | None:
+    """(the position of the first item of `batch` unlike its first item, how it differs),
+    or None where all are alike: fields, parts, types, and the shapes and dtypes of
+    tensors and arrays; with `mappings_only`, the fields of dicts only. `names` names the
+    parts of tuple items (the dataset's `fields`)."""
+    first = batch[0]
+    for position in range(1, len(batch)):
+        how = _difference(first, batch[position], "", mappings_only, names)
+        if how is not None:
+            return position, how
+    return None
+
+
+def _difference(first: Any, item: Any, path: str, mappings_only: bool,
+                names: Sequence[str] | None = None) -> str | None:
+    where = f"field {path}" if path else "the sample"
+    if isinstance(first, Mapping) and isinstance(item, Mapping):
+        if first.keys() != item.keys():
+            missing, extra = sorted(map(str, first.keys() - item.keys())), sorted(map(str, item.keys() - first.keys()))
+            told = (["no " + ", ".join(missing)] if missing else []) + ([", ".join(extra)] if extra else [])
+            return f"has {' and '.join(told)} among its fields, unlike the batch's first"
+        children = ((f"{path}.{key}" if path else str(key), first[key], item[key]) for key in first)
+    elif mappings_only:
+        return None
+    elif type(first) is not type(item):
+        return f"has {where} a {type(item).__name__}, where the batch's first has a {type(first).__name__}"
+    elif isinstance(first, (tuple, list)):
+        if len(first) != len(item):
+            return f"has {len(item)} parts, the batch's first {len(first)}"
+        named = names is not None and not path and len(names) == len(first)
+        children = ((str(names[i]) if named else f"{path}[{i}]" if path else str(i), a, b)  # type: ignore[index]
+                    for i, (a, b) in enumerate(zip(first, item)))
+    elif isinstance(first, (torch.Tensor, np.ndarray)):
+        if tuple(first.shape) != tuple(item.shape):
+            return f"has {where} of shape {tuple(item.shape)}, the batch's first {tuple(first.shape)}"
+        if first.dtype != item.dtype:
+            return f"has {where} of dtype {item.dtype}, the batch's first {first.dtype}"
+        return None
+    else:
+        return None
+    for child_path, a, b in children:
+        how = _difference(a, b, child_path, mappings_only)
+        if how is not None:
+            return how
+    return None
 
 
 def pad_collate(batch: Sequence[Any], padding_value: float = 0) -> tuple[torch.Tensor, torch.Tensor, Any]:
@@ -43,6 +135,9 @@ def pad_collate(batch: Sequence[Any], padding_value: float = 0) -> tuple[torch.T
     if not batch:
         raise ValueError("pad_collate needs at least one sample")
     sequences = [torch.as_tensor(item[0]) for item in batch]
+    # One dtype for all, as default_collate promotes: the first's cast 1.5 to 1 and 300 to 44.
+    dtype = functools.reduce(torch.promote_types, (sequence.dtype for sequence in sequences))
+    sequences = [sequence.to(dtype) for sequence in sequences]
     lengths = torch.tensor([len(s) for s in sequences], dtype=torch.int64)
     with one_batch():  # labels that fail to collate give the padded sequences' slot back
         padded = _pad(sequences, padding_value)

@@ -487,7 +487,8 @@ class StreamingDataset(Checkpointing, IterableDataset):
         else:
             items = guarded(zip(ordered, ids), lambda pair: prep(*pair), self.on_error, len(mine), on_skip, earlier)
         if self.batch_size is not None:
-            items = prep.batched(items, ids, self.batch_size, self.drop_last, self.collate_fn)
+            items = prep.batched(items, ids, self.batch_size, self.drop_last, self.collate_fn,
+                                 lambda draw: source.where(int(plan.sequences.samples_of(np.array([draw]))[0])))
         if get_worker_info() is None:  # the training loop's process: its own random numbers stay its own
             items = prep.in_callers_process(items, self.collate_fn if self.batch_size is not None else None)
         return _closing(items, stages)

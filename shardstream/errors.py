@@ -155,6 +155,10 @@ class MissingFieldError(ShardstreamError):
     """A sample lacks a field that was asked for."""
 
 
+class CollateError(ShardstreamError):
+    """A batch's samples could not be collated: they differ in their fields or shapes."""
+
+
 class StorageError(ShardstreamError):
     """Reading or writing storage failed after the allowed retries."""
 

@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
-from .collate import default_collate, pad_collate
+from .collate import collated, default_collate, pad_collate
 from .decode import Decoder
 from .decode_ahead import DecodeAhead
 from .errors import MissingFieldError, ShardstreamError, add_note
@@ -99,20 +99,25 @@ class SamplePrep:
         return _generators_as(lambda generator: generator.manual_seed(seed), python_seed)
 
     def batched(self, items: Iterator[Any], ids: Sequence[int], size: int, drop_last: bool,
-                collate: Callable[[list[Any]], Any]) -> Iterator[Any]:
+                collate: Callable[[list[Any]], Any],
+                where: Callable[[int], tuple[str | None, str | None]] = lambda _: (None, None)) -> Iterator[Any]:
         """`items`, prepared from the samples `ids` in order, collated `size` at a time; the
         last, shorter batch too unless `drop_last`. A collate_fn of the user's (MixUp, CutMix)
         draws under a seed from (seed, epoch, the batch's sample ids), as a sample's
         preparation does: a batch gets the same draws in any process, run or resumed run
         (unseeded, it drew from the caller's generator with ``num_workers=0``, and from the
-        state the last sample left in a worker)."""
+        state the last sample left in a worker). A batch that does not collate is a
+        CollateError naming the odd sample: `where` gives a sample id's shard and key."""
+        names = [str(spec) for spec in self.fields] if self.fields is not None else None
         for k, batch in enumerate(batches(items, size, drop_last, list)):
+            batch_ids = ids[k * size : (k + 1) * size]
+            named = lambda position: where(batch_ids[position])  # noqa: E731
             if collate in _OWN_COLLATES:  # they draw nothing
-                yield collate(batch)
+                yield collated(collate, batch, named, names)
                 continue
-            seed = sample_seed(self.seed, self.epoch, hash(tuple(ids[k * size : (k + 1) * size])) & _MASK63)
+            seed = sample_seed(self.seed, self.epoch, hash(tuple(batch_ids)) & _MASK63)
             with _generators_as(lambda generator: generator.manual_seed(seed), seed):
-                out = collate(batch)
+                out = collated(collate, batch, named, names)
             yield out
 
     def _picked(self, sample: dict[str, Any]) -> Any:

@@ -256,7 +256,7 @@ class Source:
                                   "(pack it with shardstream 0.1+, with a cls field)", np.int64)
         unlabelled = np.flatnonzero(labels < 0)
         if len(unlabelled):
-            url, key = self._where(int(unlabelled[0]))
+            url, key = self.where(int(unlabelled[0]))
             raise ShardstreamError(f"{len(unlabelled)} samples have no class (a cls field holding a non-negative "
                                    "integer); class weights need one on every sample", url=url, key=key)
         return labels
@@ -267,12 +267,12 @@ class Source:
                                    "index records none", np.float64)
         missing = np.flatnonzero(np.isnan(weights))
         if len(missing):
-            url, key = self._where(int(missing[0]))
+            url, key = self.where(int(missing[0]))
             raise ShardstreamError(f"{len(missing)} samples have no weight field; every sample needs one",
                                    url=url, key=key)
         return weights
 
-    def _where(self, sample: int) -> tuple[str, str | None]:
+    def where(self, sample: int) -> tuple[str, str | None]:
         """The shard URL and key of sample number `sample` (in shard order), for an error to name."""
         shard = int(np.searchsorted(np.cumsum(self.counts()), sample, side="right"))
         first = int(self.counts()[:shard].sum())

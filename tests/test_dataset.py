@@ -498,6 +498,44 @@ def test_pad_collate_direct():
         pad_collate([])
 
 
+def test_pad_collate_promotes_to_one_dtype_as_default_collate_does():
+    """Regression: every sequence was cast to the first's dtype: int64 then [1.5, 2.5] gave
+    [1, 2], uint8 then int64 [300, -1] gave [44, 255], silently."""
+    padded, _, _ = pad_collate([(torch.tensor([1, 2]), 0), (torch.tensor([1.5, 2.5, 3.75]), 1)])
+    assert padded.dtype == torch.float32 and padded.tolist() == [[1, 2, 0], [1.5, 2.5, 3.75]]
+    padded, _, _ = pad_collate([(np.array([7], dtype=np.uint8), 0), (np.array([300, -1]), 1)])
+    assert padded.dtype == torch.int64 and padded.tolist() == [[7, 0], [300, -1]]
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_a_batch_that_does_not_collate_names_the_odd_sample(tmp_path, num_workers):
+    """Regression: one image of another size in a batch was torch's bare RuntimeError ("stack
+    expects each tensor to be equal size ... at entry 1"), naming no shard, sample or field."""
+    with ShardWriter(str(tmp_path / "ds"), max_samples=4) as writer:
+        for i in range(12):
+            writer.write({"__key__": f"s{i:03d}", "jpg": synthetic_jpeg(i, 40 if i == 6 else 32, 32), "cls": i})
+    ds = StreamingDataset(str(tmp_path / "ds"), fields=("jpg", "cls"), batch_size=4)
+    it = iter(D.loader(ds, num_workers))
+    try:
+        with pytest.raises(shardstream.CollateError) as raised:
+            list(it)
+    finally:
+        shut_down(it)
+    message = str(raised.value)
+    assert "shard-000001.tar.zst, sample 's006'" in message, message
+    assert "sample 2 of the batch has field jpg of shape (3, 32, 40), the batch's first (3, 32, 32)" in message
+
+
+def test_sample_dicts_with_other_fields_do_not_collate_into_a_batch_without_them(rich):
+    """Regression: batching sample dicts (no `fields`), torch's collate took the first
+    sample's fields: a field the first lacked vanished from the whole batch, silently (here
+    sample 1 holds a png where the others hold a jpg)."""
+    ds = StreamingDataset(rich, decode=None, batch_size=2)
+    with pytest.raises(shardstream.CollateError) as raised:
+        list(ds)
+    assert raised.value.key == "s001" and "has no jpg and png among its fields" in str(raised.value), str(raised.value)
+
+
 # -- sources other than a packed dataset -------------------------------------------------------------------
 
 
