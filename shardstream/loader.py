@@ -83,7 +83,16 @@ class Normalize:
     channels_last: bool = False
     dtype: torch.dtype = torch.float32
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise ValueError(f"Normalize makes floating-point images: dtype={self.dtype} is not a floating-point dtype")
+
     def normalize(self, images: torch.Tensor) -> torch.Tensor:
+        if images.dtype != torch.uint8:
+            # Its constants take 0-255: float images already in [0, 1] (torchvision's ToTensor)
+            # were divided by 255 again, silently.
+            raise ValueError(f"Normalize takes uint8 images (0 to 255), not {images.dtype}: normalise float "
+                             "images with your own transform, or leave them uint8 for this one")
         if images.dim() not in (3, 4):
             # The constants broadcast over the last three dimensions: a video batch (N, C, T, H, W)
             # of 3 frames was normalised along its frames, silently, and others failed on the broadcast.
@@ -340,8 +349,10 @@ class DataLoader:
                 persistent_workers=self.persistent_workers and self.num_workers > 0,
                 prefetch_factor=self.prefetch_factor,
                 # No lock shared with the workers that a killed one could leave held (workercontext.py).
+                # Without workers none is used: torch refuses one then, which would make turning
+                # workers off take another change (as timeout and prefetch_factor above).
                 multiprocessing_context=(lock_free_context(self.multiprocessing_context) if self.num_workers > 0
-                                         else self.multiprocessing_context),
+                                         else None),
                 timeout=self.timeout,
                 worker_init_fn=_worker_exits_on_sigterm,
             )

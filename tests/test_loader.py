@@ -158,6 +158,15 @@ def test_timeout_without_workers_is_ignored(packed):
     assert sorted(tuple(item) for item in with_workers) == sorted(expected)
 
 
+def test_a_start_method_without_workers_is_ignored(packed):
+    """Regression: multiprocessing_context="spawn" with num_workers=0 failed at the first
+    iteration with torch's ValueError, where timeout and prefetch_factor are ignored so that
+    turning workers off needs no other change."""
+    expected = [tuple(item) for item in DataLoader(keys_of(packed), num_workers=0)]
+    assert [tuple(item) for item in DataLoader(keys_of(packed), num_workers=0, multiprocessing_context="spawn")] \
+        == expected
+
+
 def test_a_negative_timeout_is_refused_at_construction(packed):
     with pytest.raises(ValueError, match="timeout must be 0 or more seconds, not -1"):
         DataLoader(keys_of(packed), num_workers=2, timeout=-1)
@@ -205,6 +214,17 @@ def test_normalize_refuses_what_is_not_images_in_chw():
     with pytest.raises(ValueError, match=r"not a tensor of shape \(5, 7\)"):
         Normalize()(torch.zeros(5, 7, dtype=torch.uint8))
     assert Normalize()(torch.zeros(3, 5, 7, dtype=torch.uint8)).shape == (3, 5, 7)
+
+
+def test_normalize_refuses_float_images_and_integer_output():
+    """Regression: float images already in [0, 1] (torchvision's ToTensor) were divided by 255
+    a second time, silently; Normalize(dtype=torch.int64) gave inf."""
+    images = torch.rand(2, 3, 4, 4)
+    with pytest.raises(ValueError, match=r"takes uint8 images \(0 to 255\), not torch.float32"):
+        Normalize()(images)
+    with pytest.raises(ValueError, match="dtype=torch.int64 is not a floating-point dtype"):
+        Normalize(dtype=torch.int64)
+    assert Normalize(dtype=torch.float16)(torch.zeros(2, 3, 4, 4, dtype=torch.uint8)).dtype == torch.float16
 
 
 def test_normalize_refuses_constants_for_another_number_of_channels():
