@@ -95,7 +95,8 @@ class StreamingDataset(Checkpointing, IterableDataset):
             `RandomResizedCropJPEG`). Other fields decode by extension.
         transform: a callable applied to each decoded sample dict, in the worker.
         fields: yield tuples of these fields instead of dicts; ``"jpg;png"`` takes the
-            first present of several.
+            first present of several. Without a `transform` (which sees the whole
+            sample), the fields left out are not decoded.
         batch_size: batch in the worker with `collate_fn` (default: `default_collate`,
             which stacks tensors, in DataLoader workers into shared memory they reuse:
             batchmemory.py); use with ``DataLoader(batch_size=None)``. Iterating with a

@@ -498,6 +498,23 @@ def test_pad_collate_direct():
         pad_collate([])
 
 
+@pytest.mark.parametrize("decode_threads", [0, 2])
+def test_fields_left_out_are_not_decoded(tmp_path, decode_threads):
+    """Regression: with `fields`, every field was decoded, then the asked-for ones picked: a
+    damaged mask PNG beside each JPEG failed every sample, and a pickle field nothing asked
+    for wanted allow_pickle=True."""
+    with ShardWriter(str(tmp_path / "ds")) as writer:
+        for i in range(6):
+            writer.write({"__key__": f"s{i:03d}", "jpg": synthetic_jpeg(i, 16, 12), "cls": i,
+                          "seg.png": b"not a png", "pth": b"\x80\x04K\x01."})
+    ds = StreamingDataset(str(tmp_path / "ds"), fields=("jpg;png", "cls", "__key__"), decode_threads=decode_threads)
+    got = list(ds)
+    assert [key for _, _, key in got] == [f"s{i:03d}" for i in range(6)] and [int(c) for _, c, _ in got] == list(range(6))
+    assert all(tuple(image.shape) == (3, 12, 16) for image, _, _ in got)
+    with pytest.raises(shardstream.DecodeError, match="seg.png"):  # asked for, as with no `fields`, it is decoded
+        list(StreamingDataset(str(tmp_path / "ds"), fields=("seg.png",), decode_threads=decode_threads))
+
+
 def test_pad_collate_promotes_to_one_dtype_as_default_collate_does():
     """Regression: every sequence was cast to the first's dtype: int64 then [1.5, 2.5] gave
     [1, 2], uint8 then int64 [300, -1] gave [44, 255], silently."""
