@@ -320,7 +320,10 @@ def bench(
     before = set(TreeRSS().descendants())  # processes that are not ours to count
     try:
         for n in workers:
-            with _torch_threads(1) if n == 0 else contextlib.nullcontext():
+            # This process decodes on the CPU at every worker count where the device side
+            # decodes there: one thread for each row, as for the 0-worker row (_torch_threads).
+            one_thread = n == 0 or (on_device is not None and not on_device.on_gpu)
+            with _torch_threads(1) if one_thread else contextlib.nullcontext():
                 row, payload = _run_one(make_loader, n, seconds=seconds, warmup=warmup, raw=transform == "none",
                                         sync=sync, progress=bar, exclude=before)
             if bytes_per_sample is not None:
@@ -336,10 +339,12 @@ def bench(
 
 
 def _labelled(source: Any) -> bool:
-    """Whether the samples have a `cls` field: the manifest's class table says, else (other
-    tools' tars) the first sample does."""
-    if source.manifest is not None:
-        return bool(source.manifest.classes)
+    """Whether every sample has a `cls` field: the manifest's class counts cover every
+    sample (a dataset where only some have one is read, and measured, without labels), else
+    (other tools' tars) the first sample has one."""
+    manifest = source.manifest
+    if manifest is not None:
+        return bool(manifest.classes) and sum(manifest.class_counts) == manifest.samples
     first = next(iter(source.reader(0)), None) if source.shards else None
     return first is not None and "cls" in first
 
