@@ -379,12 +379,21 @@ def iter_stream_members(f: BinaryIO, *, url: str, verify: bool = True) -> Iterat
         long_name, record_offset = None, None
 
 
+def members_apart(key: str, url: str, offset: int) -> CorruptShardError:
+    """The error of a sample whose members are not adjacent in its tar: WebDataset reads it
+    as two half samples, and an index must not hold a key twice."""
+    return CorruptShardError(f"sample {key!r} appears again after other samples (its members are not adjacent): "
+                             "make the tar with each sample's files together", url=url, key=key, offset=offset)
+
+
 def group_samples(
     members: Iterator[tuple[str, bytes, int]], *, url: str
 ) -> Iterator[tuple[dict[str, object], int]]:
-    """Group adjacent members with the same key into samples: ({'__key__': key, field: bytes}, offset)."""
+    """Group adjacent members with the same key into samples: ({'__key__': key, field: bytes}, offset).
+    A key whose members are not adjacent is refused (`members_apart`), as an index of the tar refuses it."""
     sample: dict[str, object] | None = None
     sample_offset = 0
+    earlier: set[str] = set()  # the keys of the samples so far
     for name, data, offset in members:
         named = member_key(name)
         if named is None:
@@ -394,6 +403,9 @@ def group_samples(
             yield sample, sample_offset
             sample = None
         if sample is None:
+            if key in earlier:
+                raise members_apart(key, url, offset)
+            earlier.add(key)
             sample, sample_offset = {"__key__": key}, offset
         if field in sample:
             raise CorruptShardError(f"field {field!r} appears twice", url=url, key=key, offset=offset)

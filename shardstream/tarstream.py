@@ -237,10 +237,8 @@ def scan_tar(f: CountingReader, url: str) -> tuple[ShardIndex, tuple[str, ...]]:
             continue  # no sample's (WebDataset's rule): a reader of the sample's span skips it too
         key, field = named
         if not keys or keys[-1] != key:
-            if key in earlier:  # WebDataset reads two half samples; an index must not hold a key twice
-                raise CorruptShardError(f"sample {key!r} appears again after other samples (its members are not "
-                                        "adjacent): make the tar with each sample's files together", url=url,
-                                        key=key, offset=offset)
+            if key in earlier:
+                raise tario.members_apart(key, url, offset)
             earlier.add(key)
             keys.append(key)
             offsets.append(offset)

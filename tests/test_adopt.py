@@ -450,8 +450,9 @@ def test_repack_names_the_tar_a_refused_sample_came_from(tmp_path):
             for j in range(3):
                 _member(tf, f"s{i}_{j}.txt", b"x")
             if i == 1:
-                _member(tf, "s1_0.cls", b"1")  # key s1_0 again, not adjacent: the writer refuses it
-    with pytest.raises(ShardstreamError, match=r"src/shard-001\.tar, sample 's1_0': duplicate sample key"):
+                _member(tf, "s1_0.cls", b"1")  # key s1_0 again, not adjacent: the reader refuses it
+    with pytest.raises(ShardstreamError, match=r"src/shard-001\.tar, sample 's1_0', byte 3072: sample 's1_0' appears "
+                                               r"again after other samples"):
         repack_tars(str(tmp_path / "src"), str(tmp_path / "out"))
 
 

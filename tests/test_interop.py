@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from shardstream import ShardstreamError, ShardWriter, open_dataset, open_shard
+import shardstream
+from shardstream import ShardstreamError, ShardWriter, StreamingDataset, open_dataset, open_shard
 from shardstream.adopt import index_tars
 from shardstream.tarstream import StreamTarReader
 from shardstream.source import resolve_source
@@ -496,6 +497,21 @@ def test_index_refuses_a_sample_whose_members_are_apart(tmp_path):
     with pytest.raises(ShardstreamError, match="'k1' appears again after other samples"):
         index_tars(str(tmp_path), progress=False)
     assert not (tmp_path / "manifest.msgpack").exists()
+
+
+@pytest.mark.parametrize("suffix", [".tar", ".tar.gz"])
+def test_streaming_refuses_a_sample_whose_members_are_apart(tmp_path, suffix):
+    """Regression: the same tar was refused as `.tar` and read as `.tar.gz`, where the key came
+    twice in the shard, each time half a sample (WebDataset's reading)."""
+    data = io.BytesIO()
+    with tarfile.open(fileobj=data, mode="w") as tf:
+        for name in ("k1.jpg", "k2.jpg", "k1.cls", "k2.cls"):
+            info = tarfile.TarInfo(name)
+            info.size = 1
+            tf.addfile(info, io.BytesIO(b"1"))
+    (tmp_path / f"t{suffix}").write_bytes(gzip.compress(data.getvalue()) if suffix == ".tar.gz" else data.getvalue())
+    with pytest.raises(shardstream.CorruptShardError, match="'k1' appears again after other samples"):
+        list(StreamingDataset([str(tmp_path / f"t{suffix}")], decode=None))
 
 
 @pytest.mark.parametrize("key", ["a//b", "./a/b", "a/./b", "/a/b", "a/../b", "a/"])
