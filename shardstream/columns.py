@@ -45,6 +45,11 @@ def weight_of(weight: bytes) -> float:
 _MAX_WEIGHT = float(np.finfo(np.float32).max)  # the index keeps weights as float32
 
 
+def _rounds_to_max(weight: float) -> bool:
+    with np.errstate(over="ignore"):
+        return float(np.float32(weight)) == _MAX_WEIGHT
+
+
 def check_weight(data: bytes, *, url: str | None = None, key: str | None = None,
                  offset: int | None = None) -> float:
     """A `weight` field's value, refused unless it is a finite, non-negative number within
@@ -55,7 +60,9 @@ def check_weight(data: bytes, *, url: str | None = None, key: str | None = None,
     except ValueError:
         raise ShardstreamError(f"weight must be a number, not {data[:20]!r}", url=url, key=key,
                                offset=offset) from None
-    if not (math.isfinite(weight) and 0 <= weight <= _MAX_WEIGHT):
+    # Within range where float32 holds it: the 3.4028235e38 that float32's largest prints as
+    # lies a hair above it in float64, and rounds to it.
+    if not (math.isfinite(weight) and 0 <= weight and (weight <= _MAX_WEIGHT or _rounds_to_max(weight))):
         raise ShardstreamError(f"weight must be finite and non-negative, at most float32's {_MAX_WEIGHT:.4g}, "
                                f"not {weight}", url=url, key=key,
                                offset=offset)

@@ -85,7 +85,7 @@ def encode_field(field: str, value: Any, *, key: str = "") -> bytes:
         )
     try:
         return encoder(value)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OverflowError, RecursionError) as e:  # msgpack's ints past 64 bits; deep json
         raise ShardstreamError(f"field {field!r}: cannot encode {type(value).__name__}: {e}", key=key or None) from e
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import io
 import json
@@ -992,6 +993,28 @@ def test_index_weights_round_trip_and_bad_ones_are_refused(tmp_path):
     for bad in (np.full(12, -1.0, "<f4").tobytes(), np.full(12, np.inf, "<f4").tobytes(), b"\0" * 47):
         with pytest.raises(CorruptIndexError, match="weights"):
             ShardIndex.from_bytes(msgpack.packb({**body, "weights": bad}), "idx-url")
+
+
+def test_the_largest_weight_format_md_names_is_written_and_read(tmp_path):
+    """Regression: FORMAT.md's "at most float32's largest (3.4028235e38)" was refused: that
+    decimal lies a hair above float32's largest in float64; a weight rounding to it is within range."""
+    with ShardWriter(str(tmp_path / "ds")) as writer:
+        writer.write({"__key__": "a", "bin": b"x", "weight": b"3.4028235e38"})
+        with pytest.raises(ShardstreamError, match="at most float32's"):
+            writer.write({"__key__": "b", "bin": b"x", "weight": b"3.41e38"})
+    weights = open_dataset(str(tmp_path / "ds")).shards[0].reader().index.weights
+    assert weights.tolist() == [float(np.finfo(np.float32).max)]
+
+
+@pytest.mark.parametrize("field, value", [("msgpack", 2**64), ("mp", -2**63 - 1), ("weight", 10**400),
+                                          ("json", functools.reduce(lambda inner, _: [inner], range(5000), []))])
+def test_values_no_encoding_holds_are_refused_naming_the_sample(tmp_path, field, value):
+    """Regression: msgpack's ints past 64 bits and an int past float's range raised OverflowError,
+    a JSON value nested past Python's recursion limit RecursionError: not ShardstreamErrors naming
+    the sample and field."""
+    with ShardWriter(str(tmp_path / "ds")) as writer:
+        with pytest.raises(ShardstreamError, match=f"sample 'k': field '{field}': cannot encode"):
+            writer.write({"__key__": "k", field: value})
 
 
 @pytest.mark.parametrize("lo, hi, frame_size", [(50, 3000, 16 << 10), (20_000, 40_000, 64 << 10),
