@@ -528,6 +528,26 @@ def test_a_cut_jpeg_fails_whatever_the_crop():
     assert tuple(crop_resize(data.getvalue(), top).shape) == (3, 16, 16)  # the whole file crops
 
 
+@pytest.mark.parametrize("where", ["two thirds in", "before the end"])
+def test_a_marker_inside_the_image_data_fails_whatever_the_crop(where):
+    """Regression: a JPEG with a stray segment (a DHT) inside its image data, its end marker
+    still there, failed the crops whose rows reached the damage and decoded the others: whether
+    the sample was skipped depended on the epoch's draw. With the segment just before the end,
+    every crop decoded where the whole decode (rgb8, verify) failed."""
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (30, 40, 3), dtype=np.uint8))
+    data = io.BytesIO()
+    image.resize((320, 240), Image.BICUBIC).save(data, format="JPEG", quality=90)
+    good = data.getvalue()
+    sos = good.index(b"\xff\xda")
+    at = sos + (len(good) - sos) * 2 // 3 if where == "two thirds in" else len(good) - 2
+    bad = good[:at] + b"\xff\xc4\x00\x05\x10\x01" + good[at:]
+    for box in ((0, 0, 60, 80), (180, 0, 60, 80), (0, 0, 240, 320)):  # top, bottom, whole
+        plan = CropPlan((320, 240), box, (32, 32), False)
+        assert tuple(crop_resize(good, plan).shape) == (3, 32, 32)
+        with pytest.raises((OSError, ValueError)):
+            crop_resize(bad, plan)
+
+
 def test_pillow_opens_only_the_image_formats_a_field_may_hold():
     """Pillow tells formats by their bytes: an EPS stored as a `jpg` field would run Ghostscript on a shard's
     PostScript. It is not an image here, whichever decoder meets it, and no program is run."""
