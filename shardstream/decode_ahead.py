@@ -35,7 +35,7 @@ from typing import Any, Callable
 from .decode import IMAGE_EXTENSIONS, Decoder
 from .errors import ShardstreamError
 from .fields import field_extension
-from .transforms import crop_resize
+from .transforms import crop_resize, is_fused
 
 __all__ = ["DecodeAhead"]
 
@@ -57,11 +57,11 @@ class DecodeAhead:
     allow_pickle: bool = False
 
     def __post_init__(self) -> None:
-        if self.images is None or (callable(self.images) and not callable(getattr(self.images, "plan", None))):
+        if self.images is None or (callable(self.images) and not is_fused(self.images)):
             raise ValueError(
                 "decode_threads needs images to decode in the threads: decode='rgb8' or 'pil', or a fused transform "
-                f"with a plan(data) method (RandomResizedCropJPEG, CenterCropJPEG), not {self.images!r}; a custom "
-                "decode callable may draw random numbers, which threads would reorder")
+                f"(RandomResizedCropJPEG, CenterCropJPEG, without a __call__ of its own), not {self.images!r}; a "
+                "custom decode callable may draw random numbers, which threads would reorder")
 
     def draw(self, sample: dict[str, Any]) -> tuple[dict[str, Any], dict[str, _Image]]:
         """Decode all but the images, and draw each image's crop (random: under the sample's seed).

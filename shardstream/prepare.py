@@ -31,7 +31,7 @@ from .decode import Decoder
 from .decode_ahead import DecodeAhead
 from .errors import MissingFieldError, ShardstreamError, add_note
 from .threads import ordered_map
-from .transforms import CenterCropJPEG, RandomResizedCropJPEG
+from .transforms import is_fused
 
 __all__ = ["SamplePrep", "batches", "keeping_callers_generators", "sample_seed"]
 
@@ -82,7 +82,7 @@ class SamplePrep:
         draw from torch's only, so for them the other two are left alone (in the main
         process, saving and restoring numpy's state costs about 90 us a sample)."""
         images = self.decoder.images
-        return self.transform is not None or (callable(images) and not isinstance(images, _OWN_DECODES))
+        return self.transform is not None or (callable(images) and not is_fused(images))
 
     def in_callers_process(self, items: Iterator[Any], collate: Callable[[list[Any]], Any] | None) -> Iterator[Any]:
         """`items` (prepared by this, collated by `collate` if batched) as the training
@@ -220,7 +220,6 @@ def sample_seed(seed: int, epoch: int, sample_id: int) -> int:
     return (x ^ (x >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
-_OWN_DECODES = (RandomResizedCropJPEG, CenterCropJPEG)
 _OWN_COLLATES = (default_collate, pad_collate)
 _MASK63 = (1 << 63) - 1
 

@@ -137,10 +137,19 @@ def crop_resize(data: bytes, plan: CropPlan) -> torch.Tensor:
 class RandomResizedCropJPEG:
     """JPEG (or any image) bytes -> random resized crop, random horizontal flip, uint8 CHW tensor."""
 
-    size: int | tuple[int, int] = 224
+    size: int | tuple[int, int] = 224  # as torchvision's: an int, or (height, width), or [side]
     scale: tuple[float, float] = (0.08, 1.0)
     ratio: tuple[float, float] = (3 / 4, 4 / 3)
     flip: bool = True
+
+    def __post_init__(self) -> None:
+        # Checked here, not at each image: `[224]` failed every sample as image damage (an
+        # IndexError in `plan`), and under on_error="skip" each was skipped as a bad sample.
+        size = self.size
+        sides = [size] if isinstance(size, int) else list(size) if isinstance(size, (tuple, list)) else []
+        if len(sides) not in (1, 2) or not all(isinstance(side, int) and side > 0 for side in sides):
+            raise ValueError(f"RandomResizedCropJPEG's size is a side, or (height, width), in pixels: not {size!r}")
+        object.__setattr__(self, "size", sides[0] if len(sides) == 1 else tuple(sides))
 
     def plan(self, data: bytes) -> CropPlan:
         """Draw this image's crop and flip (from torch's generator), reading only the header."""
@@ -186,3 +195,10 @@ class CenterCropJPEG:
 
     def __call__(self, data: bytes) -> torch.Tensor:
         return crop_resize(data, self.plan(data))
+
+
+def is_fused(images: object) -> bool:
+    """Whether `images` crops as one of the fused transforms does (a plan drawn, then
+    `crop_resize`): theirs, or a subclass's that keeps their `__call__`. A subclass's own
+    `__call__` is the user's code, which a decode in threads (decode_ahead.py) would skip."""
+    return type(images).__call__ in (RandomResizedCropJPEG.__call__, CenterCropJPEG.__call__)

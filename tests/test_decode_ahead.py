@@ -129,6 +129,26 @@ def test_a_custom_decode_callable_is_refused():
         StreamingDataset("unused", decode_threads=-1)
 
 
+class _CropAsFloat(RandomResizedCropJPEG):
+    def __call__(self, data: bytes) -> torch.Tensor:
+        return super().__call__(data).float() / 255
+
+
+class _KeepsTheCall(CenterCropJPEG):
+    pass
+
+
+def test_a_fused_transform_with_a_call_of_its_own_is_refused(data):
+    """Regression: a subclass of a fused transform whose own `__call__` changed the crop (to
+    float, here) was taken for the fused one, its `__call__` skipped: uint8 with decode_threads,
+    float without, where the samples are promised the same."""
+    with pytest.raises(ValueError, match="without a __call__ of its own"):
+        StreamingDataset(data, decode=_CropAsFloat(16), decode_threads=2)
+    inline, threaded = (list(StreamingDataset(data, decode=_KeepsTheCall(16, 20), fields=("jpg",), decode_threads=n))
+                        for n in (0, 2))
+    assert len(inline) == SAMPLES and all(torch.equal(a, b) for (a,), (b,) in zip(inline, threaded))
+
+
 def test_resume_mid_epoch_with_threads(data):
     def dataset() -> StreamingDataset:
         return StreamingDataset(data, shuffle=True, decode=RandomResizedCropJPEG(16), transform=noisy,

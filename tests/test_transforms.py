@@ -528,6 +528,19 @@ def test_a_cut_jpeg_fails_whatever_the_crop():
     assert tuple(crop_resize(data.getvalue(), top).shape) == (3, 16, 16)  # the whole file crops
 
 
+def test_random_resized_crop_takes_torchvisions_sizes_and_refuses_others():
+    """Regression: size=[224] (torchvision reads it as (224, 224)) failed every sample as image
+    damage, an IndexError while planning each crop; under on_error="skip" each was skipped."""
+    data = io.BytesIO()
+    Image.new("RGB", (40, 30), (10, 20, 30)).save(data, format="JPEG")
+    for size, shape in ((16, (3, 16, 16)), ([16], (3, 16, 16)), ((16,), (3, 16, 16)), ((12, 20), (3, 12, 20)),
+                        ([12, 20], (3, 12, 20))):
+        assert tuple(RandomResizedCropJPEG(size)(data.getvalue()).shape) == shape, size
+    for size in ((), (1, 2, 3), 0, (16, -1), "16", 16.0):
+        with pytest.raises(ValueError, match="size is a side, or \\(height, width\\)"):
+            RandomResizedCropJPEG(size)
+
+
 @pytest.mark.parametrize("where", ["two thirds in", "before the end"])
 def test_a_marker_inside_the_image_data_fails_whatever_the_crop(where):
     """Regression: a JPEG with a stray segment (a DHT) inside its image data, its end marker
