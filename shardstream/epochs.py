@@ -52,6 +52,16 @@ class EpochSequences:
             bounds = np.concatenate([[0], np.cumsum(sizes)])
             offsets = np.concatenate([[0], np.cumsum(counts)])[bounds[:-1]]
             part_counts = [counts[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+            for part, part_count in zip(self.source.parts, part_counts):
+                # Its share of the mix cannot be drawn: said at once, naming it (a mix of empty
+                # sources gave epochs of nothing, silently; one empty source failed when first drawn).
+                if not part_count.sum():
+                    raise ValueError(f"mixed source {part.url} has no samples")
+        elif not counts.sum() and (n is not None or (self.sampling is not None and self.sampling.weighted)):
+            # Else n samples of none was an epoch of none, silently, and weights said "all 0".
+            asked = f"samples_per_epoch={n}" if n is not None else "sampling by weight"
+            raise ValueError(f"{asked}, but the dataset {self.source.url} has no samples")
+        if self.mix_weights is not None:
             total = n or int(counts.sum())
 
             def stream(i: int) -> Callable[[int, int], np.ndarray]:

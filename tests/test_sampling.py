@@ -193,6 +193,32 @@ def test_weights_on_a_mix_are_refused_not_ignored(imbalanced, small, sampling):
         ss.StreamingDataset(Mix([imbalanced, small], weights=[0.5, 0.5]), sampling=sampling)
 
 
+@pytest.mark.parametrize("sampling", [Sampling(samples_per_epoch=100), Sampling(class_weights="balanced"),
+                                      Sampling(class_weights="balanced", samples_per_epoch=100)])
+def test_sampling_from_an_empty_dataset_is_an_error(tmp_path, sampling):
+    """Regression: samples_per_epoch on a dataset without samples gave epochs of none, len 0,
+    silently; weighted, it said the weights were all 0."""
+    with ss.ShardWriter(str(tmp_path / "empty")):
+        pass
+    ds = ss.StreamingDataset(str(tmp_path / "empty"), decode=None, sampling=sampling)
+    with pytest.raises(ValueError, match=r"(samples_per_epoch=100|sampling by weight), but the dataset .*empty has no"):
+        len(ds)
+    with pytest.raises(ValueError, match="has no samples"):
+        list(ds)
+
+
+@pytest.mark.parametrize("sampling", [None, Sampling(samples_per_epoch=100)])
+def test_a_mix_with_an_empty_source_names_it(tmp_path, small, sampling):
+    """Regression: a mix of empty sources gave epochs of none, silently; one empty source
+    among others failed as "mixed source 1 has no samples", by number, once first drawn."""
+    with ss.ShardWriter(str(tmp_path / "empty")):
+        pass
+    for sources in ([small, str(tmp_path / "empty")], [str(tmp_path / "empty")] * 2):
+        ds = ss.StreamingDataset(Mix(sources, weights=[0.5, 0.5]), decode=None, sampling=sampling)
+        with pytest.raises(ValueError, match=f"mixed source {tmp_path / 'empty'} has no samples"):
+            list(ds)
+
+
 def test_mix_proportions_across_ranks_and_workers(imbalanced, small):
     import torch
 
