@@ -8,6 +8,7 @@ counted by one scan each (sequential reads of every shard once, done lazily).
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar, overload
 import numpy as np
 
 from .braces import expand_braces, folder_named, names_shards
+from .columns import check_weight, label_column, label_of, weight_column
 from .errors import ManifestError, ShardstreamError, StorageError
 from .format import INDEX_SUFFIX, MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ShardIndex, ShardInfo
 from .shardtable import ShardTable, checked_index
@@ -133,6 +135,10 @@ class Source:
     # number: readers made later, also in DataLoader workers (forked from this process,
     # or sent this Source), use them instead of reading each tar through again.
     scanned: dict[int, ShardIndex] = field(default_factory=dict, compare=False, repr=False)
+    # The labels and weights of compressed tars, which have no index, by shard number: read
+    # as `counts()` reads them through, for sampling by weight.
+    read_columns: dict[int, "tuple[np.ndarray | None, np.ndarray | None]"] = field(
+        default_factory=dict, compare=False, repr=False)
 
     def reader(self, shard: int) -> ShardReader | StreamTarReader:
         """A reader of shard number `shard` (its place in `shards`)."""
@@ -233,19 +239,28 @@ class Source:
                           "process that counts them; `shardstream index` writes the indexes once",
                           stacklevel=3)
         for i, (_, index, _) in enumerate(counted):
-            if index is not None:
+            if isinstance(index, ShardIndex):
                 self.scanned[i] = index
+            elif index is not None:
+                self.read_columns[i] = index
         return np.array([n for _, _, n in counted], dtype=np.int64)
 
-    def _count_shard(self, shard: int) -> tuple[bool, ShardIndex | None, int]:
+    def _count_shard(self, shard: int) -> tuple[bool, Any, int]:
         """Whether shard number `shard` had to be read through (a tar without an index), the
-        index that made (None if none), and its samples.
+        index that made (a compressed tar's labels and weights; None if none), and its samples.
 
         Not its reader: readers kept until every shard was counted held every index read at
         once, every key of the dataset (about 100 bytes a sample, 10 GB at 100M samples,
         in every process that counts), where the counts need one index at a time."""
         reader = self.reader(shard)
-        samples = _count(reader)
+        if isinstance(reader, StreamTarReader) and reader.index is None:  # compressed: read through
+            labels, weights = [], []
+            for sample in reader:
+                labels.append(label_of(sample["cls"]) if "cls" in sample else -1)
+                weights.append(check_weight(sample["weight"], url=reader.url, key=str(sample["__key__"]))
+                               if "weight" in sample else math.nan)
+            return True, (label_column(labels), weight_column(weights)), len(labels)
+        samples = len(reader)
         if isinstance(reader, StreamTarReader):
             return True, reader.index, samples
         return False, None, samples
@@ -284,10 +299,14 @@ class Source:
         at once: one after another, 10k shards on S3 were 10k round trips in a row before
         the first sample of a class-weighted epoch."""
         def column(shard: int) -> np.ndarray:
-            index = getattr(self.reader(shard), "index", None)
-            if index is None or getattr(index, table) is None:
+            if shard in self.read_columns:  # a compressed tar's, read as it was counted
+                values = self.read_columns[shard][("labels", "weights").index(table)]
+            else:
+                index = getattr(self.reader(shard), "index", None)
+                values = getattr(index, table) if index is not None else None
+            if values is None:
                 raise ShardstreamError(missing, url=self.shards[shard].url)
-            return getattr(index, table)
+            return values
 
         out = self._over_shards(column, "shardstream-index")
         return np.concatenate(out) if out else np.zeros(0, dtype=dtype)
@@ -304,17 +323,6 @@ class Source:
             return list(pool.map(work, shards))
         finally:
             pool.shutdown(cancel_futures=True)
-
-
-def _count(reader: ShardReader | StreamTarReader) -> int:
-    """Samples in a shard: from its index (a plain tar's is made by one scan), or else by reading it through.
-
-    Whether it has an index was settled when the reader was made; asking storage again
-    would cost another request per shard.
-    """
-    if isinstance(reader, StreamTarReader) and reader.index is None:
-        return sum(1 for _ in reader)
-    return len(reader)
 
 
 def open_dataset(url: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None,

@@ -193,6 +193,31 @@ def test_weights_on_a_mix_are_refused_not_ignored(imbalanced, small, sampling):
         ss.StreamingDataset(Mix([imbalanced, small], weights=[0.5, 0.5]), sampling=sampling)
 
 
+@pytest.mark.parametrize("sampling", [Sampling(class_weights="balanced"), Sampling(sample_weights="weight")])
+def test_compressed_tars_without_an_index_are_sampled_by_weight_as_plain_ones(tmp_path, sampling):
+    """Regression: the same samples as a `.tar` and as a `.tar.gz`: weighted sampling of the
+    `.tar.gz` failed, saying its index had no labels (it has no index) and advising a repack
+    with a cls field, which every sample had. Their labels and weights are read as they are counted."""
+    import gzip
+    import io
+    import tarfile
+
+    data = io.BytesIO()
+    with tarfile.open(fileobj=data, mode="w") as tf:
+        for i in range(12):
+            for field, value in (("bin", b"x"), ("cls", str(i % 3 if i < 9 else 0).encode()),
+                                 ("weight", str(1 + i % 4).encode())):
+                info = tarfile.TarInfo(f"s{i:02d}.{field}")
+                info.size = len(value)
+                tf.addfile(info, io.BytesIO(value))
+    (tmp_path / "a.tar").write_bytes(data.getvalue())
+    (tmp_path / "a.tar.gz").write_bytes(gzip.compress(data.getvalue()))
+    plain, compressed = ([key for (key,) in ss.StreamingDataset([str(tmp_path / name)], decode=None, seed=3,
+                                                                fields=("__key__",), sampling=sampling)]
+                         for name in ("a.tar", "a.tar.gz"))
+    assert compressed == plain and len(plain) == 12 and len(set(plain)) < 12  # drawn by weight, with repeats
+
+
 @pytest.mark.parametrize("sampling", [Sampling(samples_per_epoch=100), Sampling(class_weights="balanced"),
                                       Sampling(class_weights="balanced", samples_per_epoch=100)])
 def test_sampling_from_an_empty_dataset_is_an_error(tmp_path, sampling):
