@@ -26,6 +26,7 @@ __all__ = ["Journal"]
 
 FOLDER = ".shardstream-pack"
 READ_THREADS = 16  # a remote journal's records read at once
+REPLACING = "replacing.msgpack"  # the files of the dataset a pack replaces, while they are removed
 
 
 class Journal:
@@ -62,10 +63,29 @@ class Journal:
             # A shard whose every image was skipped was never written (no index named).
             self.shards.remove_all(name for _, info, _ in self._records() if info.samples
                                    for name in (info.name, info.index))
+            self.shards.remove_all(self._replacing())
         self.clear()
         self.store.makedirs()
         self.store.write("plan.msgpack", msgpack.packb(plan, use_bin_type=True))
         return done
+
+    def replacing(self, names: list[str]) -> None:
+        """Record the files of the dataset this pack replaces, before they are removed: a
+        pack killed while removing them left them listed by no manifest, and a plain rerun
+        (finding no dataset to replace) knew nothing of them. A fresh start removes what is left."""
+        self.store.makedirs()
+        self.store.write(REPLACING, msgpack.packb(names, use_bin_type=True))
+
+    def replaced(self) -> None:
+        """The replaced dataset's files are gone (`replacing`): nothing left to remove."""
+        self.store.remove(REPLACING)
+
+    def _replacing(self) -> list[str]:
+        if not self.store.exists(REPLACING):
+            return []
+        names = unpack_limited(self.store.read(REPLACING), max_bytes=1 << 28, url=self.store.url(REPLACING),
+                               error=ShardstreamError)
+        return [name for name in names if isinstance(name, str)] if isinstance(names, list) else []
 
     def _records(self) -> Iterator[tuple[int, ShardInfo, list[tuple[str, str]]]]:
         """The finished shards recorded: (shard number, its manifest entry, its skips). A

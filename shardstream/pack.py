@@ -289,9 +289,10 @@ def pack(
     # Other packs' files first, a stale merge among them: a merge that lists this part's
     # shards must be gone before they are, or a crash between would leave it listing none.
     _clear_other_packs(store, part, overwrite=overwrite, resume=resume, finished_part=complete)
-    if replace:
-        remove_dataset(store, target)
     journal = Journal(store, "main" if part is None else f"part-{part[0]:05d}-of-{part[1]:05d}")
+    if replace:
+        remove_dataset(store, target, noting=journal.replacing)
+        journal.replaced()
     if complete:
         summary = _finished_summary(store, target, options)
         journal.clear(remove_folder=part is None)  # a kill between the manifest and this left it

@@ -64,17 +64,21 @@ def check_level_used(compression: str, level: int, default: int) -> None:
         raise ShardstreamError(f"level ({level}) goes with compression 'zstd': uncompressed shards have no level")
 
 
-def remove_dataset(store: Store, manifest_name: str, keep: Callable[[str], bool] = lambda name: False) -> None:
+def remove_dataset(store: Store, manifest_name: str, keep: Callable[[str], bool] = lambda name: False,
+                   noting: Callable[[list[str]], None] | None = None) -> None:
     """Remove a dataset's manifest first (so a crash cannot leave it listing replaced
     shards), then the shards and indexes it listed (but those `keep` says), so no stale
-    shard stays behind."""
+    shard stays behind. `noting` is told their names first, before anything is removed."""
     try:
         old = Manifest.from_bytes(store.read(manifest_name), store.url(manifest_name))
     except ShardstreamError:
         old = None
+    names = [] if old is None else [name for shard in old.shards if not keep(shard.name)
+                                    for name in (shard.name, shard.index)]
+    if noting is not None:
+        noting(names)
     store.remove(manifest_name)
-    if old is not None:
-        store.remove_all(name for shard in old.shards if not keep(shard.name) for name in (shard.name, shard.index))
+    store.remove_all(names)
 
 
 class ShardWriter:

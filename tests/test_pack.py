@@ -1143,6 +1143,34 @@ def test_a_fresh_run_removes_what_a_failed_run_left(image_folder_copy, tmp_path)
     assert not scratch.exists()
 
 
+def test_a_plain_rerun_after_an_overwrite_killed_while_removing_leaves_nothing_of_it(image_folder, tmp_path,
+                                                                                     monkeypatch):
+    """Regression: an overwrite removes the dataset it replaces, manifest first; killed while
+    removing its shards, it left them listed by no manifest, and a plain rerun (finding no
+    dataset to replace) packed beside them, leaving them for good. The journal records them first."""
+    from shardstream.storage import Store
+
+    dst = tmp_path / "ds"
+    run_pack(image_folder, dst, shard_size="8KB")
+    assert len(list(dst.glob("shard-*.tar.zst"))) > 4
+    remove, removed = Store.remove, []
+
+    def killed_on_the_third(store, name):
+        remove(store, name)
+        removed.append(name)
+        if len(removed) == 3:  # the manifest and a shard are gone
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(Store, "remove", killed_on_the_third)
+    with pytest.raises(KeyboardInterrupt):
+        run_pack(image_folder, dst, shard_size="10MB", overwrite=True)
+    monkeypatch.setattr(Store, "remove", remove)
+    assert removed[0] == MANIFEST_NAME and len(list(dst.glob("shard-*.tar.zst"))) > 3
+    run_pack(image_folder, dst, shard_size="10MB")  # no flags: there is no dataset to replace
+    listed = {name for s in open_dataset(str(dst)).manifest.shards for name in (s.name, s.index)}
+    assert {p.name for p in dst.iterdir() if not p.name.startswith(".")} == listed | {MANIFEST_NAME}
+
+
 def test_a_fresh_run_after_one_that_skipped_a_whole_shard(image_folder_copy, tmp_path, monkeypatch):
     """A shard whose every image was skipped is journaled without files; a fresh run after an interrupted one
     removed the files its journal recorded, and for that shard removed "" (the destination): IsADirectoryError."""
