@@ -125,12 +125,22 @@ def repack_tars(source: str | Sequence[str], dst: str, *, shard_size: int | str 
 
 
 def _write_from(writer: Any, sample: dict[str, Any], url: str) -> None:
-    """`writer.write(sample)`, its refusal naming the tar `url` the sample came from (among
-    perhaps a thousand) and the sample."""
+    """`writer.write(sample)`, its key in normal form (`normal_key`), its refusal naming the
+    tar `url` the sample came from (among perhaps a thousand) and the sample."""
+    key = sample.get("__key__")
+    if isinstance(key, str):
+        sample = {**sample, "__key__": normal_key(key)}
     try:
         writer.write(sample)
     except ShardstreamError as e:
         raise ShardstreamError(e.detail, url=url, key=e.key or _printable_key(sample), offset=e.offset) from e
+
+
+def normal_key(key: str) -> str:
+    """`key` as the file `tar -x` makes of it: without empty and "." parts and a leading
+    "/" (`tar -C DIR -cf x.tar .` names every member "./..."), which the writer refuses, as
+    two such spellings of one file would be two samples. ".." is left for it to refuse."""
+    return "/".join(part for part in key.split("/") if part not in ("", "."))
 
 
 def _printable_key(sample: dict[str, Any]) -> str | None:

@@ -443,6 +443,24 @@ def test_the_writer_refuses_what_readers_would_read_otherwise(tmp_path):
         writer.write({"__key__": "a", "txt": "x"})
 
 
+def test_repack_writes_keys_as_tar_extracts_them(tmp_path):
+    """Regression: a tar made the usual way, `tar -C DIR -cf x.tar .`, names every member
+    "./...", and repack refused its first sample ("bad sample key './cat/a'"). Keys are
+    written as `tar -x` makes files of them; two spellings of one file are one key, refused twice."""
+    (tmp_path / "src").mkdir()
+    with tarfile.open(tmp_path / "src" / "x.tar", "w") as tf:
+        for name in ("./cat/a.jpg", "./cat/a.cls", ".//dog/./b.jpg"):
+            _member(tf, name, b"1")
+    repack_tars(str(tmp_path / "src"), str(tmp_path / "out"))
+    assert [(s["__key__"], sorted(k for k in s if not k.startswith("__")))
+            for s in ss.open_dataset(str(tmp_path / "out")).shards[0].reader()] == [("cat/a", ["cls", "jpg"]),
+                                                                                   ("dog/b", ["jpg"])]
+    with tarfile.open(tmp_path / "src" / "x.tar", "a") as tf:
+        _member(tf, "cat/a.txt", b"again")  # the file ./cat/a names, after another sample
+    with pytest.raises(ShardstreamError, match="sample 'cat/a'"):
+        repack_tars(str(tmp_path / "src"), str(tmp_path / "out2"))
+
+
 def test_repack_names_the_tar_a_refused_sample_came_from(tmp_path):
     (tmp_path / "src").mkdir()
     for i in range(3):
