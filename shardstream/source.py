@@ -367,6 +367,10 @@ def resolve_source(source: "str | Sequence[str] | Mix", *, storage_options: dict
         if not names_shards(source):
             return open_dataset(folder_named(source), storage_options=options, retry=retry)
         urls = expand_braces(source)
+        if not any(names_shards(url) for url in urls) and Store(source, options, retry).exists(MANIFEST_NAME):
+            # Braces that expand to folders, not shards, where a dataset's folder is named so,
+            # braces and all (`pack` writes to the name as given): that dataset.
+            return open_dataset(source, storage_options=options, retry=retry)
     else:
         urls = list(source)
     if not urls:

@@ -168,6 +168,20 @@ def test_a_dataset_folder_named_with_escaped_braces_is_opened(packed_plain, tmp_
         assert sorted(s["__key__"] for s in StreamingDataset(written, decode=None)) == expected, written
 
 
+def test_a_dataset_folder_whose_name_holds_a_pattern_is_read_as_packed(packed_plain, tmp_path):
+    """Regression: `pack` wrote to `run{1,2}/ds` as named (and inspect and verify read it so),
+    where a dataset read it as a pattern of two shards, `run1/ds` and `run2/ds`: "file not
+    found". Braces that expand to folders, not shards, where a dataset lies under the name
+    as given, name that dataset."""
+    import shutil
+
+    shutil.copytree(packed_plain, tmp_path / "run{1,2}" / "ds")
+    expected = sorted(s["__key__"] for s in StreamingDataset(packed_plain, decode=None))
+    assert sorted(s["__key__"] for s in StreamingDataset(str(tmp_path / "run{1,2}" / "ds"), decode=None)) == expected
+    with pytest.raises(ShardstreamError):  # no dataset under that name: a pattern, as before
+        resolve_source(str(tmp_path / "run{3,4}" / "ds")).counts()
+
+
 def test_resolve_source_refuses_a_malformed_pattern(tmp_path):
     for pattern in (f"{tmp_path}/s-{{0..a}}", f"{tmp_path}/s-{{0..3.tar"):
         with pytest.raises(BracePatternError):
