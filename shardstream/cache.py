@@ -29,8 +29,9 @@ processes:
   counted, plus every reservation since) adds itself to it and does not walk, for
   `LEDGER_TRUST_S` after that walk, and a walk that must evict goes down to `LOW_WATER`
   of the limit, so that the downloads after it fit by the ledger.
-* **Self-healing.** The first use of a cached shard in each process re-hashes it; a
-  file damaged on disk is fetched again and renamed over it. A download's temporary file left by
+* **Self-healing.** The first use of a cached shard in each process re-hashes it, and so
+  does a use after the file changed (its inode, size or modification time: use is marked
+  in the access time); a file damaged on disk is fetched again and renamed over it. A download's temporary file left by
   a killed process is deleted by the next walk (its download's `flock` is gone with it),
   which comes when the ledger runs short of room, or a minute after the last one.
 * **Versioned.** A shard's copy lives in a folder named by its checksum (the manifest's), so a
@@ -54,6 +55,7 @@ processes:
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import logging
 import os
@@ -81,13 +83,18 @@ __all__ = ["ShardCache"]
 
 CHUNK = 16 << 20  # bytes per ranged request when downloading
 DOWNLOAD_ATTEMPTS = 3  # whole downloads of a file before its checksum mismatch is an error
+EMPTIED_ATTEMPTS = 3  # opens of a copy whose cache was emptied under it, before that is an error
 # Past this long waiting for another download of the same shard, say so (a slow store, or a
 # large shard; the wait goes on).
 SLOW_WAIT_S = 60.0
 log = logging.getLogger("shardstream")
 
-_verified: set[str] = set()  # cached files this process has hashed
-_damaged: dict[str, tuple] = {}  # cached files that failed the hash: their (inode, mtime) then
+# Cached files this process has hashed: their (inode, size, mtime) then, shard and index. A
+# copy is trusted while those stay; changed in place (a plain tar has no frame checksums to
+# catch it), it is hashed again. Use is marked in the access time (`_mark_used`), so that the
+# modification time stays the download's.
+_verified: dict[str, tuple] = {}
+_damaged: dict[str, tuple] = {}  # cached files that failed the hash: their `_version` then
 # Every lock file `open` handed out in this process, while it is open. A forked child gets
 # copies of them, and an flock is held while any copy is open: a child that kept them (a
 # DataLoader worker, forked while a head start held the next epoch's first shard) would
@@ -135,7 +142,8 @@ class ShardCache:
     def folder(self, store: Store) -> str:
         # One subfolder per dataset location, so datasets can share a cache folder (not per
         # token: an HTTP(S) root's query string may rotate while the files stay).
-        return os.path.join(self.root, hashlib.sha256(store.location.encode()).hexdigest()[:16])
+        # A trailing slash names the same location: two spellings downloaded every shard twice.
+        return os.path.join(self.root, hashlib.sha256(store.location.rstrip("/").encode()).hexdigest()[:16])
 
     def path(self, ref: ShardRef) -> str:
         """Where the copy of `ref` lives: in its location's folder, under its version (module doc)."""
@@ -153,7 +161,7 @@ class ShardCache:
         lock = self._acquire(path, ref)
         try:
             with _writing(path):
-                os.utime(path)  # most recently used
+                _mark_used(path)
         except BaseException:
             lock.close()
             raise
@@ -164,9 +172,22 @@ class ShardCache:
 
     def forget(self, ref: ShardRef) -> None:
         """Check the cached copy of `ref` again at its next `open` (it was found damaged)."""
-        _verified.discard(self.path(ref))
+        _verified.pop(self.path(ref), None)
 
     def _acquire(self, path: str, ref: ShardRef) -> BinaryIO:
+        """`_acquire_once`, again where the cache was emptied under it (`rm -rf` of the cache
+        while a copy downloaded: its folder, temporary files and locks gone), a few times:
+        that failed the epoch, where a copy gone between reads is fetched again."""
+        for attempt in range(EMPTIED_ATTEMPTS):
+            try:
+                return self._acquire_once(path, ref)
+            except StorageError as error:
+                emptied = isinstance(error.__cause__, FileNotFoundError) and str(error.url).startswith(self.root)
+                if not emptied or attempt + 1 == EMPTIED_ATTEMPTS:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _acquire_once(self, path: str, ref: ShardRef) -> BinaryIO:
         """The lock file of `path`, share-locked, with a verified copy of `ref` at `path`.
 
         Checking a copy only reads it, under the shared lock, so readers never wait for
@@ -187,7 +208,7 @@ class ShardCache:
                 if not self._check(path, ref):  # unless another download got there first
                     io_stats.add(cache_misses=1)
                     self._download(ref, path)
-                    _verified.add(path)
+                    _verified[path] = _version(path, ref)
                 else:
                     io_stats.add(cache_hits=1)
             return lock
@@ -196,22 +217,22 @@ class ShardCache:
             raise
 
     def _check(self, path: str, ref: ShardRef) -> bool:
-        """Whether the copy at `path` is whole: hashed once per process, then trusted."""
+        """Whether the copy at `path` is whole: hashed once per process, then trusted while unchanged (`_version`)."""
         assert ref.info is not None
         if not self._present(path, ref):
-            _verified.discard(path)
+            _verified.pop(path, None)
             return False
-        if path in _verified:
-            return True
-        index = os.path.join(os.path.dirname(path), _cached_index(ref))
         try:
-            version = tuple((st.st_ino, st.st_mtime_ns) for st in map(os.stat, (path, index)))
+            version = _version(path, ref)
         except FileNotFoundError:  # evicted meanwhile
             return False
+        if _verified.get(path) == version:  # hashed before, unchanged since
+            return True
         if _damaged.get(path) == version:  # hashed before, unchanged since: still damaged
             return False
+        index = os.path.join(os.path.dirname(path), _cached_index(ref))
         if _sha256(path) == ref.info.sha256 and _sha256(index) == ref.info.index_sha256:
-            _verified.add(path)
+            _verified[path] = version
             _damaged.pop(path, None)
             return True
         _damaged[path] = version
@@ -276,13 +297,14 @@ def _shared_lock(path: str) -> BinaryIO:
         try:
             os.makedirs(folder, exist_ok=True)
             lock = open(path, "a+b", buffering=0)  # see _locks
-        except FileNotFoundError:  # a walk removed its folder between the two
-            continue
-        except FileExistsError:
-            # makedirs found the folder there, then gone when it looked again (a walk removed it
-            # in between): make it again. A file where a folder goes is no race, and raises.
-            if any(os.path.lexists(p) and not os.path.isdir(p) for p in (folder, os.path.dirname(folder))):
-                raise
+        except (FileNotFoundError, FileExistsError):
+            # A walk removed the folder between makedirs and open, or between makedirs' look
+            # and its mkdir: make it again. A file where a folder goes is no race, and a link
+            # to nowhere (`/scratch` to a volume not mounted) neither: those spun here forever.
+            blocked = _not_a_folder(folder)
+            if blocked is not None:
+                raise NotADirectoryError(errno.ENOTDIR, "not a folder (a file, or a link to nothing)", blocked) \
+                    from None
             continue
         _locks.add(lock)
         try:
@@ -293,6 +315,30 @@ def _shared_lock(path: str) -> BinaryIO:
             lock.close()
             raise
         lock.close()
+
+
+def _version(path: str, ref: ShardRef) -> tuple:
+    """What tells a cached copy changed: the (inode, size, modification time) of the shard and its index."""
+    index = os.path.join(os.path.dirname(path), _cached_index(ref))
+    return tuple((st.st_ino, st.st_size, st.st_mtime_ns) for st in map(os.stat, (path, index)))
+
+
+def _mark_used(path: str) -> None:
+    """The copy at `path` is the most recently used: its access time, which eviction orders
+    by (cacheroom.py); its modification time stays the download's (`_verified`)."""
+    os.utime(path, ns=(time.time_ns(), os.stat(path).st_mtime_ns))
+
+
+def _not_a_folder(folder: str) -> str | None:
+    """The first of `folder` and the folders above it that is there but is no folder (a
+    file, or a link to nothing), or None."""
+    while True:
+        if os.path.lexists(folder) and not os.path.isdir(folder):
+            return folder
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return None
+        folder = parent
 
 
 @contextlib.contextmanager

@@ -93,6 +93,7 @@ class Room:
         path = os.path.join(self.root, ROOM_LOCK)
         with _room:
             with writing(path):
+                os.makedirs(self.root, exist_ok=True)  # the cache emptied by hand (`rm -rf`) meanwhile
                 lock = open(path, "a+b")
             with lock:
                 fcntl.lockf(lock, fcntl.LOCK_EX)
@@ -156,7 +157,7 @@ class Room:
                     index_bytes = os.path.getsize(full + ".idx")
                 except FileNotFoundError:
                     index_bytes = 0
-                entries.append((st.st_mtime, full, st.st_size + index_bytes))
+                entries.append((st.st_atime, full, st.st_size + index_bytes))  # last used (cache._mark_used)
         total = sum(size for _, _, size in entries) + reserved
         # Where the shards in use (and downloads in flight) keep the cache above low water, this evicts
         # every shard not in use: fewer bytes than low water asks for when it can be reached, since what

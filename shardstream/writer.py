@@ -9,6 +9,7 @@ that lists a missing or half-written shard.
 
 from __future__ import annotations
 
+import operator
 import os
 import re
 from typing import Any, Callable, Iterator, Sequence
@@ -31,9 +32,17 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "K
 
 
 def parse_size(size: int | str) -> int:
-    """Bytes from an int or a string such as ``"256MB"`` or ``"1.5GiB"``."""
-    if isinstance(size, int):
-        return size
+    """Bytes from an int or a string such as ``"256MB"`` or ``"1.5GiB"``; anything else
+    (a float, a bool, a negative count) is refused in words, not with `re`'s TypeError."""
+    if not isinstance(size, str):
+        try:
+            count = operator.index(size) if not isinstance(size, bool) else -1
+        except TypeError:
+            count = -1
+        if count < 0:
+            raise ShardstreamError(f"bad size {size!r}: use a count of bytes (an integer, 0 or more) or a string "
+                                   "with a unit such as '256MB', '1GiB'")
+        return count
     match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*", size)
     if not match or match.group(2).upper() not in _UNITS:
         raise ShardstreamError(f"bad size {size!r}: use bytes or a unit such as 256MB, 1GiB")

@@ -1235,8 +1235,13 @@ def test_forked_workers_close_inherited_sessions_without_waiting_on_the_parents_
             fsspec_http.HTTPFileSystem.close_session(fs._loop, fs._session)  # what the finalizer does
         conn.send((len(inherited), [fs._loop.is_running() for fs in inherited], len(handed_to_loop)))
 
+    import fsspec
+
     with H.CountingHTTPServer(local_ds) as server:
-        shardstream.open_dataset(server.url)  # the parent now holds a session on fsspec's running loop
+        # The parent now holds a session on fsspec's running loop. (shardstream reads ranges
+        # over HTTP through urllib3 since its fifth session, so opening a dataset made one only
+        # where an earlier test in the process had: alone, this test asserted nothing of use.)
+        fsspec.filesystem("http").cat_file(f"{server.url}/manifest.msgpack")
         receive, send = multiprocessing.Pipe(duplex=False)
         proc = multiprocessing.get_context("fork").Process(target=child, args=(send,))
         proc.start()
@@ -1837,6 +1842,80 @@ def test_a_cache_emptied_mid_epoch_is_filled_again(local_ds, shard_names, jpg_di
                 shutil.rmtree(cache_dir, ignore_errors=True)  # downloads may be landing in it meanwhile
             got[key] = hashlib.sha256(jpg).hexdigest()
         assert got == jpg_digests
+
+
+def test_a_cached_plain_tar_changed_in_place_is_hashed_again(tmp_path):
+    """Regression: a process hashed a cached copy once and trusted it after: a plain tar (no
+    frame checksums to catch it) changed in place served a wrong image, silently, for the rest
+    of the process. A copy whose inode, size or modification time changed is hashed again (use
+    is marked in the access time, so that the modification time stays the download's)."""
+    rng = random.Random(3)
+    samples = {f"s{i:02d}": rng.randbytes(3000) for i in range(12)}
+    with shardstream.ShardWriter(str(tmp_path / "ds"), compression="none", max_samples=6) as writer:
+        for key, data in samples.items():
+            writer.write({"__key__": key, "bin": data})
+    cache_dir = tmp_path / "cache"
+    first = shardstream.open_dataset(str(tmp_path / "ds")).shards[0].name
+    with H.CountingHTTPServer(str(tmp_path / "ds")) as server:
+        ds = StreamingDataset(server.url, decode=None, fields=("__key__", "bin"), cache_dir=str(cache_dir))
+        assert dict(ds) == samples
+        time.sleep(0.01)  # a modification time the download's is not
+        _flip_a_byte(cached_file(cache_dir, first))
+        ds.set_epoch(1)
+        assert dict(ds) == samples
+        assert server.gets(first) == 2
+
+
+def test_a_cache_emptied_while_a_copy_downloads_is_filled_again(local_ds, shard_names, jpg_digests, tmp_path,
+                                                               monkeypatch):
+    """Regression: the cache removed (`rm -rf`) while a copy downloaded failed the epoch: "cannot
+    write the cache" naming its room lock, or the download's temporary file. The copy is made again."""
+    from shardstream.cache import ShardCache
+
+    cache_dir, download, emptied = tmp_path / "cache", ShardCache._download, []
+
+    def emptied_first(cache, ref, path):
+        if not emptied:
+            emptied.append(ref.name)
+            shutil.rmtree(cache_dir)
+        return download(cache, ref, path)
+
+    monkeypatch.setattr(ShardCache, "_download", emptied_first)
+    with H.CountingHTTPServer(local_ds) as server:
+        ds = StreamingDataset(server.url, decode=None, fields=("__key__", "jpg"), cache_dir=str(cache_dir), prefetch=0)
+        assert {key: hashlib.sha256(jpg).hexdigest() for key, jpg in ds} == jpg_digests
+    assert emptied
+
+
+@pytest.mark.parametrize("dangling", ["cache_dir", "above it"])
+def test_a_cache_dir_behind_a_link_to_nothing_is_an_error_naming_it(local_ds, tmp_path, dangling):
+    """Regression: a cache_dir under a link to a volume not mounted (`/scratch` -> `/mnt/nvme`)
+    spun at full CPU forever, taken for a walk removing folders: a StorageError names the link."""
+    link = tmp_path / "scratch"
+    link.symlink_to(tmp_path / "not-mounted")
+    cache_dir = link if dangling == "cache_dir" else link / "cache"
+    with H.CountingHTTPServer(local_ds) as server:
+        ds = StreamingDataset(server.url, decode=None, fields=("__key__",), cache_dir=str(cache_dir))
+        with pytest.raises(shardstream.StorageError, match="not a folder") as raised:
+            list(ds)
+    assert raised.value.url == str(link)
+
+
+def test_a_location_with_and_without_a_trailing_slash_shares_its_cached_copies(local_ds, shard_names, tmp_path):
+    """Regression: the same dataset URL spelled with a trailing slash got a folder of its own:
+    every shard downloaded and kept twice against one limit."""
+    cache_dir = tmp_path / "cache"
+    with H.CountingHTTPServer(local_ds) as server:
+        for url in (server.url, server.url + "/"):
+            assert len(list(StreamingDataset(url, decode=None, fields=("__key__",), cache_dir=str(cache_dir))))
+        assert server.gets(shard_names[0]) == 1
+
+
+@pytest.mark.parametrize("limit", [50e9, -1, True])
+def test_a_cache_limit_that_is_no_size_is_refused_in_words(tmp_path, limit):
+    """Regression: 50e9 raised re's TypeError; -1 and True were taken (-1 as a limit of none)."""
+    with pytest.raises(shardstream.ShardstreamError, match=f"bad size {limit!r}"):
+        StreamingDataset("unused", cache_dir=str(tmp_path / "cache"), cache_limit=limit)
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])
