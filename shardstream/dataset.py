@@ -37,7 +37,7 @@ from .policy import ErrorPolicy, guarded
 from .plan import Layout, items_of
 from .prepare import SamplePrep
 from .rankplan import RankPlan, WorkerEpoch
-from .resume import current_place
+from .resume import MAX_EPOCH, current_place
 from .sampling import Mix, Sampling, source_urls
 from .shared import SharedState
 from .source import Source, resolve_source
@@ -239,7 +239,7 @@ class StreamingDataset(Checkpointing, IterableDataset):
         Another epoch than a loaded state's drops that state (the loop has moved on); if
         none of it was read yet, with a warning: a restarted loop usually means to start
         at the loaded epoch (`dataset.epoch`)."""
-        epoch = integer(epoch, "epoch", 0)
+        epoch = integer(epoch, "epoch", 0, MAX_EPOCH + 1)  # 2**64 was read back as epoch 0, silently
         if epoch != self.epoch:
             if self._shared.loaded_unread:
                 warnings.warn(f"set_epoch({epoch}) drops the state loaded for epoch {self.epoch}, of which nothing "

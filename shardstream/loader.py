@@ -469,6 +469,10 @@ class DataLoader:
                 if died is not None:
                     raise died from error
                 raise
+            if self._iteration is not iteration and self.num_workers > 0:
+                # A state was loaded meanwhile (a roll-back), and its workers were dropped: the
+                # batches torch still held (ahead, or out of order) are of the place left.
+                break
             now = time.perf_counter()
             stats.wait_s += now - t0
             if stats.batches == 0:

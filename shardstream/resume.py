@@ -38,6 +38,7 @@ __all__ = ["ResumeState", "Segment", "SequenceAfter", "check_counts", "current_p
            "endless_onto", "endless_place", "fingerprint", "sequence_after"]
 
 STATE_VERSION = 2
+MAX_EPOCH = (1 << 63) - 1  # the processes share the epoch as a signed 64-bit int (shared.py)
 # Version 1 states are read as they were written: their segments' left-out samples
 # remain for the layouts after them (`Segment.spends_left_out`). Those of a Mix or of
 # `samples_per_epoch` are refused: their epochs were drawn otherwise (`_walks_a_stream`).
@@ -133,10 +134,11 @@ class ResumeState:
         current = Segment.from_dict(_entry(raw, "current", ""), "current", version)
         state = cls(
             dataset=_str(_entry(raw, "dataset", ""), "dataset"),
-            # Any int: seeds and epochs are masked to 64 bits (plan.rng_for), and set_epoch takes any.
+            # Any int: seeds are masked to 64 bits (plan.rng_for). An epoch is what set_epoch
+            # takes (the processes share it as a signed 64-bit int: 2**64 read back as 0).
             seed=_int(_entry(raw, "seed", ""), "seed"),
             shuffle=_bool(_entry(raw, "shuffle", ""), "shuffle"),
-            epoch=_int(_entry(raw, "epoch", ""), "epoch"),
+            epoch=_int(_entry(raw, "epoch", ""), "epoch", 0, MAX_EPOCH + 1),
             finished=tuple(Segment.from_dict(s, f"finished[{i}]", version)
                            for i, s in enumerate(_list(_entry(raw, "finished", ""), "finished"))),
             current=current,

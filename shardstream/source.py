@@ -27,7 +27,7 @@ from .tarstream import StreamTarReader
 from .shardfile import FRAME_SIZE
 from .retry import RetryPolicy
 from .storage import Store
-from .urls import local_path, split_url
+from .urls import is_local, local_path, split_url
 
 if TYPE_CHECKING:
     from .sampling import Mix
@@ -364,8 +364,12 @@ def resolve_source(source: "str | Sequence[str] | Mix", *, storage_options: dict
         return Source("mix", ChainedShards([p.shards for p in parts]), None, parts)
     source = source_urls(source)  # a pathlib.Path is a location too
     if isinstance(source, str):
-        if not names_shards(source):
-            return open_dataset(folder_named(source), storage_options=options, retry=retry)
+        # A local folder holding a dataset is that dataset, whatever its name says (`pack`
+        # writes to a name as given: `data.tar` was read as one shard, "is a directory").
+        local_dataset = is_local(source) and os.path.isfile(os.path.join(local_path(source), MANIFEST_NAME))
+        if not names_shards(source) or local_dataset:
+            return open_dataset(folder_named(source) if not local_dataset else source, storage_options=options,
+                                retry=retry)
         urls = expand_braces(source)
         if not any(names_shards(url) for url in urls) and Store(source, options, retry).exists(MANIFEST_NAME):
             # Braces that expand to folders, not shards, where a dataset's folder is named so,

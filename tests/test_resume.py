@@ -706,7 +706,22 @@ def test_loader_state_dict_right_after_load_keeps_the_progress(url):
     assert fresh.state_dict() == state
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
+def test_an_epoch_past_what_the_processes_share_is_refused(url):
+    """Regression: set_epoch(2**64) read back as epoch 0 (the processes share the epoch as a
+    signed 64-bit int), 2**63 as a negative one; states with such epochs, or -1, were loaded."""
+    ds = dataset(url)
+    for epoch in (2**63, 2**64, -1):
+        with pytest.raises(ValueError, match="epoch must be"):
+            ds.set_epoch(epoch)
+    ds.set_epoch(2**63 - 1)
+    assert ds.epoch == 2**63 - 1
+    state = dataset(url).state_dict()
+    for epoch in (2**63, -1):
+        with pytest.raises(shardstream.ShardstreamError, match="epoch"):
+            dataset(url).load_state_dict({**state, "epoch": epoch})
+
+
+@pytest.mark.parametrize("num_workers", [0, 2, 3])
 def test_a_state_loaded_into_the_loader_during_an_iteration_applies_to_the_next(url, num_workers):
     """Regression: `loader.load_state_dict` inside the loop (a rollback to a checkpoint) left the open
     iteration counting: without workers it ran on and its batches were added to the loaded state's
@@ -719,12 +734,18 @@ def test_a_state_loaded_into_the_loader_during_an_iteration_applies_to_the_next(
         next(it)
     state = checkpointed.state_dict()
     it.close()
-    loader = shardstream.DataLoader(dataset(url), num_workers=num_workers)
+    # Workers far ahead (prefetch_factor 4): torch holds more of the old place's batches.
+    loader = shardstream.DataLoader(dataset(url), num_workers=num_workers,
+                                    prefetch_factor=4 if num_workers else None)
     it = iter(loader)
-    next(it)
+    taken = [next(it) for _ in range(5)]  # batches of the place left come in ahead meanwhile, some out of order
     loader.load_state_dict(state)
+    after = 0
     for _ in it:  # runs on without workers; with them it ends (its workers held the old state)
         assert loader.state_dict() == state
+        after += 1
+    # With workers, not one more batch of the place left (torch held some, ahead or out of order).
+    assert after == (len(full) - len(taken) if num_workers == 0 else 0)
     assert loader.state_dict() == state
     assert loader_keys(loader) == full[3:]
 

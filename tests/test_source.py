@@ -182,6 +182,17 @@ def test_a_dataset_folder_whose_name_holds_a_pattern_is_read_as_packed(packed_pl
         resolve_source(str(tmp_path / "run{3,4}" / "ds")).counts()
 
 
+@pytest.mark.parametrize("name", ["data.tar", "data.tar.zst"])
+def test_a_local_dataset_folder_named_like_a_shard_is_read_as_packed(packed_plain, tmp_path, name):
+    """Regression: `pack` writes to a name as given, and `data.tar` was read as one shard:
+    "could not open: IsADirectoryError" (and inspect, verify read it as the dataset)."""
+    import shutil
+
+    shutil.copytree(packed_plain, tmp_path / name)
+    expected = sorted(s["__key__"] for s in StreamingDataset(packed_plain, decode=None))
+    assert sorted(s["__key__"] for s in StreamingDataset(str(tmp_path / name), decode=None)) == expected
+
+
 def test_resolve_source_refuses_a_malformed_pattern(tmp_path):
     for pattern in (f"{tmp_path}/s-{{0..a}}", f"{tmp_path}/s-{{0..3.tar"):
         with pytest.raises(BracePatternError):
