@@ -15,7 +15,7 @@ import numpy as np
 from .columns import label_of, weight_of
 from .decode import IMAGE_EXTENSIONS, decode_image, jpeg_damage
 from .fields import field_extension
-from .errors import ShardstreamError
+from .errors import ShardstreamError, shown_url
 from .reader import ShardReader
 from .shardfile import seek_table
 from .tario import END_OF_ARCHIVE
@@ -34,7 +34,7 @@ def inspect_dataset(url: str, *, storage_options: dict[str, Any] | None = None) 
     tar_bytes = int(m.shards.raw_bytes.sum())
     fields = m.shards.all_fields()
     return {
-        "url": url,
+        "url": shown_url(url),  # printed and logged: a token in its query string stays out, as in errors
         "writer": m.writer,
         "format_version": m.version,
         "compression": m.compression,

@@ -1158,6 +1158,10 @@ def test_an_http_root_with_a_query_string_puts_it_on_every_file(local_ds, jpg_di
         with pytest.raises(shardstream.ShardstreamError) as info:  # messages reach logs: no token in them
             list(StreamingDataset(f"{server.url}/nothing-here?sig=secret", decode=None))
         assert "secret" not in str(info.value) and "secret" in info.value.url
+        # Nor in what inspect prints (it printed the URL whole).
+        from shardstream.verify import inspect_dataset
+
+        assert inspect_dataset(f"{server.url}?sig=secret")["url"] == f"{server.url}?..."
     assert len([p for p in (tmp_path / "cache").iterdir() if p.is_dir()]) == 1  # one location
 
 
