@@ -56,6 +56,10 @@ class Checkpointing:
         """Nothing loaded, nothing delivered yet (the dataset's constructor calls this)."""
         self._resume: ResumeState | None = None
         self._resume_id = 0
+        # Set on `shardstream.DataLoader`'s copy, whose passes' ends the loader tells
+        # (`finish_pass`): in its own process a loaded state is retired then, not when the
+        # workers have read it to its end, which they do ahead of the loop (`rearm_resume`).
+        self.passes_told = False
         # The resume state the pass in progress (or the one just completed) started from: the
         # epoch's earlier layouts stay finished for state_dict until the next pass or epoch.
         self._pass_resume: ResumeState | None = None
@@ -99,7 +103,8 @@ class Checkpointing:
         self._forget_stale()
         if self._worker_resume:  # a worker's own state: this process's copy alone uses it
             return self._resume
-        if self._resume is not None and self._shared.resume_used_up(self._resume_id, world.workers):
+        told = self.passes_told and get_worker_info() is None
+        if self._resume is not None and not told and self._shared.resume_used_up(self._resume_id, world.workers):
             # Read to its end by the workers of a DataLoader that does not tell this process when
             # a pass begins or ends (torch's own): that pass started from it (see _state_resume).
             self._pass_resume = self._resume
@@ -237,6 +242,21 @@ class Checkpointing:
         its items of the current epoch already delivered (see `resumed_items`)."""
         self._pass_resume = self._active_resume(self._world_with(num_workers))
         return self.resumed_items(num_workers)
+
+    def rearm_resume(self, num_workers: int) -> bool:
+        """`shardstream.DataLoader` (`passes_told`) beginning a pass with `num_workers`: where
+        the pass before, over a loaded state's remainder, was left early after its workers had
+        read it to its end, the state applies to this pass again, as it does without workers
+        (whether it did depended on how far ahead the workers had read). Those workers forgot
+        it: it is marked anew, and True says to start fresh ones."""
+        self._forget_stale()
+        if self._resume is None or self._worker_resume or num_workers == 0:
+            return False
+        if not self._shared.resume_used_up(self._resume_id, num_workers):
+            return False  # the workers still hold it: they read it again
+        self._resume_id = self._shared.new_resume()
+        self._shared.loaded_resume = self._resume_id
+        return True
 
     def finish_pass(self) -> None:
         """The iteration is complete: the next starts the epoch afresh. Until it does, or

@@ -292,6 +292,7 @@ class DataLoader:
         # epoch with it, and takes a state loaded into it later (_follow_the_callers_dataset).
         self._callers = dataset
         self.dataset = copy.copy(dataset)
+        self.dataset.passes_told = True  # its passes' ends are this loader's (`rearm_resume`)
         self.dataset._loader_copy = True
         if batch_size is not None:
             batch_size = integer(batch_size, "batch_size", 1)
@@ -427,6 +428,8 @@ class DataLoader:
         self.stats = stats = LoaderStats()
         start = time.perf_counter()
         self._follow_the_callers_dataset()
+        if self.dataset.rearm_resume(self.num_workers):
+            self._drop_workers()  # they forgot the state, having read it to its end ahead of a pass left early
         self._delivered = self.dataset.start_pass(self.num_workers)
         self._counted_epoch = self.dataset.epoch
         # This iteration owns the count until a state is loaded or an epoch set (_recount), as

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import msgpack
 import numpy as np
@@ -705,6 +706,37 @@ def test_loader_state_dict_right_after_load_keeps_the_progress(url):
     fresh = shardstream.DataLoader(dataset(url))
     fresh.load_state_dict(state)
     assert fresh.state_dict() == state
+
+
+def test_a_resumed_pass_left_early_is_resumed_again_however_far_the_workers_read(url):
+    """Regression: a loop that resumed an epoch, left it early and iterated it again (no
+    set_epoch) got the resumed remainder again, or the whole epoch where its workers had read
+    the remainder to its end before the loop left (prefetch_factor 4: every time), and `len()`
+    could say the one while the pass gave the other. As with no workers, the state holds until
+    a pass over it is complete."""
+    def loader():
+        return shardstream.DataLoader(dataset(url), num_workers=3, prefetch_factor=4)
+
+    full = loader_keys(loader())
+    checkpointed = loader()
+    it = iter(checkpointed)
+    for _ in range(2):
+        next(it)
+    state = checkpointed.state_dict()
+    it.close()
+    resumed = loader()
+    resumed.load_state_dict(state)
+    it = iter(resumed)
+    next(it)
+    copy_ = resumed.dataset
+    deadline = time.monotonic() + 60
+    while not copy_._shared.resume_used_up(copy_._resume_id, 3):  # the workers read it to its end, ahead
+        assert time.monotonic() < deadline, "the workers did not read the resumed epoch to its end"
+        time.sleep(0.05)
+    it.close()  # the loop leaves the pass
+    assert len(resumed) == len(full) - 2
+    assert loader_keys(resumed) == full[2:]  # the state holds: its pass was left early
+    assert loader_keys(resumed) == full  # that pass was complete: the epoch from its start
 
 
 def test_an_epoch_past_what_the_processes_share_is_refused(url):
