@@ -2375,8 +2375,13 @@ def test_an_open_ahead_that_comes_after_its_shard_was_read_is_dropped(local_ds, 
 
 
 def _requests_settled(server: Any, deadline_s: float = 30.0) -> int:
-    """The server's response count once it has stopped growing (reads in flight have landed)."""
+    """The server's response count once this process's reading threads have ended (a read is
+    counted by the reader once its body is in, after the server counts it) and the count has
+    stopped growing (reads of other processes have landed)."""
     deadline = time.monotonic() + deadline_s
+    readers = ("shardstream-headstart", "shardstream-prefetch", "shardstream-open")
+    while any(t.name.startswith(readers) for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
     last = sum(server.responses.values())
     while True:
         time.sleep(0.3)
