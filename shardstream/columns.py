@@ -14,7 +14,7 @@ import numpy as np
 
 from .errors import CorruptIndexError, ShardstreamError
 
-__all__ = ["MAX_CLASS", "label_of", "weight_of", "check_weight", "label_column", "weight_column", "read_labels",
+__all__ = ["MAX_CLASS", "check_label", "label_of", "weight_of", "check_weight", "label_column", "weight_column", "read_labels",
            "read_weights"]
 
 
@@ -32,6 +32,17 @@ def label_of(cls: bytes) -> int:
     except ValueError:
         return -1
     return label if label >= 0 else -1
+
+
+def check_label(cls: bytes, *, url: str | None = None, key: str | None = None, offset: int | None = None) -> int:
+    """`label_of`, refused above `MAX_CLASS` (a class table that large would take gigabytes):
+    what a tar's labels may be where they are read for an index or a sampling. Errors name
+    the shard (`url`), sample and offset where given."""
+    label = label_of(cls)
+    if label > MAX_CLASS:
+        raise ShardstreamError(f"cls {label} is above the largest class index, {MAX_CLASS}", url=url, key=key,
+                               offset=offset)
+    return label
 
 
 def weight_of(weight: bytes) -> float:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar, overload
 import numpy as np
 
 from .braces import expand_braces, folder_named, names_shards
-from .columns import check_weight, label_column, label_of, weight_column
+from .columns import check_label, check_weight, label_column, weight_column
 from .errors import ManifestError, ShardstreamError, StorageError
 from .format import INDEX_SUFFIX, MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ShardIndex, ShardInfo
 from .shardtable import ShardTable, checked_index
@@ -256,7 +256,8 @@ class Source:
         if isinstance(reader, StreamTarReader) and reader.index is None:  # compressed: read through
             labels, weights = [], []
             for sample in reader:
-                labels.append(label_of(sample["cls"]) if "cls" in sample else -1)
+                labels.append(check_label(sample["cls"], url=reader.url, key=str(sample["__key__"]))
+                              if "cls" in sample else -1)
                 weights.append(check_weight(sample["weight"], url=reader.url, key=str(sample["__key__"]))
                                if "weight" in sample else math.nan)
             return True, (label_column(labels), weight_column(weights)), len(labels)

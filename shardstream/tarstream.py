@@ -21,7 +21,7 @@ import numpy as np
 import zstandard
 
 from . import tario
-from .columns import MAX_CLASS, check_weight, label_column, label_of, weight_column
+from .columns import check_label, check_weight, label_column, weight_column
 from .errors import CorruptShardError, ShardstreamError
 from .format import INDEX_SUFFIX, ShardIndex
 from .reader import Sample, ShardReader, _decompressor
@@ -249,10 +249,7 @@ def scan_tar(f: CountingReader, url: str) -> tuple[ShardIndex, tuple[str, ...]]:
             raise CorruptShardError(f"field {field!r} appears twice", url=url, key=key, offset=offset)
         seen.add(field)
         if field == "cls":
-            labels[-1] = label_of(data)
-            if labels[-1] > MAX_CLASS:  # a class table that large would take gigabytes (FORMAT.md's limit)
-                raise ShardstreamError(f"cls {labels[-1]} is above the largest class index, {MAX_CLASS}", url=url,
-                                       key=key, offset=offset)
+            labels[-1] = check_label(data, url=url, key=key, offset=offset)
         elif field == "weight":  # checked as ShardWriter checks it: every index written can be read
             weights[-1] = check_weight(data, url=url, key=key, offset=offset)
         fields.add(field)
