@@ -72,6 +72,7 @@ class HeadStart:
         self._planner: threading.Thread | None = None
         self._pieces: dict[PieceKey, Future[list[Sample]]] = {}
         self._held: dict[int, BinaryIO] = {}  # shard: the shared lock on its copy in the cache
+        self._cache: ShardCache | None = None  # the cache of its last download, if any
         self._failure: Exception | None = None
         self._cancellation = Cancellation()  # its reads' (cancel.py): at the process's exit
         # What its threads ask of storage: the next count of its dataset's iteration takes it
@@ -81,12 +82,27 @@ class HeadStart:
 
     def stop(self) -> None:
         """End its reads at their next request or backoff, and wait (briefly) for its
-        download, which then removes its partial files: at exit, where no next iteration
-        will come, and the threads would be waited for, or killed mid-file."""
+        download, which then removes its partial files, and let go of what it holds
+        (`_let_go`): at exit, where no next iteration will come, and the threads would be
+        waited for, or killed mid-file."""
         self._cancellation.cancel()
         planner = self._planner
         if planner is not None and planner.is_alive():
             planner.join(STOP_WAIT_S)
+        if planner is None or not planner.is_alive():
+            self._let_go()
+
+    def _let_go(self) -> None:
+        """Let go of the copies downloaded for an iteration that will not come, and trim the
+        cache that they, or the room made for a download cut off, may have left over its limit:
+        else a shard, and the cache's mark that it is over its limit, stayed after the process
+        exited, until another came to trim."""
+        _, held = self._claim()
+        for lock in held.values():
+            lock.close()
+        if self._cache is not None:
+            with contextlib.suppress(ShardstreamError):  # at exit: a cache that cannot be written is left as it is
+                self._cache.trim()
 
     def begin(self, source: Source, next_ids: Callable[[], np.ndarray | None], counts: np.ndarray, prefetch: int,
               tolerant: bool, piece_bytes: int, cache: ShardCache | None = None) -> None:
@@ -119,6 +135,7 @@ class HeadStart:
         # `Readers.hold`): the shards this iteration still holds may keep the cache over its
         # limit, and a trim would evict the only copy it could, this one.
         self._bind_thread()
+        self._cache = cache
         with self._errors_kept():
             _, lock = cache.open(source.shards[shard])
             self._held[shard] = lock
