@@ -20,13 +20,31 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
-__all__ = ["HTTPTestServer", "MotoS3Server", "free_port"]
+__all__ = ["HTTPTestServer", "MotoS3Server"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _announced_port(process: subprocess.Popen, timeout_s: float) -> int:
+    """The port a server started on port 0 says it bound ("Running on http://127.0.0.1:PORT",
+    werkzeug's line on stderr). Its stderr is then read to its end in a thread, which a
+    server that logs every request would otherwise fill and block on."""
+    found: list[int] = []
+    announced = threading.Event()
+
+    def read() -> None:
+        assert process.stderr is not None
+        for line in process.stderr:
+            match = re.search(r"Running on http://127\.0\.0\.1:(\d+)", line)
+            if match and not found:
+                found.append(int(match.group(1)))
+                announced.set()
+        announced.set()  # it exited
+
+    threading.Thread(target=read, name="moto-stderr", daemon=True).start()
+    if not announced.wait(timeout_s):
+        raise RuntimeError(f"moto server did not start in {timeout_s:.0f} s")
+    if not found:
+        raise RuntimeError(f"moto server exited at start (exit status {process.wait()})")
+    return found[0]
 
 
 @dataclass
@@ -148,27 +166,25 @@ class HTTPTestServer:
 
 
 class MotoS3Server:
-    """moto's S3-compatible server on 127.0.0.1, in a subprocess (``moto[server]``)."""
+    """moto's S3-compatible server on 127.0.0.1, in a subprocess (``moto[server]``).
+
+    It binds a port the kernel picks and says which: a port found free beforehand could
+    be taken by another test's server before moto bound it, and the tests would then talk
+    to that one."""
 
     def __init__(self) -> None:
-        self.port = free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", "0"],
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
         )
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                urllib.request.urlopen(self.endpoint, timeout=1).close()
-                return
-            except OSError:
-                if self.process.poll() is not None:
-                    raise RuntimeError("moto server exited at start")
-                time.sleep(0.1)
-        self.close()
-        raise RuntimeError("moto server did not start in 30 s")
+        try:
+            self.port = _announced_port(self.process, timeout_s=30.0)
+        except BaseException:
+            self.close()
+            raise
+        self.endpoint = f"http://127.0.0.1:{self.port}"
 
     @property
     def storage_options(self) -> dict:

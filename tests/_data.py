@@ -148,14 +148,14 @@ def is_permutation(a: np.ndarray, n: int) -> bool:
     return len(a) == n and np.array_equal(np.sort(a), np.arange(n))
 
 
-def spawned_rank_keys(rank: int, port: int, dataset: Any, out: str) -> None:
+def spawned_rank_keys(rank: int, store: str, dataset: Any, out: str) -> None:
     """A training process as `torch.multiprocessing.spawn` starts it: it joins a 2-rank gloo
     group, then writes the keys of its epoch of `dataset` (made in the launcher) to out/RANK.json."""
     import json
 
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
         Path(out, f"{rank}.json").write_text(json.dumps(flat(as_keys(item) for item in dataset)))
     finally:

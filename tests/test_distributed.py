@@ -14,7 +14,6 @@ import datetime
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,8 +35,8 @@ K = 3  # batches each rank takes before the checkpoint
 OPTS = dict(shuffle=True, seed=SEED, shuffle_buffer=4, batch_size=2)
 
 # The gloo jobs of this file and test_train_ddp.py run in one pytest process, one at a time, under
-# `pytest -n 2 --dist loadgroup` (.ci/run): a port that `free_port` found free can be taken by the
-# other process's job before this one binds it.
+# `pytest -n 2 --dist loadgroup` (.ci/run). The ranks meet through a file (`rendezvous_file`), not a
+# port: a port found free beforehand can be taken by another test's server before a rank binds it.
 pytestmark = [pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning"),
               pytest.mark.xdist_group("gloo")]
 
@@ -45,7 +44,7 @@ pytestmark = [pytest.mark.filterwarnings("ignore:This DataLoader will create:Use
 # -- the rank program ------------------------------------------------------------------------------------------
 
 
-def rank_main(rank: int, world_size: int, port: int, url: str, out: str) -> None:
+def rank_main(rank: int, world_size: int, store: str, url: str, out: str) -> None:
     import torch.distributed as dist
     from torch.utils.data import DataLoader
 
@@ -53,9 +52,8 @@ def rank_main(rank: int, world_size: int, port: int, url: str, out: str) -> None
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         os.environ.pop(name, None)  # the rank must come from torch.distributed itself
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=90))
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=90))
 
     def gather(value):
         values = [None] * world_size
@@ -153,10 +151,9 @@ def report_stuck_workers(it) -> None:  # type: ignore[no-untyped-def]
 # -- launching ranks ---------------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def rendezvous_file(folder: Path) -> str:
+    """A path in `folder` no file is at yet, for one job's ranks to meet at (torch's FileStore)."""
+    return tempfile.mktemp(prefix="gloo-store-", dir=folder)  # a name only: the ranks make the file
 
 
 class JobTimedOut(AssertionError):
@@ -164,13 +161,13 @@ class JobTimedOut(AssertionError):
 
 
 def launch(world_size: int, url: str, out: Path, timeout: float = 150) -> dict:
-    port = free_port()
+    store = rendezvous_file(out.parent)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PYTHONWARNINGS"] = "ignore"
     logs = [tempfile.TemporaryFile(mode="w+") for _ in range(world_size)]
     procs = [
         subprocess.Popen(
-            [sys.executable, __file__, "--rank", str(r), "--world-size", str(world_size), "--port", str(port),
+            [sys.executable, __file__, "--rank", str(r), "--world-size", str(world_size), "--store", store,
              "--url", url, "--out", str(out), "--dump-after", str(max(1.0, timeout - 15))],
             env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
             start_new_session=True,  # a rank's DataLoader workers are killed with it
@@ -319,7 +316,7 @@ def test_a_dataset_handed_to_mp_spawn_finds_each_child_s_rank(url, keys, tmp_pat
     import torch.multiprocessing as mp
 
     dataset = D.key_dataset(url, **OPTS)  # no rank given: each child's process group decides
-    mp.spawn(D.spawned_rank_keys, args=(free_port(), dataset, str(tmp_path)), nprocs=2)
+    mp.spawn(D.spawned_rank_keys, args=(rendezvous_file(tmp_path), dataset, str(tmp_path)), nprocs=2)
     got = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(2)]
     assert len(got[0]) == len(got[1]) == D.ceil_div(N, 2)
     assert set(got[0]) | set(got[1]) == keys
@@ -381,7 +378,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world-size", type=int, required=True)
-    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--store", required=True)
     parser.add_argument("--url", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--dump-after", type=float, default=0, help="print every thread's stack after this many s")
@@ -390,7 +387,7 @@ if __name__ == "__main__":
         import faulthandler
 
         faulthandler.dump_traceback_later(args.dump_after, exit=False)  # where a hung rank waits, for the test's log
-    rank_main(args.rank, args.world_size, args.port, args.url, args.out)
+    rank_main(args.rank, args.world_size, args.store, args.url, args.out)
 
 
 @pytest.mark.parametrize(("env", "kwargs", "message"), [

@@ -11,7 +11,6 @@ import collections
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -30,16 +29,10 @@ TIMEOUT_S = 300
 pytestmark = pytest.mark.xdist_group("gloo")  # one gloo job at a time (test_distributed.py says why)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _train(data: str, log: Path, *extra: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD}",
-           "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(SCRIPT), "--data", data,
+           "--standalone", str(SCRIPT), "--data", data,
            "--epochs", "1", "--batch-size", str(BATCH), "--workers", "1", "--image-size", "32", "--width", "8",
            "--quiet", "--log-keys", str(log), *extra]
     # Its own session, so that a timeout kills torchrun, the ranks and their workers together.
