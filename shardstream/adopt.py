@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import hashlib
+import os
 import warnings
 from typing import Any, Sequence
 
@@ -32,7 +33,7 @@ from .tarstream import CountingReader, StreamTarReader, scan_tar
 from .shardfile import IMAGE_LEVEL
 from .retry import RetryPolicy
 from .storage import Store
-from .urls import split_url
+from .urls import local_path, split_url
 from .threads import ordered_map
 from .writer import check_level_used, write_manifest
 
@@ -106,6 +107,10 @@ def repack_tars(source: str | Sequence[str], dst: str, *, shard_size: int | str 
     check_level_used(compression, level, IMAGE_LEVEL)
     options = storage_options or {}
     store, names = _shards(source, options, compressed=True)
+    if _same_folder(store, Store(dst, options)):
+        # The writer's shards would replace the tars being read (WebDataset names them as it does).
+        raise ShardstreamError("the destination is the folder of the tars to repack, which repack would write over "
+                               "while it reads them: choose another folder", url=dst)
     if not overwrite and Store(dst, options).exists(MANIFEST_NAME):
         raise ShardstreamError("already holds a dataset; pass overwrite=True (--overwrite) to replace it",
                                url=Store(dst, options).url(MANIFEST_NAME))
@@ -122,6 +127,13 @@ def repack_tars(source: str | Sequence[str], dst: str, *, shard_size: int | str 
         writer.abort()  # no manifest, no partial shard
         raise
     return writer.close()
+
+
+def _same_folder(a: Store, b: Store) -> bool:
+    """Whether two stores are one folder (locally, through links too; remotely, one location)."""
+    if a.local and b.local:
+        return os.path.realpath(local_path(a.root)) == os.path.realpath(local_path(b.root))
+    return a.location.rstrip("/") == b.location.rstrip("/")
 
 
 def _write_from(writer: Any, sample: dict[str, Any], url: str) -> None:

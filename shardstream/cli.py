@@ -26,6 +26,8 @@ from typing import Any, Iterator, Sequence
 from .commands import (cmd_bench, cmd_demo, cmd_index, cmd_inspect, cmd_merge, cmd_pack, cmd_repack,
                        cmd_verify)
 from .errors import ShardstreamError
+from .parts import MAX_PARTS
+from .writer import MAX_COUNT
 
 
 def _positive_int(text: str) -> int:
@@ -36,13 +38,15 @@ def _count(text: str) -> int:
     return _int_at_least(text, 0, "a non-negative integer")
 
 
+def _seed(text: str) -> int:
+    return _int_in(text, 0, (1 << 64) - 1, "a non-negative integer below 2**64")
+
+
 def _int_at_least(text: str, least: int, what: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = least - 1
-    if value < least:
-        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+    """An integer of `least` or more, and below 2**63 (manifests and journals hold them as int64)."""
+    value = _int_in(text, least, None, what)
+    if value > MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"expected {what} below 2**63, got {text!r}")
     return value
 
 
@@ -65,10 +69,14 @@ def _quality(text: str) -> int:
     return _int_in(text, 1, 100)
 
 
-def _int_in(text: str, least: int, most: int) -> int:
-    value = _int_at_least(text, least, f"an integer {least}..{most}")
-    if value > most:
-        raise argparse.ArgumentTypeError(f"expected an integer {least}..{most}, got {text!r}")
+def _int_in(text: str, least: int, most: int | None, what: str | None = None) -> int:
+    """An integer from `least` to `most` (None: no bound), or a usage error saying it expected `what`."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = least - 1
+    if value < least or (most is not None and value > most):
+        raise argparse.ArgumentTypeError(f"expected {what or f'an integer {least}..{most}'}, got {text!r}")
     return value
 
 
@@ -112,8 +120,8 @@ def _part_spec(text: str) -> str:
         i, n = int(index), int(total)
     except ValueError:
         i, n = -1, 0
-    if not 0 <= i < n:
-        raise argparse.ArgumentTypeError(f"expected I/N with 0 <= I < N (e.g. 0/4), got {text!r}")
+    if not 0 <= i < n <= MAX_PARTS:
+        raise argparse.ArgumentTypeError(f"expected I/N with 0 <= I < N <= {MAX_PARTS} (e.g. 0/4), got {text!r}")
     return text
 
 
@@ -175,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "shrink, and higher levels cost twice the time and more for a fraction of a percent)")
     p.add_argument("--workers", type=_positive_int, default=None,
                    help="parallel workers: threads for large images, processes for small ones (default: all cores)")
-    p.add_argument("--seed", type=_count, default=0, help="seed of the sample order")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of the sample order")
     p.add_argument("--no-shuffle", action="store_true", help="keep sorted order (class-sorted shards!)")
     p.add_argument("--on-error", choices=("fail", "skip"), default="fail", help="on a corrupt image")
     p.add_argument("--max-side", type=_positive_int, default=None, metavar="PX",

@@ -156,11 +156,13 @@ def list_file(path: str) -> Listing:
     for number, file, label in rows:
         # Normalised, so that "a.jpg", "./a.jpg" and its full path are one file, listed once.
         rel = _relative(file, root)
+        field = image_field(os.path.basename(file))
         if rel in first_lines:
-            left_out.append(Repeat(rel, number, first_lines[rel]))
+            # An image named again would be packed twice; another file is ignored, once.
+            if field is not None or other_images([rel]):
+                left_out.append(Repeat(rel, number, first_lines[rel]))
             continue
         first_lines[rel] = number
-        field = image_field(os.path.basename(file))
         if field is None:
             if other_images([rel]):
                 left_out.append(Unstored(rel, number))

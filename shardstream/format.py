@@ -296,7 +296,8 @@ class ShardIndex:
         if np.any(np.diff(self.sample_offsets.astype(np.int64)) <= 0):
             raise E("sample offsets are not increasing", url=url)
         if self.compression == "zstd":
-            if f < 2 or len(self.frame_raw_offsets) != f:
+            # F frames have F + 1 offsets: a shard of no samples (which FORMAT.md allows) has none.
+            if f < (2 if n else 1) or len(self.frame_raw_offsets) != f:
                 raise E("frame tables are missing or differ in length", url=url)
             if np.any(np.diff(self.frame_offsets.astype(np.int64)) <= 0) or np.any(
                 np.diff(self.frame_raw_offsets.astype(np.int64)) <= 0

@@ -69,6 +69,11 @@ class Journal:
         self.store.write("plan.msgpack", msgpack.packb(plan, use_bin_type=True))
         return done
 
+    def exists(self) -> bool:
+        """Whether an earlier run of this pack left this journal (killed, or failed): the shard
+        files there without a manifest are then taken for that run's."""
+        return self.store.exists("plan.msgpack") or self.store.exists(REPLACING)
+
     def replacing(self, names: list[str]) -> None:
         """Record the files of the dataset this pack replaces, before they are removed: a
         pack killed while removing them left them listed by no manifest, and a plain rerun

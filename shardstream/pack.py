@@ -39,14 +39,16 @@ from .journal import FOLDER as JOURNAL_FOLDER, Journal
 from .listing import list_source, look_up_files
 from .packoutput import dataset_manifest, write_shards
 from .packplan import PackOptions, order, part_slice, plan_frames, shrunk_estimates
-from .parts import other_journals, other_packs, part_shards, unplanned_part_shards, unplanned_single_shards
+from .parts import (MAX_PARTS, other_journals, other_packs, part_shards, unlisted_single_shards, unplanned_part_shards,
+                    unplanned_single_shards)
 from .scratch import cleanup_scratch
 from .shardfile import FRAME_SIZE, IMAGE_LEVEL
 from .shrink import DEFAULT_QUALITY
 from .sourcefile import Listing, SourceFile, other_images, printable
 from .storage import Store
 from .urls import expand_home, local_path
-from .writer import check_compression, check_level_used, parse_size, remove_dataset, shard_name, write_manifest
+from .writer import (MAX_COUNT, check_compression, check_level_used, parse_size, remove_dataset, shard_name,
+                     write_manifest)
 
 __all__ = ["pack", "PackSummary"]
 
@@ -132,16 +134,21 @@ def _siblings_shard(part: tuple[int, int] | None) -> Callable[[str], bool]:
 
 
 def _clear_other_packs(store: Store, part: tuple[int, int] | None, *, overwrite: bool, resume: bool,
-                       finished_part: bool) -> None:
+                       finished_part: bool, journaled: bool) -> None:
     """Refuse (or, with `overwrite`, remove) what another pack left in `store` that this one
     would overwrite or mix with (`parts.other_packs`): a part's shard names do not say how
     many parts there are, so part 0 of 3 would overwrite part 0 of 2's shards. A pack of
     the other layout killed before its manifest left shards and a journal that nothing
     lists; a single pack that resumes removes parts' shards itself (it may be the one that
-    was removing them, as an overwrite, when it was killed)."""
+    was removing them, as an overwrite, when it was killed). Files named as a single pack's
+    shards that no manifest lists are this pack's earlier run's only where that run left its
+    journal (`journaled`): else they are another tool's (WebDataset's `shard-%06d.tar`),
+    which a pack wrote over, or with `--resume` removed."""
     manifests, shards = other_packs(store, None if part is None else part[1])
     if part is None and not (overwrite or resume):
         shards += part_shards(store)
+    if part is None and not (overwrite or journaled):
+        shards += unlisted_single_shards(store)
     journals = other_journals(store, None if part is None else part[1])
     # The merge of this very pack's parts: still true for a finished part's no-op rerun,
     # stale once a part is packed again (the last part to finish merges anew).
@@ -153,7 +160,8 @@ def _clear_other_packs(store: Store, part: tuple[int, int] | None, *, overwrite:
     if not overwrite:
         this = "a single pack" if part is None else f"part {part[0]} of {part[1]}"
         listed = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
-        raise ShardstreamError(f"already holds another pack ({listed}), which {this} would overwrite or mix with; "
+        raise ShardstreamError(f"already holds another pack's files ({listed}), which {this} would overwrite or "
+                               "mix with; "
                                "pass overwrite=True (--overwrite) to replace it", url=store.root)
     if stale_merge:
         store.remove(MANIFEST_NAME)  # its shards are this pack's other parts: they stay
@@ -288,13 +296,14 @@ def pack(
                "sizes": sizes_digest(entries)}
     # Other packs' files first, a stale merge among them: a merge that lists this part's
     # shards must be gone before they are, or a crash between would leave it listing none.
-    _clear_other_packs(store, part, overwrite=overwrite, resume=resume, finished_part=complete)
     journal = Journal(store, "main" if part is None else f"part-{part[0]:05d}-of-{part[1]:05d}")
+    _clear_other_packs(store, part, overwrite=overwrite, resume=resume, finished_part=complete,
+                       journaled=journal.exists())
     if replace:
         remove_dataset(store, target, noting=journal.replacing)
         journal.replaced()
     if complete:
-        summary = _finished_summary(store, target, options)
+        summary = _finished_summary(store, target, options, on_error)
         journal.clear(remove_folder=part is None)  # a kill between the manifest and this left it
         cleanup_scratch(store, [target])  # and a kill mid-manifest its scratch file, or the empty folder
         return summary
@@ -378,12 +387,14 @@ def _check_arguments(compression: str, level: int, on_error: str, part: tuple[in
         raise ShardstreamError(f"seed must be a non-negative integer below 2**64, not {seed!r}")
     if on_error not in ON_ERROR:
         raise ShardstreamError(f"on_error must be one of {ON_ERROR}, not {on_error!r}")
-    if part is not None and not 0 <= part[0] < part[1]:
-        raise ShardstreamError(f"part must be I/N with 0 <= I < N, not {part[0]}/{part[1]}")
-    if max_samples is not None and max_samples < 1:  # 0 packed one sample a shard: no limit anyone means
-        raise ShardstreamError(f"max_samples must be a positive number of samples per shard, not {max_samples}")
-    if max_side is not None and max_side < 1:
-        raise ShardstreamError(f"max_side must be a positive number of pixels, not {max_side}")
+    if part is not None and not 0 <= part[0] < part[1] <= MAX_PARTS:
+        raise ShardstreamError(f"part must be I/N with 0 <= I < N <= {MAX_PARTS}, not {part[0]}/{part[1]}")
+    # Past MAX_COUNT, each failed with msgpack's OverflowError as its journal was written.
+    if max_samples is not None and not 1 <= max_samples <= MAX_COUNT:  # 0 packed one sample a shard
+        raise ShardstreamError(f"max_samples must be a positive number of samples per shard, below 2**63, "
+                               f"not {max_samples}")
+    if max_side is not None and not 1 <= max_side <= MAX_COUNT:
+        raise ShardstreamError(f"max_side must be a positive number of pixels, below 2**63, not {max_side}")
     if not 1 <= quality <= 100:
         raise ShardstreamError(f"quality must be 1..100, not {quality}")
     # Recorded in the manifest, each changed the options a rerun with `resume` compares, and
@@ -404,11 +415,16 @@ def _rows_left_out(listing: Listing, src: str, skip: bool, part: tuple[int, int]
     return [(printable(r.path), r.reason) for r in listing.left_out]
 
 
-def _finished_summary(store: Store, name: str, options: dict[str, Any]) -> PackSummary:
+def _finished_summary(store: Store, name: str, options: dict[str, Any], on_error: str) -> PackSummary:
     """What the finished (part) manifest `name` holds, once it is checked to be this very
-    run's (the same options; a part's, the same source listing too): a retry must not pass
-    off another pack as done."""
+    run's (the same options; a part's, the same source listing too; no files skipped where
+    `on_error` is "fail"): a retry must not pass off another pack as done."""
     manifest = Manifest.from_bytes(store.read(name), store.url(name))
+    if manifest.skipped and on_error == "fail":  # the manifest's options leave the policy out
+        path, reason = manifest.skipped[0]
+        raise PackError(f"the earlier run of this pack skipped {len(manifest.skipped)} files under on_error 'skip' "
+                        f"(the first: {path}: {reason}), which 'fail' refuses; pass on_error='skip' (--on-error skip) "
+                        "to keep it, or overwrite=True (--overwrite) to pack again", url=store.url(name))
     if "listing" in manifest.options and "sizes" not in manifest.options:
         raise ShardstreamError("already holds a pack made by an earlier version of shardstream, whose record of its "
                                "source this one cannot compare; pass overwrite=True (--overwrite) to pack it again",

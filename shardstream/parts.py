@@ -23,9 +23,10 @@ from .journal import FOLDER as JOURNAL_FOLDER, remove_journal_folder
 from .threads import ordered_map
 from .writer import write_manifest
 
-__all__ = ["merge", "missing_parts", "other_journals", "other_packs", "part_shards", "unplanned_part_shards",
-           "unplanned_single_shards"]
+__all__ = ["MAX_PARTS", "merge", "missing_parts", "other_journals", "other_packs", "part_shards", "unplanned_part_shards",
+           "unplanned_single_shards", "unlisted_single_shards"]
 
+MAX_PARTS = 10**5  # part numbers have five digits in the file names (FORMAT.md)
 _PART = re.compile(r"manifest\.part-(\d{5})-of-(\d{5})\.msgpack")
 # A part's shard, or its index: one whose shard went first (a removal killed between the two,
 # or removals remote in any order) would be matched by nothing else, and stay for good.
@@ -96,6 +97,19 @@ def unplanned_part_shards(store: Store, index: int, planned: set[str]) -> list[s
     prefix = f"shard-p{index:05d}-"
     return [name for name in store.list() if name.startswith(prefix) and _PART_SHARD.fullmatch(name)
             and name.removesuffix(INDEX_SUFFIX) not in planned]
+
+
+def unlisted_single_shards(store: Store) -> list[str]:
+    """The files in `store` named as a single pack names its shards (and their indexes) that
+    the manifest there, if any, does not list: another tool's WebDataset tars are often
+    named so (`shard-%06d.tar`), and a pack would write over them, or leave them mixed
+    with its dataset."""
+    listed: set[str] = set()
+    if store.exists(MANIFEST_NAME):
+        with contextlib.suppress(ShardstreamError):  # unreadable: it lists nothing
+            manifest = Manifest.from_bytes(store.read(MANIFEST_NAME), store.url(MANIFEST_NAME))
+            listed = {name for shard in manifest.shards for name in (shard.name, shard.index)}
+    return [name for name in store.list() if _SINGLE_SHARD.fullmatch(name) and name not in listed]
 
 
 def unplanned_single_shards(store: Store, planned: set[str]) -> list[str]:

@@ -125,6 +125,7 @@ def verify_shard(reader: ShardReader, decode_images: bool = True) -> Iterator[Pr
         return
     fields: set[str] = set()
     unread = 0
+    seen: dict[str, int] = {}  # key: its first sample's position
     for position, sample in enumerate(_every_sample(reader)):  # one item a sample: read, or a Problem
         if isinstance(sample, Problem):
             unread += 1
@@ -134,6 +135,9 @@ def verify_shard(reader: ShardReader, decode_images: bool = True) -> Iterator[Pr
         disagreement = _index_disagrees(index, position, sample)
         if disagreement is not None:
             yield Problem(info.name, key, disagreement)
+        first = seen.setdefault(key, position)
+        if first != position:  # FORMAT.md: keys are unique within a shard (`tar -x` keeps one of the two)
+            yield Problem(info.name, key, f"the key of sample {first} of this shard again, at sample {position}")
         fields.update(name for name in sample if not name.startswith("__"))
         decoded = 0
         for name, value in sample.items():
@@ -184,10 +188,12 @@ def _seek_table_problem(reader: ShardReader, size: int) -> Problem | None:
     frames = [(b - a, d - c) for a, b, c, d in zip(comp, comp[1:], raw, raw[1:])]
     length = len(seek_table(frames + [(0, 0)]))
     end_frame = size - length - comp[-1]  # what lies between the last data frame and the table
-    expected = seek_table(frames + [(end_frame, len(END_OF_ARCHIVE))])
-    if end_frame <= 0 or reader.store.read(reader.name, size - length, size) != expected:
-        return Problem(reader.info.name, None, "the zstd seek table at its end is not the one its index gives "
-                       "(tools that seek by the seekable format would read the wrong bytes)")
+    # None where the file has no room for the table (none was written), or more than a seek table
+    # entry holds lies between (not its end frame): the table cannot then be the one it should be.
+    expected = seek_table(frames + [(end_frame, len(END_OF_ARCHIVE))]) if 0 < end_frame < 1 << 32 else None
+    if expected is None or reader.store.read(reader.name, size - length, size) != expected:
+        return Problem(reader.info.name, None, "the zstd seek table at its end is missing, or not the one its index "
+                       "gives (tools that seek by the seekable format would read the wrong bytes)")
     return None
 
 

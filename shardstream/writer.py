@@ -18,7 +18,8 @@ from . import tario
 from .columns import MAX_CLASS, check_weight
 from .errors import ShardstreamError
 from .fields import encode_sample
-from .format import COMPRESSIONS, MANIFEST_NAME, MAX_FRAME_BYTES, SHARD_SUFFIX, Manifest, ShardInfo, safe_name
+from .format import (COMPRESSIONS, INDEX_SUFFIX, MANIFEST_NAME, MAX_FRAME_BYTES, SHARD_SUFFIX, Manifest, ShardInfo,
+                     safe_name)
 from .indexes import load_index
 from .scratch import cleanup_scratch
 from .seenkeys import SeenKeys
@@ -31,22 +32,31 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "K
 
 
 
+# The most a count or size option may be: manifests and journals hold them as msgpack integers,
+# and numpy as int64.
+MAX_COUNT = (1 << 63) - 1
+
+
 def parse_size(size: int | str) -> int:
     """Bytes from an int or a string such as ``"256MB"`` or ``"1.5GiB"``; anything else
-    (a float, a bool, a negative count) is refused in words, not with `re`'s TypeError."""
+    (a float, a bool, a negative count, more than `MAX_COUNT`) is refused in words, not
+    with `re`'s TypeError or msgpack's OverflowError."""
     if not isinstance(size, str):
         try:
             count = operator.index(size) if not isinstance(size, bool) else -1
         except TypeError:
             count = -1
-        if count < 0:
-            raise ShardstreamError(f"bad size {size!r}: use a count of bytes (an integer, 0 or more) or a string "
-                                   "with a unit such as '256MB', '1GiB'")
+        if not 0 <= count <= MAX_COUNT:
+            raise ShardstreamError(f"bad size {size!r}: use a count of bytes (an integer, 0 or more, below 2**63) or "
+                                   "a string with a unit such as '256MB', '1GiB'")
         return count
     match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*", size)
     if not match or match.group(2).upper() not in _UNITS:
         raise ShardstreamError(f"bad size {size!r}: use bytes or a unit such as 256MB, 1GiB")
-    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+    count = float(match.group(1)) * _UNITS[match.group(2).upper()]
+    if not count <= MAX_COUNT:  # inf too: 400 digits
+        raise ShardstreamError(f"bad size {size!r}: more than 2**63 bytes")
+    return int(count)
 
 
 def shard_name(prefix: str, number: int, compression: str) -> str:
@@ -126,8 +136,8 @@ class ShardWriter:
         # a frame a sample, which no one asks for by it.
         for name, value in (("shard_size", parse_size(shard_size)), ("max_samples", max_samples),
                             ("frame_size", frame_size)):
-            if value is not None and value < 1:
-                raise ShardstreamError(f"{name} must be a positive number, not {value!r}")
+            if value is not None and not 1 <= value <= MAX_COUNT:
+                raise ShardstreamError(f"{name} must be a positive number below 2**63, not {value!r}")
         if not safe_name(shard_name(prefix, 0, compression)):  # else written, and refused by every reader
             raise ShardstreamError(f"prefix {prefix!r} would not make plain file names (no '/', '\\' or NUL): "
                                    "shards are files in the dataset's folder")
@@ -257,6 +267,17 @@ class ShardWriter:
                 raise ShardstreamError("already holds a dataset; pass overwrite=True to replace it",
                                        url=self.store.url(MANIFEST_NAME))
             remove_dataset(self.store, MANIFEST_NAME)
+        # Files named as this writer names its shards, which no manifest lists (another tool's
+        # `shard-%06d.tar`, or a writer's killed before its manifest): written over one by one,
+        # or left mixed with the dataset, without a word.
+        named = re.compile(rf"{re.escape(self.prefix)}-\d{{6}}\.tar(\.zst)?(?:{re.escape(INDEX_SUFFIX)})?")
+        found = [name for name in self.store.list() if named.fullmatch(name)]
+        if found and not self.overwrite:
+            listed = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+            raise ShardstreamError(f"already holds shard files that no manifest lists ({listed}), which this writer "
+                                   "would write over or mix with; pass overwrite=True to replace them",
+                                   url=self.store.root)
+        self.store.remove_all(found)
         self._claimed = True
 
     def abort(self) -> None:

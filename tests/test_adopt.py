@@ -482,3 +482,17 @@ def test_index_refuses_a_class_index_past_the_format_limit(tmp_path):
     with pytest.raises(ShardstreamError, match=r"shard-000000\.tar, sample 'a'.*cls 16777216 is above the largest"):
         index_tars(str(tmp_path), progress=False)
     assert not (tmp_path / MANIFEST_NAME).exists()
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_repack_into_the_folder_it_reads_is_refused_and_the_tars_kept(wds_folder, overwrite):
+    """Regression: `repack DIR DIR` wrote its shards over the tars it was still reading (WebDataset names
+    them `shard-%06d.tar`, as the writer does) and then failed, leaving 3 of 12 samples and no manifest."""
+    folder, _ = wds_folder
+    before = tar_bytes(folder)
+    with pytest.raises(ShardstreamError, match="the folder of the tars to repack"):
+        repack_tars(str(folder), str(folder), compression="none", shard_size="1KB", overwrite=overwrite)
+    with pytest.raises(ShardstreamError, match="the folder of the tars to repack"):
+        repack_tars(str(folder / "shard-{000000..000004}.tar"), f"file://{folder}/", overwrite=overwrite)
+    assert tar_bytes(folder) == before
+    assert not (folder / MANIFEST_NAME).exists()

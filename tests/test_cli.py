@@ -215,13 +215,20 @@ def test_usage_errors(tmp_path):
     (["--workers", "-3"], "expected a positive integer, got '-3'"),
     (["--shard-size", "0"], "a shard size must be at least one byte, not '0'"),
     (["--shard-size", "0.4"], "a shard size must be at least one byte"),
-    (["--part", "3/2"], "expected I/N with 0 <= I < N (e.g. 0/4), got '3/2'"),
+    (["--part", "3/2"], "expected I/N with 0 <= I < N <= 100000 (e.g. 0/4), got '3/2'"),
+    (["--part", "0/100001"], "expected I/N with 0 <= I < N <= 100000"),  # part numbers have five digits
     (["--part", "a/b"], "expected I/N with 0 <= I < N"),
     (["--part=-1/2"], "expected I/N with 0 <= I < N"),
-    (["--seed=-1"], "expected a non-negative integer, got '-1'"),
+    (["--seed=-1"], "expected a non-negative integer below 2**64, got '-1'"),
     (["--level", "50"], "zstd level must be 1..22"),
     (["--max-side", "0"], "expected a positive integer, got '0'"),
     (["--quality", "101"], "expected an integer 1..100, got '101'"),
+    # Regression: past 2**64 each ended in msgpack's OverflowError (exit 1) and left a journal in DST.
+    (["--max-samples", str(2**64)], f"expected a positive integer below 2**63, got '{2**64}'"),
+    (["--max-side", str(2**63)], f"expected a positive integer below 2**63, got '{2**63}'"),
+    (["--shard-size", str(2**64)], "more than 2**63 bytes"),
+    (["--shard-size", "9" * 400], "more than 2**63 bytes"),  # a float's inf: int() failed
+    (["--seed", str(2**64)], f"expected a non-negative integer below 2**64, got '{2**64}'"),
     # Regression: each was recorded in the manifest for a pack not a byte different, and a rerun with
     # --resume then refused the pack as made with other options.
     (["--quality", "50"], "--quality goes with --max-side"),
@@ -403,6 +410,32 @@ def test_verify_checks_the_seek_table_against_the_index(packed, tmp_path):
     report = verify_dataset(str(copy), decode_images=False)
     assert [(p.shard, p.key) for p in report.problems] == [(entry["name"], None)]
     assert "seek table" in report.problems[0].message
+    # Regression: a shard without its table (another writer may leave it out) failed verify with
+    # struct.error, no shard reported; now it is reported, and the next shard's problem too.
+    cut = bytes(data[: -(8 + 8 * frames + 9)])  # a skippable frame's header, the entries, the footer
+    (copy / entry["name"]).write_bytes(cut)
+    entry["sha256"], entry["bytes"] = hashlib.sha256(cut).hexdigest(), len(cut)
+    raw["shards"][1]["sha256"] = "0" * 64
+    (copy / MANIFEST_NAME).write_bytes(msgpack.packb(raw))
+    report = verify_dataset(str(copy), decode_images=False)
+    assert [(p.shard, p.key) for p in report.problems] == [(entry["name"], None), (raw["shards"][1]["name"], None)]
+    assert "seek table at its end is missing" in report.problems[0].message
+
+
+def test_verify_reports_a_key_repeated_in_a_shard(tmp_path, monkeypatch):
+    """Regression: a key that comes back later in a shard verified as sound, though FORMAT.md says keys are
+    unique within a shard (`tar -x` keeps one of the two) and `index` refuses such a tar. The writer refuses
+    it too, so its check is switched off to make one."""
+    from shardstream.seenkeys import SeenKeys
+    from shardstream.verify import verify_dataset
+
+    monkeypatch.setattr(SeenKeys, "check_new", lambda self, key: None)
+    with shardstream.ShardWriter(str(tmp_path / "ds"), compression="none") as writer:
+        for key in ("a", "b", "a", "c"):
+            writer.write({"__key__": key, "txt": key})
+    report = verify_dataset(str(tmp_path / "ds"))
+    assert [(p.shard, p.key, p.message) for p in report.problems] == [
+        ("shard-000000.tar", "a", "the key of sample 0 of this shard again, at sample 2")]
 
 
 def test_verify_holds_the_indexes_of_the_shards_at_work_not_of_every_shard(tmp_path, monkeypatch):

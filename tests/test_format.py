@@ -373,6 +373,23 @@ def test_index_rejects_damage(index_raw, case):
         ShardIndex.from_bytes(_pack(_edit(index_raw, path, value)), "i")
 
 
+def test_a_zstd_shard_of_no_samples_is_read_as_a_plain_one_is(tmp_path):
+    """Regression (found by writing a second implementation from FORMAT.md): a .tar.zst shard of no samples,
+    its frame tables one offset each (no data frame), was refused as "frame tables are missing", where the
+    same shard uncompressed was read."""
+    from shardstream.shardfile import seek_table
+    from shardstream.tario import END_OF_ARCHIVE
+
+    end = zstandard.ZstdCompressor(write_checksum=True).compress(END_OF_ARCHIVE)
+    (tmp_path / "empty.tar.zst").write_bytes(end + seek_table([(len(end), len(END_OF_ARCHIVE))]))
+    zero = np.zeros(1, np.int64)
+    (tmp_path / "empty.tar.zst.idx").write_bytes(ShardIndex((), zero, zero, zero, "zstd").to_bytes())
+    reader = open_shard(str(tmp_path / "empty.tar.zst"))
+    assert len(reader) == 0 and list(reader) == []
+    with pytest.raises(CorruptIndexError, match="frame tables are missing"):  # a shard of samples needs a frame
+        ShardIndex(("a",), np.array([0, 1024]), zero, zero, "zstd").check("i")
+
+
 def test_index_rejects_unknown_compression(index_raw):
     with pytest.raises(CorruptIndexError):
         ShardIndex.from_bytes(_pack(_edit(index_raw, ("compression",), "lz4")), "i")
@@ -674,6 +691,23 @@ def test_writer_refused_nothing_it_did_not_write(tmp_path):
     writer.write({"__key__": "a", "txt": "new"})
     writer.close()
     assert [s["txt"] for s in open_dataset(str(tmp_path / "ds")).shards[0].reader()] == [b"new"]
+
+
+def test_writer_refuses_shard_files_no_manifest_lists_unless_overwriting(tmp_path, write_webdataset,
+                                                                        dataset_files):
+    """Regression: a writer into a folder of another tool's `shard-%06d.tar` (WebDataset's usual name) wrote
+    its shards over them one by one, and left the rest beside its dataset, listed by none."""
+    dst = write_webdataset([{"__key__": f"mine{i:03d}", "txt": f"{i}"} for i in range(12)], tmp_path / "ds", 4)
+    before = dataset_files(dst)
+    for compression in ("none", "zstd"):  # the writer's .tar.zst names would not meet them: its indexes might
+        with pytest.raises(ShardstreamError, match=r"shard files that no manifest lists \(shard-000000\.tar, "):
+            with ShardWriter(str(dst), compression=compression) as writer:
+                writer.write({"__key__": "new", "txt": "new"})
+    assert dataset_files(dst) == before
+    with ShardWriter(str(dst), compression="none", overwrite=True) as writer:
+        writer.write({"__key__": "new", "txt": "new"})
+    assert set(dataset_files(dst)) == {MANIFEST_NAME, "shard-000000.tar", "shard-000000.tar.idx"}
+    assert [s["__key__"] for s in open_dataset(str(dst)).shards[0].reader()] == ["new"]
 
 
 @pytest.mark.parametrize("keys", [("a", "b", "c", "c"), ("a", "b", "c", "d", "c")], ids=["next to", "apart"])

@@ -147,12 +147,26 @@ def test_max_samples(image_folder, tmp_path):
     assert summary.shards == 5 and summary.samples == 21
 
 
-@pytest.mark.parametrize("max_samples", [0, -3])
+@pytest.mark.parametrize("max_samples", [0, -3, 2**64])
 def test_max_samples_must_be_positive(image_folder, tmp_path, max_samples):
     """Refused up front, as the command line refuses it and as pack refuses a bad shard size: 0 is no limit
-    that makes sense (it packed one sample a shard)."""
+    that makes sense (it packed one sample a shard), and 2**64 failed with msgpack's OverflowError once the
+    source was listed."""
     with pytest.raises(ShardstreamError, match=rf"max_samples must be a positive number.*not {max_samples}$"):
         run_pack(image_folder, tmp_path / "ds", max_samples=max_samples)
+    assert not (tmp_path / "ds").exists()
+
+
+@pytest.mark.parametrize(("option", "message"), [
+    ({"max_side": 2**64}, "max_side must be a positive number of pixels, below 2\\*\\*63"),
+    ({"shard_size": 2**64}, "bad size"),
+    ({"shard_size": "9" * 400}, "more than 2\\*\\*63 bytes"),
+    ({"part": (0, 100_001)}, "part must be I/N with 0 <= I < N <= 100000"),  # part numbers have five digits
+])
+def test_counts_past_what_a_manifest_holds_are_refused(image_folder, tmp_path, option, message):
+    """Regression: each raised OverflowError (not a ShardstreamError) after the source was listed."""
+    with pytest.raises(ShardstreamError, match=message):
+        run_pack(image_folder, tmp_path / "ds", **option)
     assert not (tmp_path / "ds").exists()
 
 
@@ -478,6 +492,16 @@ def _list_with_a_repeated_row(folder: Path) -> tuple[Path, list[str]]:
     listing = folder / "train.csv"
     listing.write_text("\n".join(lines) + "\n")
     return listing, files
+
+
+def test_a_file_list_naming_a_file_that_is_no_image_twice_packs(image_folder_copy, tmp_path):
+    """Regression: a file that is not an image, named on two lines, failed the pack as "would be packed
+    twice", though it is packed on neither: it is ignored, and counted once."""
+    files = [p.relative_to(image_folder_copy).as_posix() for p in sorted(image_folder_copy.rglob("*.jpg"))[:3]]
+    listing = image_folder_copy / "train.txt"
+    listing.write_text("\n".join(files + ["class_001/notes.txt", "./class_001/notes.txt"]) + "\n")
+    summary = run_pack(listing, tmp_path / "ds")
+    assert summary.samples == 3 and summary.ignored == 1 and not summary.skipped
 
 
 def test_file_list_repeating_a_file_fails_naming_both_lines(image_folder_copy, tmp_path):
@@ -910,6 +934,17 @@ def test_a_finished_pack_rerun_with_resume_says_an_earlier_run_packed_it(image_f
     assert f"({again.samples} of them by an earlier run)" in str(again)
 
 
+def test_a_finished_pack_that_skipped_files_is_refused_as_done_under_fail(image_folder_copy, tmp_path):
+    """Regression: a pack finished under on_error "skip", rerun with resume under "fail" (the default), passed
+    as done, its skips and all; an unfinished one resumed so was refused."""
+    write_text_as_jpeg(image_folder_copy, "class_000/aaa_bad.jpg")
+    done = run_pack(image_folder_copy, tmp_path / "ds", on_error="skip")
+    assert [path for path, _ in done.skipped] == ["class_000/aaa_bad.jpg"]
+    with pytest.raises(PackError, match=r"skipped 1 files under on_error 'skip' \(the first: class_000/aaa_bad"):
+        run_pack(image_folder_copy, tmp_path / "ds", resume=True)
+    assert run_pack(image_folder_copy, tmp_path / "ds", resume=True, on_error="skip").skipped == done.skipped
+
+
 # -- crash safety -------------------------------------------------------------------------------------
 
 
@@ -1069,6 +1104,27 @@ def test_overwrite_leaves_only_the_new_dataset(image_folder, tmp_path):
     manifest = open_dataset(str(dst)).manifest
     listed = {MANIFEST_NAME} | {s.name for s in manifest.shards} | {s.index for s in manifest.shards}
     assert {p.name for p in dst.iterdir() if p.is_file()} == listed
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_another_tools_shards_in_the_destination_are_refused_unless_overwritten(image_folder, tmp_path,
+                                                                                 write_webdataset, dataset_files,
+                                                                                 compression):
+    """Regression: WebDataset names its tars `shard-%06d.tar`, as a single pack names its shards. A pack into a
+    folder of them (no manifest, no journal of a pack) wrote its shard over the first, and with `--resume` (the
+    README's idiom for schedulers) removed them all; with zstd, they stayed beside the dataset, listed by none."""
+    dst = write_webdataset([{"__key__": f"mine{i:03d}", "txt": f"{i}"} for i in range(12)], tmp_path / "ds", 4)
+    before = dataset_files(dst)
+    for resume in (False, True):
+        with pytest.raises(ShardstreamError, match=r"already holds another pack's files \(shard-000000\.tar, "):
+            run_pack(image_folder, dst, compression=compression, resume=resume)
+        assert dataset_files(dst) == before
+    run_pack(image_folder, dst, compression=compression, overwrite=True)
+    manifest = open_dataset(str(dst)).manifest
+    listed = {MANIFEST_NAME} | {s.name for s in manifest.shards} | {s.index for s in manifest.shards}
+    assert set(dataset_files(dst)) == listed  # replaced, not mixed with
+    # The dataset's own shards are not another tool's: a rerun of the finished pack is no error.
+    assert run_pack(image_folder, dst, compression=compression, resume=True).samples == manifest.samples
 
 
 def _jpegs_of_every_kind() -> dict[str, bytes]:
