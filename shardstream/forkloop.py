@@ -14,6 +14,8 @@ loop's thread does not come along. Two things go wrong in the child unless it is
   so every worker stalled 1 s at its first garbage collection (seen: every epoch's
   first batch 1 s late, also from local data, once the main process had read over
   HTTP). Marked as stopped, the loop lets the finalizers close the sockets directly.
+  They then find the sessions open, and say so: the child's copy of the loop does not
+  report that (`_quiet_about_the_parents_sessions`).
 
 Importing this module registers the fork handlers (`storage` imports it); it has nothing
 else to call.
@@ -46,6 +48,19 @@ def _detach_loop_in_child() -> None:
         selector.close()  # this process's copy only
     if getattr(loop, "_thread_id", None) is not None:
         loop._thread_id = None  # its thread stayed in the parent: is_running() is now False
+    if hasattr(loop, "set_exception_handler"):
+        loop.set_exception_handler(_quiet_about_the_parents_sessions)
+
+
+def _quiet_about_the_parents_sessions(loop: Any, context: dict[str, Any]) -> None:
+    """The inherited loop's exception handler in a child. Only the parent's sessions use that
+    loop (fsspec makes the child a loop of its own), and the child must not close them:
+    their finalizers, finding them open, logged "Unclosed client session" once a worker
+    for each (every DataLoader worker, every epoch, once the main process had used s3fs),
+    which read as a leak. Anything else is reported as usual."""
+    if str(context.get("message", "")).startswith(("Unclosed client session", "Unclosed connector")):
+        return
+    loop.default_exception_handler(context)
 
 
 if hasattr(os, "register_at_fork"):

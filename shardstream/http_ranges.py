@@ -133,14 +133,24 @@ def _read_once(url: str, start: int | None, end: int | None, headers: dict[str, 
         # An error's body too: the connection goes back to the pool clean.
         _release(response, url, started, started + deadline_s(size or 0, connect_s, read_s))
     request_headers.pop("Range", None)
-    if response.status == 200:
+    data, more = fit_range(response.status, response.headers.get("Content-Range"), data, url, start, end, file_size)
+    return data, url, request_headers, more
+
+
+def fit_range(status: int, content_range: str | None, data: bytes, url: str, start: int | None, end: int | None,
+              file_size: int | None = None) -> tuple[bytes, int | None]:
+    """Of a response's body `data` (status 200 or 206, for bytes [start, end) of `url`): the
+    bytes asked for, and where to go on from if it holds less (`_check_range`). A server
+    that ignores ranges (some gateways and proxies in front of object stores) sends the
+    whole file with 200, one that rounds a range up sends more: both are cut to the range.
+    S3 (s3_ranges.py) answers as HTTP does."""
+    if status == 200:
         check_size(url, len(data), file_size)  # the whole file
-        if start or end is not None:  # a server that ignores ranges sends it all
-            return data[start or 0 : end], url, request_headers, None
-    more = _check_range(response, data, url, start, end, file_size) if response.status == 206 else None
+        return (data[start or 0 : end] if start or end is not None else data), None
+    more = _check_range(content_range, data, url, start, end, file_size) if status == 206 else None
     if end is not None and len(data) > end - (start or 0):  # a range past the one asked (servers may round up)
         data = data[: end - (start or 0)]
-    return data, url, request_headers, more
+    return data, more
 
 
 class RangeMismatchError(OSError):
@@ -163,14 +173,14 @@ def check_size(url: str, total: int | None, size: int | None) -> None:
                                 "since the manifest was written? (its bytes would mix two versions)")
 
 
-def _check_range(response: Any, data: bytes, url: str, start: int | None, end: int | None,
+def _check_range(content_range: str | None, data: bytes, url: str, start: int | None, end: int | None,
                  file_size: int | None = None) -> int | None:
-    """Where to go on from if the 206 `response` holds less of [start, end) than asked (its
-    Content-Range ends early), else None; an error if its body is not the range it names
-    (cut short: retried) or the range is another than asked (the server's fault). Either
-    would otherwise pass as data and fail later as a damaged shard: not retried, and a
-    counted skip under ``on_error="skip"``."""
-    match = _CONTENT_RANGE.fullmatch(response.headers.get("Content-Range", "").strip())
+    """Where to go on from if a 206 response (its `content_range`, its body `data`) holds less
+    of [start, end) than asked (its Content-Range ends early), else None; an error if its
+    body is not the range it names (cut short: retried) or the range is another than asked
+    (the server's fault). Either would otherwise pass as data and fail later as a damaged
+    shard: not retried, and a counted skip under ``on_error="skip"``."""
+    match = _CONTENT_RANGE.fullmatch((content_range or "").strip())
     if match is None:
         return None  # none given (or "*"): the length was all there was to check
     first, last, total = int(match[1]), int(match[2]), None if match[3] == "*" else int(match[3])

@@ -26,7 +26,7 @@ import time
 from typing import Any, Mapping
 
 from .deadlines import deadline_s, headers_due, read_body, watched
-from .http_ranges import check_size, range_header
+from .http_ranges import check_size, fit_range, range_header
 from .perprocess import PerProcess
 from .retry import is_transient
 
@@ -100,7 +100,21 @@ def _watch_headers(client: Any) -> None:
 
 def read_range(url: str, start: int | None, end: int | None, options: Mapping[str, Any], *,
                connect_s: float = 10.0, read_s: float = 20.0, size: int | None = None) -> bytes:
-    """Bytes [start, end) of the object at ``s3://bucket/key`` (as `http_ranges.read_range`)."""
+    """Bytes [start, end) of the object at ``s3://bucket/key`` (as `http_ranges.read_range`:
+    a store, or a gateway in front of it, that sends less of a range than asked is asked
+    for the rest; one that ignores ranges has its whole object cut to the range)."""
+    pieces = []
+    while True:
+        data, more = _read_once(url, start, end, options, connect_s, read_s, size)
+        pieces.append(data)
+        if more is None:
+            return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        start = more
+
+
+def _read_once(url: str, start: int | None, end: int | None, options: Mapping[str, Any], connect_s: float,
+               read_s: float, size: int | None) -> tuple[bytes, int | None]:
+    """One GET of bytes [start, end): the bytes, and where to go on from if it sent less."""
     bucket, _, key = url[len("s3://"):].partition("/")
     request: dict[str, Any] = {"Bucket": bucket, "Key": key}
     if start is not None or end is not None:
@@ -124,7 +138,7 @@ def read_range(url: str, start: int | None, end: int | None, options: Mapping[st
         if code == "AccessDenied" or (status == 403 and not is_transient(e)):
             raise PermissionError(f"{code or status} for {url}") from e
         if status == 416 or code == "InvalidRange":  # the range starts at or past the end
-            return b""
+            return b"", None
         raise  # RetryPolicy reads the status: 5xx and throttling are retried
     body = response["Body"]
     total = response.get("ContentLength") if "Range" not in request else _range_total(response.get("ContentRange"))
@@ -132,10 +146,14 @@ def read_range(url: str, start: int | None, end: int | None, options: Mapping[st
         check_size(url, total, size)
         # botocore's body wraps urllib3's response (`_raw_stream`, a private name), whose
         # socket the deadline shuts; were it gone, a read past the deadline would still fail, once done.
-        return read_body(getattr(body, "_raw_stream", None), body.read, url, started,
+        data = read_body(getattr(body, "_raw_stream", None), body.read, url, started,
                          response.get("ContentLength"), connect_s, read_s)
     finally:
         body.close()
+    if "Range" not in request:
+        return data, None
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode", 206)
+    return fit_range(status, response.get("ContentRange"), data, url, start, end, size)
 
 
 def _range_total(content_range: str | None) -> int | None:

@@ -1257,6 +1257,31 @@ def test_forked_workers_close_inherited_sessions_without_waiting_on_the_parents_
     assert handed == 0, "the child handed the close of an inherited session to a loop without a thread"
 
 
+def test_a_child_forked_after_s3fs_was_used_says_nothing_of_the_parents_sessions(moto, s3_ds):
+    """Regression: once the main process had listed S3 through s3fs (a brace pattern, a pack), every DataLoader
+    worker logged asyncio's "Unclosed client session" at its first garbage collection, every epoch: the parent's
+    session, which the child must not close, read as a leak."""
+    import json
+    import subprocess
+    import sys
+
+    script = ("import gc, json, os, sys\n"
+              "from shardstream.storage import Store\n"
+              "assert Store(sys.argv[1], json.loads(sys.argv[2])).list()\n"  # s3fs: a session on fsspec's loop
+              "gc.collect()\n"
+              "pid = os.fork()\n"
+              "if pid == 0:\n"
+              "    gc.collect()\n"
+              "    print('collected', flush=True)\n"
+              "    os._exit(0)\n"
+              "assert os.waitpid(pid, 0)[1] == 0\n")
+    options = {**moto.storage_options, "config_kwargs": {"retries": {"max_attempts": 1}}}  # the s3fs path
+    result = subprocess.run([sys.executable, "-c", script, s3_ds, json.dumps(options)], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout == "collected\n", result.stderr
+    assert "Unclosed" not in result.stderr, result.stderr
+
+
 def test_a_worker_forked_while_a_thread_counts_io_does_not_wait_on_its_lock():
     """A reading thread of the training process holds the I/O counters' lock for an instant
     each time it counts; a DataLoader worker forked in that instant inherited it held, and

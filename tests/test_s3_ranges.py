@@ -160,3 +160,82 @@ def test_s3fs_calls_make_one_botocore_try_each_unless_told_otherwise():
                                         "connect_timeout": 10.0}
     assert options["key"] == "k" and options["use_listings_cache"] is False
     assert "config_kwargs" not in _with_timeouts("memory://ds", {})
+
+
+class _RangeGateway:
+    """An HTTP gateway in front of moto that answers a ranged GET as some caching proxies do: with the
+    whole object and 200 (`ignore` ranges), or with the first `cap` bytes of the range and a Content-Range
+    that says so."""
+
+    def __init__(self, upstream: str, *, ignore: bool = False, cap: int | None = None):
+        import http.client
+        import http.server
+        import re
+        import threading
+        import urllib.parse
+
+        port = urllib.parse.urlsplit(upstream).port
+        gateway = self
+        self.ranged_gets = 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                headers = dict(self.headers.items())
+                if "Range" in headers:
+                    gateway.ranged_gets += 1
+                    if ignore:
+                        del headers["Range"]
+                upstream_connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+                upstream_connection.request("GET", self.path, headers=headers)
+                response = upstream_connection.getresponse()
+                body = response.read()
+                upstream_connection.close()
+                sent = {k.title(): v for k, v in response.getheaders()
+                        if k.lower() not in ("content-length", "transfer-encoding", "connection")}
+                match = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+)", sent.get("Content-Range", ""))
+                if cap is not None and response.status == 206 and match and len(body) > cap:
+                    first, total = int(match[1]), int(match[3])
+                    body = body[:cap]
+                    sent["Content-Range"] = f"bytes {first}-{first + cap - 1}/{total}"
+                self.send_response(response.status)
+                for k, v in sent.items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(body)))
+                self.send_header("Connection", "close")  # no handler thread left waiting on a pooled connection
+                self.end_headers()
+                self.wfile.write(body)
+                self.close_connection = True
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def __enter__(self) -> "_RangeGateway":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(5)
+
+
+@pytest.mark.parametrize("kind", [{"ignore": True}, {"cap": 1000}], ids=["ranges ignored", "ranges capped"])
+def test_a_gateway_that_ignores_or_caps_ranges_gives_the_range_asked_for(moto, kind):
+    """Regression: the direct S3 reader took any answer to a ranged GET as the range: a gateway that ignores
+    ranges (200, the whole object) or caps them (206 for less, saying so) failed every read as a damaged shard
+    ("shorter than its index says"), and with on_error="skip" counted good samples as bad. As over HTTP: the
+    whole object is cut to the range, and the rest of a capped one is asked for."""
+    with _RangeGateway(moto.endpoint, **kind) as gateway:
+        options = {**moto.storage_options, "client_kwargs": {**moto.storage_options["client_kwargs"],
+                                                             "endpoint_url": gateway.endpoint}}
+        url = f"s3://{BUCKET}/dir/blob.bin"
+        assert read_range(url, 100, 4100, options, size=len(DATA)) == DATA[100:4100]
+        assert read_range(url, 10_000, None, options) == DATA[10_000:]
+        assert gateway.ranged_gets == (2 if "ignore" in kind else 4 + 1)  # a capped range: 1000 bytes a GET
