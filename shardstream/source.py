@@ -27,7 +27,7 @@ from .tarstream import StreamTarReader
 from .shardfile import FRAME_SIZE
 from .retry import RetryPolicy
 from .storage import Store
-from .urls import is_local, local_path, split_url
+from .urls import is_local, local_path, split_query, split_url
 
 if TYPE_CHECKING:
     from .sampling import Mix
@@ -353,6 +353,19 @@ def open_dataset(url: str | os.PathLike[str], *, storage_options: dict[str, Any]
     return Source(os.fspath(url), ManifestShards(store, manifest.shards), manifest)
 
 
+def _names_a_dataset_folder(url: str, options: dict[str, Any]) -> bool:
+    """Whether the remote URL of one shard (`s3://b/data.tar`) names a dataset's folder
+    instead: `pack` writes to a name as given. One request, one try, once a process; a URL
+    with a query string (a presigned one signs its object alone) is a shard, and so is one
+    the request fails for (its read then says why)."""
+    if is_local(url) or split_query(url)[1]:
+        return False
+    try:
+        return Store(url, options, RetryPolicy(attempts=1)).exists(MANIFEST_NAME)
+    except ShardstreamError:
+        return False
+
+
 def resolve_source(source: "str | Sequence[str] | Mix", *, storage_options: dict[str, Any] | None = None,
                    retry: RetryPolicy | None = None) -> Source:
     """A `Source` from a dataset location, a brace pattern, a list of shard URLs, or a `Mix` of those."""
@@ -372,6 +385,8 @@ def resolve_source(source: "str | Sequence[str] | Mix", *, storage_options: dict
             return open_dataset(folder_named(source) if not local_dataset else source, storage_options=options,
                                 retry=retry)
         urls = expand_braces(source)
+        if urls == [source] and _names_a_dataset_folder(source, options):
+            return open_dataset(source, storage_options=options, retry=retry)
         if not any(names_shards(url) for url in urls) and Store(source, options, retry).exists(MANIFEST_NAME):
             # Braces that expand to folders, not shards, where a dataset's folder is named so,
             # braces and all (`pack` writes to the name as given): that dataset.

@@ -193,6 +193,25 @@ def test_a_local_dataset_folder_named_like_a_shard_is_read_as_packed(packed_plai
     assert sorted(s["__key__"] for s in StreamingDataset(str(tmp_path / name), decode=None)) == expected
 
 
+def test_a_remote_dataset_folder_named_like_a_shard_is_read_as_packed(packed_plain, tmp_path):
+    """Regression: over HTTP or S3, `.../data.tar` (no trailing slash) naming a dataset's folder was read as one
+    shard: "file not found". A single shard's URL is still that shard."""
+    import shutil
+
+    from shardstream import http_ranges
+    from shardstream.testing import HTTPTestServer
+
+    shutil.copytree(packed_plain, tmp_path / "data.tar")
+    expected = sorted(s["__key__"] for s in StreamingDataset(packed_plain, decode=None))
+    first = sorted(Path(packed_plain).glob("*.tar"))[0].name
+    with HTTPTestServer(str(tmp_path)) as server:
+        got = StreamingDataset(f"{server.url}/data.tar", decode=None)
+        assert sorted(s["__key__"] for s in got) == expected
+        one = resolve_source(f"{server.url}/data.tar/{first}")
+        assert [ref.name for ref in one.shards] == [first]
+        http_ranges._pool.get().clear()  # the server's keep-alive handlers end
+
+
 def test_resolve_source_refuses_a_malformed_pattern(tmp_path):
     for pattern in (f"{tmp_path}/s-{{0..a}}", f"{tmp_path}/s-{{0..3.tar"):
         with pytest.raises(BracePatternError):
