@@ -38,7 +38,8 @@ if TYPE_CHECKING:  # the lazy names' types, for type checkers and IDEs, which do
     from .collate import default_collate as default_collate, pad_collate as pad_collate
     from .dataset import StreamingDataset as StreamingDataset
     from .device_jpeg import DecodeOnDevice as DecodeOnDevice, DeferDecode as DeferDecode
-    from .loader import DataLoader as DataLoader, LoaderStats as LoaderStats, Normalize as Normalize
+    from .loader import (DataLoader as DataLoader, LoaderStats as LoaderStats, Normalize as Normalize,
+                         worker_waits_for_its_parent_on_sigterm as worker_waits_for_its_parent_on_sigterm)
     from .sampling import Mix as Mix, Sampling as Sampling
     from .transforms import CenterCropJPEG as CenterCropJPEG, RandomResizedCropJPEG as RandomResizedCropJPEG
     from .world import World as World
@@ -49,6 +50,7 @@ _LAZY = {
     "DataLoader": "loader",
     "LoaderStats": "loader",
     "Normalize": "loader",
+    "worker_waits_for_its_parent_on_sigterm": "loader",
     "World": "world",
     "Sampling": "sampling",
     "Mix": "sampling",

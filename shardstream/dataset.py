@@ -39,7 +39,7 @@ from .prepare import SamplePrep
 from .rankplan import RankPlan, WorkerEpoch
 from .resume import MAX_EPOCH, current_place
 from .sampling import Mix, Sampling, source_urls
-from .shared import SharedState
+from .shared import SLOTS, SharedState
 from .source import Source, resolve_source
 from .stream import read_samples, reorder
 from .retry import RetryPolicy
@@ -399,6 +399,9 @@ class StreamingDataset(Checkpointing, IterableDataset):
         counted = io_stats.snapshot()  # this iteration's storage work counts from here (io_stats())
         world = self.world()
         missed = self._state_not_reached()
+        if missed is None and world.workers > SLOTS:
+            missed = ShardstreamError(f"{world.workers} DataLoader workers: a StreamingDataset keeps the counts of at "
+                                      f"most {SLOTS} (skips, storage, resume), and more would go uncounted")
         if missed is not None:  # at the first item: torch's worker dies of an error from iter() without a word
             return _raising(missed)
         self._forget_stale()  # a worker's own loaded place too, if the epoch has moved on

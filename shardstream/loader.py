@@ -26,6 +26,7 @@ import multiprocessing
 import multiprocessing.context
 import os
 import signal
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -41,7 +42,8 @@ from .dataset import StreamingDataset
 from .errors import RaisedInWorker, WorkerDiedError
 from .workercontext import lock_free_context
 
-__all__ = ["DataLoader", "LoaderStats", "Normalize", "to_device"]
+__all__ = ["DataLoader", "LoaderStats", "Normalize", "to_device", "worker_waits_for_its_parent_on_sigterm"]
+
 
 
 @dataclass
@@ -138,33 +140,67 @@ def _start_method(context: str | multiprocessing.context.BaseContext | None) -> 
     return context if isinstance(context, str) else context.get_start_method()
 
 
-def _worker_exits_on_sigterm(worker_id: int) -> None:
-    """In a DataLoader worker: SIGTERM ends it at once with status 0, as torch ends one on
-    its parent's SIGTERM, from whomever it comes.
+def worker_waits_for_its_parent_on_sigterm(worker_id: int) -> None:
+    """A DataLoader `worker_init_fn` for jobs that save a checkpoint on SIGTERM:
+    `shardstream.DataLoader` gives it to its workers, and `torch.utils.data.DataLoader`
+    takes it as it is.
 
     A scheduler stops a job by signalling every process of it (SLURM, at preemption or
-    `scancel`; a container runtime, the process group): torch let the workers die of a
-    SIGTERM not from their parent, and its SIGCHLD handler then raised "DataLoader worker
-    is killed by signal" in the training process wherever it was: in the `torch.save` of
-    the checkpoint its own SIGTERM handler had asked for, four runs in four. Ctrl-C ends a
-    worker quietly already (torch catches the KeyboardInterrupt). A training process
-    still waiting for a batch gets torch's "exited unexpectedly" at its next check of
-    the workers (5 s), as for any worker gone. Nothing of the worker's needs cleaning:
-    its cache locks end with it, and the cache's next walk removes a download it left."""
+    `scancel`; a container runtime, the process group). Workers that died of that SIGTERM
+    failed the training process that had asked, in its own handler, for a checkpoint at
+    the end of its step: torch's SIGCHLD handler raised "DataLoader worker is killed by
+    signal" wherever it was (in the `torch.save`, four runs in four), and a loop waiting in
+    `next()` for a batch never got one (torch's "exited unexpectedly", 5 s later). So a
+    SIGTERM from anyone but the worker's parent (the training process) leaves it serving
+    until the parent is gone, and then ends it at once (a training process without a
+    handler died of the same SIGTERM, and a worker busy in a slow read would not see that
+    for minutes); the parent's own SIGTERM (torch ending its workers, multiprocessing's
+    at exit) ends it at once. Only `sigwaitinfo` says who sent a signal: SIGTERM is held
+    back from every thread of the worker and taken by one of its own
+    (`_take_sigterms`). Where there is no `sigwaitinfo` (macOS), a SIGTERM ends the
+    worker at once. Nothing of a worker's needs cleaning when it ends so: its cache locks
+    end with it, and the cache's next walk removes a download it left."""
+    parent = multiprocessing.parent_process()
+    # Where SIGTERM reaches a handler (no sigwaitinfo; or a native thread the worker had before
+    # this, which does not hold it back), it ends the worker at once: never a worker left that
+    # its parent's SIGTERM does not end (multiprocessing waits for it at exit).
     signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(0))
+    if not hasattr(signal, "sigwaitinfo") or parent is None:
+        return
+    # Threads the worker starts from here on inherit the mask: SIGTERM waits for `_take_sigterms`.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    threading.Thread(target=_take_sigterms, args=(parent,), name="shardstream-sigterm", daemon=True).start()
+
+
+def _take_sigterms(parent: Any) -> None:
+    """In a worker's thread of its own: end the worker at its parent's SIGTERM, or once its
+    parent is gone after anyone else's."""
+    watching = False
+    while True:
+        sender = signal.sigwaitinfo({signal.SIGTERM}).si_pid
+        if sender == parent.pid:
+            os._exit(0)
+        if not watching:  # the parent's own SIGTERM may still come: this thread keeps taking them
+            threading.Thread(target=_exit_with, args=(parent,), name="shardstream-parent-watch", daemon=True).start()
+            watching = True
+
+
+def _exit_with(parent: Any) -> None:
+    parent.join()  # its sentinel: returns once the parent process has ended
+    os._exit(0)
 
 
 def _end_workers_now(iterator: Any) -> None:
-    """End the workers of torch's `iterator` with SIGTERM, which ends ours at once and
-    quietly (_worker_exits_on_sigterm). Their pids are first taken out of torch's SIGCHLD
-    watch, which would otherwise raise for a worker ended before its init function ran.
-    What they leave is safe to leave: see _worker_exits_on_sigterm."""
+    """End the workers of torch's `iterator` at once (SIGKILL: ours outlive a SIGTERM while
+    their parent lives). Their pids are first taken out of torch's SIGCHLD watch, which would
+    otherwise raise for a worker ended so. What they leave is safe to leave: see
+    `worker_waits_for_its_parent_on_sigterm`."""
     if getattr(iterator, "_worker_pids_set", False):
         torch.utils.data._utils.signal_handling._remove_worker_pids(id(iterator))
         iterator._worker_pids_set = False
     for worker in getattr(iterator, "_workers", ()):
         if worker.is_alive():
-            worker.terminate()
+            worker.kill()
 
 
 def _chain(transforms: Callable[[Any], Any] | Sequence[Callable[[Any], Any]] | None) -> Callable[[Any], Any] | None:
@@ -228,7 +264,8 @@ def _worker_died(workers: Sequence[Any], error: BaseException, wait_s: float = 1
         return None
     deadline = time.monotonic() + wait_s
     while workers:
-        ended = [w for w in workers if w.exitcode and w.exitcode != -signal.SIGTERM]  # SIGTERM: torch's own
+        # SIGTERM: torch's own. Status 0 is a worker gone too (`os._exit(0)` in code it ran).
+        ended = [w for w in workers if w.exitcode is not None and w.exitcode != -signal.SIGTERM]
         if ended:
             how = _DIED_HOW if any(w.exitcode < 0 for w in ended) else _EXITED_HOW
             return WorkerDiedError("; ".join(f"DataLoader worker (pid {w.pid}) {_ending(w.exitcode)}" for w in ended)
@@ -251,7 +288,7 @@ def _dead_worker(iterator: Any) -> bool:
 
 
 def _ending(exitcode: int) -> str:
-    if exitcode > 0:
+    if exitcode >= 0:
         return f"exited with status {exitcode}"
     try:
         return f"killed by {signal.Signals(-exitcode).name}"
@@ -355,7 +392,7 @@ class DataLoader:
                 multiprocessing_context=(lock_free_context(self.multiprocessing_context) if self.num_workers > 0
                                          else None),
                 timeout=self.timeout,
-                worker_init_fn=_worker_exits_on_sigterm,
+                worker_init_fn=worker_waits_for_its_parent_on_sigterm,
             )
         return self._loader
 

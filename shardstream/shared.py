@@ -21,7 +21,10 @@ from multiprocessing.context import get_spawning_popen
 
 __all__ = ["SharedState", "IO_FIELDS", "SLOTS"]
 
-SLOTS = 64  # workers per rank that have a slot
+# Workers per process that have a slot: at most this many DataLoader workers iterate a dataset
+# (StreamingDataset refuses more). 64 dropped the skips, storage counts and resume bookkeeping of
+# workers 64 and up without a word; this many cost 73 KB of shared memory a dataset.
+SLOTS = 1024
 IO_FIELDS = ("requests", "bytes", "retries", "wait_s", "cache_hits", "cache_misses", "readahead_waits")
 _EPOCH, _RESUME_ID, _SKIPS, _DONE = 0, 1, 2, 2 + SLOTS  # offsets in the int array
 _WORKERS, _UNREAD, _LOADER_COPY, _LOADED = 2 + 2 * SLOTS, 3 + 2 * SLOTS, 4 + 2 * SLOTS, 5 + 2 * SLOTS

@@ -191,40 +191,40 @@ def test_killed_dataloader_worker_raises_promptly(packed):
 # its workers to have ended first: the save comes after their end, as a large checkpoint's save does.
 _SIGTERM_TO_THE_JOB = """
 import json, os, signal, sys, time
-import psutil, torch
+import torch
 import shardstream
 
-url, checkpoint = sys.argv[1:3]
-dataset = shardstream.StreamingDataset(url, decode=None, fields=("__key__", "cls"), batch_size=2)
+url, checkpoint, when = sys.argv[1:4]
+slow = (lambda sample: (time.sleep(0.3), sample)[1]) if when == "waiting" else None  # the loop waits on the workers
+dataset = shardstream.StreamingDataset(url, decode=None, fields=("__key__", "cls"), batch_size=2, transform=slow)
 loader = shardstream.DataLoader(dataset, num_workers=2)
 stopping = []
 signal.signal(signal.SIGTERM, lambda signum, frame: stopping.append(signum))
 for step, batch in enumerate(loader):
     print(json.dumps(list(batch[0])), flush=True)
     if step == 1:
-        print("training", flush=True)  # the test sends SIGTERM now, during this step
+        print("training", flush=True)  # the test sends SIGTERM now: during this step, or the wait for the next
         deadline = time.monotonic() + 30
-        while not stopping and time.monotonic() < deadline:
+        while when == "step" and not stopping and time.monotonic() < deadline:
             time.sleep(0.01)
     if stopping:
-        workers = psutil.Process().children()
-        while any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers):
-            assert time.monotonic() < deadline, "the workers outlived the job's SIGTERM"
-            time.sleep(0.01)
+        time.sleep(0.5)  # a save that takes a while: the workers must not end under it
         torch.save(loader.state_dict(), checkpoint)
         sys.exit(128 + stopping[0])
 """
 
 
-def test_sigterm_to_the_whole_job_lets_the_training_loop_save_its_checkpoint(packed, tmp_path):
+@pytest.mark.parametrize("when", ["step", "waiting"])
+def test_sigterm_to_the_whole_job_lets_the_training_loop_save_its_checkpoint(packed, tmp_path, when):
     """Regression: SLURM (at preemption, `scancel`) and container runtimes signal every process of a job. The
     DataLoader workers died of the SIGTERM, and torch's SIGCHLD handler raised "DataLoader worker is killed by
     signal: Terminated" in the training process, wherever it was: in the save of the checkpoint its SIGTERM
-    handler had asked for (four runs in four with a 200 MB model), so a preempted job never resumed. The
-    workers now end with status 0, and the checkpoint resumes the epoch exactly."""
-    pytest.importorskip("psutil")
+    handler had asked for (four runs in four with a 200 MB model), so a preempted job never resumed. Then
+    workers ended at once with status 0, and a loop waiting for its next batch when the SIGTERM came never got
+    one: WorkerDiedError, no checkpoint (four runs in four). The workers now serve on while the training process
+    lives, end with it, and the checkpoint resumes the epoch exactly."""
     checkpoint = tmp_path / "data.pt"
-    proc = subprocess.Popen([sys.executable, "-c", _SIGTERM_TO_THE_JOB, packed, str(checkpoint)],
+    proc = subprocess.Popen([sys.executable, "-c", _SIGTERM_TO_THE_JOB, packed, str(checkpoint), when],
                             start_new_session=True, env=_child_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     received = []
@@ -235,12 +235,22 @@ def test_sigterm_to_the_whole_job_lets_the_training_loop_save_its_checkpoint(pac
             received += json.loads(line)
         os.killpg(proc.pid, signal.SIGTERM)
         out, stderr = proc.communicate(timeout=60)
+        received += [key for line in out.splitlines() for key in json.loads(line)]  # the batch waited for
+        for _ in range(100):  # the workers end with the training process
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("the workers outlived the training process")
     finally:
-        if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
+        if proc.poll() is None:
             proc.communicate()
     assert proc.returncode == 128 + signal.SIGTERM and not stderr, stderr[-2000:]
-    assert not out
+    assert len(out.splitlines()) == (1 if when == "waiting" else 0)
 
     def loader() -> shardstream.DataLoader:
         return shardstream.DataLoader(StreamingDataset(packed, decode=None, fields=("__key__", "cls"), batch_size=2))

@@ -863,16 +863,34 @@ def test_workers_of_every_start_method_share_the_done_flag_and_end_cleanly(packe
         assert sorted(key for (key,) in loader) == expected
 
 
-def test_a_worker_that_ends_itself_is_named_with_its_status_not_as_killed(packed):
+def test_more_workers_than_the_dataset_counts_for_are_refused(packed, monkeypatch):
+    """Regression: workers past the 64th had no slot in the dataset's shared counts: their skips, storage
+    counts and resume bookkeeping were dropped without a word (100 workers: 24 of 42 skips counted). There are
+    1024 slots now, and more workers are refused, saying why (here the limit is made 1 to see it)."""
+    import shardstream.dataset as dataset_module
+
+    monkeypatch.setattr(dataset_module, "SLOTS", 1)  # forked workers see it too
+    loader = torch.utils.data.DataLoader(StreamingDataset(packed, decode=None, fields=("__key__",)),
+                                         batch_size=None, num_workers=2, multiprocessing_context="fork")
+    with pytest.raises(shardstream.ShardstreamError, match="2 DataLoader workers: a StreamingDataset keeps the "
+                                                           "counts of at most 1"):
+        next(iter(loader))
+    monkeypatch.setattr(dataset_module, "SLOTS", 2)
+    assert len(list(loader)) == len(list(StreamingDataset(packed, decode=None, fields=("__key__",))))
+
+
+@pytest.mark.parametrize("status", [3, 0])
+def test_a_worker_that_ends_itself_is_named_with_its_status_not_as_killed(packed, status):
     """Regression: a worker that ended with a status (os._exit in a dataset's code, a spawned worker that
-    failed to import the main module) was reported as "killed outright: by the out-of-memory killer"."""
-    loader = DataLoader(StreamingDataset(packed, decode=None, transform=_DiesOnItsThirdSample(exit_status=3),
+    failed to import the main module) was reported as "killed outright: by the out-of-memory killer"; status 0
+    was, still, until the twenty-ninth session."""
+    loader = DataLoader(StreamingDataset(packed, decode=None, transform=_DiesOnItsThirdSample(exit_status=status),
                                          batch_size=1), num_workers=1, prefetch_factor=1)
     with pytest.raises(shardstream.WorkerDiedError) as error:
         for _ in loader:
             pass
-    assert re.fullmatch(r"DataLoader worker \(pid \d+\) exited with status 3 \(it ended itself, without raising an "
-                        r"error: .*its stderr above says which\)", str(error.value)), str(error.value)
+    assert re.fullmatch(rf"DataLoader worker \(pid \d+\) exited with status {status} \(it ended itself, without "
+                        r"raising an error: .*its stderr above says which\)", str(error.value)), str(error.value)
 
 
 def test_a_worker_that_dies_while_the_loop_runs_its_own_code_is_named_and_replaced(packed):
