@@ -39,7 +39,7 @@ from .arguments import flag, integer
 from .batches import count_samples, map_field, tensors, to_device, usable_device
 from .collate import default_collate, pad_collate
 from .dataset import StreamingDataset
-from .errors import RaisedInWorker, WorkerDiedError
+from .errors import RaisedInWorker, ShardstreamError, WorkerDiedError
 from .workercontext import lock_free_context
 
 __all__ = ["DataLoader", "LoaderStats", "Normalize", "to_device", "worker_waits_for_its_parent_on_sigterm"]
@@ -203,6 +203,18 @@ def _end_workers_now(iterator: Any) -> None:
             worker.kill()
 
 
+_ROLLED_BACK = "a loaded state"
+
+
+class _Iteration:
+    """One `DataLoader.__iter__`: what ended it while it was open, if anything (`_recount`).
+    A roll-back (a state loaded) ends it quietly; anything else with workers is an error,
+    since the workers it drew on serve another iteration now."""
+
+    def __init__(self) -> None:
+        self.ended_by: str | None = None
+
+
 def _chain(transforms: Callable[[Any], Any] | Sequence[Callable[[Any], Any]] | None) -> Callable[[Any], Any] | None:
     """One callable for `transform_on_device`: a sequence of transforms runs in order."""
     if transforms is None or callable(transforms):
@@ -363,9 +375,9 @@ class DataLoader:
         self.timeout = timeout if num_workers > 0 else 0
         self.stats = LoaderStats()
         self._loader: torch.utils.data.DataLoader | None = None
-        self._iteration: object | None = None  # the iteration that counts into _delivered (see __iter__)
+        self._iteration: _Iteration | None = None  # the iteration that counts into _delivered (see __iter__)
         self._workers: list[Any] = []  # the worker processes of the latest iteration (see _worker_death)
-        self._recount()  # a state the dataset loaded before still counts
+        self._recount("")  # a state the dataset loaded before still counts
 
     def _torch_loader(self) -> torch.utils.data.DataLoader:
         if _dead_worker(getattr(self._loader, "_iterator", None)):
@@ -400,13 +412,18 @@ class DataLoader:
         self._follow_the_callers_dataset()
         return len(self.dataset)
 
-    def _recount(self) -> None:
+    def _recount(self, why: str) -> None:
         """Count the epoch's items delivered from what the dataset says came before this pass
         (a loaded state's items, or none). An iteration still open counts no more: it is of
-        the place this replaces."""
+        the place this replaces, and is told `why` (`_Iteration`)."""
         self._delivered = self.dataset.resumed_items(self.num_workers)
         self._counted_epoch = self.dataset.epoch
+        self._end_open_iteration(why)
         self._iteration = None
+
+    def _end_open_iteration(self, why: str) -> None:
+        if self._iteration is not None and self._iteration.ended_by is None:
+            self._iteration.ended_by = why
 
     def _follow_the_callers_dataset(self) -> None:
         """Catch up with what the training loop did through its own dataset rather than the
@@ -415,10 +432,10 @@ class DataLoader:
         the new epoch's first step said the old epoch's items were delivered, and its resume
         skipped the new epoch whole)."""
         if self.dataset.adopt_loaded(self._callers):
+            self._recount(_ROLLED_BACK)
             self._drop_workers()
-            self._recount()
         elif self._counted_epoch != self.dataset.epoch:
-            self._recount()
+            self._recount("the dataset's set_epoch")
 
     def _worker_death(self, error: BaseException) -> WorkerDiedError | None:
         """`error` as a WorkerDiedError naming the worker and the signal, where it is torch's
@@ -449,7 +466,7 @@ class DataLoader:
             # Persistent workers still hold the resume state of an epoch left unfinished.
             self._drop_workers()
         self.dataset.set_epoch(epoch)
-        self._recount()  # a loaded state of this epoch still counts
+        self._recount("set_epoch")  # a loaded state of this epoch still counts
 
     def state_dict(self) -> dict[str, Any]:
         """The dataset's state at the items the training loop has received."""
@@ -458,7 +475,7 @@ class DataLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.dataset.load_state_dict(state)
-        self._recount()
+        self._recount(_ROLLED_BACK)  # before the workers go: a loop waiting on them ends quietly
         self._drop_workers()  # persistent workers hold the old state: start fresh ones
 
     def __iter__(self) -> Iterator[Any]:
@@ -473,7 +490,8 @@ class DataLoader:
         # the dataset's latest iteration owns its own: a loop that rolled back to a checkpoint
         # (load_state_dict inside it) and ran on counted its old epoch's batches on top of the
         # loaded state, and its end dropped that state, so the next pass replayed the epoch whole.
-        self._iteration = iteration = object()
+        self._end_open_iteration("a new iteration of the loader (iter(loader))")
+        self._iteration = iteration = _Iteration()
         with torch.cuda.device(self.device) if self._use_cuda() else contextlib.nullcontext():
             try:
                 source = iter(self._torch_loader())  # torch's pin-memory thread pins on the current device
@@ -497,6 +515,8 @@ class DataLoader:
                 stats.wait_s += time.perf_counter() - t0
                 break
             except BaseException as error:
+                if iteration.ended_by == _ROLLED_BACK and isinstance(error, Exception) and self.num_workers > 0:
+                    break  # a state loaded from another thread shut the workers down under this wait
                 # Before the workers are shut down below, which ends them all alike.
                 died = _worker_died(workers, error) if self.num_workers > 0 else None  # this iteration's
                 # A worker that died (or raised) leaves torch's persistent workers unusable:
@@ -509,10 +529,16 @@ class DataLoader:
                 if died is not None:
                     raise died from error
                 raise
-            if self._iteration is not iteration and self.num_workers > 0:
-                # A state was loaded meanwhile (a roll-back), and its workers were dropped: the
-                # batches torch still held (ahead, or out of order) are of the place left.
-                break
+            if iteration.ended_by is not None and self.num_workers > 0:
+                if iteration.ended_by == _ROLLED_BACK:
+                    # A state was loaded meanwhile, and its workers were dropped: the batches
+                    # torch still held (ahead, or out of order) are of the place left.
+                    break
+                # Its workers now serve the newer one (torch resets persistent workers' iterator):
+                # this loop ended after a few batches, without a word.
+                raise ShardstreamError(f"this iteration of the DataLoader was ended by {iteration.ended_by} while it "
+                                       "was open: with workers, a loader serves one iteration at a time (look at a "
+                                       "batch of this loop, and set the next epoch once it ends)")
             now = time.perf_counter()
             stats.wait_s += now - t0
             if stats.batches == 0:

@@ -783,6 +783,68 @@ def test_a_state_loaded_into_the_loader_during_an_iteration_applies_to_the_next(
     assert loader_keys(loader) == full[3:]
 
 
+@pytest.mark.parametrize("persistent", [True, False])
+def test_a_newer_iteration_or_epoch_inside_the_loop_is_an_error_not_a_short_epoch(url, persistent):
+    """Regression (found by review): with workers, a loop that looked at one batch mid-epoch with
+    `next(iter(loader))`, or set the next epoch inside the loop, ended after a few batches without a word
+    (4 of 20): its workers served the newer iteration. It is an error now, saying why; without workers the
+    loop runs on, as before."""
+    loader = shardstream.DataLoader(dataset(url), num_workers=2, persistent_workers=persistent)
+    full = len(loader)
+    with pytest.raises(ShardstreamError, match=r"ended by a new iteration of the loader \(iter\(loader\)\)"):
+        for step, _ in enumerate(loader):
+            if step == 1:
+                next(iter(loader))
+    with pytest.raises(ShardstreamError, match="ended by set_epoch while it was open"):
+        for step, _ in enumerate(loader):
+            if step == 1:
+                loader.set_epoch(1)
+    loader = shardstream.DataLoader(dataset(url), num_workers=0)
+    seen = 0
+    for step, _ in enumerate(loader):
+        if step == 1:
+            next(iter(loader))
+        seen += 1
+    assert seen == full
+
+
+def test_a_state_loaded_from_another_thread_ends_the_waiting_loop_quietly(url):
+    """Regression (found by review): `load_state_dict` from another thread (a restore callback) while the loop
+    waited in next() shut the workers down under it, and the loop raised WorkerDiedError, "exited with status
+    0", blaming a worker. The loop ends, as a roll-back inside it does, and the next pass resumes."""
+    import threading
+
+    full = loader_keys(shardstream.DataLoader(dataset(url), num_workers=2))
+    slow = D.key_dataset(url, **{**OPTS, "transform": _sleepy})
+    loader = shardstream.DataLoader(slow, num_workers=2)
+    it = iter(loader)
+    for _ in range(2):
+        next(it)
+    state = loader.state_dict()
+    ended: list = []
+
+    def loop() -> None:
+        try:
+            for _ in it:
+                pass
+            ended.append("ended")
+        except BaseException as error:  # noqa: BLE001 - the test reports it
+            ended.append(error)
+
+    thread = threading.Thread(target=loop)
+    thread.start()
+    time.sleep(0.5)  # the loop waits on the slow workers
+    loader.load_state_dict(state)
+    thread.join(60)
+    assert ended == ["ended"]
+    assert [D.freeze(b) for b in loader] == full[2:]
+
+
+def _sleepy(sample):
+    time.sleep(0.1)
+    return sample
+
+
 def test_loader_set_epoch_of_the_loaded_epoch_keeps_the_progress(url):
     """The usual restart loop, ``for epoch in range(state["epoch"], E): loader.set_epoch(epoch)``,
     with a checkpoint before the first step: it still counts what was delivered before."""
