@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -133,6 +134,16 @@ def crop_resize(data: bytes, plan: CropPlan) -> torch.Tensor:
     return out.contiguous()
 
 
+def _pixels(side: object) -> int | None:
+    """`side` as an int where it is an integer (numpy's too), else None; never a bool."""
+    if isinstance(side, bool):
+        return None
+    try:
+        return operator.index(side)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
 @dataclass(frozen=True)
 class RandomResizedCropJPEG:
     """JPEG (or any image) bytes -> random resized crop, random horizontal flip, uint8 CHW tensor."""
@@ -146,10 +157,17 @@ class RandomResizedCropJPEG:
         # Checked here, not at each image: `[224]` failed every sample as image damage (an
         # IndexError in `plan`), and under on_error="skip" each was skipped as a bad sample.
         size = self.size
-        sides = [size] if isinstance(size, int) else list(size) if isinstance(size, (tuple, list)) else []
-        if len(sides) not in (1, 2) or not all(isinstance(side, int) and side > 0 for side in sides):
+        sides = list(size) if isinstance(size, (tuple, list)) else [size]
+        sides = [_pixels(side) for side in sides]
+        if len(sides) not in (1, 2) or not all(side is not None and side > 0 for side in sides):
             raise ValueError(f"RandomResizedCropJPEG's size is a side, or (height, width), in pixels: not {size!r}")
         object.__setattr__(self, "size", sides[0] if len(sides) == 1 else tuple(sides))
+        # Likewise: a reversed range failed each image in torch, a negative scale as image damage.
+        (low, high), (narrow, wide) = self.scale, self.ratio
+        if not 0 <= low <= high:
+            raise ValueError(f"RandomResizedCropJPEG's scale is (min, max) with 0 <= min <= max: not {self.scale!r}")
+        if not 0 < narrow <= wide:
+            raise ValueError(f"RandomResizedCropJPEG's ratio is (min, max) with 0 < min <= max: not {self.ratio!r}")
 
     def plan(self, data: bytes) -> CropPlan:
         """Draw this image's crop and flip (from torch's generator), reading only the header."""
@@ -175,6 +193,10 @@ class CenterCropJPEG:
     resize: int = 256
 
     def __post_init__(self) -> None:
+        if _pixels(self.size) is None or _pixels(self.resize) is None:  # 224.0 failed each image in Pillow
+            raise ValueError(f"CenterCropJPEG's size and resize are whole pixels: not {self.size!r}, {self.resize!r}")
+        object.__setattr__(self, "size", _pixels(self.size))
+        object.__setattr__(self, "resize", _pixels(self.resize))
         if not 0 < self.size <= self.resize:
             # torchvision's CenterCrop would pad a crop larger than the resized image.
             raise ValueError(f"CenterCropJPEG needs 0 < size <= resize, not size={self.size}, resize={self.resize}")

@@ -536,9 +536,18 @@ def test_random_resized_crop_takes_torchvisions_sizes_and_refuses_others():
     for size, shape in ((16, (3, 16, 16)), ([16], (3, 16, 16)), ((16,), (3, 16, 16)), ((12, 20), (3, 12, 20)),
                         ([12, 20], (3, 12, 20))):
         assert tuple(RandomResizedCropJPEG(size)(data.getvalue()).shape) == shape, size
-    for size in ((), (1, 2, 3), 0, (16, -1), "16", 16.0):
+    for size in ((), (1, 2, 3), 0, (16, -1), "16", 16.0, True):
         with pytest.raises(ValueError, match="size is a side, or \\(height, width\\)"):
             RandomResizedCropJPEG(size)
+    # numpy's integers are sides, as torchvision takes them; a bad scale or ratio is refused here, not as
+    # each image's failure (a reversed range raised torch's RuntimeError, a negative scale a DecodeError).
+    assert tuple(RandomResizedCropJPEG(np.int64(16))(data.getvalue()).shape) == (3, 16, 16)
+    for bad in ({"scale": (1.0, 0.08)}, {"scale": (-1.0, 0.5)}, {"ratio": (4 / 3, 3 / 4)}, {"ratio": (0.0, 1.0)}):
+        with pytest.raises(ValueError, match="is \\(min, max\\) with"):
+            RandomResizedCropJPEG(16, **bad)
+    with pytest.raises(ValueError, match="whole pixels"):
+        CenterCropJPEG(224.0)  # failed each image in Pillow
+    assert CenterCropJPEG(np.int64(16), np.int64(20)) == CenterCropJPEG(16, 20)
 
 
 @pytest.mark.parametrize("where", ["two thirds in", "before the end"])
