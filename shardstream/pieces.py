@@ -106,13 +106,14 @@ def cut(reader: ShardReader, a: int, b: int, sizes: Iterator[int]) -> Iterator[t
 def _coalesce(reader: ShardReader, stretch: list[tuple[int, int]], gap: int) -> list[tuple[int, int, np.ndarray]]:
     """Merge runs (of one shard) whose byte ranges lie within `gap` bytes into spans:
     (first, stop, mask of the samples the runs want, from `first`)."""
-    spans: list[tuple[int, int, list[tuple[int, int]]]] = []
+    spans: list[list] = []  # [first, stop, runs]: grown in place (a copy of the runs per merge was quadratic)
     for first, stop in stretch:
         if spans and first >= spans[-1][1] and \
                 reader.extent(first, stop)[0] - reader.extent(spans[-1][0], spans[-1][1])[1] <= gap:
-            spans[-1] = (spans[-1][0], stop, spans[-1][2] + [(first, stop)])
+            spans[-1][1] = stop
+            spans[-1][2].append((first, stop))
         else:
-            spans.append((first, stop, [(first, stop)]))
+            spans.append([first, stop, [(first, stop)]])
     out = []
     for a, b, members in spans:
         wanted = np.zeros(b - a, dtype=bool)

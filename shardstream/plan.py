@@ -167,7 +167,8 @@ def deal_chunks(n: int, workers: int, chunk: int) -> list[np.ndarray]:
 def worker_positions(n: int, workers: int, chunk: int, worker: int) -> np.ndarray:
     """`deal_chunks(n, workers, chunk)[worker]`, without dealing the other workers' chunks."""
     firsts = np.arange(worker * chunk, n, workers * chunk, dtype=np.int64)
-    positions = (firsts[:, None] + np.arange(chunk, dtype=np.int64)).ravel()
+    # A chunk past the positions (batch_size 2**31 over 3 samples) is cut to them: else 16 GiB.
+    positions = (firsts[:, None] + np.arange(min(chunk, n), dtype=np.int64)).ravel()
     return positions[positions < n]
 
 

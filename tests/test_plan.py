@@ -179,6 +179,12 @@ def test_deal_chunks_partitions_positions_round_robin():
         check_deal(n, workers, chunk)
 
 
+def test_a_chunk_larger_than_the_positions_costs_only_the_positions():
+    """Regression (found by review): `batch_size=2**31` over 3 samples allocated 16 GiB (a MemoryError, or the
+    OOM killer) dealing them; here 2**40, which no machine has."""
+    assert [d.tolist() for d in deal_chunks(3, 2, 1 << 40)] == [[0, 1, 2], []]
+
+
 def check_deal(n, workers, chunk):
     dealt = deal_chunks(n, workers, chunk)
     assert len(dealt) == workers
