@@ -39,7 +39,7 @@ from .cache import ShardCache
 from .cancel import Cancellation
 from .errors import ShardstreamError
 from .iostats import IOStats, count_into
-from .pieces import PieceKey, first_window, piece_key, sample_runs
+from .pieces import PieceKey, adjacent_repeats, first_window, piece_key, sample_runs
 from .reader import Sample
 from .source import Source
 from .stream import MAX_AHEAD, Readers, read_piece, read_tolerant, read_whole
@@ -118,6 +118,7 @@ class HeadStart:
         ids = next_ids()
         if ids is None or not len(ids):
             return
+        ids = adjacent_repeats(ids)[0]  # as `stream.read_samples` plans: an id in a row read once
         if cache is not None:
             work, args = self._download, (cache, source, next(sample_runs(ids, counts))[0])
         else:

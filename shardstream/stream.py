@@ -20,7 +20,7 @@ from .cache import ShardCache
 from .cancel import Cancellation
 from .errors import CorruptIndexError, CorruptShardError, ShardstreamError, StorageError
 from .iostats import io_stats
-from .pieces import PieceKey, piece_key, planned_pieces, ramp, sample_runs, stretches
+from .pieces import PieceKey, adjacent_repeats, piece_key, planned_pieces, ramp, sample_runs, stretches
 from .reader import READ_BYTES, Sample, ShardReader
 from .readahead import ReadAhead
 from .tarstream import StreamTarReader
@@ -184,6 +184,30 @@ def read_samples(source: Source, ids: np.ndarray, counts: np.ndarray, prefetch: 
                  cache: ShardCache | None = None, tolerant: bool = False,
                  piece_bytes: int = READ_BYTES, head_start: HeadStart | None = None,
                  next_ids: Callable[[], np.ndarray | None] | None = None) -> Iterator[Sample]:
+    """The samples `ids` (global ids), in that order (`_read_samples`). An id repeated in a
+    row (`pieces.adjacent_repeats`) is read once, and comes again as a copy of its sample:
+    every id gives one item, an unreadable one's error too (`read_tolerant`)."""
+    distinct, repeats = adjacent_repeats(ids)
+    samples = _read_samples(source, distinct, counts, prefetch, cache, tolerant, piece_bytes, head_start, next_ids)
+    return samples if repeats is None else _repeated(samples, repeats)
+
+
+def _repeated(samples: Iterator[Sample], repeats: np.ndarray) -> Iterator[Sample]:
+    """Each of `samples` as many times as `repeats` says, the second and later as shallow
+    copies (a transform may change a sample's dict; its values are bytes)."""
+    try:
+        for sample, times in zip(samples, repeats.tolist()):
+            yield sample
+            for _ in range(times - 1):
+                yield dict(sample)
+    finally:
+        samples.close()  # type: ignore[attr-defined]
+
+
+def _read_samples(source: Source, ids: np.ndarray, counts: np.ndarray, prefetch: int = 0,
+                  cache: ShardCache | None = None, tolerant: bool = False,
+                  piece_bytes: int = READ_BYTES, head_start: HeadStart | None = None,
+                  next_ids: Callable[[], np.ndarray | None] | None = None) -> Iterator[Sample]:
     """The samples `ids` (global ids), in that order, read run by run.
 
     With `prefetch` > 0 (indexed sources), pieces are fetched, decompressed and parsed

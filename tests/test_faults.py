@@ -200,17 +200,21 @@ dataset = shardstream.StreamingDataset(url, decode=None, fields=("__key__", "cls
 loader = shardstream.DataLoader(dataset, num_workers=2)
 stopping = []
 signal.signal(signal.SIGTERM, lambda signum, frame: stopping.append(signum))
+def save_and_exit():
+    time.sleep(0.5)  # a save that takes a while: the workers must not end under it
+    torch.save(loader.state_dict(), checkpoint)
+    sys.exit(128 + stopping[0])
 for step, batch in enumerate(loader):
     print(json.dumps(list(batch[0])), flush=True)
+    if stopping:  # seen at the end of the step after the one the SIGTERM came in (or its wait)
+        save_and_exit()
     if step == 1:
         print("training", flush=True)  # the test sends SIGTERM now: during this step, or the wait for the next
         deadline = time.monotonic() + 30
         while when == "step" and not stopping and time.monotonic() < deadline:
             time.sleep(0.01)
-    if stopping:
-        time.sleep(0.5)  # a save that takes a while: the workers must not end under it
-        torch.save(loader.state_dict(), checkpoint)
-        sys.exit(128 + stopping[0])
+        if when == "step":
+            save_and_exit()
 """
 
 

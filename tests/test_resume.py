@@ -808,43 +808,6 @@ def test_a_newer_iteration_or_epoch_inside_the_loop_is_an_error_not_a_short_epoc
     assert seen == full
 
 
-def test_a_state_loaded_from_another_thread_ends_the_waiting_loop_quietly(url):
-    """Regression (found by review): `load_state_dict` from another thread (a restore callback) while the loop
-    waited in next() shut the workers down under it, and the loop raised WorkerDiedError, "exited with status
-    0", blaming a worker. The loop ends, as a roll-back inside it does, and the next pass resumes."""
-    import threading
-
-    full = loader_keys(shardstream.DataLoader(dataset(url), num_workers=2))
-    slow = D.key_dataset(url, **{**OPTS, "transform": _sleepy})
-    loader = shardstream.DataLoader(slow, num_workers=2)
-    it = iter(loader)
-    for _ in range(2):
-        next(it)
-    state = loader.state_dict()
-    ended: list = []
-
-    def loop() -> None:
-        try:
-            for _ in it:
-                pass
-            ended.append("ended")
-        except BaseException as error:  # noqa: BLE001 - the test reports it
-            ended.append(error)
-
-    thread = threading.Thread(target=loop)
-    thread.start()
-    time.sleep(0.5)  # the loop waits on the slow workers
-    loader.load_state_dict(state)
-    thread.join(60)
-    assert ended == ["ended"]
-    assert [D.freeze(b) for b in loader] == full[2:]
-
-
-def _sleepy(sample):
-    time.sleep(0.1)
-    return sample
-
-
 def test_loader_set_epoch_of_the_loaded_epoch_keeps_the_progress(url):
     """The usual restart loop, ``for epoch in range(state["epoch"], E): loader.set_epoch(epoch)``,
     with a checkpoint before the first step: it still counts what was delivered before."""

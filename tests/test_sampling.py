@@ -677,3 +677,23 @@ def test_samples_per_epoch_must_be_a_whole_count():
     with pytest.raises(ValueError, match="samples_per_epoch must be 1 or more, not 0"):
         Sampling(samples_per_epoch=0)
     assert Sampling(samples_per_epoch=np.int64(5)).samples_per_epoch == 5
+
+
+def test_a_sample_drawn_again_is_read_once(tmp_path):
+    """Regression (found by review): weighted sampling draws a sample again beside itself, and each draw was
+    read as a run of its own, its frame read and decompressed again: a class-balanced epoch of 20,000 tiny
+    samples made 10,498 requests against 43 for a uniform one (100k samples: 36,934 against 28). The samples,
+    and their order, are as before: a repeat is a copy."""
+    with ss.ShardWriter(str(tmp_path / "ds"), shard_size="2MB") as writer:
+        for i in range(20_000):
+            writer.write({"__key__": f"k{i:06d}", "cls": 0 if i % 10 else 1, "txt": "x" * 20})
+
+    def epoch(sampling):
+        ds = ss.StreamingDataset(str(tmp_path / "ds"), decode=None, fields=("__key__",), shuffle=True,
+                                 seed=3, sampling=sampling)
+        return [key for (key,) in ds], ds.io_stats()["requests"]
+
+    uniform_keys, uniform_requests = epoch(None)
+    keys, requests = epoch(Sampling(class_weights="balanced"))
+    assert len(keys) == len(uniform_keys) and len(set(keys)) < len(keys)  # samples drawn again
+    assert requests <= 2 * uniform_requests
