@@ -20,8 +20,8 @@ from .readahead import ReadAhead
 from .reader import READ_BYTES, ShardReader
 from .tarstream import StreamTarReader
 
-__all__ = ["Piece", "PieceKey", "adjacent_repeats", "cut", "first_window", "piece_key", "planned_pieces", "ramp", "sample_runs",
-           "stretches"]
+__all__ = ["Piece", "PieceKey", "adjacent_repeats", "cut", "first_window", "piece_key", "planned_pieces", "ramp",
+           "sample_runs", "stretches"]
 
 # A planned piece: (first sample, stop, which samples of it to keep (None: all), whether it
 # is its stretch's last, its bytes: fetched, or held decompressed where those are more).
