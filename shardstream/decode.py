@@ -19,7 +19,7 @@ import math
 import pickle
 import tokenize
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import msgpack
 import numpy as np
@@ -27,6 +27,9 @@ from PIL import Image
 
 from .errors import DecodeError, reason
 from .fields import field_extension
+
+if TYPE_CHECKING:
+    import torch
 
 try:
     import simplejpeg
@@ -341,22 +344,25 @@ class Decoder:
         if not callable(self.images) and self.images not in IMAGE_MODES:
             raise ValueError(f"images must be one of {IMAGE_MODES} or a callable, not {self.images!r}")
 
-    def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
+    def __call__(self, sample: dict[str, Any], crops: torch.Generator | None = None) -> dict[str, Any]:
+        """`sample` decoded; a fused crop (`images` a `RandomResizedCropJPEG`) draws from
+        `crops` where given."""
         url, key = str(sample.get("__url__", "")), str(sample.get("__key__", ""))
         out: dict[str, Any] = {}
         for name, value in sample.items():
             if name.startswith("__") or not isinstance(value, (bytes, bytearray, memoryview)):
                 out[name] = value
                 continue
-            out[name] = self.field(field_extension(name), bytes(value), url, key, name)
+            out[name] = self.field(field_extension(name), bytes(value), url, key, name, crops)
         return out
 
-    def field(self, ext: str, data: bytes, url: str, key: str, name: str) -> Any:
+    def field(self, ext: str, data: bytes, url: str, key: str, name: str,
+              crops: torch.Generator | None = None) -> Any:
         if ext in IMAGE_EXTENSIONS:
             if not callable(self.images):
                 return decode_image(data, self.images, url=url, key=key, name=name)
             try:
-                return self.images(data)
+                return self.images(data) if crops is None else self.images(data, crops)  # type: ignore[call-arg]
             except DecodeError:
                 raise
             except DAMAGED_IMAGE_ERRORS as e:

@@ -4,15 +4,15 @@
 
 * **the draws**, in the iterating thread and in sample order: every field but the
   images decoded (labels, JSON, ...), and for a fused transform (`RandomResizedCropJPEG`,
-  `CenterCropJPEG`) each image's crop drawn from its JPEG header, under the sample's
-  seed; the generator's state after them is kept for the sample's `transform`;
+  `CenterCropJPEG`) each image's crop drawn from its JPEG header, from the crops'
+  generator under the sample's seed;
 * **the pixels**, in N threads: the decode, crop and resize (libjpeg-turbo, Pillow and
   torch, which release the GIL while they work), or the whole decode for ``"rgb8"`` and
   ``"pil"``.
 
-The consumer takes the samples in order and runs the `transform` with the generator as
-the draws left it, so the samples are those of ``decode_threads=0``, bit for bit, and a
-resume stays exact. A custom `decode` callable may draw random numbers in any order, so
+The consumer takes the samples in order and runs the `transform` under the sample's
+seed, so the samples are those of ``decode_threads=0``, bit for bit, and a resume stays
+exact. A custom `decode` callable may draw random numbers in any order, so
 it cannot be split: `DecodeAhead` refuses it.
 
 Why threads: a DataLoader worker process pays for each batch it ships (a shared-memory
@@ -30,12 +30,15 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .decode import IMAGE_EXTENSIONS, Decoder
 from .errors import ShardstreamError
 from .fields import field_extension
 from .transforms import crop_resize, is_fused
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["DecodeAhead"]
 
@@ -63,8 +66,10 @@ class DecodeAhead:
                 f"(RandomResizedCropJPEG, CenterCropJPEG, without a __call__ of its own), not {self.images!r}; a "
                 "custom decode callable may draw random numbers, which threads would reorder")
 
-    def draw(self, sample: dict[str, Any]) -> tuple[dict[str, Any], dict[str, _Image]]:
-        """Decode all but the images, and draw each image's crop (random: under the sample's seed).
+    def draw(self, sample: dict[str, Any], crops: torch.Generator | None = None
+             ) -> tuple[dict[str, Any], dict[str, _Image]]:
+        """Decode all but the images, and draw each image's crop (random: from `crops`, seeded
+        for the sample).
 
         Returns the sample with the images still bytes, and the images left to decode. The
         fields are taken in the sample's order, as `Decoder` takes them: where a field fails,
@@ -85,17 +90,18 @@ class DecodeAhead:
                     decoded[name] = fields.field(ext, data, url, key, name)
                     continue
                 decoded[name] = data
-                images[name] = self._left_to_decode(ext, data, url, key, name)
+                images[name] = self._left_to_decode(ext, data, url, key, name, crops)
             except ShardstreamError:
                 self.pixels(decoded, images)  # an image before this field that fails raises first
                 raise
         return decoded, images
 
-    def _left_to_decode(self, ext: str, data: bytes, url: str, key: str, name: str) -> _Image:
+    def _left_to_decode(self, ext: str, data: bytes, url: str, key: str, name: str,
+                        crops: torch.Generator | None) -> _Image:
         if isinstance(self.images, str):
             return _Image(ext, data, self.images)
         # The crop, from the header; a header that cannot be read is the sample's DecodeError.
-        plan = Decoder(images=self.images.plan).field(ext, data, url, key, name)  # type: ignore[union-attr]
+        plan = Decoder(images=self.images.plan).field(ext, data, url, key, name, crops)  # type: ignore[union-attr]
         return _Image(ext, data, functools.partial(crop_resize, plan=plan))
 
     def pixels(self, sample: dict[str, Any], images: dict[str, _Image]) -> dict[str, Any]:

@@ -54,7 +54,7 @@ __all__ = ["DeferDecode", "EncodedImage", "EncodedBatch", "DecodeOnDevice", "col
 
 
 class _PlansCrops(Protocol):
-    def plan(self, data: bytes) -> CropPlan: ...
+    def plan(self, data: bytes, generator: torch.Generator | None = None) -> CropPlan: ...
 
 
 @dataclass(frozen=True)
@@ -110,8 +110,9 @@ class DeferDecode:
             raise TypeError(f"DeferDecode needs a fused transform with a plan(data) method "
                             f"(RandomResizedCropJPEG, CenterCropJPEG), not {self.transform!r}")
 
-    def __call__(self, data: bytes) -> EncodedImage:
-        return EncodedImage(bytes(data), self.transform.plan(data))
+    def __call__(self, data: bytes, generator: torch.Generator | None = None) -> EncodedImage:
+        """`data` with its crop drawn from `generator` (the dataset's, seeded per sample)."""
+        return EncodedImage(bytes(data), self.transform.plan(data, generator))
 
 
 def gpu_decoder_available(device: str | torch.device = "cuda") -> bool:

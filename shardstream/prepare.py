@@ -4,11 +4,14 @@
 requested fields, and `SamplePrep.batched` collates the results. Every random draw a sample's preparation
 makes (a crop, a flip, the user's own augmentations) comes from a generator seeded from
 (seed, epoch, sample id), so a sample gets the same draws whichever worker prepares it,
-in a resumed run too: torch's CPU generator always, and where the user's own code runs
-(a `transform`, a decode callable of theirs) Python's `random` and numpy's global
-generator too, which augmentation code draws from as often as from torch's. With
-`decode_threads`, the draws stay in the iterating thread and only the pixels go to
-threads (decode_ahead.py), so the samples are the same, bit for bit.
+in a resumed run too. The fused crops draw from a torch generator of the iteration's
+own, so where nothing else draws, the process's global generators are never touched
+(another thread drawing from torch's cannot move a crop, nor be rewound by the loop's
+restoring). Where the user's own code runs (a `transform`, a decode callable of theirs,
+unpickling), torch's global CPU generator, Python's `random` and numpy's global
+generator are seeded, which augmentation code draws from. With `decode_threads`, the
+draws stay in the iterating thread and only the pixels go to threads (decode_ahead.py),
+so the samples are the same, bit for bit.
 
 The dataset makes a `SamplePrep` per iteration from its settings; nothing here knows
 about plans, shards or workers beyond "am I in a DataLoader worker".
@@ -29,6 +32,7 @@ import torch
 from .collate import collated, default_collate, pad_collate
 from .decode import Decoder
 from .decode_ahead import DecodeAhead
+from .device_jpeg import DeferDecode
 from .errors import MissingFieldError, ShardstreamError, add_note
 from .threads import ordered_map
 from .transforms import is_fused
@@ -52,52 +56,63 @@ class SamplePrep:
     epoch: int
     ahead: DecodeAhead | None = None  # with `decode_threads`
     decode_threads: int = 0
+    # What the fused crops draw from: this iteration's own (the iterating thread's).
+    crops: torch.Generator = dataclasses.field(default_factory=torch.Generator, compare=False, repr=False)
 
     def __call__(self, sample: dict[str, Any], sample_id: int) -> Any:
         """The sample decoded, transformed and picked, its draws seeded by `sample_id`."""
         if "__error__" in sample:
             raise sample["__error__"]
         sample = self._wanted(sample)
-        # Random augmentations draw from torch's generator, seeded per sample from
-        # (seed, epoch, sample id): the same sample gets the same crop in a resumed run,
-        # whichever worker serves it. Where nothing can draw, the seeding is left out.
-        if not self.draws:
-            return self._picked(self.decoder(sample))
+        # Random augmentations draw from generators seeded per sample from (seed, epoch,
+        # sample id): the same sample gets the same crop in a resumed run, whichever
+        # worker serves it. Where nothing can draw, the seeding is left out.
+        crops = self._crops_for(sample_id)
+        if not self.draws_globally:
+            return self._picked(self.decoder(sample, crops))
         with self._seeded(sample_id):
-            sample = self.decoder(sample)
+            sample = self.decoder(sample, crops)
             if self.transform is not None:
                 sample = _transformed(self.transform, sample)
         return self._picked(sample)
 
     @property
-    def draws(self) -> bool:
-        """Whether preparing a sample may draw random numbers: a transform, a callable
-        decode (the fused crops draw), or unpickling (which runs any code) may."""
-        return self.transform is not None or callable(self.decoder.images) or self.decoder.allow_pickle
+    def draws_globally(self) -> bool:
+        """Whether preparing a sample may draw from the process's global generators: a
+        transform, a decode callable of the user's, or unpickling (which runs any code)
+        may; the fused crops draw from `crops`."""
+        return self.runs_user_code or self.decoder.allow_pickle
+
+    def _crops_for(self, sample_id: int) -> torch.Generator | None:
+        """`crops`, seeded for the sample, where the images are decoded by a fused crop."""
+        if not _draws_crops(self.decoder.images):
+            return None
+        return self.crops.manual_seed(sample_seed(self.seed, self.epoch, sample_id))
 
     @property
     def runs_user_code(self) -> bool:
         """Whether the user's own code prepares samples (a transform, a decode callable not
-        ours), which may draw from Python's `random` or numpy's global generator too; ours
-        draw from torch's only, so for them the other two are left alone (in the main
-        process, saving and restoring numpy's state costs about 90 us a sample)."""
+        ours), which may draw from any global generator; ours draw from `crops` only, so
+        for them the global ones are left alone (in the main process, saving and restoring
+        numpy's state costs about 90 us a sample)."""
         images = self.decoder.images
-        return self.transform is not None or (callable(images) and not is_fused(images))
+        return self.transform is not None or (callable(images) and not _draws_crops(images))
 
     def in_callers_process(self, items: Iterator[Any], collate: Callable[[list[Any]], Any] | None) -> Iterator[Any]:
         """`items` (prepared by this, collated by `collate` if batched) as the training
         loop's own process takes them: where anything draws, with the loop's generator states
         put back around each (`keeping_callers_generators`)."""
         python_too = self.runs_user_code or (collate is not None and collate not in _OWN_COLLATES)
-        if not (self.draws or python_too):
+        if not (self.draws_globally or python_too):
             return items
         return keeping_callers_generators(items, python_too)
 
-    def _seeded(self, sample_id: int, torch_only: bool = False) -> contextlib.AbstractContextManager[None]:
+    def _seeded(self, sample_id: int) -> contextlib.AbstractContextManager[None]:
         # The CPU generator only: torch.manual_seed also queues CUDA seeding, which costs
-        # ~0.8 ms per call, as much as decoding a small image.
-        seed = sample_seed(self.seed, self.epoch, sample_id)
-        python_seed = seed if self.runs_user_code and not torch_only else None
+        # ~0.8 ms per call, as much as decoding a small image. Seeded apart from the crops'
+        # (`_USER_CODE`): on one seed, a transform's first draw would be the crop's.
+        seed = sample_seed(self.seed, self.epoch, sample_id) ^ _USER_CODE
+        python_seed = seed if self.runs_user_code else None
         return _generators_as(lambda generator: generator.manual_seed(seed), python_seed)
 
     def batched(self, items: Iterator[Any], ids: Sequence[int], size: int, drop_last: bool,
@@ -158,25 +173,18 @@ class SamplePrep:
             if "__error__" in sample:
                 return _Staged(error=sample["__error__"])
             try:
-                sample = self._wanted(sample)
-                if not self.draws:  # as `__call__`: nothing can draw, so nothing is seeded
-                    decoded, images = ahead.draw(sample)
-                    state = None
-                else:
-                    # decode_threads takes only our decodes, which draw from torch's
-                    # generator alone: Python's and numpy's are seeded for the transform.
-                    with self._seeded(sample_id, torch_only=True):
-                        decoded, images = ahead.draw(sample)
-                        state = torch.default_generator.get_state()
+                # decode_threads takes only our decodes, which draw from `crops` alone; the
+                # global generators are seeded for the transform, in `complete`.
+                decoded, images = ahead.draw(self._wanted(sample), self._crops_for(sample_id))
             except ShardstreamError as error:
                 return _Staged(error=error)
-            return _Staged(decoded, images, state, sample_id)
+            return _Staged(decoded, images, sample_id)
 
         def pixels(staged: _Staged) -> _Staged:
             if staged.error is not None:
                 return staged
             try:
-                return _Staged(ahead.pixels(staged.sample, staged.images), {}, staged.state, staged.sample_id)
+                return _Staged(ahead.pixels(staged.sample, staged.images), {}, staged.sample_id)
             except ShardstreamError as error:
                 return _Staged(error=error)
 
@@ -184,18 +192,15 @@ class SamplePrep:
                            name="shardstream-decode")
 
     def complete(self, future: Future[_Staged]) -> Any:
-        """A sample from `ahead_of`, transformed (with the generator as its draws left it) and picked."""
+        """A sample from `ahead_of`, transformed (under the sample's seed, as `__call__`) and picked."""
         staged = future.result()
         if staged.error is not None:
             raise staged.error
         sample = staged.sample
-        if staged.state is not None:
-            # The generator as this sample's draws left it, then its transform's: what
-            # `__call__` leaves (in a worker, for a collate_fn that draws too; elsewhere the
-            # caller's own state comes back).
-            state = staged.state
-            python_seed = sample_seed(self.seed, self.epoch, staged.sample_id) if self.runs_user_code else None
-            with _generators_as(lambda generator: generator.set_state(state), python_seed):
+        if self.draws_globally:
+            # Seeded as `__call__` seeds: what a collate_fn that draws finds after the last
+            # sample (in a worker; elsewhere the caller's own state comes back) is the same.
+            with self._seeded(staged.sample_id):
                 if self.transform is not None:
                     sample = _transformed(self.transform, sample)
         return self._picked(sample)
@@ -207,9 +212,14 @@ class _Staged:
 
     sample: dict[str, Any] = dataclasses.field(default_factory=dict)
     images: dict[str, Any] = dataclasses.field(default_factory=dict)  # image fields left to decode
-    state: torch.Tensor | None = None  # the generator after the draws (where any can be made)
     sample_id: int = 0
     error: ShardstreamError | None = None
+
+
+def _draws_crops(images: object) -> bool:
+    """Whether `images` is ours and draws from the generator passed to it (a fused crop, or
+    the crop `DeferDecode` draws for the device), so that nothing else need be seeded."""
+    return is_fused(images) or type(images).__call__ is DeferDecode.__call__
 
 
 def sample_seed(seed: int, epoch: int, sample_id: int) -> int:
@@ -222,6 +232,7 @@ def sample_seed(seed: int, epoch: int, sample_id: int) -> int:
 
 _OWN_COLLATES = (default_collate, pad_collate)
 _MASK63 = (1 << 63) - 1
+_USER_CODE = 0x2545F4914F6CDD1D  # sets the user code's seed apart from the crops' (within 63 bits)
 
 
 def keeping_callers_generators(items: Iterator[Any], python_too: bool) -> Iterator[Any]:

@@ -27,9 +27,11 @@ region decode of torchvision's crops about 20% less than a whole decode by the s
 library; the crop's resize with the flip and layout 0.27 ms from a channels-last copy
 (Pillow's resize alone 1.0 ms); the whole transform in BENCHMARKS.md.
 
-Randomness comes from torch's generator, which the dataset seeds per sample from
-(seed, epoch, sample), so augmentation is reproducible and resumption exact. Output
-is uint8: normalisation belongs on the GPU (`shardstream.loader.Normalize`).
+Randomness comes from the torch generator passed in, which the dataset makes for its
+iteration and seeds per sample from (seed, epoch, sample), so augmentation is
+reproducible and resumption exact; called without one (as a torchvision transform is),
+a crop draws from torch's global generator. Output is uint8: normalisation belongs on
+the GPU (`shardstream.loader.Normalize`).
 """
 
 from __future__ import annotations
@@ -169,15 +171,17 @@ class RandomResizedCropJPEG:
         if not 0 < narrow <= wide:
             raise ValueError(f"RandomResizedCropJPEG's ratio is (min, max) with 0 < min <= max: not {self.ratio!r}")
 
-    def plan(self, data: bytes) -> CropPlan:
-        """Draw this image's crop and flip (from torch's generator), reading only the header."""
+    def plan(self, data: bytes, generator: torch.Generator | None = None) -> CropPlan:
+        """Draw this image's crop and flip from `generator` (torch's global one where None),
+        reading only the header. A subclass's own `plan` draws from `generator` too: the
+        dataset seeds that one per sample, not torch's global generator."""
         out = (self.size, self.size) if isinstance(self.size, int) else (self.size[1], self.size[0])
         full = image_size(data)
-        box = crop_params(full[0], full[1], self.scale, self.ratio)
-        return CropPlan(full, box, out, self.flip and bool(torch.rand(1).item() < 0.5))
+        box = crop_params(full[0], full[1], self.scale, self.ratio, generator)
+        return CropPlan(full, box, out, self.flip and bool(torch.rand(1, generator=generator).item() < 0.5))
 
-    def __call__(self, data: bytes) -> torch.Tensor:
-        return crop_resize(data, self.plan(data))
+    def __call__(self, data: bytes, generator: torch.Generator | None = None) -> torch.Tensor:
+        return crop_resize(data, self.plan(data, generator))
 
 
 @dataclass(frozen=True)
@@ -201,8 +205,9 @@ class CenterCropJPEG:
             # torchvision's CenterCrop would pad a crop larger than the resized image.
             raise ValueError(f"CenterCropJPEG needs 0 < size <= resize, not size={self.size}, resize={self.resize}")
 
-    def plan(self, data: bytes) -> CropPlan:
-        """This image's central crop, reading only the header: torchvision's geometry (the
+    def plan(self, data: bytes, generator: torch.Generator | None = None) -> CropPlan:
+        """This image's central crop (`generator` is not drawn from: the signature is the
+        random crop's), reading only the header: torchvision's geometry (the
         short side resized to `resize`, the long side to ``int(resize * long / short)``, the
         crop's offset rounded in resized pixels), mapped back to source pixels, so that
         resampling the box gives the pixels of Pillow's resize, then the crop."""
@@ -215,7 +220,7 @@ class CenterCropJPEG:
         box = (top * sy, left * sx, self.size * sy, self.size * sx)
         return CropPlan(full, box, (self.size, self.size), False, resized_first=True)
 
-    def __call__(self, data: bytes) -> torch.Tensor:
+    def __call__(self, data: bytes, generator: torch.Generator | None = None) -> torch.Tensor:
         return crop_resize(data, self.plan(data))
 
 

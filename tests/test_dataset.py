@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import io
 import random
+import threading
 import os
 import pickle
 import traceback
@@ -713,9 +714,10 @@ def test_samples_are_seeded_only_where_something_can_draw(packed):
     def prep(decode, transform=None, allow_pickle=False):
         return SamplePrep(Decoder(decode, allow_pickle), transform, None, 0, 0)
 
-    assert not prep(None).draws and not prep("rgb8").draws and not prep("pil").draws
-    assert prep(shardstream.RandomResizedCropJPEG(8)).draws and prep("rgb8", transform=lambda s: s).draws
-    assert prep(None, allow_pickle=True).draws
+    assert not prep(None).draws_globally and not prep("rgb8").draws_globally and not prep("pil").draws_globally
+    assert not prep(shardstream.RandomResizedCropJPEG(8)).draws_globally  # from its own generator
+    assert prep("rgb8", transform=lambda s: s).draws_globally and prep(lambda data: data).draws_globally
+    assert prep(None, allow_pickle=True).draws_globally
     # Either way the caller's generator is left as it was, and a transform's draws are per sample.
     torch.manual_seed(123)
     before = torch.default_generator.get_state()
@@ -729,6 +731,36 @@ def test_samples_are_seeded_only_where_something_can_draw(packed):
     first = {s["__key__"]: s["noise"] for s in StreamingDataset(packed, decode=None, transform=noisy)}
     again = {s["__key__"]: s["noise"] for s in StreamingDataset(packed, decode=None, transform=noisy, shuffle=True)}
     assert first == again and torch.equal(torch.default_generator.get_state(), before)
+
+
+def test_fused_crops_draw_from_a_generator_of_their_own(packed):
+    """Regression: the fused crops drew from torch's global generator, seeded per sample and
+    put back around every item: another thread of the training process drawing from it at
+    the same time moved the crops, and had its own draws rewound and repeated. The crops
+    draw from the iteration's own generator now, and the global one is left alone."""
+    crop = shardstream.RandomResizedCropJPEG(16)
+
+    def crops() -> dict[str, torch.Tensor]:
+        return {s["__key__"]: s["jpg"] for s in StreamingDataset(packed, decode=crop, shuffle=True, seed=2)}
+
+    alone = crops()
+    stop, drawn = threading.Event(), []
+
+    def draw() -> None:
+        torch.manual_seed(0)
+        while not stop.is_set():
+            drawn.append(torch.rand(1).item())
+
+    thread = threading.Thread(target=draw)
+    thread.start()
+    try:
+        busy = crops()
+    finally:
+        stop.set()
+        thread.join()
+    assert busy.keys() == alone.keys() and all(torch.equal(busy[k], alone[k]) for k in alone) and len(alone) > 10
+    torch.manual_seed(0)
+    assert drawn == [torch.rand(1).item() for _ in drawn] and len(drawn) > 100  # each number once, in order
 
 
 def _draws_everywhere(sample: dict) -> tuple[str, int, int, int]:
