@@ -63,7 +63,7 @@ class DecodeAhead:
         if self.images is None or (callable(self.images) and not is_fused(self.images)):
             raise ValueError(
                 "decode_threads needs images to decode in the threads: decode='rgb8' or 'pil', or a fused transform "
-                f"(RandomResizedCropJPEG, CenterCropJPEG, without a __call__ of its own), not {self.images!r}; a "
+                f"(RandomResizedCropJPEG, CenterCropJPEG, without a __call__ or plan of its own), not {self.images!r}; a "
                 "custom decode callable may draw random numbers, which threads would reorder")
 
     def draw(self, sample: dict[str, Any], crops: torch.Generator | None = None

@@ -54,7 +54,7 @@ __all__ = ["DeferDecode", "EncodedImage", "EncodedBatch", "DecodeOnDevice", "col
 
 
 class _PlansCrops(Protocol):
-    def plan(self, data: bytes, generator: torch.Generator | None = None) -> CropPlan: ...
+    def plan(self, data: bytes) -> CropPlan: ...
 
 
 @dataclass(frozen=True)
@@ -111,8 +111,10 @@ class DeferDecode:
                             f"(RandomResizedCropJPEG, CenterCropJPEG), not {self.transform!r}")
 
     def __call__(self, data: bytes, generator: torch.Generator | None = None) -> EncodedImage:
-        """`data` with its crop drawn from `generator` (the dataset's, seeded per sample)."""
-        return EncodedImage(bytes(data), self.transform.plan(data, generator))
+        """`data` with its crop drawn from `generator` (the dataset's, seeded per sample,
+        where `transform` is one of ours; a planner of the user's is called as `plan(data)`)."""
+        plan = self.transform.plan(data) if generator is None else self.transform.plan(data, generator)
+        return EncodedImage(bytes(data), plan)
 
 
 def gpu_decoder_available(device: str | torch.device = "cuda") -> bool:

@@ -35,7 +35,7 @@ from .decode_ahead import DecodeAhead
 from .device_jpeg import DeferDecode
 from .errors import MissingFieldError, ShardstreamError, add_note
 from .threads import ordered_map
-from .transforms import is_fused
+from .transforms import is_fused, plans_crops
 
 __all__ = ["SamplePrep", "batches", "keeping_callers_generators", "sample_seed"]
 
@@ -218,8 +218,10 @@ class _Staged:
 
 def _draws_crops(images: object) -> bool:
     """Whether `images` is ours and draws from the generator passed to it (a fused crop, or
-    the crop `DeferDecode` draws for the device), so that nothing else need be seeded."""
-    return is_fused(images) or type(images).__call__ is DeferDecode.__call__
+    `DeferDecode` of one, for the device), so that nothing else need be seeded."""
+    if type(images).__call__ is DeferDecode.__call__:
+        return plans_crops(images.transform)  # type: ignore[attr-defined]
+    return is_fused(images)
 
 
 def sample_seed(seed: int, epoch: int, sample_id: int) -> int:

@@ -173,15 +173,16 @@ class RandomResizedCropJPEG:
 
     def plan(self, data: bytes, generator: torch.Generator | None = None) -> CropPlan:
         """Draw this image's crop and flip from `generator` (torch's global one where None),
-        reading only the header. A subclass's own `plan` draws from `generator` too: the
-        dataset seeds that one per sample, not torch's global generator."""
+        reading only the header. A subclass's own `plan` is the user's code: the dataset
+        calls it as `plan(data)`, with torch's global generator seeded per sample."""
         out = (self.size, self.size) if isinstance(self.size, int) else (self.size[1], self.size[0])
         full = image_size(data)
         box = crop_params(full[0], full[1], self.scale, self.ratio, generator)
         return CropPlan(full, box, out, self.flip and bool(torch.rand(1, generator=generator).item() < 0.5))
 
     def __call__(self, data: bytes, generator: torch.Generator | None = None) -> torch.Tensor:
-        return crop_resize(data, self.plan(data, generator))
+        # A subclass's own `plan(data)` is the user's code: called as it was written.
+        return crop_resize(data, self.plan(data) if generator is None else self.plan(data, generator))
 
 
 @dataclass(frozen=True)
@@ -225,7 +226,14 @@ class CenterCropJPEG:
 
 
 def is_fused(images: object) -> bool:
-    """Whether `images` crops as one of the fused transforms does (a plan drawn, then
-    `crop_resize`): theirs, or a subclass's that keeps their `__call__`. A subclass's own
-    `__call__` is the user's code, which a decode in threads (decode_ahead.py) would skip."""
-    return type(images).__call__ in (RandomResizedCropJPEG.__call__, CenterCropJPEG.__call__)
+    """Whether `images` crops as one of the fused transforms does (our plan drawn from the
+    generator passed, then `crop_resize`): theirs, or a subclass's that keeps their
+    `__call__` and `plan`. A subclass's own `__call__` or `plan` is the user's code, which a
+    decode in threads (decode_ahead.py) would skip or reorder, and which draws from
+    torch's global generator."""
+    return type(images).__call__ in (RandomResizedCropJPEG.__call__, CenterCropJPEG.__call__) and plans_crops(images)
+
+
+def plans_crops(planner: object) -> bool:
+    """Whether `planner`'s `plan` is one of the fused transforms' own (drawing from the generator passed)."""
+    return getattr(type(planner), "plan", None) in (RandomResizedCropJPEG.plan, CenterCropJPEG.plan)

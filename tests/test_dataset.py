@@ -763,6 +763,35 @@ def test_fused_crops_draw_from_a_generator_of_their_own(packed):
     assert drawn == [torch.rand(1).item() for _ in drawn] and len(drawn) > 100  # each number once, in order
 
 
+class _JitteredPlan(shardstream.RandomResizedCropJPEG):
+    """A user's own `plan(data)`, written before plans took a generator: it draws from torch's global one."""
+
+    def plan(self, data: bytes):
+        plan = super().plan(data)
+        return plan._replace(flip=bool(torch.rand(1).item() < 0.5))
+
+
+def test_a_crop_planner_of_the_users_own_is_called_as_written_and_seeded(packed):
+    """Regression (found by review of the change above): a subclass's own `plan(data)`, and a
+    planner of the user's inside `DeferDecode`, were called with the crops' generator (a
+    TypeError on every sample), and one taking it but drawing from torch's global generator
+    was no longer seeded (two runs, two epochs). They are the user's code: called as
+    `plan(data)`, under the seeded global generators."""
+    from shardstream import DeferDecode
+    from shardstream.decode_ahead import DecodeAhead
+
+    def epoch(decode) -> list:
+        return [(s["__key__"], s["jpg"]) for s in StreamingDataset(packed, decode=decode, shuffle=True, seed=1)]
+
+    for decode in (_JitteredPlan(16), DeferDecode(_JitteredPlan(16))):
+        first, again = epoch(decode), epoch(decode)
+        assert len(first) > 10 and [k for k, _ in first] == [k for k, _ in again]
+        for (_, a), (_, b) in zip(first, again):
+            assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a.plan == b.plan
+    with pytest.raises(ValueError, match="or plan of its own"):
+        DecodeAhead(_JitteredPlan(16))
+
+
 def _draws_everywhere(sample: dict) -> tuple[str, int, int, int]:
     """A transform as augmentation code is written: it draws from torch's, Python's and numpy's generators."""
     return sample["__key__"], int(torch.randint(0, 1 << 30, (1,))), random.getrandbits(30), int(np.random.randint(1 << 30))

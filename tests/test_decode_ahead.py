@@ -142,7 +142,7 @@ def test_a_fused_transform_with_a_call_of_its_own_is_refused(data):
     """Regression: a subclass of a fused transform whose own `__call__` changed the crop (to
     float, here) was taken for the fused one, its `__call__` skipped: uint8 with decode_threads,
     float without, where the samples are promised the same."""
-    with pytest.raises(ValueError, match="without a __call__ of its own"):
+    with pytest.raises(ValueError, match="without a __call__ or plan of its own"):
         StreamingDataset(data, decode=_CropAsFloat(16), decode_threads=2)
     inline, threaded = (list(StreamingDataset(data, decode=_KeepsTheCall(16, 20), fields=("jpg",), decode_threads=n))
                         for n in (0, 2))
