@@ -15,6 +15,7 @@ import msgpack
 import numpy as np
 
 from .errors import ShardstreamError
+from .format import MAX_KEY_BYTES
 
 __all__ = ["encode_field", "encode_sample", "field_extension"]
 
@@ -125,6 +126,9 @@ def _check_key(key: str) -> None:
         raise ShardstreamError(f"bad sample key {key!r}: a last part without dots, no absolute paths, "
                                "no empty, '.' or '..' parts")
     try:
-        key.encode("utf-8")
+        encoded = key.encode("utf-8")
     except UnicodeEncodeError:  # a lone surrogate: no tar header or index could hold it
         raise ShardstreamError(f"bad sample key {key!r}: not encodable as UTF-8") from None
+    if len(encoded) > MAX_KEY_BYTES:  # no reader would read the shard's index
+        raise ShardstreamError(f"bad sample key {key[:40]!r}...: {len(encoded)} bytes, more than the {MAX_KEY_BYTES} "
+                               "a key may take (FORMAT.md, limits)")

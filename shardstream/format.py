@@ -24,10 +24,16 @@ MANIFEST_NAME = "manifest.msgpack"
 INDEX_SUFFIX = ".idx"
 MAX_MANIFEST_BYTES = 1 << 30
 MAX_INDEX_BYTES = 256 << 20
+_INDEX_HEAD = 1 << 10  # an index's fields besides its per-sample and per-frame ones, and their headers
 # Uncompressed, a zstd frame's most; a frame holds whole samples, so a sample's tar bytes (its
 # members, headers and padding) may be no more, in either compression: writers refuse a larger
 # sample, which readers would refuse to read.
 MAX_FRAME_BYTES = 1 << 31
+# What a shard's index may hold, by the reader's msgpack limits (`unpack_limited`): at most
+# `MAX_INDEX_BYTES` in all, a key of at most `MAX_KEY_BYTES` UTF-8 bytes, and fewer keys than
+# `MAX_SHARD_SAMPLES`. Writers end a shard before its index would pass them (`ShardFill`).
+MAX_KEY_BYTES = 1 << 20
+MAX_SHARD_SAMPLES = (1 << 26) - 1
 COMPRESSIONS = ("zstd", "none")
 SHARD_SUFFIX = {"zstd": ".tar.zst", "none": ".tar"}
 
@@ -49,6 +55,42 @@ def unpack_limited(data: bytes, *, max_bytes: int, url: str, error: type[Shardst
         )
     except (ValueError, msgpack.UnpackException) as e:
         raise error(f"not valid msgpack: {e}", url=url) from e
+
+
+class ShardFill:
+    """The writers' rule for where a shard ends: what the shard being filled holds, against
+    `shard_size`, `max_samples` and what its index may hold (the reader's limits). Slotted,
+    with plain attributes: `pack` asks it once a file of its listing."""
+
+    __slots__ = ("shard_size", "max_samples", "samples", "raw_bytes", "index_bytes")
+
+    def __init__(self, shard_size: int, max_samples: int | None = None) -> None:
+        self.shard_size = shard_size
+        self.max_samples = min(max_samples, MAX_SHARD_SAMPLES) if max_samples is not None else MAX_SHARD_SAMPLES
+        self.start_next()
+
+    def takes(self, size: int, cost: int) -> bool:
+        """Whether the shard takes one more sample of `size` tar bytes whose `index_cost` is
+        `cost`; an empty one takes any."""
+        return not self.samples or (self.raw_bytes + size <= self.shard_size and self.samples < self.max_samples
+                                    and self.index_bytes + cost <= MAX_INDEX_BYTES)
+
+    def add(self, size: int, cost: int) -> None:
+        self.samples += 1
+        self.raw_bytes += size
+        self.index_bytes += cost
+
+    def start_next(self) -> None:
+        """A new, empty shard."""
+        self.samples, self.raw_bytes, self.index_bytes = 0, 0, _INDEX_HEAD
+
+
+def index_cost(key: str) -> int:
+    """The most one sample adds to its shard's index: its key (a msgpack str: at most 5 bytes
+    of header), its offset (8), its label (4) and weight (4), and a frame's two offsets (16),
+    as if it began a frame of its own. A key that is no UTF-8 (a file name's lone
+    surrogate, which `pack` refuses later, naming the file) is counted as it stands."""
+    return len(key.encode("utf-8", "surrogatepass")) + 37
 
 
 def _require(raw: Any, name: str, kind: type | tuple[type, ...], url: str, error: type[ShardstreamError]) -> Any:
@@ -262,7 +304,14 @@ class ShardIndex:
             body["labels"] = np.asarray(self.labels, dtype="<i4").tobytes()
         if self.weights is not None:
             body["weights"] = np.asarray(self.weights, dtype="<f4").tobytes()
-        return msgpack.packb(body, use_bin_type=True)
+        data = msgpack.packb(body, use_bin_type=True)
+        # Written past the reader's limits, the index would be refused by every reader: the
+        # writers end shards before (`ShardFill`); an index of a shard made elsewhere may not.
+        if len(data) > MAX_INDEX_BYTES or len(self.keys) > MAX_SHARD_SAMPLES:
+            raise ShardstreamError(f"the shard's index of {len(self.keys)} samples takes {len(data)} bytes, past what "
+                                   f"a reader reads ({MAX_INDEX_BYTES} bytes, {MAX_SHARD_SAMPLES} samples: FORMAT.md, "
+                                   "limits); write the samples in smaller shards")
+        return data
 
     @classmethod
     def from_bytes(cls, data: bytes, url: str) -> "ShardIndex":

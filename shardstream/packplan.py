@@ -19,7 +19,7 @@ import numpy as np
 
 from . import tario
 from .decode import image_size
-from .format import MAX_FRAME_BYTES
+from .format import MAX_FRAME_BYTES, ShardFill, index_cost
 from .sourcefile import Listing, SourceFile
 from .shrink import DEFAULT_QUALITY, shrunk_size
 
@@ -113,25 +113,23 @@ def plan_frames(entries: list[SourceFile], opts: PackOptions,
     `file_bytes` overrides the expected size of some files (those that will shrink).
     """
     jobs: list[PlannedFrame] = []
-    shard, shard_bytes, shard_count = 0, 0, 0
+    shard, fill = 0, ShardFill(opts.shard_size, opts.max_samples)
     frame: list[SourceFile] = []
     frame_total = 0
     for entry in entries:
         size = tar_size(entry, (file_bytes or {}).get(entry.path))
-        full = shard_count and (
-            shard_bytes + size > opts.shard_size or (opts.max_samples is not None and shard_count >= opts.max_samples)
-        )
-        if full:
+        cost = index_cost(entry.key)
+        if not fill.takes(size, cost):
             if frame:
                 jobs.append(PlannedFrame(shard, frame, frame_total))
-            shard, shard_bytes, shard_count, frame, frame_total = shard + 1, 0, 0, [], 0
+            shard, frame, frame_total = shard + 1, [], 0
+            fill.start_next()
         if frame and frame_total + size > MAX_FRAME_BYTES:  # joined, a frame no reader reads
             jobs.append(PlannedFrame(shard, frame, frame_total))
             frame, frame_total = [], 0
         frame.append(entry)
         frame_total += size
-        shard_bytes += size
-        shard_count += 1
+        fill.add(size, cost)
         if frame_total >= opts.frame_size:
             jobs.append(PlannedFrame(shard, frame, frame_total))
             frame, frame_total = [], 0

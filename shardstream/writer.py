@@ -18,7 +18,7 @@ from . import tario
 from .columns import MAX_CLASS, check_weight
 from .errors import ShardstreamError
 from .fields import encode_sample
-from .format import (COMPRESSIONS, INDEX_SUFFIX, MANIFEST_NAME, MAX_FRAME_BYTES, SHARD_SUFFIX, Manifest, ShardInfo,
+from .format import (COMPRESSIONS, INDEX_SUFFIX, MANIFEST_NAME, MAX_FRAME_BYTES, SHARD_SUFFIX, Manifest, ShardFill, ShardInfo, index_cost,
                      safe_name)
 from .indexes import load_index
 from .scratch import cleanup_scratch
@@ -157,6 +157,7 @@ class ShardWriter:
         self._shard: ShardFileWriter | None = None
         self._pending: list[tuple[str, list[tuple[str, bytes]]]] = []
         self._pending_bytes = 0
+        self._fill = ShardFill(self.shard_size, max_samples)  # where the shard being filled ends
         self._closed = False
         self._manifest: Manifest | None = None
 
@@ -181,12 +182,9 @@ class ShardWriter:
         if size > MAX_FRAME_BYTES:  # written, it would be a frame no reader reads
             raise ShardstreamError(f"the sample takes {size} bytes in the tar, more than the {MAX_FRAME_BYTES} a "
                                    "sample may (FORMAT.md, limits)", key=key)
-        shard = self._shard
-        if shard is not None:
-            filled = shard.raw_bytes + self._pending_bytes
-            count = shard.samples + len(self._pending)
-            if filled + size > self.shard_size or (self.max_samples is not None and count >= self.max_samples):
-                self._finish_shard()
+        cost = index_cost(key)
+        if self._shard is not None and not self._fill.takes(size, cost):
+            self._finish_shard()
         if self._shard is None:
             self._claim()
             self._shard = ShardFileWriter(
@@ -198,6 +196,7 @@ class ShardWriter:
         self._keys.add(key)  # to the shard it goes to (after the one before is finished), once it is queued
         self._pending.append((key, fields))
         self._pending_bytes += size
+        self._fill.add(size, cost)
         if label is not None:
             self._class_counts[label] = self._class_counts.get(label, 0) + 1
         if self._pending_bytes >= self.frame_size:
@@ -228,6 +227,7 @@ class ShardWriter:
             self.shards.append(self._shard.finish())
         self._keys.seal()
         self._shard = None
+        self._fill.start_next()
 
     def _written_keys(self) -> Iterator[tuple[str, tuple[str, ...]]]:
         """(name, keys) of each finished shard, from its index: read only where a new key's

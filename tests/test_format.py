@@ -1354,3 +1354,57 @@ def test_frames_built_one_after_another_in_a_thread_hold_each_its_own_samples():
             members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
         assert members == {f"k{n}.bin": payload, f"k{n}.cls": b"3"}, n
         assert frame.labels == [3]
+
+
+def test_writers_end_a_shard_before_its_index_passes_what_readers_read(tmp_path, monkeypatch):
+    """Regression: ShardWriter and pack cut shards by size and count only, so a shard of
+    many small samples could get an index past the reader's limit (256 MiB), which every
+    reader then refused. Both end a shard before its index would pass it; the limit is
+    lowered here (for writer and reader alike) so that a few hundred samples reach it."""
+    from shardstream import format as format_module
+
+    monkeypatch.setattr(format_module, "MAX_INDEX_BYTES", 4096)
+    keys = [f"sample-{i:05d}-{'x' * 40}" for i in range(300)]
+    with ShardWriter(str(tmp_path / "written"), shard_size="1GB") as writer:
+        for key in keys:
+            writer.write({"__key__": key, "txt": "a few bytes"})
+    written = open_dataset(str(tmp_path / "written"))
+    assert len(written.manifest.shards) > 3  # one shard by size, several by index
+    index_sizes = [os.path.getsize(tmp_path / "written" / info.index) for info in written.manifest.shards]
+    assert max(index_sizes) <= 4096
+    assert [s["__key__"] for s in StreamingDataset(str(tmp_path / "written"), decode=None)] == keys
+
+    folder = tmp_path / "images"
+    shardstream.synthetic.make_image_folder(folder, num_classes=2, images_per_class=40, size_range=((16, 16), (24, 24)))
+    summary = shardstream.pack(str(folder), str(tmp_path / "packed"), shard_size="1GB", workers=1)
+    packed = open_dataset(str(tmp_path / "packed"))
+    assert len(packed.manifest.shards) > 1 and summary.samples == 80
+    assert max(os.path.getsize(tmp_path / "packed" / info.index) for info in packed.manifest.shards) <= 4096
+    assert sum(1 for _ in StreamingDataset(str(tmp_path / "packed"), decode=None)) == 80
+
+
+def test_an_index_past_what_readers_read_is_refused_where_written_and_a_key_too_long_at_write(tmp_path, monkeypatch):
+    """`shardstream index` cannot cut another tool's shard: an index that readers would
+    refuse is an error naming the limit, not a file written. A key past what an index may
+    hold (1 MiB) is refused at `write`."""
+    from shardstream import format as format_module
+    from shardstream.adopt import index_tars
+
+    with ShardWriter(str(tmp_path / "long"), shard_size="1GB") as writer:
+        with pytest.raises(ShardstreamError, match="a key may take"):
+            writer.write({"__key__": "k" * ((1 << 20) + 1), "txt": "x"})
+        writer.write({"__key__": "k" * (1 << 20), "txt": "x"})  # at the limit: written, and read
+    assert [len(s["__key__"]) for s in StreamingDataset(str(tmp_path / "long"), decode=None)] == [1 << 20]
+
+    folder = tmp_path / "tars"
+    folder.mkdir()
+    with tarfile.open(folder / "shard-000000.tar", "w") as tar:
+        for i in range(200):
+            data = f"sample {i}".encode()
+            member = tarfile.TarInfo(f"s{i:04d}.txt")
+            member.size = len(data)
+            tar.addfile(member, io.BytesIO(data))
+    monkeypatch.setattr(format_module, "MAX_INDEX_BYTES", 2048)
+    with pytest.raises(ShardstreamError, match="past what a reader reads"):
+        index_tars(str(folder))
+    assert not list(folder.glob("*.idx")) and not (folder / MANIFEST_NAME).exists()
