@@ -36,6 +36,7 @@ torch's ``file_descriptor`` sharing strategy (Linux's default) is pooled; under
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import multiprocessing.reduction
 import os
@@ -192,6 +193,13 @@ def pooled_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor | No
 def collate_tensors(batch: Sequence[torch.Tensor], *, collate_fn_map: dict | None = None) -> torch.Tensor:
     """Stack `batch`; in a DataLoader worker, into a reusable shared-memory slot (module doc)."""
     first = batch[0]
+    if any(tensor.dtype != first.dtype for tensor in batch):
+        # One dtype for all, as torch.stack promotes in the main process; stacked into the
+        # first's dtype (here, and in torch's own collate in a worker), 2**40 became 0 and
+        # 70000.25 inf in float16, only with workers.
+        dtype = functools.reduce(torch.promote_types, (tensor.dtype for tensor in batch))
+        batch = [tensor.to(dtype) for tensor in batch]
+        first = batch[0]
     if type(first) is not torch.Tensor or first.layout != torch.strided:  # subclasses, sparse: torch's way
         return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
     with one_batch():  # shapes that do not stack: torch's error, and the slot stays free

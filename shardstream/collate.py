@@ -32,9 +32,10 @@ _COLLATE_FN_MAP = {
 def default_collate(batch: Sequence[Any]) -> Any:
     """torch's `default_collate`, which also packs `EncodedImage`s into an `EncodedBatch`.
 
-    Sample dicts (no `fields`) must all have the same fields: torch's collate takes the
-    first's, and a field the first lacked vanished from the whole batch, silently."""
-    if batch and isinstance(batch[0], Mapping):
+    Dicts, the samples' own (no `fields`) or within them (a JSON field, in a tuple or a
+    list), must have the same keys across the batch: torch's collate takes the first's,
+    and a key the first lacked vanished from the whole batch, silently."""
+    if batch and _holds_a_mapping(batch[0]):
         unlike = unlike_the_first(batch, mappings_only=True)
         if unlike is not None:
             position, how = unlike
@@ -54,6 +55,12 @@ def collated(collate_fn: Callable[[list[Any]], Any], batch: list[Any], where: Wh
     size ... at entry 1"."""
     try:
         return collate_fn(batch)
+    except CollateError as error:
+        # default_collate knows no sample of tuple items: the dict unlike the first is named here.
+        unlike = unlike_the_first(batch, mappings_only=True, names=names) if error.key is None else None
+        if unlike is None:
+            raise
+        raise _collate_error(batch, *unlike, where) from None
     except ShardstreamError:
         raise
     except Exception as error:
@@ -97,14 +104,17 @@ def _difference(first: Any, item: Any, path: str, mappings_only: bool,
         if first.keys() != item.keys():
             missing, extra = sorted(map(str, first.keys() - item.keys())), sorted(map(str, item.keys() - first.keys()))
             told = (["no " + ", ".join(missing)] if missing else []) + ([", ".join(extra)] if extra else [])
-            return f"has {' and '.join(told)} among its fields, unlike the batch's first"
+            whose = f"the keys of field {path}" if path else "its fields"
+            return f"has {' and '.join(told)} among {whose}, unlike the batch's first"
         children = ((f"{path}.{key}" if path else str(key), first[key], item[key]) for key in first)
-    elif mappings_only:
+    elif mappings_only and not (isinstance(first, (tuple, list)) and isinstance(item, (tuple, list))):
         return None
-    elif type(first) is not type(item):
+    elif not mappings_only and type(first) is not type(item):
         return f"has {where} a {type(item).__name__}, where the batch's first has a {type(first).__name__}"
     elif isinstance(first, (tuple, list)):
-        if len(first) != len(item):
+        # With `mappings_only`, the dicts within: torch collates lists and tuples part by
+        # part, and names unequal lengths itself.
+        if not mappings_only and len(first) != len(item):
             return f"has {len(item)} parts, the batch's first {len(first)}"
         named = names is not None and not path and len(names) == len(first)
         children = ((str(names[i]) if named else f"{path}[{i}]" if path else str(i), a, b)  # type: ignore[index]
@@ -124,6 +134,13 @@ def _difference(first: Any, item: Any, path: str, mappings_only: bool,
     return None
 
 
+def _holds_a_mapping(item: Any) -> bool:
+    """Whether `item` is a dict, or a tuple or list with one in it, at any depth."""
+    if isinstance(item, Mapping):
+        return True
+    return isinstance(item, (tuple, list)) and any(_holds_a_mapping(part) for part in item)
+
+
 def pad_collate(batch: Sequence[Any], padding_value: float = 0) -> tuple[torch.Tensor, torch.Tensor, Any]:
     """Collate ``(sequence, label)`` pairs of different lengths.
 
@@ -138,11 +155,23 @@ def pad_collate(batch: Sequence[Any], padding_value: float = 0) -> tuple[torch.T
     # One dtype for all, as default_collate promotes: the first's cast 1.5 to 1 and 300 to 44.
     dtype = functools.reduce(torch.promote_types, (sequence.dtype for sequence in sequences))
     sequences = [sequence.to(dtype) for sequence in sequences]
+    _check_padding(padding_value, dtype)
     lengths = torch.tensor([len(s) for s in sequences], dtype=torch.int64)
     with one_batch():  # labels that fail to collate give the padded sequences' slot back
         padded = _pad(sequences, padding_value)
         labels = default_collate([item[1] for item in batch])
     return padded, lengths, labels
+
+
+def _check_padding(padding_value: float, dtype: torch.dtype) -> None:
+    """A `padding_value` the sequences' dtype cannot hold is refused: filled into shared
+    memory in a worker, -1 became 255 in uint8, where the main process refused it."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return
+    low, high = (0, 1) if dtype == torch.bool else (torch.iinfo(dtype).min, torch.iinfo(dtype).max)
+    if not (float(padding_value).is_integer() and low <= padding_value <= high):
+        raise CollateError(f"padding_value {padding_value!r} is no value of the sequences' dtype {dtype} "
+                           f"(integers {low} to {high})")
 
 
 def _pad(sequences: list[torch.Tensor], padding_value: float) -> torch.Tensor:

@@ -8,6 +8,7 @@ The data is 21 synthetic JPEGs packed into 9 shards of uneven size (see _data.py
 
 from __future__ import annotations
 
+import functools
 import gc
 import io
 import random
@@ -552,6 +553,71 @@ def test_sample_dicts_with_other_fields_do_not_collate_into_a_batch_without_them
     with pytest.raises(shardstream.CollateError) as raised:
         list(ds)
     assert raised.value.key == "s001" and "has no jpg and png among its fields" in str(raised.value), str(raised.value)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_arrays_of_other_dtypes_collate_to_one_promoted_dtype_with_workers_too(tmp_path, num_workers):
+    """Regression (found by review): in a DataLoader worker, a batch was stacked into the
+    first sample's dtype: int32 then int64 turned 2**40 into 0, float16 then float32 turned
+    70000.25 into inf, and bool then int64 failed; the main process promoted. Every process
+    promotes now, as torch.stack does."""
+    with ShardWriter(str(tmp_path / "ds")) as writer:
+        for key, array in (("a", np.array([1, 2], np.int32)), ("b", np.array([2**40, 300], np.int64)),
+                           ("c", np.array([0.5, 1.0], np.float16)), ("d", np.array([1.5, 70000.25], np.float32)),
+                           ("e", np.array([True, False])), ("f", np.array([7, 8], np.int64))):
+            writer.write({"__key__": key, "npy": array})
+    ds = StreamingDataset(str(tmp_path / "ds"), decode=None, fields=("npy",), batch_size=2)
+    it = iter(D.loader(ds, num_workers))
+    try:
+        got = [(x.dtype, x.tolist()) for (x,) in it]
+    finally:
+        shut_down(it)
+    assert got == [(torch.int64, [[1, 2], [2**40, 300]]), (torch.float32, [[0.5, 1.0], [1.5, 70000.25]]),
+                   (torch.int64, [[1, 0], [7, 8]])]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_dicts_within_samples_with_other_keys_do_not_collate(tmp_path, num_workers):
+    """Regression (found by review): only the samples' own dicts were compared; a JSON
+    field's dicts, in tuple samples (`fields`) or within a list, took the first's keys,
+    and a key the first lacked (a bbox) vanished from the batch, silently."""
+    with ShardWriter(str(tmp_path / "flat")) as writer:
+        writer.write({"__key__": "a", "json": {"x": 1}, "cls": 0})
+        writer.write({"__key__": "b", "json": {"x": 2, "bbox": [5, 6, 7, 8]}, "cls": 1})
+    with ShardWriter(str(tmp_path / "listed")) as writer:
+        writer.write({"__key__": "a", "json": [{"x": 1}], "cls": 0})
+        writer.write({"__key__": "b", "json": [{"x": 2, "bbox": 9}], "cls": 1})
+    for folder, fields, field in (("flat", ("json", "cls"), "field json"), ("listed", None, "field json[0]")):
+        ds = StreamingDataset(str(tmp_path / folder), decode=None, fields=fields, batch_size=2)
+        it = iter(D.loader(ds, num_workers))
+        try:
+            with pytest.raises(shardstream.CollateError) as raised:
+                list(it)
+        finally:
+            shut_down(it)
+        message = str(raised.value)
+        assert "sample 'b'" in message and f"has bbox among the keys of {field}" in message, message
+    alike = [({"x": 1, "y": [2]}, 0), ({"x": 3, "y": [4]}, 1)]
+    assert shardstream.default_collate(alike)[0]["x"].tolist() == [1, 3]  # alike dicts still collate
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_a_padding_value_the_dtype_cannot_hold_is_refused_in_every_process(tmp_path, num_workers):
+    """Regression (found by review): uint8 sequences padded with -1 were refused in the main
+    process and padded with 255 in a worker (filled into shared memory)."""
+    with ShardWriter(str(tmp_path / "ds")) as writer:
+        for i, length in enumerate((3, 1)):
+            writer.write({"__key__": f"s{i}", "npy": np.arange(length, dtype=np.uint8), "cls": i})
+    collate = functools.partial(pad_collate, padding_value=-1)
+    ds = StreamingDataset(str(tmp_path / "ds"), decode=None, fields=("npy", "cls"), batch_size=2, collate_fn=collate)
+    it = iter(D.loader(ds, num_workers))
+    try:
+        with pytest.raises(shardstream.CollateError, match="padding_value -1 is no value of .* torch.uint8"):
+            list(it)
+    finally:
+        shut_down(it)
+    padded, lengths, _ = pad_collate([(np.arange(3, dtype=np.uint8), 0), (np.arange(1, dtype=np.uint8), 1)], 255)
+    assert padded.tolist() == [[0, 1, 2], [0, 255, 255]] and lengths.tolist() == [3, 1]
 
 
 # -- sources other than a packed dataset -------------------------------------------------------------------
