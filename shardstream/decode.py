@@ -14,19 +14,16 @@ becomes a `DecodeError` naming the shard and the sample.
 from __future__ import annotations
 
 import io
-import json
 import math
 import pickle
-import tokenize
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
-import msgpack
 import numpy as np
 from PIL import Image
 
 from .errors import DecodeError, reason
-from .fields import field_extension
+from .fields import FIELD_DECODERS, READ_ERRORS, field_extension
 
 if TYPE_CHECKING:
     import torch
@@ -281,53 +278,13 @@ def hwc_to_chw_tensor(array: np.ndarray) -> Any:
     return torch.from_numpy(np.ascontiguousarray(array.transpose(2, 0, 1)))
 
 
-def _int(data: bytes) -> int:
-    return int(data)
-
-
-def _float(data: bytes) -> float:
-    return float(data)
-
-
-def _text(data: bytes) -> str:
-    return data.decode("utf-8")
-
-
-def _json(data: bytes) -> Any:
-    return json.loads(data)
-
-
-def _msgpack(data: bytes) -> Any:
-    return msgpack.unpackb(data, raw=False, strict_map_key=False, max_ext_len=0)
-
-
-def _npy(data: bytes) -> np.ndarray:
-    # The .npy format only: np.load also opens bytes that begin as a zip does, as a lazy
-    # NpzFile (not an array), and raises zipfile's own errors on damaged ones.
-    return np.lib.format.read_array(io.BytesIO(data), allow_pickle=False)
-
-
 def _pickle(data: bytes) -> Any:
     return pickle.loads(data)
 
 
-# What the field parsers (json, msgpack, numpy, pickle) raise on hostile bytes; MemoryError
-# too, for a header that claims a huge array.
-_FIELD_ERRORS = (ValueError, TypeError, EOFError, SyntaxError, RecursionError, OverflowError, MemoryError,
-                 tokenize.TokenError, msgpack.UnpackException, pickle.UnpicklingError)
+# What the field parsers (fields.py's, and pickle) raise on hostile bytes.
+_FIELD_ERRORS = (*READ_ERRORS, pickle.UnpicklingError)
 
-FIELD_DECODERS: dict[str, Callable[[bytes], Any]] = {
-    "cls": _int,
-    "cls2": _int,
-    "index": _int,
-    "txt": _text,
-    "text": _text,
-    "json": _json,
-    "msgpack": _msgpack,
-    "mp": _msgpack,
-    "npy": _npy,
-    "weight": _float,
-}
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import io
 import json
+import tokenize
 from typing import Any, Callable
 
 import msgpack
 import numpy as np
 
-from .errors import ShardstreamError
+from .errors import ShardstreamError, reason
 from .format import MAX_KEY_BYTES
 
 __all__ = ["encode_field", "encode_sample", "field_extension"]
@@ -29,7 +30,22 @@ def _encode_int(value: Any) -> bytes:
 
 def _encode_json(value: Any) -> bytes:
     # allow_nan=False: NaN and Infinity are not JSON, and other readers refuse them.
+    _check_json_keys(value)
     return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+def _check_json_keys(value: Any) -> None:
+    """JSON's keys are strings: json.dumps turns 1 into "1" and True into "true", and the
+    value would not read back as written (msgpack keeps them)."""
+    if isinstance(value, dict):
+        for name, part in value.items():
+            if not isinstance(name, str):
+                raise TypeError(f"a JSON object's keys are strings, not {name!r}: use str keys, or msgpack, "
+                                "which keeps others")
+            _check_json_keys(part)
+    elif isinstance(value, (list, tuple)):
+        for part in value:
+            _check_json_keys(part)
 
 
 def _encode_msgpack(value: Any) -> bytes:
@@ -66,6 +82,74 @@ ENCODERS: dict[str, Callable[[Any], bytes]] = {
 }
 
 
+# -- reading: what the stored bytes of a field are read as (decode.py applies these) --
+
+
+def _int(data: bytes) -> int:
+    return int(data)
+
+
+def _float(data: bytes) -> float:
+    return float(data)
+
+
+def _text(data: bytes) -> str:
+    return data.decode("utf-8")
+
+
+def _json(data: bytes) -> Any:
+    return json.loads(data)
+
+
+def _msgpack(data: bytes) -> Any:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False, max_ext_len=0)
+
+
+def _npy(data: bytes) -> np.ndarray:
+    # The .npy format only: np.load also opens bytes that begin as a zip does, as a lazy
+    # NpzFile (not an array), and raises zipfile's own errors on damaged ones.
+    return np.lib.format.read_array(io.BytesIO(data), allow_pickle=False)
+
+
+FIELD_DECODERS: dict[str, Callable[[bytes], Any]] = {
+    "cls": _int,
+    "cls2": _int,
+    "index": _int,
+    "txt": _text,
+    "text": _text,
+    "json": _json,
+    "msgpack": _msgpack,
+    "mp": _msgpack,
+    "npy": _npy,
+    "weight": _float,
+}
+
+# What the readers above raise on bytes they cannot read (numpy's header parser raises
+# SyntaxError and tokenize's errors; MemoryError for a header that claims a huge array).
+READ_ERRORS = (ValueError, TypeError, EOFError, SyntaxError, RecursionError, OverflowError, MemoryError,
+               tokenize.TokenError, msgpack.UnpackException)
+
+
+_WRITER_CHECKS = ("cls", "weight")  # the writer checks these itself, in its own words (their ranges too)
+
+
+def _readable(field: str, data: bytes, key: str) -> bytes:
+    """`data`, where every reader reads it as the field's extension says; else refused now,
+    not stored for every read to fail (an npy of pickled objects, text that is no UTF-8,
+    JSON or msgpack that does not parse: with the writer's own encoding, a tuple as a
+    msgpack map's key, which reads back as an unhashable list)."""
+    ext = field_extension(field)
+    decoder = FIELD_DECODERS.get(ext)
+    if decoder is None or ext in _WRITER_CHECKS:
+        return data
+    try:
+        decoder(data)
+    except READ_ERRORS as e:
+        raise ShardstreamError(f"field {field!r}: its bytes do not read back as {ext} ({reason(e)})",
+                               key=key or None) from e
+    return data
+
+
 def encode_field(field: str, value: Any, *, key: str = "") -> bytes:
     """The bytes stored for `value` under the field name `field`.
 
@@ -73,7 +157,7 @@ def encode_field(field: str, value: Any, *, key: str = "") -> bytes:
     are encoded by the field's last extension.
     """
     if isinstance(value, (bytes, bytearray, memoryview)):
-        return bytes(value)
+        return _readable(field, bytes(value), key)
     ext = field_extension(field)
     encoder = ENCODERS.get(ext)
     if encoder is None:
@@ -85,9 +169,10 @@ def encode_field(field: str, value: Any, *, key: str = "") -> bytes:
             key=key or None,
         )
     try:
-        return encoder(value)
+        data = encoder(value)
     except (TypeError, ValueError, OverflowError, RecursionError) as e:  # msgpack's ints past 64 bits; deep json
         raise ShardstreamError(f"field {field!r}: cannot encode {type(value).__name__}: {e}", key=key or None) from e
+    return _readable(field, data, key) if encoder is _encode_msgpack else data
 
 
 def field_extension(name: str) -> str:

@@ -145,13 +145,15 @@ class SamplePrep:
         return frozenset(name for spec in self.fields for name in spec.split(";"))
 
     def _wanted(self, sample: dict[str, Any]) -> dict[str, Any]:
-        """`sample` without the fields nothing will see, before they are decoded: a mask PNG
-        beside the JPEG took 100 times the sample's time to decode, a damaged one failed the
-        sample, and a pickle field asked for `allow_pickle`, all for fields `fields` drops."""
+        """`sample` without the bytes of the fields nothing will see, before they are decoded:
+        a mask PNG beside the JPEG took 100 times the sample's time to decode, a damaged one
+        failed the sample, and a pickle field asked for `allow_pickle`, all for fields
+        `fields` drops. Their names stay (as None, which nothing decodes), for a missing
+        field's error to list what the sample holds."""
         names = self._names
         if names is None:
             return sample
-        return {name: value for name, value in sample.items() if name in names or name.startswith("__")}
+        return {name: value if name in names or name.startswith("__") else None for name, value in sample.items()}
 
     def _picked(self, sample: dict[str, Any]) -> Any:
         if self.fields is None:

@@ -14,6 +14,11 @@ from shardstream import CenterCropJPEG, DecodeError, RandomResizedCropJPEG, Shar
 from shardstream.policy import ErrorPolicy
 from shardstream.synthetic import synthetic_jpeg
 
+try:
+    from . import _data as D
+except ImportError:
+    import _data as D
+
 SAMPLES = 40
 BAD = {"s011", "s027"}  # truncated JPEGs in the `damaged` dataset
 
@@ -240,13 +245,13 @@ def test_a_sample_with_two_bad_fields_names_the_field_inline_decoding_names(tmp_
     body and a later JSON field were both bad, the error named the JSON field; decoding
     inline names the first bad field in the sample's order (sorted by name, as stored)."""
     jpg = synthetic_jpeg(1, 64, 48)
-    with ShardWriter(str(tmp_path / "ds")) as writer:
-        writer.write({"__key__": "good", "jpg": jpg, json_field: b"{}"})
-        writer.write({"__key__": "bad", "jpg": jpg[: len(jpg) // 3], json_field: b"{not json"})
+    folder = D.write_unchecked(tmp_path / "ds", [{"__key__": "good", "jpg": jpg, json_field: b"{}"},
+                                                 {"__key__": "bad", "jpg": jpg[: len(jpg) // 3],
+                                                  json_field: b"{not json"}])
 
     def error(threads: int) -> str:
         with pytest.raises(DecodeError) as info:
-            list(StreamingDataset(str(tmp_path / "ds"), decode=decode, decode_threads=threads))
+            list(StreamingDataset(folder, decode=decode, decode_threads=threads))
         text = str(info.value)
         del info
         gc.collect()  # the traceback held the stream's threads

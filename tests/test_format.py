@@ -18,6 +18,7 @@ import msgpack
 import numpy as np
 import pytest
 import zstandard
+from PIL import Image
 
 import shardstream
 from shardstream import ShardWriter, StreamingDataset, open_dataset, open_shard
@@ -1408,3 +1409,45 @@ def test_an_index_past_what_readers_read_is_refused_where_written_and_a_key_too_
     with pytest.raises(ShardstreamError, match="past what a reader reads"):
         index_tars(str(folder))
     assert not list(folder.glob("*.idx")) and not (folder / MANIFEST_NAME).exists()
+
+
+def test_shardwriter_refuses_fields_that_would_not_read_back_as_written(tmp_path):
+    """Regression (found by review): bytes given for a typed field were stored unchecked (an
+    npy of pickled objects, text that is no UTF-8, JSON or msgpack that does not parse), a
+    msgpack map keyed by tuples was written and read back as an unhashable list, and a JSON
+    object's int, bool and None keys came back as strings: each written, and then every
+    read failed or differed. Each is refused at `write`, naming the sample and field."""
+    pickled = io.BytesIO()
+    np.save(pickled, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    refused = [({"npy": pickled.getvalue()}, "do not read back as npy"),
+               ({"txt": b"\xff\xfe"}, "do not read back as txt"),
+               ({"json": b"{not json"}, "do not read back as json"),
+               ({"mp": b"\xc1"}, "do not read back as mp"),
+               ({"msgpack": {(0, 1): 0.5}}, "do not read back as msgpack"),
+               ({"json": {1: "a"}}, "keys are strings"),
+               ({"json": [{"ok": {True: 1}}]}, "keys are strings")]
+    with ShardWriter(str(tmp_path / "ds")) as writer:
+        for fields, message in refused:
+            with pytest.raises(ShardstreamError, match=message) as info:
+                writer.write({"__key__": "bad", **fields})
+            assert info.value.key == "bad"
+        good = {"__key__": "good", "json": {"a": [1, (2, 3)]}, "msgpack": {1: "one", "t": (1, 2)}, "txt": b"caf\xc3\xa9",
+                "npy": np.arange(3)}
+        writer.write(good)
+    [sample] = list(StreamingDataset(str(tmp_path / "ds"), decode=None))
+    got = Decoder()(sample)
+    assert got["json"] == {"a": [1, [2, 3]]} and got["msgpack"] == {1: "one", "t": [1, 2]} and got["txt"] == "café"
+    assert got["npy"].tolist() == [0, 1, 2]
+
+
+def test_a_missing_field_names_the_fields_the_sample_holds(tmp_path):
+    """Regression (found by review): with `fields`, the error for a missing field listed
+    what was left once the fields not asked for were dropped (`has ['cls']`, or `[]`)."""
+    png = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(png, "PNG")
+    with ShardWriter(str(tmp_path / "ds")) as writer:
+        writer.write({"__key__": "a", "jpg": png.getvalue(), "cls": 0})
+        writer.write({"__key__": "b", "png": png.getvalue(), "txt": "caption", "cls": 1})
+    for fields in (("jpg", "cls"), ("jpg",)):
+        with pytest.raises(shardstream.MissingFieldError, match=r"no field 'jpg'; the sample has \['cls', 'png', 'txt'\]"):
+            list(StreamingDataset(str(tmp_path / "ds"), fields=fields))
