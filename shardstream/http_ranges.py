@@ -60,6 +60,32 @@ class HTTPStatusError(OSError):
         self.headers = dict(headers or {})
 
 
+class RangeRefused(Exception):
+    """A 416 for a range that runs past the end of a file `total` bytes long, which RFC 9110
+    says to answer with the bytes up to the end: asked again up to `total` (`refused_range`)."""
+
+    def __init__(self, total: int):
+        super().__init__(total)
+        self.total = total
+
+
+def refused_range(content_range: str | None, url: str, start: int | None, end: int | None,
+                  headers: Mapping[str, str] | None = None) -> None:
+    """What a 416 answer to bytes [start, end) of `url` means, by the file's size its
+    Content-Range gives (``bytes */N``): returns where the range starts at or past the end
+    (nothing to read; also where no size is given, as compliant servers mean it); raises
+    `RangeRefused` for a range that runs past the end, to be asked again up to it (some
+    servers refuse one: read as nothing, a tar streamed as no samples, silently); raises
+    `HTTPStatusError` for a range within the file, which the server should have sent."""
+    match = re.fullmatch(r"bytes \*/(\d+)", (content_range or "").strip(), re.IGNORECASE)
+    if match is None or (start or 0) >= int(match[1]):
+        return
+    total = int(match[1])
+    if end is None or end > total:
+        raise RangeRefused(total)
+    raise HTTPStatusError(416, url, headers, f"bytes {start or 0}-{end - 1} refused, of a file of {total} bytes")
+
+
 @functools.cache
 def available() -> bool:
     """Whether urllib3 is installed (it comes with botocore, requests and most environments)."""
@@ -87,7 +113,11 @@ def read_range(url: str, start: int | None, end: int | None, *, headers: Mapping
     url = _credentials_to_header(url, request_headers)
     pieces = []
     while True:
-        data, url, request_headers, more = _read_once(url, start, end, request_headers, connect_s, read_s, size)
+        try:
+            data, url, request_headers, more = _read_once(url, start, end, request_headers, connect_s, read_s, size)
+        except RangeRefused as refused:
+            end = refused.total
+            continue
         pieces.append(data)
         if more is None:
             return pieces[0] if len(pieces) == 1 else b"".join(pieces)
@@ -123,7 +153,8 @@ def _read_once(url: str, start: int | None, end: int | None, headers: dict[str, 
             raise FileNotFoundError(shown_url(url))
         if response.status in (401, 403):
             raise PermissionError(f"HTTP {response.status} for {shown_url(url)}")
-        if response.status == 416:  # the range starts at or past the end
+        if response.status == 416:  # the range starts at or past the end (or runs past it: RangeRefused)
+            refused_range(response.headers.get("Content-Range"), url, start, end, response.headers)
             return b"", url, headers, None
         if response.status >= 300:  # errors, and redirects beyond MAX_REDIRECTS or without a Location
             raise HTTPStatusError(response.status, url, response.headers,

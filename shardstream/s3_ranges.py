@@ -26,7 +26,7 @@ import time
 from typing import Any, Mapping
 
 from .deadlines import deadline_s, headers_due, read_body, watched
-from .http_ranges import check_size, fit_range, range_header
+from .http_ranges import RangeRefused, check_size, fit_range, range_header, refused_range
 from .perprocess import PerProcess
 from .retry import is_transient
 
@@ -105,7 +105,11 @@ def read_range(url: str, start: int | None, end: int | None, options: Mapping[st
     for the rest; one that ignores ranges has its whole object cut to the range)."""
     pieces = []
     while True:
-        data, more = _read_once(url, start, end, options, connect_s, read_s, size)
+        try:
+            data, more = _read_once(url, start, end, options, connect_s, read_s, size)
+        except RangeRefused as refused:
+            end = refused.total
+            continue
         pieces.append(data)
         if more is None:
             return pieces[0] if len(pieces) == 1 else b"".join(pieces)
@@ -137,7 +141,9 @@ def _read_once(url: str, start: int | None, end: int | None, options: Mapping[st
         # RetryPolicy then retries it.
         if code == "AccessDenied" or (status == 403 and not is_transient(e)):
             raise PermissionError(f"{code or status} for {url}") from e
-        if status == 416 or code == "InvalidRange":  # the range starts at or past the end
+        if status == 416 or code == "InvalidRange":  # the range starts at or past the end (or runs past it)
+            sent = e.response.get("ResponseMetadata", {}).get("HTTPHeaders", {})
+            refused_range(sent.get("content-range"), url, start, end, sent)
             return b"", None
         raise  # RetryPolicy reads the status: 5xx and throttling are retried
     body = response["Body"]

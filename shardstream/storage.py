@@ -24,6 +24,7 @@ import os
 import posixpath
 import sys
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO, Iterable, Iterator, Mapping
 
@@ -150,11 +151,14 @@ class Store:
         """The full URL (or path) of the file `name` in this store.
 
         An HTTP(S) root's query string (a token, an Azure SAS signature: one for every file
-        below the root) goes on each file's URL, after its name.
+        below the root) goes on each file's URL, after its name, which is percent-encoded
+        there (a name with '#', '?', '%' or a space named another file, or cut the query off).
         """
         if self.local:
             return os.path.join(local_path(self.root), name)
         base, query = split_query(self.root)
+        if base.startswith(("http://", "https://")):
+            name = urllib.parse.quote(name)
         return posixpath.join(base.rstrip("/"), name) + query
 
     def _fs_path(self, name: str) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -243,9 +247,16 @@ class Store:
         try:
             data = fs.cat_file(path, start=start, end=end)
         except Exception as e:  # fsspec's HTTP raises aiohttp's errors, which are no OSErrors
-            if http_status(e) == 416:  # a range from the end on (of an empty file too): nothing, as the
-                return b""  # direct readers answer
-            raise
+            if http_status(e) != 416:
+                raise
+            # A range from the end on (of an empty file too): nothing, as the direct readers
+            # answer; one running past the end that the server refused: asked again up to it.
+            sent = getattr(e, "headers", None) or {}
+            try:
+                http_ranges.refused_range(sent.get("Content-Range"), self.url(name), start, end, sent)
+            except http_ranges.RangeRefused as refused:
+                return self._remote_read(name, start, refused.total, size)
+            return b""
         if end is not None and len(data) > end - (start or 0):
             # A server that ignores Range answers 200 with the whole file, which fsspec's HTTP
             # passes on as it came (the direct reader cuts the range from it, http_ranges.py).

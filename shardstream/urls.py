@@ -8,6 +8,7 @@ signature) belongs to its location and is put back on every file's URL there.
 from __future__ import annotations
 
 import os
+import urllib.parse
 
 from .errors import USERINFO
 
@@ -43,8 +44,14 @@ def expand_home(url: str) -> str:
 
 
 def local_path(url: str) -> str:
-    """The file system path of a local `url`."""
-    return url[len("file://") :] if url.startswith("file://") else url
+    """The file system path of a local `url`: a path as it is; a ``file://`` URL (also
+    ``file://localhost/``) percent-decoded, as `Path.as_uri()` writes one."""
+    if not url.startswith("file://"):
+        return url
+    path = url[len("file://"):]
+    if path.startswith("localhost/"):
+        path = path[len("localhost"):]
+    return urllib.parse.unquote(path)
 
 
 def split_url(url: str) -> tuple[str, str]:
@@ -55,6 +62,8 @@ def split_url(url: str) -> tuple[str, str]:
     if "://" in url:
         scheme, rest = url.split("://", 1)
         parent, _, name = rest.rpartition("/")
+        if scheme in ("http", "https"):  # the file's name, as `Store.url` encodes it again
+            name = urllib.parse.unquote(name)
         return f"{scheme}://{parent}{query}", name
     parent, name = os.path.split(url)
     return parent or ".", name
