@@ -160,6 +160,12 @@ def _read_once(url: str, start: int | None, end: int | None, headers: dict[str, 
             raise HTTPStatusError(response.status, url, response.headers,
                                   f"a redirect after {MAX_REDIRECTS}: a loop?" if location else "")
         data = read_body(response, response.read, url, started, size, connect_s, read_s)
+        if size is None and response.status == 200 and file_size is not None and len(data) < file_size \
+                and response.headers.get("Transfer-Encoding", "").lower() != "chunked":
+            # A body that ends where the connection does, and ended early: a transfer cut
+            # short (retried), not a file replaced by a shorter one (a length would say so).
+            raise ConnectionError(f"{shown_url(url)} sent {len(data)} bytes of a file of {file_size}, with no "
+                                  "length, and closed: cut short")
     finally:
         # An error's body too: the connection goes back to the pool clean.
         _release(response, url, started, started + deadline_s(size or 0, connect_s, read_s))

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Iterable, Iterator, Mapping
 
 from . import forkloop  # noqa: F401 - registers the fork handlers for fsspec's event loop
 from . import http_ranges, s3_ranges
-from .errors import StorageError, described, safe_cause
+from .errors import StorageError, described, safe_cause, shown_url
 from .iostats import io_stats
 from .retry import RetryPolicy, http_status
 from .scratch import drop_scratch, scratch_file, sync_file, sync_folder
@@ -101,6 +101,25 @@ def _s3_filesystem_class() -> type[fsspec.AbstractFileSystem]:
     from .s3fs_one_try import OneTryS3FileSystem
 
     return OneTryS3FileSystem
+
+
+def _fitted(data: bytes, url: str, start: int | None, end: int | None, size: int | None) -> bytes:
+    """Bytes [start, end) of `url`, from what fsspec's `cat_file` gave for them (`size`: the
+    file's, where its reader knows it). A server that ignores Range answers 200 with the
+    whole file, which fsspec's HTTP passes on as it came: the range is cut from it (as the
+    direct reader does, http_ranges.py). Anything else longer is another range (a proxy that
+    rounds ranges out), and anything shorter than the file holds a transfer cut short: taken
+    as they came, both failed as damaged data, not retried."""
+    first = start or 0
+    if end is not None and len(data) > end - first:
+        if size is not None and len(data) != size:
+            raise http_ranges.RangeMismatchError(f"{shown_url(url)} sent {len(data)} bytes for bytes {first}-{end - 1} "
+                                                 f"of a file of {size}")
+        return data[first:end]
+    if size is not None and len(data) < min(size if end is None else end, size) - first:
+        raise ConnectionError(f"{shown_url(url)} sent {len(data)} of the bytes {first}-{min(end or size, size) - 1} "
+                              "asked: cut short")
+    return data
 
 
 @dataclass(frozen=True)
@@ -257,11 +276,7 @@ class Store:
             except http_ranges.RangeRefused as refused:
                 return self._remote_read(name, start, refused.total, size)
             return b""
-        if end is not None and len(data) > end - (start or 0):
-            # A server that ignores Range answers 200 with the whole file, which fsspec's HTTP
-            # passes on as it came (the direct reader cuts the range from it, http_ranges.py).
-            data = data[start or 0 : end]
-        return data
+        return _fitted(data, self.url(name), start, end, size)
 
     def open(self, name: str) -> BinaryIO:
         """A binary file object for sequential reading.

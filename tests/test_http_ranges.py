@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import http.server
 import multiprocessing
+import os
+import re
 import socket
 import threading
 import time
@@ -19,6 +22,7 @@ from shardstream import StorageError, http_ranges, storage, watchdog
 from shardstream.http_ranges import HTTPStatusError, RequestDeadlineError, read_range
 from shardstream.retry import RetryPolicy, is_transient
 from shardstream.storage import Store
+from shardstream.synthetic import synthetic_jpeg
 
 try:
     from . import _remote_helpers as H
@@ -1045,3 +1049,69 @@ def test_file_names_are_percent_encoded_in_http_urls(tmp_path, options, fsspec_l
         shard = f"{server.url}/my%20data/a%2520b.tar"  # a URL given names the file 'a%20b.tar'
         assert [key for (key,) in shardstream.StreamingDataset([shard], decode=None, fields=("__key__",),
                                                                storage_options=options)] == ["k3"]
+
+
+class _Misanswering(_Served):
+    """Serves `root` by ranges, and misanswers as proxies do: with `cut`, the first answer
+    for each shard file has no Content-Length and closes halfway (with `whole`, the server
+    ignores ranges: 200 and the whole file); with `rounding`, ranges are rounded out to 4 KiB
+    (the Content-Range honest)."""
+
+    root = ""
+    cut = False
+    whole = False
+    rounding = False
+    seen: collections.Counter = collections.Counter()
+
+    def answer(self) -> None:
+        path = os.path.join(self.root, self.path.split("?", 1)[0].lstrip("/"))
+        if not os.path.isfile(path):
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        data = Path(path).read_bytes()
+        match = None if self.whole else re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
+        first, last = (int(match[1]), min(int(match[2]) if match[2] else len(data) - 1, len(data) - 1)) if match \
+            else (0, len(data) - 1)
+        if self.rounding:
+            first, last = first // 4096 * 4096, min(len(data) - 1, (last // 4096 + 1) * 4096 - 1)
+        self.send_response(206 if match else 200)
+        if match:
+            self.send_header("Content-Range", f"bytes {first}-{last}/{len(data)}")
+        body = data[first : last + 1]
+        self.seen[self.path] += 1
+        if self.cut and self.path.endswith(".tar") and self.seen[self.path] == 1:
+            self.end_headers()  # no length: the body ends where the connection does
+            self.wfile.write(body[: len(body) // 2])
+            return
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.mark.parametrize("options", [{}, {"client_kwargs": {}}], ids=["direct", "fsspec"])
+def test_a_cut_or_other_range_is_retried_or_a_storage_error_never_damaged_data(tmp_path, options, fsspec_loop):
+    """Regression (found by review): a shard's answer with no length, cut short by a dropped
+    connection, was a "replaced" shard on the direct path and damaged data on fsspec's, not
+    retried; and fsspec's path took a longer answer (a range rounded out) for the whole file,
+    sliced it, and read it as a damaged shard (under on_error="skip", good samples skipped).
+    A cut is retried; another range is a StorageError, counted as no bad sample."""
+    for n in range(16):
+        (tmp_path / "src" / f"c{n % 2}").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "src" / f"c{n % 2}" / f"i{n}.jpg").write_bytes(synthetic_jpeg(n, 96, 80))
+    shardstream.pack(str(tmp_path / "src"), str(tmp_path / "ds"), compression="none", workers=1,
+                     progress=False)
+    expected = sorted(s["__key__"] for s in shardstream.StreamingDataset(str(tmp_path / "ds"), decode=None))
+    retry = shardstream.RetryPolicy(attempts=3, base_delay=0.01, max_delay=0.02)
+    # fsspec's path sees no headers: a whole file cut short is no range it can tell from another.
+    for whole in (False, True) if not options else (False,):
+        with serving(_Misanswering, root=str(tmp_path), cut=True, whole=whole, seen=collections.Counter()) as (url, _):
+            ds = shardstream.StreamingDataset(f"{url}/ds", decode=None, storage_options=options, retry=retry)
+            assert sorted(s["__key__"] for s in ds) == expected
+    with serving(_Misanswering, root=str(tmp_path), rounding=True) as (url, _):
+        ds = shardstream.StreamingDataset(f"{url}/ds", decode=None, storage_options=options, retry=retry,
+                                          rank=1, world_size=2, on_error=shardstream.ErrorPolicy(mode="skip"))
+        with pytest.raises(StorageError, match="RangeMismatchError"):
+            list(ds)
+        assert ds.skipped == 0
