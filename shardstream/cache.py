@@ -67,7 +67,7 @@ from typing import BinaryIO, Callable, Iterator
 
 from .cacheroom import Room, names_file, writing as _writing
 from .cancel import pause
-from .errors import ShardstreamError, StorageError
+from .errors import DownloadChecksumError, ShardstreamError, StorageError
 from .format import INDEX_SUFFIX
 from .iostats import io_stats
 from .reader import ShardReader
@@ -266,8 +266,8 @@ class ShardCache:
                     if _download_into(ref.store, remote, size, digest, f, part):
                         break
                     if attempt == DOWNLOAD_ATTEMPTS:
-                        raise StorageError(f"downloaded file does not match the manifest's checksum "
-                                           f"({DOWNLOAD_ATTEMPTS} downloads)", url=ref.store.url(remote))
+                        raise DownloadChecksumError(f"downloaded file does not match the manifest's checksum "
+                                                    f"({DOWNLOAD_ATTEMPTS} downloads)", url=ref.store.url(remote))
                     io_stats.add(retries=1)
             # Both land once both are here, in one turn (a walk sees each file under one name or
             # the other): a shard is of no use without its index (`_present`), and one landed

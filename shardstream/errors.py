@@ -163,6 +163,11 @@ class StorageError(ShardstreamError):
     """Reading or writing storage failed after the allowed retries."""
 
 
+class DownloadChecksumError(StorageError):
+    """A shard downloaded whole into the cache never matched its manifest's checksum: the
+    stored file is not the one the manifest describes (damaged, or replaced)."""
+
+
 class BracePatternError(ShardstreamError, ValueError):
     """A brace pattern that names no shards: unbalanced braces, a range of mixed kinds, or too many names."""
 

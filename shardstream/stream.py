@@ -9,6 +9,7 @@ comes within `buffer` samples of its arrival, which bounds the memory held.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -18,7 +19,7 @@ import numpy as np
 
 from .cache import ShardCache
 from .cancel import Cancellation
-from .errors import CorruptIndexError, CorruptShardError, ShardstreamError, StorageError
+from .errors import CorruptIndexError, CorruptShardError, DownloadChecksumError, ShardstreamError, StorageError
 from .iostats import io_stats
 from .pieces import PieceKey, adjacent_repeats, piece_key, planned_pieces, ramp, sample_runs, stretches
 from .reader import READ_BYTES, Sample, ShardReader
@@ -28,6 +29,8 @@ from .source import Source
 
 if TYPE_CHECKING:
     from .headstart import HeadStart
+
+log = logging.getLogger("shardstream")
 
 __all__ = ["Readers", "read_piece", "read_samples", "read_tolerant", "read_whole", "reorder"]
 
@@ -73,8 +76,12 @@ class Readers:
         with entry[0]:
             if entry[1] is None:
                 ref = self.source.shards[shard]
+                lock = None
                 if self.cache is not None and not ref.store.local:
-                    entry[1], lock = self.cache.open(ref)
+                    entry[1], lock = self._cached(shard)
+                else:
+                    entry[1] = self.source.reader(shard)
+                if lock is not None:
                     with self._guard:
                         self._locks.append(lock)
                         self._shard_locks[shard] = lock
@@ -83,9 +90,19 @@ class Readers:
                             self._locks.remove(held)
                     if held is not None:
                         held.close()  # this iteration's own lock keeps the copy now
-                else:
-                    entry[1] = self.source.reader(shard)
             return entry[1]
+
+    def _cached(self, shard: int) -> tuple[ShardReader | StreamTarReader, BinaryIO | None]:
+        """`shard`'s reader over its cached copy, and the lock that keeps the copy; where the
+        stored file is not the manifest's (its download never matched the checksum), a reader
+        by ranges as without a cache, each frame's checksum deciding which samples are bad
+        (under on_error="skip" they are skipped, not the whole run ended), and no lock."""
+        assert self.cache is not None
+        try:
+            return self.cache.open(self.source.shards[shard])
+        except DownloadChecksumError as e:
+            log.warning("%s; read uncached, by ranges", e)
+            return self.source.reader(shard), None
 
     def hold(self, shard: int, lock: BinaryIO) -> None:
         """Keep `lock`, a shared lock on `shard`'s cached copy (a head start's download),
