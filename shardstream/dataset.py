@@ -473,6 +473,7 @@ class StreamingDataset(Checkpointing, IterableDataset):
         prep = SamplePrep(self._decoder, self.transform, self.fields, self.seed, part.epoch, self._ahead,
                           self.decode_threads)
         ids = draws[remaining].tolist()
+        planned = plan.epoch_share(part, len(mine))  # what the fraction cap counts from
         on_skip = lambda: self._shared.add_skip(world.worker)  # noqa: E731
 
         def earlier() -> Iterator[tuple[dict[str, Any], int]]:
@@ -486,10 +487,10 @@ class StreamingDataset(Checkpointing, IterableDataset):
         if self.decode_threads:
             ahead = prep.ahead_of(zip(ordered, ids))
             stages.insert(0, ahead)
-            items = guarded(ahead, prep.complete, self.on_error, len(mine), on_skip,
+            items = guarded(ahead, prep.complete, self.on_error, planned, on_skip,
                             lambda: prep.ahead_of(earlier()))
         else:
-            items = guarded(zip(ordered, ids), lambda pair: prep(*pair), self.on_error, len(mine), on_skip, earlier)
+            items = guarded(zip(ordered, ids), lambda pair: prep(*pair), self.on_error, planned, on_skip, earlier)
         if self.batch_size is not None:
             items = prep.batched(items, ids, self.batch_size, self.drop_last, self.collate_fn,
                                  lambda draw: source.where(int(plan.sequences.samples_of(np.array([draw]))[0])))

@@ -21,6 +21,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
+import numpy as np
+
 from .errors import ShardstreamError, StorageError
 
 __all__ = ["ErrorPolicy", "TooManyErrors", "guarded"]
@@ -43,6 +45,14 @@ class ErrorPolicy:
     def __post_init__(self) -> None:
         if self.mode not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', not {self.mode!r}")
+        # Checked here, not at the first bad sample (hours in, a bare TypeError): "5", -3, NaN.
+        skips = self.max_skips
+        if skips is not None and (isinstance(skips, bool) or not isinstance(skips, (int, np.integer)) or skips < 0):
+            raise ValueError(f"max_skips is a count of 0 or more, or None: not {skips!r}")
+        fraction = self.max_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float, np.number)) \
+                or not 0 <= float(fraction) <= 1:
+            raise ValueError(f"max_fraction is a fraction from 0 to 1: not {fraction!r}")
 
     @classmethod
     def of(cls, value: "str | ErrorPolicy") -> "ErrorPolicy":

@@ -75,6 +75,16 @@ class RankPlan:
         frontier = int(perm[:start].max()) + 1 if start and source.indexed else 0
         return mine, remaining, read_order(remaining, frontier, source.samples_per_frame())
 
+    def epoch_share(self, part: WorkerEpoch, reads: int) -> int:
+        """The samples a plan worker reads in a whole epoch of this layout, for the error
+        policy's fraction cap: `reads` (its draws of `part`), or after a resume onto another
+        layout (a later segment, holding what the layouts before left), its share of the
+        whole epoch: the cap of what is left, 1% of it, refused a resume the uninterrupted
+        run would have finished, on every restart."""
+        if part.segment == 0:
+            return reads
+        return max(reads, -(-len(self.block(part.epoch)) // self.layout.workers))
+
     def yielded(self, part: WorkerEpoch) -> np.ndarray:
         """The positions among the plan worker's draws (`reads`) that it yielded before its
         first `part.done` items (a resumed run's: the run before yielded them), in order."""

@@ -972,3 +972,42 @@ def test_a_pack_worker_that_dies_is_named_with_the_images_it_was_building(tmp_pa
         with pytest.raises(ShardstreamError, match=rf"exited unexpectedly \(exit code 3\) while building .*{victim}"):
             shardstream.pack(str(tmp_path / "src"), str(tmp_path / f"ds{attempt}"), shard_size="8KB", workers=2,
                              progress=False)
+
+
+def test_the_fraction_cap_of_an_elastic_resume_counts_the_whole_epoch(tmp_path):
+    """Regression (found by review): after a resume onto another layout, the default cap (1%
+    of a worker's samples) was taken of what was left: 3 bad samples of 400 passed the run
+    (cap 4) and its resume on the same layout, and failed its resume on 2 ranks (cap 1 of
+    50 left) on every restart. The cap counts the worker's share of the whole epoch."""
+    bad = {330, 340, 350}
+    with shardstream.ShardWriter(str(tmp_path / "ds"), shard_size="40KB") as writer:
+        for i in range(400):
+            jpg = b"not an image\n" * 10 if i in bad else synthetic_jpeg(i, 16, 16, quality=70)
+            writer.write({"__key__": f"s{i:03d}", "jpg": jpg})
+
+    def dataset(rank: int = 0, world_size: int = 1) -> shardstream.StreamingDataset:
+        return shardstream.StreamingDataset(str(tmp_path / "ds"), decode="rgb8", fields=("__key__", "jpg"),
+                                            on_error="skip", rank=rank, world_size=world_size, batch_size=10,
+                                            collate_fn=lambda batch: [key for key, _ in batch])
+
+    ds = dataset()
+    it = iter(ds)
+    seen = [key for _ in range(30) for key in next(it)]
+    state = ds.state_dict()
+    it.close()
+    rest = []
+    for rank in range(2):
+        resumed = dataset(rank, 2)
+        resumed.load_state_dict(state)
+        rest += [key for batch in resumed for key in batch]
+    assert set(seen) | set(rest) == {f"s{i:03d}" for i in range(400)} - {f"s{i:03d}" for i in bad}
+
+
+@pytest.mark.parametrize("settings", [{"max_skips": "5"}, {"max_skips": -3}, {"max_skips": True},
+                                      {"max_fraction": float("nan")}, {"max_fraction": "0.5"}, {"max_fraction": 50}])
+def test_an_error_policy_with_a_cap_that_is_no_number_is_refused_where_made(settings):
+    """Regression (found by review): only `mode` was checked; a cap of "5", -3 or NaN failed at
+    the first bad sample, hours into a run, as a bare TypeError or ValueError."""
+    with pytest.raises(ValueError, match="max_skips is a count|max_fraction is a fraction"):
+        shardstream.ErrorPolicy(mode="skip", **settings)
+    assert shardstream.ErrorPolicy(mode="skip", max_skips=0, max_fraction=1).max_skips == 0
