@@ -114,7 +114,8 @@ def read_range(url: str, start: int | None, end: int | None, *, headers: Mapping
     pieces = []
     while True:
         try:
-            data, url, request_headers, more = _read_once(url, start, end, request_headers, connect_s, read_s, size)
+            data, url, request_headers, more, _ = _read_once(url, start, end, request_headers, connect_s, read_s,
+                                                             size)
         except RangeRefused as refused:
             end = refused.total
             continue
@@ -124,10 +125,25 @@ def read_range(url: str, start: int | None, end: int | None, *, headers: Mapping
         start = more
 
 
+def file_size(url: str, *, headers: Mapping[str, str] = {}, connect_s: float = 10.0, read_s: float = 20.0) -> int:
+    """The size of the file at `url`, from a one-byte ranged GET within `read_range`'s
+    deadlines (its Content-Range's total; a 200's whole body; a 416's ``bytes */N``), where
+    fsspec's HEAD had none (a server trickling it held the lookup forever) and failed on a
+    server that sends no Content-Length (chunked, or compressed)."""
+    request_headers = dict(headers)
+    url = _credentials_to_header(url, request_headers)
+    *_, total = _read_once(url, 0, 1, request_headers, connect_s, read_s)
+    if total is None:
+        raise HTTPStatusError(206, url, None, "its answer to a range gave no size (a Content-Range of '*')")
+    return total
+
+
 def _read_once(url: str, start: int | None, end: int | None, headers: dict[str, str], connect_s: float,
-               read_s: float, file_size: int | None = None) -> tuple[bytes, str, dict[str, str], int | None]:
+               read_s: float, file_size: int | None = None
+               ) -> tuple[bytes, str, dict[str, str], int | None, int | None]:
     """One request for bytes [start, end) of `url`, its redirects followed: (the bytes, the URL
-    that sent them, the headers sent there, where to go on from if the server sent less)."""
+    that sent them, the headers sent there, where to go on from if the server sent less, the
+    file's size where the answer gave it)."""
     request_headers = dict(headers)
     if start is not None or end is not None:
         request_headers["Range"] = range_header(start, end)
@@ -155,7 +171,7 @@ def _read_once(url: str, start: int | None, end: int | None, headers: dict[str, 
             raise PermissionError(f"HTTP {response.status} for {shown_url(url)}")
         if response.status == 416:  # the range starts at or past the end (or runs past it: RangeRefused)
             refused_range(response.headers.get("Content-Range"), url, start, end, response.headers)
-            return b"", url, headers, None
+            return b"", url, headers, None, content_range_total(response.headers.get("Content-Range"))
         if response.status >= 300:  # errors, and redirects beyond MAX_REDIRECTS or without a Location
             raise HTTPStatusError(response.status, url, response.headers,
                                   f"a redirect after {MAX_REDIRECTS}: a loop?" if location else "")
@@ -170,8 +186,15 @@ def _read_once(url: str, start: int | None, end: int | None, headers: dict[str, 
         # An error's body too: the connection goes back to the pool clean.
         _release(response, url, started, started + deadline_s(size or 0, connect_s, read_s))
     request_headers.pop("Range", None)
+    total = len(data) if response.status == 200 else content_range_total(response.headers.get("Content-Range"))
     data, more = fit_range(response.status, response.headers.get("Content-Range"), data, url, start, end, file_size)
-    return data, url, request_headers, more
+    return data, url, request_headers, more, total
+
+
+def content_range_total(content_range: str | None) -> int | None:
+    """The file's size a Content-Range gives (``bytes a-b/N``, ``bytes */N``), or None."""
+    size = (content_range or "").rpartition("/")[2].strip()
+    return int(size) if size.isdigit() else None
 
 
 def fit_range(status: int, content_range: str | None, data: bytes, url: str, start: int | None, end: int | None,

@@ -26,7 +26,8 @@ import time
 from typing import Any, Mapping
 
 from .deadlines import deadline_s, headers_due, read_body, watched
-from .http_ranges import RangeRefused, check_size, fit_range, range_header, refused_range
+from .http_ranges import (RangeRefused, check_size, content_range_total, fit_range, range_header,
+                          refused_range)
 from .perprocess import PerProcess
 from .retry import is_transient
 
@@ -147,7 +148,8 @@ def _read_once(url: str, start: int | None, end: int | None, options: Mapping[st
             return b"", None
         raise  # RetryPolicy reads the status: 5xx and throttling are retried
     body = response["Body"]
-    total = response.get("ContentLength") if "Range" not in request else _range_total(response.get("ContentRange"))
+    total = (response.get("ContentLength") if "Range" not in request
+             else content_range_total(response.get("ContentRange")))
     try:
         check_size(url, total, size)
         # botocore's body wraps urllib3's response (`_raw_stream`, a private name), whose
@@ -160,9 +162,3 @@ def _read_once(url: str, start: int | None, end: int | None, options: Mapping[st
         return data, None
     status = response.get("ResponseMetadata", {}).get("HTTPStatusCode", 206)
     return fit_range(status, response.get("ContentRange"), data, url, start, end, size)
-
-
-def _range_total(content_range: str | None) -> int | None:
-    """The object's size a ``bytes a-b/size`` Content-Range gives (None where it gives none)."""
-    total = (content_range or "").rpartition("/")[2]
-    return int(total) if total.isdigit() else None

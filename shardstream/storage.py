@@ -389,6 +389,9 @@ class Store:
         return fs.ls(path.rstrip("/"), detail=True)
 
     def _remote_size(self, name: str) -> int:
+        if self._direct == "http":  # within the direct reader's deadlines (fsspec's HEAD has none)
+            return http_ranges.file_size(self.url(name), headers=self.options.get("headers", {}),
+                                         connect_s=HTTP_CONNECT_TIMEOUT_S, read_s=HTTP_READ_TIMEOUT_S)
         fs, path = self._fs_path(name)
         try:
             size = fs.size(path)

@@ -1061,6 +1061,7 @@ class _Misanswering(_Served):
     cut = False
     whole = False
     rounding = False
+    lengthless = False  # no answer has a Content-Length: each body ends where the connection does
     seen: collections.Counter = collections.Counter()
 
     def answer(self) -> None:
@@ -1085,7 +1086,8 @@ class _Misanswering(_Served):
             self.end_headers()  # no length: the body ends where the connection does
             self.wfile.write(body[: len(body) // 2])
             return
-        self.send_header("Content-Length", str(len(body)))
+        if not self.lengthless:
+            self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
 
@@ -1115,3 +1117,32 @@ def test_a_cut_or_other_range_is_retried_or_a_storage_error_never_damaged_data(t
         with pytest.raises(StorageError, match="RangeMismatchError"):
             list(ds)
         assert ds.skipped == 0
+
+
+class _HeadWithoutLength(_Misanswering):
+    """Serves `root` by ranges, no answer with a Content-Length (as chunked or compressed ones)."""
+
+    lengthless = True
+
+    def do_HEAD(self) -> None:
+        self.send_response(200)
+        self.end_headers()
+
+
+def test_a_shards_size_is_looked_up_by_a_ranged_get_within_its_deadline(tmp_path):
+    """Regression (found by review): over plain HTTP, a list of indexed shards had their sizes
+    looked up through fsspec's HEAD, outside the direct reader's deadlines (a server trickling
+    its HEAD held the dataset forever), and a HEAD without a Content-Length failed the
+    dataset ("the server does not report a size"). The size comes from a one-byte ranged
+    GET, as reads do."""
+    for n in range(4):
+        (tmp_path / "src" / "c").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "src" / "c" / f"i{n}.jpg").write_bytes(synthetic_jpeg(n, 32, 24))
+    shardstream.pack(str(tmp_path / "src"), str(tmp_path / "ds"), max_samples=2, workers=1, progress=False)
+    names = sorted(path.name for path in (tmp_path / "ds").glob("*.tar.zst"))
+    with serving(_HeadWithoutLength, root=str(tmp_path)) as (url, requests):
+        store = Store(f"{url}/ds", {})
+        assert store.size(names[0]) == (tmp_path / "ds" / names[0]).stat().st_size
+        ds = shardstream.StreamingDataset([f"{url}/ds/{name}" for name in names], decode=None, fields=("__key__",))
+        assert sorted(key for (key,) in ds) == sorted(s["__key__"] for s in shardstream.StreamingDataset(
+            str(tmp_path / "ds"), decode=None))
