@@ -67,7 +67,7 @@ from typing import BinaryIO, Callable, Iterator
 
 from .cacheroom import Room, names_file, writing as _writing
 from .cancel import pause
-from .errors import DownloadChecksumError, ShardstreamError, StorageError
+from .errors import DownloadChecksumError, ShardstreamError, StorageError, described
 from .format import INDEX_SUFFIX
 from .iostats import io_stats
 from .reader import ShardReader
@@ -231,7 +231,13 @@ class ShardCache:
         if _damaged.get(path) == version:  # hashed before, unchanged since: still damaged
             return False
         index = os.path.join(os.path.dirname(path), _cached_index(ref))
-        if _sha256(path) == ref.info.sha256 and _sha256(index) == ref.info.index_sha256:
+        try:
+            whole = _sha256(path) == ref.info.sha256 and _sha256(index) == ref.info.index_sha256
+        except FileNotFoundError:  # evicted, or the cache emptied, while it was hashed: fetched again
+            return False
+        except OSError as e:  # the cache's disk failing (EIO): an error naming the copy, not a bare OSError
+            raise StorageError(f"cannot read the cache: {described(e)}", url=e.filename or path) from e
+        if whole:
             _verified[path] = version
             _damaged.pop(path, None)
             return True

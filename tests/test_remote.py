@@ -2888,3 +2888,42 @@ def test_a_listing_sees_what_another_process_wrote_since(moto, s3_ds):
         Store("s3://{BUCKET}/listing", {moto.storage_options!r}).write("b", b"2")
         """)], check=True)
     assert sorted(store.list()) == ["a", "b"] and store.exists("b")
+
+
+@pytest.mark.parametrize("strike", ["emptied", "eio"])
+def test_a_cache_emptied_or_failing_while_a_copy_is_hashed_is_fetched_again_or_named(
+        local_ds, jpg_digests, tmp_path, monkeypatch, strike):
+    """Regression (found by review): a copy is hashed on its first use in a process; the cache
+    emptied during that hash (a /tmp cleaner) raised a bare FileNotFoundError, and the cache's
+    disk failing (EIO) a bare OSError, naming nothing. The copy is fetched again, or the
+    error is a StorageError naming it. (The strike is injected around the real hash.)"""
+    import errno
+
+    import shardstream.cache as cache_module
+
+    cache_dir = tmp_path / "cache"
+    with H.CountingHTTPServer(local_ds) as server:
+        def dataset() -> StreamingDataset:
+            return StreamingDataset(server.url, decode=None, fields=("__key__", "jpg"), cache_dir=str(cache_dir),
+                                    cache_limit="1GB", prefetch=0)
+
+        list(dataset())  # filled; a new process (here, the hashes forgotten) hashes each copy on first use
+        monkeypatch.setattr(cache_module, "_verified", {})
+        real, struck = cache_module._sha256, []
+
+        def hashing(path: str) -> str:
+            digest = real(path)
+            if not struck and not path.endswith(".idx"):
+                struck.append(path)
+                if strike == "eio":
+                    raise OSError(errno.EIO, "Input/output error", path)
+                shutil.rmtree(cache_dir)
+            return digest
+
+        monkeypatch.setattr(cache_module, "_sha256", hashing)
+        if strike == "emptied":
+            assert {key: hashlib.sha256(jpg).hexdigest() for key, jpg in dataset()} == jpg_digests
+        else:
+            with pytest.raises(StorageError, match="cannot read the cache.*Input/output error") as raised:
+                list(dataset())
+            assert raised.value.url == struck[0]
