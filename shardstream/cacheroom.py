@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -57,6 +58,11 @@ LEDGER_TRUST_S = 60.0
 # A walk that has to evict goes down to this share of the limit, so that the downloads after it find
 # room by the ledger: without it, a full cache (a dataset larger than the limit) walks for every download.
 LOW_WATER = 0.95
+# Of the cache's disk, the share kept free for others (a checkpoint written beside the cache), at
+# most `DISK_HEADROOM_MAX`: on a disk smaller than the limit, the cache holds what the disk has room
+# for. Without it, a download failed with ENOSPC beside shards nothing used, and left the disk full.
+DISK_HEADROOM = 0.02
+DISK_HEADROOM_MAX = 1 << 30
 # The name of a location's folder and of a version's (16 hex digits of a SHA-256: cache.py). A walk
 # looks into these alone, so other files in the cache's folder are the user's, untouched.
 _FOLDER = re.compile("[0-9a-fA-F]{16}")
@@ -111,11 +117,17 @@ class Room:
         ledger = _read_ledger(self.root)
         if incoming and ledger is not None:
             counted, walked = ledger
-            if counted + incoming <= self.limit and 0 <= time.time() - walked < LEDGER_TRUST_S:
+            if counted + incoming <= self._room_for(counted) and 0 <= time.time() - walked < LEDGER_TRUST_S:
                 _write_ledger(self.root, counted + incoming, walked)
                 return
         walked = time.time()
         _write_ledger(self.root, self.walk(incoming) + incoming, walked)
+
+    def _room_for(self, counted: int) -> int:
+        """The most the cache may hold: its limit, or where its disk is the smaller, what it
+        holds (`counted`) and the disk's free space, less `DISK_HEADROOM` kept free."""
+        disk = shutil.disk_usage(self.root)
+        return min(self.limit, counted + disk.free - min(int(disk.total * DISK_HEADROOM), DISK_HEADROOM_MAX))
 
     def walk(self, incoming: int) -> int:
         """Evict least-recently-used shards not in use until `incoming` more bytes fit beside
@@ -159,10 +171,11 @@ class Room:
                     index_bytes = 0
                 entries.append((st.st_atime, full, st.st_size + index_bytes))  # last used (cache._mark_used)
         total = sum(size for _, _, size in entries) + reserved
+        limit = self._room_for(total)
         # Where the shards in use (and downloads in flight) keep the cache above low water, this evicts
         # every shard not in use: fewer bytes than low water asks for when it can be reached, since what
         # is not in use is then under `total + incoming - LOW_WATER * limit`.
-        target = self.limit if total + incoming <= self.limit else int(self.limit * LOW_WATER)
+        target = limit if total + incoming <= limit else int(limit * LOW_WATER)
         for _, full, size in sorted(entries):
             if total + incoming <= target:
                 break
@@ -170,7 +183,7 @@ class Room:
                 total -= size
                 occupied[os.path.dirname(full)] -= 1
         marker = os.path.join(self.root, OVER_LIMIT)
-        if total + incoming > self.limit:
+        if total + incoming > limit:
             open(marker, "ab").close()
         elif os.path.exists(marker):
             os.remove(marker)
