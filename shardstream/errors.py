@@ -41,6 +41,16 @@ class ShardstreamError(Exception):
             where.append(f"byte {offset}")
         super().__init__(f"{', '.join(where)}: {message}" if where else message)
 
+    def keyed(self, key: str) -> "ShardstreamError":
+        """This error naming the sample `key`, where it named none: the error of a frame or
+        a shard, met while reading one of its samples."""
+        if self.key is not None:
+            return self
+        try:
+            return _rebuild(type(self), self.detail, self.url, key, self.offset)
+        except TypeError:  # a subclass made otherwise
+            return self
+
     def __reduce__(self) -> tuple[object, ...]:
         # Keeps url/key/offset where the error is pickled (pack's process pool, a queue,
         # `RaisedInWorker`). torch's DataLoader does not pickle a worker's error: it makes a

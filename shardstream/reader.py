@@ -305,7 +305,8 @@ class ShardReader:
                                                 index.sample_offsets[start : stop + 1].tolist(),
                                                 index.keys[start:stop], self.url)
             except _tarcut.FrameError as e:
-                raise CorruptShardError(f"bad zstd frame {i}: {e}", url=self.url, offset=int(index.frame_offsets[i])) from e
+                raise CorruptShardError(f"bad zstd frame {i}{self._frame_holds(i)}: {e}", url=self.url,
+                                        offset=int(index.frame_offsets[i])) from e
             if samples is not None:
                 return samples
         return self._samples(self._decompress(frame, i, expected), base, start, stop, int(index.frame_offsets[i]))
@@ -323,11 +324,22 @@ class ShardReader:
                                         url=self.url, offset=offset)
             declared = zstandard.frame_content_size(frame)
         except zstandard.ZstdError as e:
-            raise CorruptShardError(f"bad zstd frame {i}: {e}", url=self.url, offset=offset) from e
+            raise CorruptShardError(f"bad zstd frame {i}{self._frame_holds(i)}: {e}", url=self.url, offset=offset) from e
         if declared != expected:
             raise CorruptShardError(f"zstd frame {i} declares {declared} bytes, the index {expected}",
                                     url=self.url, offset=offset)
         return expected
+
+    def _frame_holds(self, i: int) -> str:
+        """" (samples 'a' to 'b')": the keys frame i holds by the index, for its error (a bad
+        frame loses them all, and its error named none)."""
+        index = self.index
+        raw = index.frame_raw_offsets
+        first, stop = np.searchsorted(index.sample_offsets[:-1], [raw[i], raw[i + 1]]).tolist()
+        if stop <= first:
+            return ""
+        keys = index.keys
+        return f" (sample {keys[first]!r})" if stop == first + 1 else f" (samples {keys[first]!r} to {keys[stop - 1]!r})"
 
     def _decompress(self, frame: memoryview, i: int, expected: int) -> bytes:
         """Frame i, whose header `_check_frame` has passed (`expected`: its size), decompressed."""
@@ -335,7 +347,7 @@ class ShardReader:
         try:
             data = _thread_decompressor().decompress(frame, max_output_size=expected)
         except zstandard.ZstdError as e:
-            raise CorruptShardError(f"bad zstd frame {i}: {e}", url=self.url, offset=offset) from e
+            raise CorruptShardError(f"bad zstd frame {i}{self._frame_holds(i)}: {e}", url=self.url, offset=offset) from e
         if len(data) != expected:
             raise CorruptShardError(f"zstd frame {i} holds {len(data)} bytes, expected {expected}", url=self.url, offset=offset)
         return data

@@ -194,7 +194,21 @@ def _read_one_tolerant(reader: ShardReader | StreamTarReader, i: int) -> list[Sa
     except StorageError:
         raise
     except ShardstreamError as error:
-        return [{"__error__": error.with_traceback(None), "__key__": error.key or f"#{i}", "__url__": reader.url}]
+        # A damaged frame's or shard's error names no sample: the index names the one lost.
+        key = error.key or _indexed_key(reader, i)
+        if key is not None:
+            error = error.keyed(key)
+        return [{"__error__": error.with_traceback(None), "__key__": key or f"#{i}", "__url__": reader.url}]
+
+
+def _indexed_key(reader: ShardReader | StreamTarReader, i: int) -> str | None:
+    """Sample `i`'s key by `reader`'s index, where it has one that reads."""
+    if not isinstance(reader, ShardReader):
+        return None
+    try:
+        return reader.index.keys[i]
+    except (ShardstreamError, IndexError):
+        return None
 
 
 def read_samples(source: Source, ids: np.ndarray, counts: np.ndarray, prefetch: int = 0,

@@ -1011,3 +1011,25 @@ def test_an_error_policy_with_a_cap_that_is_no_number_is_refused_where_made(sett
     with pytest.raises(ValueError, match="max_skips is a count|max_fraction is a fraction"):
         shardstream.ErrorPolicy(mode="skip", **settings)
     assert shardstream.ErrorPolicy(mode="skip", max_skips=0, max_fraction=1).max_skips == 0
+
+
+def test_samples_lost_to_a_bad_frame_are_named(tmp_path, caplog):
+    """Regression (found by review): a frame whose checksum fails loses every sample in it,
+    and neither the skips logged under on_error="skip" (4 alike lines, "byte 0: bad zstd
+    frame 0") nor the error under "raise" named one. The skips name each sample, and the
+    error the frame's first and last."""
+    with shardstream.ShardWriter(str(tmp_path / "ds"), max_samples=4) as writer:
+        for i in range(12):
+            writer.write({"__key__": f"s{i:03d}", "bin": os.urandom(300)})
+    shard = tmp_path / "ds" / "shard-000001.tar.zst"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 3] ^= 0xFF  # within the shard's one frame
+    shard.write_bytes(bytes(data))
+    with pytest.raises(shardstream.CorruptShardError, match=r"frame 0 \(samples 's004' to 's007'\)"):
+        list(StreamingDataset(str(tmp_path / "ds"), decode=None))
+    caplog.set_level(logging.WARNING, logger="shardstream")
+    ds = StreamingDataset(str(tmp_path / "ds"), decode=None, on_error=ErrorPolicy(mode="skip", max_fraction=1.0))
+    assert len(list(ds)) == 12 and ds.skipped == 4
+    logged = sorted(re.search(r"sample '(s\d+)'", r.getMessage())[1] for r in caplog.records
+                    if "skipped bad sample" in r.getMessage())
+    assert logged == ["s004", "s005", "s006", "s007"]
