@@ -78,6 +78,7 @@ def guarded(inputs: Iterable[Any], prepare: Callable[[Any], Any], policy: ErrorP
     owed = 0
     last: Any = None
     have_good = False
+    skipped: ShardstreamError | None = None  # the last skipped
     for item in inputs:
         try:
             result = prepare(item)
@@ -91,6 +92,7 @@ def guarded(inputs: Iterable[Any], prepare: Callable[[Any], Any], policy: ErrorP
             # frame of the sample that stores it: a reference cycle, keeping that sample's
             # bytes until the cyclic GC ran. The skip is counted and logged; nothing reads it.
             error.__traceback__ = None
+            skipped = error
             limit = policy.max_skips if policy.max_skips is not None else max(1, int(policy.max_fraction * planned))
             if skips > limit:
                 raise TooManyErrors(f"{skips} bad samples of {planned} planned in this worker exceed the limit "
@@ -105,7 +107,9 @@ def guarded(inputs: Iterable[Any], prepare: Callable[[Any], Any], policy: ErrorP
     if owed and not have_good and earlier is not None:
         have_good, last = _last_good(earlier(), prepare)
     if owed and not have_good:
-        raise TooManyErrors(f"all {owed} samples of this worker failed; nothing good to pad with")
+        assert skipped is not None
+        raise TooManyErrors(f"all {owed} samples of this worker's share of the epoch failed, whatever the caps: "
+                            f"nothing good to stand in for them; last: {skipped}", url=skipped.url, key=skipped.key)
     for _ in range(owed):
         yield last
 

@@ -1033,3 +1033,20 @@ def test_samples_lost_to_a_bad_frame_are_named(tmp_path, caplog):
     logged = sorted(re.search(r"sample '(s\d+)'", r.getMessage())[1] for r in caplog.records
                     if "skipped bad sample" in r.getMessage())
     assert logged == ["s004", "s005", "s006", "s007"]
+
+
+def test_a_worker_whose_whole_share_is_bad_names_the_last_sample(tmp_path):
+    """Regression (found by review): a worker whose every sample failed (a bad frame held its
+    share) raised "all 4 samples of this worker failed; nothing good to pad with", naming no
+    shard or sample and reading as a cap passed; it names them now, and says no cap applies."""
+    with shardstream.ShardWriter(str(tmp_path / "ds")) as writer:
+        for i in range(4):
+            writer.write({"__key__": f"s{i:03d}", "bin": os.urandom(300)})
+    shard = tmp_path / "ds" / "shard-000000.tar.zst"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 3] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    ds = StreamingDataset(str(tmp_path / "ds"), decode=None, on_error=ErrorPolicy(mode="skip", max_skips=100))
+    with pytest.raises(TooManyErrors, match="whatever the caps") as raised:
+        list(ds)
+    assert raised.value.url == str(shard) and raised.value.key == "s003"
