@@ -41,10 +41,12 @@ from typing import Any, Callable, Iterator, Sequence
 from .benchresult import BenchResult, BenchRow, find_knee
 from .errors import ShardstreamError, WorkerDiedError, scrubbed
 from .peakmem import PeakSampler, TreeRSS, peak_memory_method
+from .shared import SLOTS
 
 __all__ = ["BenchResult", "BenchRow", "bench", "find_knee", "peak_memory_method", "TRANSFORMS"]
 
 TRANSFORMS = ("train", "val", "none")
+MIN_BATCHES_PER_WORKER = 4  # a row's window holds at least this many batches a worker, whatever `seconds`
 IMAGE_FIELD = "jpg;png;webp"
 _MB = 1e6
 
@@ -131,6 +133,7 @@ def _run_one(
     waits_start = waits_end = 0.0  # readers' waits with their read-ahead at its largest (io_stats)
     first_batch_s: float | None = None
     window_start: float | None = None
+    counted = 0  # batches in the window
     now = start = time.perf_counter()
     batches: Iterator[Any] | None = None
     interrupted = False
@@ -166,10 +169,13 @@ def _run_one(
                     progress.update(min(now - start, warmup), f"num_workers={num_workers}: warm-up")
                     continue
                 images += _batch_images(batch, raw)
+                counted += 1
                 if raw:
                     payload += _batch_bytes(batch)
                 elapsed = now - window_start
-                if elapsed >= seconds:
+                # And a few batches a worker: a window of one batch (--seconds 0.000001) timed
+                # only the taking of one already queued, and its CPU figures one 10 ms tick.
+                if elapsed >= seconds and counted >= MIN_BATCHES_PER_WORKER * max(1, num_workers):
                     break
                 progress.update(warmup + elapsed, f"num_workers={num_workers}: {images / elapsed:,.0f} img/s")
             sync()  # with CUDA: the copies of the counted batches have landed
@@ -261,8 +267,8 @@ def bench(
     from .loader import DataLoader
 
     workers = [int(n) for n in workers]
-    if not workers or any(n < 0 for n in workers):
-        raise ShardstreamError(f"workers must be one or more non-negative counts, not {workers}")
+    if not workers or any(not 0 <= n <= SLOTS for n in workers):  # checked before any row forks its workers
+        raise ShardstreamError(f"workers must be one or more counts from 0 to {SLOTS}, not {workers}")
     if len(set(workers)) < len(workers):
         # The knee, the best rate and the plot take one rate for each count: a count measured twice
         # was judged by its last row, the diagnosis read its first, and the JSON's best rate was not the table's.
@@ -471,4 +477,9 @@ def _device_sync(device: str) -> Callable[[], None]:
         if not torch.cuda.is_available():
             raise ShardstreamError(f"device {device!r}: CUDA is not available here")
         return lambda: torch.cuda.synchronize(dev)
+    try:  # a type this build of torch has no backend for (mps, xpu): torch's traceback, else
+        torch.empty(0, device=dev)
+    except (RuntimeError, AssertionError) as e:
+        said = str(e).split(". ", 1)[0].splitlines()[0] if str(e) else type(e).__name__  # torch's runs on for a page
+        raise ShardstreamError(f"device {device!r}: this build of torch has no backend for it ({said})") from None
     return lambda: None

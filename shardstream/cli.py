@@ -27,6 +27,7 @@ from .commands import (cmd_bench, cmd_demo, cmd_index, cmd_inspect, cmd_merge, c
                        cmd_verify)
 from .errors import ShardstreamError
 from .parts import MAX_PARTS
+from .shared import SLOTS
 from .writer import MAX_COUNT
 
 
@@ -158,8 +159,8 @@ def _worker_counts(text: str) -> list[int]:
         counts = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         counts = []
-    if not counts or any(n < 0 for n in counts):
-        raise argparse.ArgumentTypeError(f"expected comma-separated non-negative integers, like 0,1,2,4,8; got {text!r}")
+    if not counts or any(not 0 <= n <= SLOTS for n in counts):
+        raise argparse.ArgumentTypeError(f"expected comma-separated counts from 0 to {SLOTS}, like 0,1,2,4,8; got {text!r}")
     if len(set(counts)) < len(counts):
         raise argparse.ArgumentTypeError(f"each worker count once (the knee takes one rate for each); got {text!r}")
     return counts

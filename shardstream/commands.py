@@ -186,11 +186,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
             _writable_file(path, option)
     if plot is not None:
         try:
-            import matplotlib  # noqa: F401
+            from matplotlib.figure import Figure
         except ImportError:
             print(f"shardstream bench: --plot {plot}: matplotlib is not installed, so no curve will be drawn "
                   "(pip install 'shardstream[plot]')", file=sys.stderr)
             plot = None
+        else:  # a type it cannot write failed once every row had run
+            kinds = Figure().canvas.get_supported_filetypes()
+            if os.path.splitext(plot)[1].lstrip(".").lower() not in kinds:
+                raise ShardstreamError(f"--plot {plot}: matplotlib writes {', '.join(sorted(kinds))}, by the "
+                                       "file's suffix")
     result = bench(
         args.dataset,
         workers=args.workers,

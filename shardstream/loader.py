@@ -24,6 +24,7 @@ import copy
 import functools
 import multiprocessing
 import multiprocessing.context
+import multiprocessing.util
 import os
 import signal
 import threading
@@ -40,6 +41,7 @@ from .batches import count_samples, map_field, tensors, to_device, usable_device
 from .collate import default_collate, pad_collate
 from .dataset import StreamingDataset
 from .errors import RaisedInWorker, ShardstreamError, WorkerDiedError
+from .shared import SLOTS
 from .workercontext import lock_free_context
 
 __all__ = ["DataLoader", "LoaderStats", "Normalize", "to_device", "worker_waits_for_its_parent_on_sigterm"]
@@ -349,7 +351,9 @@ class DataLoader:
                 raise ValueError(f"the dataset makes batches of {dataset.batch_size} and the loader was asked for "
                                  f"{batch_size}: give batch_size to one of them")
             self.dataset.batch_size = batch_size
-        num_workers = integer(num_workers, "num_workers", 0)
+        # At most the workers a dataset counts for (shared.SLOTS), refused before any is forked:
+        # in the first one's iteration, 100,000 asked for were being forked until memory ran out.
+        num_workers = integer(num_workers, "num_workers", 0, SLOTS + 1)
         self.device = usable_device(device) if device is not None else None  # CUDA asked for, none here: the CPU
         cuda = self.device is not None and self.device.type == "cuda"
         self.num_workers = num_workers
@@ -492,6 +496,12 @@ class DataLoader:
         # loaded state, and its end dropped that state, so the next pass replayed the epoch whole.
         self._end_open_iteration("a new iteration of the loader (iter(loader))")
         self._iteration = iteration = _Iteration()
+        if self.num_workers > 0:
+            # Made here, before the fork, workers share this process's temporary folder (torch's
+            # fd-passing listener makes one) and it goes at this process's exit; made in each
+            # worker, it went with the worker's finalizers, which a worker ended by a signal (the
+            # loop's Ctrl-C, a job's SIGTERM) never runs: a /tmp/pymp-* folder left a worker.
+            multiprocessing.util.get_temp_dir()
         with torch.cuda.device(self.device) if self._use_cuda() else contextlib.nullcontext():
             try:
                 source = iter(self._torch_loader())  # torch's pin-memory thread pins on the current device

@@ -269,7 +269,7 @@ def test_cli_bench_errors(tmp_path, capsys):
 
     with pytest.raises(SystemExit) as exit_:
         cli.main(["bench", str(tmp_path), "--workers", "0,x"])
-    assert exit_.value.code == 2 and "non-negative integers" in capsys.readouterr().err
+    assert exit_.value.code == 2 and "counts from 0 to" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
         cli.main(["bench", str(tmp_path), "--workers", "0,2,0"])
     assert exit_.value.code == 2 and "each worker count once" in capsys.readouterr().err
@@ -579,3 +579,48 @@ def test_cpu_time_counts_children_alive_and_ended(method):
         child.stdin.close()
         child.wait(timeout=30)
     assert tree.cpu_seconds() - before >= 0.6  # and still counts once it has ended and been waited for
+
+
+def test_cli_bench_refuses_up_front_what_would_fail_late_or_fork_without_end(tiny, tmp_path, monkeypatch, capsys):
+    """Regression (found by review): `--workers 100000` forked workers until memory ran out
+    (the dataset refused them in the first one's iteration); a `--plot` type matplotlib
+    cannot write failed after every row had run; `--device mps` on a build without it was
+    torch's traceback. Each is refused before anything is measured."""
+    from shardstream import DataLoader, cli
+    from shardstream.shared import SLOTS
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["bench", tiny, "--workers", f"0,{SLOTS + 1}"])
+    assert exit_.value.code == 2 and f"from 0 to {SLOTS}" in capsys.readouterr().err
+    with pytest.raises(ShardstreamError, match=f"from 0 to {SLOTS}"):
+        bench(tiny, workers=[0, 100_000])
+    with pytest.raises(ValueError, match=f"num_workers must be below {SLOTS + 1}"):
+        DataLoader(shardstream.StreamingDataset(tiny), num_workers=100_000)
+    try:
+        import matplotlib
+    except ImportError:
+        matplotlib = None
+    if matplotlib is not None:
+        assert cli.main(["bench", tiny, "--workers", "0", "--plot", "curve.xyz", "--quiet"]) == 1
+        assert "--plot curve.xyz: matplotlib writes" in capsys.readouterr().err
+    if not torch_has_mps():
+        assert cli.main(["bench", tiny, "--workers", "0", "--device", "mps", "--quiet"]) == 1
+        assert "device 'mps': this build of torch has no backend for it" in capsys.readouterr().err
+
+
+def torch_has_mps() -> bool:
+    import torch
+
+    return bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
+
+
+def test_a_row_counts_a_few_batches_a_worker_however_short_its_window(tiny):
+    """Regression (found by review): `--seconds 0.000001` counted one batch a row, taken
+    already queued: 2.74 CPUs busy on a 2-CPU machine, and a knee of noise. A row's window
+    holds at least a few batches a worker."""
+    from shardstream.bench import MIN_BATCHES_PER_WORKER
+
+    result = bench(tiny, workers=[0, 2], batch_size=2, transform="none", seconds=1e-6, warmup=0.0)
+    for row in result.rows:
+        assert row.images >= MIN_BATCHES_PER_WORKER * max(1, row.num_workers) * 2, row

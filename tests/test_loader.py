@@ -828,6 +828,38 @@ except KeyboardInterrupt:
 """
 
 
+_INTERRUPTED_AFTER_A_FEW_BATCHES = """
+import os, signal, sys, threading
+import shardstream
+
+ds = shardstream.StreamingDataset(sys.argv[1], decode=shardstream.RandomResizedCropJPEG(32), fields=("jpg", "cls"))
+loader = shardstream.DataLoader(ds, batch_size=4, num_workers=2)
+try:
+    for epoch in range(1000):
+        loader.set_epoch(epoch)
+        for n, _ in enumerate(loader):
+            if epoch == 1 and n == 0:
+                threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+
+
+def test_a_loop_ended_by_ctrl_c_leaves_no_temporary_folder(packed, tmp_path):
+    """Regression (found by review): each worker made its own multiprocessing temporary
+    folder (/tmp/pymp-*, for torch's fd-passing listener), removed by the worker's
+    finalizers, which a worker ended by a signal (a Ctrl-C's SIGKILL, a job's SIGTERM) never
+    runs: one folder left per worker, every interrupted run. The workers share the main
+    process's, which goes at its exit."""
+    script, folder = tmp_path / "interrupted.py", tmp_path / "tmp"
+    script.write_text(_INTERRUPTED_AFTER_A_FEW_BATCHES)
+    folder.mkdir()
+    proc = subprocess.run([sys.executable, str(script), packed], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "TMPDIR": str(folder)})
+    assert proc.returncode == 0 and "interrupted" in proc.stdout, (proc.stdout, proc.stderr[-2000:])
+    assert not list(folder.iterdir())
+
+
 def test_ctrl_c_ends_the_workers_without_waiting_for_what_they_read(packed, tmp_path):
     """Regression: a KeyboardInterrupt while the loop waited for a batch shut the persistent
     workers down gracefully, waiting up to 5 s for each to finish what it was reading: with
