@@ -829,18 +829,27 @@ except KeyboardInterrupt:
 
 
 _INTERRUPTED_AFTER_A_FEW_BATCHES = """
-import os, signal, sys, threading
+import os, signal, sys, threading, time
 import shardstream
+
+def ctrl_c_until_gone():  # again every half second: one landing while workers fork can be lost (RELIABILITY.md)
+    while not caught.is_set():
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.5)
+
+caught = threading.Event()
 
 ds = shardstream.StreamingDataset(sys.argv[1], decode=shardstream.RandomResizedCropJPEG(32), fields=("jpg", "cls"))
 loader = shardstream.DataLoader(ds, batch_size=4, num_workers=2)
 try:
-    for epoch in range(1000):
+    for epoch in range(100):
         loader.set_epoch(epoch)
         for n, _ in enumerate(loader):
             if epoch == 1 and n == 0:
-                threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+                threading.Thread(target=ctrl_c_until_gone, daemon=True).start()
 except KeyboardInterrupt:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the thread's last one, if it comes, is not this run's end
+    caught.set()
     print("interrupted", flush=True)
 """
 
