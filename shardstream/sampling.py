@@ -95,6 +95,11 @@ class Sampling:
                     raise ValueError(f"class_weights keys are class indices 0..{MAX_CLASS}, not {label!r}")
                 if not (isinstance(weight, numbers.Real) and math.isfinite(weight) and weight >= 0):
                     raise ValueError(f"class_weights must be finite and non-negative, not {weight!r} for class {label}")
+            # Plain numbers: numpy's (from np.bincount, or a weights array) describe the sampling
+            # by their repr ("np.float64(5.0)"), and a state saved with them was refused by a run
+            # given the same weights as literals, as if from another dataset.
+            object.__setattr__(self, "class_weights",
+                               {int(label): float(weight) for label, weight in self.class_weights.items()})
         if self.samples_per_epoch is not None:  # a float from a config (1e6) failed at the first plan, in a worker
             object.__setattr__(self, "samples_per_epoch", integer(self.samples_per_epoch, "samples_per_epoch", 1))
         if isinstance(self.sample_weights, str):
@@ -138,7 +143,7 @@ class Mix:
         top = float(max(weights))  # each finite, their sum may not be (1e308 twice)
         total = sum(w / top for w in weights)
         object.__setattr__(self, "sources", tuple(source_urls(s) for s in sources))
-        object.__setattr__(self, "weights", tuple(w / top / total for w in weights))
+        object.__setattr__(self, "weights", tuple(float(w / top / total) for w in weights))  # plain: see Sampling
 
 
 def source_urls(source: "str | os.PathLike[str] | Sequence[str | os.PathLike[str]]") -> str | tuple[str, ...]:

@@ -697,3 +697,26 @@ def test_a_sample_drawn_again_is_read_once(tmp_path):
     keys, requests = epoch(Sampling(class_weights="balanced"))
     assert len(keys) == len(uniform_keys) and len(set(keys)) < len(keys)  # samples drawn again
     assert requests <= 2 * uniform_requests
+
+
+def test_weights_given_as_numpy_numbers_describe_the_same_sampling(small):
+    """Regression (found by review): `Mix` weights and class weights given as numpy numbers
+    (np.bincount's, a weights array's) drew the same samples as the same weights given as
+    floats, and their resume state was refused by the other ("from another dataset"): the
+    state's fingerprint held their repr, "np.float64(0.7)". Weights are kept as plain floats."""
+    def mixed(weights) -> ss.StreamingDataset:
+        return ss.StreamingDataset(ss.Mix([small, small], weights), decode=None, fields=("__key__",), shuffle=True,
+                                   sampling=Sampling(samples_per_epoch=20))
+
+    def class_weighted(weights) -> ss.StreamingDataset:
+        return ss.StreamingDataset(small, decode=None, fields=("__key__",),
+                                   sampling=Sampling(class_weights=weights, samples_per_epoch=20))
+
+    for plain, numpy in ((mixed([0.7, 0.3]), mixed(np.array([0.7, 0.3]))),
+                         (class_weighted({0: 1.0, 1: 5.0}), class_weighted({0: np.float64(1.0), np.int64(1): 5}))):
+        it = iter(numpy)
+        first = [next(it) for _ in range(5)]
+        state = numpy.state_dict()
+        it.close()
+        plain.load_state_dict(state)
+        assert first + list(plain) == list(numpy)
