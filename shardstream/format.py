@@ -356,6 +356,13 @@ class ShardIndex:
             if n and (self.frame_raw_offsets[0] != self.sample_offsets[0] or
                       self.frame_raw_offsets[-1] != self.sample_offsets[-1]):
                 raise E("frames and samples do not cover the same bytes", url=url)
+            # And every frame boundary is a sample boundary (FORMAT.md): an index without one
+            # read a sample across two frames as the first frame's bytes, and the next sample
+            # not at all, silently. (The sample offsets grow: a binary search per frame.)
+            if n:
+                at = np.minimum(np.searchsorted(self.sample_offsets, self.frame_raw_offsets), n)
+                if np.any(self.sample_offsets[at] != self.frame_raw_offsets):
+                    raise E("a frame boundary falls inside a sample", url=url)
         if not all(isinstance(k, str) for k in self.keys):
             raise E("keys must be strings", url=url)
 

@@ -92,10 +92,11 @@ def _file_sha256(store: Any, name: str) -> tuple[str, int]:
     return digest.hexdigest(), read
 
 
-def verify_shard(reader: ShardReader, decode_images: bool = True) -> Iterator[Problem | int]:
+def verify_shard(reader: ShardReader, decode_images: bool = True,
+                 compression: str | None = None) -> Iterator[Problem | int]:
     """Check one shard; yields problems, and for each sample read whole the number of its
     images that decoded (for progress, and the report's counts: a sample the damage left
-    unread is no sample verified)."""
+    unread is no sample verified). `compression`: the manifest's, which the index must give."""
     info = reader.info
     assert info is not None
     try:
@@ -111,6 +112,9 @@ def verify_shard(reader: ShardReader, decode_images: bool = True) -> Iterator[Pr
         if reader.store.size(info.index) != info.index_bytes:
             yield Problem(info.name, None, f"{info.index} is not the {info.index_bytes} bytes the manifest says")
         index = reader.index
+        if compression is not None and index.compression != compression:  # `inspect` tells the manifest's
+            yield Problem(info.name, None, f"its index says compression {index.compression!r}, the manifest "
+                          f"{compression!r}")
         if index.compression == "zstd" and size == info.bytes:
             problem = _seek_table_problem(reader, size)
             if problem is not None:
@@ -260,7 +264,7 @@ def verify_dataset(
         problems: list[Problem] = []
         warnings: list[Problem] = []
         samples = images = 0
-        for item in verify_shard(reader, decode_images):
+        for item in verify_shard(reader, decode_images, source.manifest.compression if source.manifest else None):
             if isinstance(item, Problem):
                 (warnings if item.warning else problems).append(item)
             else:

@@ -1451,3 +1451,50 @@ def test_a_missing_field_names_the_fields_the_sample_holds(tmp_path):
     for fields in (("jpg", "cls"), ("jpg",)):
         with pytest.raises(shardstream.MissingFieldError, match=r"no field 'jpg'; the sample has \['cls', 'png', 'txt'\]"):
             list(StreamingDataset(str(tmp_path / "ds"), fields=fields))
+
+
+def test_an_index_whose_frame_boundary_falls_inside_a_sample_is_corrupt(tmp_path):
+    """Regression (found by review): the index check made the frames cover the samples at
+    the two ends only. An index (of a second writer, its manifest agreeing) that left out the
+    boundary between two samples each in a frame of its own read the first across both
+    frames as the first frame's bytes and the second not at all, and `verify` passed it."""
+    from shardstream import cli
+
+    folder = tmp_path / "ds"
+    with ShardWriter(str(folder), frame_size=512) as writer:  # a frame a sample
+        for k in range(4):
+            writer.write({"__key__": f"s{k}", "txt": f"sample {k}"})
+    index_path = folder / "shard-000000.tar.zst.idx"
+    raw = msgpack.unpackb(index_path.read_bytes())
+    offsets = np.frombuffer(raw["sample_offsets"], "<u8")
+    raw["sample_offsets"] = np.delete(offsets, 1).astype("<u8").tobytes()
+    del raw["keys"][1]
+    forged = msgpack.packb(raw, use_bin_type=True)
+    index_path.write_bytes(forged)
+    manifest = msgpack.unpackb((folder / MANIFEST_NAME).read_bytes())
+    manifest["shards"][0].update(samples=3, index_bytes=len(forged), index_sha256=sha256(forged))
+    manifest["samples"] = 3
+    (folder / MANIFEST_NAME).write_bytes(msgpack.packb(manifest, use_bin_type=True))
+    with pytest.raises(CorruptIndexError, match="a frame boundary falls inside a sample") as raised:
+        list(StreamingDataset(str(folder), decode=None))
+    assert raised.value.url == str(index_path)
+    assert cli.main(["verify", str(folder), "--quiet"]) == 1
+
+
+def test_verify_reports_a_manifest_whose_compression_its_indexes_contradict(tmp_path):
+    """Regression (found by review): a manifest saying "none" over zstd shards (or the other
+    way) passed `verify`, and `inspect` printed it as the dataset's compression."""
+    from shardstream import cli
+
+    folder = tmp_path / "ds"
+    with ShardWriter(str(folder)) as writer:
+        writer.write({"__key__": "a", "txt": "x"})
+    manifest = msgpack.unpackb((folder / MANIFEST_NAME).read_bytes())
+    assert manifest["compression"] == "zstd"
+    manifest["compression"] = "none"
+    (folder / MANIFEST_NAME).write_bytes(msgpack.packb(manifest, use_bin_type=True))
+    from shardstream.verify import verify_dataset
+
+    report = verify_dataset(str(folder), progress=False)
+    assert [p.message for p in report.problems] == ["its index says compression 'zstd', the manifest 'none'"]
+    assert cli.main(["verify", str(folder), "--quiet"]) == 1
