@@ -28,7 +28,7 @@ import numpy as np
 from ._version import __version__
 from .braces import expand_braces, folder_named, names_shards
 from .errors import ShardstreamError
-from .format import INDEX_SUFFIX, MANIFEST_NAME, Manifest, ShardInfo
+from .format import INDEX_SUFFIX, MANIFEST_NAME, Manifest, ShardIndex, ShardInfo
 from .tarstream import CountingReader, StreamTarReader, scan_tar
 from .shardfile import IMAGE_LEVEL
 from .retry import RetryPolicy
@@ -60,6 +60,8 @@ def index_tars(source: str | Sequence[str], *, workers: int = 8, overwrite: bool
                                "(a local folder, S3), then serve the folder", url=store.root)
     if store.exists(MANIFEST_NAME):
         _check_replaceable(store, overwrite)
+    if not overwrite:
+        _refuse_foreign_indexes(store, names)
     from .progress import progress_bar
 
     scans: list[tuple[ShardInfo, np.ndarray | None]] = []
@@ -172,6 +174,21 @@ def _check_replaceable(store: Store, overwrite: bool) -> None:
     if not existing.options.get("indexed_in_place"):
         raise ShardstreamError(f"a dataset written by {existing.writer}, already indexed; replacing its manifest "
                                "would lose its class names and pack record", url=url)
+
+
+def _refuse_foreign_indexes(store: Store, names: Sequence[str]) -> None:
+    """Refuse to write `<shard>.idx` over a file of that name that is no shardstream index
+    (another tool's: written over without a word, where `pack` refuses unlisted files)."""
+    present = set(store.list(INDEX_SUFFIX))
+    for name in names:
+        if name + INDEX_SUFFIX not in present:
+            continue
+        url = store.url(name + INDEX_SUFFIX)
+        try:
+            ShardIndex.from_bytes(store.read(name + INDEX_SUFFIX), url)
+        except ShardstreamError:
+            raise ShardstreamError("already there, and not a shardstream index (another tool's?): pass "
+                                   "overwrite=True (--overwrite) to replace it", url=url) from None
 
 
 def _shards(source: str | Sequence[str], options: dict[str, Any], *,

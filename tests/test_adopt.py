@@ -113,6 +113,22 @@ def test_an_existing_manifest_is_kept_unless_told(wds_folder):
     assert (folder / MANIFEST_NAME).read_bytes() == first  # the same input gives the same manifest
 
 
+def test_another_tools_index_file_is_kept_unless_told(wds_folder):
+    """Regression (found by review): `index` wrote `<shard>.idx` over a file of that name that
+    was no shardstream index (another tool's), without a word, where `pack` refuses files it
+    does not list. It refuses now, unless told to overwrite; its own indexes it replaces."""
+    folder, _ = wds_folder
+    foreign = folder / "shard-000001.tar.idx"
+    foreign.write_bytes(b"another tool's index")
+    with pytest.raises(ShardstreamError, match="not a shardstream index") as raised:
+        index_tars(str(folder))
+    assert raised.value.url == str(foreign) and foreign.read_bytes() == b"another tool's index"
+    assert not (folder / MANIFEST_NAME).exists()
+    index_tars(str(folder), overwrite=True)
+    (folder / MANIFEST_NAME).unlink()
+    index_tars(str(folder))  # its own indexes, from the run before: replaced
+
+
 def test_a_packed_dataset_keeps_its_manifest_even_with_overwrite(packed_plain, tmp_path):
     folder = tmp_path / "packed"
     shutil.copytree(packed_plain, folder)
