@@ -203,26 +203,37 @@ def _seek_table_problem(reader: ShardReader, size: int) -> Problem | None:
 
 def _every_sample(reader: ShardReader) -> Iterator[dict[str, Any] | Problem]:
     """Every sample of the shard in order, or, for each one that cannot be read, a `Problem`
-    naming it; reading goes on after it, from the next zstd frame (a frame is decompressed
-    whole: every sample of a bad one is unread) or the next sample of a plain tar, so one
-    damaged frame does not hide the rest of the shard."""
+    naming it; reading goes on after it, so one damaged frame does not hide the rest of the
+    shard. Once a read fails, the rest is read a unit at a time (a zstd frame, which is
+    decompressed whole, or a plain tar's sample): read by pieces of many samples, every
+    sample of a truncated shard was named, those before the cut too (each piece reached past it)."""
     index = reader.index
-    start, n = 0, len(index)
+    start, n, by_units = 0, len(index), False
     while start < n:
+        stop = _unit_end(index, start) if by_units else n
         at = start
         try:
-            for sample in reader.read(start, n):
+            for sample in reader.read(start, stop):
                 yield sample
                 at += 1
-            return
+            start = stop
         except ShardstreamError as e:
-            stop = at + 1
-            if index.compression == "zstd":  # the first sample of the next frame
-                frame = index.frame_of(at)
-                stop = int(np.searchsorted(index.sample_offsets, index.frame_raw_offsets[frame + 1], side="left"))
-            for unread in range(at, max(stop, at + 1)):
+            if not by_units:
+                start, by_units = at, True  # again from where it failed, by units
+                continue
+            stop = _unit_end(index, at)
+            for unread in range(at, stop):
                 yield _problem(reader, e, index.keys[unread])
-            start = max(stop, at + 1)
+            start = stop
+
+
+def _unit_end(index: Any, at: int) -> int:
+    """Where the unit of sample `at` ends: its zstd frame's end (the next frame's first
+    sample), or for a plain tar the next sample."""
+    if index.compression != "zstd":
+        return at + 1
+    frame = index.frame_of(at)
+    return max(at + 1, int(np.searchsorted(index.sample_offsets, index.frame_raw_offsets[frame + 1], side="left")))
 
 
 def _problem(reader: ShardReader, error: ShardstreamError, key: str | None = None) -> Problem:

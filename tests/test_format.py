@@ -1498,3 +1498,22 @@ def test_verify_reports_a_manifest_whose_compression_its_indexes_contradict(tmp_
     report = verify_dataset(str(folder), progress=False)
     assert [p.message for p in report.problems] == ["its index says compression 'zstd', the manifest 'none'"]
     assert cli.main(["verify", str(folder), "--quiet"]) == 1
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_verify_names_only_the_samples_a_truncated_shard_lost(tmp_path, compression):
+    """Regression (found by review): `verify` read on after a bad sample by pieces of many
+    samples, each reaching past the cut of a truncated shard: every sample was named
+    damaged, those before the cut too, which a user salvaging the data took as lost."""
+    from shardstream.verify import verify_dataset
+
+    folder = tmp_path / "ds"
+    with ShardWriter(str(folder), compression=compression, frame_size=512) as writer:  # zstd: a frame a sample
+        for k in range(10):
+            writer.write({"__key__": f"s{k}", "bin": os.urandom(3000)})
+    shard = folder / ("shard-000000.tar.zst" if compression == "zstd" else "shard-000000.tar")
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) * 6 // 10])
+    report = verify_dataset(str(folder), decode_images=False)
+    named = sorted({p.key for p in report.problems if p.key is not None})
+    assert named == [f"s{k}" for k in range(6, 10)], [str(p) for p in report.problems]
