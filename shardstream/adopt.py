@@ -147,6 +147,8 @@ def _write_from(writer: Any, sample: dict[str, Any], url: str) -> None:
     try:
         writer.write(sample)
     except ShardstreamError as e:
+        if e.url is not None:  # about another file (the destination refused): as it named it
+            raise
         raise ShardstreamError(e.detail, url=url, key=e.key or _printable_key(sample), offset=e.offset) from e
 
 

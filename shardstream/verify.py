@@ -325,7 +325,9 @@ class _ClassTally:
     checking the manifest's class counts once every shard is sound."""
 
     def __init__(self, classes: tuple[str, ...]):
-        self.wanted = bool(classes)
+        # Wanted with no classes too: labels in the indexes then contradict a manifest that
+        # names none (every writer names the classes its labels index), which passed.
+        self.wanted = True
         self.counts = np.zeros(len(classes), dtype=np.int64)
         self.past: Problem | None = None  # the first shard, in order, with a label past the classes
 

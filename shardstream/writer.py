@@ -275,7 +275,7 @@ class ShardWriter:
         if found and not self.overwrite:
             listed = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
             raise ShardstreamError(f"already holds shard files that no manifest lists ({listed}), which this writer "
-                                   "would write over or mix with; pass overwrite=True to replace them",
+                                   "would write over or mix with; pass overwrite=True (--overwrite) to replace them",
                                    url=self.store.root)
         self.store.remove_all(found)
         self._claimed = True

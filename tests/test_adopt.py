@@ -512,3 +512,15 @@ def test_repack_into_the_folder_it_reads_is_refused_and_the_tars_kept(wds_folder
         repack_tars(str(folder / "shard-{000000..000004}.tar"), f"file://{folder}/", overwrite=overwrite)
     assert tar_bytes(folder) == before
     assert not (folder / MANIFEST_NAME).exists()
+
+
+def test_repack_into_a_folder_of_another_tools_shards_names_that_folder(wds_folder, tmp_path):
+    """Regression (found by review): the refusal (right) named the source tar the first
+    sample came from, as if it were to blame, not the destination holding the shards."""
+    folder, _ = wds_folder
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "shard-000000.tar").write_bytes(b"another tool's shard")
+    with pytest.raises(ShardstreamError, match="already holds shard files") as raised:
+        repack_tars(str(folder), str(dst))
+    assert raised.value.url == str(dst) and "--overwrite" in str(raised.value)

@@ -1517,3 +1517,21 @@ def test_verify_names_only_the_samples_a_truncated_shard_lost(tmp_path, compress
     report = verify_dataset(str(folder), decode_images=False)
     named = sorted({p.key for p in report.problems if p.key is not None})
     assert named == [f"s{k}" for k in range(6, 10)], [str(p) for p in report.problems]
+
+
+def test_verify_counts_the_classes_of_a_manifest_that_names_none(tmp_path):
+    """Regression (found by review): `verify` compared the indexes' labels with the manifest's
+    class counts only where the manifest named classes; one whose class table was emptied,
+    over indexes holding labels, passed."""
+    from shardstream.verify import verify_dataset
+
+    folder = tmp_path / "ds"
+    with ShardWriter(str(folder)) as writer:
+        for k in range(3):
+            writer.write({"__key__": f"s{k}", "txt": "x", "cls": k})
+    assert verify_dataset(str(folder), decode_images=False).problems == []
+    manifest = msgpack.unpackb((folder / MANIFEST_NAME).read_bytes())
+    manifest["classes"], manifest["class_counts"] = [], []
+    (folder / MANIFEST_NAME).write_bytes(msgpack.packb(manifest, use_bin_type=True))
+    problems = verify_dataset(str(folder), decode_images=False).problems
+    assert [p.message for p in problems] == ["a label is past the manifest's 0 classes"]
