@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import os
 import posixpath
+import tarfile
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -18,7 +20,7 @@ from .fields import field_extension
 from .errors import ShardstreamError, shown_url
 from .reader import ShardReader
 from .shardfile import seek_table
-from .tario import END_OF_ARCHIVE
+from .tario import END_OF_ARCHIVE, member_key
 from .source import Source, open_dataset
 from .threads import ordered_map
 
@@ -119,6 +121,8 @@ def verify_shard(reader: ShardReader, decode_images: bool = True,
             problem = _seek_table_problem(reader, size)
             if problem is not None:
                 yield problem
+        if index.compression == "none" and size == info.bytes:
+            yield from _members_outside_the_index(reader, index, size)
         # FORMAT.md: the tar stream's size, which planning reads (samples a frame holds)
         raw = int(index.frame_raw_offsets[-1]) + len(END_OF_ARCHIVE) if index.compression == "zstd" else size
         if info.raw_bytes != raw:
@@ -181,6 +185,28 @@ def _label_words(label: int) -> str:
 
 def _weight_words(weight: np.float32) -> str:
     return "no weight" if np.isnan(weight) else f"weight {weight}"
+
+
+def _members_outside_the_index(reader: ShardReader, index: Any, size: int) -> Iterator[Problem]:
+    """Files of a plain tar before its index's first sample or after its last that belong
+    to a sample (`tario.member_key`, WebDataset's rule): samples no reader reads (an index
+    that left out the first or last sample passed, its checksums agreeing). A README, a
+    directory, the end-of-archive blocks and a tool's padding are none."""
+    assert reader.info is not None
+    n = len(index)
+    regions = [(0, int(index.sample_offsets[0]) if n else size)]
+    if n:
+        regions.append((int(index.sample_offsets[-1]), size))
+    for start, end in regions:
+        if end <= start:
+            continue
+        try:
+            with tarfile.open(fileobj=io.BytesIO(reader.store.read(reader.name, start, end)), mode="r:") as tar:
+                names = [member.name for member in tar if member.isfile() and member_key(member.name) is not None]
+        except (tarfile.TarError, EOFError):
+            names = []  # headers that do not parse there: the sample reads and checksums speak for the rest
+        for name in names:
+            yield Problem(reader.info.name, None, f"holds {name!r} outside every sample its index lists")
 
 
 def _seek_table_problem(reader: ShardReader, size: int) -> Problem | None:

@@ -1535,3 +1535,31 @@ def test_verify_counts_the_classes_of_a_manifest_that_names_none(tmp_path):
     (folder / MANIFEST_NAME).write_bytes(msgpack.packb(manifest, use_bin_type=True))
     problems = verify_dataset(str(folder), decode_images=False).problems
     assert [p.message for p in problems] == ["a label is past the manifest's 0 classes"]
+
+
+@pytest.mark.parametrize("dropped", ["first", "last"])
+def test_verify_finds_a_sample_a_plain_tar_index_leaves_out(tmp_path, dropped):
+    """Regression (found by review): `verify` read a plain tar between its index's first and
+    last offsets only, so an index that left out the first or last sample (its checksums
+    agreeing, as a second writer's would) passed, and no reader read that sample."""
+    from shardstream.verify import verify_dataset
+
+    folder = tmp_path / "ds"
+    with ShardWriter(str(folder), compression="none") as writer:
+        for k in range(4):
+            writer.write({"__key__": f"s{k}", "txt": f"sample {k}"})
+    index_path = folder / "shard-000000.tar.idx"
+    raw = msgpack.unpackb(index_path.read_bytes())
+    offsets = np.frombuffer(raw["sample_offsets"], "<u8")
+    cut = slice(1, None) if dropped == "first" else slice(None, -1)
+    raw["sample_offsets"] = offsets[cut].astype("<u8").tobytes()
+    raw["keys"] = raw["keys"][1:] if dropped == "first" else raw["keys"][:-1]
+    forged = msgpack.packb(raw, use_bin_type=True)
+    index_path.write_bytes(forged)
+    manifest = msgpack.unpackb((folder / MANIFEST_NAME).read_bytes())
+    manifest["shards"][0].update(samples=3, index_bytes=len(forged), index_sha256=sha256(forged))
+    manifest["samples"] = 3
+    (folder / MANIFEST_NAME).write_bytes(msgpack.packb(manifest, use_bin_type=True))
+    key = "s0" if dropped == "first" else "s3"
+    messages = [p.message for p in verify_dataset(str(folder), decode_images=False).problems]
+    assert f"holds '{key}.txt' outside every sample its index lists" in messages, messages
