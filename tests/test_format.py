@@ -1453,6 +1453,18 @@ def test_a_missing_field_names_the_fields_the_sample_holds(tmp_path):
             list(StreamingDataset(str(tmp_path / "ds"), fields=fields))
 
 
+def _write_as_a_second_writer_would(folder: Path, index_path: Path, raw: dict) -> None:
+    """Write the index `raw` (of the dataset's one shard) and a manifest that agrees with it:
+    its checksum, size and sample count, as a second writer's bug would leave them."""
+    forged = msgpack.packb(raw, use_bin_type=True)
+    index_path.write_bytes(forged)
+    manifest = msgpack.unpackb((folder / MANIFEST_NAME).read_bytes())
+    samples = len(raw["keys"])
+    manifest["shards"][0].update(samples=samples, index_bytes=len(forged), index_sha256=sha256(forged))
+    manifest["samples"] = samples
+    (folder / MANIFEST_NAME).write_bytes(msgpack.packb(manifest, use_bin_type=True))
+
+
 def test_an_index_whose_frame_boundary_falls_inside_a_sample_is_corrupt(tmp_path):
     """Regression (found by review): the index check made the frames cover the samples at
     the two ends only. An index (of a second writer, its manifest agreeing) that left out the
@@ -1469,12 +1481,7 @@ def test_an_index_whose_frame_boundary_falls_inside_a_sample_is_corrupt(tmp_path
     offsets = np.frombuffer(raw["sample_offsets"], "<u8")
     raw["sample_offsets"] = np.delete(offsets, 1).astype("<u8").tobytes()
     del raw["keys"][1]
-    forged = msgpack.packb(raw, use_bin_type=True)
-    index_path.write_bytes(forged)
-    manifest = msgpack.unpackb((folder / MANIFEST_NAME).read_bytes())
-    manifest["shards"][0].update(samples=3, index_bytes=len(forged), index_sha256=sha256(forged))
-    manifest["samples"] = 3
-    (folder / MANIFEST_NAME).write_bytes(msgpack.packb(manifest, use_bin_type=True))
+    _write_as_a_second_writer_would(folder, index_path, raw)
     with pytest.raises(CorruptIndexError, match="a frame boundary falls inside a sample") as raised:
         list(StreamingDataset(str(folder), decode=None))
     assert raised.value.url == str(index_path)
@@ -1554,12 +1561,7 @@ def test_verify_finds_a_sample_a_plain_tar_index_leaves_out(tmp_path, dropped):
     cut = slice(1, None) if dropped == "first" else slice(None, -1)
     raw["sample_offsets"] = offsets[cut].astype("<u8").tobytes()
     raw["keys"] = raw["keys"][1:] if dropped == "first" else raw["keys"][:-1]
-    forged = msgpack.packb(raw, use_bin_type=True)
-    index_path.write_bytes(forged)
-    manifest = msgpack.unpackb((folder / MANIFEST_NAME).read_bytes())
-    manifest["shards"][0].update(samples=3, index_bytes=len(forged), index_sha256=sha256(forged))
-    manifest["samples"] = 3
-    (folder / MANIFEST_NAME).write_bytes(msgpack.packb(manifest, use_bin_type=True))
+    _write_as_a_second_writer_would(folder, index_path, raw)
     key = "s0" if dropped == "first" else "s3"
     messages = [p.message for p in verify_dataset(str(folder), decode_images=False).problems]
     assert f"holds '{key}.txt' outside every sample its index lists" in messages, messages
