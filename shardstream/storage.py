@@ -346,7 +346,7 @@ class Store:
             return []
         except OSError as e:
             raise self._wrap("", "list", e) from safe_cause(e)
-        return sorted(posixpath.basename(e) for e in entries if e.endswith(suffix))
+        return sorted(name for name in map(self._listed_name, entries) if name.endswith(suffix))
 
     def folders(self) -> list[str]:
         """Names of the folders directly in this store, sorted (remotely: the prefixes a listing
@@ -356,8 +356,14 @@ class Store:
             if not os.path.isdir(root):
                 return []
             return sorted(entry.name for entry in os.scandir(root) if entry.is_dir())
-        return sorted(posixpath.basename(e["name"].rstrip("/")) for e in self._listed_entries()
-                      if e.get("type") == "directory")
+        return sorted(self._listed_name(e["name"]) for e in self._listed_entries() if e.get("type") == "directory")
+
+    def _listed_name(self, entry: str) -> str:
+        """The file name of a remote listing's `entry`: an HTTP listing's links are
+        percent-encoded, as `url` encodes the name again (`my%20shard.tar` was asked for
+        as `my%2520shard.tar`)."""
+        name = posixpath.basename(entry.rstrip("/"))
+        return urllib.parse.unquote(name) if self.root.startswith(("http://", "https://")) else name
 
     def _remote_list(self) -> list[str]:
         fs, path = self._fs_path("")
@@ -371,7 +377,7 @@ class Store:
             return _local_sizes(local_path(self.root))
         # A server that lists no size (fsspec's HTTP) is asked for it.
         return {name: int(size) if size is not None else self.size(name)
-                for name, size in ((posixpath.basename(e["name"].rstrip("/")), e.get("size"))
+                for name, size in ((self._listed_name(e["name"]), e.get("size"))
                                    for e in self._listed_entries() if e.get("type") != "directory")}
 
     def _listed_entries(self) -> list[dict]:

@@ -20,6 +20,7 @@ import numpy as np
 from .cache import ShardCache
 from .cancel import Cancellation
 from .errors import CorruptIndexError, CorruptShardError, DownloadChecksumError, ShardstreamError, StorageError
+from .format import SHARD_SUFFIX
 from .iostats import io_stats
 from .pieces import PieceKey, adjacent_repeats, piece_key, planned_pieces, ramp, sample_runs, stretches
 from .reader import READ_BYTES, Sample, ShardReader
@@ -94,14 +95,18 @@ class Readers:
 
     def _cached(self, shard: int) -> tuple[ShardReader | StreamTarReader, BinaryIO | None]:
         """`shard`'s reader over its cached copy, and the lock that keeps the copy; where the
-        stored file is not the manifest's (its download never matched the checksum), a reader
-        by ranges as without a cache, each frame's checksum deciding which samples are bad
-        (under on_error="skip" they are skipped, not the whole run ended), and no lock."""
+        stored zstd file is not the manifest's (its download never matched the checksum), a
+        reader by ranges as without a cache, each frame's checksum deciding which samples
+        are bad (under on_error="skip" they are skipped, not the whole run ended), and no
+        lock. A plain tar has no frame checksums: read so, its damage would pass as samples."""
         assert self.cache is not None
+        ref = self.source.shards[shard]
         try:
-            return self.cache.open(self.source.shards[shard])
+            return self.cache.open(ref)
         except DownloadChecksumError as e:
-            log.warning("%s; read uncached, by ranges", e)
+            if not ref.name.endswith(SHARD_SUFFIX["zstd"]):
+                raise
+            log.warning("%s; read uncached, by ranges, its frames' checksums checked", e)
             return self.source.reader(shard), None
 
     def hold(self, shard: int, lock: BinaryIO) -> None:

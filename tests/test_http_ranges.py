@@ -1146,3 +1146,15 @@ def test_a_shards_size_is_looked_up_by_a_ranged_get_within_its_deadline(tmp_path
         ds = shardstream.StreamingDataset([f"{url}/ds/{name}" for name in names], decode=None, fields=("__key__",))
         assert sorted(key for (key,) in ds) == sorted(s["__key__"] for s in shardstream.StreamingDataset(
             str(tmp_path / "ds"), decode=None))
+
+
+def test_names_from_an_http_listing_are_read_back(folder, plain_server, fsspec_loop):
+    """Regression (found by review of the change that percent-encodes names in URLs): an
+    HTTP folder listing gives its links percent-encoded, and those went into URLs encoded
+    again: `my shard.tar` was asked for as `my%2520shard.tar`, not found (repack of an HTTP
+    folder failed). A listed name is decoded."""
+    (folder / "my shard.tar").write_bytes(DATA)
+    url, _ = plain_server
+    store = Store(url, {})
+    assert "my shard.tar" in store.list(".tar")
+    assert store.read("my shard.tar", 10, 20) == DATA[10:20]

@@ -43,7 +43,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 import shardstream
-from shardstream import ManifestError, StorageError, StreamingDataset
+from shardstream import ManifestError, ShardWriter, StorageError, StreamingDataset
 from shardstream.format import MANIFEST_NAME
 from shardstream.iostats import io_stats
 from shardstream.plan import epoch_sequence, split_ranks
@@ -1828,6 +1828,26 @@ def test_a_shard_whose_download_never_matches_is_read_by_ranges_its_bad_frame_a_
         got = {key: hashlib.sha256(jpg).hexdigest() for key, jpg in ds}
     assert 0 < ds.skipped < len(jpg_digests)
     assert len(got) == len(jpg_digests) - ds.skipped and all(jpg_digests[key] == digest for key, digest in got.items())
+
+
+def test_a_plain_tar_whose_download_never_matches_is_an_error_not_read_by_ranges(tmp_path):
+    """Regression (found by review of the change above): a plain tar has no frame checksums,
+    so read by ranges after its downloads failed the checksum, its damaged sample was
+    delivered as it was, silently. It is a StorageError naming the shard, as before."""
+    from shardstream.errors import DownloadChecksumError
+
+    with ShardWriter(str(tmp_path / "ds"), compression="none") as writer:
+        for k in range(4):
+            writer.write({"__key__": f"s{k}", "bin": bytes([k]) * 2000})
+    damaged = tmp_path / "damaged"
+    data = bytearray((tmp_path / "ds" / "shard-000000.tar").read_bytes())
+    data[600] ^= 0xFF  # in the first sample's bytes
+    damaged.write_bytes(bytes(data))
+    with _damaging_server(str(tmp_path / "ds"), "shard-000000.tar", str(damaged), 10**9) as server:
+        ds = StreamingDataset(server.url, decode=None, cache_dir=str(tmp_path / "cache"), prefetch=0,
+                              on_error=shardstream.ErrorPolicy(mode="skip", max_fraction=1.0))
+        with pytest.raises(DownloadChecksumError, match="shard-000000.tar.*checksum"):
+            list(ds)
 
 
 def test_cache_deletes_downloads_abandoned_by_killed_processes(local_ds, shard_names, tmp_path):
