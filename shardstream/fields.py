@@ -150,14 +150,15 @@ def _readable(field: str, data: bytes, key: str) -> bytes:
     return data
 
 
-def encode_field(field: str, value: Any, *, key: str = "") -> bytes:
+def encode_field(field: str, value: Any, *, key: str = "", check_bytes: bool = True) -> bytes:
     """The bytes stored for `value` under the field name `field`.
 
-    Bytes are stored as they are (images keep their original file bytes); other values
-    are encoded by the field's last extension.
+    Bytes are stored as they are (images keep their original file bytes), where a reader
+    reads them as the field's extension says (`check_bytes`; `repack` keeps another tool's
+    as they came, as `index` does); other values are encoded by the field's last extension.
     """
     if isinstance(value, (bytes, bytearray, memoryview)):
-        return _readable(field, bytes(value), key)
+        return _readable(field, bytes(value), key) if check_bytes else bytes(value)
     ext = field_extension(field)
     encoder = ENCODERS.get(ext)
     if encoder is None:
@@ -181,8 +182,9 @@ def field_extension(name: str) -> str:
     return name.rsplit(".", 1)[-1].lower()
 
 
-def encode_sample(sample: dict[str, Any]) -> tuple[str, list[tuple[str, bytes]]]:
-    """Check a sample dict and encode it: (key, [(field, bytes), ...]) in sorted field order."""
+def encode_sample(sample: dict[str, Any], *, check_bytes: bool = True) -> tuple[str, list[tuple[str, bytes]]]:
+    """Check a sample dict and encode it: (key, [(field, bytes), ...]) in sorted field order
+    (`check_bytes`: see `encode_field`)."""
     key = sample.get("__key__")
     if not isinstance(key, str) or not key:
         raise ShardstreamError("a sample needs a non-empty string '__key__'")
@@ -196,7 +198,7 @@ def encode_sample(sample: dict[str, Any]) -> tuple[str, list[tuple[str, bytes]]]
         if name != name.lower():  # readers, WebDataset's and ours, lower-case it
             raise ShardstreamError(f"bad field name {name!r}: field names are lower case, as every reader of "
                                    "the tar format reads them", key=key)
-        fields.append((name, encode_field(name, sample[name], key=key)))
+        fields.append((name, encode_field(name, sample[name], key=key, check_bytes=check_bytes)))
     if not fields:
         raise ShardstreamError("a sample needs at least one field", key=key)
     return key, fields

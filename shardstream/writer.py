@@ -105,7 +105,9 @@ class ShardWriter:
 
     A sample is ``{"__key__": str, field: value, ...}``: bytes are stored as they are,
     ints, strings, dicts and arrays by the field's extension (`cls`, `txt`, `json`,
-    `msgpack`, `npy`). `shard_size` counts uncompressed tar bytes; `classes` names the
+    `msgpack`, `npy`). Bytes given for one of those extensions are refused where a reader
+    would not read them back (`check_bytes=False` stores them all the same, as `repack`
+    does with other tools' samples). `shard_size` counts uncompressed tar bytes; `classes` names the
     class indices found in the `cls` field, for the manifest.
 
     Use as a context manager: on a clean exit the manifest is written; on an exception
@@ -130,6 +132,7 @@ class ShardWriter:
         storage_options: dict[str, Any] | None = None,
         overwrite: bool = False,
         fsync: bool = False,
+        check_bytes: bool = True,
     ) -> None:
         check_compression(compression, level)
         # As pack refuses them: each of 0 (or a negative number) wrote a shard a sample, or
@@ -142,6 +145,7 @@ class ShardWriter:
             raise ShardstreamError(f"prefix {prefix!r} would not make plain file names (no '/', '\\' or NUL): "
                                    "shards are files in the dataset's folder")
         self.overwrite = overwrite
+        self.check_bytes = check_bytes
         self._claimed = False  # see _claim
         self.store = Store(os.fspath(dst), storage_options or {}, durable=fsync)
         self.shard_size = parse_size(shard_size)
@@ -174,7 +178,7 @@ class ShardWriter:
         """Add one sample."""
         if self._closed:
             raise ShardstreamError("write() after close()")
-        key, fields = encode_sample(sample)
+        key, fields = encode_sample(sample, check_bytes=self.check_bytes)
         self._keys.check_new(key)
         label = self._label(key, fields)
         _check_weight(key, fields)

@@ -524,3 +524,23 @@ def test_repack_into_a_folder_of_another_tools_shards_names_that_folder(wds_fold
     with pytest.raises(ShardstreamError, match="already holds shard files") as raised:
         repack_tars(str(folder), str(dst))
     assert raised.value.url == str(dst) and "--overwrite" in str(raised.value)
+
+
+def test_repack_keeps_another_tools_bytes_that_do_not_read_back(tmp_path):
+    """Regression (found by review of the check that `ShardWriter` refuses typed bytes that
+    would not read back): `repack` of another tool's tars stopped whole at one sample's
+    Latin-1 `.txt`, which `index` accepts and a reader skips. It stores them as they came."""
+    import io as _io
+    import tarfile as _tarfile
+
+    folder = tmp_path / "wds"
+    folder.mkdir()
+    with _tarfile.open(folder / "data-000000.tar", "w", format=_tarfile.USTAR_FORMAT) as tar:
+        for k, text in enumerate(("plain".encode(), "café".encode("latin-1"))):
+            for name, data in ((f"s{k}.txt", text), (f"s{k}.cls", str(k).encode())):
+                member = _tarfile.TarInfo(name)
+                member.size = len(data)
+                tar.addfile(member, _io.BytesIO(data))
+    repack_tars(str(folder), str(tmp_path / "out"))
+    stored = {s["__key__"]: s["txt"] for ref in ss.open_dataset(str(tmp_path / "out")).shards for s in ref.reader()}
+    assert stored == {"s0": b"plain", "s1": "café".encode("latin-1")}
