@@ -193,7 +193,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             plot = None
         else:  # a type it cannot write failed once every row had run
             kinds = Figure().canvas.get_supported_filetypes()
-            if os.path.splitext(plot)[1].lstrip(".").lower() not in kinds:
+            suffix = os.path.splitext(plot)[1].lstrip(".").lower()
+            if suffix and suffix not in kinds:  # none: matplotlib writes a PNG
                 raise ShardstreamError(f"--plot {plot}: matplotlib writes {', '.join(sorted(kinds))}, by the "
                                        "file's suffix")
     result = bench(

@@ -109,7 +109,8 @@ def guarded(inputs: Iterable[Any], prepare: Callable[[Any], Any], policy: ErrorP
     if owed and not have_good:
         assert skipped is not None
         raise TooManyErrors(f"all {owed} samples of this worker's share of the epoch failed, whatever the caps: "
-                            f"nothing good to stand in for them; last: {skipped}", url=skipped.url, key=skipped.key)
+                            f"nothing good to stand in for them; last: {skipped.detail}", url=skipped.url,
+                            key=skipped.key)
     for _ in range(owed):
         yield last
 
