@@ -832,10 +832,10 @@ _INTERRUPTED_AFTER_A_FEW_BATCHES = """
 import os, signal, sys, threading, time
 import shardstream
 
-def ctrl_c_until_gone():  # again every half second: one landing while workers fork can be lost (RELIABILITY.md)
-    while not caught.is_set():
+def ctrl_c_until_gone():  # again, every 2 s: one landing while workers fork can be lost (RELIABILITY.md)
+    while not caught.is_set():  # (not sooner: a second one inside the first's ending would end the script)
         os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(0.5)
+        time.sleep(2)
 
 caught = threading.Event()
 
