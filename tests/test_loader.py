@@ -898,9 +898,13 @@ def test_more_workers_than_the_dataset_counts_for_are_refused(packed, monkeypatc
     monkeypatch.setattr(dataset_module, "SLOTS", 1)  # forked workers see it too
     loader = torch.utils.data.DataLoader(StreamingDataset(packed, decode=None, fields=("__key__",)),
                                          batch_size=None, num_workers=2, multiprocessing_context="fork")
-    with pytest.raises(shardstream.ShardstreamError, match="2 DataLoader workers: a StreamingDataset keeps the "
-                                                           "counts of at most 1"):
-        next(iter(loader))
+    it = iter(loader)
+    try:
+        with pytest.raises(shardstream.ShardstreamError, match="2 DataLoader workers: a StreamingDataset keeps the "
+                                                               "counts of at most 1"):
+            next(it)
+    finally:
+        it._shutdown_workers()  # now: left to the collector, its queues' threads outlived the test under load
     monkeypatch.setattr(dataset_module, "SLOTS", 2)
     assert len(list(loader)) == len(list(StreamingDataset(packed, decode=None, fields=("__key__",))))
 
