@@ -85,18 +85,22 @@ class SamplePrep:
 
     def _crops_for(self, sample_id: int) -> torch.Generator | None:
         """`crops`, seeded for the sample, where the images are decoded by a fused crop."""
-        if not _draws_crops(self.decoder.images):
+        if not self._crops_draw:
             return None
         return self.crops.manual_seed(sample_seed(self.seed, self.epoch, sample_id))
 
-    @property
+    @functools.cached_property
+    def _crops_draw(self) -> bool:
+        """Whether the images are decoded by one of ours that draws from `crops` (asked once a sample)."""
+        return _draws_crops(self.decoder.images)
+
+    @functools.cached_property
     def runs_user_code(self) -> bool:
         """Whether the user's own code prepares samples (a transform, a decode callable not
         ours), which may draw from any global generator; ours draw from `crops` only, so
         for them the global ones are left alone (in the main process, saving and restoring
         numpy's state costs about 90 us a sample)."""
-        images = self.decoder.images
-        return self.transform is not None or (callable(images) and not _draws_crops(images))
+        return self.transform is not None or (callable(self.decoder.images) and not self._crops_draw)
 
     def in_callers_process(self, items: Iterator[Any], collate: Callable[[list[Any]], Any] | None) -> Iterator[Any]:
         """`items` (prepared by this, collated by `collate` if batched) as the training
