@@ -17,6 +17,7 @@ damaged copy replaced, a killed process's reservation stay counted until the nex
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import shutil
@@ -25,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import BinaryIO, Iterator
 
-from .errors import ShardstreamError, StorageError
+from .errors import CacheFullError, ShardstreamError, StorageError
 
 try:
     import fcntl
@@ -231,14 +232,15 @@ class Room:
 def writing(path: str) -> Iterator[None]:
     """The cache's own disk failing (full, read-only, quota, I/O error) raises a `StorageError`
     naming the cache's file (the one the error names, else `path`), not a bare OSError, which
-    said neither where nor that it was the cache."""
+    said neither where nor that it was the cache; a full disk or quota a `CacheFullError`."""
     try:
         yield
     except ShardstreamError:
         raise
     except OSError as error:
-        raise StorageError(f"cannot write the cache: {error.strerror or error}",
-                           url=str(error.filename) if error.filename else path) from error
+        kind = CacheFullError if error.errno in (errno.ENOSPC, errno.EDQUOT) else StorageError
+        raise kind(f"cannot write the cache: {error.strerror or error}",
+                   url=str(error.filename) if error.filename else path) from error
 
 
 def _read_ledger(root: str) -> tuple[int, float] | None:

@@ -178,6 +178,11 @@ class DownloadChecksumError(StorageError):
     stored file is not the one the manifest describes (damaged, or replaced)."""
 
 
+class CacheFullError(StorageError):
+    """The cache's disk had no room for a shard's download (full, or over a quota), after
+    the cache evicted what it could: the shard is read uncached instead."""
+
+
 class BracePatternError(ShardstreamError, ValueError):
     """A brace pattern that names no shards: unbalanced braces, a range of mixed kinds, or too many names."""
 

@@ -19,7 +19,8 @@ import numpy as np
 
 from .cache import ShardCache
 from .cancel import Cancellation
-from .errors import CorruptIndexError, CorruptShardError, DownloadChecksumError, ShardstreamError, StorageError
+from .errors import (CacheFullError, CorruptIndexError, CorruptShardError, DownloadChecksumError, ShardstreamError,
+                     StorageError)
 from .format import SHARD_SUFFIX
 from .iostats import io_stats
 from .pieces import PieceKey, adjacent_repeats, piece_key, planned_pieces, ramp, sample_runs, stretches
@@ -37,6 +38,17 @@ __all__ = ["Readers", "read_piece", "read_samples", "read_tolerant", "read_whole
 
 OPENERS = 4  # threads that open shards ahead (fetch indexes, or download into the cache)
 MAX_AHEAD = 32  # pieces in flight at most, however small
+
+
+_full_caches: set[str] = set()  # the cache folders this process said had no room
+
+
+def _say_cache_full(root: str, error: CacheFullError) -> None:
+    """Once a process and cache: a disk too small for the shards in use (and in flight) is a
+    setting to change (a larger disk, fewer workers, smaller shards), not news at every shard."""
+    if root not in _full_caches:
+        _full_caches.add(root)
+        log.warning("%s: shards its disk has no room for are read uncached, by ranges (the first: %s)", root, error)
 
 
 class Readers:
@@ -95,14 +107,18 @@ class Readers:
 
     def _cached(self, shard: int) -> tuple[ShardReader | StreamTarReader, BinaryIO | None]:
         """`shard`'s reader over its cached copy, and the lock that keeps the copy; where the
-        stored zstd file is not the manifest's (its download never matched the checksum), a
-        reader by ranges as without a cache, each frame's checksum deciding which samples
-        are bad (under on_error="skip" they are skipped, not the whole run ended), and no
-        lock. A plain tar has no frame checksums: read so, its damage would pass as samples."""
+        cache's disk has no room for the copy, or the stored zstd file is not the manifest's
+        (its download never matched the checksum), a reader by ranges as without a cache (the
+        frames' checksums then deciding which samples are bad: under on_error="skip" they are
+        skipped, not the whole run ended), and no lock. A plain tar has no frame checksums:
+        read so, its damage would pass as samples."""
         assert self.cache is not None
         ref = self.source.shards[shard]
         try:
             return self.cache.open(ref)
+        except CacheFullError as e:  # a disk smaller than the shards in use (and in flight)
+            _say_cache_full(self.cache.root, e)
+            return self.source.reader(shard), None
         except DownloadChecksumError as e:
             if not ref.name.endswith(SHARD_SUFFIX["zstd"]):
                 raise

@@ -2952,6 +2952,53 @@ def test_a_cache_emptied_or_failing_while_a_copy_is_hashed_is_fetched_again_or_n
             assert raised.value.url == struck[0]
 
 
+def test_a_download_takes_its_room_from_the_disk_before_a_byte_arrives(local_ds, jpg_digests, tmp_path,
+                                                                       monkeypatch):
+    """Regression (found by review): a download's reservation was a sparse file, counted as
+    held by the room rule and as free by the disk, so downloads reserved side by side each
+    saw room the others were about to fill (a 64 MB disk filled in 1 run of 3). Its blocks
+    are allocated now (fallocate), where the file system allows: each download finds its
+    file's blocks already taken when its first byte is fetched."""
+    import shardstream.cache as cache_module
+
+    probe = tmp_path / "probe"
+    with open(probe, "wb") as f:
+        if cache_module._fallocate is None or cache_module._fallocate(f.fileno(), 0, 0, 1 << 16) != 0:
+            pytest.skip("no fallocate on this file system")
+    real, seen = cache_module._download_into, []
+
+    def download_into(store, name, size, digest, f, part):
+        seen.append((name, size, os.stat(part).st_blocks * 512))
+        return real(store, name, size, digest, f, part)
+
+    monkeypatch.setattr(cache_module, "_download_into", download_into)
+    with H.CountingHTTPServer(local_ds) as server:
+        ds = StreamingDataset(server.url, decode=None, fields=("__key__", "jpg"), cache_dir=str(tmp_path / "cache"),
+                              prefetch=0)
+        assert {key: hashlib.sha256(jpg).hexdigest() for key, jpg in ds} == jpg_digests
+    assert seen and all(allocated >= size for _, size, allocated in seen), seen
+
+
+def test_a_shard_the_caches_disk_has_no_room_for_is_read_uncached(tmp_path, caplog):
+    """Regression (found by review): where the cache's disk could not hold a shard (a small
+    disk, or several workers' downloads at once on one), its download failed with ENOSPC
+    and ended the run with a StorageError. Such a shard is read uncached, by ranges, said
+    once: here on a real tmpfs of 32 KB and shards of about 64 KB."""
+    rng = random.Random(0)
+    expected = {}
+    with ShardWriter(str(tmp_path / "ds"), max_samples=4) as writer:
+        for i in range(12):
+            data = rng.randbytes(16 << 10)  # incompressible: about 64 KB a shard
+            writer.write({"__key__": f"s{i:02d}", "bin": data})
+            expected[f"s{i:02d}"] = hashlib.sha256(data).hexdigest()
+    with tmpfs(tmp_path / "cache", 32 << 10) as cache, H.CountingHTTPServer(str(tmp_path / "ds")) as server, \
+            caplog.at_level("WARNING", logger="shardstream"):
+        ds = StreamingDataset(server.url, decode=None, fields=("__key__", "bin"), cache_dir=str(cache))
+        assert {key: hashlib.sha256(data).hexdigest() for key, data in ds} == expected
+    said = [r.getMessage() for r in caplog.records if "its disk has no room for" in r.getMessage()]
+    assert len(said) == 1 and "No space left on device" in said[0], caplog.text
+
+
 def test_a_cache_on_a_disk_smaller_than_its_limit_holds_what_the_disk_has_room_for(
         local_ds, shard_names, jpg_digests, tmp_path, monkeypatch):
     """Regression (found by review): the cache counted only against its limit (50 GB by
