@@ -135,10 +135,10 @@ def repack_tars(source: str | Sequence[str], dst: str, *, shard_size: int | str 
 
 
 def _same_folder(a: Store, b: Store) -> bool:
-    """Whether two stores are one folder (locally, through links too; remotely, one location)."""
-    if a.local and b.local:
-        return os.path.realpath(local_path(a.root)) == os.path.realpath(local_path(b.root))
-    return a.location.rstrip("/") == b.location.rstrip("/")
+    """Whether two stores are one folder, however spelled (`Store.folder`): locally through
+    links too; ``memory://t`` and ``memory:///t``, or ``simplecache::file:///x`` and ``/x``,
+    were told apart, and repack wrote its shards over the tars it was reading."""
+    return a.folder() == b.folder()
 
 
 def _write_from(writer: Any, sample: dict[str, Any], url: str) -> None:

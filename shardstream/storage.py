@@ -166,6 +166,24 @@ class Store:
         token or password (which may rotate) grants access to them."""
         return without_userinfo(split_query(self.root)[0])
 
+    def folder(self) -> tuple[str, str]:
+        """The folder this store names, however its URL spells it, to tell two stores apart:
+        ("file", its real path) where it is local, also through fsspec's cache wrappers
+        (``simplecache::file://``) and ``local://``; else fsspec's filesystem class and the
+        path it resolves (``memory://t`` and ``memory:///t`` are one folder, ``s3a://`` and
+        ``s3://`` one bucket). No request is made."""
+        if self.local:
+            return "file", os.path.realpath(local_path(self.root))
+        import fsspec.core
+        from fsspec.implementations.local import LocalFileSystem
+
+        fs, path = fsspec.core.url_to_fs(self.location, **_with_timeouts(self.root, self.options))
+        while isinstance(getattr(fs, "fs", None), fsspec.AbstractFileSystem):  # a cache wrapper: what it wraps
+            fs = fs.fs
+        if isinstance(fs, LocalFileSystem):
+            return "file", os.path.realpath(path)
+        return f"{type(fs).__module__}.{type(fs).__qualname__}", fs._strip_protocol(path).rstrip("/")
+
     def url(self, name: str) -> str:
         """The full URL (or path) of the file `name` in this store.
 

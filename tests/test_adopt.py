@@ -514,6 +514,36 @@ def test_repack_into_the_folder_it_reads_is_refused_and_the_tars_kept(wds_folder
     assert not (folder / MANIFEST_NAME).exists()
 
 
+@pytest.mark.parametrize("spelling", ["local://{}", "simplecache::file://{}", "{}/../wds"])
+def test_repack_into_the_folder_it_reads_spelled_otherwise_is_refused(wds_folder, spelling):
+    """Regression (found by review): the folders were compared as spelled unless both were
+    plain paths, so `repack DIR local://DIR --overwrite` (or simplecache::file://DIR) took the
+    tars being read for an old dataset's shards and deleted them: the source folder was
+    left empty. Folders are compared as fsspec resolves them."""
+    folder, _ = wds_folder
+    before = tar_bytes(folder)
+    with pytest.raises(ShardstreamError, match="the folder of the tars to repack"):
+        repack_tars(str(folder), spelling.format(folder), overwrite=True)
+    assert tar_bytes(folder) == before
+
+
+def test_repack_into_the_memory_folder_it_reads_spelled_otherwise_is_refused(wds_folder):
+    """As above, for fsspec's memory://t and memory:///t (one folder)."""
+    import fsspec
+
+    folder, _ = wds_folder
+    memory = fsspec.filesystem("memory")
+    for path in folder.glob("*.tar"):
+        memory.pipe(f"/repack-spelled/{path.name}", path.read_bytes())
+    try:
+        with pytest.raises(ShardstreamError, match="the folder of the tars to repack"):
+            repack_tars("memory://repack-spelled", "memory:///repack-spelled", overwrite=True)
+        assert sorted(memory.ls("/repack-spelled", detail=False)) == [f"/repack-spelled/{name}"
+                                                                      for name in sorted(tar_bytes(folder))]
+    finally:
+        memory.rm("/repack-spelled", recursive=True)
+
+
 def test_repack_into_a_folder_of_another_tools_shards_names_that_folder(wds_folder, tmp_path):
     """Regression (found by review): the refusal (right) named the source tar the first
     sample came from, as if it were to blame, not the destination holding the shards."""
