@@ -42,7 +42,7 @@ __all__ = ["index_tars", "repack_tars"]
 _COMPRESSED = (".tar.gz", ".tgz", ".tar.zst", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
 
 
-def index_tars(source: str | Sequence[str], *, workers: int = 8, overwrite: bool = False,
+def index_tars(source: str | os.PathLike[str] | Sequence[str], *, workers: int = 8, overwrite: bool = False,
                storage_options: dict[str, Any] | None = None, progress: bool = False) -> Manifest:
     """Index plain `.tar` shards in place and write the manifest that makes them a dataset.
 
@@ -90,7 +90,7 @@ def index_tars(source: str | Sequence[str], *, workers: int = 8, overwrite: bool
     return manifest
 
 
-def repack_tars(source: str | Sequence[str], dst: str, *, shard_size: int | str = "256MB",
+def repack_tars(source: str | os.PathLike[str] | Sequence[str], dst: str | os.PathLike[str], *, shard_size: int | str = "256MB",
                 compression: str = "zstd", level: int = IMAGE_LEVEL,
                 storage_options: dict[str, Any] | None = None, progress: bool = False,
                 overwrite: bool = False) -> Manifest:
@@ -108,6 +108,7 @@ def repack_tars(source: str | Sequence[str], dst: str, *, shard_size: int | str 
 
     check_level_used(compression, level, IMAGE_LEVEL)
     options = storage_options or {}
+    dst = os.fspath(dst)
     store, names = _shards(source, options, compressed=True)
     if _same_folder(store, Store(dst, options)):
         # The writer's shards would replace the tars being read (WebDataset names them as it does).
@@ -196,10 +197,12 @@ def _refuse_foreign_indexes(store: Store, names: Sequence[str]) -> None:
                                    "overwrite=True (--overwrite) to replace it", url=url) from None
 
 
-def _shards(source: str | Sequence[str], options: dict[str, Any], *,
+def _shards(source: str | os.PathLike[str] | Sequence[str], options: dict[str, Any], *,
             compressed: bool = False) -> tuple[Store, list[str]]:
     """The one folder the shards are in, and their names (plain tars only, unless `compressed`)."""
     kinds = (".tar", *_COMPRESSED) if compressed else (".tar",)
+    if isinstance(source, os.PathLike):  # a folder as pathlib.Path, as `pack` and the dataset take one
+        source = os.fspath(source)
     if isinstance(source, str) and not names_shards(source):
         source = folder_named(source)
         store = Store(source, options, RetryPolicy())

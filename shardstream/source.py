@@ -27,7 +27,7 @@ from .tarstream import StreamTarReader
 from .shardfile import FRAME_SIZE
 from .retry import RetryPolicy
 from .storage import Store
-from .urls import is_local, local_path, split_query, split_url
+from .urls import expand_home, is_local, local_path, split_query, split_url
 
 if TYPE_CHECKING:
     from .sampling import Mix
@@ -380,7 +380,8 @@ def resolve_source(source: "str | Sequence[str] | Mix", *, storage_options: dict
     if isinstance(source, str):
         # A local folder holding a dataset is that dataset, whatever its name says (`pack`
         # writes to a name as given: `data.tar` was read as one shard, "is a directory").
-        local_dataset = is_local(source) and os.path.isfile(os.path.join(local_path(source), MANIFEST_NAME))
+        local_dataset = is_local(source) and os.path.isfile(os.path.join(local_path(expand_home(source)),
+                                                                          MANIFEST_NAME))
         if not names_shards(source) or local_dataset:
             return open_dataset(folder_named(source) if not local_dataset else source, storage_options=options,
                                 retry=retry)

@@ -35,7 +35,7 @@ from .iostats import io_stats
 from .retry import RetryPolicy, http_status
 from .scratch import drop_scratch, scratch_file, sync_file, sync_folder
 from .threads import ordered_map
-from .urls import expand_home, is_local, local_path, split_query, without_userinfo
+from .urls import check_chain, expand_home, is_local, local_path, split_query, without_userinfo
 
 if TYPE_CHECKING:
     import fsspec
@@ -59,13 +59,23 @@ HTTP_CONNECT_TIMEOUT_S = 10.0
 HTTP_READ_TIMEOUT_S = 20.0
 
 
+# The fsspec filesystems known to keep listings and to take the listings cache's options:
+# others get the user's options as given (sftp hands every one to paramiko's connect, which
+# refused this one, so every sftp:// dataset failed); their listings are dropped before each
+# `ls` instead (`_listing`).
+_LISTINGS_KEPT = ("http://", "https://", "s3://", "s3a://", "gs://", "gcs://", "abfs://", "abfss://", "az://")
+
+
 def _with_timeouts(root: str, options: Mapping[str, Any]) -> dict[str, Any]:
     """The fsspec options for `root`: the user's, with timeouts on HTTP, and without fsspec's
     listings cache: it never expires, and the filesystem instance (shared by every Store of
     the same options in a process) kept a listing from before another process wrote there
-    (a part finished elsewhere stayed missing, and `merge` refused)."""
-    options = dict(options)
-    options.setdefault("use_listings_cache", False)
+    (a part finished elsewhere stayed missing, and `merge` refused). A copy, nested options
+    too: fsspec updates a chained URL's per-protocol options in place, which were the
+    caller's."""
+    options = {key: dict(value) if isinstance(value, Mapping) else value for key, value in options.items()}
+    if root.startswith(_LISTINGS_KEPT):
+        options.setdefault("use_listings_cache", False)
     if root.startswith("s3://"):
         # One try per botocore call below ours: its retries (5) ran inside s3fs's own (5,
         # cut to one by `_s3_filesystem_class`) under `RetryPolicy`: 25 requests and half a
@@ -143,8 +153,10 @@ class Store:
     durable: bool = False
 
     def __post_init__(self) -> None:
-        # Every dataset location becomes a Store here, so this is where ``~`` is expanded.
+        # Every dataset location becomes a Store here, so this is where ``~`` is expanded, and
+        # URLs the library cannot name files in are refused.
         object.__setattr__(self, "root", expand_home(self.root))
+        check_chain(self.root)
 
     @property
     def local(self) -> bool:
@@ -384,8 +396,14 @@ class Store:
         return urllib.parse.unquote(name) if self.root.startswith(("http://", "https://")) else name
 
     def _remote_list(self) -> list[str]:
+        return self._listing(detail=False)
+
+    def _listing(self, *, detail: bool) -> list:
+        """This store's folder listed now: a listing fsspec kept (where `use_listings_cache`
+        could not be turned off, `_LISTINGS_KEPT`) is dropped first."""
         fs, path = self._fs_path("")
-        return fs.ls(path.rstrip("/"), detail=False)
+        fs.invalidate_cache(path.rstrip("/"))
+        return fs.ls(path.rstrip("/"), detail=detail)
 
     def sizes(self) -> dict[str, int]:
         """The size in bytes of every file directly in this store, by name: one listing
@@ -409,8 +427,7 @@ class Store:
             raise self._wrap("", "list", e) from safe_cause(e)
 
     def _remote_entries(self) -> list[dict]:
-        fs, path = self._fs_path("")
-        return fs.ls(path.rstrip("/"), detail=True)
+        return self._listing(detail=True)
 
     def _remote_size(self, name: str) -> int:
         if self._direct == "http":  # within the direct reader's deadlines (fsspec's HEAD has none)

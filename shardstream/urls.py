@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 import urllib.parse
 
-from .errors import USERINFO
+from .errors import USERINFO, ShardstreamError
 
-__all__ = ["expand_home", "is_local", "local_path", "preload_driver", "split_query", "split_url"]
+__all__ = ["check_chain", "expand_home", "is_local", "local_path", "preload_driver", "split_query", "split_url"]
 
 
 def is_local(url: str) -> bool:
@@ -35,6 +35,30 @@ def preload_driver(url: str) -> None:
             fsspec.get_filesystem_class(url.split("://", 1)[0])
         except (ImportError, ValueError):
             pass  # an unknown or uninstalled protocol: the first real request says so, naming the URL
+
+
+def check_chain(url: str) -> None:
+    """Refuse a chained fsspec URL whose files live inside another file (``zip://ds::file:///x.zip``,
+    ``tar://...``): its files are named where the path is, in the archive's segment, while the
+    library joins names onto the URL's end (which named a file inside ``x.zip/``: "not a
+    directory", and a ``tar://`` URL was taken for one shard). fsspec's cache wrappers
+    (``simplecache::``, ``filecache::``, ``blockcache::``) keep their path at the end, and
+    are read as any other URL."""
+    if "::" not in url:
+        return
+    import fsspec
+    from fsspec.implementations.cached import CachingFileSystem
+
+    for segment in url.split("::")[:-1]:
+        protocol = segment.split("://", 1)[0]
+        try:
+            wrapper = issubclass(fsspec.get_filesystem_class(protocol), CachingFileSystem)
+        except (ImportError, ValueError):
+            wrapper = False
+        if not wrapper or segment.split("://", 1)[1:] not in ([], [""]):
+            raise ShardstreamError(f"a chained URL is read through fsspec's cache wrappers only (simplecache::, "
+                                   f"filecache::, blockcache::), each without a path of its own: {protocol}:// is "
+                                   f"not one (a dataset inside an archive is read once unpacked)", url=url)
 
 
 def expand_home(url: str) -> str:
@@ -62,7 +86,9 @@ def split_url(url: str) -> tuple[str, str]:
     if "://" in url:
         scheme, rest = url.split("://", 1)
         parent, _, name = rest.rpartition("/")
-        if scheme in ("http", "https"):  # the file's name, as `Store.url` encodes it again
+        # The file's name decoded, as `Store.url` encodes it again (HTTP) or `local_path`
+        # decodes the folder (file://, as `Path.as_uri()` writes one).
+        if scheme in ("http", "https", "file"):
             name = urllib.parse.unquote(name)
         return f"{scheme}://{parent}{query}", name
     parent, name = os.path.split(url)

@@ -544,6 +544,15 @@ def test_repack_into_the_memory_folder_it_reads_spelled_otherwise_is_refused(wds
         memory.rm("/repack-spelled", recursive=True)
 
 
+def test_index_and_repack_take_paths(wds_folder, tmp_path):
+    """Regression (found by review): `index_tars(Path)` was a TypeError and `repack_tars(str, Path)` an
+    AttributeError, where `pack`, `ShardWriter` and the dataset take a pathlib.Path."""
+    folder, samples = wds_folder
+    assert index_tars(folder).samples == len(samples)
+    assert repack_tars(folder, tmp_path / "out").samples == len(samples)
+    assert (tmp_path / "out" / MANIFEST_NAME).exists()
+
+
 def test_repack_into_a_folder_of_another_tools_shards_names_that_folder(wds_folder, tmp_path):
     """Regression (found by review): the refusal (right) named the source tar the first
     sample came from, as if it were to blame, not the destination holding the shards."""

@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 import fsspec
 import fsspec.asyn
+import fsspec.implementations.memory
 import numpy as np
 import pytest
 from torch.utils.data import DataLoader
@@ -3030,3 +3031,64 @@ def test_a_cache_on_a_disk_smaller_than_its_limit_holds_what_the_disk_has_room_f
         ds = StreamingDataset(server.url, decode=None, fields=("__key__", "jpg"), cache_dir=str(cache_dir), prefetch=0)
         assert {key: hashlib.sha256(jpg).hexdigest() for key, jpg in ds} == jpg_digests
     assert held() <= disk and most and max(most) <= disk
+
+
+class _StrictMemoryFileSystem(fsspec.implementations.memory.MemoryFileSystem):
+    """fsspec's memory filesystem, taking no options but its own, as filesystems that hand
+    theirs to a client library do (sftp's to paramiko's connect)."""
+
+    protocol = ("strictmem",)
+
+    def __init__(self, *, token: str | None = None):
+        super().__init__()
+        self.token = token
+
+    @classmethod
+    def _strip_protocol(cls, path: str) -> str:
+        return super()._strip_protocol("memory://" + path[len("strictmem://"):] if path.startswith("strictmem://")
+                                       else path)
+
+
+def test_storage_options_reach_fsspec_as_given_and_stay_the_callers(packed, tmp_path):
+    """Regression (found by review): every store's options got `use_listings_cache=False`, which
+    a filesystem that hands its options to a client library refuses (every sftp:// dataset failed:
+    "connect() got an unexpected keyword argument"); and a chained URL's per-protocol options were
+    updated in place by fsspec, the caller's dict coming back changed. The option goes only to
+    filesystems known to take it, and the caller's options are copied."""
+    fsspec.register_implementation("strictmem", _StrictMemoryFileSystem, clobber=True)
+    memory = fsspec.filesystem("memory")
+    for path in Path(packed).iterdir():
+        memory.pipe(f"/strict-options/{path.name}", path.read_bytes())
+    expected = sorted(key for (key,) in StreamingDataset(packed, decode=None, fields=("__key__",)))
+    try:
+        options = {"token": "t"}
+        ds = StreamingDataset("strictmem://strict-options", decode=None, fields=("__key__",), storage_options=options)
+        assert sorted(key for (key,) in ds) == expected and options == {"token": "t"}
+        chained = {"simplecache": {"cache_storage": str(tmp_path / "fsspec-cache")}}
+        ds = StreamingDataset(f"simplecache::file://{packed}", decode=None, fields=("__key__",),
+                              storage_options=chained)
+        assert sorted(key for (key,) in ds) == expected
+        assert chained == {"simplecache": {"cache_storage": str(tmp_path / "fsspec-cache")}}
+    finally:
+        memory.rm("/strict-options", recursive=True)
+
+
+@pytest.mark.parametrize("archive", ["zip", "tar"])
+def test_a_dataset_inside_an_archive_is_refused_saying_why(packed, tmp_path, archive):
+    """Regression (found by review): `zip://ds::file:///x.zip` failed with "not a directory" (the
+    manifest's name was joined onto the zip file's path, where fsspec takes it in the zip's
+    segment), and `tar://ds::file:///x.tar` was taken for one shard and "not found". Such chains
+    are refused, naming what is read (fsspec's cache wrappers), before anything is read."""
+    import tarfile
+    import zipfile
+
+    path = tmp_path / f"ds.{archive}"
+    if archive == "zip":
+        with zipfile.ZipFile(path, "w") as zf:
+            for file in Path(packed).iterdir():
+                zf.write(file, f"ds/{file.name}")
+    else:
+        with tarfile.open(path, "w") as tf:
+            tf.add(packed, "ds")
+    with pytest.raises(shardstream.ShardstreamError, match=rf"cache wrappers only .*: {archive}:// is not one"):
+        list(StreamingDataset(f"{archive}://ds::{path.as_uri()}", decode=None))

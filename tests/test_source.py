@@ -193,6 +193,18 @@ def test_a_local_dataset_folder_named_like_a_shard_is_read_as_packed(packed_plai
     assert sorted(s["__key__"] for s in StreamingDataset(str(tmp_path / name), decode=None)) == expected
 
 
+def test_a_local_dataset_folder_named_like_a_shard_is_read_as_packed_from_a_home_path(packed_plain, tmp_path,
+                                                                                        monkeypatch):
+    """Regression (found by review): the check that a folder holds a dataset did not expand `~`, so
+    `~/data.tar` was read as one shard ("IsADirectoryError") where its full path read the dataset."""
+    import shutil
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copytree(packed_plain, tmp_path / "data.tar")
+    expected = sorted(s["__key__"] for s in StreamingDataset(packed_plain, decode=None))
+    assert sorted(s["__key__"] for s in StreamingDataset("~/data.tar", decode=None)) == expected
+
+
 def test_a_remote_dataset_folder_named_like_a_shard_is_read_as_packed(packed_plain, tmp_path):
     """Regression: over HTTP or S3, `.../data.tar` (no trailing slash) naming a dataset's folder was read as one
     shard: "file not found". A single shard's URL is still that shard."""
