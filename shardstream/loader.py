@@ -511,6 +511,12 @@ class DataLoader:
                 if self.num_workers > 0:
                     self.dataset.explain_pickling(error, _start_method(self.multiprocessing_context))
                 raise
+            except BaseException:
+                # A Ctrl-C while torch reset the persistent workers for this epoch (it waits for
+                # each to answer) left them alive, and its iterator half reset: ended at once,
+                # as in next() below.
+                self._drop_workers(at_once=True)
+                raise
         # Their handles only, not the iterator, which would keep the workers of an iteration the
         # loop left early alive until the next one.
         self._workers = workers = list(getattr(source, "_workers", ()))

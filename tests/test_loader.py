@@ -879,6 +879,44 @@ def test_ctrl_c_ends_the_workers_without_waiting_for_what_they_read(packed, tmp_
     assert proc.returncode == 0 and "interrupted [False, False]" in proc.stdout, (proc.stdout, proc.stderr[-2000:])
 
 
+def test_ctrl_c_while_the_persistent_workers_are_reset_ends_them(packed, monkeypatch):
+    """Regression (found by review): a Ctrl-C landing while torch reset the persistent workers
+    for the next epoch (`iter()` waits for each to answer) passed by the loader's handling,
+    which covered `next()` only: the workers stayed alive, torch's iterator half reset. Here
+    the KeyboardInterrupt is raised in that wait, as a Ctrl-C there would."""
+    import torch.utils.data.dataloader as torch_dataloader
+
+    cls = torch_dataloader._MultiProcessingDataLoaderIter
+    reset, get_data = cls._reset, cls._get_data
+    state = {"resetting": False, "armed": False}
+
+    def resetting(self, loader, first_iter=False):
+        state["resetting"] = not first_iter
+        try:
+            return reset(self, loader, first_iter)
+        finally:
+            state["resetting"] = False
+
+    def interrupted(self):
+        if state["resetting"] and state["armed"]:
+            state["armed"] = False
+            raise KeyboardInterrupt("in the persistent workers' reset")
+        return get_data(self)
+
+    monkeypatch.setattr(cls, "_reset", resetting)
+    monkeypatch.setattr(cls, "_get_data", interrupted)
+    loader = DataLoader(keys_of(packed), batch_size=4, num_workers=2)
+    assert len(list(loader)) > 0  # epoch 0 starts the persistent workers
+    workers = list(loader._workers)
+    loader.set_epoch(1)
+    state["armed"] = True
+    with pytest.raises(KeyboardInterrupt, match="reset"):
+        next(iter(loader))
+    for worker in workers:
+        worker.join(5)
+    assert [worker.is_alive() for worker in workers] == [False, False]
+
+
 @pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")  # torch's checks in its shutdown
 @pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
 def test_workers_of_every_start_method_share_the_done_flag_and_end_cleanly(packed, method):
