@@ -1004,7 +1004,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--images", type=int, default=2000, help="images in the synthetic folder (a multiple of 10)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per contender (median reported)")
     p.add_argument("--only", default=",".join(DEFAULT_SECTIONS),
-                   help="comma-separated sections: " + ", ".join(SECTIONS) + " (default: all but shrink)")
+                   help="comma-separated sections: " + ", ".join(SECTIONS) + " (default: " + ", ".join(DEFAULT_SECTIONS)
+                   + ")")
     p.add_argument("--data", default="~/.cache/shardstream-bench", help="cache folder for images and shards")
     p.add_argument("--out", default=None, help="JSON results file (default: <data>/loader-results-<images>.json)")
     p.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads in this process")
@@ -1016,8 +1017,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--only takes some of {', '.join(SECTIONS)}")
     if args.repeats < 3:
         print("note: fewer than 3 repeats; medians of so few runs are fragile", file=sys.stderr)
-    if args.images < 10 * BATCH // 8:
-        p.error("need --images >= 80")
+    if args.images % 10:
+        p.error("--images must be a multiple of 10 (the folder has 10 classes of equal size)")
+    if args.images < 600:  # checked again once packed (ensure_data): the shards' count depends on the images' sizes
+        p.error("need --images 600 or more: WebDataset's 2 DataLoader workers need 2 shards of 32 MB")
     torch.set_num_threads(args.torch_threads)
     SHUFFLE_BUFFER = args.shuffle_buffer
     MAX_SIDE = args.max_side

@@ -12,7 +12,8 @@ looking up (stat) the files it packs, cutting frames, the sizes-and-times stamp 
 the times, so RSS only). Every one is linear in the files; what the table shows is the
 constant: a part lists, sorts and shuffles the whole source, whatever its share, and
 looks up (stats) only the files of its share.
-The folders are removed at the end unless `--keep`.
+The folders it makes (one per size, under `--data`) are removed at the end unless
+`--keep`; nothing else there is touched.
 """
 
 from __future__ import annotations
@@ -38,12 +39,14 @@ def make_folder(root: str, files: int) -> None:
         Image.new("RGB", (16 + i % 7, 16), (i % 256, 40, 90)).save(path, quality=80)
         paths.append(path)
     source = os.path.join(root, "src")
-    per_class = files // 1000
-    for c in range(1000):
+    made = 0
+    for c in range(1000):  # `files` in all, the remainder over the first classes
         folder = os.path.join(source, f"n{c:08d}")
         os.makedirs(folder)
-        for j in range(per_class):
-            os.link(paths[(c * per_class + j) % len(paths)], os.path.join(folder, f"n{c:08d}_{j}.JPEG"))
+        for j in range(files // 1000 + (c < files % 1000)):
+            os.link(paths[made % len(paths)], os.path.join(folder, f"n{c:08d}_{j}.JPEG"))
+            made += 1
+    open(os.path.join(root, ".complete"), "w").close()  # a folder cut short by an interruption is made again
 
 
 def measure(source: str, part: tuple[int, int] | None) -> dict[str, float]:
@@ -88,11 +91,13 @@ def main() -> None:
         part = tuple(int(x) for x in args.child[1].split("/")) if args.child[1] != "-" else None
         print(json.dumps(measure(args.child[0], part)))
         return
+    made = []  # the folders this run made: removed at the end, and nothing else of --data
     try:
         for files in args.files:
             root = os.path.join(args.data, str(files))
-            if not os.path.isdir(os.path.join(root, "src")):
+            if not os.path.exists(os.path.join(root, ".complete")):
                 shutil.rmtree(root, ignore_errors=True)
+                made.append(root)
                 make_folder(root, files)
             done = subprocess.run([sys.executable, __file__, "--child", os.path.join(root, "src"), args.part or "-"],
                                   capture_output=True, text=True, check=True)
@@ -101,7 +106,8 @@ def main() -> None:
             print(f"{files:>10,} files: {total:6.1f} s before the first frame, RSS {row['rss_mb']:,} MB  {row}")
     finally:
         if not args.keep:
-            shutil.rmtree(args.data, ignore_errors=True)
+            for root in made:
+                shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

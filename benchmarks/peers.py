@@ -153,7 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     import importlib.metadata as md
 
     for pkg in ("litdata", "mosaicml-streaming"):
-        info["versions"][pkg] = md.version(pkg)
+        try:
+            info["versions"][pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            p.error(f"{pkg} is not installed: run this from an environment that has the peers (docstring)")
     print(f"machine: {info['cpu']}, {info['cores']} cores; litdata {info['versions']['litdata']}, "
           f"mosaicml-streaming {info['versions']['mosaicml-streaming']}, webdataset {info['versions']['webdataset']}")
     src = ensure_images(data, args.images, 2)
