@@ -107,10 +107,12 @@ class Normalize:
             # A grey batch (N, 1, H, W) broadcast against 3 means came out as 3 channels, silently.
             raise ValueError(f"Normalize has {len(self.mean)} means and {len(self.std)} stds for images of {channels} "
                              f"channels (shape {tuple(images.shape)}): give one of each a channel, or one for all")
-        # In float32, then rounded once to `dtype`: in bfloat16 itself the constants and each step
-        # rounded to 8 bits (up to 3 of its steps off; DALI's normalisation to half is float inside too).
-        mean, inv_std = _normalize_constants(tuple(self.mean), tuple(self.std), images.device, images.dim())
-        out = images.to(torch.float32).sub_(mean).mul_(inv_std).to(self.dtype)
+        # In float32 at least, then rounded once to `dtype`: in bfloat16 itself the constants and
+        # each step rounded to 8 bits (up to 3 of its steps off; DALI's normalisation to half is
+        # float inside too). float64 is computed in float64.
+        compute = torch.promote_types(self.dtype, torch.float32)
+        mean, inv_std = _normalize_constants(tuple(self.mean), tuple(self.std), images.device, compute, images.dim())
+        out = images.to(compute).sub_(mean).mul_(inv_std).to(self.dtype)
         if self.channels_last and out.dim() == 4:
             out = out.contiguous(memory_format=torch.channels_last)
         return out
@@ -122,7 +124,7 @@ class Normalize:
 
 
 @functools.lru_cache(maxsize=64)
-def _normalize_constants(mean: tuple[float, ...], std: tuple[float, ...], device: torch.device,
+def _normalize_constants(mean: tuple[float, ...], std: tuple[float, ...], device: torch.device, dtype: torch.dtype,
                          dims: int) -> tuple[torch.Tensor, torch.Tensor]:
     """255 * mean and 1 / (255 * std), shaped for `dims`-dimensional images, made once per
     device: ``torch.tensor(..., device="cuda")`` copies synchronously, which would stall
@@ -132,8 +134,8 @@ def _normalize_constants(mean: tuple[float, ...], std: tuple[float, ...], device
     on whichever stream is current at the first call, and the cached result read later
     from other streams (the loader's copy stream) that do not wait for them."""
     shape = (1, -1, 1, 1) if dims == 4 else (-1, 1, 1)
-    mean_t = torch.tensor(mean, dtype=torch.float32).view(shape) * 255
-    inv_std = 1.0 / (torch.tensor(std, dtype=torch.float32).view(shape) * 255)
+    mean_t = torch.tensor(mean, dtype=dtype).view(shape) * 255
+    inv_std = 1.0 / (torch.tensor(std, dtype=dtype).view(shape) * 255)
     return mean_t.to(device), inv_std.to(device)  # a host-to-device copy from pageable memory: synchronous
 
 

@@ -183,13 +183,17 @@ class Store:
         ("file", its real path) where it is local, also through fsspec's cache wrappers
         (``simplecache::file://``) and ``local://``; else fsspec's filesystem class and the
         path it resolves (``memory://t`` and ``memory:///t`` are one folder, ``s3a://`` and
-        ``s3://`` one bucket). No request is made."""
+        ``s3://`` one bucket). No request is made; a protocol fsspec cannot resolve (its
+        package not installed) raises a `StorageError`."""
         if self.local:
             return "file", os.path.realpath(local_path(self.root))
         import fsspec.core
         from fsspec.implementations.local import LocalFileSystem
 
-        fs, path = fsspec.core.url_to_fs(self.location, **_with_timeouts(self.root, self.options))
+        try:
+            fs, path = fsspec.core.url_to_fs(self.location, **_with_timeouts(self.root, self.options))
+        except (ImportError, ValueError, TypeError, OSError) as e:  # no such protocol, its package missing
+            raise self._wrap("", "resolve the folder", e) from safe_cause(e)
         while isinstance(getattr(fs, "fs", None), fsspec.AbstractFileSystem):  # a cache wrapper: what it wraps
             fs = fs.fs
         if isinstance(fs, LocalFileSystem):

@@ -553,6 +553,16 @@ def test_index_and_repack_take_paths(wds_folder, tmp_path):
     assert (tmp_path / "out" / MANIFEST_NAME).exists()
 
 
+def test_repack_to_a_protocol_fsspec_cannot_open_is_a_storage_error(wds_folder):
+    """Regression (found by review): the same-folder check resolved the destination through
+    fsspec before anything else, and a protocol not installed (or unknown) came out as a bare
+    ImportError or ValueError (the command's traceback, exit status 0) where it was a
+    StorageError naming the destination."""
+    folder, _ = wds_folder
+    with pytest.raises(ss.StorageError, match="nosuchproto://x/out.*Protocol not known"):
+        repack_tars(folder, "nosuchproto://x/out")
+
+
 def test_repack_into_a_folder_of_another_tools_shards_names_that_folder(wds_folder, tmp_path):
     """Regression (found by review): the refusal (right) named the source tar the first
     sample came from, as if it were to blame, not the destination holding the shards."""

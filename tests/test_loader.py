@@ -239,6 +239,8 @@ def test_normalize_to_half_precision_rounds_once(dtype):
     exact = (images.double() / 255 - mean) / std
     out = Normalize(dtype=dtype)(images)
     assert out.dtype == dtype and torch.equal(out, exact.to(dtype))
+    # and float64 stays float64 inside (found by review: computed in float32, 2e-7 off)
+    assert torch.allclose(Normalize(dtype=torch.float64)(images), exact, rtol=0, atol=1e-12)
 
 
 def test_normalize_refuses_constants_for_another_number_of_channels():

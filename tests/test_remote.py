@@ -3092,3 +3092,19 @@ def test_a_dataset_inside_an_archive_is_refused_saying_why(packed, tmp_path, arc
             tf.add(packed, "ds")
     with pytest.raises(shardstream.ShardstreamError, match=rf"cache wrappers only .*: {archive}:// is not one"):
         list(StreamingDataset(f"{archive}://ds::{path.as_uri()}", decode=None))
+
+
+def test_names_holding_two_colons_are_not_taken_for_chained_urls(packed, jpg_digests, local_ds, tmp_path):
+    """Regression (found by review of the refusal above): every path or URL holding "::" was
+    taken for an fsspec chain and refused: a local folder `run::1`, an IPv6 server
+    `http://[::1]:PORT`, and a cache_dir `job::3/cache`, which failed every cached read."""
+    import shutil
+
+    shutil.copytree(packed, tmp_path / "run::1")
+    expected = sorted(key for (key,) in StreamingDataset(packed, decode=None, fields=("__key__",)))
+    for url in (str(tmp_path / "run::1"), (tmp_path / "run::1").as_uri()):
+        assert sorted(key for (key,) in StreamingDataset(url, decode=None, fields=("__key__",))) == expected
+    with H.CountingHTTPServer(local_ds) as server:
+        ds = StreamingDataset(server.url, decode=None, fields=("__key__", "jpg"),
+                              cache_dir=str(tmp_path / "job::3" / "cache"))
+        assert {key: hashlib.sha256(jpg).hexdigest() for key, jpg in ds} == jpg_digests
