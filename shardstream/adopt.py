@@ -33,7 +33,7 @@ from .tarstream import CountingReader, StreamTarReader, scan_tar
 from .shardfile import IMAGE_LEVEL
 from .retry import RetryPolicy
 from .storage import Store
-from .urls import local_path, split_url
+from .urls import split_url
 from .threads import ordered_map
 from .writer import check_level_used, write_manifest
 
@@ -90,8 +90,8 @@ def index_tars(source: str | os.PathLike[str] | Sequence[str], *, workers: int =
     return manifest
 
 
-def repack_tars(source: str | os.PathLike[str] | Sequence[str], dst: str | os.PathLike[str], *, shard_size: int | str = "256MB",
-                compression: str = "zstd", level: int = IMAGE_LEVEL,
+def repack_tars(source: str | os.PathLike[str] | Sequence[str], dst: str | os.PathLike[str], *,
+                shard_size: int | str = "256MB", compression: str = "zstd", level: int = IMAGE_LEVEL,
                 storage_options: dict[str, Any] | None = None, progress: bool = False,
                 overwrite: bool = False) -> Manifest:
     """Rewrite tars written by other tools (`.tar`, `.tar.gz`, `.tar.zst`, ...) as a shardstream dataset at `dst`.
