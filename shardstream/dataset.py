@@ -33,6 +33,7 @@ from .epochs import EpochSequences
 from .errors import MissingFieldError, RaisedInWorker, ShardstreamError, StorageError, add_note
 from .headstart import HeadStart
 from .iostats import io_stats
+from .parentwatch import end_with_parent
 from .policy import ErrorPolicy, guarded
 from .plan import Layout, items_of
 from .prepare import SamplePrep
@@ -410,6 +411,8 @@ class StreamingDataset(Checkpointing, IterableDataset):
             self._resume, self._worker_resume = None, False
         block, plan, segment, delivered, epoch = self._rank_block(world)
         self._shared.iterating_workers = world.workers if get_worker_info() is not None else 0
+        if get_worker_info() is not None:
+            end_with_parent()  # torch's own DataLoader too, whose workers look for their parent only between items
         self._shared.loader_copy_iterates = self._loader_copy
         self._shared.loaded_unread = False
         self._pass_resume = self._active_resume(world)

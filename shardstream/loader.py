@@ -41,6 +41,7 @@ from .batches import count_samples, map_field, tensors, to_device, usable_device
 from .collate import default_collate, pad_collate
 from .dataset import StreamingDataset
 from .errors import RaisedInWorker, ShardstreamError, WorkerDiedError
+from .parentwatch import end_with_parent
 from .shared import SLOTS
 from .workercontext import lock_free_context
 
@@ -171,29 +172,21 @@ def worker_waits_for_its_parent_on_sigterm(worker_id: int) -> None:
     # this, which does not hold it back), it ends the worker at once: never a worker left that
     # its parent's SIGTERM does not end (multiprocessing waits for it at exit).
     signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(0))
-    if not hasattr(signal, "sigwaitinfo") or parent is None:
-        return
-    # Threads the worker starts from here on inherit the mask: SIGTERM waits for `_take_sigterms`.
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    threading.Thread(target=_take_sigterms, args=(parent,), name="shardstream-sigterm", daemon=True).start()
+    if hasattr(signal, "sigwaitinfo") and parent is not None:
+        # Threads the worker starts from here on inherit the mask: SIGTERM waits for `_take_sigterms`.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        threading.Thread(target=_take_sigterms, args=(parent,), name="shardstream-sigterm", daemon=True).start()
+    # After the mask, which its thread inherits (one started before took a job's SIGTERM to the
+    # handler above): the worker ends with its parent, whoever's signal ended that.
+    end_with_parent()
 
 
 def _take_sigterms(parent: Any) -> None:
-    """In a worker's thread of its own: end the worker at its parent's SIGTERM, or once its
-    parent is gone after anyone else's."""
-    watching = False
+    """In a worker's thread of its own: end the worker at its parent's SIGTERM; anyone else's
+    is left to `end_with_parent`, which ends the worker once its parent is gone."""
     while True:
-        sender = signal.sigwaitinfo({signal.SIGTERM}).si_pid
-        if sender == parent.pid:
+        if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent.pid:
             os._exit(0)
-        if not watching:  # the parent's own SIGTERM may still come: this thread keeps taking them
-            threading.Thread(target=_exit_with, args=(parent,), name="shardstream-parent-watch", daemon=True).start()
-            watching = True
-
-
-def _exit_with(parent: Any) -> None:
-    parent.join()  # its sentinel: returns once the parent process has ended
-    os._exit(0)
 
 
 def _end_workers_now(iterator: Any) -> None:

@@ -8,6 +8,7 @@ batches exactly.
 from __future__ import annotations
 
 import collections
+import contextlib
 import gc
 import os
 import pickle
@@ -879,6 +880,65 @@ def test_ctrl_c_ends_the_workers_without_waiting_for_what_they_read(packed, tmp_
     script.write_text(_INTERRUPTED_WHILE_WORKERS_WAIT)
     proc = subprocess.run([sys.executable, str(script), packed], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "interrupted [False, False]" in proc.stdout, (proc.stdout, proc.stderr[-2000:])
+
+
+_KILLED_WHILE_WORKERS_ARE_BUSY = r"""
+import os, signal, sys, time
+import torch.utils.data
+import shardstream
+
+class StuckAfterTheFirst:  # a worker busy in a slow read, or a transform that never returns
+    seen = 0
+    def __call__(self, sample):
+        self.seen += 1
+        if self.seen > 1:
+            time.sleep(3600)
+        return sample
+
+ds = shardstream.StreamingDataset(sys.argv[1], decode=None, transform=StuckAfterTheFirst(), batch_size=1)
+if sys.argv[2] == "shardstream":
+    loader = shardstream.DataLoader(ds, num_workers=2, prefetch_factor=1)
+else:
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, prefetch_factor=1)
+batches = iter(loader)
+next(batches)
+workers = loader._workers if sys.argv[2] == "shardstream" else batches._workers
+print(" ".join(str(w.pid) for w in workers), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # the out-of-memory killer, or a scheduler's SIGKILL
+"""
+
+
+@pytest.mark.parametrize("loader", ["shardstream", "torch"])
+def test_workers_end_with_a_training_process_killed_while_they_are_busy(packed, tmp_path, loader):
+    """Regression (found by review): torch's workers look for their parent only between items,
+    so a worker busy when the training process was killed (here a transform that sleeps for an
+    hour) lived on for as long, its parent gone. A thread of each worker's own ends it when the
+    parent ends (`parentwatch.end_with_parent`), under torch's DataLoader too."""
+    script, out, err = tmp_path / "killed.py", tmp_path / "out", tmp_path / "err"
+    script.write_text(_KILLED_WHILE_WORKERS_ARE_BUSY)
+    with open(out, "w") as stdout, open(err, "w") as stderr:  # files, not pipes: a live worker holds those open
+        returncode = subprocess.run([sys.executable, str(script), packed, loader], stdout=stdout, stderr=stderr,
+                                    timeout=120).returncode
+    pids = [int(pid) for pid in out.read_text().split()]
+    assert returncode == -signal.SIGKILL and len(pids) == 2, (out.read_text(), err.read_text()[-2000:])
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+            time.sleep(0.05)
+        assert not any(_alive(pid) for pid in pids)
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, ended and waiting to be reaped by init, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_ctrl_c_while_the_persistent_workers_are_reset_ends_them(packed, monkeypatch):
