@@ -14,7 +14,7 @@ import numpy as np
 
 from .errors import CorruptIndexError, ShardstreamError
 
-__all__ = ["MAX_CLASS", "check_label", "label_of", "weight_of", "check_weight", "label_column", "weight_column", "read_labels",
+__all__ = ["MAX_CLASS", "check_label", "class_of", "label_of", "weight_of", "check_weight", "label_column", "weight_column", "read_labels",
            "read_weights"]
 
 
@@ -43,6 +43,16 @@ def check_label(cls: bytes, *, url: str | None = None, key: str | None = None, o
         raise ShardstreamError(f"cls {label} is above the largest class index, {MAX_CLASS}", url=url, key=key,
                                offset=offset)
     return label
+
+
+def class_of(cls: bytes, **where: Any) -> int:
+    """`label_of` for a reader's count of a tar without an index: a class past `MAX_CLASS` is
+    no class there (-1), as a non-integer one is. The sample is read as any other; only
+    class-weighted sampling, which needs every sample's class, refuses it (`Source.labels`).
+    Refused, one such label stopped the whole dataset while it was counted, even under
+    `on_error="skip"`. (`where`: what `check_label` takes to name the sample, unused.)"""
+    label = label_of(cls)
+    return label if label <= MAX_CLASS else -1
 
 
 def weight_of(weight: bytes) -> float:

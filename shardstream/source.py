@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar, overload
 import numpy as np
 
 from .braces import expand_braces, folder_named, names_shards
-from .columns import check_label, check_weight, label_column, weight_column
+from .columns import MAX_CLASS, check_weight, class_of, label_column, weight_column
 from .errors import ManifestError, ShardstreamError, StorageError
 from .format import INDEX_SUFFIX, MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ShardIndex, ShardInfo
 from .shardtable import ShardTable, checked_index
@@ -256,8 +256,7 @@ class Source:
         if isinstance(reader, StreamTarReader) and reader.index is None:  # compressed: read through
             labels, weights = [], []
             for sample in reader:
-                labels.append(check_label(sample["cls"], url=reader.url, key=str(sample["__key__"]))
-                              if "cls" in sample else -1)
+                labels.append(class_of(sample["cls"]) if "cls" in sample else -1)
                 weights.append(check_weight(sample["weight"], url=reader.url, key=str(sample["__key__"]))
                                if "weight" in sample else math.nan)
             return True, (label_column(labels), weight_column(weights)), len(labels)
@@ -273,8 +272,8 @@ class Source:
         unlabelled = np.flatnonzero(labels < 0)
         if len(unlabelled):
             url, key = self.where(int(unlabelled[0]))
-            raise ShardstreamError(f"{len(unlabelled)} samples have no class (a cls field holding a non-negative "
-                                   "integer); class weights need one on every sample", url=url, key=key)
+            raise ShardstreamError(f"{len(unlabelled)} samples have no class (a cls field holding an integer from 0 "
+                                   f"to {MAX_CLASS}); class weights need one on every sample", url=url, key=key)
         return labels
 
     def weights(self) -> np.ndarray:

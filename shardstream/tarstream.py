@@ -15,13 +15,13 @@ import lzma
 import math
 import os
 import zlib
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO, Callable, Iterator
 
 import numpy as np
 import zstandard
 
 from . import tario
-from .columns import check_label, check_weight, label_column, weight_column
+from .columns import check_label, check_weight, class_of, label_column, weight_column
 from .errors import CorruptShardError, ShardstreamError
 from .format import INDEX_SUFFIX, ShardIndex
 from .reader import Sample, ShardReader, _decompressor
@@ -188,7 +188,7 @@ class StreamTarReader:
                     url=self.url,
                 )
             with self.store.open(self.name) as f:
-                index, _ = scan_tar(CountingReader(f), self.url)
+                index, _ = scan_tar(CountingReader(f), self.url, label=class_of)
             self._reader = ShardReader(self.store, self.name, index=index)
         return self._reader
 
@@ -221,8 +221,12 @@ class CountingReader:
         return data
 
 
-def scan_tar(f: CountingReader, url: str) -> tuple[ShardIndex, tuple[str, ...]]:
-    """The index of a plain `.tar` (sample keys and offsets, classes, weights) and its fields, by one pass."""
+def scan_tar(f: CountingReader, url: str, *,
+             label: Callable[..., int] = check_label) -> tuple[ShardIndex, tuple[str, ...]]:
+    """The index of a plain `.tar` (sample keys and offsets, classes, weights) and its fields, by one pass.
+
+    `label` makes a `cls` field the index's class: `check_label` refuses one past the format's
+    limit (what `shardstream index` writes must read back); a reader passes `class_of`."""
     keys: list[str] = []
     offsets: list[int] = []
     labels: list[int] = []
@@ -249,7 +253,7 @@ def scan_tar(f: CountingReader, url: str) -> tuple[ShardIndex, tuple[str, ...]]:
             raise CorruptShardError(f"field {field!r} appears twice", url=url, key=key, offset=offset)
         seen.add(field)
         if field == "cls":
-            labels[-1] = check_label(data, url=url, key=key, offset=offset)
+            labels[-1] = label(data, url=url, key=key, offset=offset)
         elif field == "weight":  # checked as ShardWriter checks it: every index written can be read
             weights[-1] = check_weight(data, url=url, key=key, offset=offset)
         fields.add(field)

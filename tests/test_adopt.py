@@ -500,6 +500,25 @@ def test_index_refuses_a_class_index_past_the_format_limit(tmp_path):
     assert not (tmp_path / MANIFEST_NAME).exists()
 
 
+@pytest.mark.parametrize("suffix", [".tar", ".tar.gz"])
+def test_a_class_index_past_the_format_limit_is_read_as_no_class_by_a_reader(tmp_path, suffix):
+    """Regression: a reader counting a tar without an index (a plain tar's scan, a `.tar.gz`
+    read through) refused a `cls` past 2^24 - 1 as `index` does, and one such sample stopped
+    the whole dataset, even under on_error="skip" (a `cls` of "abc" is one skip). The reader
+    delivers it; only class-weighted sampling, which needs every class, refuses it, naming it."""
+    mode = "w:gz" if suffix == ".tar.gz" else "w"
+    with tarfile.open(tmp_path / f"shard-000000{suffix}", mode) as tf:
+        for key, cls in (("a", b"3"), ("b", b"16777216"), ("c", b"5")):
+            _member(tf, f"{key}.txt", key.encode())
+            _member(tf, f"{key}.cls", cls)
+    url = str(tmp_path / f"shard-000000{suffix}")
+    ds = ss.StreamingDataset([url], decode=None, fields=("__key__", "cls"))
+    assert sorted((key, int(cls)) for key, cls in ds) == [("a", 3), ("b", 16777216), ("c", 5)]
+    with pytest.raises(ShardstreamError, match=r"1 samples have no class .*from 0 to 16777215") as raised:
+        list(ss.StreamingDataset([url], decode=None, sampling=ss.Sampling(class_weights="balanced", samples_per_epoch=3)))
+    assert raised.value.key == ("b" if suffix == ".tar" else None)  # a compressed tar keeps no keys to name it by
+
+
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_repack_into_the_folder_it_reads_is_refused_and_the_tars_kept(wds_folder, overwrite):
     """Regression: `repack DIR DIR` wrote its shards over the tars it was still reading (WebDataset names
