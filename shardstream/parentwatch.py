@@ -37,5 +37,8 @@ def end_with_parent() -> None:
 
 
 def _exit_with(parent: multiprocessing.process.BaseProcess) -> None:
-    parent.join()  # its sentinel: returns once the parent process has ended
+    try:
+        parent.join()  # its sentinel: returns once the parent process has ended
+    except (OSError, ValueError):  # the sentinel closed under it (code of the worker's closing fds): no watch
+        return
     os._exit(0)
