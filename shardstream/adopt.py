@@ -30,7 +30,7 @@ from .braces import expand_braces, folder_named, names_shards
 from .errors import ShardstreamError
 from .format import INDEX_SUFFIX, MANIFEST_NAME, Manifest, ShardIndex, ShardInfo
 from .tarstream import CountingReader, StreamTarReader, scan_tar
-from .shardfile import IMAGE_LEVEL
+from .shardfile import IMAGE_LEVEL, LEVEL
 from .retry import RetryPolicy
 from .storage import Store
 from .urls import split_url
@@ -120,8 +120,8 @@ def repack_tars(source: str | os.PathLike[str] | Sequence[str], dst: str | os.Pa
     # Another tool's bytes as they came (as `index` keeps them): a field that does not read
     # back as its extension says (Latin-1 text) is the reader's to refuse, one sample, not
     # the whole repack's.
-    writer = ShardWriter(dst, shard_size, compression=compression, level=level, storage_options=options,
-                         overwrite=overwrite, check_bytes=False)
+    writer = ShardWriter(dst, shard_size, compression=compression, level=level if compression == "zstd" else LEVEL,
+                         storage_options=options, overwrite=overwrite, check_bytes=False)
     try:
         with progress_bar(total=len(names), unit="shard", desc="repack", disable=not progress) as bar:
             for name in names:

@@ -50,6 +50,23 @@ from .writer import parse_size
 
 __all__ = ["StreamingDataset"]
 
+
+def _callable(value: Any, name: str) -> Any:
+    """`value` where it is callable or None; else an error naming the argument (given 5, it
+    failed at the first sample, in a worker)."""
+    if value is not None and not callable(value):
+        raise TypeError(f"{name} must be callable, not {value!r}")
+    return value
+
+
+def _field_names(fields: str | Sequence[str]) -> tuple[str, ...]:
+    """The fields asked for, as names: a string is WebDataset's to_tuple spelling ("jpg;png
+    cls"); none at all ([] yielded empty tuples) or a name not a string is refused."""
+    names = tuple(fields.split()) if isinstance(fields, str) else tuple(fields)
+    if not names or not all(isinstance(name, str) and name for name in names):
+        raise ValueError(f"fields must name one field or more, as strings (\"jpg\", \"cls\"), not {fields!r}")
+    return names
+
 # Default read-ahead, in pieces (one storage request each). Local reads need little,
 # but a reader thread still pays off: decoding and cropping 4,000 JPEGs of 114 KB from local
 # shards (benchmarks/loader.py, BENCHMARKS.md "Twenty-second session"), prefetch 0 ran at
@@ -191,21 +208,26 @@ class StreamingDataset(Checkpointing, IterableDataset):
         # numpy's generators take the seed modulo 2**64: -1 and 2**64 - 1 would shuffle alike, 2**64 as 0.
         self.seed = integer(seed, "seed", minimum=0, below=1 << 64)
         self.shuffle_buffer = integer(shuffle_buffer, "shuffle_buffer", 0)
-        self.transform = transform
+        self.transform = _callable(transform, "transform")
         # A string is WebDataset's to_tuple spelling ("jpg;png cls"), not a sequence of letters.
-        self.fields = (tuple(fields.split()) if isinstance(fields, str) else tuple(fields)) if fields is not None \
-            else None
+        self.fields = _field_names(fields) if fields is not None else None
         self.batch_size = integer(batch_size, "batch_size", 1) if batch_size is not None else None
         self._collate_given = collate_fn is not None  # see _check_batching
-        self.collate_fn = collate_fn or default_collate
+        self.collate_fn = _callable(collate_fn, "collate_fn") or default_collate
         self.drop_last = flag(drop_last, "drop_last")
         self.partial = partial
         self.rank = integer(rank, "rank", 0) if rank is not None else None
         self.world_size = integer(world_size, "world_size", 1) if world_size is not None else None
+        if self.rank is not None and self.world_size is not None and self.rank >= self.world_size:
+            raise ValueError(f"rank must be below world_size: rank={self.rank}, world_size={self.world_size}")
         self.storage_options = dict(storage_options or {})
         self._prefetch = integer(prefetch, "prefetch", 0) if prefetch is not None else None
+        if retry is not None and not isinstance(retry, RetryPolicy):
+            raise TypeError(f"retry must be a shardstream.RetryPolicy, not {retry!r}")
         self.retry = retry
         self._cache = ShardCache(os.path.abspath(os.path.expanduser(cache_dir)), parse_size(cache_limit)) if cache_dir else None
+        # A flag: "false" (from a config) unpickled every .pyd field, running whatever it held.
+        allow_pickle = flag(allow_pickle, "allow_pickle")
         self._decoder = Decoder(images=decode, allow_pickle=allow_pickle)
         self.decode_threads = integer(decode_threads, "decode_threads", 0)
         self._ahead = DecodeAhead(decode, allow_pickle) if decode_threads else None
@@ -219,6 +241,9 @@ class StreamingDataset(Checkpointing, IterableDataset):
             raise ValueError("class_weights and sample_weights do not apply to a Mix: weight the sources "
                              "(Mix(weights=...)), or sample each dataset by weight on its own; "
                              "Sampling(samples_per_epoch=..., resampled=...) does apply")
+        if sampling is not None and not isinstance(sampling, Sampling):  # "balanced" failed at iteration
+            raise TypeError(f"sampling must be a shardstream.Sampling (such as Sampling(class_weights=\"balanced\")), "
+                            f"not {sampling!r}")
         self.sampling = sampling
         self._epochs: EpochSequences | None = None  # see _sequences
         self._shared = SharedState()  # epoch and counters, seen by the workers too

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import math
 import multiprocessing
 import multiprocessing.context
 import multiprocessing.util
@@ -91,6 +92,12 @@ class Normalize:
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise ValueError(f"Normalize makes floating-point images: dtype={self.dtype} is not a floating-point dtype")
+        object.__setattr__(self, "channels_last", flag(self.channels_last, "channels_last"))
+        # Checked here, not at the first batch on the device: std 0 made a channel inf, silently.
+        object.__setattr__(self, "mean", _constants(self.mean, "mean"))
+        object.__setattr__(self, "std", _constants(self.std, "std"))
+        if len(self.mean) != len(self.std) or not all(self.std):
+            raise ValueError(f"Normalize needs as many means as stds, and no std of 0: mean={self.mean}, std={self.std}")
 
     def normalize(self, images: torch.Tensor) -> torch.Tensor:
         if images.dtype != torch.uint8:
@@ -122,6 +129,17 @@ class Normalize:
         if isinstance(batch, torch.Tensor):
             return self.normalize(batch)
         return map_field(batch, self.field, self.normalize)
+
+
+def _constants(values: Any, name: str) -> tuple[float, ...]:
+    """Normalize's `mean` or `std`: one finite number a channel (or one for all), as a tuple."""
+    try:
+        numbers = tuple(float(v) for v in values)
+    except (TypeError, ValueError):
+        raise TypeError(f"Normalize's {name} must be a sequence of numbers, one a channel, not {values!r}") from None
+    if not numbers or not all(math.isfinite(v) for v in numbers):
+        raise ValueError(f"Normalize's {name} must be one finite number a channel (or one for all), not {values!r}")
+    return numbers
 
 
 @functools.lru_cache(maxsize=64)

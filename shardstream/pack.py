@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator
 
 from PIL import Image
 
+from .arguments import flag, integer
 from .errors import PackError, ShardstreamError
 from .format import INDEX_SUFFIX, MANIFEST_NAME, Manifest, ShardInfo
 from .framebuild import FrameResult, build_job
@@ -262,7 +263,18 @@ def pack(
     cannot, either way); local `dst` only, as object stores publish only whole uploads.
     """
     src, dst = expand_home(os.fspath(src)), os.fspath(dst)  # pathlib.Path too; dst's Store expands dst
+    # Flags as flags: overwrite="no" replaced the dataset there, shuffle="no" shuffled.
+    shuffle, overwrite, resume, progress, fsync = (flag(value, name) for value, name in (
+        (shuffle, "shuffle"), (overwrite, "overwrite"), (resume, "resume"), (progress, "progress"), (fsync, "fsync")))
+    # Whole numbers as plain ints (numpy's too): the journal and manifest write them with
+    # msgpack, which refused numpy's seed; 10.5 samples a shard went into the manifest.
+    level, quality = integer(level, "level"), integer(quality, "quality")
+    max_samples, max_side = (integer(value, name) if value is not None else None
+                             for value, name in ((max_samples, "max_samples"), (max_side, "max_side")))
+    part = (integer(part[0], "part's index"), integer(part[1], "part's count")) if part is not None else None
     _check_arguments(compression, level, on_error, part, max_samples, max_side, quality, seed)
+    seed = int(seed)  # a numpy integer, checked
+    workers = integer(workers, "workers") if workers is not None else None
     if workers is not None and workers < 1:  # 0 meant all cores and -3 one, without a word
         raise ShardstreamError(f"workers must be a positive number (None: all cores), not {workers}")
     if parse_size(shard_size) < 1:  # 0 wrote a shard a sample

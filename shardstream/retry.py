@@ -10,11 +10,13 @@ retry is counted in `io_stats`).
 
 from __future__ import annotations
 
+import math
 import random
 import ssl
 from dataclasses import dataclass
 from typing import Any
 
+from .arguments import integer
 from .cancel import pause, raise_if_cancelled
 from .errors import ShardstreamError, StorageError, described, safe_cause
 from .iostats import io_stats
@@ -151,8 +153,12 @@ class RetryPolicy:
     max_delay: float = 10.0
 
     def __post_init__(self) -> None:
-        if self.attempts < 1 or self.base_delay < 0 or self.max_delay < 0:
-            raise ValueError(f"RetryPolicy needs attempts >= 1 and delays >= 0, not {self}")
+        # A whole number of tries (2.5 made every request fail in range(); True was "1 attempts"),
+        # and finite delays (nan failed the first retry).
+        object.__setattr__(self, "attempts", integer(self.attempts, "RetryPolicy's attempts", 1))
+        if not (math.isfinite(self.base_delay) and math.isfinite(self.max_delay)) or self.base_delay < 0 \
+                or self.max_delay < 0:
+            raise ValueError(f"RetryPolicy needs finite delays >= 0, not {self}")
 
     def delay(self, attempt: int, error: BaseException | None = None) -> float:
         """Seconds to wait after failed try number `attempt` (from 0)."""

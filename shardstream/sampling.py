@@ -57,7 +57,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from .arguments import integer
+from .arguments import flag, integer
 from .columns import MAX_CLASS
 from .plan import epoch_sequence, rng_for
 
@@ -79,6 +79,7 @@ class Sampling:
     sample_weights: str | Sequence[float] | np.ndarray | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "resampled", flag(self.resampled, "resampled"))  # "no" made an endless epoch
         if isinstance(self.class_weights, str) and self.class_weights != "balanced":
             raise ValueError(f"class_weights must be 'balanced' or a mapping, not {self.class_weights!r}")
         if isinstance(self.class_weights, (Sequence, np.ndarray)) and not isinstance(self.class_weights, str):

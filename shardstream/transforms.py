@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from .arguments import flag
 from .decode import decode_rgb_crop, image_size
 
 __all__ = ["RandomResizedCropJPEG", "CenterCropJPEG", "CropPlan", "crop_params", "crop_resize"]
@@ -164,6 +165,7 @@ class RandomResizedCropJPEG:
         if len(sides) not in (1, 2) or not all(side is not None and side > 0 for side in sides):
             raise ValueError(f"RandomResizedCropJPEG's size is a side, or (height, width), in pixels: not {size!r}")
         object.__setattr__(self, "size", sides[0] if len(sides) == 1 else tuple(sides))
+        object.__setattr__(self, "flip", flag(self.flip, "flip"))  # "no" flipped half the crops
         # Likewise: a reversed range failed each image in torch, a negative scale as image damage.
         (low, high), (narrow, wide) = self.scale, self.ratio
         if not 0 <= low <= high:

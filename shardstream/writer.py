@@ -15,6 +15,7 @@ import re
 from typing import Any, Callable, Iterator, Sequence
 
 from . import tario
+from .arguments import flag, integer
 from .columns import MAX_CLASS, check_weight
 from .errors import ShardstreamError
 from .fields import encode_sample
@@ -134,7 +135,18 @@ class ShardWriter:
         fsync: bool = False,
         check_bytes: bool = True,
     ) -> None:
+        # Flags as flags ("no" replaced the dataset there), whole numbers as plain ints (10.5
+        # samples went into the manifest), classes as names (a string was split into letters).
+        overwrite, fsync, check_bytes = (flag(overwrite, "overwrite"), flag(fsync, "fsync"),
+                                         flag(check_bytes, "check_bytes"))
+        level, frame_size = integer(level, "level"), integer(frame_size, "frame_size")
+        max_samples = integer(max_samples, "max_samples") if max_samples is not None else None
+        if isinstance(classes, str) or not all(isinstance(name, str) for name in classes):
+            raise TypeError(f"classes must be a sequence of class names, not {classes!r}")
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be a string, not {prefix!r}")
         check_compression(compression, level)
+        check_level_used(compression, level, LEVEL)
         # As pack refuses them: each of 0 (or a negative number) wrote a shard a sample, or
         # a frame a sample, which no one asks for by it.
         for name, value in (("shard_size", parse_size(shard_size)), ("max_samples", max_samples),

@@ -273,7 +273,7 @@ def test_a_certificate_that_does_not_verify_is_not_retried():
 
 
 def test_a_retry_policy_must_try_at_least_once():
-    with pytest.raises(ValueError, match="attempts >= 1"):
+    with pytest.raises(ValueError, match="attempts must be 1 or more, not 0"):
         RetryPolicy(attempts=0)
 
 

@@ -254,8 +254,8 @@ def test_normalize_refuses_constants_for_another_number_of_channels():
         Normalize()(grey[0])  # CHW
     out = Normalize(mean=(0.5,), std=(0.25,))(grey)
     assert out.shape == (2, 1, 4, 4) and torch.allclose(out, torch.full_like(out, (128 / 255 - 0.5) / 0.25))
-    with pytest.raises(ValueError, match="2 means and 3 stds"):
-        Normalize(mean=(0.5, 0.5), std=(0.2, 0.2, 0.2))(torch.zeros(1, 3, 2, 2, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="as many means as stds"):  # where it is made now
+        Normalize(mean=(0.5, 0.5), std=(0.2, 0.2, 0.2))
 
 
 def test_to_device_keeps_the_batch_structure():
@@ -629,6 +629,54 @@ def test_dataset_flags_and_epochs_are_checked(packed):
     assert StreamingDataset(packed, shuffle=np.bool_(True)).shuffle is True
     with pytest.raises(ValueError, match="epoch must be 0 or more"):
         StreamingDataset(packed).set_epoch(-1)
+
+
+def test_every_flag_and_argument_of_the_public_api_is_checked_where_given(packed, image_folder, tmp_path):
+    """Regression (found by review): flags other than the dataset's took any truthy value, so
+    allow_pickle="false" unpickled (ran) every .pyd field; ShardWriter(overwrite="no") and
+    pack(overwrite="false") replaced the dataset there; resampled="no" made an endless epoch;
+    flip="no" flipped; a numpy seed failed pack in msgpack; std 0 made inf; and fields=[],
+    transform=5, sampling="balanced", rank >= world_size, RetryPolicy(attempts=2.5),
+    ShardWriter(classes="cat") failed late or not at all. Each is refused where it is given."""
+    from shardstream import RandomResizedCropJPEG, RetryPolicy, Sampling, ShardWriter
+
+    existing = tmp_path / "existing"
+    shardstream.pack(str(image_folder), str(existing), progress=False)
+    before = sorted((path.name, path.read_bytes()) for path in existing.iterdir())
+    refused = [
+        (TypeError, "allow_pickle must be True or False, not 'false'", lambda: StreamingDataset(packed, allow_pickle="false")),
+        (TypeError, "resampled must be True or False", lambda: Sampling(resampled="no")),
+        (TypeError, "flip must be True or False", lambda: RandomResizedCropJPEG(32, flip="no")),
+        (TypeError, "channels_last must be True or False", lambda: Normalize(channels_last="no")),
+        (ValueError, "no std of 0", lambda: Normalize(std=(0.229, 0.0, 0.225))),
+        (TypeError, "mean must be a sequence of numbers", lambda: Normalize(mean=0.5)),
+        (ValueError, "fields must name one field or more", lambda: StreamingDataset(packed, fields=[])),
+        (ValueError, "fields must name one field or more", lambda: StreamingDataset(packed, fields=[1, 2])),
+        (TypeError, "transform must be callable, not 5", lambda: StreamingDataset(packed, transform=5)),
+        (TypeError, "sampling must be a shardstream.Sampling", lambda: StreamingDataset(packed, sampling="balanced")),
+        (ValueError, "rank must be below world_size: rank=3, world_size=2",
+         lambda: StreamingDataset(packed, rank=3, world_size=2)),
+        (TypeError, "RetryPolicy's attempts must be an integer, not 2.5", lambda: RetryPolicy(attempts=2.5)),
+        (ValueError, "finite delays", lambda: RetryPolicy(max_delay=float("nan"))),
+        (TypeError, "overwrite must be True or False, not 'no'", lambda: ShardWriter(str(tmp_path / "w"), overwrite="no")),
+        (TypeError, "classes must be a sequence of class names, not 'cat'",
+         lambda: ShardWriter(str(tmp_path / "w"), classes="cat")),
+        (TypeError, "level must be an integer, not 3.5", lambda: ShardWriter(str(tmp_path / "w"), level=3.5)),
+        (TypeError, "overwrite must be True or False, not 'false'",
+         lambda: shardstream.pack(str(image_folder), str(existing), overwrite="false", progress=False)),
+        (TypeError, "shuffle must be True or False, not 'no'",
+         lambda: shardstream.pack(str(image_folder), str(tmp_path / "p"), shuffle="no", progress=False)),
+        (TypeError, "max_samples must be an integer, not 10.5",
+         lambda: shardstream.pack(str(image_folder), str(tmp_path / "p"), max_samples=10.5, progress=False)),
+    ]
+    for error, message, make in refused:
+        with pytest.raises(error, match=re.escape(message)):
+            make()
+    assert not (tmp_path / "w").exists() and not (tmp_path / "p").exists()
+    assert sorted((path.name, path.read_bytes()) for path in existing.iterdir()) == before  # not replaced
+    summary = shardstream.pack(str(image_folder), str(tmp_path / "p"), seed=np.int64(5), workers=np.int64(1),
+                               progress=False)
+    assert summary.samples > 0 and type(shardstream.open_dataset(str(tmp_path / "p")).manifest.options["seed"]) is int
 
 
 def test_setting_another_epoch_than_a_loaded_states_warns(packed):
