@@ -33,7 +33,7 @@ from .tarstream import CountingReader, StreamTarReader, scan_tar
 from .shardfile import IMAGE_LEVEL, LEVEL
 from .retry import RetryPolicy
 from .storage import Store
-from .urls import split_url
+from .urls import expand_home, is_local, local_path, split_url
 from .threads import ordered_map
 from .writer import check_level_used, write_manifest
 
@@ -203,7 +203,9 @@ def _shards(source: str | os.PathLike[str] | Sequence[str], options: dict[str, A
     kinds = (".tar", *_COMPRESSED) if compressed else (".tar",)
     if isinstance(source, os.PathLike):  # a folder as pathlib.Path, as `pack` and the dataset take one
         source = os.fspath(source)
-    if isinstance(source, str) and not names_shards(source):
+    # A local folder is a folder whatever its name (`webdataset.tar/`, read as one shard: "is a directory").
+    if isinstance(source, str) and (not names_shards(source) or (
+            is_local(source) and os.path.isdir(local_path(expand_home(source))))):
         source = folder_named(source)
         store = Store(source, options, RetryPolicy())
         listed = store.list()

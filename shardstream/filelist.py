@@ -60,6 +60,9 @@ def _read_rows(path: str) -> list[tuple[int, str, str | None]]:
                 if "\0" in cell:  # os.stat would raise a bare ValueError on it
                     raise PackError(f"line {line}: the path holds a NUL byte, which no file name can", url=path)
                 named = cell if cell != cell.strip() and os.path.lexists(os.path.join(root, cell)) else cell.strip()
+                if len(row) == 2 and _comma_in_path(row, root):
+                    raise PackError(f"line {line}: the path holds a comma ({','.join(row)!r} is a file): quote it "
+                                    f"(\"{','.join(row)}\"), as CSV does", url=path)
                 # An empty label cell (`a.jpg,`) is no label: as a label it would be a class named ""
                 # and turn integer labels into names, every class index moved by one.
                 rows.append((line, named, (row[1].strip() or None) if len(row) == 2 else None))
@@ -69,6 +72,18 @@ def _read_rows(path: str) -> list[tuple[int, str, str | None]]:
     except UnicodeDecodeError as e:
         raise PackError(f"the file list is not UTF-8 text (byte {e.start})", url=path) from None
     return rows
+
+
+def _comma_in_path(row: list[str], root: str) -> bool:
+    """Whether a row read as path and label is one path holding a comma, unquoted: its
+    "label" ends as an image's name and the cells joined name a file. Split, the path named
+    nothing and the row went for a header when it came first (its image left out without a
+    word), or stopped the pack at "line 1 has no label". Looked up only where the label
+    looks like a file name: a stat a row would cost a list of millions seconds."""
+    if os.path.splitext(row[1].strip())[1].lower() not in IMAGE_FIELDS:
+        return False
+    joined = ",".join(row)
+    return os.path.lexists(joined if os.path.isabs(joined) else os.path.join(root, joined))
 
 
 def _is_header(first_cell: str, root: str) -> bool:
@@ -137,7 +152,8 @@ def list_file(path: str) -> Listing:
     labels = {label for _, _, label in rows if label is not None}
     unlabelled = next((number for number, _, label in rows if label is None), None)
     if labels and unlabelled is not None:
-        raise PackError(f"line {unlabelled} has no label, and other lines have one", url=path)
+        labelled = next(number for number, _, label in rows if label is not None)
+        raise PackError(f"line {unlabelled} has no label, and other lines have one (line {labelled})", url=path)
     _check_label_kinds(labels, path)
     if labels and all(_INTEGER.fullmatch(label) for label in labels):
         # Integer labels are class indices as given.

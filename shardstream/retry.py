@@ -10,6 +10,7 @@ retry is counted in `io_stats`).
 
 from __future__ import annotations
 
+import errno
 import math
 import random
 import ssl
@@ -24,12 +25,19 @@ from .iostats import io_stats
 __all__ = ["RetryPolicy", "error_code", "http_status", "is_transient", "retry_after"]
 
 
+_LASTING_ERRNOS = frozenset({errno.EROFS, errno.ENAMETOOLONG, errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+
 def is_transient(error: BaseException) -> bool:
     """Errors worth retrying: 5xx, throttling, timeouts, dropped connections."""
     if error_code(error) in _TRANSIENT_CODES:  # whatever status, or exception, it came as
         return True
     if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
         return False
+    # A local file system's lasting answers: `shardstream index` on a read-only mount was
+    # tried 10 times, reading and hashing every shard again each time, before saying so.
+    if isinstance(error, OSError) and not isinstance(error, ssl.SSLError) and error.errno in _LASTING_ERRNOS:
+        return False  # (an SSLError's errno is OpenSSL's code, no errno)
     # A URL that does not parse (urllib3's LocationParseError, aiohttp's InvalidURL) will not on the
     # next try: a ValueError, where the client library's module alone read as transient.
     if isinstance(error, ValueError):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import re
 import shutil
@@ -119,7 +120,7 @@ def cleanup_scratch(store: Store, names: Iterable[str] = ()) -> None:
     path = os.path.join(local_path(store.root), SCRATCH)
     if not os.path.isdir(path):
         return
-    prefixes = tuple(f".{name}." for name in names)
+    prefixes = tuple(f".{_stand_in(name)}." for name in names)
     for entry in os.listdir(path):
         if entry.endswith(".part") and (prefixes and entry.startswith(prefixes) or _left_by_an_ended_process(entry)):
             with contextlib.suppress(FileNotFoundError):
@@ -177,6 +178,17 @@ def _umask() -> int:
     return _IMPORT_UMASK
 
 
+def _stand_in(name: str) -> str:
+    """`name` as scratch file names hold it: whole where short, else its first 64 bytes and a
+    digest of the rest. A scratch name is about 40 bytes longer than the file's (the writer's
+    tag, mkstemp's letters), and a legal name of 230 bytes (a long `prefix`, a long tar
+    name to index) made one past the file system's 255: "File name too long"."""
+    data = name.encode("utf-8", "surrogateescape")
+    if len(data) <= 100:
+        return name
+    return data[:64].decode("utf-8", "ignore") + "~" + hashlib.sha256(data).hexdigest()[:16]
+
+
 def scratch_file(store: Store, name: str) -> tuple[str, BinaryIO]:
     """A new temporary file for `name` on its way into `store`, open for writing.
 
@@ -184,7 +196,8 @@ def scratch_file(store: Store, name: str) -> tuple[str, BinaryIO]:
     """
     for attempt in range(3):
         try:
-            fd, path = tempfile.mkstemp(dir=scratch_dir(store), prefix=f".{name}.{_writer_tag()}.", suffix=".part")
+            fd, path = tempfile.mkstemp(dir=scratch_dir(store), prefix=f".{_stand_in(name)}.{_writer_tag()}.",
+                                        suffix=".part")
             break
         except FileNotFoundError:  # another writer's `cleanup_scratch` removed the folder, then empty
             if attempt == 2:

@@ -487,7 +487,10 @@ class Store:
 
     def write(self, name: str, data: bytes) -> None:
         """Write `data` as the file `name`, atomically (see `put`)."""
-        tmp, f = scratch_file(self, name)
+        try:
+            tmp, f = scratch_file(self, name)
+        except OSError as e:  # a read-only folder, a name too long: name the file
+            raise StorageError(f"could not write: {e.strerror or e}", url=self.url(name)) from safe_cause(e)
         try:
             try:
                 with f:

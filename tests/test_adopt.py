@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 
 import shardstream as ss
 from shardstream import CorruptShardError, ShardstreamError
+from shardstream.storage import Store
 from shardstream.adopt import index_tars, repack_tars
 from shardstream.format import MANIFEST_NAME
 from shardstream.verify import verify_dataset
@@ -580,6 +581,68 @@ def test_repack_to_a_protocol_fsspec_cannot_open_is_a_storage_error(wds_folder):
     folder, _ = wds_folder
     with pytest.raises(ss.StorageError, match="nosuchproto://x/out.*Protocol not known"):
         repack_tars(folder, "nosuchproto://x/out")
+
+
+def test_index_on_a_read_only_disk_fails_at_once_naming_the_index(wds_folder, tmp_path, monkeypatch):
+    """Regression (found by review): `index` of tars on a read-only mount was tried 10 times,
+    each reading and hashing the whole shard again (minutes for real shards), before "failed
+    after 10 attempts: OSError: Read-only file system". A local file system's lasting answers
+    (read-only, no space, name too long) are not retried, and the error names the index."""
+    import shutil
+
+    try:
+        from ._mounts import remount, tmpfs
+    except ImportError:
+        from _mounts import remount, tmpfs
+    import shardstream.adopt as adopt_module
+
+    folder, _ = wds_folder
+    opened = []
+    real_open = Store.open
+
+    def counted_open(self, name, *args, **kwargs):
+        opened.append(name)
+        return real_open(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(Store, "open", counted_open)
+    with tmpfs(tmp_path / "ro", 16 << 20) as mount:
+        for path in sorted(folder.glob("*.tar"))[:1]:
+            shutil.copy(path, mount / path.name)
+        remount(mount, "ro")
+        try:
+            with pytest.raises(ss.StorageError, match=r"\.tar\.idx: could not write: Read-only file system"):
+                adopt_module.index_tars(str(mount), workers=1)
+        finally:
+            remount(mount, "rw")
+    assert len(opened) == 1
+
+
+def test_long_legal_names_are_written_and_indexed(tmp_path):
+    """Regression (found by review): a scratch file's name is its file's and about 40 bytes
+    more, so legal names past about 215 bytes (a long writer prefix; a long tar name to
+    index, whose index name is 4 bytes longer still) failed: "File name too long"."""
+    from shardstream import ShardWriter
+
+    with ShardWriter(str(tmp_path / "written"), prefix="p" * 215) as writer:  # shard names of 230 bytes
+        writer.write({"__key__": "a", "txt": "x"})
+    assert [s["__key__"] for s in ss.StreamingDataset(str(tmp_path / "written"), decode=None)] == ["a"]
+    (tmp_path / "tars").mkdir()
+    with tarfile.open(tmp_path / "tars" / ("t" * 226 + ".tar"), "w") as tf:
+        _member(tf, "b.txt", b"y")
+    assert index_tars(str(tmp_path / "tars")).samples == 1
+    assert [s["__key__"] for s in ss.StreamingDataset(str(tmp_path / "tars"), decode=None)] == ["b"]
+
+
+def test_a_folder_of_tars_named_like_a_shard_is_indexed_and_repacked_as_a_folder(wds_folder, tmp_path):
+    """Regression (found by review): `index DIR/webdataset.tar` (a folder) was taken for one
+    shard ("could not open: IsADirectoryError"), as `repack` did; readers take such a folder."""
+    import shutil
+
+    folder, samples = wds_folder
+    named = tmp_path / "webdataset.tar"
+    shutil.copytree(folder, named)
+    assert repack_tars(str(named), str(tmp_path / "out")).samples == len(samples)
+    assert index_tars(str(named)).samples == len(samples)
 
 
 def test_repack_into_a_folder_of_another_tools_shards_names_that_folder(wds_folder, tmp_path):

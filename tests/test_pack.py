@@ -291,7 +291,7 @@ def test_file_list_from_excel_with_a_byte_order_mark(image_folder, tmp_path):
 
 
 @pytest.mark.parametrize(("second", "message"), [
-    ("{path},", "line 2 has no label, and other lines have one"),  # an empty cell is no label, not a class ""
+    ("{path},", r"line 2 has no label, and other lines have one \(line 1\)"),  # an empty cell is no label, not ""
     ("{path},16777216", "integer label 16777216 is above the largest class index"),
     # Regression: each made every label a name, sorted as text (10 before 2): every class renumbered.
     ("{path},cat", r"labels mix class indices \('0'\) and names \('cat'\)"),
@@ -303,6 +303,26 @@ def test_file_list_labels_that_would_renumber_or_explode_the_classes(image_folde
     lst.write_text(f"{first},0\n" + second.format(path=path) + "\n")
     with pytest.raises(PackError, match=message):
         run_pack(lst, tmp_path / "ds")
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_a_file_list_path_holding_an_unquoted_comma_is_named_not_lost(image_folder, tmp_path, first):
+    """Regression (found by review): an unquoted row `imgs/holiday, day 2.jpg` (as `find | sort`
+    writes one) was read as path `imgs/holiday` and label `day 2.jpg`. First in the list, it
+    went for a header (its path names no file) and the image was left out without a word;
+    further down, the pack stopped at "line 1 has no label". It is refused, naming its line."""
+    files = sorted(image_folder.rglob("*.jpg"))[:3]
+    comma = tmp_path / "holiday, day 2.jpg"
+    comma.write_bytes(files[0].read_bytes())
+    rows = [str(path) for path in files[1:]]
+    rows.insert(0 if first else 1, str(comma))
+    lst = tmp_path / "list.txt"
+    lst.write_text("\n".join(rows) + "\n")
+    line = 1 if first else 2
+    with pytest.raises(PackError, match=rf"line {line}: the path holds a comma .*: quote it"):
+        run_pack(lst, tmp_path / "ds")
+    lst.write_text("\n".join(f'"{row}"' if row == str(comma) else row for row in rows) + "\n")
+    assert run_pack(lst, tmp_path / "ds").samples == 3
 
 
 @pytest.mark.parametrize(("second", "message"), [
