@@ -27,6 +27,7 @@ import numpy as np
 
 from ._version import __version__
 from .braces import expand_braces, folder_named, names_shards
+from .arguments import flag
 from .errors import ShardstreamError
 from .format import INDEX_SUFFIX, MANIFEST_NAME, Manifest, ShardIndex, ShardInfo
 from .tarstream import CountingReader, StreamTarReader, scan_tar
@@ -54,6 +55,7 @@ def index_tars(source: str | os.PathLike[str] | Sequence[str], *, workers: int =
     its sampling weight. Tars without samples are left out of the manifest. Returns
     the manifest written. An existing manifest is replaced only with `overwrite`.
     """
+    overwrite, progress = flag(overwrite, "overwrite"), flag(progress, "progress")  # "false" replaced it
     store, names = _shards(source, storage_options or {})
     if store.root.startswith(("http://", "https://")):
         raise ShardstreamError("cannot write indexes over HTTP: index the tars where they can be written "
@@ -106,6 +108,7 @@ def repack_tars(source: str | os.PathLike[str] | Sequence[str], dst: str | os.Pa
     from .progress import progress_bar
     from .writer import ShardWriter
 
+    overwrite, progress = flag(overwrite, "overwrite"), flag(progress, "progress")
     check_level_used(compression, level, IMAGE_LEVEL)
     options = storage_options or {}
     dst = os.fspath(dst)

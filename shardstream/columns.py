@@ -14,7 +14,7 @@ import numpy as np
 
 from .errors import CorruptIndexError, ShardstreamError
 
-__all__ = ["MAX_CLASS", "check_label", "class_of", "label_of", "weight_of", "check_weight", "label_column", "weight_column", "read_labels",
+__all__ = ["MAX_CLASS", "check_label", "class_of", "label_of", "sampling_weight_of", "weight_of", "check_weight", "label_column", "weight_column", "read_labels",
            "read_weights"]
 
 
@@ -60,6 +60,17 @@ def weight_of(weight: bytes) -> float:
     try:
         return float(weight)
     except ValueError:
+        return math.nan
+
+
+def sampling_weight_of(data: bytes, **where: Any) -> float:
+    """`check_weight` for a reader's count of a tar without an index: a weight it refuses is no
+    weight there (NaN), as `class_of` does for classes. The sample is read as any other; only
+    sampling by weight, which needs every sample's, refuses it (`Source.weights`). Refused,
+    one `weight` of -1 stopped the whole dataset while it was counted, even under skip."""
+    try:
+        return check_weight(data)
+    except ShardstreamError:
         return math.nan
 
 

@@ -19,6 +19,7 @@ import logging
 import warnings
 from typing import Any
 
+from .arguments import flag
 from .errors import PackError, ShardstreamError, reason
 from .format import Manifest
 from .pack import PackSummary, pack
@@ -47,6 +48,7 @@ def pack_with_ray(src: str, dst: str, *, parts: int, address: str | None = None,
     `workers` defaults to `cpus_per_part`. Without `address`, `ray.init()` uses
     ``RAY_ADDRESS`` or starts a local instance.
     """
+    progress = flag(progress, "progress")
     try:
         import ray
     except ImportError as e:

@@ -15,6 +15,7 @@ import re
 from dataclasses import replace
 from typing import Any
 
+from .arguments import flag
 from .errors import ManifestError, ShardstreamError
 from .format import INDEX_SUFFIX, MANIFEST_NAME, Manifest, ShardInfo
 from .shardtable import ShardTable
@@ -144,7 +145,7 @@ def merge(dst: str, *, storage_options: dict[str, Any] | None = None, fsync: boo
     at once (the last two parts finishing together) write the same file. `fsync`: the
     manifest is on the disk when this returns (`pack`'s `fsync`, which the parts need too).
     """
-    store = Store(dst, storage_options or {}, durable=fsync)
+    store = Store(dst, storage_options or {}, durable=flag(fsync, "fsync"))
     found = _part_manifests(store)
     if not found:
         raise ShardstreamError("no part manifests (manifest.part-IIIII-of-NNNNN.msgpack) found", url=dst)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar, overload
 import numpy as np
 
 from .braces import expand_braces, folder_named, names_shards
-from .columns import MAX_CLASS, check_weight, class_of, label_column, weight_column
+from .columns import MAX_CLASS, class_of, label_column, sampling_weight_of, weight_column
 from .errors import ManifestError, ShardstreamError, StorageError
 from .format import INDEX_SUFFIX, MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ShardIndex, ShardInfo
 from .shardtable import ShardTable, checked_index
@@ -257,8 +257,7 @@ class Source:
             labels, weights = [], []
             for sample in reader:
                 labels.append(class_of(sample["cls"]) if "cls" in sample else -1)
-                weights.append(check_weight(sample["weight"], url=reader.url, key=str(sample["__key__"]))
-                               if "weight" in sample else math.nan)
+                weights.append(sampling_weight_of(sample["weight"]) if "weight" in sample else math.nan)
             return True, (label_column(labels), weight_column(weights)), len(labels)
         samples = len(reader)
         if isinstance(reader, StreamTarReader):
@@ -283,7 +282,8 @@ class Source:
         missing = np.flatnonzero(np.isnan(weights))
         if len(missing):
             url, key = self.where(int(missing[0]))
-            raise ShardstreamError(f"{len(missing)} samples have no weight field; every sample needs one",
+            raise ShardstreamError(f"{len(missing)} samples have no weight (a weight field holding a finite, "
+                                   "non-negative number); every sample needs one",
                                    url=url, key=key)
         return weights
 

@@ -21,7 +21,7 @@ import numpy as np
 import zstandard
 
 from . import tario
-from .columns import check_label, check_weight, class_of, label_column, weight_column
+from .columns import check_label, check_weight, class_of, label_column, sampling_weight_of, weight_column
 from .errors import CorruptShardError, ShardstreamError
 from .format import INDEX_SUFFIX, ShardIndex
 from .reader import Sample, ShardReader, _decompressor
@@ -188,7 +188,7 @@ class StreamTarReader:
                     url=self.url,
                 )
             with self.store.open(self.name) as f:
-                index, _ = scan_tar(CountingReader(f), self.url, label=class_of)
+                index, _ = scan_tar(CountingReader(f), self.url, label=class_of, weight=sampling_weight_of)
             self._reader = ShardReader(self.store, self.name, index=index)
         return self._reader
 
@@ -221,12 +221,13 @@ class CountingReader:
         return data
 
 
-def scan_tar(f: CountingReader, url: str, *,
-             label: Callable[..., int] = check_label) -> tuple[ShardIndex, tuple[str, ...]]:
+def scan_tar(f: CountingReader, url: str, *, label: Callable[..., int] = check_label,
+             weight: Callable[..., float] = check_weight) -> tuple[ShardIndex, tuple[str, ...]]:
     """The index of a plain `.tar` (sample keys and offsets, classes, weights) and its fields, by one pass.
 
     `label` makes a `cls` field the index's class: `check_label` refuses one past the format's
-    limit (what `shardstream index` writes must read back); a reader passes `class_of`."""
+    limit (what `shardstream index` writes must read back); a reader passes `class_of`, and
+    `sampling_weight_of` for `weight`, the same way."""
     keys: list[str] = []
     offsets: list[int] = []
     labels: list[int] = []
@@ -255,7 +256,7 @@ def scan_tar(f: CountingReader, url: str, *,
         if field == "cls":
             labels[-1] = label(data, url=url, key=key, offset=offset)
         elif field == "weight":  # checked as ShardWriter checks it: every index written can be read
-            weights[-1] = check_weight(data, url=url, key=key, offset=offset)
+            weights[-1] = weight(data, url=url, key=key, offset=offset)
         fields.add(field)
         end = f.position  # the member and its padding have been read
     empty = np.zeros(0, dtype=np.int64)

@@ -17,6 +17,7 @@ import numpy as np
 from .columns import label_of, weight_of
 from .decode import IMAGE_EXTENSIONS, decode_image, jpeg_damage
 from .fields import field_extension
+from .arguments import flag
 from .errors import ShardstreamError, shown_url
 from .reader import ShardReader
 from .shardfile import seek_table
@@ -283,6 +284,7 @@ def verify_dataset(
     decoding release the GIL. The report lists the problems in shard order, whatever
     `workers` is.
     """
+    decode_images, progress = flag(decode_images, "decode_images"), flag(progress, "progress")
     from .progress import progress_bar
 
     report = VerifyReport()

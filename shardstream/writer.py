@@ -141,7 +141,10 @@ class ShardWriter:
                                          flag(check_bytes, "check_bytes"))
         level, frame_size = integer(level, "level"), integer(frame_size, "frame_size")
         max_samples = integer(max_samples, "max_samples") if max_samples is not None else None
-        if isinstance(classes, str) or not all(isinstance(name, str) for name in classes):
+        if isinstance(classes, str):
+            raise TypeError(f"classes must be a sequence of class names, not {classes!r}")
+        classes = tuple(classes)  # once: a generator given is read here, not by the check and lost
+        if not all(isinstance(name, str) for name in classes):
             raise TypeError(f"classes must be a sequence of class names, not {classes!r}")
         if not isinstance(prefix, str):
             raise TypeError(f"prefix must be a string, not {prefix!r}")

@@ -520,6 +520,23 @@ def test_a_class_index_past_the_format_limit_is_read_as_no_class_by_a_reader(tmp
     assert raised.value.key == ("b" if suffix == ".tar" else None)  # a compressed tar keeps no keys to name it by
 
 
+@pytest.mark.parametrize("weight", [b"-1", b"high"])
+def test_a_weight_index_refuses_is_read_as_no_weight_by_a_reader(tmp_path, weight):
+    """As above, for `weight` (found by review of that fix): one `weight` of -1 or "high" in a
+    tar without an index stopped the whole dataset while it was counted. A reader delivers
+    the sample; only sampling by weight refuses it."""
+    with tarfile.open(tmp_path / "shard-000000.tar", "w") as tf:
+        for key, value in (("a", b"1"), ("b", weight), ("c", b"2")):
+            _member(tf, f"{key}.txt", key.encode())
+            _member(tf, f"{key}.weight", value)
+    url = str(tmp_path / "shard-000000.tar")
+    assert sorted(key for (key,) in ss.StreamingDataset([url], decode=None, fields=("__key__",))) == ["a", "b", "c"]
+    with pytest.raises(ShardstreamError, match=r"1 samples have no weight") as raised:
+        list(ss.StreamingDataset([url], decode=None, sampling=ss.Sampling(sample_weights="weight",
+                                                                          samples_per_epoch=3)))
+    assert raised.value.key == "b"
+
+
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_repack_into_the_folder_it_reads_is_refused_and_the_tars_kept(wds_folder, overwrite):
     """Regression: `repack DIR DIR` wrote its shards over the tars it was still reading (WebDataset names

@@ -669,9 +669,16 @@ def test_every_flag_and_argument_of_the_public_api_is_checked_where_given(packed
         (TypeError, "max_samples must be an integer, not 10.5",
          lambda: shardstream.pack(str(image_folder), str(tmp_path / "p"), max_samples=10.5, progress=False)),
     ]
+    from shardstream.adopt import index_tars
+
+    refused += [  # found by review of the fix: index's flag, and a generator of class names read twice
+        (TypeError, "overwrite must be True or False, not 'false'",
+         lambda: index_tars(str(existing), overwrite="false")),
+    ]
     for error, message, make in refused:
         with pytest.raises(error, match=re.escape(message)):
             make()
+    assert ShardWriter(str(tmp_path / "w"), classes=(name for name in ("cat", "dog"))).classes == ("cat", "dog")
     assert not (tmp_path / "w").exists() and not (tmp_path / "p").exists()
     assert sorted((path.name, path.read_bytes()) for path in existing.iterdir()) == before  # not replaced
     summary = shardstream.pack(str(image_folder), str(tmp_path / "p"), seed=np.int64(5), workers=np.int64(1),

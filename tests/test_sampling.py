@@ -501,7 +501,7 @@ def test_bad_sample_weights_are_refused(weighted, small, tmp_path):
     ("cls", b"cat", Sampling(class_weights="balanced"), "no class"),
     ("cls", b"-1", Sampling(class_weights="balanced"), "no class"),
     ("cls", None, Sampling(class_weights="balanced"), "no class"),
-    ("weight", None, Sampling(sample_weights="weight"), "no weight field"),
+    ("weight", None, Sampling(sample_weights="weight"), "no weight \\(a weight field"),
 ])
 def test_sampling_names_the_sample_without_its_field(tmp_path, field, value, sampling, message):
     """A tar whose sample has no usable cls (a name, a negative number, none at all) was a bare ValueError
