@@ -67,6 +67,7 @@ def _field_names(fields: str | Sequence[str]) -> tuple[str, ...]:
         raise ValueError(f"fields must name one field or more, as strings (\"jpg\", \"cls\"), not {fields!r}")
     return names
 
+
 # Default read-ahead, in pieces (one storage request each). Local reads need little,
 # but a reader thread still pays off: decoding and cropping 4,000 JPEGs of 114 KB from local
 # shards (benchmarks/loader.py, BENCHMARKS.md "Twenty-second session"), prefetch 0 ran at
