@@ -26,8 +26,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from ._version import __version__
-from .braces import expand_braces, folder_named, names_shards
 from .arguments import flag
+from .braces import expand_braces, folder_named, names_shards
 from .errors import ShardstreamError
 from .format import INDEX_SUFFIX, MANIFEST_NAME, Manifest, ShardIndex, ShardInfo
 from .tarstream import CountingReader, StreamTarReader, scan_tar

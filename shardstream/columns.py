@@ -14,8 +14,8 @@ import numpy as np
 
 from .errors import CorruptIndexError, ShardstreamError
 
-__all__ = ["MAX_CLASS", "check_label", "class_of", "label_of", "sampling_weight_of", "weight_of", "check_weight", "label_column", "weight_column", "read_labels",
-           "read_weights"]
+__all__ = ["MAX_CLASS", "check_label", "class_of", "label_of", "sampling_weight_of", "weight_of", "check_weight",
+           "label_column", "weight_column", "read_labels", "read_weights"]
 
 
 # The largest class index (FORMAT.md). Labels are int32 in indexes, and a class table is
