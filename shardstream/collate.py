@@ -65,6 +65,10 @@ def collated(collate_fn: Callable[[list[Any]], Any], batch: list[Any], where: Wh
     except Exception as error:
         unlike = unlike_the_first(batch, names=names)
         position, how = unlike if unlike is not None else (0, "")
+        if collate_fn not in (default_collate, pad_collate) and how:
+            # Code of the user's own may fail for any reason: the difference is told, not blamed.
+            name = getattr(collate_fn, "__qualname__", None) or type(collate_fn).__name__
+            how = f"differs from the first, which may be why {name} failed: it {how}"
         raise _collate_error(batch, position, how, where, error) from error
 
 

@@ -548,6 +548,19 @@ def test_a_batch_that_does_not_collate_names_the_odd_sample(tmp_path, num_worker
     message = _collate_error_of(ds, num_workers)
     assert "shard-000001.tar.zst, sample 's006'" in message, message
     assert "sample 2 of the batch has field jpg of shape (3, 32, 40), the batch's first (3, 32, 32)" in message
+    # A collate_fn of the user's own that fails for its own reason is not blamed on the shapes
+    # (found by review), which a padding collate handles: the difference is told as a maybe.
+    ds = StreamingDataset(str(tmp_path / "ds"), fields=("jpg", "cls"), batch_size=4, collate_fn=_fails_on_labels)
+    message = _collate_error_of(ds, num_workers)
+    assert ("sample 2 of the batch differs from the first, which may be why _fails_on_labels failed: it has field "
+            "jpg of shape (3, 32, 40)") in message and "KeyError" in message, message
+
+
+def _fails_on_labels(batch: list) -> tuple:
+    """A user's collate failing for a reason of its own: label 6, which it has no name for."""
+    names = {i: f"class {i}" for i in range(12) if i != 6}
+    labels = [names[int(label)] for _, label in batch]  # KeyError at 6
+    return torch.stack([image for image, _ in batch]), labels
 
 
 def test_sample_dicts_with_other_fields_do_not_collate_into_a_batch_without_them(rich):
