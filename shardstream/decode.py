@@ -42,8 +42,8 @@ except ImportError:  # the C extension was not built (no libjpeg-turbo headers o
 REGION_DECODER = _jpegregion is not None
 
 __all__ = ["Decoder", "DecodedCrop", "decode_image", "decode_rgb", "decode_rgb_crop", "image_size", "is_jpeg",
-           "jpeg_crop_decoder", "jpeg_damage", "jpeg_ends", "narrowed_grey", "open_image", "IMAGE_EXTENSIONS", "IMAGE_MODES", "PIL_FORMATS",
-           "REGION_DECODER"]
+           "jpeg_crop_decoder", "jpeg_damage", "jpeg_ends", "narrowed_grey", "open_image", "IMAGE_EXTENSIONS", "IMAGE_MODES",
+           "JPEG_FORMATS", "PIL_FORMATS", "REGION_DECODER"]
 
 IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp", "ppm", "pgm", "bmp", "gif", "tif", "tiff"})
 IMAGE_MODES = (None, "pil", "rgb8")
@@ -52,6 +52,9 @@ PICKLE_EXTENSIONS = frozenset({"pyd", "pickle", "pkl", "pth"})
 # Pillow recognises a file by its bytes, not its name, and would open anything it knows:
 # an EPS stored as a `jpg` field would run Ghostscript on a shard's PostScript.
 PIL_FORMATS = ("JPEG", "PNG", "WEBP", "PPM", "BMP", "GIF", "TIFF")
+# What Pillow names a JPEG it opened: an MPO (a camera JPEG holding more pictures after the
+# first: stereo, depth, a large preview) is a JPEG to libjpeg, reduced and decoded alike.
+JPEG_FORMATS = ("JPEG", "MPO")
 # What Pillow raises on damaged image bytes. Mostly OSError, but its parsers raise others on
 # some damage: IndexError from PNG's `verify` on a file with no image-data (IDAT) chunk.
 DAMAGED_IMAGE_ERRORS = (OSError, SyntaxError, ValueError, IndexError, Image.DecompressionBombError)
@@ -60,7 +63,7 @@ DAMAGED_IMAGE_ERRORS = (OSError, SyntaxError, ValueError, IndexError, Image.Deco
 def open_image(data: bytes) -> Image.Image:
     """`data` opened by Pillow, in one of `PIL_FORMATS` only (else PIL.UnidentifiedImageError)."""
     image = Image.open(io.BytesIO(data), formats=PIL_FORMATS)
-    if image.format == "JPEG":
+    if image.format in JPEG_FORMATS:
         # Pillow feeds libjpeg 64 KB at a time, and libjpeg's arithmetic decoder cannot resume
         # mid-stream: a valid arithmetic-coded JPEG over 64 KB failed as "broken data stream".
         # The bytes are in memory already; one block costs nothing more.
@@ -262,7 +265,7 @@ def narrowed_grey(image: Image.Image) -> Image.Image:
 
 def _pil_rgb(data: bytes, at_least: tuple[int, int] | None = None) -> Image.Image:
     image = open_image(data)
-    if image.format == "JPEG":
+    if image.format in JPEG_FORMATS:
         image.draft("RGB", at_least or image.size)  # decode straight to RGB, reduced where allowed
     if image.mode.startswith("I"):
         return narrowed_grey(image).convert("RGB")

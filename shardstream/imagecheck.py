@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 from PIL import Image
 
-from .decode import DAMAGED_IMAGE_ERRORS, is_jpeg, jpeg_ends, open_image
+from .decode import DAMAGED_IMAGE_ERRORS, JPEG_FORMATS, is_jpeg, jpeg_ends, open_image
 from .errors import PackError, reason
 
 __all__ = ["check_image", "sniff_image"]
@@ -280,7 +280,7 @@ def check_image(data: bytes, path: str) -> str:
     try:
         with open_image(data) as image:
             _within_bomb_limit(image.size)
-            if image.format == "JPEG":
+            if image.format in JPEG_FORMATS:
                 # Decoded: a JPEG comes here only where its header walk (`_plain_jpeg`) found it
                 # unusual or damaged (a frame kind, marker or table no decoder here reads), or
                 # it does not end with its end marker (truncated, or bytes after it); Pillow

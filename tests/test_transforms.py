@@ -145,6 +145,24 @@ def test_simplejpeg_and_pillow_decode_the_same_pixels(at_least):
         assert np.array_equal(fast, pillow)
 
 
+def test_an_mpo_is_reduced_and_decoded_as_a_jpeg_by_pillow():
+    """Pillow opens a JPEG holding more pictures after the first (MPO: stereo, depth, cameras' previews) as
+    format "MPO": it is drafted at the same reduction as the same picture saved as a plain JPEG, so an
+    install with Pillow alone gives the pixels simplejpeg and the region decoder give (it was decoded at
+    full size, every crop 12-27 levels off)."""
+    from shardstream.decode import decode_rgb
+
+    first = Image.open(io.BytesIO(_jpeg_variants()[0])).convert("RGB").resize((1200, 840), Image.BICUBIC)
+    mpo, plain = io.BytesIO(), io.BytesIO()
+    first.save(mpo, "MPO", save_all=True, append_images=[first.rotate(90)], quality=90)
+    first.save(plain, "JPEG", quality=90)
+    assert Image.open(io.BytesIO(mpo.getvalue())).format == "MPO"
+    for at_least in ((300, 210), (600, 420), None):
+        reduced = decode_rgb(mpo.getvalue(), at_least, use_simplejpeg=False)
+        assert np.array_equal(reduced, decode_rgb(plain.getvalue(), at_least, use_simplejpeg=False)), at_least
+    assert decode_rgb(mpo.getvalue(), (300, 210), use_simplejpeg=False).shape == (210, 300, 3)
+
+
 def test_cmyk_jpeg_is_decoded_to_rgb():
     cmyk = io.BytesIO()
     Image.new("CMYK", (40, 30), (0, 255, 255, 0)).save(cmyk, format="JPEG")  # red
