@@ -130,7 +130,9 @@ static PyObject *cut_one(const unsigned char *buf, Py_ssize_t pos, Py_ssize_t en
         PyErr_Clear();
         Py_RETURN_NONE;
     }
-    if (key_len == 0 || dotted(key_utf8, key_len))
+    /* A key ending in a slash makes members with an empty basename before the dot, which
+       belong to no sample (`tario.member_key`): the Python parser says so. */
+    if (key_len == 0 || key_utf8[key_len - 1] == '/' || dotted(key_utf8, key_len))
         Py_RETURN_NONE;
     sample = PyDict_New();
     if (sample == NULL || PyDict_SetItem(sample, KEY, key) < 0 || PyDict_SetItem(sample, URL, url) < 0)
@@ -152,8 +154,9 @@ static PyObject *cut_one(const unsigned char *buf, Py_ssize_t pos, Py_ssize_t en
          * that lower-casing may change (as that does) is left to it too. */
         if (name_len < key_len + 2 || memcmp(h, key_utf8, key_len) != 0 || h[key_len] != '.' ||
             memchr(h + key_len + 1, '/', name_len - key_len - 1) != NULL ||
-            may_lower(h + key_len + 1, name_len - key_len - 1))
-            goto other;
+            may_lower(h + key_len + 1, name_len - key_len - 1) ||
+            (name_len - key_len - 1 >= 2 && h[key_len + 1] == '_' && h[key_len + 2] == '_'))
+            goto other; /* (a field beginning with "__" is refused there: `tario.check_new_field`) */
         if ((Py_ssize_t)size > end - pos - BLOCK)
             goto other;
         field = PyUnicode_DecodeUTF8((const char *)h + key_len + 1, name_len - key_len - 1, NULL);

@@ -398,8 +398,7 @@ class ShardReader:
                 if named[0] != key:
                     raise CorruptIndexError(f"index says sample {i} is {key!r}, the shard holds {named[0]!r}",
                                             url=url, key=key, offset=file_offset)
-                if named[1] in sample:
-                    raise CorruptShardError(f"field {named[1]!r} appears twice", url=url, key=key, offset=base + a + s)
+                tario.check_new_field(named[1], sample, url=url, key=key, offset=base + a + s)
                 sample[named[1]] = bytes(view[a + s : a + e])
         except CorruptShardError as e:
             raise CorruptShardError(e.detail, url=url, key=key, offset=e.offset) from e

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import tarfile
 from dataclasses import dataclass
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Container, Iterator
 
 import numpy as np
 
@@ -261,8 +261,8 @@ def common_member(block: bytes, pos: int, key: str) -> tuple[str, int] | None:
     if size < 0 or size > MAX_MEMBER_SIZE:
         return None
     named = member_key(name)
-    if named is None or named[0] != key or named[1] != name[len(key) + 1 :]:
-        return None  # no sample's, another's, or a field to lower-case: `iter_members`' callers decide
+    if named is None or named[0] != key or named[1] != name[len(key) + 1 :] or named[1].startswith("__"):
+        return None  # no sample's, another's, a field to lower-case or refuse: `iter_members`' callers decide
     return named[1], size
 
 
@@ -386,6 +386,18 @@ def members_apart(key: str, url: str, offset: int) -> CorruptShardError:
                              "make the tar with each sample's files together", url=url, key=key, offset=offset)
 
 
+def check_new_field(field: str, present: Container[str], *, url: str, key: str, offset: int) -> None:
+    """Refuse a member's field that its sample has already (`tar -rf` of a member again:
+    which copy a reader keeps is anyone's guess), or one beginning with ``__``: those are
+    the names readers give what is not a field (``__key__``, ``__url__``), and a member
+    ``a.__key__`` would replace the sample's key with its bytes."""
+    if field.startswith("__"):
+        raise CorruptShardError(f"field {field!r}: names beginning with '__' are the reader's own ('__key__', "
+                                "'__url__'), not a member's", url=url, key=key, offset=offset)
+    if field in present:
+        raise CorruptShardError(f"field {field!r} appears twice", url=url, key=key, offset=offset)
+
+
 def group_samples(
     members: Iterator[tuple[str, bytes, int]], *, url: str
 ) -> Iterator[tuple[dict[str, object], int]]:
@@ -407,8 +419,7 @@ def group_samples(
                 raise members_apart(key, url, offset)
             earlier.add(key)
             sample, sample_offset = {"__key__": key}, offset
-        if field in sample:
-            raise CorruptShardError(f"field {field!r} appears twice", url=url, key=key, offset=offset)
+        check_new_field(field, sample, url=url, key=key, offset=offset)
         sample[field] = data
     if sample is not None:
         yield sample, sample_offset

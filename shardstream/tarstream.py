@@ -250,8 +250,7 @@ def scan_tar(f: CountingReader, url: str, *, label: Callable[..., int] = check_l
             labels.append(-1)
             weights.append(math.nan)
             seen = set()
-        if field in seen:  # `tar -rf` of a member again: which copy a reader keeps is anyone's guess
-            raise CorruptShardError(f"field {field!r} appears twice", url=url, key=key, offset=offset)
+        tario.check_new_field(field, seen, url=url, key=key, offset=offset)
         seen.add(field)
         if field == "cls":
             labels[-1] = label(data, url=url, key=key, offset=offset)

@@ -1156,6 +1156,9 @@ UNUSUAL_HEADERS = {  # the C path takes some, hands the rest to the Python parse
     "repeated field": ([_raw_member(b"k.txt", _D) + _raw_member(b"k.txt", b"again")], ["k"]),
     "member named the key": ([_raw_member(b"k", _D)], ["k"]),
     "field named __key__": ([_raw_member(b"k.__key__", _D)], ["k"]),
+    "field named __url__": ([_raw_member(b"k.txt", _D) + _raw_member(b"k.__url__", _D)], ["k"]),
+    "field beginning with __": ([_raw_member(b"k.__meta__", _D) + _raw_member(b"k.txt", _D)], ["k"]),
+    "key ending in a slash": ([_raw_member(b"a/.txt", _D)], ["a/"]),
     "size with leading spaces": ([_raw_member(b"k.txt", _D, b"        013\0")], ["k"]),
     "size with a tab": ([_raw_member(b"k.txt", _D, b"\t0000000013\0")], ["k"]),
     "size with +": ([_raw_member(b"k.txt", _D, b"+0000000013\0")], ["k"]),
@@ -1182,6 +1185,37 @@ def test_tarcut_and_python_agree_on_unusual_headers(tmp_path, compression, case)
     samples, keys = UNUSUAL_HEADERS[case]
     fast, slow = _read_both_ways(_raw_reader(tmp_path, samples, keys, compression))
     assert fast == slow
+
+
+@pytest.mark.parametrize("field", [b"__key__", b"__url__", b"__meta__"])
+def test_a_member_whose_field_begins_with_two_underscores_is_refused_on_every_path(tmp_path, cut, field):
+    """Names beginning with `__` are what readers call what is not a field: a member `s.__key__` read through
+    an index replaced the sample's key with its bytes (and `s.__url__` its url), and read without one
+    `s.__url__` was dropped silently. It is refused, naming the sample, by every reader and by `index`."""
+    from shardstream.adopt import index_tars
+    from shardstream.tarstream import open_shard as stream_shard
+
+    indexed = _raw_reader(tmp_path, [_raw_member(b"s.txt", _D) + _raw_member(b"s." + field, b"EVIL")], ["s"], "none")
+    with pytest.raises(shardstream.CorruptShardError, match=f"sample 's'.*field '{field.decode()}'"):
+        list(indexed)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    with tarfile.open(plain / "shard-000000.tar", "w", format=tarfile.USTAR_FORMAT) as tf:
+        for name, data in (("s.txt", _D), ("s." + field.decode(), b"EVIL")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    with pytest.raises(shardstream.CorruptShardError, match=f"sample 's'.*field '{field.decode()}'"):
+        list(stream_shard(str(plain / "shard-000000.tar")))
+    with pytest.raises(shardstream.CorruptShardError, match=f"field '{field.decode()}'"):
+        index_tars(str(plain), progress=False)
+
+
+def test_a_key_ending_in_a_slash_holds_no_member(tmp_path, cut):
+    """`a/.txt` belongs to no sample (its basename begins with a dot: WebDataset's rule, `tario.member_key`);
+    an index saying it is sample `a/`'s was refused by the Python parser and read by `_tarcut`."""
+    with pytest.raises(CorruptIndexError, match="no members where the index points"):
+        list(_raw_reader(tmp_path, [_raw_member(b"a/.txt", _D)], ["a/"], "none"))
 
 
 @needs_tarcut
