@@ -237,6 +237,12 @@ def _shard_table(entries: list, url: str) -> ShardTable:
     return table
 
 
+def shard_entry(raw: Any, url: str) -> ShardInfo:
+    """One shard entry (a pack journal's record holds one), checked as a manifest's entries
+    are: a ManifestError naming `url` where it is not one, or names a file outside its folder."""
+    return _shard_table([raw], url)[0]
+
+
 def _plain_names(names: list[str]) -> bool:
     """True when every name passes `_safe_name` (checked on all at once: one pass in C)."""
     joined = "".join(names)

@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import msgpack
 
 from .errors import ShardstreamError
-from .format import ShardInfo, unpack_limited
+from .format import ShardInfo, safe_name, shard_entry, unpack_limited
 from .storage import Store
 from .threads import ordered_map
 
@@ -90,7 +90,9 @@ class Journal:
             return []
         names = unpack_limited(self.store.read(REPLACING), max_bytes=1 << 28, url=self.store.url(REPLACING),
                                error=ShardstreamError)
-        return [name for name in names if isinstance(name, str)] if isinstance(names, list) else []
+        # File names in the destination only: a journal found there may not be this library's
+        # (a shared folder, a half-done pack handed over), and `../x` or `/x` would be removed.
+        return [name for name in names if isinstance(name, str) and safe_name(name)] if isinstance(names, list) else []
 
     def _records(self) -> Iterator[tuple[int, ShardInfo, list[tuple[str, str]]]]:
         """The finished shards recorded: (shard number, its manifest entry, its skips). A
@@ -104,9 +106,17 @@ class Journal:
                 yield future.result()
 
     def _record(self, name: str) -> tuple[int, ShardInfo, list[tuple[str, str]]]:
-        raw = unpack_limited(self.store.read(name), max_bytes=1 << 24, url=self.store.url(name), error=ShardstreamError)
-        info = ShardInfo(**{**raw["info"], "fields": tuple(raw["info"]["fields"])})
-        return int(raw["shard"]), info, [tuple(s) for s in raw["skipped"]]  # type: ignore[misc]
+        """A record, checked as a manifest's entries are (its names are removed on a fresh
+        start: a journal found in the destination may not be this library's), or a
+        ShardstreamError naming it."""
+        url = self.store.url(name)
+        raw = unpack_limited(self.store.read(name), max_bytes=1 << 24, url=url, error=ShardstreamError)
+        raw = raw if isinstance(raw, dict) else {}
+        shard, skipped = raw.get("shard"), raw.get("skipped")
+        if not isinstance(shard, int) or isinstance(shard, bool) or shard < 0 or not isinstance(skipped, list) \
+                or not all(isinstance(s, list) and len(s) == 2 and all(isinstance(v, str) for v in s) for s in skipped):
+            raise ShardstreamError("a pack journal record that this library did not write", url=url)
+        return shard, shard_entry(raw.get("info"), url), [(path, why) for path, why in skipped]
 
     def record(self, shard: int, info: ShardInfo, skipped: list[tuple[str, str]]) -> None:
         body = {"shard": shard, "info": {**asdict(info), "fields": list(info.fields)}, "skipped": skipped}

@@ -1270,6 +1270,56 @@ def test_a_fresh_run_after_one_that_skipped_a_whole_shard(image_folder_copy, tmp
     assert summary.samples == len(list(folder.rglob("*.jpg"))) - 1 and len(summary.skipped) == 1
 
 
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_journal_found_in_the_destination_removes_nothing_outside_it(image_folder, tmp_path, resume):
+    """A pack journal in the destination may not be this library's (a shared folder, a half-done pack handed
+    over): a fresh start removed every file its records and its list of replaced files named, `/abs/x` and
+    `../x` too, and a damaged record ended `pack` with a KeyError. Names are checked as a manifest's are."""
+    import msgpack
+
+    outside = [tmp_path / "victim.txt", tmp_path / "victim.txt.idx", tmp_path / "victim2.txt"]
+    for path in outside:
+        path.write_text("precious")
+    journal = tmp_path / "ds" / ".shardstream-pack" / "main"
+    journal.mkdir(parents=True)
+    (journal / "plan.msgpack").write_bytes(msgpack.packb({"files": "x"}))
+    info = {"name": str(outside[0]), "samples": 1, "bytes": 1, "raw_bytes": 1024, "sha256": "0" * 64,
+            "index": "../victim.txt.idx", "index_bytes": 1, "index_sha256": "0" * 64, "fields": ["jpg"]}
+    (journal / "shard-000000.msgpack").write_bytes(msgpack.packb({"shard": 0, "info": info, "skipped": []}))
+    (journal / "shard-000001.msgpack").write_bytes(msgpack.packb({"shard": 1}))  # damaged
+    (journal / "replacing.msgpack").write_bytes(msgpack.packb(["../victim2.txt", str(outside[2])]))
+    if resume:  # the plan differs: refused, naming the journal
+        with pytest.raises(ShardstreamError, match="cannot resume"):
+            run_pack(image_folder, tmp_path / "ds", resume=True)
+    else:
+        summary = run_pack(image_folder, tmp_path / "ds")
+        assert summary.samples == len(list(image_folder.rglob("*.jpg")))
+    assert all(path.read_text() == "precious" for path in outside)
+
+
+def test_a_damaged_journal_record_is_named_on_resume(image_folder, tmp_path, monkeypatch):
+    """A record that is not this library's ended `pack --resume` with KeyError or TypeError."""
+    from shardstream.journal import Journal
+
+    record, calls = Journal.record, []
+
+    def interrupted(self, shard, info, skipped):
+        record(self, shard, info, skipped)
+        calls.append(shard)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(Journal, "record", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_pack(image_folder, tmp_path / "ds", max_samples=2, workers=1)
+    monkeypatch.setattr(Journal, "record", record)
+    damaged = sorted((tmp_path / "ds" / ".shardstream-pack" / "main").glob("shard-*.msgpack"))[0]
+    for body in (b"\x81\xa5shard\x00", b"\x92\x01\x02"):  # {"shard": 0}; [1, 2]
+        damaged.write_bytes(body)
+        with pytest.raises(ShardstreamError, match=f"{damaged.name}.*(did not write|missing field)"):
+            run_pack(image_folder, tmp_path / "ds", max_samples=2, workers=1, resume=True)
+
+
 def test_a_remote_resume_asks_nothing_of_each_finished_shard(image_folder, monkeypatch):
     """A resume trusts a journaled shard that is there at its size: it asked the store whether each
     was there and its size, 2 requests in a row a finished shard (a minute for a part's thousand
