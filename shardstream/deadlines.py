@@ -26,7 +26,7 @@ from .errors import shown_url
 from .perprocess import PerProcess
 from .watchdog import Watchdog
 
-__all__ = ["DEADLINE_BYTES_PER_READ", "RequestDeadlineError", "deadline_s", "headers_due", "read_body", "watched",
+__all__ = ["DEADLINE_BYTES_PER_READ", "BodyTooLongError", "RequestDeadlineError", "deadline_s", "headers_due", "read_body", "watched",
            "within"]
 
 
@@ -97,25 +97,46 @@ def _stop(response: Any) -> None:
     _shut(getattr(response, "connection", None))
 
 
+class BodyTooLongError(OSError):
+    """A body longer than the request can take (`read_body`'s `most`): a server's fault, or
+    a hostile one's, not retried."""
+
+    status = 206  # what `retry.is_transient` reads: a status it does not retry
+
+
 def read_body(response: Any, read: Callable[..., bytes], url: str, started: float, size: int | None,
-              connect_s: float, read_s: float) -> bytes:
+              connect_s: float, read_s: float, most: int | None = None) -> bytes:
     """The body of urllib3's `response` through `read` (the response's own, or botocore's, which
     wraps it), within the deadline of a request that began at `started` and moves `size` bytes.
 
     Its headers are in by now (for `read_range`, within their own deadline; botocore's
     are bounded by their reads' timeouts only), and a deadline already past fails the
     request here. A body of unknown size (no Content-Length) is read a block at a time,
-    each block within a deadline of its own.
+    each block within a deadline of its own. A body said or found to hold more than `most`
+    bytes raises `BodyTooLongError`, its connection closed: an endless body, or a length of
+    gigabytes, would fill memory (and the deadline grows with the length said).
     """
     if size is not None:
+        if most is not None and size > most:
+            raise _too_long(response, url, f"says it holds {size} bytes", most)
         return within(response, read, url, started, started + deadline_s(size, connect_s, read_s), size)
     blocks: list[bytes] = []
+    held = 0
     deadline = started + deadline_s(DEADLINE_BYTES_PER_READ, connect_s, read_s)
     while block := within(response, functools.partial(read, DEADLINE_BYTES_PER_READ), url, started, deadline):
         blocks.append(block)
+        held += len(block)
+        if most is not None and held > most:
+            raise _too_long(response, url, f"sent {held} bytes and more", most)
         started = time.monotonic()
         deadline = started + deadline_s(DEADLINE_BYTES_PER_READ, 0.0, read_s)
     return b"".join(blocks)
+
+
+def _too_long(response: Any, url: str, said: str, most: int) -> BodyTooLongError:
+    if response is not None:
+        response.close()  # not drained: what is left of it may not end
+    return BodyTooLongError(f"{shown_url(url)} {said} where the request takes {most} at most")
 
 
 def within(response: Any, read: Callable[[], bytes], url: str, started: float, deadline: float,

@@ -33,7 +33,7 @@ from .deadlines import RequestDeadlineError, deadline_s, headers_due, read_body,
 from .errors import shown_url
 from .perprocess import PerProcess
 
-__all__ = ["HTTPStatusError", "RequestDeadlineError", "available", "range_header", "read_range"]
+__all__ = ["HTTPStatusError", "RequestDeadlineError", "available", "most_bytes", "range_header", "read_range"]
 
 
 def _pool_manager() -> Any:
@@ -175,7 +175,10 @@ def _read_once(url: str, start: int | None, end: int | None, headers: dict[str, 
         if response.status >= 300:  # errors, and redirects beyond MAX_REDIRECTS or without a Location
             raise HTTPStatusError(response.status, url, response.headers,
                                   f"a redirect after {MAX_REDIRECTS}: a loop?" if location else "")
-        data = read_body(response, response.read, url, started, size, connect_s, read_s)
+        if response.status == 200:  # the whole file: its length is its size, told before the bound is
+            check_size(url, size, file_size)
+        data = read_body(response, response.read, url, started, size, connect_s, read_s,
+                         most_bytes(end, file_size))
         if size is None and response.status == 200 and file_size is not None and len(data) < file_size \
                 and response.headers.get("Transfer-Encoding", "").lower() != "chunked":
             # A body that ends where the connection does, and ended early: a transfer cut
@@ -189,6 +192,21 @@ def _read_once(url: str, start: int | None, end: int | None, headers: dict[str, 
     total = len(data) if response.status == 200 else content_range_total(response.headers.get("Content-Range"))
     data, more = fit_range(response.status, response.headers.get("Content-Range"), data, url, start, end, file_size)
     return data, url, request_headers, more, total
+
+
+# What a server that rounds ranges up (to its cache's blocks, say) may send past one.
+ROUND_UP_BYTES = 1 << 20
+
+
+def most_bytes(end: int | None, file_size: int | None) -> int | None:
+    """The most bytes an answer for a range ending at `end` of a file of `file_size` may hold,
+    None where nothing bounds it: the whole file where its size is known (a server that
+    ignores ranges sends it all), else the range from the file's start, rounded up by a
+    server by `ROUND_UP_BYTES` at most (a manifest's read asks for one byte past its limit).
+    S3 (s3_ranges.py) answers as HTTP does."""
+    if file_size is not None:
+        return file_size
+    return None if end is None else end + ROUND_UP_BYTES
 
 
 def content_range_total(content_range: str | None) -> int | None:

@@ -26,7 +26,7 @@ import time
 from typing import Any, Mapping
 
 from .deadlines import deadline_s, headers_due, read_body, watched
-from .http_ranges import (RangeRefused, check_size, content_range_total, fit_range, range_header,
+from .http_ranges import (RangeRefused, check_size, content_range_total, fit_range, most_bytes, range_header,
                           refused_range)
 from .perprocess import PerProcess
 from .retry import is_transient
@@ -155,7 +155,7 @@ def _read_once(url: str, start: int | None, end: int | None, options: Mapping[st
         # botocore's body wraps urllib3's response (`_raw_stream`, a private name), whose
         # socket the deadline shuts; were it gone, a read past the deadline would still fail, once done.
         data = read_body(getattr(body, "_raw_stream", None), body.read, url, started,
-                         response.get("ContentLength"), connect_s, read_s)
+                         response.get("ContentLength"), connect_s, read_s, most_bytes(end, size))
     finally:
         body.close()
     if "Range" not in request:

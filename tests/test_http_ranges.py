@@ -736,6 +736,47 @@ class _Ranges(_Served):
         self.wfile.write(body)
 
 
+class _Endless(_Served):
+    """Answers every GET with `status` and a body that never ends (no length), or with `length` said
+    and nothing sent: a hostile or broken server."""
+
+    status = 200
+    length: int | None = None
+
+    def answer(self) -> None:
+        self.send_response(self.status)
+        if self.status == 206:
+            self.send_header("Content-Range", f"bytes 0-9/{1 << 40}")
+        if self.length is not None:
+            self.send_header("Content-Length", str(self.length))
+        self.end_headers()
+        if self.length is None:
+            with contextlib.suppress(OSError):
+                while not self.stopping.is_set():
+                    self.wfile.write(bytes(1 << 16))
+
+
+@pytest.mark.parametrize("status", [200, 206])
+def test_a_body_longer_than_the_request_takes_is_refused_before_it_fills_memory(status):
+    """Regression (found by a review of hostile datasets): an endless body, or a Content-Length of 8 GB, was
+    read whole (3 GiB within 4 s, still growing), however little was asked. A body is read up to the file's
+    size where it is known, else up to the range asked (rounded up by 1 MiB at most), and no further: not
+    retried."""
+    from shardstream.deadlines import BodyTooLongError
+
+    with serving(_Endless, status=status) as (url, _):
+        with pytest.raises(BodyTooLongError, match="bytes and more where the request takes 1000 at most"):
+            read_range(f"{url}/shard.tar", 0, 10, size=1000)
+        with pytest.raises(BodyTooLongError, match=f"takes {10 + http_ranges.ROUND_UP_BYTES} at most"):
+            read_range(f"{url}/shard.tar", 0, 10)
+    with serving(_Endless, status=status, length=8_000_000_000) as (url, requests):
+        # (a 200 says the file's size: another than the manifest's is a replaced file, refused as such)
+        with pytest.raises(StorageError, match="(says it holds|is) 8000000000 bytes"):
+            Store(url, {}).read("shard.tar", 0, 10, size=1 << 20)
+        assert len(requests) == 1  # not retried
+    assert not is_transient(BodyTooLongError())
+
+
 def test_a_range_sent_in_parts_is_asked_for_the_rest_and_a_cut_or_wrong_one_is_an_error():
     with serving(_Ranges, mode="cap", seen=[]) as (url, requests):
         assert read_range(f"{url}/blob.bin", 100, 4_100) == DATA[100:4_100]
