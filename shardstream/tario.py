@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import tarfile
 from dataclasses import dataclass
-from typing import BinaryIO, Container, Iterator
+from typing import BinaryIO, Callable, Container, Iterator
 
 import numpy as np
 
@@ -31,6 +31,10 @@ MAX_MEMBER_SIZE = 1 << 31  # 2 GiB: no single field of a training sample is larg
 _REGULAR = (b"0", b"\0", b"7")
 _SPARSE = b"S"  # GNU tar --sparse (old GNU format); pax sparse files carry GNU.sparse.* records instead
 _NAME_RECORDS = (b"x", b"g", b"L")  # pax (per member, global) and GNU long-name records
+# The most a member's pax or long-name record may hold, read into memory to name it: a key is
+# 1 MiB at most (FORMAT.md), and a pax record may carry a few others (times, owners, xattrs).
+MAX_NAME_RECORD = 1 << 22
+_SKIP_CHUNK = 1 << 20
 
 
 def padded(size: int) -> int:
@@ -361,9 +365,7 @@ def iter_stream_members(f: BinaryIO, *, url: str, verify: bool = True) -> Iterat
             _first_header(block, url, verify)
         if header is None:
             return
-        data = read(header.size)
-        if len(data) < header.size:
-            raise CorruptShardError("truncated tar member", url=url, offset=offset)
+        data = _member_data(read, header, url)
         pad = padded(header.size) - header.size
         if pad and len(read(pad)) < pad:
             raise CorruptShardError("truncated tar member padding", url=url, offset=offset)
@@ -377,6 +379,27 @@ def iter_stream_members(f: BinaryIO, *, url: str, verify: bool = True) -> Iterat
             at = member_offset if record_offset is None else record_offset
             yield _member_name(long_name or header.name, header.kind, url, at), data, at
         long_name, record_offset = None, None
+
+
+def _member_data(read: Callable[[int], bytes], header: Header, url: str) -> bytes:
+    """The data of the member `header` begins, read through `read`: a regular file's whole, a
+    name record's (`MAX_NAME_RECORD` at most: a few kilobytes of zstd or gzip made one of
+    2 GiB, held whole), nothing of the rest (folders, links, global pax records: skipped)."""
+    if header.kind in (b"x", b"L") and header.size > MAX_NAME_RECORD:
+        raise CorruptShardError(f"a {'pax' if header.kind == b'x' else 'long-name'} record of {header.size} bytes, "
+                                f"past the {MAX_NAME_RECORD} a member's name takes", url=url, offset=header.offset)
+    if header.kind in _REGULAR or header.kind in (_SPARSE, b"x", b"L"):
+        data = read(header.size)
+        if len(data) < header.size:
+            raise CorruptShardError("truncated tar member", url=url, offset=header.offset)
+        return data
+    left = header.size
+    while left:  # a chunk at a time: nothing of it is kept
+        got = len(read(min(left, _SKIP_CHUNK)))
+        if not got:
+            raise CorruptShardError("truncated tar member", url=url, offset=header.offset)
+        left -= got
+    return b""
 
 
 def members_apart(key: str, url: str, offset: int) -> CorruptShardError:

@@ -434,6 +434,38 @@ def test_a_member_twice_in_a_tar_is_refused_as_webdataset_refuses_it(tmp_path):
         index_tars(str(tmp_path), progress=False)
 
 
+def test_a_huge_name_record_is_refused_and_what_no_sample_holds_is_skipped_unheld(tmp_path):
+    """Regression (found by a review of hostile datasets): a tar read without an index held every member whole
+    before looking at its kind, so a 62 KB `.tar.zst` whose pax record claimed 1.9 GiB of zeros held 2 GiB
+    (a DataLoader worker each) before it was refused. A name record past `MAX_NAME_RECORD` is refused
+    unread; what no sample holds (a global pax record here) is skipped a chunk at a time."""
+    import tracemalloc
+
+    from shardstream.tario import MAX_NAME_RECORD
+    from shardstream.tarstream import open_shard as stream_shard
+
+    def tar_gz(name: str, **options) -> str:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT, **options) as tf:
+            info = tarfile.TarInfo("a.txt")
+            info.size = 2
+            info.pax_headers = {"comment": "x" * (MAX_NAME_RECORD + 1)} if name == "member" else {}
+            tf.addfile(info, io.BytesIO(b"hi"))
+        (tmp_path / f"{name}.tar.gz").write_bytes(gzip.compress(buf.getvalue(), compresslevel=1))
+        return str(tmp_path / f"{name}.tar.gz")
+
+    with pytest.raises(CorruptShardError, match="a pax record of .* bytes, past the"):
+        list(stream_shard(tar_gz("member")))
+    shard = tar_gz("global", pax_headers={"comment": "y" * (48 << 20)})
+    tracemalloc.start()
+    try:
+        samples = [{k: v for k, v in s.items() if k != "__url__"} for s in stream_shard(shard)]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert samples == [{"__key__": "a", "txt": b"hi"}] and peak < 16 << 20
+
+
 def test_verify_decodes_every_field_an_image_decoder_would(tmp_path):
     """Fields decode by their last extension, lower case (`left.jpg`, `JPG`): verify checked `jpg` and the like
     by their whole name only, and passed a tar whose `left.jpg` could not be decoded."""
