@@ -117,7 +117,13 @@ def read_labels(data: Any, n: int, url: str) -> np.ndarray | None:
         return None
     if not isinstance(data, bytes) or len(data) != 4 * n:
         raise CorruptIndexError(f"labels must be {n} int32 values", url=url)
-    return np.frombuffer(data, dtype="<i4").astype(np.int64)
+    labels = np.frombuffer(data, dtype="<i4").astype(np.int64)
+    # As writers store them (-1: none): one of 2**31 - 1 made class-weighted sampling count
+    # 2**31 classes (16 GiB) from an index that passed every other check.
+    if labels.size and (labels.min() < -1 or labels.max() > MAX_CLASS):
+        bad = int(labels[(labels < -1) | (labels > MAX_CLASS)][0])
+        raise CorruptIndexError(f"labels are class indexes 0..{MAX_CLASS}, or -1 for none; not {bad}", url=url)
+    return labels
 
 
 def read_weights(data: Any, n: int, url: str) -> np.ndarray | None:

@@ -232,6 +232,14 @@ def _shard_table(entries: list, url: str) -> ShardTable:
     if (table.samples > table.raw_bytes // 512).any():
         # every sample is at least one member, a 512-byte header at the least
         raise E("a shard lists more samples than its bytes could hold", url=url)
+    # The counts are claims, and an epoch is planned from them before a shard is opened: an
+    # 853-byte shard said to hold 2**40 samples (its raw bytes raised to match) was planned
+    # to a bare MemoryError. An index holds each sample's offset (8 bytes) and key (2 at the
+    # least), within the limits every reader has.
+    if (table.samples > MAX_SHARD_SAMPLES).any() or (table.index_bytes > MAX_INDEX_BYTES).any() \
+            or (table.samples * 10 > table.index_bytes).any():
+        raise E(f"a shard lists more samples than an index a reader reads could hold ({MAX_SHARD_SAMPLES} "
+                f"samples, {MAX_INDEX_BYTES} bytes of index, 10 bytes a sample)", url=url)
     if len(set(columns["name"])) != len(table):
         raise E("a shard is listed twice", url=url)
     return table

@@ -15,7 +15,7 @@ import os
 import threading
 
 from .errors import CorruptIndexError
-from .format import INDEX_SUFFIX, ShardIndex, ShardInfo
+from .format import INDEX_SUFFIX, MAX_INDEX_BYTES, ShardIndex, ShardInfo
 from .storage import Store
 
 __all__ = ["load_index"]
@@ -38,14 +38,19 @@ def load_index(store: Store, name: str, info: ShardInfo | None = None) -> ShardI
     key = (url, info.index_sha256) if info is not None and not store.local else None
     if key is not None and (known := _index_memo.get(key)) is not None:
         return known
-    if info is None or store.local:
+    if store.local:
+        # Its size first: a sparse file of gigabytes (a few bytes in an archive) was read whole
+        # before the limit refused it, or failed as a bare MemoryError.
+        _check_size(store.size(index_name), info, url)
         data = store.read(index_name)
-    else:
+    elif info is not None:
         # As a range of the manifest's length: a body cut short is then told by its Content-Range
         # and retried, where the whole file sent without a length ended where the connection did,
         # failed its checksum as a damaged index, and was not retried (nor, under
         # on_error="skip", remembered: fetched again a sample).
         data = store.read(index_name, 0, info.index_bytes, size=info.index_bytes)
+    else:  # no more than a reader takes: one byte past it is refused (`ShardIndex.from_bytes`)
+        data = store.read(index_name, 0, MAX_INDEX_BYTES + 1)
     if info is not None and hashlib.sha256(data).hexdigest() != info.index_sha256:
         raise CorruptIndexError("index checksum does not match the manifest", url=url)
     index = ShardIndex.from_bytes(data, url)
@@ -54,6 +59,14 @@ def load_index(store: Store, name: str, info: ShardInfo | None = None) -> ShardI
     if key is not None:
         _index_memo.put(key, index, len(data))
     return index
+
+
+def _check_size(size: int, info: ShardInfo | None, url: str) -> None:
+    if info is not None and size != info.index_bytes:
+        raise CorruptIndexError(f"index is {size} bytes, where the manifest says {info.index_bytes}", url=url)
+    if size > MAX_INDEX_BYTES:
+        raise CorruptIndexError(f"index is {size} bytes, past the {MAX_INDEX_BYTES} a reader reads (FORMAT.md)",
+                                url=url)
 
 
 class _IndexMemo:

@@ -406,6 +406,42 @@ def test_index_rejects_garbage(packed):
         ShardIndex.from_bytes(_pack({"format": "shardstream-index"}), "i")
 
 
+def test_a_huge_index_file_is_refused_by_its_size_before_it_is_read(tmp_path, packed, monkeypatch):
+    """Regression (found by a review of hostile datasets): a local index was read whole before the limit was
+    checked, so a sparse file of 3 GiB (a few bytes in an archive) held 3 GiB for 21 s, or failed as a bare
+    MemoryError. Its size is checked first: against the manifest's, and without one against the limit."""
+    from shardstream.format import MAX_INDEX_BYTES
+    from shardstream.storage import Store
+
+    copy = tmp_path / "ds"
+    shutil.copytree(packed, copy)
+    info = open_dataset(str(copy)).manifest.shards[0]
+    with open(copy / info.index, "r+b") as f:
+        f.truncate(MAX_INDEX_BYTES + 1)  # sparse: no disk taken
+    read = Store.read
+    monkeypatch.setattr(Store, "read", lambda self, name, *a, **k: pytest.fail(f"{name} read") if name == info.index
+                        else read(self, name, *a, **k))
+    with pytest.raises(CorruptIndexError, match=f"index is {MAX_INDEX_BYTES + 1} bytes, where the manifest says"):
+        list(open_dataset(str(copy)).shards[0].reader())
+    with pytest.raises(CorruptIndexError, match=f"past the {MAX_INDEX_BYTES} a reader reads"):
+        list(open_shard(str(copy / info.name)))  # no manifest entry: the limit
+
+
+@pytest.mark.parametrize("label", [2 ** 31 - 1, (1 << 24), -2])
+def test_an_index_label_no_writer_stores_is_refused(packed, label):
+    """Regression (found by a review of hostile datasets): one label of 2**31 - 1 passed every check, and
+    class-weighted sampling then counted 2**31 classes (16 GiB). Labels are 0..2**24 - 1, or -1 for none."""
+    info = open_dataset(packed).manifest.shards[0]
+    raw = msgpack.unpackb((Path(packed) / info.index).read_bytes(), raw=False)
+    labels = np.frombuffer(raw["labels"], "<i4").copy()
+    ShardIndex.from_bytes(_pack(raw), "i")  # as written: read
+    labels[len(labels) // 2] = label
+    raw["labels"] = labels.tobytes()
+    with pytest.raises(CorruptIndexError, match=f"labels are class indexes 0..{(1 << 24) - 1}, or -1 for none; "
+                                                f"not {label}"):
+        ShardIndex.from_bytes(_pack(raw), "i")
+
+
 def test_tampered_index_is_caught_by_its_checksum(tmp_path, packed):
     copy = tmp_path / "ds"
     shutil.copytree(packed, copy)
@@ -416,7 +452,7 @@ def test_tampered_index_is_caught_by_its_checksum(tmp_path, packed):
     keys[0], keys[1] = keys[1], keys[0]
     (copy / info.index).write_bytes(ShardIndex(tuple(keys), index.sample_offsets, index.frame_offsets,
                                                index.frame_raw_offsets, index.compression).to_bytes())
-    with pytest.raises(CorruptIndexError, match="checksum"):
+    with pytest.raises(CorruptIndexError, match="checksum|bytes, where the manifest says"):  # its size, first
         list(open_dataset(str(copy)).shards[0].reader())
     # Without the manifest the index is trusted, and the shard contradicts it.
     with pytest.raises(CorruptIndexError):

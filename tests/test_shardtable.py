@@ -156,6 +156,23 @@ def test_samples_beyond_what_the_bytes_hold_are_refused_without_overflow():
         Manifest.from_bytes(_manifest_with(entries, samples=2 ** 62 + 7), "m.msgpack")
 
 
+@pytest.mark.parametrize("change", [
+    {"samples": 2 ** 40, "raw_bytes": 2 ** 49},  # its raw bytes raised to match
+    {"samples": (1 << 26), "raw_bytes": 2 ** 40, "index_bytes": 1 << 28},  # past a shard's samples
+    {"index_bytes": (256 << 20) + 1},  # past the index's limit
+    {"samples": 1000, "raw_bytes": 2 ** 30},  # 1,000 samples in an index of 9,000 bytes
+])
+def test_counts_no_index_a_reader_reads_could_hold_are_refused(change):
+    """Regression (found by a review of hostile datasets): an epoch is planned from the manifest's counts before
+    a shard is opened, and an 853-byte shard said to hold 2**40 samples, its `raw_bytes` raised to match, was
+    planned to a bare MemoryError (8 TiB); 300 million took 9 s and 2.2 GiB. A shard's count is bounded by
+    what its index can hold: 2**26 - 1 samples, 256 MiB, 10 bytes a sample at the least."""
+    entries = _entries()
+    entries[1].update({"index_bytes": 9000, **change})
+    with pytest.raises(ManifestError, match="more samples than an index a reader reads could hold"):
+        Manifest.from_bytes(_manifest_with(entries, samples=sum(e["samples"] for e in entries)), "m.msgpack")
+
+
 # -- sources make a ShardRef per shard only when asked -----------------------------------------------------
 
 
