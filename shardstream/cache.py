@@ -68,7 +68,7 @@ from typing import BinaryIO, Callable, Iterator
 
 from .cacheroom import Room, names_file, writing as _writing
 from .cancel import pause
-from .errors import DownloadChecksumError, ShardstreamError, StorageError, described
+from .errors import CacheFullError, DownloadChecksumError, ShardstreamError, StorageError, described
 from .format import INDEX_SUFFIX
 from .iostats import io_stats
 from .reader import ShardReader
@@ -158,6 +158,13 @@ class ShardCache:
         """
         if ref.info is None:
             raise StorageError("only datasets with a manifest can be cached (checksums are needed)", url=ref.url)
+        size = ref.info.bytes + ref.info.index_bytes
+        if size > self.room.limit:
+            # Cached, it would evict every other shard, and the next download would evict it. And the
+            # size is the manifest's claim: one of another's dataset emptied the cache and reserved
+            # the disk the claim said (`fallocate`) before a byte came.
+            raise CacheFullError(f"{size} bytes with its index, its manifest says: more than the cache's limit of "
+                                 f"{self.room.limit}", url=ref.url)
         path = self.path(ref)
         lock = self._acquire(path, ref)
         try:

@@ -291,28 +291,32 @@ def test_a_head_start_is_stopped_at_exit_and_leaves_no_partial_download(small_ds
             assert not [p for p in (tmp_path / "cache").rglob("*.part")], "a partial download was left behind"
 
 
-def test_a_cache_smaller_than_a_shard_is_left_within_its_limit_at_exit(small_ds, tmp_path):
-    """Regression: with a cache limit below one shard's size, the head start's download for an epoch that never
-    came (held, or cut off at exit after its walk marked the cache over its limit) left a shard, or the cache's
-    over-limit mark, after the process exited: its lock was dropped at exit without a trim."""
+def test_a_cache_smaller_than_two_shards_is_left_within_its_limit_at_exit(small_ds, tmp_path):
+    """Regression: with a cache limit below the shards in use (one shard's size then), the head start's download
+    for an epoch that never came (held, or cut off at exit after its walk marked the cache over its limit) left
+    a shard, or the cache's over-limit mark, after the process exited: its lock was dropped at exit without a
+    trim. (A shard larger than the limit is not cached at all now: the limit holds one shard, not two.)"""
     import subprocess
     import sys
 
     from shardstream.cacheroom import OVER_LIMIT
 
+    sizes = [os.path.getsize(p) + os.path.getsize(f"{p}.idx") for p in Path(small_ds).glob("*.tar.zst")]
+    limit = max(sizes) * 3 // 2
     script = ("import sys, shardstream\n"
               "ds = shardstream.StreamingDataset(sys.argv[1], decode=None, fields=('__key__',), shuffle=True, "
-              "cache_dir=sys.argv[2], cache_limit='2KB')\n"
+              "cache_dir=sys.argv[2], cache_limit=int(sys.argv[3]))\n"
               "for epoch in range(2):\n"  # the second iteration starts a head start on a third
               "    ds.set_epoch(epoch)\n"
               "    assert len(list(ds)) == %d\n" % N_SAMPLES)
     cache = tmp_path / "cache"
     with H.CountingHTTPServer(small_ds, latency_s=0.05) as server:
-        assert subprocess.run([sys.executable, "-c", script, server.url, str(cache)], timeout=120).returncode == 0
-    shard_bytes = min(os.path.getsize(p) for p in Path(small_ds).glob("*.tar.zst"))
-    assert shard_bytes > 2_000  # the limit is below every shard
+        assert subprocess.run([sys.executable, "-c", script, server.url, str(cache), str(limit)],
+                              timeout=120).returncode == 0
+    assert limit < sum(sorted(sizes)[-2:])  # the largest two do not fit
     assert not (cache / OVER_LIMIT).exists()
-    assert [p.name for p in cache.rglob("*.tar.zst")] == []
+    held = [p.stat().st_size for p in cache.rglob("*") if p.is_file() and p.name.endswith((".tar.zst", ".idx"))]
+    assert sum(held) <= limit
 
 
 def test_a_killed_downloads_reservation_is_freed_by_the_next_walk(tmp_path):

@@ -2510,7 +2510,9 @@ def test_two_threads_healing_one_shard_open_it_once(local_ds, tmp_path):
 
     with H.CountingHTTPServer(local_ds, latency_s=0.3) as server:
         source = shardstream.open_dataset(server.url)
-        cache = ShardCache(str(tmp_path / "cache"), 1)  # smaller than a shard: only shards in use stay
+        # Room for one shard only: only shards in use stay (one larger than it is not cached at all)
+        largest = max(info.bytes + info.index_bytes for info in source.manifest.shards)
+        cache = ShardCache(str(tmp_path / "cache"), largest)
         readers = Readers(source, cache)
         try:
             damaged = readers.get(0)
@@ -2996,8 +2998,35 @@ def test_a_shard_the_caches_disk_has_no_room_for_is_read_uncached(tmp_path, capl
             caplog.at_level("WARNING", logger="shardstream"):
         ds = StreamingDataset(server.url, decode=None, fields=("__key__", "bin"), cache_dir=str(cache))
         assert {key: hashlib.sha256(data).hexdigest() for key, data in ds} == expected
-    said = [r.getMessage() for r in caplog.records if "its disk has no room for" in r.getMessage()]
+    said = [r.getMessage() for r in caplog.records if "has no room for" in r.getMessage()]
     assert len(said) == 1 and "No space left on device" in said[0], caplog.text
+
+
+def test_a_shard_larger_than_the_caches_limit_is_read_uncached_and_evicts_nothing(tmp_path, caplog):
+    """Regression (found by a review of hostile datasets): a shard whose manifest says it is larger than the
+    cache's limit evicted every other dataset's shards, and reserved on disk what the manifest said (2 GB, for
+    a 100 KB shard) before its first byte came; cached, it would be evicted by the next download anyway. It is
+    read uncached, by ranges, said once; what the cache holds stays."""
+    rng = random.Random(1)
+    expected = {}
+    for name, size in (("small", 2 << 10), ("large", 16 << 10)):
+        with ShardWriter(str(tmp_path / name), max_samples=4) as writer:
+            for i in range(8):
+                data = rng.randbytes(size)  # incompressible: shards of about 8 and 64 KB
+                writer.write({"__key__": f"{name}{i}", "bin": data})
+                expected[f"{name}{i}"] = hashlib.sha256(data).hexdigest()
+    cache = tmp_path / "cache"
+    with H.CountingHTTPServer(str(tmp_path)) as server, caplog.at_level("WARNING", logger="shardstream"):
+        got = {}
+        for name in ("small", "large"):
+            ds = StreamingDataset(f"{server.url}/{name}", decode=None, fields=("__key__", "bin"), cache_dir=str(cache),
+                                  cache_limit=32 << 10)
+            got.update({key: hashlib.sha256(data).hexdigest() for key, data in ds})
+        assert got == expected
+    cached = sorted(path.name for path in cache.rglob("*.tar.zst"))
+    assert cached == ["shard-000000.tar.zst", "shard-000001.tar.zst"]  # the small dataset's, both kept
+    said = [r.getMessage() for r in caplog.records if "has no room for" in r.getMessage()]
+    assert len(said) == 1 and "more than the cache's limit of 32768" in said[0], caplog.text
 
 
 def test_a_cache_on_a_disk_smaller_than_its_limit_holds_what_the_disk_has_room_for(
