@@ -35,7 +35,7 @@ from .headstart import HeadStart
 from .iostats import io_stats
 from .parentwatch import end_with_parent
 from .policy import ErrorPolicy, guarded
-from .plan import Layout, items_of
+from .plan import MAX_WORLD_SIZE, Layout, items_of
 from .prepare import SamplePrep
 from .rankplan import RankPlan, WorkerEpoch
 from .resume import MAX_EPOCH, current_place
@@ -218,7 +218,8 @@ class StreamingDataset(Checkpointing, IterableDataset):
         self.drop_last = flag(drop_last, "drop_last")
         self.partial = partial
         self.rank = integer(rank, "rank", 0) if rank is not None else None
-        self.world_size = integer(world_size, "world_size", 1) if world_size is not None else None
+        self.world_size = integer(world_size, "world_size", 1, below=MAX_WORLD_SIZE + 1) if world_size is not None \
+            else None
         if self.rank is not None and self.world_size is not None and self.rank >= self.world_size:
             raise ValueError(f"rank must be below world_size: rank={self.rank}, world_size={self.world_size}")
         self.storage_options = dict(storage_options or {})

@@ -61,6 +61,9 @@ __all__ = [
 ]
 
 PARTIAL = ("pad", "drop")
+# The most ranks a plan is made for: a plan holds arrays as long as the ranks (16 million:
+# 128 MB), and a resume state claiming 10**9 failed as a bare MemoryError.
+MAX_WORLD_SIZE = 1 << 24
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from .errors import ShardstreamError
-from .plan import PARTIAL, Layout, consumed_positions, left_out_positions, rank_block_length, remaining_after, worker_items
+from .plan import MAX_WORLD_SIZE, PARTIAL, Layout, consumed_positions, left_out_positions, rank_block_length, remaining_after, worker_items
 from .roundrobin import EndlessDeal
+from .shared import SLOTS
 
 if TYPE_CHECKING:
     from .dataset import StreamingDataset
@@ -244,8 +245,10 @@ def _layout(raw: Any, field: str) -> Layout:
     if partial not in PARTIAL:
         raise _invalid(f"{field}.partial", f"one of {PARTIAL}", partial)
     return Layout(
-        world_size=_int(value["world_size"], f"{field}.world_size", minimum=1),
-        workers=_int(value["workers"], f"{field}.workers", minimum=1),
+        # Bounded as a dataset and a loader bound them: planned, a state of 10**9 ranks or
+        # workers (no run writes one) failed as a bare MemoryError, or took minutes.
+        world_size=_int(value["world_size"], f"{field}.world_size", minimum=1, below=MAX_WORLD_SIZE + 1),
+        workers=_int(value["workers"], f"{field}.workers", minimum=1, below=SLOTS + 1),
         batch_size=None if batch_size is None else _int(batch_size, f"{field}.batch_size", minimum=1),
         drop_last=_bool(value["drop_last"], f"{field}.drop_last"),
         partial=partial,

@@ -656,6 +656,7 @@ def test_every_flag_and_argument_of_the_public_api_is_checked_where_given(packed
         (TypeError, "sampling must be a shardstream.Sampling", lambda: StreamingDataset(packed, sampling="balanced")),
         (ValueError, "rank must be below world_size: rank=3, world_size=2",
          lambda: StreamingDataset(packed, rank=3, world_size=2)),
+        (ValueError, "world_size must be below 16777217", lambda: StreamingDataset(packed, world_size=10 ** 9)),
         (TypeError, "RetryPolicy's attempts must be an integer, not 2.5", lambda: RetryPolicy(attempts=2.5)),
         (ValueError, "finite delays", lambda: RetryPolicy(max_delay=float("nan"))),
         (TypeError, "overwrite must be True or False, not 'no'", lambda: ShardWriter(str(tmp_path / "w"), overwrite="no")),

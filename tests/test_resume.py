@@ -563,8 +563,11 @@ MALFORMED = [
     (("current", "delivered"), None, r"current\.delivered must be an int >= 0, not None"),
     (("current", "per_worker"), [1, 1], r"current\.per_worker must be one count per worker of its layout \(1\)"),
     (("current", "per_worker"), [3], r"current\.delivered must be the sum of current\.per_worker \(3\), not 2"),
-    (("current", "layout", "world_size"), 0, r"current\.layout\.world_size must be an int >= 1, not 0"),
-    (("current", "layout", "workers"), -1, r"current\.layout\.workers must be an int >= 1, not -1"),
+    (("current", "layout", "world_size"), 0, r"current\.layout\.world_size must be an int >= 1 and < 16777217, not 0"),
+    (("current", "layout", "workers"), -1, r"current\.layout\.workers must be an int >= 1 and < 1025, not -1"),
+    # No run writes these: planned, they failed as a bare MemoryError, or took minutes (found by review)
+    (("current", "layout", "workers"), 10 ** 6, r"current\.layout\.workers must be an int >= 1 and < 1025, not 1000000"),
+    (("current", "layout", "world_size"), 10 ** 9, r"current\.layout\.world_size must be an int >= 1 and < 16777217"),
     (("current", "layout", "batch_size"), 0, r"current\.layout\.batch_size must be an int >= 1, not 0"),
     (("current", "layout", "partial"), "repeat", r"current\.layout\.partial must be one of \('pad', 'drop'\)"),
     (("current", "layout", "drop_last"), "no", r"current\.layout\.drop_last must be true or false, not 'no'"),
