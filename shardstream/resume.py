@@ -85,15 +85,16 @@ class Segment:
         return cls(layout, delivered, done, spends)
 
 
-def fingerprint(counts: np.ndarray, names: list[str], checksums: bytes | None = None) -> str:
-    """Identifies a dataset's samples: shard names and counts, and the shards' checksums
-    where the manifest has them (the same folder packed again with another seed has the
-    same names and counts, and other samples in each place)."""
+def fingerprint(counts: np.ndarray, names: list[str], contents: bytes | None = None) -> str:
+    """Identifies a dataset's samples: shard names and counts, and what their `contents`
+    are where known (`Source.contents`: the same folder packed again with another seed has
+    the same names and counts, and other samples in each place)."""
     digest = hashlib.sha256()
     for name, count in zip(names, counts.tolist()):
         digest.update(f"{name}\0{count}\n".encode())
-    if checksums is not None:
-        digest.update(b"sha256\0" + checksums)
+    if contents is not None:
+        # (checksums went in under this tag before there were other contents: states kept)
+        digest.update((b"" if contents.startswith(b"keys\0") else b"sha256\0") + contents)
     return digest.hexdigest()[:16]
 
 
@@ -152,7 +153,7 @@ class ResumeState:
                 "resume with the shardstream that took it, or start the epoch afresh without the state")
         mine = _fingerprint_of(dataset)
         # States taken before the checksums counted name the shards and counts only: still accepted.
-        if state.dataset != mine and state.dataset != _fingerprint_of(dataset, checksums=False):
+        if state.dataset != mine and state.dataset != _fingerprint_of(dataset, contents=False):
             raise ShardstreamError(
                 f"resume state is from another dataset (fingerprint {state.dataset}, this one {mine})"
             )
@@ -265,13 +266,13 @@ def _walks_a_stream(dataset: "StreamingDataset") -> bool:
     return sized or getattr(dataset.source, "weights", None) is not None
 
 
-def _fingerprint_of(dataset: "StreamingDataset", checksums: bool = True) -> str:
+def _fingerprint_of(dataset: "StreamingDataset", contents: bool = True) -> str:
     # What decides the epoch sequence besides seed and epoch: the shards, the sampling, the mix.
     extra = [repr(getattr(dataset.source, "weights", None)),
              dataset.sampling.describe() if dataset.sampling is not None else ""]
     source = dataset.resolve()
     return fingerprint(np.concatenate([dataset.counts(), [0, 0]]), source.names() + extra,
-                       source.checksums() if checksums else None)
+                       source.contents() if contents else None)
 
 
 def finished_before(resume: ResumeState | None, layout: Layout) -> tuple[Segment, ...]:

@@ -8,6 +8,7 @@ counted by one scan each (sequential reads of every shard once, done lazily).
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import warnings
@@ -120,6 +121,13 @@ class ChainedShards(_MadeRefs):
         return self.parts[part][i - (int(self._ends[part - 1]) if part else 0)]
 
 
+def _keys_digest(keys: Sequence[str]) -> bytes:
+    digest = hashlib.sha256()
+    for key in keys:
+        digest.update(key.encode("utf-8", "surrogateescape") + b"\0")
+    return digest.digest()
+
+
 @dataclass(frozen=True)
 class Source:
     """An ordered list of shards, and the manifest if the source has one.
@@ -139,6 +147,9 @@ class Source:
     # as `counts()` reads them through, for sampling by weight.
     read_columns: dict[int, "tuple[np.ndarray | None, np.ndarray | None]"] = field(
         default_factory=dict, compare=False, repr=False)
+    # A digest of the keys of each tar `counts()` read through, by shard number: what tells a
+    # resume state's dataset from another of the same shard names and counts (`contents`).
+    read_keys: dict[int, bytes] = field(default_factory=dict, compare=False, repr=False)
 
     def reader(self, shard: int) -> ShardReader | StreamTarReader:
         """A reader of shard number `shard` (its place in `shards`)."""
@@ -231,38 +242,63 @@ class Source:
         if self.manifest is not None:
             return self.manifest.counts
         counted = self._over_shards(self._count_shard, "shardstream-count")
-        scanned = [ref for ref, (read_through, _, _) in zip(self.shards, counted)
+        scanned = [ref for ref, (read_through, _, _, _) in zip(self.shards, counted)
                    if read_through and ref.name.endswith(".tar") and not ref.store.local]
         if scanned:
             warnings.warn(f"{scanned[0].url} and {len(scanned) - 1} more remote shards have no index: each is "
                           "read through to count and index its samples before the first one is read, in every "
                           "process that counts them; `shardstream index` writes the indexes once",
                           stacklevel=3)
-        for i, (_, index, _) in enumerate(counted):
+        for i, (_, index, _, keys) in enumerate(counted):
             if isinstance(index, ShardIndex):
                 self.scanned[i] = index
             elif index is not None:
                 self.read_columns[i] = index
-        return np.array([n for _, _, n in counted], dtype=np.int64)
+            if keys is not None:
+                self.read_keys[i] = keys
+        return np.array([n for _, _, n, _ in counted], dtype=np.int64)
 
-    def _count_shard(self, shard: int) -> tuple[bool, Any, int]:
+    def _count_shard(self, shard: int) -> tuple[bool, Any, int, bytes | None]:
         """Whether shard number `shard` had to be read through (a tar without an index), the
-        index that made (a compressed tar's labels and weights; None if none), and its samples.
+        index that made (a compressed tar's labels and weights; None if none), its samples,
+        and a digest of their keys where it was read through (None otherwise).
 
         Not its reader: readers kept until every shard was counted held every index read at
         once, every key of the dataset (about 100 bytes a sample, 10 GB at 100M samples,
         in every process that counts), where the counts need one index at a time."""
         reader = self.reader(shard)
         if isinstance(reader, StreamTarReader) and reader.index is None:  # compressed: read through
-            labels, weights = [], []
+            labels, weights, keys = [], [], []
             for sample in reader:
+                keys.append(sample["__key__"])
                 labels.append(class_of(sample["cls"]) if "cls" in sample else -1)
                 weights.append(sampling_weight_of(sample["weight"]) if "weight" in sample else math.nan)
-            return True, (label_column(labels), weight_column(weights)), len(labels)
+            return True, (label_column(labels), weight_column(weights)), len(labels), _keys_digest(keys)
         samples = len(reader)
         if isinstance(reader, StreamTarReader):
-            return True, reader.index, samples
-        return False, None, samples
+            return True, reader.index, samples, _keys_digest(reader.index.keys)  # type: ignore[union-attr]
+        return False, None, samples, None
+
+    def contents(self) -> bytes | None:
+        """What identifies the samples in each place besides the shards' names and counts:
+        every shard's SHA-256 from the manifests (`checksums`); without a manifest, the keys
+        of the tars `counts()` read through (a WebDataset writer run again with another seed
+        makes the same names and counts, and other samples in each place); None where
+        neither is known."""
+        checksums = self.checksums()
+        if checksums is not None:
+            return checksums
+        read = self._read_keys()
+        return b"keys\0" + b"".join(i.to_bytes(8, "little") + digest for i, digest in read) if read else None
+
+    def _read_keys(self) -> list[tuple[int, bytes]]:
+        if not self.parts:
+            return sorted(self.read_keys.items())
+        out, first = [], 0
+        for part in self.parts:
+            out += [(first + i, digest) for i, digest in part._read_keys()]
+            first += len(part.shards)
+        return out
 
     def labels(self) -> np.ndarray:
         """Every sample's class index, in shard order, from the shard indexes (one read each)."""
