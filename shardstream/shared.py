@@ -8,13 +8,16 @@ with one slot per worker, so no locks are needed (each worker writes only its sl
 Shared memory crosses into workers when they are started, whatever the start method
 (fork, spawn, forkserver). Pickled in any other way (``copy.deepcopy``, saving a
 dataset), the state is copied into fresh shared memory instead, so a dataset stays a
-value.
+value; and so does a process started with the dataset that is not a DataLoader worker
+of its process (the training processes of `torch.multiprocessing.spawn`), at its first
+use of the state (`SharedState._adopt`).
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.sharedctypes
+import os
 from typing import Any, Generic, TypeVar
 
 from multiprocessing.context import get_spawning_popen
@@ -53,19 +56,48 @@ class _Slot(Generic[T]):
 
 class SharedState:
     def __init__(self, ints: list[int] | None = None, floats: list[float] | None = None) -> None:
-        self._ints = multiprocessing.sharedctypes.RawArray("q", ints or [0] * _INTS)
-        self._floats = multiprocessing.sharedctypes.RawArray("d", floats or [0.0] * (SLOTS * len(IO_FIELDS)))
+        self._arrays = (multiprocessing.sharedctypes.RawArray("q", ints or [0] * _INTS),
+                        multiprocessing.sharedctypes.RawArray("d", floats or [0.0] * (SLOTS * len(IO_FIELDS))))
+        self._owner = os.getpid()  # the process whose DataLoader workers share the memory
+
+    @property
+    def _ints(self) -> Any:
+        return self._mine()[0]
+
+    @property
+    def _floats(self) -> Any:
+        return self._mine()[1]
+
+    def _mine(self) -> tuple[Any, Any]:
+        if self._owner != os.getpid():
+            self._adopt()
+        return self._arrays
+
+    def _adopt(self) -> None:
+        """In a process other than the one whose memory this is: a DataLoader worker of it
+        shares the memory (what they tell each other goes through it); any other takes a copy
+        of its own, as a value. Processes that `torch.multiprocessing.spawn` (or a fork)
+        handed the dataset are training processes, each its own: sharing one memory, each
+        saw the others' `set_epoch`, skips and loaded states (a rank read its share again,
+        resumed by another's load, and DDP hung on the uneven batch counts)."""
+        from torch.utils.data import get_worker_info
+
+        if get_worker_info() is None:
+            ints, floats = self._arrays
+            self.__init__(list(ints), list(floats))  # type: ignore[misc]
+        self._owner = os.getpid()
 
     def __getstate__(self) -> dict[str, Any]:
-        if get_spawning_popen() is not None:  # starting a worker: share the memory itself
-            return {"ints": self._ints, "floats": self._floats}
-        return {"ints": list(self._ints), "floats": list(self._floats)}  # a copy, as a value
+        ints, floats = self._mine()
+        if get_spawning_popen() is not None:  # starting a process: the memory itself (`_adopt` decides)
+            return {"ints": ints, "floats": floats, "owner": self._owner}
+        return {"ints": list(ints), "floats": list(floats)}  # a copy, as a value
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         if isinstance(state["ints"], list):
             self.__init__(state["ints"], state["floats"])  # type: ignore[misc]
         else:
-            self._ints, self._floats = state["ints"], state["floats"]
+            self._arrays, self._owner = (state["ints"], state["floats"]), state["owner"]
 
     # -- epoch, and what the processes tell each other of iterations and loaded states --
 

@@ -164,6 +164,23 @@ def spawned_rank_keys(rank: int, store: str, dataset: Any, out: str) -> None:
         dist.destroy_process_group()
 
 
+def spawned_rank_epoch(rank: int, dataset: Any, out: str) -> None:
+    """A training process as `torch.multiprocessing.spawn` starts it: rank 0 sets the epoch of `dataset`
+    (made in the launcher) to 5; rank 1, once it has, writes the epoch it sees to out/1.json."""
+    import json
+    import time
+
+    if rank == 0:
+        dataset.set_epoch(5)
+        Path(out, "set").write_text("")
+        return
+    deadline = time.monotonic() + 60
+    while not Path(out, "set").exists():
+        assert time.monotonic() < deadline, "rank 0 did not set its epoch"
+        time.sleep(0.01)
+    Path(out, "1.json").write_text(json.dumps(dataset.epoch))
+
+
 def watch_held_indexes(monkeypatch: Any) -> Callable[[], tuple[int, int]]:
     """Watch the shard indexes that readers load from now on; the function returned gives (indexes
     loaded, the most held at once), an index being held while the reader that loaded it lives (each

@@ -323,6 +323,20 @@ def test_a_dataset_handed_to_mp_spawn_finds_each_child_s_rank(url, keys, tmp_pat
     assert len(set(got[0]) & set(got[1])) == D.ceil_div(N, 2) * 2 - N  # the padding only
 
 
+def test_training_processes_handed_one_dataset_by_mp_spawn_each_hold_their_own_state(url, tmp_path):
+    """Regression (found by review): the processes `torch.multiprocessing.spawn` started with the launcher's
+    dataset shared its state's memory with each other and the launcher, as DataLoader workers do: rank 0's
+    set_epoch(5) was rank 1's epoch too, and a state every rank loaded resumed one rank, the other reading its
+    share again (uneven batch counts: a DDP hang). Only a process's own DataLoader workers share it."""
+    import torch.multiprocessing as mp
+
+    dataset = D.key_dataset(url, **OPTS)
+    dataset.set_epoch(2)
+    mp.spawn(D.spawned_rank_epoch, args=(dataset, str(tmp_path)), nprocs=2)
+    assert json.loads((tmp_path / "1.json").read_text()) == 2  # the launcher's, as it was handed over
+    assert dataset.epoch == 2
+
+
 def test_torchrun_environment(url, keys, monkeypatch):
     """Without a process group, RANK/WORLD_SIZE (as torchrun sets them) decide, in workers too."""
     by_rank = []
