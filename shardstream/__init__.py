@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # the lazy names' types, for type checkers and IDEs, which do
     from .dataset import StreamingDataset as StreamingDataset
     from .device_jpeg import DecodeOnDevice as DecodeOnDevice, DeferDecode as DeferDecode
     from .loader import (DataLoader as DataLoader, LoaderStats as LoaderStats, Normalize as Normalize,
+                         sigterm_held_for_new_workers as sigterm_held_for_new_workers,
                          worker_waits_for_its_parent_on_sigterm as worker_waits_for_its_parent_on_sigterm)
     from .sampling import Mix as Mix, Sampling as Sampling
     from .transforms import CenterCropJPEG as CenterCropJPEG, RandomResizedCropJPEG as RandomResizedCropJPEG
@@ -51,6 +52,7 @@ _LAZY = {
     "LoaderStats": "loader",
     "Normalize": "loader",
     "worker_waits_for_its_parent_on_sigterm": "loader",
+    "sigterm_held_for_new_workers": "loader",
     "World": "world",
     "Sampling": "sampling",
     "Mix": "sampling",

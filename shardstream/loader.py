@@ -25,6 +25,8 @@ import functools
 import math
 import multiprocessing
 import multiprocessing.context
+import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import multiprocessing.util
 import os
 import signal
@@ -46,7 +48,8 @@ from .parentwatch import end_with_parent
 from .shared import SLOTS
 from .workercontext import lock_free_context
 
-__all__ = ["DataLoader", "LoaderStats", "Normalize", "to_device", "worker_waits_for_its_parent_on_sigterm"]
+__all__ = ["DataLoader", "LoaderStats", "Normalize", "sigterm_held_for_new_workers", "to_device",
+           "worker_waits_for_its_parent_on_sigterm"]
 
 
 
@@ -197,6 +200,42 @@ def worker_waits_for_its_parent_on_sigterm(worker_id: int) -> None:
     # After the mask, which its thread inherits (one started before took a job's SIGTERM to the
     # handler above): the worker ends with its parent, whoever's signal ended that.
     end_with_parent()
+
+
+@contextlib.contextmanager
+def sigterm_held_for_new_workers(context: str | multiprocessing.context.BaseContext | None) -> Iterator[None]:
+    """SIGTERM held back in this thread while DataLoader workers are started by `context`'s
+    spawn or forkserver, for `worker_waits_for_its_parent_on_sigterm` to take in them: a
+    signal mask lasts through exec, so every thread of the new interpreter holds it back from
+    its first instruction. Without it, the native threads a worker starts as it imports numpy
+    and torch (OpenBLAS's, one a core), before that `worker_init_fn` holds SIGTERM back, took
+    a job's SIGTERM, and the worker died under a live training process. The fork server is
+    started (if it is not running yet) under the mask too: it forks every worker, and died of
+    the job's SIGTERM itself, its workers then seen as dead (status 255). Forked workers need
+    none of it: their one thread is the one that forked, which holds SIGTERM back before it
+    starts another. A SIGTERM to this process meanwhile waits, or goes to another thread.
+
+    `shardstream.DataLoader` starts its workers so. With `torch.utils.data.DataLoader` and
+    `worker_init_fn=worker_waits_for_its_parent_on_sigterm`, start them (the first
+    ``iter(loader)``; every one without persistent workers) in it::
+
+        with shardstream.sigterm_held_for_new_workers(loader.multiprocessing_context):
+            batches = iter(loader)
+    """
+    method = _start_method(context)
+    if method == "fork" or not hasattr(signal, "sigwaitinfo"):
+        yield
+        return
+    # Started first: multiprocessing starts its resource tracker with SIGINT and SIGTERM held
+    # back, and then lets them through in this thread, whatever was held back before.
+    multiprocessing.resource_tracker.ensure_running()
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        if method == "forkserver":
+            multiprocessing.forkserver.ensure_running()
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def _take_sigterms(parent: Any) -> None:
@@ -519,7 +558,8 @@ class DataLoader:
             multiprocessing.util.get_temp_dir()
         with torch.cuda.device(self.device) if self._use_cuda() else contextlib.nullcontext():
             try:
-                source = iter(self._torch_loader())  # torch's pin-memory thread pins on the current device
+                with sigterm_held_for_new_workers(self.multiprocessing_context if self.num_workers else "fork"):
+                    source = iter(self._torch_loader())  # torch's pin-memory thread pins on the current device
             except Exception as error:
                 if self.num_workers > 0:
                     self.dataset.explain_pickling(error, _start_method(self.multiprocessing_context))

@@ -194,32 +194,41 @@ import json, os, signal, sys, time
 import torch
 import shardstream
 
-url, checkpoint, when = sys.argv[1:4]
-slow = (lambda sample: (time.sleep(0.3), sample)[1]) if when == "waiting" else None  # the loop waits on the workers
-dataset = shardstream.StreamingDataset(url, decode=None, fields=("__key__", "cls"), batch_size=2, transform=slow)
-loader = shardstream.DataLoader(dataset, num_workers=2)
-stopping = []
-signal.signal(signal.SIGTERM, lambda signum, frame: stopping.append(signum))
-def save_and_exit():
-    time.sleep(0.5)  # a save that takes a while: the workers must not end under it
-    torch.save(loader.state_dict(), checkpoint)
-    sys.exit(128 + stopping[0])
-for step, batch in enumerate(loader):
-    print(json.dumps(list(batch[0])), flush=True)
-    if stopping:  # seen at the end of the step after the one the SIGTERM came in (or its wait)
-        save_and_exit()
-    if step == 1:
-        print("training", flush=True)  # the test sends SIGTERM now: during this step, or the wait for the next
-        deadline = time.monotonic() + 30
-        while when == "step" and not stopping and time.monotonic() < deadline:
-            time.sleep(0.01)
-        if when == "step":
+def slow(sample):  # the loop waits on the workers
+    time.sleep(0.3)
+    return sample
+
+if __name__ == "__main__":  # (workers started by spawn or forkserver import this file)
+    url, checkpoint, when, method = sys.argv[1:5]
+    dataset = shardstream.StreamingDataset(url, decode=None, fields=("__key__", "cls"), batch_size=2,
+                                           transform=slow if when == "waiting" else None)
+    loader = shardstream.DataLoader(dataset, num_workers=2, multiprocessing_context=method)
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: stopping.append(signum))
+    def save_and_exit():
+        time.sleep(0.5)  # a save that takes a while: the workers must not end under it
+        torch.save(loader.state_dict(), checkpoint)
+        sys.exit(128 + stopping[0])
+    for step, batch in enumerate(loader):
+        print(json.dumps(list(batch[0])), flush=True)
+        if stopping:  # seen at the end of the step after the one the SIGTERM came in (or its wait)
             save_and_exit()
+        if step == 1:
+            print("training", flush=True)  # the test sends SIGTERM now: during this step, or the wait for the next
+            deadline = time.monotonic() + 30
+            while when == "step" and not stopping and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if when == "step":
+                save_and_exit()
 """
 
 
-@pytest.mark.parametrize("when", ["step", "waiting"])
-def test_sigterm_to_the_whole_job_lets_the_training_loop_save_its_checkpoint(packed, tmp_path, when):
+# Workers started by spawn or forkserver (found by review): the native threads a new interpreter starts as it
+# imports numpy, before `worker_init_fn` held SIGTERM back, took the job's SIGTERM, and the workers died; with
+# forkserver, so did the fork server, and every worker was then seen dead (status 255).
+@pytest.mark.parametrize(("when", "method"), [("step", "fork"), ("waiting", "fork"), ("waiting", "spawn"),
+                                              ("waiting", "forkserver")])
+def test_sigterm_to_the_whole_job_lets_the_training_loop_save_its_checkpoint(packed, tmp_path, when, method):
     """Regression: SLURM (at preemption, `scancel`) and container runtimes signal every process of a job. The
     DataLoader workers died of the SIGTERM, and torch's SIGCHLD handler raised "DataLoader worker is killed by
     signal: Terminated" in the training process, wherever it was: in the save of the checkpoint its SIGTERM
@@ -228,8 +237,13 @@ def test_sigterm_to_the_whole_job_lets_the_training_loop_save_its_checkpoint(pac
     one: WorkerDiedError, no checkpoint (four runs in four). The workers now serve on while the training process
     lives, end with it, and the checkpoint resumes the epoch exactly."""
     checkpoint = tmp_path / "data.pt"
-    proc = subprocess.Popen([sys.executable, "-c", _SIGTERM_TO_THE_JOB, packed, str(checkpoint), when],
-                            start_new_session=True, env=_child_env(), stdout=subprocess.PIPE,
+    script = tmp_path / "train.py"
+    script.write_text(_SIGTERM_TO_THE_JOB)
+    # numpy's own thread pool as it is by default: its threads, which a new interpreter starts before
+    # `worker_init_fn` runs, are the ones that took the SIGTERM
+    env = {k: v for k, v in _child_env().items() if k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
+    proc = subprocess.Popen([sys.executable, str(script), packed, str(checkpoint), when, method],
+                            start_new_session=True, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     received = []
     try:
