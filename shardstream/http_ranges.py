@@ -132,18 +132,19 @@ def file_size(url: str, *, headers: Mapping[str, str] = {}, connect_s: float = 1
     server that sends no Content-Length (chunked, or compressed)."""
     request_headers = dict(headers)
     url = _credentials_to_header(url, request_headers)
-    *_, total = _read_once(url, 0, 1, request_headers, connect_s, read_s)
+    *_, total = _read_once(url, 0, 1, request_headers, connect_s, read_s, size_only=True)
     if total is None:
         raise HTTPStatusError(206, url, None, "its answer to a range gave no size (a Content-Range of '*')")
     return total
 
 
 def _read_once(url: str, start: int | None, end: int | None, headers: dict[str, str], connect_s: float,
-               read_s: float, file_size: int | None = None
+               read_s: float, file_size: int | None = None, size_only: bool = False
                ) -> tuple[bytes, str, dict[str, str], int | None, int | None]:
     """One request for bytes [start, end) of `url`, its redirects followed: (the bytes, the URL
     that sent them, the headers sent there, where to go on from if the server sent less, the
-    file's size where the answer gave it)."""
+    file's size where the answer gave it). `size_only`: the size is all that is wanted, and a
+    server that ignores ranges says it in its whole file's length, unread."""
     request_headers = dict(headers)
     if start is not None or end is not None:
         request_headers["Range"] = range_header(start, end)
@@ -177,6 +178,9 @@ def _read_once(url: str, start: int | None, end: int | None, headers: dict[str, 
                                   f"a redirect after {MAX_REDIRECTS}: a loop?" if location else "")
         if response.status == 200:  # the whole file: its length is its size, told before the bound is
             check_size(url, size, file_size)
+            if size_only and size is not None:
+                response.close()  # not drained: the file is not wanted
+                return b"", url, headers, None, size
         data = read_body(response, response.read, url, started, size, connect_s, read_s,
                          most_bytes(end, file_size))
         if size is None and response.status == 200 and file_size is not None and len(data) < file_size \

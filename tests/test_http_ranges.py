@@ -87,6 +87,16 @@ def test_ranges_as_cat_file_gives_them(folder):
         assert server.gets("blob.bin") == 4
 
 
+def test_the_size_of_a_large_file_on_a_server_that_ignores_ranges(plain_server, folder):
+    """The size probe asks for one byte; a server that ignores ranges (python -m http.server) answers with the
+    whole file, whose length says the size. Bodies are bounded by the range asked (item 336): the probe takes
+    the length, and reads none of the file."""
+    (folder / "big.bin").write_bytes(bytes(3 << 20))
+    url, _ = plain_server
+    assert http_ranges.file_size(f"{url}/big.bin") == 3 << 20
+    assert Store(url, {}).size("big.bin") == 3 << 20
+
+
 def test_a_server_that_ignores_ranges_and_headers_passed_through(plain_server):
     url, seen = plain_server
     assert read_range(f"{url}/blob.bin", 100, 200, headers={"X-Token": "abc"}) == DATA[100:200]
