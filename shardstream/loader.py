@@ -25,7 +25,6 @@ import functools
 import math
 import multiprocessing
 import multiprocessing.context
-import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import multiprocessing.util
 import os
@@ -205,15 +204,18 @@ def worker_waits_for_its_parent_on_sigterm(worker_id: int) -> None:
 @contextlib.contextmanager
 def sigterm_held_for_new_workers(context: str | multiprocessing.context.BaseContext | None) -> Iterator[None]:
     """SIGTERM held back in this thread while DataLoader workers are started by `context`'s
-    spawn or forkserver, for `worker_waits_for_its_parent_on_sigterm` to take in them: a
-    signal mask lasts through exec, so every thread of the new interpreter holds it back from
-    its first instruction. Without it, the native threads a worker starts as it imports numpy
-    and torch (OpenBLAS's, one a core), before that `worker_init_fn` holds SIGTERM back, took
-    a job's SIGTERM, and the worker died under a live training process. The fork server is
-    started (if it is not running yet) under the mask too: it forks every worker, and died of
-    the job's SIGTERM itself, its workers then seen as dead (status 255). Forked workers need
-    none of it: their one thread is the one that forked, which holds SIGTERM back before it
-    starts another. A SIGTERM to this process meanwhile waits, or goes to another thread.
+    spawn, for `worker_waits_for_its_parent_on_sigterm` to take in them: a signal mask lasts
+    through exec, so every thread of the new interpreter holds it back from its first
+    instruction. Without it, the native threads a worker starts as it imports numpy and
+    torch (OpenBLAS's, one a core), before that `worker_init_fn` holds SIGTERM back, took a
+    job's SIGTERM, and the worker died under a live training process. A SIGTERM to this
+    process meanwhile waits, or goes to another thread.
+
+    Forked workers need none of it: their one thread is the one that forked, which holds
+    SIGTERM back before it starts another. Nor can it help forkserver's: they are forked by
+    the fork server, whose mask is its own, and one started under this mask would hold
+    SIGTERM back in every process it forks from then on (a `Pool`'s, whose `terminate()`
+    then hangs): with forkserver, a job's SIGTERM still reaches the workers.
 
     `shardstream.DataLoader` starts its workers so. With `torch.utils.data.DataLoader` and
     `worker_init_fn=worker_waits_for_its_parent_on_sigterm`, start them (the first
@@ -222,8 +224,7 @@ def sigterm_held_for_new_workers(context: str | multiprocessing.context.BaseCont
         with shardstream.sigterm_held_for_new_workers(loader.multiprocessing_context):
             batches = iter(loader)
     """
-    method = _start_method(context)
-    if method == "fork" or not hasattr(signal, "sigwaitinfo"):
+    if _start_method(context) != "spawn" or not hasattr(signal, "sigwaitinfo"):
         yield
         return
     # Started first: multiprocessing starts its resource tracker with SIGINT and SIGTERM held
@@ -231,8 +232,6 @@ def sigterm_held_for_new_workers(context: str | multiprocessing.context.BaseCont
     multiprocessing.resource_tracker.ensure_running()
     held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
-        if method == "forkserver":
-            multiprocessing.forkserver.ensure_running()
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)

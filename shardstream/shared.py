@@ -18,6 +18,7 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.sharedctypes
 import os
+import weakref
 from typing import Any, Generic, TypeVar
 
 from multiprocessing.context import get_spawning_popen
@@ -59,6 +60,7 @@ class SharedState:
         self._arrays = (multiprocessing.sharedctypes.RawArray("q", ints or [0] * _INTS),
                         multiprocessing.sharedctypes.RawArray("d", floats or [0.0] * (SLOTS * len(IO_FIELDS))))
         self._owner = os.getpid()  # the process whose DataLoader workers share the memory
+        _states.add(self)
 
     @property
     def _ints(self) -> Any:
@@ -98,6 +100,8 @@ class SharedState:
             self.__init__(state["ints"], state["floats"])  # type: ignore[misc]
         else:
             self._arrays, self._owner = (state["ints"], state["floats"]), state["owner"]
+            _states.add(self)
+
 
     # -- epoch, and what the processes tell each other of iterations and loaded states --
 
@@ -180,3 +184,22 @@ class SharedState:
             for i, name in enumerate(IO_FIELDS):
                 totals[name] += self._floats[slot * len(IO_FIELDS) + i]
         return totals
+
+
+# Every state of this process, for `_adopt_before_fork`.
+_states: "weakref.WeakSet[SharedState]" = weakref.WeakSet()
+
+
+def _adopt_before_fork() -> None:
+    """A process about to fork (its DataLoader workers, most often) first adopts the states it
+    was handed and has not used yet (`SharedState._adopt`): forked workers share what their
+    parent holds at the fork, and a training process that `torch.multiprocessing.spawn`
+    started, forking workers before it used the state, had them share the launcher's memory
+    (with the other ranks' workers) while it adopted a copy of its own later: its
+    `set_epoch` never reached them, and every epoch read epoch 0's order."""
+    for state in list(_states):
+        if state._owner != os.getpid():
+            state._adopt()
+
+
+os.register_at_fork(before=_adopt_before_fork)

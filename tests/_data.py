@@ -181,6 +181,22 @@ def spawned_rank_epoch(rank: int, dataset: Any, out: str) -> None:
     Path(out, "1.json").write_text(json.dumps(dataset.epoch))
 
 
+def spawned_rank_orders(rank: int, dataset: Any, out: str) -> None:
+    """A training process as `torch.multiprocessing.spawn` starts it: it reads epochs 0 and 1 of `dataset`
+    (made in the launcher, its state not used here before) through torch's DataLoader with 2 persistent forked
+    workers, setting the epoch between, and writes the two orders to out/RANK.json."""
+    import json
+
+    loader = DataLoader(dataset, batch_size=None, num_workers=2, persistent_workers=True,
+                        multiprocessing_context="fork")
+    orders = []
+    for epoch in range(2):
+        if epoch:
+            dataset.set_epoch(epoch)
+        orders.append(flat(as_keys(item) for item in loader))
+    Path(out, f"{rank}.json").write_text(json.dumps(orders))
+
+
 def watch_held_indexes(monkeypatch: Any) -> Callable[[], tuple[int, int]]:
     """Watch the shard indexes that readers load from now on; the function returned gives (indexes
     loaded, the most held at once), an index being held while the reader that loaded it lives (each

@@ -335,6 +335,16 @@ def test_training_processes_handed_one_dataset_by_mp_spawn_each_hold_their_own_s
     mp.spawn(D.spawned_rank_epoch, args=(dataset, str(tmp_path)), nprocs=2)
     assert json.loads((tmp_path / "1.json").read_text()) == 2  # the launcher's, as it was handed over
     assert dataset.epoch == 2
+    # A rank whose DataLoader forks its workers before the rank used the state: they share the rank's own (they
+    # shared the launcher's, the rank adopting a copy of its own at its set_epoch: every epoch was epoch 0's).
+    dataset.set_epoch(0)
+    mp.spawn(D.spawned_rank_orders, args=(dataset, str(tmp_path)), nprocs=2)
+    expected = []
+    for epoch in range(2):
+        dataset.set_epoch(epoch)
+        expected.append(D.flat(D.run(dataset, 2)))
+    assert expected[0] != expected[1]
+    assert [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(2)] == [expected, expected]
 
 
 def test_torchrun_environment(url, keys, monkeypatch):
