@@ -125,7 +125,10 @@ class EpochSequences:
             if kept is not None and kept[0] == epoch and finished[:len(kept[1])] == kept[1]:
                 done, sequence = kept[1], kept[2]
             else:
+                # Kept too: a drawn epoch (weights, a mix, `samples_per_epoch`) took seconds to draw at
+                # 10^7 samples, again at every len(), iter() and head start
                 done, sequence = (), self.draws(epoch)
+                self._left = (epoch, (), sequence)
             if len(finished) > len(done):
                 sequence = sequence_after(sequence, finished[len(done):], self.seed, epoch, first=len(done))
                 self._left = (epoch, finished, sequence)

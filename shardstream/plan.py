@@ -311,17 +311,26 @@ def consumed_positions(n: int, layout: Layout, seed: int, epoch: int, delivered:
     round robin of one epoch does not say it (an endless stream's workers cross epoch
     boundaries at different times).
     """
+    if per_worker is None and delivered == 0:
+        return np.zeros(0, dtype=np.int64)
     blocks = split_ranks(np.arange(n, dtype=np.int64), layout.world_size, layout.partial)
     taken = []
+    # What each worker yielded depends on the block's length only, the same on every rank: worked
+    # out once, not a rank at a time (a state of 4,096 ranks took seconds to load, each of their
+    # workers replayed in Python whether it had yielded anything or not).
+    yielded: dict[int, tuple[list[int], dict[int, int]]] = {}
     for rank in range(layout.world_size):
         block = blocks[rank]
-        samples = worker_samples(len(block), layout)
-        items = [items_of(s, layout) for s in samples]
-        got = list(per_worker) if per_worker is not None else round_robin_delivered(items, delivered)
-        for w, g in enumerate(got):
+        if len(block) not in yielded:
+            samples = worker_samples(len(block), layout)
+            got = (list(per_worker) if per_worker is not None
+                   else round_robin_delivered([items_of(s, layout) for s in samples], delivered))
             # Only the samples yielded are replayed: the buffer's later decisions do not matter here.
-            emitted = samples_of_items(g, samples[w], layout)
-            order = yield_order(samples[w], layout, seed, epoch, rank, w, segment, emitted)
+            emitted = {w: samples_of_items(g, samples[w], layout) for w, g in enumerate(got)}
+            yielded[len(block)] = samples, {w: e for w, e in emitted.items() if e}
+        samples, emitted = yielded[len(block)]
+        for w, count in emitted.items():
+            order = yield_order(samples[w], layout, seed, epoch, rank, w, segment, count)
             taken.append(block[worker_positions(len(block), layout.workers, layout.chunk, w)[order]])
     return np.concatenate(taken) if taken else np.zeros(0, dtype=np.int64)
 

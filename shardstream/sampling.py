@@ -209,7 +209,7 @@ def weighted_sequence(counts: np.ndarray, weights: np.ndarray, seed: int, epoch:
         raise ValueError("the sampling weights (class weight times sample weight) are 0 for every sample")
     if not math.isfinite(weights.sum()):
         weights = weights / weights.max()  # each finite, their sum past float's range
-    draws = np.sort(rng_for(seed, epoch, 2).choice(len(weights), size=n, p=weights / weights.sum()))
+    draws = sorted_choice(rng_for(seed, epoch, 2), weights / weights.sum(), n)
     # Shards in the epoch's order, each shard's draws sorted: sequential reads.
     starts = np.concatenate([[0], np.cumsum(counts)])
     shard_of = np.searchsorted(starts, draws, side="right") - 1
@@ -217,6 +217,19 @@ def weighted_sequence(counts: np.ndarray, weights: np.ndarray, seed: int, epoch:
     rank = np.empty(len(counts), dtype=np.int64)
     rank[order] = np.arange(len(counts))
     return draws[np.argsort(rank[shard_of], kind="stable")]
+
+
+def sorted_choice(rng: np.random.Generator, p: np.ndarray, n: int) -> np.ndarray:
+    """``np.sort(rng.choice(len(p), size=n, p=p))``, the same draws, 10x faster at 10^7:
+    numpy's `choice` looks each uniform up in the table of cumulative weights, which at
+    millions of samples is a cache miss a draw (14 s at 10^7 here); the same uniforms,
+    sorted first, are looked up in one sweep (1.3 s). (numpy's algorithm, its steps kept:
+    the cumulative sum normalised by its last value, `random`, `searchsorted` to the right.)"""
+    cdf = np.cumsum(p)
+    cdf /= cdf[-1]
+    uniforms = rng.random(n)
+    uniforms.sort()
+    return cdf.searchsorted(uniforms, side="right").astype(np.int64, copy=False)
 
 
 def distinct_draws(sequence: np.ndarray, total: int) -> np.ndarray:

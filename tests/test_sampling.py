@@ -77,6 +77,34 @@ def test_class_weights_as_a_list_are_a_weight_per_class_in_order(imbalanced):
         Sampling(class_weights=3)
 
 
+@pytest.mark.parametrize(("n", "size", "seed"), [(1, 1, 0), (7, 3, 1), (1000, 37, 2), (200_000, 5_000, 3)])
+def test_weighted_draws_are_numpys_choice_sorted(n, size, seed):
+    """The weighted draws were `np.sort(rng.choice(..., p=...))`, a cache miss a draw at millions of samples
+    (14 s to plan an epoch of 10^7, found by a review of the plan at scale); the same uniforms are sorted first
+    now. The draws must be the very same: resume states of weighted epochs name them by position."""
+    from shardstream.sampling import sorted_choice
+
+    weights = np.random.default_rng(seed + 100).random(size) ** 3
+    p = weights / weights.sum()
+    expected = np.sort(np.random.default_rng(seed).choice(size, size=n, p=p))
+    assert np.array_equal(sorted_choice(np.random.default_rng(seed), p, n), expected)
+
+
+def test_a_drawn_epoch_is_drawn_once_for_its_len_and_its_iteration(imbalanced, monkeypatch):
+    """A weighted epoch was drawn again at every len(), iter() and head start (seconds each at 10^7 samples)."""
+    from shardstream.epochs import EpochSequences
+
+    drawn = []
+    real = EpochSequences.draws
+    monkeypatch.setattr(EpochSequences, "draws", lambda self, epoch: drawn.append(epoch) or real(self, epoch))
+    ds = ss.StreamingDataset(imbalanced, decode=None, fields=("__key__",),
+                             sampling=Sampling(class_weights="balanced"))
+    assert len(ds) == len(ds) == len(list(ds))
+    assert drawn == [0]
+    ds.set_epoch(1)
+    assert len(ds) == len(list(ds)) and drawn == [0, 1]
+
+
 def test_weighted_epochs_are_deterministic_and_differ_by_epoch(imbalanced):
     make = lambda: ss.StreamingDataset(imbalanced, decode=None, fields=("__key__",), shuffle=True,
                                        sampling=Sampling(class_weights="balanced", samples_per_epoch=200))
