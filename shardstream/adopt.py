@@ -215,6 +215,9 @@ def _shards(source: str | os.PathLike[str] | Sequence[str], options: dict[str, A
         names = [n for n in listed if n.endswith(kinds)]
         packed = [n for n in listed if n.endswith(_COMPRESSED)] if not compressed else []
         if not names:
+            if MANIFEST_NAME in listed and packed:  # `index` of what `pack` made: nothing to do
+                raise ShardstreamError("already a shardstream dataset (its manifest and indexed shards are here): "
+                                       "nothing to index", url=source)
             raise ShardstreamError("no .tar shards here" + (
                 f" (only compressed ones, such as {packed[0]}: decompress them first, or `shardstream repack` "
                 "the folder)" if packed else ""),

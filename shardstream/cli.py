@@ -24,7 +24,7 @@ import threading
 from typing import Any, Iterator, Sequence
 
 from .commands import (cmd_bench, cmd_demo, cmd_index, cmd_inspect, cmd_merge, cmd_pack, cmd_repack,
-                       cmd_verify)
+                       cmd_verify, plot_file, reader_gone)
 from .errors import ShardstreamError
 from .parts import MAX_PARTS
 from .shared import SLOTS
@@ -135,6 +135,11 @@ def _check_combinations(parser: argparse.ArgumentParser, args: argparse.Namespac
         if args.decode_threads and (args.transform == "none" or args.decode_on_device):
             parser.error("--decode-threads decodes images here: it goes with --transform train or val, "
                          "without --decode-on-device")
+        if args.json is not None and args.plot is not None and \
+                os.path.abspath(args.json) == os.path.abspath(plot_file(args.plot)):
+            parser.error(f"--json and --plot name the same file ({args.json}): one would replace the other")
+    if args.command == "demo" and args.keep is not None and "://" in args.keep:
+        parser.error(f"--keep takes a local folder, not a URL ({args.keep})")
     if args.command == "demo" and args.images < args.classes:
         parser.error(f"--images ({args.images}) must be at least --classes ({args.classes}): an image a class")
     if args.command != "pack":
@@ -368,9 +373,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with _sigterm_interrupts(), _warnings_as_lines(args.command):
             status = int(args.run(args))
+            sys.stdout.flush()  # here, not at exit, where a reader gone is "Exception ignored" and status 120
         if len(_SIGTERMS) > sigterms:  # a Terminated dropped where it was raised (see _SIGTERMS)
             return _stopped(args.command, Terminated(), resume)
-        return status
+        return 128 + signal.SIGPIPE if reader_gone() else status
     except ShardstreamError as e:
         print(f"shardstream {args.command}: error: {e}", file=sys.stderr)
         return 1

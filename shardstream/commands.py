@@ -14,7 +14,32 @@ import sys
 
 from .errors import ShardstreamError
 
-__all__ = ["cmd_bench", "cmd_demo", "cmd_index", "cmd_inspect", "cmd_merge", "cmd_pack", "cmd_repack", "cmd_verify"]
+__all__ = ["cmd_bench", "cmd_demo", "cmd_index", "cmd_inspect", "cmd_merge", "cmd_pack", "cmd_repack", "cmd_verify",
+           "plot_file", "reader_gone", "say"]
+
+
+_reader_gone = False  # set once stdout's reader has gone (`| head`, `| true`): see `say`
+
+
+def say(*parts: object) -> None:
+    """Print to stdout, flushed. A reader that has gone does not stop the command midway:
+    what it does after telling (the last part's merge, bench's --json and --plot) is done,
+    and it exits with 141 (`reader_gone`) at the end, quietly, as `yes | head` does. A
+    print raised BrokenPipeError where it stood, and the part that would merge its pack
+    ended with none written."""
+    global _reader_gone
+    if _reader_gone:
+        return
+    try:
+        print(*parts, flush=True)
+    except BrokenPipeError:
+        _reader_gone = True
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to tell, at exit either
+
+
+def reader_gone() -> bool:
+    """Whether stdout's reader went away while the command ran (`say`)."""
+    return _reader_gone
 
 
 def _storage_options(text: str | None) -> dict:
@@ -41,7 +66,7 @@ def cmd_pack(args: argparse.Namespace) -> int:
     part = _part(args.part)  # the option combinations and the part's form: checked by the parser (cli.py)
     summary = pack(args.src, args.dst, workers=args.workers, part=part, progress=not args.quiet,
                    **_pack_options(args))
-    print(summary)
+    say(summary)
     if part is not None and not args.no_merge:
         return _merge_if_complete(args, part[1])
     return 0
@@ -55,14 +80,14 @@ def _merge_if_complete(args: argparse.Namespace, parts: int) -> int:
     options = _storage_options(args.storage_options)
     missing = missing_parts(args.dst, parts, storage_options=options)
     if missing:
-        print(f"{parts - len(missing)} of {parts} parts done; the last part to finish merges")
+        say(f"{parts - len(missing)} of {parts} parts done; the last part to finish merges")
         return 0
     try:
         manifest = merge(args.dst, storage_options=options, fsync=args.fsync)
     except ShardstreamError as e:
         print(f"shardstream: every part is done, but they do not merge: {e}", file=sys.stderr)
         return 1
-    print(f"all {parts} parts done: merged {manifest.samples:,} samples in {len(manifest.shards)} shards")
+    say(f"all {parts} parts done: merged {manifest.samples:,} samples in {len(manifest.shards)} shards")
     return 0
 
 
@@ -82,7 +107,7 @@ def _pack_with_ray(args: argparse.Namespace) -> int:
                                         cpus_per_part=args.workers or 1, progress=not args.quiet,
                                         **_pack_options(args))
     seconds = max(s.seconds for s in summaries)
-    print(f"packed {manifest.samples:,} samples into {len(manifest.shards)} shards as {args.parts or 4} Ray tasks "
+    say(f"packed {manifest.samples:,} samples into {len(manifest.shards)} shards as {args.parts or 4} Ray tasks "
           f"(slowest part {seconds:.1f} s); skipped {len(manifest.skipped)}, not images {manifest.ignored}")
     return 0
 
@@ -98,7 +123,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
     from .parts import merge
 
     manifest = merge(args.dst, storage_options=_storage_options(args.storage_options), fsync=args.fsync)
-    print(f"merged {manifest.options.get('parts')} parts: {manifest.samples:,} samples in {len(manifest.shards)} shards")
+    say(f"merged {manifest.options.get('parts')} parts: {manifest.samples:,} samples in {len(manifest.shards)} shards")
     return 0
 
 
@@ -107,7 +132,7 @@ def cmd_index(args: argparse.Namespace) -> int:
 
     manifest = index_tars(args.source, workers=args.workers, overwrite=args.overwrite, progress=not args.quiet,
                           storage_options=_storage_options(args.storage_options))
-    print(f"indexed {manifest.samples:,} samples in {len(manifest.shards)} shards "
+    say(f"indexed {manifest.samples:,} samples in {len(manifest.shards)} shards "
           f"({manifest.shards.bytes.sum() / 1e6:,.1f} MB); fields {', '.join(manifest.shards.all_fields())}; "
           f"{len(manifest.classes)} classes")
     return 0
@@ -119,7 +144,7 @@ def cmd_repack(args: argparse.Namespace) -> int:
     manifest = repack_tars(args.source, args.dst, shard_size=args.shard_size, compression=args.compression,
                            level=args.level, progress=not args.quiet, overwrite=args.overwrite,
                            storage_options=_storage_options(args.storage_options))
-    print(f"repacked {manifest.samples:,} samples into {len(manifest.shards)} shards "
+    say(f"repacked {manifest.samples:,} samples into {len(manifest.shards)} shards "
           f"({manifest.shards.bytes.sum() / 1e6:,.1f} MB)")
     return 0
 
@@ -129,19 +154,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     info = inspect_dataset(args.dataset, storage_options=_storage_options(args.storage_options))
     if args.json:
-        print(json.dumps(info, indent=2))
+        say(json.dumps(info, indent=2))
         return 0
-    print(f"{info['url']}: {info['samples']:,} samples in {info['shards']} shards ({info['compression']}), "
+    say(f"{info['url']}: {info['samples']:,} samples in {info['shards']} shards ({info['compression']}), "
           f"{info['bytes'] / 1e6:,.1f} MB + {info['index_bytes'] / 1e3:,.1f} KB of index")
-    print(f"tar bytes {info['tar_bytes'] / 1e6:,.1f} MB, compression ratio {info['compression_ratio']:.3f}")
-    print(f"fields: {', '.join(info['fields'])}; written by {info['writer']} (format {info['format_version']})")
+    say(f"tar bytes {info['tar_bytes'] / 1e6:,.1f} MB, compression ratio {info['compression_ratio']:.3f}")
+    say(f"fields: {', '.join(info['fields'])}; written by {info['writer']} (format {info['format_version']})")
     if info["classes"]:
-        print(f"{len(info['classes'])} classes:")
+        say(f"{len(info['classes'])} classes:")
         for name, count in info["classes"].items():
-            print(f"  {name}: {count}")
-    print(f"skipped at pack time: {len(info['skipped'])}, not images: {info['ignored']}")
+            say(f"  {name}: {count}")
+    say(f"skipped at pack time: {len(info['skipped'])}, not images: {info['ignored']}")
     for item in info["skipped"]:
-        print(f"  {item['file']}: {item['reason']}")
+        say(f"  {item['file']}: {item['reason']}")
     return 0
 
 
@@ -156,14 +181,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
         workers=args.workers,
     )
     for problem in report.problems:
-        print(f"PROBLEM {problem}")
+        say(f"PROBLEM {problem}")
     for warning in report.warnings:
-        print(f"WARNING {warning}")
+        say(f"WARNING {warning}")
     count = len(report.problems)
     status = "ok" if report.ok else f"{count} problem{'' if count == 1 else 's'}"
     if report.warnings:
         status += f" ({len(report.warnings)} warning{'' if len(report.warnings) == 1 else 's'})"
-    print(f"verified {report.shards} shards, {report.samples} samples, {report.images} images decoded: {status}")
+    say(f"verified {report.shards} shards, {report.samples} samples, {report.images} images decoded: {status}")
     return 0 if report.ok else 1
 
 
@@ -180,7 +205,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import bench
     from .benchresult import save_json
 
-    plot = args.plot
+    plot = plot_file(args.plot) if args.plot is not None else None
     for option, path in (("--json", args.json), ("--plot", plot)):
         if path is not None:
             _writable_file(path, option)
@@ -194,7 +219,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         else:  # a type it cannot write failed once every row had run
             kinds = Figure().canvas.get_supported_filetypes()
             suffix = os.path.splitext(plot)[1].lstrip(".").lower()
-            if suffix and suffix not in kinds:  # none: matplotlib writes a PNG
+            if suffix not in kinds:
                 raise ShardstreamError(f"--plot {plot}: matplotlib writes {', '.join(sorted(kinds))}, by the "
                                        "file's suffix")
     result = bench(
@@ -211,21 +236,27 @@ def cmd_bench(args: argparse.Namespace) -> int:
         progress=not args.quiet,
         storage_options=_storage_options(args.storage_options),
     )
-    print(result.table())
+    say(result.table())
     if 0 in args.workers:
-        print("num_workers=0 ran in this process with torch.set_num_threads(1), as DataLoader workers run")
-    print(f"knee: num_workers={result.knee}" + (f" (with {result.decode_threads} decode threads per process)"
+        say("num_workers=0 ran in this process with torch.set_num_threads(1), as DataLoader workers run")
+    say(f"knee: num_workers={result.knee}" + (f" (with {result.decode_threads} decode threads per process)"
                                                  if result.decode_threads else ""))
     diagnosis = result.diagnosis()
     if diagnosis:
-        print(diagnosis)
+        say(diagnosis)
     if args.json:
         save_json(result, args.json)
-        print(f"wrote {args.json}")
+        say(f"wrote {args.json}")
     if plot is not None:
         result.plot(plot)
-        print(f"wrote {plot}")
+        say(f"wrote {plot}")
     return 0
+
+
+def plot_file(path: str) -> str:
+    """The file `bench --plot PATH` writes: PATH, and ``.png`` after a name with no suffix (as
+    matplotlib names it; "wrote curve" named a file that was not there, curve.png was)."""
+    return path if os.path.splitext(path)[1] else path + ".png"
 
 
 def _writable_file(path: str, option: str) -> None:

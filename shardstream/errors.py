@@ -206,7 +206,9 @@ def described(error: BaseException) -> str:
     text with the connection pool the error came from, "None" where a response's read had
     none ("None: Read timed out."): that None is left out."""
     text = str(error)
-    if getattr(error, "pool", True) is None and text.startswith("None: "):
+    # The attribute itself, not a property: NewConnectionError's `pool` is a deprecated one
+    # that warns (a stray warning line, and a FutureWarning raised where warnings are errors).
+    if vars(error).get("pool", True) is None and text.startswith("None: "):
         text = text[len("None: "):]
     return f"{type(error).__name__}: {text}"
 

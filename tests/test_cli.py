@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -254,6 +255,69 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(packed):
         stderr = proc.stderr.read().decode()
         status = proc.wait(timeout=120)
     assert status == 141 and stderr == "", (status, stderr)
+
+
+def _with_the_reader_gone(*args: object, unbuffered: bool = False) -> tuple[int, str]:
+    """Run `shardstream ARGS` with its stdout's reader gone before the first line: (status, stderr)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = "1"  # as many container images set it
+    with subprocess.Popen([sys.executable, "-m", "shardstream.cli", *map(str, args)], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, env=env) as proc:
+        proc.stdout.close()
+        stderr = proc.stderr.read().decode()
+        return proc.wait(timeout=120), stderr
+
+
+@pytest.mark.parametrize("unbuffered", [False, True])
+def test_a_reader_gone_stops_nothing_the_command_does_after_telling(image_folder, packed, tmp_path, unbuffered):
+    """Regression (found by a review of the command line): the last part of `pack --part` printed its summary, met
+    the reader gone (`| true`; at once where PYTHONUNBUFFERED is set), and exited 141 before it merged: no
+    manifest, the pack never whole. And output shorter than stdout's buffer was first written at exit, where the
+    reader gone was Python's "Exception ignored" on stderr and status 120. The command does its work, then
+    exits 141, quietly."""
+    assert _with_the_reader_gone("inspect", packed, unbuffered=unbuffered) == (141, "")
+    dst = tmp_path / "parts"
+    assert cli_pack(image_folder, dst, "--part", "0/2").returncode == 0
+    assert not (dst / MANIFEST_NAME).exists()
+    options = ("--shard-size", "60KB", "--workers", "1", "--quiet", "--part", "1/2")
+    assert _with_the_reader_gone("pack", image_folder, dst, *options, unbuffered=unbuffered) == (141, "")
+    assert open_dataset(str(dst)).manifest.samples == len(list(image_folder.rglob("*.jpg")))
+
+
+def test_bench_file_options_are_checked_before_the_run(packed, tmp_path):
+    """`--plot curve` wrote curve.png and said "wrote curve"; --json and --plot naming one file let the plot
+    replace the JSON; `demo --keep s3://...` made a local folder named `s3:` (found by a review of the command
+    line). The plot's file is named as it is written, the others are usage errors."""
+    from shardstream.commands import plot_file
+
+    assert plot_file("curve") == "curve.png" and plot_file("curve.svg") == "curve.svg"
+    same = cli("bench", packed, "--workers", "0", "--json", tmp_path / "r.png", "--plot", tmp_path / "r")
+    assert same.returncode == 2 and "--json and --plot name the same file" in same.stderr, same.stderr
+    keep = cli("demo", "--keep", "s3://bucket/demo")
+    assert keep.returncode == 2 and "--keep takes a local folder, not a URL" in keep.stderr, keep.stderr
+
+
+def test_index_of_a_packed_dataset_says_it_is_one(packed):
+    result = cli("index", packed)
+    assert result.returncode == 1 and "already a shardstream dataset" in result.stderr, result.stderr
+
+
+def test_a_urllib3_error_is_described_without_its_deprecated_pool_property():
+    """urllib3 2's NewConnectionError has a deprecated `pool` property that warns: reading it put a stray warning
+    line before every connection error, and raised a FutureWarning where warnings are errors."""
+    import warnings
+
+    import urllib3.exceptions
+
+    from shardstream.errors import described
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert described(urllib3.exceptions.NewConnectionError(None, "Connection refused")) == \
+            "NewConnectionError: None: Connection refused"
+        assert described(urllib3.exceptions.ReadTimeoutError(None, "/x", "Read timed out.")) == \
+            "ReadTimeoutError: Read timed out."
 
 
 def test_demo_runs_the_whole_path(tmp_path):
