@@ -202,4 +202,5 @@ def _adopt_before_fork() -> None:
             state._adopt()
 
 
-os.register_at_fork(before=_adopt_before_fork)
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork either
+    os.register_at_fork(before=_adopt_before_fork)
