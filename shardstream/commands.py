@@ -34,7 +34,9 @@ def say(*parts: object) -> None:
         print(*parts, flush=True)
     except BrokenPipeError:
         _reader_gone = True
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to tell, at exit either
+        from .progress import send_nowhere
+
+        send_nowhere(sys.stdout)  # nothing more to tell, at exit either
 
 
 def reader_gone() -> bool:

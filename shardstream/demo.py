@@ -17,6 +17,7 @@ import torch
 
 from .dataset import StreamingDataset
 from .decode import jpeg_crop_decoder
+from .commands import say
 from .errors import ShardstreamError
 from .listing import list_source
 from .loader import DataLoader, Normalize
@@ -48,16 +49,16 @@ def run_demo(images: int = 400, classes: int = 4, workers: int = 2, keep: str | 
         total = images
         if os.path.isdir(src):
             _check_kept_images(src, total, classes)
-            print(f"1. reused the {total} ImageNet-like JPEGs an earlier demo made in {src}")
+            say(f"1. reused the {total} ImageNet-like JPEGs an earlier demo made in {src}")
         else:
             make_image_folder(src, num_classes=classes, images_per_class=per_class, seed=0, workers=2)
-            print(f"1. made {total} ImageNet-like JPEGs in {src} ({time.perf_counter() - t:.1f} s)")
+            say(f"1. made {total} ImageNet-like JPEGs in {src} ({time.perf_counter() - t:.1f} s)")
 
         summary = pack(src, dst, shard_size="8MB", overwrite=True, progress=False)
-        print(f"2. {summary}".replace("\n", "\n   "))
+        say(f"2. {summary}".replace("\n", "\n   "))
 
         report = verify_dataset(dst)
-        print(f"3. verify: {report.shards} shards, {report.images} images decoded, "
+        say(f"3. verify: {report.shards} shards, {report.images} images decoded, "
               f"{'ok' if report.ok else report.problems}")
         if not report.ok or report.images != total:
             failed.append(f"verify ({len(report.problems)} problems, {report.images} of {total} images decoded)")
@@ -74,7 +75,7 @@ def run_demo(images: int = 400, classes: int = 4, workers: int = 2, keep: str | 
             once = len(seen) == len(set(seen)) == total
             if not once:
                 failed.append(f"epoch {epoch}: {len(seen)} images, {len(set(seen))} different, not each of {total} once")
-            print(f"4. epoch {epoch}: {s.batches} batches of {tuple(images_.shape[1:])} float images, "
+            say(f"4. epoch {epoch}: {s.batches} batches of {tuple(images_.shape[1:])} float images, "
                   f"{s.samples_per_s:,.0f} img/s with {workers} workers, first batch after {s.first_batch_s:.2f} s, "
                   f"waited {100 * s.wait_fraction:.0f}% of the time; "
                   + ("each image exactly once" if once else "NOT each image exactly once"))
@@ -91,14 +92,14 @@ def run_demo(images: int = 400, classes: int = 4, workers: int = 2, keep: str | 
                                               fields=("jpg", "cls", "__key__")), batch_size=32, num_workers=workers)
         resumed.load_state_dict(state)
         got = [keys for _, _, keys in resumed]
-        print(f"5. resumed epoch 2 after {after} batches from a {len(str(state))}-byte state: "
+        say(f"5. resumed epoch 2 after {after} batches from a {len(str(state))}-byte state: "
               f"{'the same' if got == expected else 'DIFFERENT'} {len(got)} batches as the uninterrupted run")
         if got != expected:
             failed.append(f"resume: {len(got)} batches, not the {len(expected)} of the uninterrupted run")
-        print(f"   JPEG crops decoded by {jpeg_crop_decoder()}")
-        print("   samples cut out of shards " + ("in C (shardstream._tarcut)" if TARCUT else
+        say(f"   JPEG crops decoded by {jpeg_crop_decoder()}")
+        say("   samples cut out of shards " + ("in C (shardstream._tarcut)" if TARCUT else
                                               "in Python (the _tarcut extension is not built)"))
-        print(f"   device: {'cuda' if torch.cuda.is_available() else 'cpu (no CUDA here)'}; files in {root}"
+        say(f"   device: {'cuda' if torch.cuda.is_available() else 'cpu (no CUDA here)'}; files in {root}"
               + ("" if keep else " (removed)"))
     finally:
         if keep is None:

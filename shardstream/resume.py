@@ -30,6 +30,7 @@ from .errors import ShardstreamError
 from .plan import MAX_WORLD_SIZE, PARTIAL, Layout, consumed_positions, left_out_positions, rank_block_length, remaining_after, worker_items
 from .roundrobin import EndlessDeal
 from .shared import SLOTS
+from .source import KEYS
 
 if TYPE_CHECKING:
     from .dataset import StreamingDataset
@@ -92,10 +93,12 @@ def fingerprint(counts: np.ndarray, names: list[str], contents: bytes | None = N
     digest = hashlib.sha256()
     for name, count in zip(names, counts.tolist()):
         digest.update(f"{name}\0{count}\n".encode())
+    keyed = contents is not None and contents.startswith(KEYS)
     if contents is not None:
         # (checksums went in under this tag before there were other contents: states kept)
-        digest.update((b"" if contents.startswith(b"keys\0") else b"sha256\0") + contents)
-    return digest.hexdigest()[:16]
+        digest.update((b"" if keyed else b"sha256\0") + contents)
+    # Named so: such a state may be of these shards indexed since (`ResumeState.from_dict`)
+    return ("keys-" if keyed else "") + digest.hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -153,7 +156,12 @@ class ResumeState:
                 "resume with the shardstream that took it, or start the epoch afresh without the state")
         mine = _fingerprint_of(dataset)
         # States taken before the checksums counted name the shards and counts only: still accepted.
-        if state.dataset != mine and state.dataset != _fingerprint_of(dataset, contents=False):
+        # And a state of tars read through to count them names their keys, which this dataset (the
+        # same tars since indexed, by `shardstream index`) tells apart otherwise: asked last, as it
+        # reads every index.
+        if state.dataset != mine and state.dataset != _fingerprint_of(dataset, contents=False) and not (
+                state.dataset.startswith("keys-")
+                and state.dataset == _fingerprint_of(dataset, contents=dataset.resolve().keys_read)):
             raise ShardstreamError(
                 f"resume state is from another dataset (fingerprint {state.dataset}, this one {mine})"
             )
@@ -266,13 +274,15 @@ def _walks_a_stream(dataset: "StreamingDataset") -> bool:
     return sized or getattr(dataset.source, "weights", None) is not None
 
 
-def _fingerprint_of(dataset: "StreamingDataset", contents: bool = True) -> str:
+def _fingerprint_of(dataset: "StreamingDataset", contents: bool | Callable[[], bytes] = True) -> str:
+    """`dataset`'s fingerprint: with what `Source.contents` knows of its samples (True), with
+    nothing of them (False), or with what `contents()` gives."""
     # What decides the epoch sequence besides seed and epoch: the shards, the sampling, the mix.
     extra = [repr(getattr(dataset.source, "weights", None)),
              dataset.sampling.describe() if dataset.sampling is not None else ""]
     source = dataset.resolve()
-    return fingerprint(np.concatenate([dataset.counts(), [0, 0]]), source.names() + extra,
-                       source.contents() if contents else None)
+    known = source.contents() if contents is True else contents() if callable(contents) else None
+    return fingerprint(np.concatenate([dataset.counts(), [0, 0]]), source.names() + extra, known)
 
 
 def finished_before(resume: ResumeState | None, layout: Layout) -> tuple[Segment, ...]:

@@ -121,6 +121,9 @@ class ChainedShards(_MadeRefs):
         return self.parts[part][i - (int(self._ends[part - 1]) if part else 0)]
 
 
+KEYS = b"keys\0"  # what `Source.contents` made of keys begins with
+
+
 def _keys_digest(keys: Sequence[str]) -> bytes:
     digest = hashlib.sha256()
     for key in keys:
@@ -289,7 +292,29 @@ class Source:
         if checksums is not None:
             return checksums
         read = self._read_keys()
-        return b"keys\0" + b"".join(i.to_bytes(8, "little") + digest for i, digest in read) if read else None
+        return KEYS + b"".join(i.to_bytes(8, "little") + digest for i, digest in read) if read else None
+
+    def keys_read(self) -> bytes:
+        """What `contents` gives when every shard was read through to count it, whatever the
+        shards are now: each shard's keys' digest, from its index where it has one (one read a
+        shard; a compressed tar without one is read through). A state taken of tars before
+        `shardstream index` ran over them then still finds its dataset."""
+        digests = self._keys_digests()
+        return KEYS + b"".join(i.to_bytes(8, "little") + digest for i, digest in enumerate(digests))
+
+    def _keys_digests(self) -> list[bytes]:
+        if self.parts:
+            return [digest for part in self.parts for digest in part._keys_digests()]
+        digests = []
+        for i in range(len(self.shards)):
+            if i in self.read_keys:
+                digests.append(self.read_keys[i])
+                continue
+            reader = self.reader(i)
+            index = reader.index
+            keys = index.keys if index is not None else [sample["__key__"] for sample in reader]
+            digests.append(_keys_digest(keys))
+        return digests
 
     def _read_keys(self) -> list[tuple[int, bytes]]:
         if not self.parts:

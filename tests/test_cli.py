@@ -285,6 +285,23 @@ def test_a_reader_gone_stops_nothing_the_command_does_after_telling(image_folder
     assert open_dataset(str(dst)).manifest.samples == len(list(image_folder.rglob("*.jpg")))
 
 
+def test_a_reader_of_both_outputs_gone_stops_neither_a_pack_nor_the_demo(image_folder, tmp_path):
+    """Regression (found by the review of this session's changes): `shardstream pack ... 2>&1 | head` closes the
+    progress bar's stderr too, and tqdm let the write's BrokenPipeError through: the pack stopped midway, no
+    manifest; and `demo` told its steps with print(), so with PYTHONUNBUFFERED set it stopped after step 1."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    env["PYTHONUNBUFFERED"] = "1"
+    runs = {"pack": ("pack", image_folder, tmp_path / "ds", "--shard-size", "60KB", "--workers", "1"),
+            "demo": ("demo", "--images", 20, "--classes", 2, "--workers", 0, "--keep", tmp_path / "demo")}
+    for name, args in runs.items():
+        with subprocess.Popen([sys.executable, "-m", "shardstream.cli", *map(str, args)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, env=env) as proc:
+            proc.stdout.close()  # `2>&1 | head`, gone before the first line
+            assert proc.wait(timeout=300) == 141, name
+    assert open_dataset(str(tmp_path / "ds")).manifest.samples == len(list(image_folder.rglob("*.jpg")))
+    assert open_dataset(str(tmp_path / "demo" / "shards")).manifest.samples == 20
+
+
 def test_bench_file_options_are_checked_before_the_run(packed, tmp_path):
     """`--plot curve` wrote curve.png and said "wrote curve"; --json and --plot naming one file let the plot
     replace the JSON; `demo --keep s3://...` made a local folder named `s3:` (found by a review of the command
