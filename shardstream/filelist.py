@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import os
 import re
+import warnings
 from typing import Iterable, Iterator
 
 from .columns import MAX_CLASS
@@ -140,6 +141,10 @@ def _relative(file: str, root: str) -> str:
     return rel.replace(os.sep, "/")
 
 
+# Integer labels whose largest passes this, and ten times the labels used, are warned of (`list_file`).
+SPARSE_LABELS_WARNED = 100_000
+
+
 def list_file(path: str) -> Listing:
     """The listing of the file list at `path`: its images, their labels and classes, and the
     rows left out (not images, or naming a file again)."""
@@ -162,6 +167,13 @@ def list_file(path: str) -> Listing:
             raise PackError("integer labels must not be negative", url=path)
         if top > MAX_CLASS:  # the class table would hold `top` names (3e9: gigabytes before any packing)
             raise PackError(f"integer label {top} is above the largest class index, {MAX_CLASS}", url=path)
+        if top + 1 > SPARSE_LABELS_WARNED and top + 1 > 10 * len(labels):
+            # Allowed (the indices are the user's), and each index up to the largest gets a name and a
+            # count in the manifest: one label of 2**24 - 1 made a 157 MB manifest for one sample.
+            warnings.warn(f"{path}: integer labels go up to {top} for {len(labels):,} distinct classes: the "
+                          f"manifest names every class index up to the largest ({top + 1:,} names); number the "
+                          f"classes 0..{len(labels) - 1}, or label them by name, for a small manifest",
+                          stacklevel=2)
         classes = tuple(str(i) for i in range(top + 1))
         index = {str(i): i for i in range(top + 1)} | {label: int(label) for label in labels}
     else:

@@ -15,6 +15,7 @@ import sys
 import tarfile
 import threading
 import time
+import warnings
 import zlib
 from pathlib import Path
 
@@ -279,6 +280,22 @@ def test_file_list_csv_with_integer_labels(image_folder, tmp_path):
     assert len(got) == 8
     assert {s["jpg"]: int(s["cls"]) for s in got} == expected
     assert len({s["__key__"] for s in got}) == 8
+
+
+def test_file_list_integer_labels_far_apart_are_warned_of(image_folder, tmp_path):
+    """Integer labels are class indices as given, and the manifest names each index up to the largest: sparse
+    ids (0 and 200,000) make a table of 200,001 names for two classes (one label of 2**24 - 1: 157 MB for one
+    sample). Packed as asked, with a warning saying why the manifest is large and what to do."""
+    files = sorted(image_folder.rglob("*.jpg"))[:2]
+    lst = tmp_path / "list.csv"
+    lst.write_text(f"{files[0].as_posix()},0\n{files[1].as_posix()},200000\n")
+    with pytest.warns(UserWarning, match=r"labels go up to 200000 for 2 distinct classes.*number the classes 0\.\.1"):
+        run_pack(lst, tmp_path / "ds", shuffle=False)
+    assert len(open_dataset(str(tmp_path / "ds")).manifest.classes) == 200_001
+    lst.write_text(f"{files[0].as_posix()},0\n{files[1].as_posix()},999\n")  # a table of 1,000: no word
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run_pack(lst, tmp_path / "small", shuffle=False)
 
 
 def test_file_list_from_excel_with_a_byte_order_mark(image_folder, tmp_path):
