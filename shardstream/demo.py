@@ -93,7 +93,8 @@ def run_demo(images: int = 400, classes: int = 4, workers: int = 2, keep: str | 
         resumed.load_state_dict(state)
         got = [keys for _, _, keys in resumed]
         say(f"5. resumed epoch 2 after {after} batches from a {len(str(state))}-byte state: "
-              f"{'the same' if got == expected else 'DIFFERENT'} {len(got)} batches as the uninterrupted run")
+              f"{'the same' if got == expected else 'DIFFERENT'} {len(got)} batch{'es' if len(got) != 1 else ''} as "
+              "the uninterrupted run")
         if got != expected:
             failed.append(f"resume: {len(got)} batches, not the {len(expected)} of the uninterrupted run")
         say(f"   JPEG crops decoded by {jpeg_crop_decoder()}")
