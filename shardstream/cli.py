@@ -24,10 +24,11 @@ import threading
 from typing import Any, Iterator, Sequence
 
 from .commands import (cmd_bench, cmd_demo, cmd_index, cmd_inspect, cmd_merge, cmd_pack, cmd_repack,
-                       cmd_verify, plot_file, reader_gone)
+                       cmd_verify, plot_file)
 from .errors import ShardstreamError
 from .parts import MAX_PARTS
 from .shared import SLOTS
+from .streams import QuietStderr, reader_gone
 from .writer import MAX_COUNT
 
 
@@ -295,7 +296,7 @@ def _warnings_as_lines(command: str) -> Iterator[None]:
     import warnings
 
     def show(message: Warning | str, category: type[Warning], *rest: Any, **kw: Any) -> None:
-        print(f"shardstream {command}: warning: {message}", file=sys.stderr)
+        print(f"shardstream {command}: warning: {message}", file=QuietStderr())
 
     before = warnings.showwarning
     warnings.showwarning = show

@@ -10,38 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 from .errors import ShardstreamError
+from .streams import QuietStderr, say
 
 __all__ = ["cmd_bench", "cmd_demo", "cmd_index", "cmd_inspect", "cmd_merge", "cmd_pack", "cmd_repack", "cmd_verify",
-           "plot_file", "reader_gone", "say"]
-
-
-_reader_gone = False  # set once stdout's reader has gone (`| head`, `| true`): see `say`
-
-
-def say(*parts: object) -> None:
-    """Print to stdout, flushed. A reader that has gone does not stop the command midway:
-    what it does after telling (the last part's merge, bench's --json and --plot) is done,
-    and it exits with 141 (`reader_gone`) at the end, quietly, as `yes | head` does. A
-    print raised BrokenPipeError where it stood, and the part that would merge its pack
-    ended with none written."""
-    global _reader_gone
-    if _reader_gone:
-        return
-    try:
-        print(*parts, flush=True)
-    except BrokenPipeError:
-        _reader_gone = True
-        from .progress import send_nowhere
-
-        send_nowhere(sys.stdout)  # nothing more to tell, at exit either
-
-
-def reader_gone() -> bool:
-    """Whether stdout's reader went away while the command ran (`say`)."""
-    return _reader_gone
+           "plot_file"]
 
 
 def _storage_options(text: str | None) -> dict:
@@ -87,7 +61,7 @@ def _merge_if_complete(args: argparse.Namespace, parts: int) -> int:
     try:
         manifest = merge(args.dst, storage_options=options, fsync=args.fsync)
     except ShardstreamError as e:
-        print(f"shardstream: every part is done, but they do not merge: {e}", file=sys.stderr)
+        print(f"shardstream: every part is done, but they do not merge: {e}", file=QuietStderr())
         return 1
     say(f"all {parts} parts done: merged {manifest.samples:,} samples in {len(manifest.shards)} shards")
     return 0
@@ -199,7 +173,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     failed = run_demo(images=args.images, classes=args.classes, workers=args.workers, keep=args.keep)
     for check in failed:
-        print(f"shardstream demo: check failed: {check}", file=sys.stderr)
+        print(f"shardstream demo: check failed: {check}", file=QuietStderr())
     return 1 if failed else 0
 
 
@@ -216,7 +190,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             from matplotlib.figure import Figure
         except ImportError:
             print(f"shardstream bench: --plot {plot}: matplotlib is not installed, so no curve will be drawn "
-                  "(pip install 'shardstream[plot]')", file=sys.stderr)
+                  "(pip install 'shardstream[plot]')", file=QuietStderr())
             plot = None
         else:  # a type it cannot write failed once every row had run
             kinds = Figure().canvas.get_supported_filetypes()

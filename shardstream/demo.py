@@ -17,12 +17,12 @@ import torch
 
 from .dataset import StreamingDataset
 from .decode import jpeg_crop_decoder
-from .commands import say
 from .errors import ShardstreamError
 from .listing import list_source
 from .loader import DataLoader, Normalize
 from .pack import pack
 from .reader import TARCUT
+from .streams import say
 from .synthetic import make_image_folder
 from .transforms import RandomResizedCropJPEG
 from .verify import verify_dataset

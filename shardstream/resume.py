@@ -281,8 +281,9 @@ def _fingerprint_of(dataset: "StreamingDataset", contents: bool | Callable[[], b
     extra = [repr(getattr(dataset.source, "weights", None)),
              dataset.sampling.describe() if dataset.sampling is not None else ""]
     source = dataset.resolve()
+    counts = dataset.counts()  # first: counting tars without an index reads the keys `contents` names
     known = source.contents() if contents is True else contents() if callable(contents) else None
-    return fingerprint(np.concatenate([dataset.counts(), [0, 0]]), source.names() + extra, known)
+    return fingerprint(np.concatenate([counts, [0, 0]]), source.names() + extra, known)
 
 
 def finished_before(resume: ResumeState | None, layout: Layout) -> tuple[Segment, ...]:

@@ -294,27 +294,33 @@ class Source:
         read = self._read_keys()
         return KEYS + b"".join(i.to_bytes(8, "little") + digest for i, digest in read) if read else None
 
-    def keys_read(self) -> bytes:
-        """What `contents` gives when every shard was read through to count it, whatever the
-        shards are now: each shard's keys' digest, from its index where it has one (one read a
-        shard; a compressed tar without one is read through). A state taken of tars before
-        `shardstream index` ran over them then still finds its dataset."""
+    def keys_read(self) -> bytes | None:
+        """What `contents` gave when every tar was read through to count it, whatever the tars
+        are now: each tar's keys' digest, from its index where it has one (a read a shard, a
+        few at once; a compressed tar without one is read through), and nothing of the shards
+        of a dataset `pack` or `ShardWriter` made (never read through). A state taken of tars
+        before `shardstream index` ran over them then still finds its dataset. None where
+        there are no tars."""
         digests = self._keys_digests()
-        return KEYS + b"".join(i.to_bytes(8, "little") + digest for i, digest in enumerate(digests))
+        if not any(digest is not None for digest in digests):
+            return None
+        return KEYS + b"".join(i.to_bytes(8, "little") + digest for i, digest in enumerate(digests)
+                               if digest is not None)
 
-    def _keys_digests(self) -> list[bytes]:
+    def _keys_digests(self) -> list[bytes | None]:
         if self.parts:
             return [digest for part in self.parts for digest in part._keys_digests()]
-        digests = []
-        for i in range(len(self.shards)):
+        if self.manifest is not None and not self.manifest.options.get("indexed_in_place"):
+            return [None] * len(self.shards)
+
+        def digest(i: int) -> bytes:
             if i in self.read_keys:
-                digests.append(self.read_keys[i])
-                continue
+                return self.read_keys[i]
             reader = self.reader(i)
             index = reader.index
-            keys = index.keys if index is not None else [sample["__key__"] for sample in reader]
-            digests.append(_keys_digest(keys))
-        return digests
+            return _keys_digest(index.keys if index is not None else [sample["__key__"] for sample in reader])
+
+        return list(self._over_shards(digest, "shardstream-keys"))
 
     def _read_keys(self) -> list[tuple[int, bytes]]:
         if not self.parts:

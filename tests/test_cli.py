@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import subprocess
+import tarfile
 import textwrap
 import sys
 
@@ -291,8 +292,16 @@ def test_a_reader_of_both_outputs_gone_stops_neither_a_pack_nor_the_demo(image_f
     manifest; and `demo` told its steps with print(), so with PYTHONUNBUFFERED set it stopped after step 1."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     env["PYTHONUNBUFFERED"] = "1"
+    tars = tmp_path / "tars"  # a compressed tar among them: `index` warns it is left out (a warning's line on
+    tars.mkdir()              # a stderr whose reader had gone stopped the command: found by the third review)
+    for name in ("a.tar", "b.tar.gz"):
+        with tarfile.open(tars / name, "w:gz" if name.endswith("gz") else "w") as tf:
+            info = tarfile.TarInfo(f"{name[0]}.txt")
+            info.size = 2
+            tf.addfile(info, io.BytesIO(b"hi"))
     runs = {"pack": ("pack", image_folder, tmp_path / "ds", "--shard-size", "60KB", "--workers", "1"),
-            "demo": ("demo", "--images", 20, "--classes", 2, "--workers", 0, "--keep", tmp_path / "demo")}
+            "demo": ("demo", "--images", 20, "--classes", 2, "--workers", 0, "--keep", tmp_path / "demo"),
+            "index": ("index", tars)}
     for name, args in runs.items():
         with subprocess.Popen([sys.executable, "-m", "shardstream.cli", *map(str, args)], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, env=env) as proc:
@@ -300,6 +309,7 @@ def test_a_reader_of_both_outputs_gone_stops_neither_a_pack_nor_the_demo(image_f
             assert proc.wait(timeout=300) == 141, name
     assert open_dataset(str(tmp_path / "ds")).manifest.samples == len(list(image_folder.rglob("*.jpg")))
     assert open_dataset(str(tmp_path / "demo" / "shards")).manifest.samples == 20
+    assert open_dataset(str(tars)).manifest.samples == 1
 
 
 def test_bench_file_options_are_checked_before_the_run(packed, tmp_path):

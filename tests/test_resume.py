@@ -545,7 +545,7 @@ def test_a_state_of_the_same_folder_packed_in_another_order_is_refused(src, tmp_
 
 
 @pytest.mark.parametrize("suffix", [".tar", ".tar.gz"])
-def test_a_state_of_webdataset_tars_written_again_in_another_order_is_refused(tmp_path, suffix):
+def test_a_state_of_webdataset_tars_written_again_in_another_order_is_refused(tmp_path, url, suffix):
     """Regression (found by a review of resume states): tars without a manifest were told apart by shard names and
     counts only, which a WebDataset writer run again with another seed shares (every shard holds `maxcount`): a
     state of one loaded into the other, and the resumed epoch repeated 5 samples of 20 and never read 5 others.
@@ -573,6 +573,7 @@ def test_a_state_of_webdataset_tars_written_again_in_another_order_is_refused(tm
         return shardstream.StreamingDataset(url, decode=None, fields=("__key__",), shuffle=True, seed=SEED,
                                            shuffle_buffer=4)
 
+    packed = url
     url = write(0)
     ds = make(url)
     before = D.flat(D.take_main(ds, 4))
@@ -580,6 +581,16 @@ def test_a_state_of_webdataset_tars_written_again_in_another_order_is_refused(tm
     again = make(url)
     again.load_state_dict(state)  # the same tars: resumed
     assert sorted(before + D.flat(D.freeze(item) for item in again)) == keys
+    # Through torch's DataLoader only its workers count the tars; the state, made in the main process, named
+    # no keys (found by the third review of this session's changes), and a Mix with a packed dataset too.
+    through = make(url)
+    assert len(D.run(through, 2)[:3]) == 3
+    states = [state, json.loads(json.dumps(through.state_dict(delivered=3, num_workers=2)))]
+    mixed = shardstream.StreamingDataset(shardstream.Mix([url, packed], [1, 1]), decode=None, fields=("__key__",),
+                                         shuffle=True, seed=SEED)
+    D.take_main(mixed, 3)
+    mix_state = mixed.state_dict()
+    assert all(s["dataset"].startswith("keys-") for s in states + [mix_state])
     if suffix == ".tar":  # the same tars indexed since (as the library's warnings advise): still theirs
         from shardstream.adopt import index_tars
 
@@ -588,12 +599,15 @@ def test_a_state_of_webdataset_tars_written_again_in_another_order_is_refused(tm
             again = make(indexed)
             again.load_state_dict(state)
             assert sorted(before + D.flat(D.freeze(item) for item in again)) == keys
+            shardstream.StreamingDataset(shardstream.Mix([indexed, packed], [1, 1]), decode=None, fields=("__key__",),
+                                         shuffle=True, seed=SEED).load_state_dict(mix_state)
         for path in tmp_path.glob("*.idx"):
             path.unlink()
         (tmp_path / "manifest.msgpack").unlink()
     write(1)
-    with pytest.raises(ShardstreamError, match="another dataset"):
-        make(url).load_state_dict(state)
+    for taken in states:
+        with pytest.raises(ShardstreamError, match="another dataset"):
+            make(url).load_state_dict(taken)
 
 
 # -- a state is checked where it is loaded ------------------------------------------------------------------
