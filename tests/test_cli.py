@@ -356,7 +356,7 @@ def test_demo_runs_the_whole_path(tmp_path):
     assert "made 48 ImageNet-like JPEGs" in out
     assert "48 images decoded, ok" in out
     assert out.count("each image exactly once") == 2
-    assert "the same 1 batches as the uninterrupted run" in out
+    assert "the same 1 batch as the uninterrupted run" in out
     assert "JPEG crops decoded by " in out
     from shardstream.reader import TARCUT
     assert ("samples cut out of shards in C" if TARCUT else "the _tarcut extension is not built") in out
