@@ -52,6 +52,7 @@ def build_job(job: tuple[int, list[SourceFile], str, PackOptions, bool]) -> Fram
     samples, skipped, bytes_in = [], [], 0
     misnamed: list[tuple[str, str]] = []
     kept_whole: list[tuple[str, str]] = []
+    frame_bytes = 0  # the tar bytes of the samples taken
     for entry in entries:
         path = entry.full_path(root)
         try:
@@ -72,6 +73,12 @@ def build_job(job: tuple[int, list[SourceFile], str, PackOptions, bool]) -> Fram
                 data, kept = shrink_or_keep(data, opts.max_side, opts.quality, path=path,
                                             as_format=_PILLOW_FORMATS[entry.field])
             _check_fits(entry, len(data))  # as stored (and a file grown since it was looked at)
+            if frame_bytes + tar_size(entry, len(data)) > MAX_FRAME_BYTES:
+                # Planned smaller than it came (grown since it was listed; kept whole where it was to
+                # shrink): taken, it made a frame no reader reads, in a pack that said it was done.
+                raise PackError(f"{len(data)} bytes, with the {frame_bytes} of the images before it in its frame: "
+                                f"past the {MAX_FRAME_BYTES} bytes a frame may hold (the plan took it for smaller: "
+                                f"grown since it was listed at {entry.size} bytes, or kept whole by --max-side)")
         except (OSError, PackError) as e:
             # The manifest records the reason, which must be reproducible: no absolute path.
             why = e.detail if isinstance(e, PackError) else f"unreadable: {reason(e)}"
@@ -89,6 +96,7 @@ def build_job(job: tuple[int, list[SourceFile], str, PackOptions, bool]) -> Fram
                 misnamed.append((entry.path, name or kind))
         if kept is not None:
             kept_whole.append((entry.path, kept))
+        frame_bytes += tar_size(entry, len(data))
         fields = [(entry.field, data)]
         if entry.label is not None:
             fields.append(("cls", str(entry.label).encode("ascii")))

@@ -81,7 +81,12 @@ def _walk(top: str, within: str | None = None) -> Iterator[tuple[str, list[str]]
     top_real = os.path.realpath(top)
     root_real = os.path.realpath(within) if within is not None else None
     visited = {top_real}
-    for folder, dirs, names in os.walk(top, followlinks=True, onerror=_unlistable):
+    # os.walk's order (each folder, then its folders depth first, sorted), with a stack of our own:
+    # Python 3.11's os.walk recurses, and a folder nested 1,000 deep ended `pack` in a RecursionError.
+    stack = [top]
+    while stack:
+        folder = stack.pop()
+        dirs, names = _entries(folder)
         kept = []
         for d in sorted(dirs):
             real = os.path.realpath(os.path.join(folder, d))
@@ -89,8 +94,25 @@ def _walk(top: str, within: str | None = None) -> Iterator[tuple[str, list[str]]
             if real not in visited and not elsewhere:
                 visited.add(real)
                 kept.append(d)
-        dirs[:] = kept
         yield folder, sorted(names)
+        stack.extend(os.path.join(folder, d) for d in reversed(kept))
+
+
+def _entries(folder: str) -> tuple[list[str], list[str]]:
+    """The names in `folder` of its folders (links to folders too) and of the rest, as
+    os.walk tells them apart; a folder that cannot be listed is an error (`_unlistable`)."""
+    dirs, names = [], []
+    try:
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                try:
+                    is_dir = entry.is_dir()
+                except OSError:
+                    is_dir = False
+                (dirs if is_dir else names).append(entry.name)
+    except OSError as error:
+        _unlistable(error)
+    return dirs, names
 
 
 def _unlistable(error: OSError) -> None:

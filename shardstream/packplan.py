@@ -85,12 +85,28 @@ def shrunk_estimates(entries: list[SourceFile], root: str, max_side: int) -> dic
             continue
         try:
             with open(entry.full_path(root), "rb") as f:
-                size = image_size(f.read(1 << 16))
+                head = f.read(1 << 16)
+            size = image_size(head)
         except Exception:  # noqa: BLE001 - any failure means: plan it at its full size
+            continue
+        if _kept_whole(head):  # `shrink_or_keep` keeps its bytes: planned shrunk, 30 of 760 MB made one frame
             continue
         width, height = shrunk_size(size, max_side)
         estimates[entry.path] = max(1, entry.size * width * height // max(1, size[0] * size[1]))
     return estimates
+
+
+def _kept_whole(head: bytes) -> bool:
+    """Whether the image that `head` (its first 64 KB) begins is one `shrink.shrink_or_keep`
+    keeps whole, by its header: an animated PNG (an `acTL` chunk before the image data), an
+    animated WebP (the animation flag of its `VP8X` chunk), a JPEG holding more pictures
+    (an MPO: an APP2 `MPF` segment)."""
+    if head.startswith(b"\x89PNG"):
+        data = head.find(b"IDAT")
+        return b"acTL" in (head if data < 0 else head[:data])
+    if head[:4] == b"RIFF" and head[8:16] == b"WEBPVP8X" and len(head) > 20:
+        return bool(head[20] & 0x02)
+    return head.startswith(b"\xff\xd8") and b"\xff\xe2" in head and b"MPF\x00" in head
 
 
 class PlannedFrame(NamedTuple):

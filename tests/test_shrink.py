@@ -383,6 +383,43 @@ def test_a_16_bit_grey_png_is_shrunk_keeping_its_16_bits():
     assert int(np.asarray(shrunk).max()) > 255  # still 16 bits, not squeezed into 8
 
 
+def test_images_kept_whole_are_planned_at_their_size_and_a_frame_never_passes_its_limit(tmp_path, monkeypatch):
+    """Regression (found by a review of pack under stress): with --max-side, the plan took every larger image
+    for its shrunk size, but animated and multi-picture ones are kept whole: three animated PNGs of 760 MB went
+    into one frame of 2.28 GB, and the pack said it was done over a shard no reader reads (30 of 1.4 MB made a
+    43 MB shard of a 4 MB --shard-size). The plan knows them by their headers now, and a frame is checked as it
+    is built (an image grown since it was listed is the other way in): past its limit, an image is a named
+    skip, or fails the pack."""
+    from shardstream.packplan import _kept_whole
+
+    rng = np.random.default_rng(3)
+    left, right = (Image.fromarray(rng.integers(0, 255, (60, 80, 3), dtype=np.uint8)) for _ in range(2))
+    mpo = io.BytesIO()
+    left.save(mpo, "MPO", save_all=True, append_images=[right])
+    for data, kept in ((animated("PNG"), True), (animated("WEBP"), True), (mpo.getvalue(), True),
+                       (encode(photo(200, 100), "PNG"), False), (encode(photo(200, 100), "WEBP"), False),
+                       (encode(photo(200, 100), "JPEG"), False)):
+        assert _kept_whole(data[: 1 << 16]) is kept
+    src = tmp_path / "src" / "c"
+    src.mkdir(parents=True)
+    for i in range(6):
+        (src / f"a{i}.png").write_bytes(animated("PNG", (120, 80)))
+    plain = ss.pack(str(tmp_path / "src"), str(tmp_path / "planned"), max_side=16, shard_size="60KB", workers=1,
+                    progress=False)
+    sizes = [info.bytes for info in ss.open_dataset(str(tmp_path / "planned")).manifest.shards]
+    assert plain.samples == 6 and len(sizes) > 1  # planned at their size: not one shard of everything
+    import shardstream.framebuild as framebuild
+
+    frame_limit = sum(len(p.read_bytes()) for p in sorted(src.iterdir())[:2]) + 4096  # two fit, not three
+    monkeypatch.setattr(framebuild, "MAX_FRAME_BYTES", frame_limit)
+    with pytest.raises(PackError, match="past the .* bytes a frame may hold"):
+        ss.pack(str(tmp_path / "src"), str(tmp_path / "fail"), workers=1, progress=False)
+    summary = ss.pack(str(tmp_path / "src"), str(tmp_path / "skip"), workers=1, progress=False, on_error="skip")
+    assert summary.samples + len(summary.skipped) == 6 and summary.skipped
+    assert all("a frame may hold" in why for _, why in summary.skipped)
+    assert verify_dataset(str(tmp_path / "skip")).ok
+
+
 def test_a_camera_mpo_keeps_every_picture():
     """Regression: a JPEG holding several pictures (MPO: stereo cameras, depth maps) was
     refused by `--max-side` ("cannot shrink a MPO image"). It keeps its bytes, every picture,
