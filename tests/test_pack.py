@@ -1511,17 +1511,14 @@ def test_a_folder_that_cannot_be_listed_fails_the_pack(image_folder_copy, tmp_pa
     if os.geteuid() == 0:  # root lists anything: make the walk fail as it would for another user
         import shardstream.listing as listing
 
-        real_walk = os.walk
+        real_scandir = os.scandir
 
-        def walk(top, *args, **kwargs):
-            for entry in real_walk(top, *args, **kwargs):
-                yield entry
-                if entry[0].endswith("class_001"):
-                    error = PermissionError(13, "Permission denied")
-                    error.filename = os.path.join(entry[0], "sub")
-                    kwargs["onerror"](error)
+        def scandir(path):
+            if str(path).endswith("class_001"):
+                raise PermissionError(13, "Permission denied", str(path))
+            return real_scandir(path)
 
-        listing.os.walk, restore = walk, real_walk
+        listing.os.scandir, restore = scandir, real_scandir
     else:
         restore = None
         (image_folder_copy / "class_001" / "sub").mkdir()
@@ -1531,7 +1528,7 @@ def test_a_folder_that_cannot_be_listed_fails_the_pack(image_folder_copy, tmp_pa
             run_pack(image_folder_copy, tmp_path / "ds")
     finally:
         if restore is not None:
-            listing.os.walk = restore
+            listing.os.scandir = restore
 
 
 @pytest.mark.parametrize(("options", "message", "with_it"), [
