@@ -89,7 +89,7 @@ def shrunk_estimates(entries: list[SourceFile], root: str, max_side: int) -> dic
             size = image_size(head)
         except Exception:  # noqa: BLE001 - any failure means: plan it at its full size
             continue
-        if _kept_whole(head):  # `shrink_or_keep` keeps its bytes: planned shrunk, 30 of 760 MB made one frame
+        if _kept_whole(head):  # `shrink_or_keep` keeps its bytes: planned shrunk, three of 760 MB made one frame
             continue
         width, height = shrunk_size(size, max_side)
         estimates[entry.path] = max(1, entry.size * width * height // max(1, size[0] * size[1]))

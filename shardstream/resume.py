@@ -274,7 +274,7 @@ def _walks_a_stream(dataset: "StreamingDataset") -> bool:
     return sized or getattr(dataset.source, "weights", None) is not None
 
 
-def _fingerprint_of(dataset: "StreamingDataset", contents: bool | Callable[[], bytes] = True) -> str:
+def _fingerprint_of(dataset: "StreamingDataset", contents: bool | Callable[[], bytes | None] = True) -> str:
     """`dataset`'s fingerprint: with what `Source.contents` knows of its samples (True), with
     nothing of them (False), or with what `contents()` gives."""
     # What decides the epoch sequence besides seed and epoch: the shards, the sampling, the mix.

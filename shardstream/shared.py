@@ -10,7 +10,7 @@ Shared memory crosses into workers when they are started, whatever the start met
 dataset), the state is copied into fresh shared memory instead, so a dataset stays a
 value; and so does a process started with the dataset that is not a DataLoader worker
 of its process (the training processes of `torch.multiprocessing.spawn`), at its first
-use of the state (`SharedState._adopt`).
+use of the state or before it forks, whichever comes first (`SharedState._adopt`).
 """
 
 from __future__ import annotations
@@ -101,7 +101,6 @@ class SharedState:
         else:
             self._arrays, self._owner = (state["ints"], state["floats"]), state["owner"]
             _states.add(self)
-
 
     # -- epoch, and what the processes tell each other of iterations and loaded states --
 
