@@ -28,7 +28,7 @@ from .commands import (cmd_bench, cmd_demo, cmd_index, cmd_inspect, cmd_merge, c
 from .errors import ShardstreamError
 from .parts import MAX_PARTS
 from .shared import SLOTS
-from .streams import QuietStderr, reader_gone
+from .streams import QuietStderr, reader_gone, send_nowhere
 from .writer import MAX_COUNT
 
 
@@ -361,7 +361,7 @@ def _stopped(command: str, error: KeyboardInterrupt, resume: bool) -> int:
     """Say that `command` was stopped by a signal, and return its exit status (128 + its number)."""
     terminated = isinstance(error, Terminated)
     hint = "; --resume continues from the last complete shard" if resume else ""
-    print(f"shardstream {command}: {'terminated (SIGTERM)' if terminated else 'interrupted'}{hint}", file=sys.stderr)
+    print(f"shardstream {command}: {'terminated (SIGTERM)' if terminated else 'interrupted'}{hint}", file=QuietStderr())
     return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
 
 
@@ -374,20 +374,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with _sigterm_interrupts(), _warnings_as_lines(args.command):
             status = int(args.run(args))
-            sys.stdout.flush()  # here, not at exit, where a reader gone is "Exception ignored" and status 120
+            if sys.stdout is not None:  # (None where the command was started with stdout closed: `>&-`)
+                sys.stdout.flush()  # here, not at exit, where a reader gone is "Exception ignored" and status 120
         if len(_SIGTERMS) > sigterms:  # a Terminated dropped where it was raised (see _SIGTERMS)
             return _stopped(args.command, Terminated(), resume)
         return 128 + signal.SIGPIPE if reader_gone() else status
     except ShardstreamError as e:
-        print(f"shardstream {args.command}: error: {e}", file=sys.stderr)
+        print(f"shardstream {args.command}: error: {e}", file=QuietStderr())
         return 1
     except BrokenPipeError:  # `shardstream inspect DST | head`: the reader has gone, as `yes | head` reads
         # Quiet, as Unix tools are; stdout points nowhere, so flushing at exit raises nothing more.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        send_nowhere(sys.stdout)
         return 128 + signal.SIGPIPE
     except OSError as e:  # a file or folder the command was given: missing, not a folder, not writable
         where = f"{e.filename}: " if e.filename is not None else ""
-        print(f"shardstream {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)
+        print(f"shardstream {args.command}: error: {where}{e.strerror or e}", file=QuietStderr())
         return 1
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (`Terminated`)
         return _stopped(args.command, e, resume)

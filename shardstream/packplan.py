@@ -103,10 +103,42 @@ def _kept_whole(head: bytes) -> bool:
     (an MPO: an APP2 `MPF` segment)."""
     if head.startswith(b"\x89PNG"):
         data = head.find(b"IDAT")
-        return b"acTL" in (head if data < 0 else head[:data])
+        at = (head if data < 0 else head[:data]).find(b"acTL")
+        return at >= 0 and int.from_bytes(head[at + 4 : at + 8], "big") > 1  # its frame count: one is a still
     if head[:4] == b"RIFF" and head[8:16] == b"WEBPVP8X" and len(head) > 20:
         return bool(head[20] & 0x02)
-    return head.startswith(b"\xff\xd8") and b"\xff\xe2" in head and b"MPF\x00" in head
+    return head.startswith(b"\xff\xd8") and _mpf_pictures(head) > 1
+
+
+def _mpf_pictures(head: bytes) -> int:
+    """The pictures a JPEG's MPF segment (APP2, ``MPF\\0``, then a TIFF structure) says it
+    holds, as Pillow reads it to call a file MPO (its NumberOfImages tag, 0xB001); 0 where
+    its header segments hold none. A walk of the segments, not a search: an ICC profile is
+    an APP2 segment too, and EXIF text may hold the bytes ``MPF``."""
+    pos = 2
+    while pos + 4 <= len(head) and head[pos] == 0xFF:
+        code, length = head[pos + 1], int.from_bytes(head[pos + 2 : pos + 4], "big")
+        if code == 0xDA or length < 2:  # the image data begins: no more header segments
+            return 0
+        body = head[pos + 4 : pos + 2 + length]
+        if code == 0xE2 and body[:4] == b"MPF\x00":
+            return _tiff_tag(body[4:], 0xB001)
+        pos += 2 + length
+    return 0
+
+
+def _tiff_tag(tiff: bytes, tag: int) -> int:
+    """The value of `tag` (a SHORT or LONG) in the first directory of a TIFF structure; 0 if absent."""
+    order = {b"II": "little", b"MM": "big"}.get(tiff[:2])
+    if order is None or len(tiff) < 8:
+        return 0
+    at = int.from_bytes(tiff[4:8], order)
+    count = int.from_bytes(tiff[at : at + 2], order)
+    for entry in range(at + 2, min(at + 2 + 12 * count, len(tiff) - 11), 12):
+        if int.from_bytes(tiff[entry : entry + 2], order) == tag:
+            kind = int.from_bytes(tiff[entry + 2 : entry + 4], order)
+            return int.from_bytes(tiff[entry + 8 : entry + (10 if kind == 3 else 12)], order)
+    return 0
 
 
 class PlannedFrame(NamedTuple):

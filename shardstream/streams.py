@@ -10,6 +10,7 @@ stream at /dev/null (nothing more to tell, at exit either), and let the command 
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from typing import Any
@@ -19,15 +20,23 @@ __all__ = ["QuietStderr", "reader_gone", "say", "send_nowhere"]
 _reader_gone = False  # stdout's reader went while the command ran
 
 
+# Errors of a write that say the output is gone, not the work: its reader (EPIPE), its terminal
+# hung up (EIO), or the stream closed before the command began (`2>&-`: EBADF).
+_GONE = (errno.EPIPE, errno.EIO, errno.EBADF)
+
+
 def say(*parts: object) -> None:
-    """Print to stdout, flushed, until its reader goes."""
+    """Print to stdout, flushed, until its reader goes (a terminal hung up, a closed stream:
+    the same, without the 141)."""
     global _reader_gone
     if _reader_gone:
         return
     try:
         print(*parts, flush=True)
-    except BrokenPipeError:
-        _reader_gone = True
+    except OSError as error:
+        if error.errno not in _GONE:
+            raise
+        _reader_gone = error.errno == errno.EPIPE
         send_nowhere(sys.stdout)
 
 
@@ -42,15 +51,20 @@ class QuietStderr:
 
     def write(self, text: str) -> int:
         try:
-            return sys.stderr.write(text)
-        except BrokenPipeError:
+            return sys.stderr.write(text) if sys.stderr is not None else len(text)
+        except OSError as error:
+            if error.errno not in _GONE:
+                raise
             send_nowhere(sys.stderr)
             return len(text)
 
     def flush(self) -> None:
         try:
-            sys.stderr.flush()
-        except BrokenPipeError:
+            if sys.stderr is not None:
+                sys.stderr.flush()
+        except OSError as error:
+            if error.errno not in _GONE:
+                raise
             send_nowhere(sys.stderr)
 
     def __getattr__(self, name: str) -> Any:  # isatty, encoding, fileno: tqdm asks
@@ -66,4 +80,8 @@ class QuietStderr:
 
 def send_nowhere(stream: Any) -> None:
     """Point `stream` (sys.stdout, sys.stderr) at /dev/null: its reader has gone."""
-    os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+    nowhere = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(nowhere, stream.fileno())
+    finally:
+        os.close(nowhere)

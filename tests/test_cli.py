@@ -312,6 +312,25 @@ def test_a_reader_of_both_outputs_gone_stops_neither_a_pack_nor_the_demo(image_f
     assert open_dataset(str(tars)).manifest.samples == 1
 
 
+def test_a_stream_closed_before_the_command_began_stops_nothing(image_folder, packed, tmp_path):
+    """Found by the fourth review of this session's changes: `inspect >&-` (Python's sys.stdout is None then)
+    ended in an AttributeError, status 1; `pack 2>&-` stopped at its progress bar's first write (EBADF, which
+    tqdm lets through), no manifest; and an error told on a stderr whose reader had gone gave status 120, not 1.
+    The work is done, and the status is the command's."""
+    def run(fd: int, *args: object) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "shardstream.cli", *map(str, args)], timeout=120,
+                              preexec_fn=lambda: os.close(fd), stdout=subprocess.DEVNULL if fd != 1 else None,
+                              stderr=subprocess.DEVNULL if fd != 2 else None)
+
+    assert run(1, "inspect", packed).returncode == 0
+    assert run(2, "pack", image_folder, tmp_path / "ds", "--shard-size", "60KB", "--workers", "1").returncode == 0
+    assert open_dataset(str(tmp_path / "ds")).manifest.samples == len(list(image_folder.rglob("*.jpg")))
+    with subprocess.Popen([sys.executable, "-m", "shardstream.cli", "inspect", tmp_path / "missing"],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as proc:
+        proc.stderr.close()
+        assert proc.wait(timeout=120) == 1
+
+
 def test_bench_file_options_are_checked_before_the_run(packed, tmp_path):
     """`--plot curve` wrote curve.png and said "wrote curve"; --json and --plot naming one file let the plot
     replace the JSON; `demo --keep s3://...` made a local folder named `s3:` (found by a review of the command

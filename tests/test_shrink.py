@@ -6,6 +6,7 @@ import io
 import struct
 import subprocess
 import sys
+import zlib
 
 import numpy as np
 import pytest
@@ -396,9 +397,24 @@ def test_images_kept_whole_are_planned_at_their_size_and_a_frame_never_passes_it
     left, right = (Image.fromarray(rng.integers(0, 255, (60, 80, 3), dtype=np.uint8)) for _ in range(2))
     mpo = io.BytesIO()
     left.save(mpo, "MPO", save_all=True, append_images=[right])
+    # Not taken for them (found by a later review: each made a shard an image): a JPEG with an ICC profile (an
+    # APP2 segment too) whose EXIF text holds "MPF", and an APNG of one frame, which Pillow shrinks as a still.
+    srgb = ImageCms.ImageCmsProfile(ImageCms.createProfile("sRGB")).tobytes()
+    exif = Image.Exif()
+    exif[0x010E] = "scene MPF\x00 mode"
+    profiled = io.BytesIO()
+    photo(200, 100).save(profiled, "JPEG", icc_profile=srgb, exif=exif.tobytes())
+    png = encode(photo(200, 100), "PNG")
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    one_frame = (png[:33] + chunk(b"acTL", struct.pack(">II", 1, 0))
+                 + chunk(b"fcTL", struct.pack(">IIIIIHHBB", 0, 200, 100, 0, 0, 1, 10, 0, 0)) + png[33:])
+    assert getattr(Image.open(io.BytesIO(one_frame)), "n_frames", 1) == 1
     for data, kept in ((animated("PNG"), True), (animated("WEBP"), True), (mpo.getvalue(), True),
-                       (encode(photo(200, 100), "PNG"), False), (encode(photo(200, 100), "WEBP"), False),
-                       (encode(photo(200, 100), "JPEG"), False)):
+                       (png, False), (encode(photo(200, 100), "WEBP"), False),
+                       (encode(photo(200, 100), "JPEG"), False), (profiled.getvalue(), False), (one_frame, False)):
         assert _kept_whole(data[: 1 << 16]) is kept
     src = tmp_path / "src" / "c"
     src.mkdir(parents=True)
