@@ -26,8 +26,8 @@ from .errors import shown_url
 from .perprocess import PerProcess
 from .watchdog import Watchdog
 
-__all__ = ["DEADLINE_BYTES_PER_READ", "BodyTooLongError", "RequestDeadlineError", "deadline_s", "headers_due", "read_body", "watched",
-           "within"]
+__all__ = ["DEADLINE_BYTES_PER_READ", "BodyTooLongError", "RequestDeadlineError", "deadline_s", "headers_due",
+           "read_body", "watched", "within"]
 
 
 # When the headers of the request this thread is making are due (`headers_due` sets it), and

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from .errors import ShardstreamError
-from .plan import MAX_WORLD_SIZE, PARTIAL, Layout, consumed_positions, left_out_positions, rank_block_length, remaining_after, worker_items
+from .plan import (MAX_WORLD_SIZE, PARTIAL, Layout, consumed_positions, left_out_positions, rank_block_length,
+                   remaining_after, worker_items)
 from .roundrobin import EndlessDeal
 from .shared import SLOTS
 from .source import KEYS
