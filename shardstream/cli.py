@@ -28,7 +28,7 @@ from .commands import (cmd_bench, cmd_demo, cmd_index, cmd_inspect, cmd_merge, c
 from .errors import ShardstreamError
 from .parts import MAX_PARTS
 from .shared import SLOTS
-from .streams import QuietStderr, reader_gone, send_nowhere
+from .streams import QuietStderr, output_lost, reader_gone, send_nowhere
 from .writer import MAX_COUNT
 
 
@@ -378,7 +378,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 sys.stdout.flush()  # here, not at exit, where a reader gone is "Exception ignored" and status 120
         if len(_SIGTERMS) > sigterms:  # a Terminated dropped where it was raised (see _SIGTERMS)
             return _stopped(args.command, Terminated(), resume)
-        return 128 + signal.SIGPIPE if reader_gone() else status
+        if reader_gone():
+            return 128 + signal.SIGPIPE
+        if (lost := output_lost()) is not None:  # its work done, its output not (stdout on a full disk)
+            print(f"shardstream {args.command}: error: could not write its output: {lost.strerror or lost}",
+                  file=QuietStderr())
+            return 1
+        return status
     except ShardstreamError as e:
         print(f"shardstream {args.command}: error: {e}", file=QuietStderr())
         return 1

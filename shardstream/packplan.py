@@ -13,7 +13,7 @@ not import the orchestration.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, BinaryIO, NamedTuple
 
 import numpy as np
 
@@ -86,28 +86,45 @@ def shrunk_estimates(entries: list[SourceFile], root: str, max_side: int) -> dic
         try:
             with open(entry.full_path(root), "rb") as f:
                 head = f.read(1 << 16)
-            size = image_size(head)
+                size = image_size(head)
+                if _kept_whole(head, f):  # `shrink_or_keep` keeps its bytes: planned shrunk, 3 of 760 MB made a frame
+                    continue
         except Exception:  # noqa: BLE001 - any failure means: plan it at its full size
-            continue
-        if _kept_whole(head):  # `shrink_or_keep` keeps its bytes: planned shrunk, three of 760 MB made one frame
             continue
         width, height = shrunk_size(size, max_side)
         estimates[entry.path] = max(1, entry.size * width * height // max(1, size[0] * size[1]))
     return estimates
 
 
-def _kept_whole(head: bytes) -> bool:
-    """Whether the image that `head` (its first 64 KB) begins is one `shrink.shrink_or_keep`
-    keeps whole, by its header: an animated PNG (an `acTL` chunk before the image data), an
+def _kept_whole(head: bytes, f: BinaryIO) -> bool:
+    """Whether the image that `head` (the first 64 KB of the file `f`) begins is one
+    `shrink.shrink_or_keep` keeps whole, by its header: an animated PNG (`_png_frames`), an
     animated WebP (the animation flag of its `VP8X` chunk), a JPEG holding more pictures
     (an MPO: an APP2 `MPF` segment)."""
     if head.startswith(b"\x89PNG"):
-        data = head.find(b"IDAT")
-        at = (head if data < 0 else head[:data]).find(b"acTL")
-        return at >= 0 and int.from_bytes(head[at + 4 : at + 8], "big") > 1  # its frame count: one is a still
+        return _png_frames(f) > 1
     if head[:4] == b"RIFF" and head[8:16] == b"WEBPVP8X" and len(head) > 20:
         return bool(head[20] & 0x02)
     return head.startswith(b"\xff\xd8") and _mpf_pictures(head) > 1
+
+
+def _png_frames(f: BinaryIO) -> int:
+    """The frames Pillow counts in the PNG `f` (`n_frames`), from its chunks before the image
+    data, their bodies skipped (an ICC profile or a comment may put `acTL` past 64 KB): an
+    `acTL`'s count, and one more where the image before the animation is not one of its
+    frames (no `fcTL` before the first `IDAT`); 1 for a still."""
+    f.seek(8)
+    frames, framed = None, False
+    while len(chunk := f.read(8)) == 8:
+        length, kind = int.from_bytes(chunk[:4], "big"), chunk[4:]
+        if kind == b"IDAT":
+            break
+        if kind == b"acTL":
+            frames = int.from_bytes(f.read(4), "big")
+            length -= 4
+        framed |= kind == b"fcTL"
+        f.seek(length + 4, 1)  # the body (what is left of it) and the CRC
+    return 1 if frames is None else frames + (0 if framed else 1)
 
 
 def _mpf_pictures(head: bytes) -> int:

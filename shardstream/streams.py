@@ -15,9 +15,10 @@ import os
 import sys
 from typing import Any
 
-__all__ = ["QuietStderr", "reader_gone", "say", "send_nowhere"]
+__all__ = ["QuietStderr", "output_lost", "reader_gone", "say", "send_nowhere"]
 
 _reader_gone = False  # stdout's reader went while the command ran
+_lost: OSError | None = None  # what failed a write to stdout otherwise (a full disk)
 
 
 # Errors of a write that say the output is gone, not the work: its reader (EPIPE), its terminal
@@ -27,17 +28,24 @@ _GONE = (errno.EPIPE, errno.EIO, errno.EBADF)
 
 def say(*parts: object) -> None:
     """Print to stdout, flushed, until its reader goes (a terminal hung up, a closed stream:
-    the same, without the 141)."""
-    global _reader_gone
-    if _reader_gone:
+    the same, without the 141). A write that fails otherwise (stdout on a full disk) does
+    not stop the work either: the command ends with status 1 after it (`output_lost`)."""
+    global _reader_gone, _lost
+    if _reader_gone or _lost is not None:
         return
     try:
         print(*parts, flush=True)
     except OSError as error:
-        if error.errno not in _GONE:
-            raise
-        _reader_gone = error.errno == errno.EPIPE
+        if error.errno in _GONE:
+            _reader_gone = error.errno == errno.EPIPE
+        else:
+            _lost = error
         send_nowhere(sys.stdout)
+
+
+def output_lost() -> OSError | None:
+    """The error that failed a write to stdout other than its reader's going (`say`), if any."""
+    return _lost
 
 
 def reader_gone() -> bool:
@@ -46,15 +54,14 @@ def reader_gone() -> bool:
 
 
 class QuietStderr:
-    """sys.stderr, as it is when written to, until its reader goes: progress bars, warnings
-    and messages written to it then go nowhere, and the work they tell of goes on."""
+    """sys.stderr, as it is when written to, until a write to it fails (its reader gone, its
+    disk full): progress bars, warnings and messages written to it then go nowhere, and the
+    work they tell of goes on (a bar on a full disk stopped a pack before its first shard)."""
 
     def write(self, text: str) -> int:
         try:
             return sys.stderr.write(text) if sys.stderr is not None else len(text)
-        except OSError as error:
-            if error.errno not in _GONE:
-                raise
+        except OSError:
             send_nowhere(sys.stderr)
             return len(text)
 
@@ -62,9 +69,7 @@ class QuietStderr:
         try:
             if sys.stderr is not None:
                 sys.stderr.flush()
-        except OSError as error:
-            if error.errno not in _GONE:
-                raise
+        except OSError:
             send_nowhere(sys.stderr)
 
     def __getattr__(self, name: str) -> Any:  # isatty, encoding, fileno: tqdm asks

@@ -331,6 +331,25 @@ def test_a_stream_closed_before_the_command_began_stops_nothing(image_folder, pa
         assert proc.wait(timeout=120) == 1
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full here")
+def test_an_output_on_a_full_disk_stops_no_work(image_folder, tmp_path):
+    """Found by the fifth review of this session's changes: with stderr on a full disk (ENOSPC), a pack stopped
+    at its progress bar's first write, before its first shard, and its error escaped `main` (told on that same
+    stderr). Diagnostics that cannot be written are dropped; stdout that cannot be written fails the command
+    (status 1) once its work is done."""
+    def pack(dst, **streams):
+        with open("/dev/full", "w") as full:
+            return subprocess.run([sys.executable, "-m", "shardstream.cli", "pack", image_folder, dst, "--shard-size",
+                                   "60KB", "--workers", "1"], timeout=120,
+                                  **{name: full for name in streams}, **{k: subprocess.DEVNULL for k in
+                                                                         ("stdout", "stderr") if k not in streams})
+    expected = len(list(image_folder.rglob("*.jpg")))
+    assert pack(tmp_path / "a", stderr=True).returncode == 0
+    assert open_dataset(str(tmp_path / "a")).manifest.samples == expected
+    assert pack(tmp_path / "b", stdout=True).returncode == 1
+    assert open_dataset(str(tmp_path / "b")).manifest.samples == expected
+
+
 def test_bench_file_options_are_checked_before_the_run(packed, tmp_path):
     """`--plot curve` wrote curve.png and said "wrote curve"; --json and --plot naming one file let the plot
     replace the JSON; `demo --keep s3://...` made a local folder named `s3:` (found by a review of the command

@@ -412,10 +412,21 @@ def test_images_kept_whole_are_planned_at_their_size_and_a_frame_never_passes_it
     one_frame = (png[:33] + chunk(b"acTL", struct.pack(">II", 1, 0))
                  + chunk(b"fcTL", struct.pack(">IIIIIHHBB", 0, 200, 100, 0, 0, 1, 10, 0, 0)) + png[33:])
     assert getattr(Image.open(io.BytesIO(one_frame)), "n_frames", 1) == 1
-    for data, kept in ((animated("PNG"), True), (animated("WEBP"), True), (mpo.getvalue(), True),
+    # Taken for them (a later review): one frame of animation after an image that is not one of its frames
+    # (Pillow counts two), and an animation whose acTL comes after a 70 KB comment (past the 64 KB read first).
+    from PIL import PngImagePlugin
+
+    default_apart, commented = io.BytesIO(), io.BytesIO()
+    photo(200, 100).save(default_apart, "PNG", save_all=True, append_images=[photo(200, 100, seed=1)],
+                         default_image=True)
+    note = PngImagePlugin.PngInfo()
+    note.add_text("comment", "x" * 70_000)
+    photo(200, 100).save(commented, "PNG", save_all=True, append_images=[photo(200, 100, seed=1)], pnginfo=note)
+    assert Image.open(io.BytesIO(default_apart.getvalue())).n_frames == 2
+    for data, kept in ((default_apart.getvalue(), True), (commented.getvalue(), True),(animated("PNG"), True), (animated("WEBP"), True), (mpo.getvalue(), True),
                        (png, False), (encode(photo(200, 100), "WEBP"), False),
                        (encode(photo(200, 100), "JPEG"), False), (profiled.getvalue(), False), (one_frame, False)):
-        assert _kept_whole(data[: 1 << 16]) is kept
+        assert _kept_whole(data[: 1 << 16], io.BytesIO(data)) is kept
     src = tmp_path / "src" / "c"
     src.mkdir(parents=True)
     for i in range(6):
