@@ -73,7 +73,8 @@ def build_job(job: tuple[int, list[SourceFile], str, PackOptions, bool]) -> Fram
                 data, kept = shrink_or_keep(data, opts.max_side, opts.quality, path=path,
                                             as_format=_PILLOW_FORMATS[entry.field])
             _check_fits(entry, len(data))  # as stored (and a file grown since it was looked at)
-            if frame_bytes + tar_size(entry, len(data)) > MAX_FRAME_BYTES:
+            taken = tar_size(entry, len(data))
+            if frame_bytes + taken > MAX_FRAME_BYTES:
                 # Planned smaller than it came (grown since it was listed; kept whole where it was to
                 # shrink): taken, it made a frame no reader reads, in a pack that said it was done.
                 raise PackError(f"{len(data)} bytes, with the {frame_bytes} of the images before it in its frame: "
@@ -96,7 +97,7 @@ def build_job(job: tuple[int, list[SourceFile], str, PackOptions, bool]) -> Fram
                 misnamed.append((entry.path, name or kind))
         if kept is not None:
             kept_whole.append((entry.path, kept))
-        frame_bytes += tar_size(entry, len(data))
+        frame_bytes += taken
         fields = [(entry.field, data)]
         if entry.label is not None:
             fields.append(("cls", str(entry.label).encode("ascii")))
