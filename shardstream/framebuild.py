@@ -39,12 +39,13 @@ class FrameResult:
     kept_whole: list[tuple[str, str]] = field(default_factory=list)
 
 
-def _check_fits(entry: SourceFile, size: int) -> None:
+def _check_fits(entry: SourceFile, size: int, shrinking: bool = False) -> None:
     """A PackError where an image of `size` bytes would make a sample larger than any frame
     may hold: written, no reader would read it (FORMAT.md, limits)."""
     if tar_size(entry, size) > MAX_FRAME_BYTES:
+        also = "; --max-side reads no file this large" if shrinking else ""
         raise PackError(f"{size} bytes: larger than a sample may be ({MAX_FRAME_BYTES} bytes in the tar, "
-                        "FORMAT.md)")
+                        f"FORMAT.md){also}")
 
 
 def build_job(job: tuple[int, list[SourceFile], str, PackOptions, bool]) -> FrameResult:
@@ -61,8 +62,9 @@ def build_job(job: tuple[int, list[SourceFile], str, PackOptions, bool]) -> Fram
             found = os.stat(path)
             if not stat.S_ISREG(found.st_mode):  # a FIFO or a device: opening it would wait forever
                 raise PackError("not a regular file", url=printable(path))
-            if opts.max_side is None:  # refused before 2 GiB are read
-                _check_fits(entry, found.st_size)
+            # Refused before 2 GiB are read; with --max-side too, where it might have shrunk: an image
+            # within Pillow's pixel limit is far smaller than that, so such a file is mostly other bytes.
+            _check_fits(entry, found.st_size, shrinking=opts.max_side is not None)
             with open(path, "rb") as f:
                 data = f.read()
             kind = check_image(data, path)

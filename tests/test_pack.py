@@ -1602,6 +1602,10 @@ def test_an_image_larger_than_a_sample_may_be_is_refused_before_it_is_read(image
     assert sum(ref.info.samples for ref in open_dataset(str(tmp_path / "ds")).shards) == summary.samples > 0
     with pytest.raises(PackError, match="huge.jpg: 2147487744 bytes: larger than a sample may be"):
         run_pack(image_folder_copy, tmp_path / "ds2")
+    # Where it would shrink (Pillow decodes the JPEG before the zeros): it took 2 GiB of memory first, and
+    # was packed. No image within Pillow's pixel limit is that large.
+    shrunk = run_pack(image_folder_copy, tmp_path / "ds3", on_error="skip", max_side=16)
+    assert shrunk.skipped == [("class_000/huge.jpg", f"{why}; --max-side reads no file this large")]
 
 
 @pytest.mark.parametrize("stat_seconds", [5e-6, 2 * SLOW_STAT_S])  # a local disk's stat; a network file system's
