@@ -23,7 +23,7 @@ import numpy as np
 import zstandard
 
 from . import tario
-from .errors import CorruptIndexError, CorruptShardError, ShardstreamError
+from .errors import CorruptIndexError, CorruptShardError, ShardstreamError, StorageError
 from .format import INDEX_SUFFIX, MAX_FRAME_BYTES, ShardIndex, ShardInfo
 from .indexes import load_index
 from .storage import Store
@@ -123,6 +123,7 @@ class ShardReader:
         self.info = info
         self._index = index
         self._index_error: tuple[ShardstreamError, Any] | None = None  # the failed load, and its traceback
+        self._size_checked = False  # a local shard's size against its manifest's, at the first read
         self._lock = threading.Lock()
 
     @property
@@ -154,6 +155,20 @@ class ShardReader:
             raise CorruptIndexError(f"index points to byte {end}, past the end of the shard ({size} bytes)",
                                     url=self.store.url(self.info.index if self.info else self.name + INDEX_SUFFIX))
         return index
+
+    def _check_local_size(self, size: int) -> None:
+        """A `StorageError` where the local shard has grown past its manifest's `size`:
+        written again since (a tar indexed in place that its writer wrote again with more
+        samples), its index reads the old samples' places and leaves the rest out, silently.
+        One shorter fails as damaged data where a read finds it short (`on_error` applies).
+        The direct HTTP(S) and S3 readers see a remote shard's size in every response; this
+        stat, at a reader's first read of samples, does it for local ones (not as its index
+        is loaded: planning by labels loads every shard's, a stat each on a network disk)."""
+        found = self.store.size(self.name)
+        if found > size:
+            raise StorageError(f"{found} bytes, where its manifest says {size}: written again since the manifest was "
+                               "(tars indexed in place: `shardstream index --overwrite` indexes them again)",
+                               url=self.url)
 
     def __len__(self) -> int:
         return len(self.index)
@@ -213,6 +228,10 @@ class ShardReader:
     def read(self, start: int, stop: int) -> Iterator[Sample]:
         """The samples [start, stop) in order."""
         index = self.index
+        if not self._size_checked:
+            if self.info is not None and self.store.local:
+                self._check_local_size(self.info.bytes)
+            self._size_checked = True
         if not 0 <= start <= stop <= len(index):
             raise IndexError(f"range [{start}, {stop}) out of bounds for {self.url} ({len(index)} samples)")
         if start == stop:

@@ -360,6 +360,9 @@ def iter_stream_members(f: BinaryIO, *, url: str, verify: bool = True) -> Iterat
     while True:
         block = read(BLOCK)
         if not block:
+            if not offset:  # a copy or upload cut before its first byte: a whole shard lost, silently
+                raise CorruptShardError("empty file: no tar header (tar, tarfile and WebDataset refuse it too)",
+                                        url=url, offset=0)
             return  # EOF without an end-of-archive block: accepted, as GNU tar does
         header = parse_header(block, url, offset, verify, long_name is not None) if offset else \
             _first_header(block, url, verify)

@@ -196,6 +196,41 @@ def test_a_truncated_tar_names_the_shard_and_writes_no_manifest(wds_folder):
     assert not (folder / MANIFEST_NAME).exists()
 
 
+def test_a_tar_indexed_in_place_and_written_again_larger_is_refused_not_read_in_part(wds_folder, write_webdataset):
+    """Regression: a tar indexed in place that its WebDataset writer wrote again with more
+    samples was read through its old index: its first samples, the others left out silently."""
+    folder, samples = wds_folder
+    index_tars(str(folder))
+    before = len(list(ss.StreamingDataset(str(folder), decode=None)))
+    grown = write_webdataset(samples, folder.parent / "grown", 8)  # 8 samples a shard, where 5 were indexed
+    shutil.copyfile(grown / "shard-000000.tar", folder / "shard-000000.tar")
+    with pytest.raises(ss.StorageError, match=r"shard-000000\.tar: \d+ bytes, where its manifest says \d+.*--overwrite"):
+        list(ss.StreamingDataset(str(folder), decode=None))
+    index_tars(str(folder), overwrite=True)
+    assert len(list(ss.StreamingDataset(str(folder), decode=None))) == before + 3
+
+
+@pytest.mark.parametrize("name", ["b.tar", "b.tar.gz"])
+def test_an_empty_file_is_no_tar(tmp_path, name):
+    """Regression: a shard of 0 bytes (a copy cut before its first byte) was read as a tar of no
+    samples, and `index` left it out of the manifest: a whole shard lost, silently. tar, tarfile
+    and WebDataset refuse it; a tar of no members (its end-of-archive blocks) is still empty."""
+    folder = tmp_path / "tars"
+    folder.mkdir()
+    with tarfile.open(folder / "a.tar", "w") as tar:
+        _member(tar, "s.txt")
+    (folder / name).write_bytes(b"")
+    for read in (lambda: list(ss.open_shard(str(folder / name))),
+                 lambda: list(ss.StreamingDataset([str(folder / "a.tar"), str(folder / name)], decode=None))):
+        with pytest.raises(CorruptShardError, match=rf"{name}, byte 0: empty file"):
+            read()
+    if name.endswith(".tar"):
+        with pytest.raises(CorruptShardError, match=rf"{name}, byte 0: empty file"):
+            index_tars(str(folder))
+    tarfile.open(folder / name, "w:gz" if name.endswith(".gz") else "w").close()
+    assert list(ss.open_shard(str(folder / name))) == []
+
+
 def test_long_member_names_and_empty_tars(tmp_path):
     """pax long names (keys over 100 characters) index as they read; a tar of no files is left out."""
     folder = tmp_path / "tars"
