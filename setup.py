@@ -4,8 +4,9 @@
 needs, through libjpeg-turbo (1.5 or later: the `libjpeg-dev` or `libjpeg62-turbo-dev`
 package on Debian and Ubuntu, `libjpeg-turbo-devel` on Fedora, `jpeg-turbo` in
 Homebrew, found through pkg-config where it is installed), and a C compiler. It is
-optional: where it does not build, pip warns and goes on, and shardstream decodes
-whole images instead (`shardstream.decode.REGION_DECODER` says which).
+optional: where it does not build, setuptools warns (pip shows it with `-v` only) and
+goes on, and shardstream decodes whole images instead (`shardstream.decode.REGION_DECODER`
+says which; `shardstream demo` says it too).
 
 `shardstream._tarcut` cuts samples out of shard pieces and decompresses zstd frames for
 the raw-read path. It needs only a C compiler and libzstd's runtime library

@@ -51,8 +51,8 @@ def pack_with_ray(src: str, dst: str, *, parts: int, address: str | None = None,
     progress = flag(progress, "progress")
     try:
         import ray
-    except ImportError as e:
-        raise ImportError("the Ray executor needs ray: pip install 'shardstream[ray]'") from e
+    except ImportError:  # a PackError: the command line says it in a line, as any other refusal
+        raise PackError("the Ray executor needs ray: pip install 'shardstream[ray]'") from None
     from .progress import progress_bar
 
     if not ray.is_initialized():

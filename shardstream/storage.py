@@ -87,7 +87,11 @@ def _with_timeouts(root: str, options: Mapping[str, Any]) -> dict[str, Any]:
         config.setdefault("read_timeout", HTTP_READ_TIMEOUT_S)
         options["config_kwargs"] = config
     if root.startswith(("http://", "https://")) and "timeout" not in options.get("client_kwargs", {}):
-        import aiohttp
+        try:
+            import aiohttp
+        except ImportError:  # the extra not installed: say which, not a bare module name
+            raise StorageError("http(s):// needs aiohttp, which fsspec's HTTP file system reads with (and "
+                               "urllib3 for ranged reads): pip install 'shardstream[http]'", url=root) from None
 
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=HTTP_CONNECT_TIMEOUT_S,
                                         sock_read=HTTP_READ_TIMEOUT_S)
@@ -104,7 +108,10 @@ def _s3_filesystem_class() -> type[fsspec.AbstractFileSystem]:
     user's own, and is not read here: a store's retries are `RetryPolicy`'s alone."""
     import fsspec
 
-    registered = fsspec.get_filesystem_class("s3")  # imports s3fs where that is what is registered
+    try:
+        registered = fsspec.get_filesystem_class("s3")  # imports s3fs where that is what is registered
+    except ImportError:  # fsspec's "Install s3fs to access S3", with the extra that brings it
+        raise StorageError("s3:// needs s3fs: pip install 'shardstream[s3]'") from None
     s3fs = sys.modules.get("s3fs")
     if s3fs is None or registered is not s3fs.S3FileSystem:
         return registered

@@ -728,6 +728,25 @@ def test_pack_options_of_another_mode_are_refused(image_folder, tmp_path, extra,
     assert not (tmp_path / "ds").exists()
 
 
+@pytest.mark.parametrize(("absent", "command", "extra"), [
+    (("ray",), ("pack", "{src}", "{dst}", "--executor", "ray"), "ray"),
+    (("aiohttp", "urllib3"), ("inspect", "http://127.0.0.1:9/ds"), "http"),
+])
+def test_a_missing_extra_is_named_in_one_line(image_folder, tmp_path, monkeypatch, capsys, absent, command, extra):
+    """Regression: `pack --executor ray` without ray ended in a two-part traceback, and an http://
+    dataset without the http extra in "No module named 'aiohttp'". One line, naming the extra to install."""
+    from shardstream import cli
+
+    for module in absent:
+        monkeypatch.setitem(sys.modules, module, None)  # as if not installed
+    args = [arg.format(src=image_folder, dst=tmp_path / "ds") for arg in command]
+    assert cli.main([*args, "--quiet"] if command[0] == "pack" else args) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"shardstream {command[0]}: error:") and f"pip install 'shardstream[{extra}]'" in err, err
+    assert not (tmp_path / "ds").exists()
+
+
 @pytest.mark.parametrize("text", ['{"key": "AKIAEXAMPLE", "secret": "TOPSECRETVALUE",}', '["TOPSECRETVALUE"]'])
 def test_bad_storage_options_are_not_echoed(text, tmp_path):
     """Regression: a typo in --storage-options put the whole JSON text, secret key included, in the error."""

@@ -272,7 +272,9 @@ def test_region_decode_gives_the_pixels_of_the_whole_decode():
 
 @needs_region_decoder
 def test_crop_resize_gives_the_same_tensor_with_and_without_the_region_decoder(monkeypatch):
-    """Byte for byte at full scale; within one level at a DCT reduction (float rounding of the box offset)."""
+    """Byte for byte where the box is whole pixels at full scale (RandomResizedCropJPEG's, mostly); within a
+    level where it falls between pixels (CenterCropJPEG's box, a DCT reduction): Pillow's filter takes the box's
+    offset from the region's origin there, not the image's, and its float rounding moves a level now and then."""
     import shardstream.decode as decode
 
     plans, datas = [], []
@@ -292,8 +294,11 @@ def test_crop_resize_gives_the_same_tensor_with_and_without_the_region_decoder(m
         assert a.shape == b.shape == (3, plan.size[1], plan.size[0]) and a.dtype == torch.uint8
         diff = (a.int() - b.int()).abs().max().item()
         assert diff <= 1, plan
-        same += diff == 0
-    assert same > len(plans) // 2
+        (_, _, h, w), exact = plan.box, all(float(v).is_integer() for v in plan.box) and not plan.resized_first
+        if exact and w < 2 * plan.size[0] and h < 2 * plan.size[1]:  # no reduction can apply
+            assert diff == 0, plan
+            same += 1
+    assert same > len(plans) // 3
 
 
 @needs_region_decoder
