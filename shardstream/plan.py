@@ -28,6 +28,8 @@ is all the state a resume needs.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -58,6 +60,7 @@ __all__ = [
     "remaining_sequence",
     "samples_of_items",
     "rng_for",
+    "streams_digest",
 ]
 
 PARTIAL = ("pad", "drop")
@@ -95,7 +98,26 @@ def rng_for(seed: int, *parts: int) -> np.random.Generator:
     for value in (seed, *parts):
         value &= 0xFFFFFFFFFFFFFFFF
         words += [value & 0xFFFFFFFF, value >> 32]
-    return np.random.default_rng(np.random.SeedSequence(words))
+    # PCG64 by name, not `default_rng`'s default, which numpy may change (to PCG64DXSM):
+    # every plan, and every resume state's replay, would then change with it.
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(words)))
+
+
+@functools.cache
+def streams_digest() -> str:
+    """A digest of draws of the kinds every plan is made of (`rng_for`'s permutations and
+    uniforms): where it differs, this numpy makes other plans from the same seed.
+
+    numpy promises the same draws only from the same build ("Compatibility policy" of
+    `numpy.random`): a resume state taken under a numpy that shuffles otherwise would be
+    replayed onto another order, samples repeated and lost without a word. A state
+    carries the digest, and one taken under other draws is refused (`resume.ResumeState`)."""
+    rng = rng_for(0x5EED, 1, 2)
+    digest = hashlib.sha256()
+    for n in (2, 3, 10, 1000, 100_000):
+        digest.update(rng.permutation(n).astype("<i8").tobytes())
+    digest.update(rng.random(64).astype("<f8").tobytes())
+    return digest.hexdigest()[:16]
 
 
 def epoch_sequence(counts: Sequence[int] | np.ndarray, seed: int, epoch: int, shuffle: bool,

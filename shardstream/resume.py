@@ -28,7 +28,7 @@ import numpy as np
 
 from .errors import ShardstreamError
 from .plan import (MAX_WORLD_SIZE, PARTIAL, Layout, consumed_positions, left_out_positions, rank_block_length,
-                   remaining_after, worker_items)
+                   remaining_after, streams_digest, worker_items)
 from .roundrobin import EndlessDeal
 from .shared import SLOTS
 from .source import KEYS
@@ -113,6 +113,9 @@ class ResumeState:
     # One DataLoader worker's own place, (plan worker, items it has yielded this epoch):
     # torchdata's StatefulDataLoader keeps a state per worker and restores each itself.
     position: tuple[int, int] | None = None
+    # `plan.streams_digest()` where the state was taken (None in states from before it was
+    # kept): the plan it replays is the same here only where the random draws are.
+    streams: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {
@@ -126,6 +129,9 @@ class ResumeState:
         }
         if self.position is not None:
             out["position"] = list(self.position)
+        if self.streams is not None:
+            out["streams"] = self.streams
+            out["numpy"] = np.__version__  # for the message where the streams differ
         return out
 
     @classmethod
@@ -149,7 +155,15 @@ class ResumeState:
                            for i, s in enumerate(_list(_entry(raw, "finished", ""), "finished"))),
             current=current,
             position=_position(raw.get("position"), current.layout.workers),
+            streams=None if raw.get("streams") is None else _str(raw["streams"], "streams"),
         )
+        if state.streams is not None and state.streams != streams_digest():
+            numpy = raw.get("numpy")
+            taken = f"numpy {numpy}" if isinstance(numpy, str) and len(numpy) < 40 else "another numpy"
+            raise ShardstreamError(
+                f"resume state was planned with other random draws ({taken}; this is numpy {np.__version__}, "
+                "whose permutations differ): its epoch would be replayed onto another order, samples repeated and "
+                "lost. Resume with the numpy that took it, or start the epoch afresh without the state")
         if version == 1 and _walks_a_stream(dataset):
             raise ShardstreamError(
                 "resume state version 1 was taken when a Mix and samples_per_epoch drew each epoch afresh; they now "
@@ -180,7 +194,7 @@ class ResumeState:
         resume = dataset._state_resume(world)
         epoch = resume.epoch if resume is not None else dataset.epoch
         return cls(_fingerprint_of(dataset), dataset.seed, dataset.shuffle, epoch,
-                   finished_before(resume, layout), Segment(layout, delivered))
+                   finished_before(resume, layout), Segment(layout, delivered), streams=streams_digest())
 
 
 def _position(raw: Any, workers: int) -> tuple[int, int] | None:
@@ -410,4 +424,5 @@ def endless_onto(resume: ResumeState, layout: Layout, remaining: int, full: int)
         per_worker_list[deal.share(w, k)] = into if epochs == k else deal.items(w, k)
     per_worker = tuple(per_worker_list)
     finished = (resume.finished if k == 0 else ()) + (Segment(old, sum(per_worker), per_worker),)
-    return ResumeState(resume.dataset, resume.seed, resume.shuffle, resume.epoch + k, finished, Segment(layout, 0))
+    return ResumeState(resume.dataset, resume.seed, resume.shuffle, resume.epoch + k, finished, Segment(layout, 0),
+                       streams=resume.streams)

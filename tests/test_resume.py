@@ -661,6 +661,30 @@ def test_a_malformed_state_is_refused_naming_the_field(url, path, value, message
     assert len(resumed) == len(dataset(url)), "a refused state leaves the dataset as it was"
 
 
+def test_a_state_planned_under_other_random_draws_is_refused(url, monkeypatch):
+    """Regression: a resume replays the epoch's plan from numpy's draws, which numpy promises only within one
+    build: a state taken under a numpy that permutes otherwise (or whose `default_rng` is another generator)
+    resumed onto another order, samples repeated and lost, silently. The plan's generator is PCG64 by name,
+    and a state names the draws it was planned with; one of other draws is refused, naming numpy."""
+    ds = dataset(url)
+    D.take_main(ds, 2)
+    state = ds.state_dict()
+    assert state["streams"] == shardstream.plan.streams_digest() and state["numpy"] == np.__version__
+    with pytest.raises(ShardstreamError, match=r"other random draws \(numpy 1\.0\.0; this is numpy .*Resume with the numpy"):
+        dataset(url).load_state_dict({**state, "streams": "0" * 16, "numpy": "1.0.0"})
+    with pytest.raises(ShardstreamError, match=r"streams must be a string, not 7"):
+        dataset(url).load_state_dict({**state, "streams": 7})
+    older = {k: v for k, v in state.items() if k not in ("streams", "numpy")}  # states taken before: as they were
+    resumed = dataset(url)
+    resumed.load_state_dict(older)
+    rest = [D.freeze(item) for item in resumed]
+    # numpy's default generator changing (as it may, to PCG64DXSM) changes no plan.
+    monkeypatch.setattr(np.random, "default_rng", lambda seed=None: np.random.Generator(np.random.PCG64DXSM(seed)))
+    again = dataset(url)
+    again.load_state_dict(state)
+    assert [D.freeze(item) for item in again] == rest and len(rest) == len(ds) - 2
+
+
 def test_counts_beyond_the_epoch_are_refused_at_load(url):
     """Regression: a count past the end of the epoch loaded, then len() raised "__len__() should return >= 0"
     and iterating raised ValueError from the plan's round robin. The bound is what the state's own layout (2 real
