@@ -40,12 +40,14 @@ if TYPE_CHECKING:
 __all__ = ["ResumeState", "Segment", "SequenceAfter", "check_counts", "current_place", "current_sequence", "endless_deal", "finished_before",
            "endless_onto", "endless_place", "fingerprint", "sequence_after"]
 
-STATE_VERSION = 2
+STATE_VERSION = 3
 MAX_EPOCH = (1 << 63) - 1  # the processes share the epoch as a signed 64-bit int (shared.py)
 # Version 1 states are read as they were written: their segments' left-out samples
 # remain for the layouts after them (`Segment.spends_left_out`). Those of a Mix or of
 # `samples_per_epoch` are refused: their epochs were drawn otherwise (`_walks_a_stream`).
-READ_VERSIONS = (1, 2)
+# Versions 1 and 2 of weighted epochs (class or sample weights) are refused: their draws
+# were read in one walk over the shards, not spread over several (`sampling.weighted_sequence`).
+READ_VERSIONS = (1, 2, 3)
 
 
 @dataclass(frozen=True)
@@ -169,6 +171,11 @@ class ResumeState:
                 "resume state version 1 was taken when a Mix and samples_per_epoch drew each epoch afresh; they now "
                 "walk on across epochs (each epoch a window of one stream), so its epoch holds other samples here: "
                 "resume with the shardstream that took it, or start the epoch afresh without the state")
+        if version < 3 and dataset.sampling is not None and dataset.sampling.weighted:
+            raise ShardstreamError(
+                f"resume state version {version} was taken when a weighted epoch read each sample's draws side by side "
+                "in one walk over the shards; they are now spread over several walks, so its epoch holds another order "
+                "here: resume with the shardstream that took it, or start the epoch afresh without the state")
         mine = _fingerprint_of(dataset)
         # States taken before the checksums counted name the shards and counts only: still accepted.
         # And a state of tars read through to count them names their keys, which this dataset (the

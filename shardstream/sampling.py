@@ -10,9 +10,10 @@ downstream holds unchanged: equal counts per rank, deterministic order, exact re
   probability proportional to its class's weight ("balanced" is 1 / class count, the
   PyTorch recipe), over the per-sample labels that shard indexes carry. The draws are
   then grouped by shard (shards in the epoch's seeded order) and sorted within a shard,
-  so reading stays sequential; repeats of a sample sit next to each other until the
-  shuffle buffer spreads them. Cost: one pass over the labels (4 bytes a sample) per
-  epoch, and reading every index once.
+  so reading stays sequential, in up to `MAX_WALKS` walks over the shards: a sample's
+  copies go to successive walks, so they do not sit side by side, where the shuffle
+  buffer would keep them within a few batches. Cost: one pass over the labels (4 bytes
+  a sample) per epoch, reading every index once, and each shard opened once a walk.
 * **Sample weights** (``Sampling(sample_weights="weight")``, or an array with one weight
   per sample in dataset order): the same draw, each sample with probability
   proportional to its own weight, times its class weight if both are given. "weight"
@@ -63,7 +64,12 @@ from .plan import epoch_sequence, rng_for
 
 __all__ = ["Sampling", "Mix", "sized_sequence", "stream_slice", "weighted_sequence", "distinct_draws", "drawn_samples",
            "mix_picks", "mix_schedule",
-           "mixed_sequence", "class_sample_weights"]
+           "mixed_sequence", "class_sample_weights", "drawn_copy"]
+
+# The most walks over the shards a weighted epoch is read in (`weighted_sequence`): each walk
+# opens the shards its draws are in again, so a sample drawn more often than this has
+# copies in one walk (adjacent there), about copies / MAX_WALKS of them.
+MAX_WALKS = 8
 
 
 @dataclass(frozen=True)
@@ -210,13 +216,29 @@ def weighted_sequence(counts: np.ndarray, weights: np.ndarray, seed: int, epoch:
     if not math.isfinite(weights.sum()):
         weights = weights / weights.max()  # each finite, their sum past float's range
     draws = sorted_choice(rng_for(seed, epoch, 2), weights / weights.sum(), n)
-    # Shards in the epoch's order, each shard's draws sorted: sequential reads.
+    # Shards in the epoch's order, each shard's draws sorted: sequential reads. In one walk
+    # over the shards a sample's copies (a rare class's, drawn dozens of times) sat side by
+    # side, and the shuffle buffer spread them over a few batches: 12 copies of one image
+    # in a batch of 64. So the draws are dealt to `walks` walks over the shards, a sample's
+    # k-th copy to walk (first + k) mod walks from a first walk drawn per sample: copies
+    # walks apart, and every walk the same mix of classes, as its draws are.
     starts = np.concatenate([[0], np.cumsum(counts)])
     shard_of = np.searchsorted(starts, draws, side="right") - 1
     order = rng_for(seed, epoch, 0).permutation(len(counts)) if shuffle else np.arange(len(counts))
     rank = np.empty(len(counts), dtype=np.int64)
     rank[order] = np.arange(len(counts))
-    return draws[np.argsort(rank[shard_of], kind="stable")]
+    copy = drawn_copy(draws)
+    walks = min(int(copy.max()) + 1 if len(copy) else 1, MAX_WALKS)
+    first = (rng_for(seed, epoch, 3).random(len(weights)) * walks).astype(np.int64)
+    walk = (first[draws] + copy) % walks
+    return draws[np.argsort(walk * len(counts) + rank[shard_of], kind="stable")]
+
+
+def drawn_copy(draws: np.ndarray) -> np.ndarray:
+    """For sorted sample ids `draws`, which copy of its sample each is: 0 for the first, 1 for the next..."""
+    places = np.arange(len(draws), dtype=np.int64)
+    first = np.maximum.accumulate(np.where(np.r_[True, draws[1:] != draws[:-1]], places, 0))
+    return places - first
 
 
 def sorted_choice(rng: np.random.Generator, p: np.ndarray, n: int) -> np.ndarray:
@@ -242,11 +264,8 @@ def distinct_draws(sequence: np.ndarray, total: int) -> np.ndarray:
     holds for any layout and any resume. `drawn_samples` undoes it."""
     sequence = np.asarray(sequence, dtype=np.int64)
     order = np.argsort(sequence, kind="stable")
-    ordered = sequence[order]
-    places = np.arange(len(sequence), dtype=np.int64)
-    first = np.maximum.accumulate(np.where(np.r_[True, ordered[1:] != ordered[:-1]], places, 0))
-    draw = np.empty_like(places)
-    draw[order] = places - first  # k: the draws of the same sample before it
+    draw = np.empty_like(sequence)
+    draw[order] = drawn_copy(sequence[order])  # k: the draws of the same sample before it
     return sequence + draw * total
 
 

@@ -9,8 +9,10 @@ import pytest
 from scipy.stats import chisquare
 
 import shardstream as ss
-from shardstream.sampling import (Mix, Sampling, class_sample_weights, distinct_draws, drawn_samples, mix_picks,
-                                  mix_schedule, mixed_sequence, sized_sequence, stream_slice, weighted_sequence)
+from shardstream.plan import Layout, rng_for, worker_plan
+from shardstream.sampling import (MAX_WALKS, Mix, Sampling, class_sample_weights, distinct_draws, drawn_samples,
+                                  mix_picks, mix_schedule, mixed_sequence, sized_sequence, sorted_choice, stream_slice,
+                                  weighted_sequence)
 from shardstream.synthetic import make_image_folder
 
 TINY = ((8, 8), (12, 12))
@@ -711,7 +713,8 @@ def test_a_sample_drawn_again_is_read_once(tmp_path):
     """Regression (found by review): weighted sampling draws a sample again beside itself, and each draw was
     read as a run of its own, its frame read and decompressed again: a class-balanced epoch of 20,000 tiny
     samples made 10,498 requests against 43 for a uniform one (100k samples: 36,934 against 28). The samples,
-    and their order, are as before: a repeat is a copy."""
+    and their order, are as before: a repeat is a copy. (Copies are spread over up to `MAX_WALKS` walks over
+    the shards since, each walk reading the shards its draws are in: a repeat within a walk is a copy.)"""
     with ss.ShardWriter(str(tmp_path / "ds"), shard_size="2MB") as writer:
         for i in range(20_000):
             writer.write({"__key__": f"k{i:06d}", "cls": 0 if i % 10 else 1, "txt": "x" * 20})
@@ -724,7 +727,62 @@ def test_a_sample_drawn_again_is_read_once(tmp_path):
     uniform_keys, uniform_requests = epoch(None)
     keys, requests = epoch(Sampling(class_weights="balanced"))
     assert len(keys) == len(uniform_keys) and len(set(keys)) < len(keys)  # samples drawn again
-    assert requests <= 2 * uniform_requests
+    assert requests <= 2 * MAX_WALKS * uniform_requests
+
+
+def test_a_weighted_state_of_the_single_walk_plan_is_refused(small):
+    """A state of version 2, taken when a weighted epoch read its draws in one walk over the shards, describes
+    another order than the walks plan now: refused, saying why, where an unweighted one still loads."""
+    def make(sampling):
+        return ss.StreamingDataset(small, decode=None, fields=("__key__",), shuffle=True, sampling=sampling)
+
+    for sampling, refused in ((Sampling(class_weights="balanced"), True), (None, False)):
+        ds = make(sampling)
+        it = iter(ds)
+        head = [next(it) for _ in range(3)]
+        state = ds.state_dict()
+        it.close()
+        assert state["version"] == 3
+        if refused:
+            with pytest.raises(ss.ShardstreamError, match=r"version 2 was taken when a weighted epoch .* afresh"):
+                make(sampling).load_state_dict({**state, "version": 2})
+        else:
+            resumed = make(sampling)
+            resumed.load_state_dict({**state, "version": 2})
+            assert head + list(resumed) == list(make(sampling))
+        resumed = make(sampling)
+        resumed.load_state_dict(state)
+        assert head + list(resumed) == list(make(sampling))
+
+
+def test_the_copies_of_a_sample_drawn_often_are_spread_over_the_epoch():
+    """Regression (found by a review of the shuffle's statistics): class-balanced sampling of a long-tailed
+    dataset put a rare sample's copies side by side in the epoch sequence, and the shuffle buffer spread them
+    over a few batches only: 7.7 pairs of copies in a batch of 64 where independent draws (torch's
+    WeightedRandomSampler) give 0.77, and up to 18 copies of one image in one batch. Spread over walks over the
+    shards, a batch holds about as many as independent draws do."""
+    rng = np.random.default_rng(1)
+    sizes = np.round(1000 * (5 / 1000) ** (np.arange(100) / 99)).astype(int)  # 100 classes, 1000 down to 5
+    labels = rng.permutation(np.repeat(np.arange(100), sizes))
+    n = len(labels)
+    counts = np.full(n // 1000, 1000)
+    counts[-1] += n - counts.sum()
+    weights = class_sample_weights(labels, "balanced")
+    batch, layout = 64, Layout(workers=4, batch_size=64, shuffle=True, buffer=2048)
+    pairs, most = [], 0
+    for epoch in range(2):
+        sequence = weighted_sequence(counts, weights, 0, epoch, True, n)
+        assert np.array_equal(np.sort(sequence), np.sort(sorted_choice(rng_for(0, epoch, 2), weights / weights.sum(), n)))
+        for worker in range(layout.workers):
+            mine, order = worker_plan(sequence, layout, 0, epoch, 0, worker)
+            out = mine[order]
+            for i in range(0, len(out) - batch + 1, batch):
+                copies = np.unique(out[i : i + batch], return_counts=True)[1]
+                pairs.append(int((copies * (copies - 1) // 2).sum()))
+                most = max(most, int(copies.max()))
+    p = weights / weights.sum()
+    independent = batch * (batch - 1) / 2 * float((p ** 2).sum())  # 0.77 pairs a batch
+    assert np.mean(pairs) < 1.5 * independent and most <= 4, (np.mean(pairs), independent, most)
 
 
 def test_weights_given_as_numpy_numbers_describe_the_same_sampling(small):
