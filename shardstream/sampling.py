@@ -229,8 +229,9 @@ def weighted_sequence(counts: np.ndarray, weights: np.ndarray, seed: int, epoch:
     rank[order] = np.arange(len(counts))
     copy = drawn_copy(draws)
     walks = min(int(copy.max()) + 1 if len(copy) else 1, MAX_WALKS)
-    first = (rng_for(seed, epoch, 3).random(len(weights)) * walks).astype(np.int64)
-    walk = (first[draws] + copy) % walks
+    drawn = np.cumsum(copy == 0) - 1  # which distinct sample a draw is (a draw a sample, not the dataset's)
+    first = (rng_for(seed, epoch, 3).random(int(drawn[-1]) + 1 if len(drawn) else 0) * walks).astype(np.int64)
+    walk = (first[drawn] + copy) % walks
     return draws[np.argsort(walk * len(counts) + rank[shard_of], kind="stable")]
 
 
