@@ -11,7 +11,7 @@ a shard's index says where its samples lie.
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import numpy as np
 
@@ -20,8 +20,8 @@ from .readahead import ReadAhead
 from .reader import READ_BYTES, ShardReader
 from .tarstream import StreamTarReader
 
-__all__ = ["Piece", "PieceKey", "adjacent_repeats", "cut", "first_window", "piece_key", "planned_pieces", "ramp",
-           "sample_runs", "stretches"]
+__all__ = ["Piece", "PieceKey", "Stretch", "adjacent_repeats", "cut", "first_window", "piece_key", "planned_pieces",
+           "ramp", "sample_runs", "stretches"]
 
 # A planned piece: (first sample, stop, which samples of it to keep (None: all), whether it
 # is its stretch's last, its bytes: fetched, or held decompressed where those are more).
@@ -29,6 +29,15 @@ Piece = tuple[int, int, "np.ndarray | None", bool, int]
 # What a piece's read gives: shard, first sample, stop, the samples kept, whether errors
 # become samples (read_tolerant) or raise.
 PieceKey = tuple[int, int, int, "bytes | None", bool]
+
+
+class Stretch(NamedTuple):
+    """Consecutive runs of one shard in an iteration's reading order (`stretches`)."""
+
+    shard: int
+    runs: list[tuple[int, int]]  # (first, stop) sample ranges of the shard
+    final: bool  # the shard is let go after it (its reader dropped, its cached copy evictable)
+    opening: int  # which opening of the shard it is read in: 0, then one more after each letting go
 
 
 def piece_key(shard: int, first: int, stop: int, keep: np.ndarray | None, tolerant: bool) -> PieceKey:
@@ -61,14 +70,37 @@ def sample_runs(ids: np.ndarray, counts: np.ndarray) -> Iterator[tuple[int, int,
         yield int(shards[a]), int(local[a]), int(local[b - 1]) + 1
 
 
-def stretches(runs: list[tuple[int, int, int]]) -> Iterator[tuple[int, list[tuple[int, int]], bool]]:
-    """Consecutive runs of one shard, grouped: (shard, [(first, stop), ...], whether the shard is done after)."""
-    last_run = {shard: n for n, (shard, _, _) in enumerate(runs)}
-    start = 0
-    for n in range(1, len(runs) + 1):
-        if n == len(runs) or runs[n][0] != runs[start][0]:
-            yield runs[start][0], [(first, stop) for _, first, stop in runs[start:n]], last_run[runs[start][0]] == n - 1
-            start = n
+# A shard read again within this many stretches (a resumed epoch's scattered leftovers) is
+# kept open between them; read again later (a weighted epoch's next walk over the shards),
+# it is let go in between, its cached copy evictable, and opened again: kept, every shard a
+# worker reads in the first walk stayed open, and its cached copy locked, to the last walk.
+REVISIT_HOLD = 16
+
+
+def stretches(runs: list[tuple[int, int, int]]) -> list[Stretch]:
+    """Consecutive runs of one shard, grouped: (shard, [(first, stop), ...], whether the shard
+    is let go after it, which opening of the shard it is read in: 0, then 1 after the first
+    time it was let go, ...). A shard is let go after its last stretch, and after any that
+    its next one follows by more than `REVISIT_HOLD` stretches."""
+    grouped: list[tuple[int, list[tuple[int, int]]]] = []
+    for shard, first, stop in runs:
+        if grouped and grouped[-1][0] == shard:
+            grouped[-1][1].append((first, stop))
+        else:
+            grouped.append((shard, [(first, stop)]))
+    next_of: dict[int, int] = {}
+    gone = [False] * len(grouped)
+    for i in range(len(grouped) - 1, -1, -1):
+        shard = grouped[i][0]
+        later = next_of.get(shard)
+        gone[i] = later is None or later - i > REVISIT_HOLD
+        next_of[shard] = i
+    out, opening = [], {}
+    for (shard, stretch), last in zip(grouped, gone):
+        out.append(Stretch(shard, stretch, last, opening.get(shard, 0)))
+        if last:
+            opening[shard] = opening.get(shard, 0) + 1
+    return out
 
 
 def ramp(piece_bytes: int) -> Iterator[int]:
@@ -144,7 +176,7 @@ def first_window(reader_of: Callable[[int], ShardReader | StreamTarReader], runs
     to half of `prefetch` full pieces' bytes and `max_ahead` pieces)."""
     sizes, window = ramp(piece_bytes), ReadAhead.start(prefetch, piece_bytes, max_ahead)
     count = total = 0
-    for shard, stretch, _ in stretches(runs):
+    for shard, stretch, *_ in stretches(runs):
         for piece in planned_pieces(reader_of(shard), stretch, sizes):
             if window.full(count, total):
                 return

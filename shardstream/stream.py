@@ -67,22 +67,23 @@ class Readers:
         self._locks: list[BinaryIO] = []
         self._shard_locks: dict[int, BinaryIO] = {}
         self._held: dict[int, BinaryIO] = {}  # see `hold`
-        self._released: set[int] = set()  # shards this iteration is done with
+        self._released: dict[int, int] = {}  # shard: how many times this iteration let it go
         # Shards whose cached copy was checked again after a read failed (see `heal`): found sound,
         # the failure is the data's own, and a later failure in it should not hash it once more.
         self.rechecked: set[int] = set()
 
     def get(self, shard: int) -> ShardReader | StreamTarReader:
-        entry = self._entry(shard, ahead=False)
+        entry = self._entry(shard)
         assert entry is not None
         return self._opened(shard, entry)
 
-    def _entry(self, shard: int, ahead: bool) -> list[Any] | None:
-        """`shard`'s entry, [lock, reader or None], made if absent; for an open `ahead` of need,
-        None once this iteration is done with the shard (told in the same turn of the guard
-        as the entry is made: a release between the two would leave the shard held)."""
+    def _entry(self, shard: int, opening: int | None = None) -> list[Any] | None:
+        """`shard`'s entry, [lock, reader or None], made if absent; for an open ahead of need,
+        for the shard's `opening`-th opening (`pieces.Stretch`), None once this iteration
+        let that opening go (told in the same turn of the guard as the entry is made: a
+        release between the two would leave the shard held)."""
         with self._guard:
-            if ahead and shard in self._released:
+            if opening is not None and self._released.get(shard, 0) > opening:
                 return None
             return self._entries.setdefault(shard, [threading.Lock(), None])
 
@@ -134,11 +135,12 @@ class Readers:
             self._locks.append(lock)
             self._held[shard] = lock
 
-    def open_ahead(self, shard: int) -> None:
-        """Open `shard` ahead of need (download it, with a cache; else fetch its index),
-        unless this iteration is already done with it: an open queued behind slow ones can
-        come after the shard was read, and would download it again and hold it to the end."""
-        entry = self._entry(shard, ahead=True)
+    def open_ahead(self, shard: int, opening: int = 0) -> None:
+        """Open `shard` ahead of need (download it, with a cache; else fetch its index) for
+        its `opening`-th opening, unless this iteration already let that one go: an open
+        queued behind slow ones can come after the shard was read, and would download it
+        again and hold it to the end (or to its next letting go)."""
+        entry = self._entry(shard, opening)
         if entry is None:
             return
         reader = self._opened(shard, entry)
@@ -148,7 +150,7 @@ class Readers:
     def release(self, shard: int) -> None:
         """Done with `shard`: drop its reader and let the cache evict it."""
         with self._guard:
-            self._released.add(shard)
+            self._released[shard] = self._released.get(shard, 0) + 1
             entry = self._entries.pop(shard, None)
             lock = self._shard_locks.pop(shard, None)
         if lock is not None:
@@ -286,15 +288,18 @@ def _read_samples(source: Source, ids: np.ndarray, counts: np.ndarray, prefetch:
     runs = list(sample_runs(ids, counts))
     read = read_tolerant if tolerant else read_whole
     try:
-        last_run = {shard: n for n, (shard, _, _) in enumerate(runs)}
+        planned = stretches(runs)
         if prefetch <= 0 or not source.indexed:
-            for n, (shard, first, stop) in enumerate(runs):
-                yield from _read_healing(read, readers, shard, first, stop)
-                if last_run[shard] == n:
+            for shard, stretch, final, _ in planned:
+                for first, stop in stretch:
+                    yield from _read_healing(read, readers, shard, first, stop)
+                if final:
                     readers.release(shard)
             return
-        upcoming = list(dict.fromkeys(shard for shard, _, _ in runs))  # distinct shards, in reading order
-        rank_of = {shard: i for i, shard in enumerate(upcoming)}
+        # Openings of shards (a shard, opened again after it was let go), in reading order.
+        upcoming = list(dict.fromkeys((shard, opening) for shard, _, _, opening in planned))
+        place_of = {opening: i for i, opening in enumerate(upcoming)}
+        read_here = {shard for shard, _ in upcoming}
         # Shards are opened (with a cache: downloaded; without: their index fetched) up to
         # `prefetch` places ahead, in threads of their own: an index fetch queued behind
         # pieces would hold up planning the next shard's pieces by a whole piece transfer,
@@ -315,7 +320,7 @@ def _read_samples(source: Source, ids: np.ndarray, counts: np.ndarray, prefetch:
             def open_ahead(position: int) -> None:
                 nonlocal opened
                 while opened < len(upcoming) and opened <= position + prefetch:
-                    openers.submit(readers.open_ahead, upcoming[opened])
+                    openers.submit(readers.open_ahead, *upcoming[opened])
                     opened += 1
 
             def finish_one(window_full: bool = False) -> list[Sample]:
@@ -339,19 +344,19 @@ def _read_samples(source: Source, ids: np.ndarray, counts: np.ndarray, prefetch:
             if head_start is not None:
                 taken, held = head_start.take()
                 for shard, lock in held.items():
-                    if shard in rank_of:
+                    if shard in read_here:
                         readers.hold(shard, lock)
                     else:  # another epoch than foreseen: not this iteration's, nothing to keep it for
                         lock.close()
             sizes = ramp(piece_bytes)
             try:
-                for shard, stretch, final in stretches(runs):
+                for shard, stretch, final, opening in planned:
                     # With a cache, planning a shard's pieces downloads it and holds it: plan one
                     # shard at a time, so that only the `prefetch` shards `open_ahead` downloads
                     # are held beside it (its pieces are local reads, quick to have in turn).
                     while cache is not None and any(s != shard for s, *_ in ahead):
                         yield from finish_one()
-                    open_ahead(rank_of[shard])
+                    open_ahead(place_of[shard, opening])
                     for a, b, keep, last, size in planned_pieces(readers.get(shard), stretch, sizes):
                         future = _taken(taken, piece_key(shard, a, b, keep, tolerant))
                         if future is None:

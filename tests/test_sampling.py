@@ -730,6 +730,41 @@ def test_a_sample_drawn_again_is_read_once(tmp_path):
     assert requests <= 2 * MAX_WALKS * uniform_requests
 
 
+def test_a_shard_read_again_walks_later_is_let_go_in_between(tmp_path, monkeypatch):
+    """Regression (found by the first review of the walks): a worker kept every shard it read open (its
+    index in memory; with a cache, its copy locked past `cache_limit`) until its last run, which the walks
+    put in the epoch's last walk: 1,658 shard readers open at once over 2,858 shards. A shard is let go
+    after a stretch that its next one follows by more than `REVISIT_HOLD` stretches, and opened again."""
+    import shardstream.stream as stream
+    from shardstream.pieces import REVISIT_HOLD, Stretch, stretches
+
+    runs = [(0, 0, 5), (0, 7, 9), (1, 0, 3), (0, 9, 10)] + [(k, 0, 1) for k in range(2, 3 + REVISIT_HOLD)] + [(0, 10, 12)]
+    planned = stretches(runs)
+    assert planned[:3] == [Stretch(0, [(0, 5), (7, 9)], False, 0), Stretch(1, [(0, 3)], True, 0),
+                           Stretch(0, [(9, 10)], True, 0)]  # back within REVISIT_HOLD: held; then far: let go
+    assert planned[-1] == Stretch(0, [(10, 12)], True, 1)  # opened again
+    with ss.ShardWriter(str(tmp_path / "ds"), max_samples=5) as writer:
+        for i in range(1500):
+            writer.write({"__key__": f"k{i:05d}", "cls": i % 50 if i % 3 else 0, "txt": "x"})
+    most = 0
+    get = stream.Readers.get
+
+    def counted(self, shard):
+        nonlocal most
+        reader = get(self, shard)
+        most = max(most, len(self._entries))
+        return reader
+
+    monkeypatch.setattr(stream.Readers, "get", counted)
+    for prefetch in (0, 4):  # 300 shards, each met in several walks
+        most = 0
+        ds = ss.StreamingDataset(str(tmp_path / "ds"), decode=None, fields=("__key__",), shuffle=True,
+                                 prefetch=prefetch, sampling=Sampling(class_weights="balanced"))
+        assert len(list(ds)) == 1500
+        # Held: a shard's stretches within REVISIT_HOLD, those opened ahead, those of pieces in flight.
+        assert 0 < most <= (1 if prefetch == 0 else prefetch + 1 + stream.MAX_AHEAD + REVISIT_HOLD), (prefetch, most)
+
+
 def test_a_weighted_state_of_the_single_walk_plan_is_refused(small):
     """A state of version 2, taken when a weighted epoch read its draws in one walk over the shards, describes
     another order than the walks plan now: refused, saying why, where an unweighted one still loads."""
