@@ -229,9 +229,9 @@ class ShardReader:
         """The samples [start, stop) in order."""
         index = self.index
         if not self._size_checked:
+            self._size_checked = True  # said once a reader: `verify` reads on sample by sample after an error
             if self.info is not None and self.store.local:
                 self._check_local_size(self.info.bytes)
-            self._size_checked = True
         if not 0 <= start <= stop <= len(index):
             raise IndexError(f"range [{start}, {stop}) out of bounds for {self.url} ({len(index)} samples)")
         if start == stop:

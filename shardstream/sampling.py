@@ -223,16 +223,27 @@ def weighted_sequence(counts: np.ndarray, weights: np.ndarray, seed: int, epoch:
     # k-th copy to walk (first + k) mod walks from a first walk drawn per sample: copies
     # walks apart, and every walk the same mix of classes, as its draws are.
     starts = np.concatenate([[0], np.cumsum(counts)])
-    shard_of = np.searchsorted(starts, draws, side="right") - 1
     order = rng_for(seed, epoch, 0).permutation(len(counts)) if shuffle else np.arange(len(counts))
     rank = np.empty(len(counts), dtype=np.int64)
     rank[order] = np.arange(len(counts))
+    by_shard = np.argsort(rank[np.searchsorted(starts, draws, side="right") - 1], kind="stable")
+    walk = _walks(draws, rng_for(seed, epoch, 3))
+    # int8 walks: numpy sorts them stably by radix, and the draws' arrays stay few (10^8 draws: 0.8 GB each).
+    return draws[by_shard[np.argsort(walk[by_shard], kind="stable")]]
+
+
+def _walks(draws: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Each of the sorted `draws`' walk (int8): a first walk drawn per distinct sample (a draw
+    per sample drawn, not per sample of the dataset), and its k-th copy k walks on."""
     copy = drawn_copy(draws)
     walks = min(int(copy.max()) + 1 if len(copy) else 1, MAX_WALKS)
-    drawn = np.cumsum(copy == 0) - 1  # which distinct sample a draw is (a draw a sample, not the dataset's)
-    first = (rng_for(seed, epoch, 3).random(int(drawn[-1]) + 1 if len(drawn) else 0) * walks).astype(np.int64)
-    walk = (first[drawn] + copy) % walks
-    return draws[np.argsort(walk * len(counts) + rank[shard_of], kind="stable")]
+    starts = np.flatnonzero(copy == 0)  # where each distinct sample's draws begin
+    first = (rng.random(len(starts)) * walks).astype(np.int8)
+    walk = np.repeat(first, np.diff(np.r_[starts, len(copy)]))
+    copy %= walks
+    walk += copy.astype(np.int8)
+    walk %= walks
+    return walk
 
 
 def drawn_copy(draws: np.ndarray) -> np.ndarray:

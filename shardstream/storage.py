@@ -86,16 +86,16 @@ def _with_timeouts(root: str, options: Mapping[str, Any]) -> dict[str, Any]:
         config.setdefault("connect_timeout", HTTP_CONNECT_TIMEOUT_S)
         config.setdefault("read_timeout", HTTP_READ_TIMEOUT_S)
         options["config_kwargs"] = config
-    if root.startswith(("http://", "https://")) and "timeout" not in options.get("client_kwargs", {}):
+    if root.startswith(("http://", "https://")):
         try:
             import aiohttp
         except ImportError:  # the extra not installed: say which, not a bare module name
             raise StorageError("http(s):// needs aiohttp, which fsspec's HTTP file system reads with (and "
                                "urllib3 for ranged reads): pip install 'shardstream[http]'", url=root) from None
-
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=HTTP_CONNECT_TIMEOUT_S,
-                                        sock_read=HTTP_READ_TIMEOUT_S)
-        options["client_kwargs"] = {**options.get("client_kwargs", {}), "timeout": timeout}
+        if "timeout" not in options.get("client_kwargs", {}):
+            timeout = aiohttp.ClientTimeout(total=None, sock_connect=HTTP_CONNECT_TIMEOUT_S,
+                                            sock_read=HTTP_READ_TIMEOUT_S)
+            options["client_kwargs"] = {**options.get("client_kwargs", {}), "timeout": timeout}
     return options
 
 
