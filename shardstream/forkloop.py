@@ -42,6 +42,13 @@ def _detach_loop_in_child() -> None:
     loop, _parent_loop[0] = _parent_loop[0], None
     if loop is None:
         return
+    asyn = sys.modules.get("fsspec.asyn")
+    if asyn is not None and not hasattr(asyn, "reset_after_fork"):
+        # fsspec before 2025.5 (the library takes 2023.6 on) handed the child its parent's loop
+        # as its own, whose thread stayed in the parent: a forked DataLoader worker's first
+        # read through fsspec waited forever. What later fsspec does at fork, done for it.
+        asyn.loop[0] = asyn.iothread[0] = None
+        asyn._lock = None
     selector = getattr(getattr(loop, "_selector", None), "_selector", None)
     if selector is not None and hasattr(select, "epoll") and isinstance(selector, select.epoll):
         loop._selector._selector = select.epoll()  # unregister() on it fails quietly (OSError is ignored)
@@ -54,7 +61,8 @@ def _detach_loop_in_child() -> None:
 
 def _quiet_about_the_parents_sessions(loop: Any, context: dict[str, Any]) -> None:
     """The inherited loop's exception handler in a child. Only the parent's sessions use that
-    loop (fsspec makes the child a loop of its own), and the child must not close them:
+    loop (fsspec makes the child a loop of its own, or `_detach_loop_in_child` has it make
+    one), and the child must not close them:
     their finalizers, finding them open, logged "Unclosed client session" once a worker
     for each (every DataLoader worker, every epoch, once the main process had used s3fs),
     which read as a leak. Anything else is reported as usual."""

@@ -287,6 +287,8 @@ def check_image(data: bytes, path: str) -> str:
                 # opens such files and every decoder then refused them.
                 image.load()
             elif image.format == "PNG":
+                if not image.tile:  # no IDAT: Pillow 11 on fails its verify with an IndexError, Pillow 10 a TypeError
+                    raise PackError("not a readable image: no image data", url=path)
                 image.verify()
             else:
                 image.load()

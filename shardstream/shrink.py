@@ -105,7 +105,8 @@ def shrink_or_keep(data: bytes, max_side: int, quality: int = DEFAULT_QUALITY, *
                 box = drafted[1] if drafted else None
             elif image.mode in ("1", "P"):  # Pillow resizes these by nearest neighbour only
                 image = image.convert("RGBA" if "transparency" in image.info else ("L" if image.mode == "1" else "RGB"))
-            deep = image.mode in _DEEP_GREY
+            # A 16-bit grey PNG: mode I;16, or I before Pillow 10.3 (a PNG holds no 32-bit grey).
+            deep = image.mode in _DEEP_GREY or (fmt == "PNG" and image.mode == "I")
             if deep and "I;16" not in _WRITES[out_fmt]:
                 # Stored in 8 bits (a 16-bit PNG named .jpg): narrowed as the decoders read it,
                 # not clipped to white by Pillow's convert.

@@ -1221,6 +1221,28 @@ def test_main_process_reads_survive_dataloader_workers(local_ds):
         assert time.monotonic() - started < 60, "the main process's read hung after the workers exited"
 
 
+def test_a_child_of_an_fsspec_without_its_own_fork_reset_makes_a_loop_of_its_own(monkeypatch):
+    """Regression (found by a review of the declared dependency floors): fsspec before 2025.5 (the library
+    takes 2023.6) has no at-fork reset, so a forked DataLoader worker used its parent's loop, whose thread
+    stayed in the parent, and waited forever at its first read through fsspec. The fork handler resets
+    fsspec's loop, its thread and its lock in the child where fsspec would not (checked on fsspec 2023.6.0)."""
+    import types
+
+    from shardstream import forkloop
+
+    old = types.SimpleNamespace(loop=[object()], iothread=[object()], _lock=object())  # no reset_after_fork
+    monkeypatch.setitem(sys.modules, "fsspec.asyn", old)
+    monkeypatch.setattr(forkloop, "_parent_loop", [types.SimpleNamespace()])  # a loop the parent had used
+    forkloop._detach_loop_in_child()
+    assert old.loop == [None] and old.iothread == [None] and old._lock is None
+    new = types.SimpleNamespace(loop=[object()], iothread=[object()], _lock=object(), reset_after_fork=lambda: None)
+    kept = new.loop[0]
+    monkeypatch.setitem(sys.modules, "fsspec.asyn", new)
+    monkeypatch.setattr(forkloop, "_parent_loop", [types.SimpleNamespace()])
+    forkloop._detach_loop_in_child()
+    assert new.loop == [kept], "a later fsspec resets its own: left to it"
+
+
 def test_forked_workers_close_inherited_sessions_without_waiting_on_the_parents_loop(local_ds):
     """A worker forked from a process that read over HTTP inherits its filesystems, their sessions and fsspec's
     event loop, but not the loop's thread. Closing an inherited session must not wait for that loop: fsspec's
