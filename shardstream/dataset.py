@@ -422,9 +422,12 @@ class StreamingDataset(Checkpointing, IterableDataset):
         # Planned here, eagerly, not in the generator: a DataLoader worker calls iter()
         # when it starts, and torchdata's StatefulDataLoader asks for the worker's state
         # right after, before the first item.
+        # This iteration's storage work counts from here (io_stats()): the manifest `_check_fields`
+        # reads too. An earlier iteration still open counts up to here at most (`_count_io`).
+        counting = object()  # this iteration, as the counts know it: a later one in this process replaces it
+        self._counting = (counting, counted := io_stats.snapshot())
         self._check_batching()
         self._check_fields()
-        counted = io_stats.snapshot()  # this iteration's storage work counts from here (io_stats())
         world = self.world()
         missed = self._state_not_reached()
         if missed is None and world.workers > SLOTS:
@@ -455,12 +458,12 @@ class StreamingDataset(Checkpointing, IterableDataset):
         # earlier one still open (a loop left with `break`, or `zip(ds, ds)`) that goes on
         # would count its items into another iteration's place.
         self._iteration = iteration = object()
-        items = self._yield(world, stream, resume_id, counted, iteration)
+        items = self._yield(world, stream, resume_id, counted, iteration, counting)
         info = get_worker_info()
         return carry_errors(items, info.id) if self._loader_copy and info is not None else items
 
     def _yield(self, world: World, stream: Iterator[Any], resume_id: int | None,
-               counted: dict[str, float], iteration: object) -> Iterator[Any]:
+               counted: dict[str, float], iteration: object, counting: object) -> Iterator[Any]:
         last_count = time.monotonic()
         try:
             for item in stream:
@@ -469,7 +472,7 @@ class StreamingDataset(Checkpointing, IterableDataset):
                     epoch, worker, done = self._position
                     self._position = (epoch, worker, done + 1)
                 if (now := time.monotonic()) - last_count >= IO_COUNT_INTERVAL_S:  # not per item: 5 us each
-                    counted, last_count = self._count_io(world.worker, counted), now
+                    counted, last_count = self._count_io(world.worker, counted, self._counting[0] is not counting), now
                 yield item
         finally:
             # A loop that leaves the epoch early (a `break`; torch resetting a persistent worker's
@@ -479,7 +482,7 @@ class StreamingDataset(Checkpointing, IterableDataset):
             close = getattr(stream, "close", None)
             if close is not None:
                 close()
-            self._count_io(world.worker, counted)
+            self._count_io(world.worker, counted, self._counting[0] is not counting)
         if resume_id is not None:  # the resumed epoch is complete: later passes start afresh
             self._shared.finish_resume(resume_id, world.worker, world.workers)
         # A worker's own state stays until its next iteration (see _worker_state); a state loaded
@@ -556,8 +559,15 @@ class StreamingDataset(Checkpointing, IterableDataset):
         self._count_read_ahead(0)
         return self._shared.io()
 
-    def _count_io(self, worker: int, since: dict[str, float]) -> dict[str, float]:
+    def _count_io(self, worker: int, since: dict[str, float], superseded: bool = False) -> dict[str, float]:
+        """Add this process's storage work from `since` to now; for an iteration `superseded`
+        by a later one in this process (torch resets a persistent worker's iterator by
+        beginning the next before closing the last), only up to where the later one counts
+        from: the old one's reads in flight, done as it closes, were counted by both."""
         now = io_stats.snapshot()
+        if superseded:
+            start = self._counting[1]
+            now = {name: max(since[name], min(value, start[name])) for name, value in now.items()}
         self._shared.add_io(worker, since, now)
         self._count_read_ahead(worker)
         return now

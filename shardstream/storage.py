@@ -350,12 +350,25 @@ class Store:
         if self.local:
             return os.path.exists(self.url(name))
         try:
-            self.retry.call(self._remote_info, name, url=self.url(name))
+            self._answered(self._remote_info, name, url=self.url(name))
         except absent:
             return False
         except OSError as e:
             raise self._wrap(name, "look up", e) from safe_cause(e)
         return True
+
+    def _answered(self, call: Any, *args: Any, url: str) -> Any:
+        """`call(*args)` through the retry policy, counted in `io_stats` as a request (and its
+        wait) where storage answered it, "not found" and "denied" too, as `read` counts a read:
+        a look-up, a size or a listing is a round trip a slow start spends its time on."""
+        started = time.perf_counter()
+        try:
+            result = self.retry.call(call, *args, url=url)
+        except (FileNotFoundError, PermissionError):
+            io_stats.add(requests=1, wait_s=time.perf_counter() - started)
+            raise
+        io_stats.add(requests=1, wait_s=time.perf_counter() - started)
+        return result
 
     def _remote_info(self, name: str) -> dict:
         if self.root.startswith(("http://", "https://")):
@@ -371,7 +384,7 @@ class Store:
         with self._errors(name, "look up the size"):
             if self.local:
                 return os.path.getsize(self.url(name))
-            return int(self.retry.call(self._remote_size, name, url=self.url(name)))
+            return int(self._answered(self._remote_size, name, url=self.url(name)))
 
     def list(self, suffix: str = "") -> list[str]:
         """Names of the files directly in this store that end with `suffix`, sorted; none
@@ -382,7 +395,7 @@ class Store:
                 return []
             return sorted(n for n in os.listdir(root) if n.endswith(suffix) and os.path.isfile(os.path.join(root, n)))
         try:
-            entries = self.retry.call(self._remote_list, url=self.url(""))
+            entries = self._answered(self._remote_list, url=self.url(""))
         except FileNotFoundError:
             return []
         except OSError as e:
@@ -431,7 +444,7 @@ class Store:
         """The remote listing's entries, with details (name, type, size), retried as reads are;
         none where the folder does not exist."""
         try:
-            return self.retry.call(self._remote_entries, url=self.url(""))
+            return self._answered(self._remote_entries, url=self.url(""))
         except FileNotFoundError:
             return []
         except OSError as e:
