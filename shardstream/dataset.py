@@ -32,7 +32,7 @@ from .decode_ahead import DecodeAhead
 from .epochs import EpochSequences
 from .errors import MissingFieldError, RaisedInWorker, ShardstreamError, StorageError, add_note
 from .headstart import HeadStart
-from .iostats import io_stats
+from .iostats import Tally
 from .parentwatch import end_with_parent
 from .policy import ErrorPolicy, guarded
 from .plan import MAX_WORLD_SIZE, Layout, items_of
@@ -253,6 +253,7 @@ class StreamingDataset(Checkpointing, IterableDataset):
         # this dataset (`shardstream.DataLoader`'s) share it, and a copy's read-ahead is counted
         # by the caller's `io_stats` too.
         self._heads: dict[int, HeadStart] = {}
+        self._tallies: dict[int, Tally] = {}  # how far this process's reads are counted, by process id
         self._init_checkpointing()
 
     # -- epochs, world and layout --------------------------------------------------------
@@ -296,6 +297,7 @@ class StreamingDataset(Checkpointing, IterableDataset):
         # must leave each child to find its rank, and children inherit torchrun's variables.
         state = self.__dict__.copy()
         state["_heads"] = {}  # threads and their reads stay in their process
+        state["_tallies"] = {}
         if get_worker_info() is None and get_spawning_popen() is not None and _in_process_group():
             world = World.detect(self.rank, self.world_size)
             state["rank"], state["world_size"] = world.rank, world.size
@@ -423,9 +425,8 @@ class StreamingDataset(Checkpointing, IterableDataset):
         # when it starts, and torchdata's StatefulDataLoader asks for the worker's state
         # right after, before the first item.
         # This iteration's storage work counts from here (io_stats()): the manifest `_check_fields`
-        # reads too. An earlier iteration still open counts up to here at most (`_count_io`).
-        counting = object()  # this iteration, as the counts know it: a later one in this process replaces it
-        self._counting = (counting, counted := io_stats.snapshot())
+        # reads too.
+        self._tally().begin()
         self._check_batching()
         self._check_fields()
         world = self.world()
@@ -458,12 +459,13 @@ class StreamingDataset(Checkpointing, IterableDataset):
         # earlier one still open (a loop left with `break`, or `zip(ds, ds)`) that goes on
         # would count its items into another iteration's place.
         self._iteration = iteration = object()
-        items = self._yield(world, stream, resume_id, counted, iteration, counting)
+        items = self._yield(world, stream, resume_id, iteration)
+        self._tally().track(items)
         info = get_worker_info()
         return carry_errors(items, info.id) if self._loader_copy and info is not None else items
 
     def _yield(self, world: World, stream: Iterator[Any], resume_id: int | None,
-               counted: dict[str, float], iteration: object, counting: object) -> Iterator[Any]:
+               iteration: object) -> Iterator[Any]:
         last_count = time.monotonic()
         try:
             for item in stream:
@@ -472,7 +474,8 @@ class StreamingDataset(Checkpointing, IterableDataset):
                     epoch, worker, done = self._position
                     self._position = (epoch, worker, done + 1)
                 if (now := time.monotonic()) - last_count >= IO_COUNT_INTERVAL_S:  # not per item: 5 us each
-                    counted, last_count = self._count_io(world.worker, counted, self._counting[0] is not counting), now
+                    self._count_io(world.worker)
+                    last_count = now
                 yield item
         finally:
             # A loop that leaves the epoch early (a `break`; torch resetting a persistent worker's
@@ -482,7 +485,7 @@ class StreamingDataset(Checkpointing, IterableDataset):
             close = getattr(stream, "close", None)
             if close is not None:
                 close()
-            self._count_io(world.worker, counted, self._counting[0] is not counting)
+            self._count_io(world.worker)
         if resume_id is not None:  # the resumed epoch is complete: later passes start afresh
             self._shared.finish_resume(resume_id, world.worker, world.workers)
         # A worker's own state stays until its next iteration (see _worker_state); a state loaded
@@ -559,18 +562,20 @@ class StreamingDataset(Checkpointing, IterableDataset):
         self._count_read_ahead(0)
         return self._shared.io()
 
-    def _count_io(self, worker: int, since: dict[str, float], superseded: bool = False) -> dict[str, float]:
-        """Add this process's storage work from `since` to now; for an iteration `superseded`
-        by a later one in this process (torch resets a persistent worker's iterator by
-        beginning the next before closing the last), only up to where the later one counts
-        from: the old one's reads in flight, done as it closes, were counted by both."""
-        now = io_stats.snapshot()
-        if superseded:
-            start = self._counting[1]
-            now = {name: max(since[name], min(value, start[name])) for name, value in now.items()}
+    def _tally(self) -> Tally:
+        """This process's `Tally` of this dataset's reads (a forked child's copy of its parent's
+        marks a point in the parent's counters, not its own)."""
+        process = os.getpid()
+        if process not in self._tallies:
+            self._tallies.clear()
+            self._tallies[process] = Tally()
+        return self._tallies[process]
+
+    def _count_io(self, worker: int) -> None:
+        """Add this process's storage work since the last count of this dataset here."""
+        since, now = self._tally().take()
         self._shared.add_io(worker, since, now)
         self._count_read_ahead(worker)
-        return now
 
     def _count_read_ahead(self, worker: int) -> None:
         """Add what this process's head start has read since the last count (it reads between

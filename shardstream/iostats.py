@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from dataclasses import dataclass
+from typing import Any, Generator
 
-__all__ = ["IOStats", "count_into", "io_stats"]
+__all__ = ["IOStats", "Tally", "count_into", "io_stats"]
 
 
 @dataclass
@@ -67,6 +69,39 @@ class IOStats:
 _stats_lock = threading.Lock()
 io_stats = IOStats()
 _counting = threading.local()
+
+
+class Tally:
+    """How far one dataset has taken this process's `io_stats` into its own counts: one mark
+    for all its iterations in the process, each count taking the span from the mark to now.
+    Iterations open at once (a peek with `next(iter(ds))` mid-epoch, `zip(ds, ds)`, torch
+    beginning a persistent worker's next iteration before closing the last, whose reads in
+    flight end as it closes) then count every read once; a snapshot per iteration counted
+    them twice, and a clamp to the newest iteration's start lost what came after it ended."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._mark: dict[str, float] | None = None
+        self._open: "weakref.WeakSet[Generator[Any, None, None]]" = weakref.WeakSet()
+
+    def begin(self) -> None:
+        """An iteration begins: where none of the dataset's is open in this process, what the
+        process read since is not the dataset's (another dataset's, between epochs)."""
+        with self._lock:
+            if not any(iteration.gi_frame is not None for iteration in self._open):  # a frame: not ended
+                self._mark = io_stats.snapshot()
+
+    def track(self, iteration: Generator[Any, None, None]) -> None:
+        """`iteration` is open until it ends (or, never begun, is let go)."""
+        with self._lock:
+            self._open.add(iteration)
+
+    def take(self) -> tuple[dict[str, float], dict[str, float]]:
+        """The span of `io_stats` not yet counted, (from, to); the mark moves to its end."""
+        with self._lock:
+            now = io_stats.snapshot()
+            start, self._mark = self._mark if self._mark is not None else now, now
+            return start, now
 
 
 def count_into(stats: IOStats | None) -> None:

@@ -153,6 +153,9 @@ class Source:
     # A digest of the keys of each tar `counts()` read through, by shard number: what tells a
     # resume state's dataset from another of the same shard names and counts (`contents`).
     read_keys: dict[int, bytes] = field(default_factory=dict, compare=False, repr=False)
+    # Shards found to have no index file, by shard number: a shard read in several openings
+    # (a weighted epoch's walks, stream.py) was probed for one again at each.
+    unindexed: set[int] = field(default_factory=set, compare=False, repr=False)
 
     def reader(self, shard: int) -> ShardReader | StreamTarReader:
         """A reader of shard number `shard` (its place in `shards`)."""
@@ -161,7 +164,14 @@ class Source:
                 return part.reader(shard)
             shard -= len(part.shards)
         ref, index = self.shards[shard], self.scanned.get(shard)
-        return ref.reader() if index is None else ShardReader(ref.store, ref.name, index=index)
+        if index is not None:
+            return ShardReader(ref.store, ref.name, index=index)
+        if shard in self.unindexed:
+            return StreamTarReader(ref.store, ref.name)
+        reader = ref.reader()
+        if isinstance(reader, StreamTarReader):
+            self.unindexed.add(shard)
+        return reader
 
     @property
     def indexed(self) -> bool:

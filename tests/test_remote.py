@@ -444,6 +444,8 @@ def test_tars_without_an_index_ride_out_faults(samples, jpg_digests, tmp_path, w
     (fsspec's sequential HTTP file retried nothing and called it a missing file), and with
     30% of all requests failing too every sample still arrives once."""
     import gzip
+    import io
+    import tarfile
 
     monkeypatch.setattr("shardstream.storage.OPEN_BLOCK_BYTES", 64 << 10)  # several ranges a tar
     folder = write_webdataset(samples, tmp_path / "wds", 8)
@@ -1142,27 +1144,79 @@ def test_io_stats_count_every_request_once(local_ds, shard_names, case):
         assert served > 0 and ds.io_stats()["requests"] == served, (served, ds.io_stats())
 
 
-def test_an_iteration_a_later_one_superseded_counts_up_to_where_the_later_counts_from(local_ds, monkeypatch):
-    """The rule behind the persistent-worker case above, without its timing: an iteration that a later one
-    in the same process has superseded (torch begins the next before closing the last) adds its reads up
-    to the later one's first snapshot, and nothing after it, which the later one counts."""
-    from shardstream import dataset as dataset_module
-    from shardstream.shared import IO_FIELDS
+def test_iterations_open_at_once_count_each_read_once(monkeypatch):
+    """The rule behind the persistent-worker case above, without its timing, and the cases a first fix
+    (a superseded iteration counting up to the newest one's start) got wrong, found by review: a peek with
+    `next(iter(ds))` mid-epoch left the epoch's later reads uncounted (4 of 602), and three iterations open
+    at once counted a span twice. One mark per dataset and process: every read counted once, and what the
+    process reads while none of the dataset's iterations is open is another's."""
+    from shardstream import iostats
 
-    ds = StreamingDataset(local_ds, decode=None)
-    now = dict.fromkeys(IO_FIELDS, 0.0)
+    now = dict.fromkeys(iostats.IOStats().__dict__, 0.0)
     # On the class: an instance attribute would sit among the counters (`IOStats` keeps them in __dict__).
-    monkeypatch.setattr(type(dataset_module.io_stats), "snapshot", lambda self: dict(now))
-    since = dict.fromkeys(IO_FIELDS, 0.0)
-    added = []
-    for value, superseded in ((3.0, False), (9.0, True), (12.0, True)):
-        if superseded:
-            ds._counting = (object(), dict.fromkeys(IO_FIELDS, 5.0))  # a later iteration began at 5
-        now = dict.fromkeys(IO_FIELDS, value)
-        before = ds.io_stats()["requests"]
-        since = ds._count_io(0, since, superseded)
-        added.append(ds.io_stats()["requests"] - before)
-    assert added == [3.0, 2.0, 0.0]  # up to 5 in all: the later iteration counts from 5 on
+    monkeypatch.setattr(iostats.IOStats, "snapshot", lambda self: dict(now))
+
+    def at(value: float) -> None:
+        now.update(dict.fromkeys(now, value))
+
+    def opened():
+        def iteration():
+            yield
+        it = iteration()
+        next(it)
+        return it
+
+    tally, spans = iostats.Tally(), []
+
+    def take(value: float) -> None:
+        at(value)
+        since, to = tally.take()
+        spans.append((since["requests"], to["requests"]))
+
+    tally.begin()
+    tally.track(epoch := opened())
+    take(3)
+    tally.begin()  # a peek, or torch's next iteration of a persistent worker, while the epoch is open
+    tally.track(peek := opened())
+    take(9)
+    peek.close()
+    take(12)  # the epoch goes on after the peek ended
+    tally.begin()  # a third while the epoch is still open
+    tally.track(third := opened())
+    take(15)
+    take(15)
+    epoch.close(), third.close()
+    at(20)  # another dataset of the process reads
+    tally.begin()
+    take(25)
+    assert spans == [(0, 3), (3, 9), (9, 12), (12, 15), (15, 15), (20, 25)]
+
+
+def test_a_shard_without_an_index_is_probed_for_one_once(tmp_path):
+    """Regression (found by the second review of the walks): a compressed tar, which has no index, read
+    in several openings (a class-weighted epoch's walks over the shards) was probed for an index file
+    again at each: 124 probes answered 404 for 40 tars. Once a shard, in a process."""
+    import gzip
+    import io
+    import tarfile
+
+    folder = tmp_path / "tars"
+    folder.mkdir()
+    for shard in range(4):
+        raw = io.BytesIO()
+        with tarfile.open(fileobj=raw, mode="w") as tar:
+            for i in range(12):
+                for field, data in (("txt", b"x"), ("cls", str(i % 3 if i % 4 else 0).encode())):
+                    info = tarfile.TarInfo(f"s{shard}-{i:02d}.{field}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+        (folder / f"shard-{shard}.tar.gz").write_bytes(gzip.compress(raw.getvalue(), mtime=0))
+    with H.CountingHTTPServer(str(folder)) as server:
+        ds = StreamingDataset([f"{server.url}/shard-{shard}.tar.gz" for shard in range(4)], decode=None,
+                              fields=("__key__",), shuffle=True, sampling=shardstream.Sampling(class_weights="balanced"))
+        assert len(list(ds)) == 48
+        probes = sum(n for (method, path, status), n in server.responses.items() if path.endswith(".idx"))
+    assert probes == 4, server.responses
 
 
 def test_later_epochs_read_no_index_again(local_ds, shard_names, monkeypatch):
