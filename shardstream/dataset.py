@@ -32,7 +32,7 @@ from .decode_ahead import DecodeAhead
 from .epochs import EpochSequences
 from .errors import MissingFieldError, RaisedInWorker, ShardstreamError, StorageError, add_note
 from .headstart import HeadStart
-from .iostats import Tally
+from .iostats import IOStats, count_into, counted_in, counting_into
 from .parentwatch import end_with_parent
 from .policy import ErrorPolicy, guarded
 from .plan import MAX_WORLD_SIZE, Layout, items_of
@@ -78,6 +78,7 @@ def _field_names(fields: str | Sequence[str]) -> tuple[str, ...]:
 PREFETCH_LOCAL = 2
 PREFETCH_REMOTE = 6
 IO_COUNT_INTERVAL_S = 0.05  # how often an iteration adds its storage work to `io_stats()`
+_END = object()  # what `next` gives at a stream's end (`_yield`)
 
 
 def carry_errors(items: Iterator[Any], worker: int) -> Iterator[Any]:
@@ -253,7 +254,6 @@ class StreamingDataset(Checkpointing, IterableDataset):
         # this dataset (`shardstream.DataLoader`'s) share it, and a copy's read-ahead is counted
         # by the caller's `io_stats` too.
         self._heads: dict[int, HeadStart] = {}
-        self._tallies: dict[int, Tally] = {}  # how far this process's reads are counted, by process id
         self._init_checkpointing()
 
     # -- epochs, world and layout --------------------------------------------------------
@@ -297,7 +297,6 @@ class StreamingDataset(Checkpointing, IterableDataset):
         # must leave each child to find its rank, and children inherit torchrun's variables.
         state = self.__dict__.copy()
         state["_heads"] = {}  # threads and their reads stay in their process
-        state["_tallies"] = {}
         if get_worker_info() is None and get_spawning_popen() is not None and _in_process_group():
             world = World.detect(self.rank, self.world_size)
             state["rank"], state["world_size"] = world.rank, world.size
@@ -421,12 +420,16 @@ class StreamingDataset(Checkpointing, IterableDataset):
         self._fields_checked = True  # once: a manifest's fields do not change
 
     def __iter__(self) -> Iterator[Any]:
+        # This iteration's storage work counts in its own counters (io_stats(); iostats.py): the
+        # manifest `_check_fields` reads and the planning's reads too.
+        reads = IOStats()
+        with counted_in(reads):
+            return self._iterate(reads)
+
+    def _iterate(self, reads: IOStats) -> Iterator[Any]:
         # Planned here, eagerly, not in the generator: a DataLoader worker calls iter()
         # when it starts, and torchdata's StatefulDataLoader asks for the worker's state
         # right after, before the first item.
-        # This iteration's storage work counts from here (io_stats()): the manifest `_check_fields`
-        # reads too.
-        self._tally().begin()
         self._check_batching()
         self._check_fields()
         world = self.world()
@@ -459,22 +462,32 @@ class StreamingDataset(Checkpointing, IterableDataset):
         # earlier one still open (a loop left with `break`, or `zip(ds, ds)`) that goes on
         # would count its items into another iteration's place.
         self._iteration = iteration = object()
-        items = self._yield(world, stream, resume_id, iteration)
-        self._tally().track(items)
+        self._count_io(world.worker, reads)  # the planning's reads: an iterator made and never iterated has read
+        items = self._yield(world, stream, resume_id, iteration, reads)
         info = get_worker_info()
         return carry_errors(items, info.id) if self._loader_copy and info is not None else items
 
     def _yield(self, world: World, stream: Iterator[Any], resume_id: int | None,
-               iteration: object) -> Iterator[Any]:
+               iteration: object, reads: IOStats) -> Iterator[Any]:
         last_count = time.monotonic()
         try:
-            for item in stream:
+            while True:
+                # The stream reads in this thread as it makes an item: counted as this iteration's
+                # (by hand, not `counted_in`: a context manager's 2 us an item is 2% of a raw read's).
+                before = counting_into()
+                count_into(reads)
+                try:
+                    item = next(stream, _END)
+                finally:
+                    count_into(before)
+                if item is _END:
+                    break
                 if self._iteration is iteration:  # counts what the consumer received (main-process iteration)
                     self._delivered += 1
                     epoch, worker, done = self._position
                     self._position = (epoch, worker, done + 1)
                 if (now := time.monotonic()) - last_count >= IO_COUNT_INTERVAL_S:  # not per item: 5 us each
-                    self._count_io(world.worker)
+                    self._count_io(world.worker, reads)
                     last_count = now
                 yield item
         finally:
@@ -484,8 +497,9 @@ class StreamingDataset(Checkpointing, IterableDataset):
             # done). They went uncounted: 83% of the bytes of epochs left after a few steps.
             close = getattr(stream, "close", None)
             if close is not None:
-                close()
-            self._count_io(world.worker)
+                with counted_in(reads):
+                    close()
+            self._count_io(world.worker, reads)
         if resume_id is not None:  # the resumed epoch is complete: later passes start afresh
             self._shared.finish_resume(resume_id, world.worker, world.workers)
         # A worker's own state stays until its next iteration (see _worker_state); a state loaded
@@ -554,27 +568,20 @@ class StreamingDataset(Checkpointing, IterableDataset):
         """Storage counters (requests, bytes, retries, wait_s, cache hits and misses, and
         `readahead_waits`: pieces a reader waited for with its read-ahead window at its
         largest, a sign to raise `prefetch`) of this dataset's iterations, summed over the processes that ran them (the workers, or this
-        process) and over epochs; an iteration adds to them every 50 ms and at its end. The
-        counters themselves are per process: two datasets iterated at the same time in one
-        process would each count the other's reads too. What a process reads ahead for its
-        next iteration (remote shards, between iterations) is counted by the next count:
-        in this process by this call, in a DataLoader worker by its next iteration's."""
+        process) and over epochs. An iteration counts its own reads, its reading threads'
+        too, so that two datasets (or two iterations of one) read at the same time in one
+        process count each their own; it adds them as it begins, every 50 ms while it yields,
+        and at its end (an iterator suspended and kept: when it resumes or is closed). What
+        a process reads ahead for its next iteration (remote shards, between iterations) is
+        counted by the next count: in this process by this call, in a DataLoader worker by
+        its next iteration's."""
         self._count_read_ahead(0)
         return self._shared.io()
 
-    def _tally(self) -> Tally:
-        """This process's `Tally` of this dataset's reads (a forked child's copy of its parent's
-        marks a point in the parent's counters, not its own)."""
-        process = os.getpid()
-        if process not in self._tallies:
-            self._tallies.clear()
-            self._tallies[process] = Tally()
-        return self._tallies[process]
-
-    def _count_io(self, worker: int) -> None:
-        """Add this process's storage work since the last count of this dataset here."""
-        since, now = self._tally().take()
-        self._shared.add_io(worker, since, now)
+    def _count_io(self, worker: int, reads: IOStats) -> None:
+        """Add an iteration's storage work since its last count (`reads`) to this dataset's counts."""
+        done = reads.drain()
+        self._shared.add_io(worker, dict.fromkeys(done, 0), done)
         self._count_read_ahead(worker)
 
     def _count_read_ahead(self, worker: int) -> None:

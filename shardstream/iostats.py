@@ -2,24 +2,27 @@
 
 One `IOStats`, `io_stats`, per process, added to from every thread that reads: the
 store's reads, the retries of `RetryPolicy`, the shard cache's hits and misses. A
-dataset reports the difference between two snapshots (`StreamingDataset.io_stats`).
-A thread that reads for a dataset between its iterations (the head start on the next
-one, headstart.py) counts into an `IOStats` of its own instead (`count_into`), which
-the dataset's next count takes (`drain`): between two iterations no snapshot of the
-process's counters can tell its reads from another dataset's.
+thread that reads for a dataset counts into an `IOStats` of the dataset's as well
+(`count_into`, `counted_in`; a pool's threads where the thread that made it counts,
+`counting_here`): an iteration's own, which the dataset takes into its counts as it goes
+(`drain`; `StreamingDataset.io_stats`), and the head start's on the next iteration
+(headstart.py). Snapshots of the process's counters could not tell one iteration's reads
+from another's, or another dataset's: iterations open at once (a peek mid-epoch, torch
+beginning a persistent worker's next iteration before closing the last) counted reads
+twice, or none.
 It imports nothing of shardstream, so that every layer doing storage work (the store,
 the retries, the cache) counts into it without depending on the others.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-import weakref
 from dataclasses import dataclass
-from typing import Any, Generator
+from typing import Callable, Iterator
 
-__all__ = ["IOStats", "Tally", "count_into", "io_stats"]
+__all__ = ["IOStats", "count_into", "counted_in", "counting_here", "counting_into", "io_stats"]
 
 
 @dataclass
@@ -41,12 +44,15 @@ class IOStats:
     readahead_waits: int = 0
 
     def add(self, **amounts: float) -> None:
-        into = self
-        if self is io_stats:  # the process's counters, unless this thread counts elsewhere
-            into = getattr(_counting, "into", None) or self
+        counters = [self]
+        if self is io_stats:  # the process's counters, and those this thread counts for (`count_into`)
+            into = getattr(_counting, "into", None)
+            if into is not None:
+                counters.append(into)
         with _stats_lock:
-            for name, amount in amounts.items():
-                setattr(into, name, getattr(into, name) + amount)
+            for counted in counters:
+                for name, amount in amounts.items():
+                    setattr(counted, name, getattr(counted, name) + amount)
 
     def snapshot(self) -> dict[str, float]:
         with _stats_lock:
@@ -71,43 +77,35 @@ io_stats = IOStats()
 _counting = threading.local()
 
 
-class Tally:
-    """How far one dataset has taken this process's `io_stats` into its own counts: one mark
-    for all its iterations in the process, each count taking the span from the mark to now.
-    Iterations open at once (a peek with `next(iter(ds))` mid-epoch, `zip(ds, ds)`, torch
-    beginning a persistent worker's next iteration before closing the last, whose reads in
-    flight end as it closes) then count every read once; a snapshot per iteration counted
-    them twice, and a clamp to the newest iteration's start lost what came after it ended."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._mark: dict[str, float] | None = None
-        self._open: "weakref.WeakSet[Generator[Any, None, None]]" = weakref.WeakSet()
-
-    def begin(self) -> None:
-        """An iteration begins: where none of the dataset's is open in this process, what the
-        process read since is not the dataset's (another dataset's, between epochs)."""
-        with self._lock:
-            if not any(iteration.gi_frame is not None for iteration in self._open):  # a frame: not ended
-                self._mark = io_stats.snapshot()
-
-    def track(self, iteration: Generator[Any, None, None]) -> None:
-        """`iteration` is open until it ends (or, never begun, is let go)."""
-        with self._lock:
-            self._open.add(iteration)
-
-    def take(self) -> tuple[dict[str, float], dict[str, float]]:
-        """The span of `io_stats` not yet counted, (from, to); the mark moves to its end."""
-        with self._lock:
-            now = io_stats.snapshot()
-            start, self._mark = self._mark if self._mark is not None else now, now
-            return start, now
-
-
 def count_into(stats: IOStats | None) -> None:
-    """Count what the calling thread asks of storage into `stats` from now on, not into the
-    process's `io_stats` (None: into `io_stats` again)."""
+    """Count what the calling thread asks of storage into `stats` from now on, besides the
+    process's `io_stats` (None: into `io_stats` alone again)."""
     _counting.into = stats
+
+
+def counting_into() -> IOStats | None:
+    """Where the calling thread counts besides `io_stats` (`count_into`), if anywhere."""
+    return getattr(_counting, "into", None)
+
+
+@contextlib.contextmanager
+def counted_in(stats: IOStats) -> Iterator[None]:
+    """Within the block, the calling thread counts into `stats`; then where it counted before."""
+    before = counting_into()
+    _counting.into = stats
+    try:
+        yield
+    finally:
+        _counting.into = before
+
+
+def counting_here() -> Callable[[], None]:
+    """A thread pool's initializer that makes its threads count where the calling thread
+    counts now: a dataset's iteration counts its reads in its own `IOStats`, its reading
+    threads' too, so that what another iteration or dataset of the process reads meanwhile
+    is not its (dataset.py)."""
+    into = getattr(_counting, "into", None)
+    return lambda: count_into(into)
 
 
 def _new_lock_in_child() -> None:

@@ -22,6 +22,7 @@ from .braces import expand_braces, folder_named, names_shards
 from .columns import MAX_CLASS, class_of, label_column, sampling_weight_of, weight_column
 from .errors import ManifestError, ShardstreamError, StorageError
 from .format import INDEX_SUFFIX, MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ShardIndex, ShardInfo
+from .iostats import counting_here
 from .shardtable import ShardTable, checked_index
 from .reader import ShardReader
 from .tarstream import StreamTarReader
@@ -395,7 +396,7 @@ class Source:
         shards = range(len(self.shards))
         if len(shards) < 2 or self.local:
             return [work(shard) for shard in shards]
-        pool = ThreadPoolExecutor(min(COUNT_THREADS, len(shards)), thread_name_prefix=name)
+        pool = ThreadPoolExecutor(min(COUNT_THREADS, len(shards)), thread_name_prefix=name, initializer=counting_here())
         try:
             return list(pool.map(work, shards))
         finally:

@@ -22,7 +22,7 @@ from .cancel import Cancellation
 from .errors import (CacheFullError, CorruptIndexError, CorruptShardError, DownloadChecksumError, ShardstreamError,
                      StorageError)
 from .format import SHARD_SUFFIX
-from .iostats import io_stats
+from .iostats import counting_here, io_stats
 from .pieces import PieceKey, adjacent_repeats, piece_key, planned_pieces, ramp, sample_runs, stretches
 from .reader import READ_BYTES, Sample, ShardReader
 from .readahead import ReadAhead
@@ -310,10 +310,16 @@ def _read_samples(source: Source, ids: np.ndarray, counts: np.ndarray, prefetch:
         # Reads still running when the iteration stops are cancelled (cancel.py): else leaving
         # the pools waits for them, through their retries' backoff when storage is failing.
         cancellation = Cancellation()
+        counting = counting_here()  # the pools' reads count where this iteration's do (iostats.py)
+
+        def bind() -> None:
+            cancellation.bind()
+            counting()
+
         with ThreadPoolExecutor(max_workers=max(prefetch, MAX_AHEAD), thread_name_prefix="shardstream-prefetch",
-                                initializer=cancellation.bind) as pool, \
+                                initializer=bind) as pool, \
                 ThreadPoolExecutor(max_workers=min(prefetch, OPENERS), thread_name_prefix="shardstream-open",
-                                   initializer=cancellation.bind) as openers:
+                                   initializer=bind) as openers:
             ahead: deque[tuple[int, bool, int, Future[list[Sample]]]] = deque()
             ahead_bytes = opened = 0
 

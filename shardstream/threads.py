@@ -13,6 +13,8 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterable, Iterator, TypeVar
 
+from .iostats import counting_here
+
 __all__ = ["Ahead", "ordered_map"]
 
 T = TypeVar("T")
@@ -64,7 +66,7 @@ def ordered_map(function: Callable[[T], R], items: Iterable[T], threads: int, *,
     started and waits for the running ones.
     """
     bound = Ahead(ahead or 4 * threads, weight_ahead)
-    with ThreadPoolExecutor(threads, thread_name_prefix=name) as pool:
+    with ThreadPoolExecutor(threads, thread_name_prefix=name, initializer=counting_here()) as pool:
         pending = iter(items)
         window: deque[Future[R]] = deque()
         waiting: list[tuple[T, int]] = []  # an item drawn and weighed that did not fit yet

@@ -1144,52 +1144,32 @@ def test_io_stats_count_every_request_once(local_ds, shard_names, case):
         assert served > 0 and ds.io_stats()["requests"] == served, (served, ds.io_stats())
 
 
-def test_iterations_open_at_once_count_each_read_once(monkeypatch):
-    """The rule behind the persistent-worker case above, without its timing, and the cases a first fix
-    (a superseded iteration counting up to the newest one's start) got wrong, found by review: a peek with
-    `next(iter(ds))` mid-epoch left the epoch's later reads uncounted (4 of 602), and three iterations open
-    at once counted a span twice. One mark per dataset and process: every read counted once, and what the
-    process reads while none of the dataset's iterations is open is another's."""
-    from shardstream import iostats
-
-    now = dict.fromkeys(iostats.IOStats().__dict__, 0.0)
-    # On the class: an instance attribute would sit among the counters (`IOStats` keeps them in __dict__).
-    monkeypatch.setattr(iostats.IOStats, "snapshot", lambda self: dict(now))
-
-    def at(value: float) -> None:
-        now.update(dict.fromkeys(now, value))
-
-    def opened():
-        def iteration():
-            yield
-        it = iteration()
-        next(it)
-        return it
-
-    tally, spans = iostats.Tally(), []
-
-    def take(value: float) -> None:
-        at(value)
-        since, to = tally.take()
-        spans.append((since["requests"], to["requests"]))
-
-    tally.begin()
-    tally.track(epoch := opened())
-    take(3)
-    tally.begin()  # a peek, or torch's next iteration of a persistent worker, while the epoch is open
-    tally.track(peek := opened())
-    take(9)
-    peek.close()
-    take(12)  # the epoch goes on after the peek ended
-    tally.begin()  # a third while the epoch is still open
-    tally.track(third := opened())
-    take(15)
-    take(15)
-    epoch.close(), third.close()
-    at(20)  # another dataset of the process reads
-    tally.begin()
-    take(25)
-    assert spans == [(0, 3), (3, 9), (9, 12), (12, 15), (15, 15), (20, 25)]
+def test_iterations_open_at_once_and_other_datasets_count_their_own_reads(local_ds, tmp_path):
+    """Regression (found by three reviews of the counters): counts were differences of the process's
+    counters, which cannot tell whose a read is: a peek (`next(iter(ds))`) in the middle of an epoch, or a
+    peek kept, made the epoch count a validation dataset's reads too (147 counted of 56), or lose its own
+    (4 of 602); `zip(ds, ds)` with a third open counted a span twice. An iteration counts into counters of
+    its own, its reading threads too: every request once, each dataset its own, even mid-epoch."""
+    shutil.copytree(local_ds, tmp_path / "val")
+    with H.CountingHTTPServer(local_ds, latency_s=0.005) as train_server, \
+            H.CountingHTTPServer(str(tmp_path / "val"), latency_s=0.005) as val_server:
+        train = StreamingDataset(train_server.url, decode=None, fields=("__key__",), shuffle=True)
+        val = StreamingDataset(val_server.url, decode=None, fields=("__key__",))
+        kept = iter(train)  # made and kept, never iterated
+        peeked = iter(train)
+        next(peeked)  # a peek, kept
+        for epoch in range(2):
+            train.set_epoch(epoch)
+            epoch_items = iter(train)
+            for i, _ in enumerate(epoch_items):
+                if i == 3:
+                    assert len(list(val)) > 0  # validation in the middle of the epoch
+                    next(iter(train))  # and a peek
+            assert len(list(zip(train, train))) > 0
+        del kept, peeked, epoch_items
+        for server, ds in ((train_server, train), (val_server, val)):
+            served = _requests_settled(server)
+            assert served > 0 and ds.io_stats()["requests"] == served, (server.url, served, ds.io_stats())
 
 
 def test_a_shard_without_an_index_is_probed_for_one_once(tmp_path):
