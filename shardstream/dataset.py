@@ -12,6 +12,7 @@ manifest read) on first use, in whichever process gets there first.
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import time
@@ -79,6 +80,19 @@ PREFETCH_LOCAL = 2
 PREFETCH_REMOTE = 6
 IO_COUNT_INTERVAL_S = 0.05  # how often an iteration adds its storage work to `io_stats()`
 _END = object()  # what `next` gives at a stream's end (`_yield`)
+
+
+def _counted_outside(method: Callable[..., Any]) -> Callable[..., Any]:
+    """`method` of a dataset, its reads counted as the dataset's where no iteration counts
+    them: the manifest `resolve()` reads, the indexes a `len()` plans from, before the first
+    iteration (which then finds them read, and read nothing)."""
+    @functools.wraps(method)
+    def counted(self: "StreamingDataset", *args: Any, **kwargs: Any) -> Any:
+        if counting_into() is not None:  # an iteration's, or the head start's: counted there
+            return method(self, *args, **kwargs)
+        with counted_in(self._outside_reads()):
+            return method(self, *args, **kwargs)
+    return counted
 
 
 def carry_errors(items: Iterator[Any], worker: int) -> Iterator[Any]:
@@ -254,6 +268,7 @@ class StreamingDataset(Checkpointing, IterableDataset):
         # this dataset (`shardstream.DataLoader`'s) share it, and a copy's read-ahead is counted
         # by the caller's `io_stats` too.
         self._heads: dict[int, HeadStart] = {}
+        self._outside: dict[int, IOStats] = {}  # this process's reads outside iterations (_counted_outside)
         self._init_checkpointing()
 
     # -- epochs, world and layout --------------------------------------------------------
@@ -297,6 +312,7 @@ class StreamingDataset(Checkpointing, IterableDataset):
         # must leave each child to find its rank, and children inherit torchrun's variables.
         state = self.__dict__.copy()
         state["_heads"] = {}  # threads and their reads stay in their process
+        state["_outside"] = {}
         if get_worker_info() is None and get_spawning_popen() is not None and _in_process_group():
             world = World.detect(self.rank, self.world_size)
             state["rank"], state["world_size"] = world.rank, world.size
@@ -331,6 +347,7 @@ class StreamingDataset(Checkpointing, IterableDataset):
         return Layout(world.size, world.workers, self.batch_size, self.drop_last, self.partial,
                       self.shuffle, self.shuffle_buffer)
 
+    @_counted_outside
     def resolve(self) -> Source:
         """Read the manifest (or list the shards) once per process."""
         if self._resolved is None:
@@ -350,12 +367,14 @@ class StreamingDataset(Checkpointing, IterableDataset):
             return self._prefetch
         return PREFETCH_LOCAL if self.resolve().local else PREFETCH_REMOTE
 
+    @_counted_outside
     def counts(self) -> np.ndarray:
         """Samples per shard."""
         if self._counts is None:
             self._counts = self.resolve().counts()
         return self._counts
 
+    @_counted_outside
     def _sequences(self) -> EpochSequences:
         """The epoch sequences (epochs.py), made once per process, and again if `seed` or
         `shuffle` have changed since."""
@@ -567,14 +586,16 @@ class StreamingDataset(Checkpointing, IterableDataset):
     def io_stats(self) -> dict[str, float]:
         """Storage counters (requests, bytes, retries, wait_s, cache hits and misses, and
         `readahead_waits`: pieces a reader waited for with its read-ahead window at its
-        largest, a sign to raise `prefetch`) of this dataset's iterations, summed over the processes that ran them (the workers, or this
-        process) and over epochs. An iteration counts its own reads, its reading threads'
-        too, so that two datasets (or two iterations of one) read at the same time in one
-        process count each their own; it adds them as it begins, every 50 ms while it yields,
-        and at its end (an iterator suspended and kept: when it resumes or is closed). What
-        a process reads ahead for its next iteration (remote shards, between iterations) is
-        counted by the next count: in this process by this call, in a DataLoader worker by
-        its next iteration's."""
+        largest, a sign to raise `prefetch`) of this dataset, summed over the processes that
+        read for it (the workers, or this process) and over epochs. An iteration counts its
+        own reads, its reading threads' too, so that two datasets (or two iterations of one)
+        read at the same time in one process count each their own; it adds them as it
+        begins, every 50 ms while it yields, and at its end (an iterator suspended and kept:
+        when it resumes or is closed). What a process reads for the dataset outside its
+        iterations (the manifest `resolve()` or `len()` reads before the first; the head
+        start on its next iteration, remote shards) is counted by the next count: in this
+        process by this call, in a DataLoader worker by its next iteration's (a persistent
+        worker's head start on an epoch that never comes: not at all)."""
         self._count_read_ahead(0)
         return self._shared.io()
 
@@ -585,13 +606,22 @@ class StreamingDataset(Checkpointing, IterableDataset):
         self._count_read_ahead(worker)
 
     def _count_read_ahead(self, worker: int) -> None:
-        """Add what this process's head start has read since the last count (it reads between
-        iterations, outside their snapshots: iostats.py)."""
+        """Add what this process read for the dataset outside its iterations since the last
+        count: its head start (between iterations), and planning before the first."""
         head_start = self._heads.get(os.getpid())
-        if head_start is not None:
-            ahead = head_start.io.drain()
-            if any(ahead.values()):  # a slot is another process's too (worker 0's): touched only to add
-                self._shared.add_io(worker, dict.fromkeys(ahead, 0), ahead)
+        for read in (head_start.io if head_start is not None else None, self._outside_reads()):
+            done = read.drain() if read is not None else {}
+            if any(done.values()):  # a slot is another process's too (worker 0's): touched only to add
+                self._shared.add_io(worker, dict.fromkeys(done, 0), done)
+
+    def _outside_reads(self) -> IOStats:
+        """This process's counters of the dataset's reads outside its iterations (a forked
+        child's copy of its parent's holds the parent's to count, not its own)."""
+        process = os.getpid()
+        if process not in self._outside:
+            self._outside.clear()
+            self._outside[process] = IOStats()
+        return self._outside[process]
 
     @property
     def skipped(self) -> int:
