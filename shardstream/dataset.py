@@ -19,7 +19,7 @@ import time
 import traceback
 import warnings
 from multiprocessing.context import get_spawning_popen
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
@@ -80,6 +80,7 @@ PREFETCH_LOCAL = 2
 PREFETCH_REMOTE = 6
 IO_COUNT_INTERVAL_S = 0.05  # how often an iteration adds its storage work to `io_stats()`
 _END = object()  # what `next` gives at a stream's end (`_yield`)
+T = TypeVar("T")
 
 
 def _counted_outside(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -93,6 +94,16 @@ def _counted_outside(method: Callable[..., Any]) -> Callable[..., Any]:
         with counted_in(self._outside_reads()):
             return method(self, *args, **kwargs)
     return counted
+
+
+def _this_process(table: dict[int, T], make: Callable[[], T]) -> T:
+    """This process's entry of `table` (by process id), made if absent: an entry of another
+    process (a forked child's copy of its parent's) is that process's, and dropped here."""
+    process = os.getpid()
+    if process not in table:
+        table.clear()
+        table[process] = make()
+    return table[process]
 
 
 def carry_errors(items: Iterator[Any], worker: int) -> Iterator[Any]:
@@ -577,11 +588,7 @@ class StreamingDataset(Checkpointing, IterableDataset):
         remote shards, with prefetch on."""
         if self.prefetch <= 0 or not source.indexed or source.local:
             return None
-        process = os.getpid()
-        if process not in self._heads:
-            self._heads.clear()  # a forked child's copy of its parent's, whose threads it has not
-            self._heads[process] = HeadStart()
-        return self._heads[process]
+        return _this_process(self._heads, HeadStart)  # a forked child's copy is its parent's, threads and all
 
     def io_stats(self) -> dict[str, float]:
         """Storage counters (requests, bytes, retries, wait_s, cache hits and misses, and
@@ -617,11 +624,7 @@ class StreamingDataset(Checkpointing, IterableDataset):
     def _outside_reads(self) -> IOStats:
         """This process's counters of the dataset's reads outside its iterations (a forked
         child's copy of its parent's holds the parent's to count, not its own)."""
-        process = os.getpid()
-        if process not in self._outside:
-            self._outside.clear()
-            self._outside[process] = IOStats()
-        return self._outside[process]
+        return _this_process(self._outside, IOStats)
 
     @property
     def skipped(self) -> int:
