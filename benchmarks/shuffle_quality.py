@@ -1,4 +1,4 @@
-"""How well does the stream shuffle? Classes per batch on a class-sorted dataset.
+"""How well does the stream shuffle? Classes per batch, and one epoch's order against the next.
 
 The worst case for a streaming shuffle is data packed in class order (`pack --no-shuffle`
 of an ImageFolder): shard order shuffling alone then gives batches from one or two
@@ -6,7 +6,14 @@ classes. This script computes, from the plan alone (no data is read: the plan is
 function), the mean number of distinct classes in a batch of 64 for several shuffle
 buffer sizes, against a uniform random permutation of the same samples.
 
+`--epochs` measures instead how much of an epoch's order the next one repeats, for
+datasets of few shards (where each shard is one run of the file order): the Spearman
+correlation of a sample's places in consecutive epochs, and how much more often a
+sample in the first quarter of its shard comes in an epoch's first tenth than one in
+the last quarter, with each shard read whole and cut into blocks (`plan.shuffle_block`).
+
     python benchmarks/shuffle_quality.py [--classes 100] [--per-class 1000] [--shard 1000]
+    python benchmarks/shuffle_quality.py --epochs [--samples 20000] [--samples-per-frame 9]
 """
 
 from __future__ import annotations
@@ -15,12 +22,52 @@ import argparse
 
 import numpy as np
 
-from shardstream.plan import Layout, epoch_sequence, split_ranks, worker_plan
+from shardstream.plan import Layout, epoch_sequence, shuffle_block, split_ranks, worker_plan
 
 
 def classes_per_batch(labels: np.ndarray, batch: int) -> float:
     n = len(labels) // batch * batch
     return float(np.mean([len(np.unique(b)) for b in labels[:n].reshape(-1, batch)]))
+
+
+def delivered(counts: np.ndarray, epoch: int, block: int, workers: int, batch: int, buffer: int) -> np.ndarray:
+    """The sample ids a loader hands over in `epoch`: one batch from each worker in turn."""
+    layout = Layout(world_size=1, workers=workers, batch_size=batch, shuffle=True, buffer=buffer)
+    sequence = epoch_sequence(counts, 0, epoch, True, block=block)
+    orders = [mine[perm] for mine, perm in (worker_plan(sequence, layout, 0, epoch, 0, w) for w in range(workers))]
+    batches = [o[i : i + batch] for i in range(0, max(map(len, orders)), batch) for o in orders]
+    return np.concatenate([b for b in batches if len(b)])
+
+
+def spearman(a: np.ndarray, b: np.ndarray) -> float:
+    """Spearman's rank correlation of two permutations' places (places are ranks already)."""
+    return float(np.corrcoef(a, b)[0, 1])
+
+
+def epochs_table(args: argparse.Namespace) -> None:
+    n, epochs = args.samples, 17
+    print(f"{n} samples, {args.workers} worker(s), batch {args.batch}, buffer {args.buffer}, "
+          f"{args.samples_per_frame} samples a frame; {epochs} epochs (mean over the {epochs - 1} pairs)")
+    print("shards | block | Spearman, whole shards | cut | first quarter early, whole | cut")
+    for shards in (1, 2, 4, 10, 64, 256):
+        counts = np.full(shards, n // shards)
+        total = int(counts.sum())
+        block = shuffle_block(counts, args.samples_per_frame)
+        cells = []
+        for cut in (0, block):
+            places = []
+            for epoch in range(epochs):
+                place = np.empty(total, dtype=np.int64)
+                place[delivered(counts, epoch, cut, args.workers, args.batch, args.buffer)] = np.arange(total)
+                places.append(place)
+            rho = np.mean([spearman(a, b) for a, b in zip(places, places[1:])])
+            # Each shard's first and last quarter of its file order.
+            where = np.arange(total) % (total // shards)
+            first, last = where < total // shards // 4, where >= total // shards * 3 // 4
+            early = [np.mean([np.mean(p[part] < total // 10) for p in places]) for part in (first, last)]
+            cells.append((rho, early[0] / early[1] if early[1] else float("inf")))
+        print(f"{shards:>6} | {block:>5} | {cells[0][0]:>22.2f} | {cells[1][0]:>4.2f} | {cells[0][1]:>26.2f} | "
+              f"{cells[1][1]:.2f}")
 
 
 def main() -> None:
@@ -30,7 +77,14 @@ def main() -> None:
     parser.add_argument("--shard", type=int, default=1000, help="samples per shard")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--epochs", action="store_true", help="one epoch's order against the next, few shards")
+    parser.add_argument("--samples", type=int, default=20_000, help="with --epochs: the dataset's samples")
+    parser.add_argument("--samples-per-frame", type=int, default=9, help="with --epochs (ImageNet's JPEGs: about 9)")
+    parser.add_argument("--buffer", type=int, default=2048, help="with --epochs: the shuffle buffer")
     args = parser.parse_args()
+    if args.epochs:
+        epochs_table(args)
+        return
 
     total = args.classes * args.per_class
     counts = np.full(total // args.shard, args.shard)

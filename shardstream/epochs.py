@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .plan import epoch_block, epoch_sequence, split_ranks
+from .plan import epoch_block, epoch_sequence, shuffle_block, split_ranks
 from .resume import Segment, SequenceAfter, sequence_after
 from .sampling import (Sampling, class_sample_weights, distinct_draws, drawn_samples, mixed_sequence, sized_sequence,
                        stream_slice, weighted_sequence)
@@ -36,8 +36,18 @@ class EpochSequences:
     shuffle: bool
     sampling: Sampling | None = None
     mix_weights: Sequence[float] | None = None
+    # Samples in a block of each shard (`plan.shuffle_block`; 0: shards whole), per mixed source for a mix.
+    blocks: tuple[int, ...] = field(default=(), init=False)
     _weights: np.ndarray | None = field(default=None, init=False, repr=False)  # draw weights
     _left: tuple[int, tuple[Segment, ...], np.ndarray] | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.mix_weights is None:
+            self.blocks = (_block_of(self.source, self.counts, self.shuffle),)
+        else:
+            sizes = np.cumsum([0] + [len(part.shards) for part in self.source.parts])
+            self.blocks = tuple(_block_of(part, self.counts[a:b], self.shuffle)
+                                for part, a, b in zip(self.source.parts, sizes[:-1], sizes[1:]))
 
     def __getstate__(self) -> dict[str, Any]:
         # `_left` can be megabytes: a DataLoader worker that needs it makes it again.
@@ -73,16 +83,18 @@ class EpochSequences:
                 def pass_of(p: int) -> np.ndarray:
                     if not shuffle:
                         return offsets[i] + np.arange(size, dtype=np.int64)
-                    return offsets[i] + epoch_sequence(part_counts[i], seed, p, shuffle, salt=i << 20)
+                    return offsets[i] + epoch_sequence(part_counts[i], seed, p, shuffle, salt=i << 20,
+                                                       block=self.blocks[i])
 
                 return lambda first, count: stream_slice(pass_of, size, first, count)
 
             return mixed_sequence([stream(i) for i in range(len(sizes))], self.mix_weights, total, start=epoch * total)
         if self.sampling is not None and self.sampling.weighted:
-            return weighted_sequence(counts, self._draw_weights(), seed, epoch, shuffle, n or int(counts.sum()))
+            return weighted_sequence(counts, self._draw_weights(), seed, epoch, shuffle, n or int(counts.sum()),
+                                     self.blocks[0])
         if n is not None:
-            return sized_sequence(counts, seed, epoch, shuffle, n)
-        return epoch_sequence(counts, seed, epoch, shuffle)
+            return sized_sequence(counts, seed, epoch, shuffle, n, self.blocks[0])
+        return epoch_sequence(counts, seed, epoch, shuffle, block=self.blocks[0])
 
     def draws(self, epoch: int) -> np.ndarray:
         """Epoch `epoch`'s sequence as the plan splits it: sample ids, where a sequence may
@@ -115,7 +127,7 @@ class EpochSequences:
         drawn = sampling is not None and (sampling.weighted or sampling.samples_per_epoch is not None)
         if finished or drawn or self.mix_weights is not None:
             return split_ranks(self.after(epoch)(finished), world_size, partial)[rank]
-        return epoch_block(self.counts, self.seed, epoch, self.shuffle, world_size, rank, partial)
+        return epoch_block(self.counts, self.seed, epoch, self.shuffle, world_size, rank, partial, self.blocks[0])
 
     def after(self, epoch: int) -> SequenceAfter:
         """What earlier layouts (the finished segments of a resumed epoch) left of `epoch`'s
@@ -153,3 +165,10 @@ class EpochSequences:
                 weights *= sampling.sample_weights
             self._weights = weights
         return self._weights
+
+
+def _block_of(source: Source, counts: np.ndarray, shuffle: bool) -> int:
+    """The block its shards are cut into in a shuffled epoch (`plan.shuffle_block`): none
+    where a shard is read front to back (a tar without an index, whose every block out of
+    file order would be another pass over it), nor unshuffled."""
+    return shuffle_block(counts, source.samples_per_frame()) if shuffle and source.indexed else 0

@@ -8,7 +8,10 @@ How an epoch is laid out:
 
 1. **Epoch sequence.** Shards are put in a seeded order (shuffled per epoch when
    shuffling); the epoch sequence is every sample id, shard after shard, each shard's
-   samples in file order (so reading stays sequential).
+   samples in file order (so reading stays sequential). Where the shards are few
+   (`shuffle_block`), each is cut into blocks of whole frames' worth of samples, and a
+   shard's blocks come in a seeded order of their own: else the epoch's order would be
+   the file order give or take the shuffle buffer, epoch after epoch.
 2. **Ranks.** The sequence is cut into `world_size` contiguous, equal blocks. If the
    count does not divide, ``partial="pad"`` repeats samples from the start of the
    sequence (the `DistributedSampler` convention) and ``"drop"`` leaves out the tail.
@@ -41,6 +44,8 @@ __all__ = [
     "Layout",
     "epoch_sequence",
     "epoch_block",
+    "epoch_units",
+    "shuffle_block",
     "split_ranks",
     "deal_chunks",
     "worker_positions",
@@ -120,33 +125,86 @@ def streams_digest() -> str:
     return digest.hexdigest()[:16]
 
 
+# Where an epoch has fewer shards than this, its shards are cut into blocks (`shuffle_block`),
+# so that it has about this many units to put in order.
+SHUFFLE_UNITS = 256
+# A block holds at least this many frames' worth of samples: a block starts and ends inside
+# a frame, which is then fetched and decompressed once for each of the two blocks, so
+# reading an epoch of blocks costs about 1 / BLOCK_FRAMES more frames than reading it whole.
+BLOCK_FRAMES = 8
+
+
+def shuffle_block(counts: Sequence[int] | np.ndarray, samples_per_frame: int) -> int:
+    """The samples in a block of a shuffled epoch's shards: 0 (shards are not cut) where the
+    shards are `SHUFFLE_UNITS` or more or none is longer than a block, else enough blocks for
+    about that many units, each of at least `BLOCK_FRAMES` frames.
+
+    With few shards, a shard order is little randomness: with one shard (any dataset under
+    256 MB, packed with the defaults), a sample's places in consecutive epochs correlated at
+    0.71 (Spearman), and one early in the file came early in every epoch. A shard's blocks
+    in a seeded order of their own make the order another each epoch, at the cost of
+    reading each shard in `BLOCK_FRAMES`-frame runs rather than front to back.
+    """
+    counts = np.asarray(counts, dtype=np.int64)
+    if len(counts) >= SHUFFLE_UNITS or not counts.sum():
+        return 0
+    block = max(-(-int(counts.sum()) // SHUFFLE_UNITS), BLOCK_FRAMES * max(int(samples_per_frame), 1))
+    return block if block < counts.max() else 0  # 0 where no shard is cut: the same order either way
+
+
 def epoch_sequence(counts: Sequence[int] | np.ndarray, seed: int, epoch: int, shuffle: bool,
-                   salt: int = 0) -> np.ndarray:
-    """Global sample ids of the epoch: shards in seeded order, samples in file order.
+                   salt: int = 0, block: int = 0) -> np.ndarray:
+    """Global sample ids of the epoch: shards in seeded order, samples in file order (with
+    `block`, each shard's blocks of that many samples in a seeded order: `epoch_units`).
 
     `salt` > 0 gives further, independent orders of the same epoch (for epochs that
     need more than one pass over the data).
     """
-    counts = np.asarray(counts, dtype=np.int64)
-    return _ids_between(counts, _shard_order(counts, seed, epoch, shuffle, salt), 0, int(counts.sum()))
+    units, order = epoch_units(counts, seed, epoch, shuffle, salt, block)
+    return _ids_between(units, order, 0, int(units.sum()))
 
 
 def epoch_block(counts: Sequence[int] | np.ndarray, seed: int, epoch: int, shuffle: bool, world_size: int,
-                rank: int, partial: str) -> np.ndarray:
+                rank: int, partial: str, block: int = 0) -> np.ndarray:
     """Rank `rank`'s block of the epoch sequence, ``split_ranks(epoch_sequence(...), world_size,
     partial)[rank]``, made without the whole sequence: each of 256 ranks' DataLoader workers
     would otherwise hold every sample id of the epoch (8 bytes each, twice over while padding)
     to keep 1/256 of them."""
-    counts = np.asarray(counts, dtype=np.int64)
-    n = int(counts.sum())
+    units, order = epoch_units(counts, seed, epoch, shuffle, 0, block)
+    n = int(units.sum())
     per_rank = rank_block_length(n, Layout(world_size=world_size, partial=partial))
     start, stop = rank * per_rank, (rank + 1) * per_rank
     if not n or start == stop:
         return np.zeros(0, dtype=np.int64)
-    order = _shard_order(counts, seed, epoch, shuffle, salt=0)
     # Padded, the sequence repeats from its start (np.resize): one piece per pass it spans.
     passes = range(start // n, -(-stop // n))
-    return np.concatenate([_ids_between(counts, order, max(start - k * n, 0), min(stop - k * n, n)) for k in passes])
+    return np.concatenate([_ids_between(units, order, max(start - k * n, 0), min(stop - k * n, n)) for k in passes])
+
+
+def epoch_units(counts: Sequence[int] | np.ndarray, seed: int, epoch: int, shuffle: bool, salt: int = 0,
+                block: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(the samples of each unit, the units' order in the epoch sequence): units are runs of
+    consecutive sample ids, shard after shard, and cover every sample once.
+
+    A unit is a shard, or where `block` > 0 and shuffling, one of the near-equal blocks of at
+    most `block` samples a shard is cut into. The shards keep their seeded order (the same
+    as without blocks), and each shard's blocks follow one another in a seeded order of their
+    own, so that a shard is still read in one visit.
+    """
+    counts = np.asarray(counts, dtype=np.int64)
+    shards = _shard_order(counts, seed, epoch, shuffle, salt)
+    if not shuffle or block <= 0:
+        return counts, shards
+    cuts = np.maximum(-(-counts // block), 1)  # blocks per shard (an empty shard: one, empty)
+    if (cuts == 1).all():
+        return counts, shards
+    shard_of = np.repeat(np.arange(len(counts)), cuts)
+    which = np.arange(len(shard_of)) - np.repeat(np.cumsum(cuts) - cuts, cuts)  # a block's place in its shard
+    units = counts[shard_of] // cuts[shard_of] + (which < counts[shard_of] % cuts[shard_of])
+    place = np.empty(len(counts), dtype=np.int64)
+    place[shards] = np.arange(len(counts))
+    rng = rng_for(seed, epoch, 4, salt) if salt else rng_for(seed, epoch, 4)
+    return units, np.lexsort((rng.random(len(units)), place[shard_of]))
 
 
 def _shard_order(counts: np.ndarray, seed: int, epoch: int, shuffle: bool, salt: int) -> np.ndarray:

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from .errors import ShardstreamError
-from .plan import (MAX_WORLD_SIZE, PARTIAL, Layout, consumed_positions, left_out_positions, rank_block_length,
-                   remaining_after, streams_digest, worker_items)
+from .plan import (MAX_WORLD_SIZE, PARTIAL, SHUFFLE_UNITS, Layout, consumed_positions, left_out_positions,
+                   rank_block_length, remaining_after, streams_digest, worker_items)
 from .roundrobin import EndlessDeal
 from .shared import SLOTS
 from .source import KEYS
@@ -40,14 +40,16 @@ if TYPE_CHECKING:
 __all__ = ["ResumeState", "Segment", "SequenceAfter", "check_counts", "current_place", "current_sequence", "endless_deal", "finished_before",
            "endless_onto", "endless_place", "fingerprint", "sequence_after"]
 
-STATE_VERSION = 3
+STATE_VERSION = 4
 MAX_EPOCH = (1 << 63) - 1  # the processes share the epoch as a signed 64-bit int (shared.py)
 # Version 1 states are read as they were written: their segments' left-out samples
 # remain for the layouts after them (`Segment.spends_left_out`). Those of a Mix or of
 # `samples_per_epoch` are refused: their epochs were drawn otherwise (`_walks_a_stream`).
 # Versions 1 and 2 of weighted epochs (class or sample weights) are refused: their draws
 # were read in one walk over the shards, not spread over several (`sampling.weighted_sequence`).
-READ_VERSIONS = (1, 2, 3)
+# Versions 1 to 3 of shuffled epochs whose shards are now cut into blocks (`plan.shuffle_block`)
+# are refused: each shard was read front to back then.
+READ_VERSIONS = (1, 2, 3, 4)
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,9 @@ class ResumeState:
     # `plan.streams_digest()` where the state was taken (None in states from before it was
     # kept): the plan it replays is the same here only where the random draws are.
     streams: str | None = None
+    # The samples in a shard's block, per source (`EpochSequences.blocks`; None in states from
+    # before shards were cut): another cut is another order of the epoch.
+    blocks: tuple[int, ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {
@@ -134,6 +139,8 @@ class ResumeState:
         if self.streams is not None:
             out["streams"] = self.streams
             out["numpy"] = np.__version__  # for the message where the streams differ
+        if self.blocks is not None:
+            out["blocks"] = list(self.blocks)
         return out
 
     @classmethod
@@ -158,6 +165,8 @@ class ResumeState:
             current=current,
             position=_position(raw.get("position"), current.layout.workers),
             streams=None if raw.get("streams") is None else _str(raw["streams"], "streams"),
+            blocks=None if raw.get("blocks") is None else tuple(
+                _int(b, f"blocks[{i}]", minimum=0) for i, b in enumerate(_list(raw["blocks"], "blocks"))),
         )
         if state.streams is not None and state.streams != streams_digest():
             numpy = raw.get("numpy")
@@ -192,6 +201,7 @@ class ResumeState:
                 f"resume state was taken with seed={state.seed}, shuffle={state.shuffle}; "
                 f"this dataset has seed={dataset.seed}, shuffle={dataset.shuffle}"
             )
+        _check_blocks(state, version, dataset)
         return state
 
     @classmethod
@@ -201,7 +211,28 @@ class ResumeState:
         resume = dataset._state_resume(world)
         epoch = resume.epoch if resume is not None else dataset.epoch
         return cls(_fingerprint_of(dataset), dataset.seed, dataset.shuffle, epoch,
-                   finished_before(resume, layout), Segment(layout, delivered), streams=streams_digest())
+                   finished_before(resume, layout), Segment(layout, delivered), streams=streams_digest(),
+                   blocks=dataset._sequences().blocks)
+
+
+def _check_blocks(state: ResumeState, version: int, dataset: "StreamingDataset") -> None:
+    """Refuse a state whose epoch cut the shards into other blocks than `dataset`'s does (or,
+    from before blocks, read them whole where `dataset` cuts them): it would be replayed onto
+    another order, samples repeated and lost."""
+    if not state.shuffle:  # unshuffled, shards are read whole, then and now
+        return
+    mine = dataset._sequences().blocks
+    if state.blocks is None and version < 4 and any(mine):
+        raise ShardstreamError(
+            f"resume state version {version} was taken when each shard was read front to back every epoch; a "
+            f"shuffled epoch of fewer than {SHUFFLE_UNITS} shards now reads a shard's blocks in a seeded order, so "
+            "its epoch holds another order here: resume with the shardstream that took it, or start the epoch "
+            "afresh without the state")
+    if state.blocks is not None and state.blocks != mine:
+        raise ShardstreamError(
+            f"resume state cut the shards into blocks of {list(state.blocks)} samples, and this shardstream cuts "
+            f"this dataset's into blocks of {list(mine)} (0: whole shards), so its epoch holds another order here: "
+            "resume with the shardstream that took it, or start the epoch afresh without the state")
 
 
 def _position(raw: Any, workers: int) -> tuple[int, int] | None:
@@ -432,4 +463,4 @@ def endless_onto(resume: ResumeState, layout: Layout, remaining: int, full: int)
     per_worker = tuple(per_worker_list)
     finished = (resume.finished if k == 0 else ()) + (Segment(old, sum(per_worker), per_worker),)
     return ResumeState(resume.dataset, resume.seed, resume.shuffle, resume.epoch + k, finished, Segment(layout, 0),
-                       streams=resume.streams)
+                       streams=resume.streams, blocks=resume.blocks)

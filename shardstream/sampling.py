@@ -60,7 +60,7 @@ import numpy as np
 
 from .arguments import flag, integer
 from .columns import MAX_CLASS
-from .plan import epoch_sequence, rng_for
+from .plan import epoch_sequence, epoch_units, rng_for
 
 __all__ = ["Sampling", "Mix", "sized_sequence", "stream_slice", "weighted_sequence", "distinct_draws", "drawn_samples",
            "mix_picks", "mix_schedule",
@@ -160,7 +160,7 @@ def source_urls(source: "str | os.PathLike[str] | Sequence[str | os.PathLike[str
     return tuple(os.fspath(url) for url in source)
 
 
-def sized_sequence(counts: np.ndarray, seed: int, epoch: int, shuffle: bool, n: int) -> np.ndarray:
+def sized_sequence(counts: np.ndarray, seed: int, epoch: int, shuffle: bool, n: int, block: int = 0) -> np.ndarray:
     """`n` ids: epoch `epoch`'s window of a stream of whole passes over the data.
 
     The stream is pass after pass (pass p in epoch p's order when shuffling, so an epoch
@@ -171,7 +171,7 @@ def sized_sequence(counts: np.ndarray, seed: int, epoch: int, shuffle: bool, n: 
     total = int(counts.sum())
 
     def pass_of(p: int) -> np.ndarray:
-        return epoch_sequence(counts, seed, p, shuffle) if shuffle else np.arange(total, dtype=np.int64)
+        return epoch_sequence(counts, seed, p, shuffle, block=block) if shuffle else np.arange(total, dtype=np.int64)
 
     return stream_slice(pass_of, total, epoch * n, n)
 
@@ -208,8 +208,9 @@ def class_sample_weights(labels: np.ndarray, class_weights: str | Mapping[int, f
 
 
 def weighted_sequence(counts: np.ndarray, weights: np.ndarray, seed: int, epoch: int, shuffle: bool,
-                      n: int) -> np.ndarray:
-    """`n` ids drawn with replacement with probability ∝ `weights`, grouped by shard for reading."""
+                      n: int, block: int = 0) -> np.ndarray:
+    """`n` ids drawn with replacement with probability ∝ `weights`, grouped by shard (with
+    `block`, by a shard's blocks, in the epoch's order: `plan.epoch_units`) for reading."""
     weights = np.asarray(weights, dtype=np.float64)
     if not weights.sum() > 0:
         raise ValueError("the sampling weights (class weight times sample weight) are 0 for every sample")
@@ -222,10 +223,10 @@ def weighted_sequence(counts: np.ndarray, weights: np.ndarray, seed: int, epoch:
     # in a batch of 64. So the draws are dealt to `walks` walks over the shards, a sample's
     # k-th copy to walk (first + k) mod walks from a first walk drawn per sample: copies
     # walks apart, and every walk the same mix of classes, as its draws are.
-    starts = np.concatenate([[0], np.cumsum(counts)])
-    order = rng_for(seed, epoch, 0).permutation(len(counts)) if shuffle else np.arange(len(counts))
-    rank = np.empty(len(counts), dtype=np.int64)
-    rank[order] = np.arange(len(counts))
+    units, order = epoch_units(counts, seed, epoch, shuffle, block=block)
+    starts = np.concatenate([[0], np.cumsum(units)])
+    rank = np.empty(len(units), dtype=np.int64)
+    rank[order] = np.arange(len(units))
     by_shard = np.argsort(rank[np.searchsorted(starts, draws, side="right") - 1], kind="stable")
     walk = _walks(draws, rng_for(seed, epoch, 3))
     # int8 walks: numpy sorts them stably by radix, and the draws' arrays stay few (10^8 draws: 0.8 GB each).

@@ -138,12 +138,15 @@ def ceil_div(a: int, b: int) -> int:
 
 
 def epoch_keys(url: str, seed: int, epoch: int, shuffle: bool) -> list[str]:
-    """The epoch sequence as keys (plan.epoch_sequence mapped through the manifest)."""
-    from shardstream.plan import epoch_sequence
+    """The epoch sequence as keys (plan.epoch_sequence mapped through the manifest, each shard
+    cut into the blocks plan.shuffle_block gives for the manifest's frames)."""
+    from shardstream.plan import epoch_sequence, shuffle_block
 
     keys = manifest_keys(url)
-    counts_ = shardstream.open_dataset(url).counts()
-    return [keys[i] for i in epoch_sequence(counts_, seed, epoch, shuffle).tolist()]
+    source = shardstream.open_dataset(url)
+    counts_ = source.counts()
+    block = shuffle_block(counts_, source.samples_per_frame()) if shuffle else 0
+    return [keys[i] for i in epoch_sequence(counts_, seed, epoch, shuffle, block=block).tolist()]
 
 
 def is_permutation(a: np.ndarray, n: int) -> bool:

@@ -1,0 +1,146 @@
+"""Shuffled epochs of few shards: each shard cut into blocks read in a seeded order (plan.shuffle_block).
+
+The plan's own properties are in test_plan.py; here the same promises hold through the
+dataset: the order it yields is the plan's, every sample once over ranks and workers, a
+resume continues exactly, a shard's blocks are read by ranges locally and over HTTP, and
+a state of another cut is refused.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import shardstream
+from shardstream import ShardstreamError
+from shardstream.plan import epoch_sequence, shuffle_block
+from shardstream.testing import HTTPTestServer
+
+import _data as D
+
+SAMPLES = 600
+
+
+def write_blocky(folder: Path, max_samples: int | None = None) -> str:
+    """SAMPLES samples of 1-3 KB of noise in frames of 4 KB (about 2 samples a frame): one shard
+    (or shards of `max_samples`), cut into blocks of 16 samples when shuffled."""
+    rng = np.random.default_rng(0)
+    with shardstream.ShardWriter(str(folder), frame_size=4000, max_samples=max_samples) as writer:
+        for i in range(SAMPLES):
+            writer.write({"__key__": f"s{i:04d}", "bin": rng.bytes(int(rng.integers(1000, 3000))), "cls": i % 5})
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def one_shard(tmp_path_factory) -> str:
+    return write_blocky(tmp_path_factory.mktemp("blocks") / "one")
+
+
+@pytest.fixture(scope="module")
+def three_shards(tmp_path_factory) -> str:
+    return write_blocky(tmp_path_factory.mktemp("blocks") / "three", max_samples=200)
+
+
+def block_of(url: str) -> int:
+    source = shardstream.open_dataset(url)
+    return shuffle_block(source.counts(), source.samples_per_frame())
+
+
+def test_the_fixture_is_cut(one_shard, three_shards):
+    """What the tests below rely on: both datasets' shards are cut, into blocks of a few frames."""
+    for url, shards in ((one_shard, 1), (three_shards, 3)):
+        assert len(shardstream.open_dataset(url).counts()) == shards
+        assert 8 <= block_of(url) <= 40
+
+
+@pytest.mark.parametrize("which", ["one_shard", "three_shards"])
+def test_a_shuffled_epoch_reads_the_shards_blocks_in_the_plans_order(which, request):
+    """Without a buffer the dataset yields the plan's sequence: a shard's blocks in a seeded order,
+    another each epoch, never the file order; unshuffled, the file order."""
+    url = request.getfixturevalue(which)
+    keys = D.manifest_keys(url)
+    orders = []
+    for epoch in range(3):
+        ds = D.key_dataset(url, shuffle=True, shuffle_buffer=0, seed=3)
+        ds.set_epoch(epoch)
+        got = D.flat(D.freeze(item) for item in ds)
+        assert got == D.epoch_keys(url, 3, epoch, True) and sorted(got) == sorted(keys)
+        orders.append(got)
+    uncut = [keys[i] for i in epoch_sequence(shardstream.open_dataset(url).counts(), 3, 0, True)]
+    assert len({tuple(o) for o in orders}) == 3 and orders[0] != uncut
+    assert D.flat(D.freeze(item) for item in D.key_dataset(url, shuffle=False)) == keys
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_blocks_are_split_exactly_once_over_ranks_and_workers(one_shard, world_size):
+    """Every sample once over ranks and real DataLoader workers (padding aside), the same number
+    of batches on every rank."""
+    per_rank = []
+    for rank in range(world_size):
+        ds = D.key_dataset(one_shard, shuffle=True, seed=1, rank=rank, world_size=world_size, batch_size=8)
+        per_rank.append(D.run(ds, 2))
+    assert len({len(batches) for batches in per_rank}) == 1
+    seen = D.counts(D.flat(b for batches in per_rank for b in batches))
+    assert set(seen) == set(D.manifest_keys(one_shard))
+    assert sum(seen.values()) == SAMPLES + D.pad_count(SAMPLES, world_size)
+    assert sum(c - 1 for c in seen.values()) == D.pad_count(SAMPLES, world_size)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_resume_in_the_middle_of_an_epoch_of_blocks_is_exact(three_shards, workers):
+    """Stopped after 9 batches and resumed from the state: the rest of the epoch, exactly what the
+    uninterrupted run yielded after them."""
+    def make():
+        return shardstream.DataLoader(D.key_dataset(three_shards, shuffle=True, seed=2, batch_size=16),
+                                      num_workers=workers)
+
+    full = [D.freeze(b) for b in D.listed(make())]
+    stopped = make()
+    it = iter(stopped)
+    head = [D.freeze(next(it)) for _ in range(9)]
+    state = json.loads(json.dumps(stopped.state_dict()))
+    D.shut_down(it)
+    del it
+    assert state["blocks"] == [block_of(three_shards)]
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert head + [D.freeze(b) for b in D.listed(resumed)] == full
+
+
+def test_a_state_of_another_cut_is_refused(one_shard):
+    """A state taken where each shard was read whole (version 3, before blocks) or cut otherwise
+    would be replayed onto another order: refused, saying why. Unshuffled, shards are whole
+    either way, and a version 3 state loads."""
+    def state_of(shuffle: bool) -> dict:
+        ds = D.key_dataset(one_shard, shuffle=shuffle)
+        D.take_main(ds, 5)
+        return json.loads(json.dumps(ds.state_dict()))
+
+    state = state_of(True)
+    before = {k: v for k, v in {**state, "version": 3}.items() if k != "blocks"}
+    with pytest.raises(ShardstreamError, match="front to back"):
+        D.key_dataset(one_shard, shuffle=True).load_state_dict(before)
+    with pytest.raises(ShardstreamError, match=r"blocks of \[7\] samples"):
+        D.key_dataset(one_shard, shuffle=True).load_state_dict({**state, "blocks": [7]})
+    with pytest.raises(ShardstreamError, match=r"blocks\[0\]"):
+        D.key_dataset(one_shard, shuffle=True).load_state_dict({**state, "blocks": [-1]})
+    plain = state_of(False)
+    assert plain["blocks"] == [0]
+    ds = D.key_dataset(one_shard, shuffle=False)
+    ds.load_state_dict({k: v for k, v in {**plain, "version": 3}.items() if k != "blocks"})
+    assert D.flat(D.freeze(item) for item in ds) == D.manifest_keys(one_shard)[5:]
+
+
+def test_blocks_over_http_read_every_sample_once_by_ranges(one_shard):
+    """Over HTTP (no cache: ranged reads of each block's frames, out of file order) with two
+    workers, the epoch holds every sample once, in the plan's order per worker."""
+    with HTTPTestServer(str(Path(one_shard).parent)) as server:
+        url = f"{server.url}/{Path(one_shard).name}"
+        ds = D.key_dataset(url, shuffle=True, shuffle_buffer=0, seed=5, prefetch=4)
+        got = D.flat(D.run(ds, 2))
+    assert sorted(got) == sorted(D.manifest_keys(one_shard))
+    local = D.flat(D.run(D.key_dataset(one_shard, shuffle=True, shuffle_buffer=0, seed=5), 2))
+    assert got == local
