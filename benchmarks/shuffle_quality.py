@@ -8,7 +8,8 @@ buffer sizes, against a uniform random permutation of the same samples.
 
 `--epochs` measures instead how much of an epoch's order the next one repeats, for
 datasets of few shards (where each shard is one run of the file order): the Spearman
-correlation of a sample's places in consecutive epochs, and how much more often a
+correlation of a sample's places in consecutive epochs (its size: +0.5 and -0.5 are
+alike repeats of a shard order), and how much more often a
 sample in the first quarter of its shard comes in an epoch's first tenth than one in
 the last quarter, with each shard read whole and cut into blocks (`plan.shuffle_block`).
 
@@ -48,7 +49,7 @@ def epochs_table(args: argparse.Namespace) -> None:
     n, epochs = args.samples, 17
     print(f"{n} samples, {args.workers} worker(s), batch {args.batch}, buffer {args.buffer}, "
           f"{args.samples_per_frame} samples a frame; {epochs} epochs (mean over the {epochs - 1} pairs)")
-    print("shards | block | Spearman, whole shards | cut | first quarter early, whole | cut")
+    print("shards | block | |Spearman| mean (largest), whole shards | cut | first quarter early, whole | cut")
     for shards in (1, 2, 4, 10, 64, 256):
         counts = np.full(shards, n // shards)
         total = int(counts.sum())
@@ -60,14 +61,16 @@ def epochs_table(args: argparse.Namespace) -> None:
                 place = np.empty(total, dtype=np.int64)
                 place[delivered(counts, epoch, cut, args.workers, args.batch, args.buffer)] = np.arange(total)
                 places.append(place)
-            rho = np.mean([spearman(a, b) for a, b in zip(places, places[1:])])
+            rhos = np.abs([spearman(a, b) for a, b in zip(places, places[1:])])
+            rho = (float(np.mean(rhos)), float(np.max(rhos)))
             # Each shard's first and last quarter of its file order.
             where = np.arange(total) % (total // shards)
             first, last = where < total // shards // 4, where >= total // shards * 3 // 4
             early = [np.mean([np.mean(p[part] < total // 10) for p in places]) for part in (first, last)]
             cells.append((rho, early[0] / early[1] if early[1] else float("inf")))
-        print(f"{shards:>6} | {block:>5} | {cells[0][0]:>22.2f} | {cells[1][0]:>4.2f} | {cells[0][1]:>26.2f} | "
-              f"{cells[1][1]:.2f}")
+        (whole, whole_max), (cut, cut_max) = cells[0][0], cells[1][0]
+        print(f"{shards:>6} | {block:>5} | {whole:.2f} ({whole_max:.2f}) | {cut:.2f} ({cut_max:.2f}) | "
+              f"{cells[0][1]:.2f} | {cells[1][1]:.2f}")
 
 
 def main() -> None:

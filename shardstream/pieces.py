@@ -10,6 +10,7 @@ a shard's index says where its samples lie.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from typing import Callable, Iterator, NamedTuple
 
@@ -150,10 +151,17 @@ def cut(reader: ShardReader, a: int, b: int, sizes: Iterator[int]) -> Iterator[t
 
 def _coalesce(reader: ShardReader, stretch: list[tuple[int, int]], gap: int) -> list[tuple[int, int, np.ndarray]]:
     """Merge runs (of one shard) whose byte ranges lie within `gap` bytes into spans:
-    (first, stop, mask of the samples the runs want, from `first`)."""
+    (first, stop, mask of the samples the runs want, from `first`).
+
+    A gap holding another run of the stretch is not bridged: that run is read in its own
+    turn (a shard's blocks out of file order, plan.epoch_units), and a span across it would
+    fetch its bytes twice (a shard of small blocks, read remotely: 12x its bytes an epoch)."""
+    firsts = sorted(first for first, _ in stretch)
+    stop_of = dict(stretch)
     spans: list[list] = []  # [first, stop, runs]: grown in place (a copy of the runs per merge was quadratic)
     for first, stop in stretch:
-        if spans and first >= spans[-1][1] and \
+        before = bisect.bisect_left(firsts, first) - 1  # the run just before this one in the file
+        if spans and first >= spans[-1][1] and (before < 0 or stop_of[firsts[before]] <= spans[-1][1]) and \
                 reader.extent(first, stop)[0] - reader.extent(spans[-1][0], spans[-1][1])[1] <= gap:
             spans[-1][1] = stop
             spans[-1][2].append((first, stop))

@@ -9,9 +9,10 @@ How an epoch is laid out:
 1. **Epoch sequence.** Shards are put in a seeded order (shuffled per epoch when
    shuffling); the epoch sequence is every sample id, shard after shard, each shard's
    samples in file order (so reading stays sequential). Where the shards are few
-   (`shuffle_block`), each is cut into blocks of whole frames' worth of samples, and a
-   shard's blocks come in a seeded order of their own: else the epoch's order would be
-   the file order give or take the shuffle buffer, epoch after epoch.
+   (`shuffle_block`), each is cut into blocks of several frames' worth of samples, and a
+   shard's blocks come in a seeded order of their own (with 8 shards or fewer, all blocks
+   interleaved): else the epoch's order would be the file order give or take the shuffle
+   buffer, epoch after epoch.
 2. **Ranks.** The sequence is cut into `world_size` contiguous, equal blocks. If the
    count does not divide, ``partial="pad"`` repeats samples from the start of the
    sequence (the `DistributedSampler` convention) and ``"drop"`` leaves out the tail.
@@ -132,12 +133,17 @@ SHUFFLE_UNITS = 256
 # a frame, which is then fetched and decompressed once for each of the two blocks, so
 # reading an epoch of blocks costs about 1 / BLOCK_FRAMES more frames than reading it whole.
 BLOCK_FRAMES = 8
+# Where an epoch has at most this many shards, their blocks are interleaved, each shard then
+# read in several visits: the order of two shards is the same in two epochs one time in two,
+# and a sample's places in them correlated at about 0.55 either way. A reader keeps a shard it
+# comes back to within `pieces.REVISIT_HOLD` (16) visits open, so with 8 shards it mostly stays open.
+INTERLEAVE_SHARDS = 8
 
 
 def shuffle_block(counts: Sequence[int] | np.ndarray, samples_per_frame: int) -> int:
     """The samples in a block of a shuffled epoch's shards: 0 (shards are not cut) where the
-    shards are `SHUFFLE_UNITS` or more or none is longer than a block, else enough blocks for
-    about that many units, each of at least `BLOCK_FRAMES` frames.
+    shards are `SHUFFLE_UNITS` or more or none holds two blocks, else enough blocks for about
+    that many units, each of at least `BLOCK_FRAMES` frames.
 
     With few shards, a shard order is little randomness: with one shard (any dataset under
     256 MB, packed with the defaults), a sample's places in consecutive epochs correlated at
@@ -149,7 +155,7 @@ def shuffle_block(counts: Sequence[int] | np.ndarray, samples_per_frame: int) ->
     if len(counts) >= SHUFFLE_UNITS or not counts.sum():
         return 0
     block = max(-(-int(counts.sum()) // SHUFFLE_UNITS), BLOCK_FRAMES * max(int(samples_per_frame), 1))
-    return block if block < counts.max() else 0  # 0 where no shard is cut: the same order either way
+    return block if counts.max() >= 2 * block else 0  # 0 where no shard is cut: the same order either way
 
 
 def epoch_sequence(counts: Sequence[int] | np.ndarray, seed: int, epoch: int, shuffle: bool,
@@ -186,16 +192,18 @@ def epoch_units(counts: Sequence[int] | np.ndarray, seed: int, epoch: int, shuff
     """(the samples of each unit, the units' order in the epoch sequence): units are runs of
     consecutive sample ids, shard after shard, and cover every sample once.
 
-    A unit is a shard, or where `block` > 0 and shuffling, one of the near-equal blocks of at
-    most `block` samples a shard is cut into. The shards keep their seeded order (the same
-    as without blocks), and each shard's blocks follow one another in a seeded order of their
-    own, so that a shard is still read in one visit.
+    A unit is a shard, or where `block` > 0 and shuffling, one of the near-equal blocks of
+    `block` to `2 * block` samples a shard is cut into (a shard shorter than two blocks stays
+    whole). The shards keep their seeded order (the same as without blocks), and each
+    shard's blocks follow one another in a seeded order of their own, so that a shard is
+    still read in one visit; except where the shards are `INTERLEAVE_SHARDS` or fewer, whose
+    order would repeat one epoch in a few: there every block takes a seeded place of its own.
     """
     counts = np.asarray(counts, dtype=np.int64)
     shards = _shard_order(counts, seed, epoch, shuffle, salt)
     if not shuffle or block <= 0:
         return counts, shards
-    cuts = np.maximum(-(-counts // block), 1)  # blocks per shard (an empty shard: one, empty)
+    cuts = np.maximum(counts // block, 1)  # blocks per shard (an empty shard: one, empty)
     if (cuts == 1).all():
         return counts, shards
     shard_of = np.repeat(np.arange(len(counts)), cuts)
@@ -204,6 +212,8 @@ def epoch_units(counts: Sequence[int] | np.ndarray, seed: int, epoch: int, shuff
     place = np.empty(len(counts), dtype=np.int64)
     place[shards] = np.arange(len(counts))
     rng = rng_for(seed, epoch, 4, salt) if salt else rng_for(seed, epoch, 4)
+    if len(counts) <= INTERLEAVE_SHARDS:
+        return units, rng.permutation(len(units))
     return units, np.lexsort((rng.random(len(units)), place[shard_of]))
 
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from .errors import ShardstreamError
-from .plan import (MAX_WORLD_SIZE, PARTIAL, SHUFFLE_UNITS, Layout, consumed_positions, left_out_positions,
+from .plan import (MAX_WORLD_SIZE, PARTIAL, Layout, consumed_positions, left_out_positions,
                    rank_block_length, remaining_after, streams_digest, worker_items)
 from .roundrobin import EndlessDeal
 from .shared import SLOTS
@@ -219,20 +219,31 @@ def _check_blocks(state: ResumeState, version: int, dataset: "StreamingDataset")
     """Refuse a state whose epoch cut the shards into other blocks than `dataset`'s does (or,
     from before blocks, read them whole where `dataset` cuts them): it would be replayed onto
     another order, samples repeated and lost."""
-    if not state.shuffle:  # unshuffled, shards are read whole, then and now
+    if not state.shuffle or _consumed_none_or_all(state, dataset):  # then no order to replay
         return
     mine = dataset._sequences().blocks
     if state.blocks is None and version < 4 and any(mine):
         raise ShardstreamError(
             f"resume state version {version} was taken when each shard was read front to back every epoch; a "
-            f"shuffled epoch of fewer than {SHUFFLE_UNITS} shards now reads a shard's blocks in a seeded order, so "
-            "its epoch holds another order here: resume with the shardstream that took it, or start the epoch "
-            "afresh without the state")
+            "shuffled epoch of few shards now reads them in blocks in a seeded order, so its epoch holds another "
+            "order here: resume with the shardstream that took it, or start the epoch afresh without the state")
     if state.blocks is not None and state.blocks != mine:
         raise ShardstreamError(
             f"resume state cut the shards into blocks of {list(state.blocks)} samples, and this shardstream cuts "
             f"this dataset's into blocks of {list(mine)} (0: whole shards), so its epoch holds another order here: "
             "resume with the shardstream that took it, or start the epoch afresh without the state")
+
+
+def _consumed_none_or_all(state: ResumeState, dataset: "StreamingDataset") -> bool:
+    """Whether `state` took nothing of its epoch yet (a checkpoint before the first step) or
+    the whole of it (one at the epoch's end): what remains is then the same in any order."""
+    segments = state.finished + (state.current,)
+    if not any(s.delivered or any(s.per_worker or ()) for s in segments):
+        return True
+    if state.finished or dataset.resampled:  # a resampled stream's current segment runs on
+        return False
+    samples = len(dataset._sequences().ids(state.epoch))
+    return state.current.delivered >= sum(plan_items(samples, state.current.layout))
 
 
 def _position(raw: Any, workers: int) -> tuple[int, int] | None:
