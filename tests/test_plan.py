@@ -8,6 +8,7 @@ resumption by a set equation over consumed and remaining samples.
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import numpy as np
@@ -256,6 +257,13 @@ def _delivered_order(counts: list[int], epoch: int, block: int, workers: int = 2
     return np.concatenate([b for b in batches if len(b)])
 
 
+def _places(counts: list[int], epoch: int, block: int) -> np.ndarray:
+    """Each sample's place in what the loader hands over in `epoch` (`_delivered_order`)."""
+    place = np.empty(sum(counts), dtype=np.int64)
+    place[_delivered_order(counts, epoch, block)] = np.arange(sum(counts))
+    return place
+
+
 def test_one_shards_epochs_are_not_the_file_order_again():
     """Regression (RELIABILITY.md item 357's Left, found by a review of the shuffle's statistics):
     with one shard read front to back every epoch, a sample's places in one epoch and the next
@@ -267,11 +275,7 @@ def test_one_shards_epochs_are_not_the_file_order_again():
     counts, n = [20_000], 20_000
     block = shuffle_block(counts, 9)
     assert block
-
-    def places(epoch: int, cut: int) -> np.ndarray:
-        place = np.empty(n, dtype=np.int64)
-        place[_delivered_order(counts, epoch, cut)] = np.arange(n)
-        return place
+    places = functools.partial(_places, counts)
 
     def early(runs: list[np.ndarray]) -> float:
         """How much more often the shard's first quarter comes in an epoch's first tenth than its last."""
@@ -694,13 +698,9 @@ def test_two_shards_epochs_are_not_their_order_again():
     blocks interleaved: small in every pair."""
     from scipy.stats import spearmanr
 
-    counts, n = [10_000, 10_000], 20_000
+    counts = [10_000, 10_000]
     block = shuffle_block(counts, 9)
-
-    def places(epoch: int, cut: int) -> np.ndarray:
-        place = np.empty(n, dtype=np.int64)
-        place[_delivered_order(counts, epoch, cut)] = np.arange(n)
-        return place
+    places = functools.partial(_places, counts)
 
     whole = [places(e, 0) for e in range(8)]
     cut = [places(e, block) for e in range(8)]
