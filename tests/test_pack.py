@@ -345,7 +345,10 @@ def test_a_file_list_path_holding_an_unquoted_comma_is_named_not_lost(image_fold
 @pytest.mark.parametrize(("second", "message"), [
     # A quote left open reads on to the end of the list, past csv's field limit for a long one.
     ('"{path},1', r"list.csv: the row from line 2 on does not parse as CSV \(field larger than field limit"),
-    ("{path}\0.jpg,1", "list.csv: line 2: the path holds a NUL byte"),
+    ("{path}\0.jpg,1", "list.csv: line 2: the line holds a NUL byte"),
+    # Python 3.10's csv refuses a line holding NUL ("line contains NUL"), where later ones read it:
+    # the same message from either, in a label too.
+    ("{path},ca\0t", "list.csv: line 2: the line holds a NUL byte"),
 ])
 @pytest.mark.parametrize("on_error", ["fail", "skip"])
 def test_file_list_rows_no_file_can_match_are_named(image_folder, tmp_path, second, message, on_error):
