@@ -14,7 +14,7 @@ sample in the first quarter of its shard comes in an epoch's first tenth than on
 the last quarter, with each shard read whole and cut into blocks (`plan.shuffle_block`).
 
     python benchmarks/shuffle_quality.py [--classes 100] [--per-class 1000] [--shard 1000]
-    python benchmarks/shuffle_quality.py --epochs [--samples 20000] [--samples-per-frame 9]
+    python benchmarks/shuffle_quality.py --epochs [--samples 20000] [--samples-per-frame 9] [--sample-bytes 114000]
 """
 
 from __future__ import annotations
@@ -48,12 +48,12 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float:
 def epochs_table(args: argparse.Namespace) -> None:
     n, epochs = args.samples, 17
     print(f"{n} samples, {args.workers} worker(s), batch {args.batch}, buffer {args.buffer}, "
-          f"{args.samples_per_frame} samples a frame; {epochs} epochs (mean over the {epochs - 1} pairs)")
+          f"{args.samples_per_frame} samples a frame, {args.sample_bytes} bytes a sample; {epochs} epochs (mean over the {epochs - 1} pairs)")
     print("shards | block | |Spearman| mean (largest), whole shards | cut | first quarter early, whole | cut")
     for shards in (1, 2, 4, 10, 64, 256):
         counts = np.full(shards, n // shards)
         total = int(counts.sum())
-        block = shuffle_block(counts, args.samples_per_frame)
+        block = shuffle_block(counts, args.samples_per_frame, args.sample_bytes)
         cells = []
         for cut in (0, block):
             places = []
@@ -84,6 +84,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=20_000, help="with --epochs: the dataset's samples")
     parser.add_argument("--samples-per-frame", type=int, default=9, help="with --epochs (ImageNet's JPEGs: about 9)")
     parser.add_argument("--buffer", type=int, default=2048, help="with --epochs: the shuffle buffer")
+    parser.add_argument("--sample-bytes", type=int, default=114_000, help="with --epochs: stored bytes a sample")
     args = parser.parse_args()
     if args.epochs:
         epochs_table(args)

@@ -171,4 +171,6 @@ def _block_of(source: Source, counts: np.ndarray, shuffle: bool) -> int:
     """The block its shards are cut into in a shuffled epoch (`plan.shuffle_block`): none
     where a shard is read front to back (a tar without an index, whose every block out of
     file order would be another pass over it), nor unshuffled."""
-    return shuffle_block(counts, source.samples_per_frame()) if shuffle and source.indexed else 0
+    if not shuffle or not source.indexed:
+        return 0
+    return shuffle_block(counts, source.samples_per_frame(), source.mean_sample_bytes())

@@ -10,7 +10,6 @@ a shard's index says where its samples lie.
 
 from __future__ import annotations
 
-import bisect
 import itertools
 from typing import Callable, Iterator, NamedTuple
 
@@ -71,18 +70,21 @@ def sample_runs(ids: np.ndarray, counts: np.ndarray) -> Iterator[tuple[int, int,
         yield int(shards[a]), int(local[a]), int(local[b - 1]) + 1
 
 
-# A shard read again within this many stretches (a resumed epoch's scattered leftovers) is
-# kept open between them; read again later (a weighted epoch's next walk over the shards),
-# it is let go in between, its cached copy evictable, and opened again: kept, every shard a
-# worker reads in the first walk stayed open, and its cached copy locked, to the last walk.
+# A shard read again before this many other shards are (a resumed epoch's scattered
+# leftovers; a few shards' interleaved blocks, plan.epoch_units) is kept open between its
+# visits; read again later (a weighted epoch's next walk over the shards), it is let go in
+# between, its cached copy evictable, and opened again: kept, every shard a worker reads in
+# the first walk stayed open, and its cached copy locked, to the last walk. Counted in
+# stretches, 8 interleaved shards were let go at one visit in eight, and with a cache smaller
+# than the data, evicted and downloaded again: 29 downloads of 8 shards an epoch.
 REVISIT_HOLD = 16
 
 
 def stretches(runs: list[tuple[int, int, int]]) -> list[Stretch]:
     """Consecutive runs of one shard, grouped: (shard, [(first, stop), ...], whether the shard
     is let go after it, which opening of the shard it is read in: 0, then 1 after the first
-    time it was let go, ...). A shard is let go after its last stretch, and after any that
-    its next one follows by more than `REVISIT_HOLD` stretches."""
+    time it was let go, ...). A shard is let go after its last stretch, and after any whose
+    next one comes after stretches of more than `REVISIT_HOLD` other shards."""
     grouped: list[tuple[int, list[tuple[int, int]]]] = []
     for shard, first, stop in runs:
         if grouped and grouped[-1][0] == shard:
@@ -94,7 +96,7 @@ def stretches(runs: list[tuple[int, int, int]]) -> list[Stretch]:
     for i in range(len(grouped) - 1, -1, -1):
         shard = grouped[i][0]
         later = next_of.get(shard)
-        gone[i] = later is None or later - i > REVISIT_HOLD
+        gone[i] = later is None or _others_between(grouped, i, later) > REVISIT_HOLD
         next_of[shard] = i
     out, opening = [], {}
     for (shard, stretch), last in zip(grouped, gone):
@@ -102,6 +104,16 @@ def stretches(runs: list[tuple[int, int, int]]) -> list[Stretch]:
         if last:
             opening[shard] = opening.get(shard, 0) + 1
     return out
+
+
+def _others_between(grouped: list[tuple[int, list[tuple[int, int]]]], i: int, later: int) -> int:
+    """How many shards stretches i + 1 .. later - 1 read, counted up to `REVISIT_HOLD` + 1."""
+    others: set[int] = set()
+    for k in range(i + 1, later):
+        others.add(grouped[k][0])
+        if len(others) > REVISIT_HOLD:
+            break
+    return len(others)
 
 
 def ramp(piece_bytes: int) -> Iterator[int]:
@@ -151,17 +163,10 @@ def cut(reader: ShardReader, a: int, b: int, sizes: Iterator[int]) -> Iterator[t
 
 def _coalesce(reader: ShardReader, stretch: list[tuple[int, int]], gap: int) -> list[tuple[int, int, np.ndarray]]:
     """Merge runs (of one shard) whose byte ranges lie within `gap` bytes into spans:
-    (first, stop, mask of the samples the runs want, from `first`).
-
-    A gap holding another run of the stretch is not bridged: that run is read in its own
-    turn (a shard's blocks out of file order, plan.epoch_units), and a span across it would
-    fetch its bytes twice (a shard of small blocks, read remotely: 12x its bytes an epoch)."""
-    firsts = sorted(first for first, _ in stretch)
-    stop_of = dict(stretch)
+    (first, stop, mask of the samples the runs want, from `first`)."""
     spans: list[list] = []  # [first, stop, runs]: grown in place (a copy of the runs per merge was quadratic)
     for first, stop in stretch:
-        before = bisect.bisect_left(firsts, first) - 1  # the run just before this one in the file
-        if spans and first >= spans[-1][1] and (before < 0 or stop_of[firsts[before]] <= spans[-1][1]) and \
+        if spans and first >= spans[-1][1] and \
                 reader.extent(first, stop)[0] - reader.extent(spans[-1][0], spans[-1][1])[1] <= gap:
             spans[-1][1] = stop
             spans[-1][2].append((first, stop))

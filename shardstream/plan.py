@@ -133,6 +133,11 @@ SHUFFLE_UNITS = 256
 # a frame, which is then fetched and decompressed once for each of the two blocks, so
 # reading an epoch of blocks costs about 1 / BLOCK_FRAMES more frames than reading it whole.
 BLOCK_FRAMES = 8
+# And at least this many stored bytes: twice the widest gap a ranged read bridges between a
+# reader's runs (pieces.planned_pieces: READ_BYTES // 4), so no bridge holds a whole block,
+# to be fetched again when that block's turn comes. Smaller blocks (4 KB frames, or data
+# that compresses well) cost 3-12x a shard's bytes an epoch over HTTP.
+BLOCK_BYTES = 4 << 20
 # Where an epoch has at most this many shards, their blocks are interleaved, each shard then
 # read in several visits: the order of two shards is the same in two epochs one time in two,
 # and a sample's places in them correlated at about 0.55 either way. A reader keeps a shard it
@@ -140,10 +145,11 @@ BLOCK_FRAMES = 8
 INTERLEAVE_SHARDS = 8
 
 
-def shuffle_block(counts: Sequence[int] | np.ndarray, samples_per_frame: int) -> int:
+def shuffle_block(counts: Sequence[int] | np.ndarray, samples_per_frame: int, sample_bytes: int = 0) -> int:
     """The samples in a block of a shuffled epoch's shards: 0 (shards are not cut) where the
     shards are `SHUFFLE_UNITS` or more or none holds two blocks, else enough blocks for about
-    that many units, each of at least `BLOCK_FRAMES` frames.
+    that many units, each of at least `BLOCK_FRAMES` frames and `BLOCK_BYTES` bytes (of
+    samples of `sample_bytes` stored bytes each).
 
     With few shards, a shard order is little randomness: with one shard (any dataset under
     256 MB, packed with the defaults), a sample's places in consecutive epochs correlated at
@@ -154,7 +160,8 @@ def shuffle_block(counts: Sequence[int] | np.ndarray, samples_per_frame: int) ->
     counts = np.asarray(counts, dtype=np.int64)
     if len(counts) >= SHUFFLE_UNITS or not counts.sum():
         return 0
-    block = max(-(-int(counts.sum()) // SHUFFLE_UNITS), BLOCK_FRAMES * max(int(samples_per_frame), 1))
+    block = max(-(-int(counts.sum()) // SHUFFLE_UNITS), BLOCK_FRAMES * max(int(samples_per_frame), 1),
+                -(-BLOCK_BYTES // max(int(sample_bytes), 1)) if sample_bytes > 0 else 1)
     return block if counts.max() >= 2 * block else 0  # 0 where no shard is cut: the same order either way
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from shardstream.plan import (
+    BLOCK_BYTES,
     BLOCK_FRAMES,
     INTERLEAVE_SHARDS,
     SHUFFLE_UNITS,
@@ -39,6 +40,8 @@ from shardstream.plan import (
     worker_plan,
     worker_samples,
 )
+from shardstream.pieces import REVISIT_HOLD, stretches
+from shardstream.reader import READ_BYTES
 from shardstream.roundrobin import endless_start, loader_start, round_robin_delivered
 
 SHAPES = [
@@ -246,6 +249,25 @@ def test_shuffle_block_cuts_only_where_the_shards_are_few():
     assert shuffle_block([5_000] * (SHUFFLE_UNITS // 2 + 1), 1) == 0 and shuffle_block([143], 9) == 0
     assert shuffle_block([144], 9) == 72
     assert shuffle_block([100], 0) == BLOCK_FRAMES
+    # And at least BLOCK_BYTES of stored bytes: twice the widest gap a ranged read bridges.
+    assert shuffle_block([20_000], 9, 4096) == BLOCK_BYTES // 4096 and shuffle_block([2_047], 9, 4096) == 0
+    assert shuffle_block([20_000], 9, 114_000) == -(-20_000 // SHUFFLE_UNITS)
+    assert BLOCK_BYTES >= 2 * (READ_BYTES // 4)
+
+
+def test_a_shard_is_kept_open_while_few_other_shards_come_between_its_visits():
+    """pieces.stretches: a shard is let go after a visit whose next one comes after more than
+    REVISIT_HOLD other shards' stretches, however many stretches that is (a few shards'
+    interleaved blocks: 8 shards were let go one visit in eight when stretches were counted)."""
+    rng = np.random.default_rng(0)
+    few = [(int(shard), 0, 1) for shard in rng.integers(0, 8, 2000)]  # 8 shards visited in any order
+    out = stretches(few)
+    assert [s.shard for s in out if s.final] == sorted({s.shard for s in out}, key=lambda k: max(
+        i for i, t in enumerate(out) if t.shard == k)) and {s.opening for s in out} == {0}
+    walks = [(shard, 0, 1) for _ in range(2) for shard in range(REVISIT_HOLD + 2)]  # two walks over 18 shards
+    assert [s.final for s in stretches(walks)] == [True] * len(walks)
+    held = [(shard, 0, 1) for _ in range(2) for shard in range(REVISIT_HOLD + 1)]  # 16 others between: held
+    assert [s.final for s in stretches(held)] == [False] * (REVISIT_HOLD + 1) + [True] * (REVISIT_HOLD + 1)
 
 
 def _delivered_order(counts: list[int], epoch: int, block: int, workers: int = 2) -> np.ndarray:
