@@ -173,4 +173,4 @@ def _block_of(source: Source, counts: np.ndarray, shuffle: bool) -> int:
     file order would be another pass over it), nor unshuffled."""
     if not shuffle or not source.indexed:
         return 0
-    return shuffle_block(counts, source.samples_per_frame(), source.mean_sample_bytes())
+    return shuffle_block(counts, source.samples_per_frame(), source.least_sample_bytes())

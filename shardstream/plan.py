@@ -149,7 +149,7 @@ def shuffle_block(counts: Sequence[int] | np.ndarray, samples_per_frame: int, sa
     """The samples in a block of a shuffled epoch's shards: 0 (shards are not cut) where the
     shards are `SHUFFLE_UNITS` or more or none holds two blocks, else enough blocks for about
     that many units, each of at least `BLOCK_FRAMES` frames and `BLOCK_BYTES` bytes (of
-    samples of `sample_bytes` stored bytes each).
+    samples of at least `sample_bytes` stored bytes each: the least of any shard).
 
     With few shards, a shard order is little randomness: with one shard (any dataset under
     256 MB, packed with the defaults), a sample's places in consecutive epochs correlated at

@@ -238,6 +238,18 @@ class Source:
         stored = sum(int(m.shards.bytes.sum()) for m in manifests)
         return max(1, stored // sum(m.samples for m in manifests))
 
+    def least_sample_bytes(self) -> int:
+        """Stored bytes per sample of the shard whose samples are stored in the fewest (from
+        the manifest; 0 without one): a shard of well-compressed samples beside others holds
+        more of them in a byte range than the dataset's mean says."""
+        manifests = self._manifests()
+        if not manifests:
+            return 0
+        stored = np.concatenate([m.shards.bytes for m in manifests]).astype(np.int64)
+        counts = np.concatenate([m.counts for m in manifests]).astype(np.int64)
+        held = counts > 0
+        return int((stored[held] // counts[held]).min()) if held.any() else 0
+
     def samples_per_frame(self) -> int:
         """About how many samples one zstd frame holds (for plain tar shards, one frame's
         worth of bytes): neighbours that one read of a frame brings in anyway."""

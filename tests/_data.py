@@ -145,7 +145,7 @@ def epoch_keys(url: str, seed: int, epoch: int, shuffle: bool) -> list[str]:
     keys = manifest_keys(url)
     source = shardstream.open_dataset(url)
     counts_ = source.counts()
-    block = shuffle_block(counts_, source.samples_per_frame(), source.mean_sample_bytes()) if shuffle else 0
+    block = shuffle_block(counts_, source.samples_per_frame(), source.least_sample_bytes()) if shuffle else 0
     return [keys[i] for i in epoch_sequence(counts_, seed, epoch, shuffle, block=block).tolist()]
 
 

@@ -49,7 +49,7 @@ def three_shards(tmp_path_factory) -> str:
 
 def block_of(url: str) -> int:
     source = shardstream.open_dataset(url)
-    return shuffle_block(source.counts(), source.samples_per_frame(), source.mean_sample_bytes())
+    return shuffle_block(source.counts(), source.samples_per_frame(), source.least_sample_bytes())
 
 
 def shard_bytes(url: str) -> int:
@@ -194,3 +194,22 @@ def test_a_few_interleaved_shards_are_downloaded_once_into_a_cache_smaller_than_
                            cache_limit="6MB")
         assert len(D.flat(D.freeze(item) for item in ds)) == 8000
         assert ds.io_stats()["cache_misses"] == 8
+
+
+def test_the_byte_floor_is_the_densest_shards(tmp_path):
+    """Found by a review: the 4 MB floor took the dataset's mean bytes a sample, so a shard of
+    well-compressed samples beside shards of noise was cut into blocks of well under 2 MB,
+    which ranged reads bridge (1.1-1.8x that shard's bytes an epoch). The floor is the
+    densest shard's: every shard's blocks hold 4 MB of its own stored bytes at least."""
+    rng = np.random.default_rng(2)
+    with shardstream.ShardWriter(str(tmp_path / "mixed"), frame_size=4000, max_samples=400) as writer:
+        for i in range(400):  # shard 0: noise
+            writer.write({"__key__": f"n{i:04d}", "bin": rng.bytes(10_000)})
+        for i in range(400):  # shard 1: text that zstd shrinks many times
+            writer.write({"__key__": f"t{i:04d}", "txt": f"sample {i} " * 400})
+    source = shardstream.open_dataset(str(tmp_path / "mixed"))
+    stored = source.manifest.shards.bytes // source.counts()
+    assert stored[1] * 5 < stored[0] and source.least_sample_bytes() == stored.min()
+    block = shuffle_block([100_000, 100_000], 1, source.least_sample_bytes())
+    assert block * stored.min() >= plan.BLOCK_BYTES > shuffle_block([100_000, 100_000], 1, source.mean_sample_bytes()) * stored.min()
+
