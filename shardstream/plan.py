@@ -140,8 +140,8 @@ BLOCK_FRAMES = 8
 BLOCK_BYTES = 4 << 20
 # Where an epoch has at most this many shards, their blocks are interleaved, each shard then
 # read in several visits: the order of two shards is the same in two epochs one time in two,
-# and a sample's places in them correlated at about 0.55 either way. A reader keeps a shard it
-# comes back to within `pieces.REVISIT_HOLD` (16) visits open, so with 8 shards it mostly stays open.
+# and a sample's places in them correlated at about 0.55 either way. A reader keeps a shard
+# open while at most `pieces.REVISIT_HOLD` (16) other shards come between its visits: here, always.
 INTERLEAVE_SHARDS = 8
 
 
