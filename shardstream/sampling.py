@@ -9,7 +9,8 @@ downstream holds unchanged: equal counts per rank, deterministic order, exact re
   the epoch draws `samples_per_epoch` ids with replacement, each sample with
   probability proportional to its class's weight ("balanced" is 1 / class count, the
   PyTorch recipe), over the per-sample labels that shard indexes carry. The draws are
-  then grouped by shard (shards in the epoch's seeded order) and sorted within a shard,
+  then grouped by shard (shards in the epoch's seeded order; where shards are few, by
+  the blocks they are cut into, `plan.epoch_units`) and sorted within a shard or block,
   so reading stays sequential, in up to `MAX_WALKS` walks over the shards: a sample's
   copies go to successive walks, so they do not sit side by side, where the shuffle
   buffer would keep them within a few batches. Cost: one pass over the labels (4 bytes
