@@ -126,6 +126,7 @@ def cmd_repack(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from .plan import INTERLEAVE_SHARDS
     from .verify import inspect_dataset
 
     info = inspect_dataset(args.dataset, storage_options=_storage_options(args.storage_options))
@@ -143,6 +144,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     say(f"skipped at pack time: {len(info['skipped'])}, not images: {info['ignored']}")
     for item in info["skipped"]:
         say(f"  {item['file']}: {item['reason']}")
+    if info["shuffle_block"]:
+        order = ("all shards' in one seeded order" if info["shards"] <= INTERLEAVE_SHARDS
+                 else "shard after shard, each shard's in a seeded order")
+        say(f"shuffled epochs read {info['shuffle_blocks']:,} blocks of {info['shuffle_block']:,} samples or more, "
+            f"{order}")
+    else:
+        say(f"shuffled epochs read each of the {info['shards']} shards whole, in a seeded order")
     return 0
 
 

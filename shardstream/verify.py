@@ -22,6 +22,7 @@ from .errors import ShardstreamError, shown_url
 from .reader import ShardReader
 from .shardfile import seek_table
 from .tario import END_OF_ARCHIVE, member_key
+from .plan import shuffle_block
 from .source import Source, open_dataset
 from .threads import ordered_map
 
@@ -36,6 +37,8 @@ def inspect_dataset(url: str, *, storage_options: dict[str, Any] | None = None) 
     stored = int(m.shards.bytes.sum())
     tar_bytes = int(m.shards.raw_bytes.sum())
     fields = m.shards.all_fields()
+    counts = source.counts()
+    block = shuffle_block(counts, source.samples_per_frame(), source.least_sample_bytes())
     return {
         "url": shown_url(url),  # printed and logged: a token in its query string stays out, as in errors
         "writer": m.writer,
@@ -51,6 +54,9 @@ def inspect_dataset(url: str, *, storage_options: dict[str, Any] | None = None) 
         "ignored": m.ignored,
         "tar_bytes": tar_bytes,
         "compression_ratio": round(tar_bytes / stored, 4) if stored else 1.0,
+        # How a shuffled epoch reads it (plan.shuffle_block): 0, each shard whole, front to back.
+        "shuffle_block": block,
+        "shuffle_blocks": int(np.maximum(counts // block, 1).sum()) if block else len(counts),
     }
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -212,4 +214,25 @@ def test_the_byte_floor_is_the_densest_shards(tmp_path):
     assert stored[1] * 5 < stored[0] and source.least_sample_bytes() == stored.min()
     block = shuffle_block([100_000, 100_000], 1, source.least_sample_bytes())
     assert block * stored.min() >= plan.BLOCK_BYTES > shuffle_block([100_000, 100_000], 1, source.mean_sample_bytes()) * stored.min()
+
+
+def test_inspect_says_how_a_shuffled_epoch_reads_the_shards(one_shard, three_shards, packed):
+    """`shardstream inspect` says whether a shuffled epoch cuts the shards, into how many
+    blocks, and in what order it reads them (from the manifest alone)."""
+    from shardstream.verify import inspect_dataset
+
+    def shown(url: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "shardstream.cli", "inspect", url], capture_output=True,
+                              text=True, timeout=120, check=True)
+        return done.stdout.splitlines()[-1]
+
+    for url, order in ((one_shard, "all shards' in one seeded order"), (three_shards, "all shards' in one seeded order")):
+        info = inspect_dataset(url)
+        counts = shardstream.open_dataset(url).counts()
+        assert info["shuffle_block"] == block_of(url) > 0
+        assert info["shuffle_blocks"] == sum(c // block_of(url) for c in counts)
+        assert shown(url) == (f"shuffled epochs read {info['shuffle_blocks']:,} blocks of {block_of(url):,} samples "
+                              f"or more, {order}")
+    assert inspect_dataset(packed)["shuffle_block"] == 0
+    assert shown(packed).startswith("shuffled epochs read each of the") and shown(packed).endswith("shards whole, in a seeded order")
 
