@@ -123,7 +123,7 @@ class Checkpointing:
             return resume
         if self._translated is None or self._translated[0] is not resume or self._translated[1] != layout:
             remaining, _, _ = current_sequence(self._sequences().after(resume.epoch), resume, resume.current.layout)
-            full = len(self._sequences().ids(resume.epoch + 1))
+            full = self._sequences().size
             self._translated = (resume, layout, endless_onto(resume, layout, len(remaining), full))
         return self._translated[2]
 

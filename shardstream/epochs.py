@@ -118,6 +118,12 @@ class EpochSequences:
         """The samples of the source."""
         return int(self.counts.sum())
 
+    @property
+    def size(self) -> int:
+        """The length of every epoch's sequence (`ids`), without drawing one."""
+        n = self.sampling.samples_per_epoch if self.sampling is not None else None
+        return n if n is not None else self.total
+
     def rank_block(self, epoch: int, finished: tuple[Segment, ...], world_size: int, rank: int,
                    partial: str) -> np.ndarray:
         """Rank `rank`'s block of what the `finished` segments left of `epoch`'s sequence

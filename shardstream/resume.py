@@ -219,19 +219,22 @@ def _check_blocks(state: ResumeState, version: int, dataset: "StreamingDataset")
     """Refuse a state whose epoch cut the shards into other blocks than `dataset`'s does (or,
     from before blocks, read them whole where `dataset` cuts them): it would be replayed onto
     another order, samples repeated and lost."""
-    if not state.shuffle or _consumed_none_or_all(state, dataset):  # then no order to replay
+    if not state.shuffle:  # unshuffled, shards are read whole, then and now
         return
     mine = dataset._sequences().blocks
-    if state.blocks is None and version < 4 and any(mine):
+    older = state.blocks is None and version < 4 and any(mine)
+    other = state.blocks is not None and state.blocks != mine
+    if not (older or other) or _consumed_none_or_all(state, dataset):  # then no order to replay
+        return
+    if older:
         raise ShardstreamError(
             f"resume state version {version} was taken when each shard was read front to back every epoch; a "
             "shuffled epoch of few shards now reads them in blocks in a seeded order, so its epoch holds another "
             "order here: resume with the shardstream that took it, or start the epoch afresh without the state")
-    if state.blocks is not None and state.blocks != mine:
-        raise ShardstreamError(
-            f"resume state cut the shards into blocks of {list(state.blocks)} samples, and this shardstream cuts "
-            f"this dataset's into blocks of {list(mine)} (0: whole shards), so its epoch holds another order here: "
-            "resume with the shardstream that took it, or start the epoch afresh without the state")
+    raise ShardstreamError(
+        f"resume state cut the shards into blocks of {list(state.blocks or ())} samples, and this shardstream cuts "
+        f"this dataset's into blocks of {list(mine)} (0: whole shards), so its epoch holds another order here: "
+        "resume with the shardstream that took it, or start the epoch afresh without the state")
 
 
 def _consumed_none_or_all(state: ResumeState, dataset: "StreamingDataset") -> bool:
@@ -242,8 +245,7 @@ def _consumed_none_or_all(state: ResumeState, dataset: "StreamingDataset") -> bo
         return True
     if state.finished or dataset.resampled:  # a resampled stream's current segment runs on
         return False
-    samples = len(dataset._sequences().ids(state.epoch))
-    return state.current.delivered >= sum(plan_items(samples, state.current.layout))
+    return state.current.delivered >= sum(plan_items(dataset._sequences().size, state.current.layout))
 
 
 def _position(raw: Any, workers: int) -> tuple[int, int] | None:
