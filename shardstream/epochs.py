@@ -22,7 +22,7 @@ from .sampling import (Sampling, class_sample_weights, distinct_draws, drawn_sam
                        stream_slice, weighted_sequence)
 from .source import Source
 
-__all__ = ["EpochSequences"]
+__all__ = ["EpochSequences", "shard_block"]
 
 
 @dataclass(eq=False)  # holds arrays: compared by identity
@@ -43,10 +43,10 @@ class EpochSequences:
 
     def __post_init__(self) -> None:
         if self.mix_weights is None:
-            self.blocks = (_block_of(self.source, self.counts, self.shuffle),)
+            self.blocks = (shard_block(self.source, self.counts, self.shuffle),)
         else:
             sizes = np.cumsum([0] + [len(part.shards) for part in self.source.parts])
-            self.blocks = tuple(_block_of(part, self.counts[a:b], self.shuffle)
+            self.blocks = tuple(shard_block(part, self.counts[a:b], self.shuffle)
                                 for part, a, b in zip(self.source.parts, sizes[:-1], sizes[1:]))
 
     def __getstate__(self) -> dict[str, Any]:
@@ -173,7 +173,7 @@ class EpochSequences:
         return self._weights
 
 
-def _block_of(source: Source, counts: np.ndarray, shuffle: bool) -> int:
+def shard_block(source: Source, counts: np.ndarray, shuffle: bool = True) -> int:
     """The block its shards are cut into in a shuffled epoch (`plan.shuffle_block`): none
     where a shard is read front to back (a tar without an index, whose every block out of
     file order would be another pass over it), nor unshuffled."""

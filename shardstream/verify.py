@@ -22,7 +22,7 @@ from .errors import ShardstreamError, shown_url
 from .reader import ShardReader
 from .shardfile import seek_table
 from .tario import END_OF_ARCHIVE, member_key
-from .plan import shuffle_block
+from .epochs import shard_block
 from .source import Source, open_dataset
 from .threads import ordered_map
 
@@ -38,7 +38,7 @@ def inspect_dataset(url: str, *, storage_options: dict[str, Any] | None = None) 
     tar_bytes = int(m.shards.raw_bytes.sum())
     fields = m.shards.all_fields()
     counts = source.counts()
-    block = shuffle_block(counts, source.samples_per_frame(), source.least_sample_bytes())
+    block = shard_block(source, counts)
     return {
         "url": shown_url(url),  # printed and logged: a token in its query string stays out, as in errors
         "writer": m.writer,
