@@ -13,7 +13,7 @@ alike repeats of a shard order), and how much more often a
 sample in the first quarter of its shard comes in an epoch's first tenth than one in
 the last quarter, with each shard read whole and cut into blocks (`plan.shuffle_block`).
 
-    python benchmarks/shuffle_quality.py [--classes 100] [--per-class 1000] [--shard 1000]
+    python benchmarks/shuffle_quality.py [--classes 100] [--per-class 1000] [--shard 1000] [--workers 4] [--run 1]
     python benchmarks/shuffle_quality.py --epochs [--samples 20000] [--samples-per-frame 9] [--sample-bytes 114000]
 """
 
@@ -23,7 +23,7 @@ import argparse
 
 import numpy as np
 
-from shardstream.plan import Layout, epoch_sequence, shuffle_block, split_ranks, worker_plan
+from shardstream.plan import Layout, deal_run, epoch_sequence, shuffle_block, split_ranks, worker_plan
 
 
 def classes_per_batch(labels: np.ndarray, batch: int) -> float:
@@ -31,9 +31,16 @@ def classes_per_batch(labels: np.ndarray, batch: int) -> float:
     return float(np.mean([len(np.unique(b)) for b in labels[:n].reshape(-1, batch)]))
 
 
-def delivered(counts: np.ndarray, epoch: int, block: int, workers: int, batch: int, buffer: int) -> np.ndarray:
+def layout_of(args: argparse.Namespace, buffer: int) -> Layout:
+    """The layout a shuffled StreamingDataset reads with: its workers dealt runs of chunks
+    (`plan.deal_run`) from the frames' and samples' sizes, unless `--run` says otherwise."""
+    run = args.run or deal_run(args.batch, args.samples_per_frame, args.sample_bytes)
+    return Layout(world_size=1, workers=args.workers, batch_size=args.batch, shuffle=True, buffer=buffer, run=run)
+
+
+def delivered(counts: np.ndarray, epoch: int, block: int, layout: Layout) -> np.ndarray:
     """The sample ids a loader hands over in `epoch`: one batch from each worker in turn."""
-    layout = Layout(world_size=1, workers=workers, batch_size=batch, shuffle=True, buffer=buffer)
+    workers, batch = layout.workers, layout.chunk
     sequence = epoch_sequence(counts, 0, epoch, True, block=block)
     orders = [mine[perm] for mine, perm in (worker_plan(sequence, layout, 0, epoch, 0, w) for w in range(workers))]
     batches = [o[i : i + batch] for i in range(0, max(map(len, orders)), batch) for o in orders]
@@ -47,7 +54,8 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float:
 
 def epochs_table(args: argparse.Namespace) -> None:
     n, epochs = args.samples, 17
-    print(f"{n} samples, {args.workers} worker(s), batch {args.batch}, buffer {args.buffer}, "
+    layout = layout_of(args, args.buffer)
+    print(f"{n} samples, {args.workers} worker(s) dealt runs of {layout.run} chunk(s), batch {args.batch}, buffer {args.buffer}, "
           f"{args.samples_per_frame} samples a frame, {args.sample_bytes} bytes a sample; {epochs} epochs (mean over the {epochs - 1} pairs)")
     print("shards | block | |Spearman| mean (largest), whole shards | cut | first quarter early, whole | cut")
     for shards in (1, 2, 4, 10, 64, 256):
@@ -59,7 +67,7 @@ def epochs_table(args: argparse.Namespace) -> None:
             places = []
             for epoch in range(epochs):
                 place = np.empty(total, dtype=np.int64)
-                place[delivered(counts, epoch, cut, args.workers, args.batch, args.buffer)] = np.arange(total)
+                place[delivered(counts, epoch, cut, layout)] = np.arange(total)
                 places.append(place)
             rhos = np.abs([spearman(a, b) for a, b in zip(places, places[1:])])
             rho = (float(np.mean(rhos)), float(np.max(rhos)))
@@ -82,9 +90,11 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--epochs", action="store_true", help="one epoch's order against the next, few shards")
     parser.add_argument("--samples", type=int, default=20_000, help="with --epochs: the dataset's samples")
-    parser.add_argument("--samples-per-frame", type=int, default=9, help="with --epochs (ImageNet's JPEGs: about 9)")
+    parser.add_argument("--samples-per-frame", type=int, default=9, help="ImageNet's JPEGs: about 9")
     parser.add_argument("--buffer", type=int, default=2048, help="with --epochs: the shuffle buffer")
-    parser.add_argument("--sample-bytes", type=int, default=114_000, help="with --epochs: stored bytes a sample")
+    parser.add_argument("--sample-bytes", type=int, default=114_000, help="stored bytes a sample")
+    parser.add_argument("--run", type=int, default=0,
+                        help="chunks dealt to a worker at a time (default: as the dataset deals them; 1: one at a time)")
     args = parser.parse_args()
     if args.epochs:
         epochs_table(args)
@@ -95,10 +105,10 @@ def main() -> None:
     labels = np.arange(total) // args.per_class  # class-sorted, as --no-shuffle packs it
     uniform = classes_per_batch(labels[np.random.default_rng(0).permutation(total)], args.batch)
     print(f"{args.classes} classes x {args.per_class}, class-sorted shards of {args.shard}, batch {args.batch}, "
-          f"{args.workers} worker(s); uniform permutation: {uniform:.1f} classes per batch")
+          f"{args.workers} worker(s) dealt runs of {layout_of(args, 0).run} chunk(s); uniform permutation: {uniform:.1f} classes per batch")
     print("shuffle_buffer | classes per batch | vs uniform")
     for buffer in (0, 1000, 10000, 100000):
-        layout = Layout(world_size=1, workers=args.workers, batch_size=args.batch, shuffle=True, buffer=buffer)
+        layout = layout_of(args, buffer)
         block = split_ranks(epoch_sequence(counts, 0, 0, True), 1, "pad")[0]
         # The loader takes one batch from each worker in turn.
         batches = []

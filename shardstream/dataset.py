@@ -18,6 +18,7 @@ import pickle
 import time
 import traceback
 import warnings
+from dataclasses import replace
 from multiprocessing.context import get_spawning_popen
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
@@ -355,8 +356,11 @@ class StreamingDataset(Checkpointing, IterableDataset):
                         "for part of it, pass fewer shards or Sampling(samples_per_epoch=...)")
 
     def layout(self, world: World) -> Layout:
-        return Layout(world.size, world.workers, self.batch_size, self.drop_last, self.partial,
-                      self.shuffle, self.shuffle_buffer)
+        layout = Layout(world.size, world.workers, self.batch_size, self.drop_last, self.partial,
+                        self.shuffle, self.shuffle_buffer)
+        # A run is how many chunks a worker is dealt at a time, which one worker reading them all does
+        # not need: so one worker's layout stays what states from before runs hold.
+        return replace(layout, run=self._sequences().deal_run(layout.chunk)) if world.workers > 1 else layout
 
     @_counted_outside
     def resolve(self) -> Source:

@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .plan import epoch_block, epoch_sequence, shuffle_block, split_ranks
+from .plan import deal_run, epoch_block, epoch_sequence, shuffle_block, split_ranks
 from .resume import Segment, SequenceAfter, sequence_after
 from .sampling import (Sampling, class_sample_weights, distinct_draws, drawn_samples, mixed_sequence, sized_sequence,
                        stream_slice, weighted_sequence)
@@ -40,6 +40,7 @@ class EpochSequences:
     blocks: tuple[int, ...] = field(default=(), init=False)
     _weights: np.ndarray | None = field(default=None, init=False, repr=False)  # draw weights
     _left: tuple[int, tuple[Segment, ...], np.ndarray] | None = field(default=None, init=False, repr=False)
+    _runs: dict[int, int] = field(default_factory=dict, init=False, repr=False)  # deal_run, by chunk
 
     def __post_init__(self) -> None:
         if self.mix_weights is None:
@@ -48,6 +49,16 @@ class EpochSequences:
             sizes = np.cumsum([0] + [len(part.shards) for part in self.source.parts])
             self.blocks = tuple(shard_block(part, self.counts[a:b], self.shuffle)
                                 for part, a, b in zip(self.source.parts, sizes[:-1], sizes[1:]))
+
+    def deal_run(self, chunk: int) -> int:
+        """The chunks of `chunk` samples a worker is dealt at a time (`plan.deal_run`): one
+        unshuffled, so that the DataLoader yields a rank's block in order, and where a shard
+        without an index is read through whichever of its samples a worker wants."""
+        if not self.shuffle or not self.source.indexed:
+            return 1
+        if chunk not in self._runs:
+            self._runs[chunk] = deal_run(chunk, self.source.samples_per_frame(), self.source.least_sample_bytes())
+        return self._runs[chunk]
 
     def __getstate__(self) -> dict[str, Any]:
         # `_left` can be megabytes: a DataLoader worker that needs it makes it again.

@@ -18,9 +18,13 @@ How an epoch is laid out:
    sequence (the `DistributedSampler` convention) and ``"drop"`` leaves out the tail.
    Every rank therefore yields the same number of samples and batches: DDP cannot hang.
 3. **Workers.** A rank's block is dealt to its DataLoader workers in chunks of `chunk`
-   samples (the batch size), round robin: chunk j goes to worker j mod W. A chunk is a
-   contiguous run of samples, so each worker reads runs of frames, and the number of
-   batches per rank does not depend on the number of workers.
+   samples (the batch size), round robin, in runs of `run` chunks (`Layout.run`): run j
+   goes to worker j mod W, and the last round's chunks, too few for a run each, in one
+   contiguous share each. Each worker then gets as many chunks as dealt one at a time, so
+   the number of batches per rank depends on neither the number of workers nor the run;
+   each reads runs of frames. A shuffled epoch's runs are long enough that two workers
+   share a frame only at a run's edges (`deal_run`); an unshuffled epoch's are one chunk,
+   so that the DataLoader, collecting round robin, yields a rank's block in order.
 4. **Shuffle buffer.** Each worker draws its samples through a shuffle buffer of
    `buffer` samples, simulated here on positions: the buffer's decisions are replayed
    from the seed, never stored.
@@ -49,6 +53,7 @@ __all__ = [
     "shuffle_block",
     "split_ranks",
     "deal_chunks",
+    "deal_run",
     "worker_positions",
     "yield_order",
     "worker_samples",
@@ -86,6 +91,7 @@ class Layout:
     partial: str = "pad"  # uneven ranks: "pad" (repeat samples) or "drop"
     shuffle: bool = False
     buffer: int = 0  # shuffle buffer, in samples, per worker
+    run: int = 1  # chunks dealt to a worker at a time (`deal_run`; 1 in states before version 5)
 
     @property
     def chunk(self) -> int:
@@ -163,6 +169,26 @@ def shuffle_block(counts: Sequence[int] | np.ndarray, samples_per_frame: int, sa
     block = max(-(-int(counts.sum()) // SHUFFLE_UNITS), BLOCK_FRAMES * max(int(samples_per_frame), 1),
                 -(-BLOCK_BYTES // max(int(sample_bytes), 1)) if sample_bytes > 0 else 1)
     return block if counts.max() >= 2 * block else 0  # 0 where no shard is cut: the same order either way
+
+
+def deal_run(chunk: int, samples_per_frame: int, sample_bytes: int = 0) -> int:
+    """The chunks of `chunk` samples a worker is dealt at a time: enough for `BLOCK_FRAMES`
+    frames' worth of samples and `BLOCK_BYTES` stored bytes (of samples of at least
+    `sample_bytes` bytes each), 1 where one chunk holds that much.
+
+    Dealt one at a time, chunks smaller than a frame put every frame in several workers'
+    chunks, each of which fetches and decompresses it; and over remote storage, where a
+    read bridges gaps of up to 2 MB between a worker's runs (`pieces.planned_pieces`),
+    chunks of under 2 MB had each of W workers fetch all of a shard's bytes (a batch of 64
+    samples of 6 KB is 0.4 MB: measured, 2 workers fetched 2.0x the dataset an epoch, 4
+    workers 3.75x). Runs of these sizes are what `shuffle_block` makes blocks of, for the
+    same two reasons: a frame at a run's edges is fetched by two workers, and a gap of
+    another worker's run is not bridged.
+    """
+    samples = BLOCK_FRAMES * max(int(samples_per_frame), 1)
+    if sample_bytes > 0:
+        samples = max(samples, -(-BLOCK_BYTES // int(sample_bytes)))
+    return max(1, -(-samples // max(int(chunk), 1)))
 
 
 def epoch_sequence(counts: Sequence[int] | np.ndarray, seed: int, epoch: int, shuffle: bool,
@@ -264,12 +290,33 @@ def deal_chunks(n: int, workers: int, chunk: int) -> list[np.ndarray]:
     return [worker_positions(n, workers, chunk, w) for w in range(workers)]
 
 
-def worker_positions(n: int, workers: int, chunk: int, worker: int) -> np.ndarray:
-    """`deal_chunks(n, workers, chunk)[worker]`, without dealing the other workers' chunks."""
-    firsts = np.arange(worker * chunk, n, workers * chunk, dtype=np.int64)
+def worker_positions(n: int, workers: int, chunk: int, worker: int, run: int = 1) -> np.ndarray:
+    """`deal_chunks(n, workers, chunk)[worker]`, without dealing the other workers' chunks;
+    with `run`, the chunks dealt in runs of that many (`Layout.run`)."""
+    chunks = -(-n // chunk)
+    rounds = chunks // (workers * run)  # full rounds of runs (a run of 1: every round)
+    in_runs = (np.arange(rounds, dtype=np.int64)[:, None] * (workers * run) + worker * run
+               + np.arange(run if rounds else 0, dtype=np.int64)).ravel()
+    firsts = np.concatenate([in_runs, _last_round(rounds * workers * run, chunks, workers, worker)]) * chunk
     # A chunk past the positions (batch_size 2**31 over 3 samples) is cut to them: else 16 GiB.
     positions = (firsts[:, None] + np.arange(min(chunk, n), dtype=np.int64)).ravel()
     return positions[positions < n]
+
+
+def _last_round(first: int, chunks: int, workers: int, worker: int) -> np.ndarray:
+    """Worker `worker`'s chunks of the last round, chunks [first, chunks), too few for a run
+    each: as many as dealing them one at a time gives it (the first `extra` workers one more,
+    the last chunk, which may be short, to worker `extra - 1` mod W), in one contiguous share, the
+    shares in the order of workers `extra`, ..., W - 1, 0, ..., `extra` - 1. Dealt one at a
+    time, they would be the chunks no run spares from being fetched by several workers, all
+    of them where a rank block holds under a round (4 workers' runs of 4 MB: 16 MB)."""
+    each, extra = divmod(chunks - first, workers)
+    for w in ((extra + i) % workers for i in range(workers)):
+        share = each + (w < extra)
+        if w == worker:
+            return np.arange(first, first + share, dtype=np.int64)
+        first += share
+    raise ValueError(f"worker {worker} of {workers}")
 
 
 def buffer_shuffle(n: int, buffer: int, rng: np.random.Generator, initial: int = 100,
@@ -313,7 +360,7 @@ def worker_plan(rank_block: np.ndarray, layout: Layout, seed: int, epoch: int, r
                 segment: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """What worker `worker` of rank `rank` yields: (its sample ids in storage order, the
     order it yields them in, as positions into the first)."""
-    mine = rank_block[worker_positions(len(rank_block), layout.workers, layout.chunk, worker)]
+    mine = rank_block[worker_positions(len(rank_block), layout.workers, layout.chunk, worker, layout.run)]
     return mine, yield_order(len(mine), layout, seed, epoch, rank, worker, segment)
 
 
@@ -386,7 +433,8 @@ def worker_items(block: int, layout: Layout) -> list[int]:
 def worker_samples(block: int, layout: Layout) -> list[int]:
     """Samples each plan worker is dealt from a rank block of `block` samples (the lengths of
     `deal_chunks`, by arithmetic: `len()` and every iteration's start ask, and a rank block
-    can hold millions of samples)."""
+    can hold millions of samples). The same whatever `layout.run`: full rounds of runs deal
+    every worker alike, and the last round's shares are what a chunk at a time deals."""
     chunks, workers = chunks_of(block, layout), layout.workers
     samples = [len(range(w, chunks, workers)) * layout.chunk for w in range(workers)]
     if chunks:  # the last chunk may be short
@@ -428,7 +476,7 @@ def consumed_positions(n: int, layout: Layout, seed: int, epoch: int, delivered:
         samples, emitted = yielded[len(block)]
         for w, count in emitted.items():
             order = yield_order(samples[w], layout, seed, epoch, rank, w, segment, count)
-            taken.append(block[worker_positions(len(block), layout.workers, layout.chunk, w)[order]])
+            taken.append(block[worker_positions(len(block), layout.workers, layout.chunk, w, layout.run)[order]])
     return np.concatenate(taken) if taken else np.zeros(0, dtype=np.int64)
 
 
@@ -446,7 +494,8 @@ def left_out_positions(n: int, layout: Layout, seed: int, epoch: int, segment: i
             delivers = samples_of_items(items_of(s, layout), s, layout)
             if delivers < s:  # the batch drop_last drops is the last the buffer emits: replayed whole
                 order = yield_order(s, layout, seed, epoch, rank, w, segment)[delivers:]
-                dropped.append(rank * per_rank + worker_positions(per_rank, layout.workers, layout.chunk, w)[order])
+                dropped.append(rank * per_rank
+                               + worker_positions(per_rank, layout.workers, layout.chunk, w, layout.run)[order])
     # Position k of the sequence appears in the blocks at k, k + n, ... (padding repeats
     # from the start): it is left out when every appearance is dropped, or it has none.
     total = per_rank * layout.world_size

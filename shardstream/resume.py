@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 __all__ = ["ResumeState", "Segment", "SequenceAfter", "check_counts", "current_place", "current_sequence", "endless_deal", "finished_before",
            "endless_onto", "endless_place", "fingerprint", "sequence_after"]
 
-STATE_VERSION = 4
+STATE_VERSION = 5
 MAX_EPOCH = (1 << 63) - 1  # the processes share the epoch as a signed 64-bit int (shared.py)
 # Version 1 states are read as they were written: their segments' left-out samples
 # remain for the layouts after them (`Segment.spends_left_out`). Those of a Mix or of
@@ -48,8 +48,11 @@ MAX_EPOCH = (1 << 63) - 1  # the processes share the epoch as a signed 64-bit in
 # Versions 1 and 2 of weighted epochs (class or sample weights) are refused: their draws
 # were read in one walk over the shards, not spread over several (`sampling.weighted_sequence`).
 # Versions 1 to 3 of shuffled epochs whose shards are now cut into blocks (`plan.shuffle_block`)
-# are refused: each shard was read front to back then.
-READ_VERSIONS = (1, 2, 3, 4)
+# are refused: each shard was read front to back then. Layouts of versions 1 to 4 have no
+# `run`: they dealt their workers a chunk at a time, Layout's default, and replay so.
+READ_VERSIONS = (1, 2, 3, 4, 5)
+# The longest run a state's layout may claim (`plan.deal_run` makes a few chunks).
+MAX_RUN = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -329,6 +332,7 @@ def _layout(raw: Any, field: str) -> Layout:
         partial=partial,
         shuffle=_bool(value["shuffle"], f"{field}.shuffle"),
         buffer=_int(value["buffer"], f"{field}.buffer"),  # any int: 1 or less means no buffer
+        run=_int(value["run"], f"{field}.run", minimum=1, below=MAX_RUN + 1),
     )
 
 

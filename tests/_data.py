@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import io
+import json
 import tarfile
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -109,6 +110,18 @@ def take(ds: Any, num_workers: int, k: int) -> list[tuple[str, ...]]:
     it = iter(loader(ds, num_workers))
     try:
         return [freeze(next(it)) for _ in range(k)]
+    finally:
+        shut_down(it)
+        del it
+
+
+def stop_after(loader: Any, k: int) -> tuple[list[tuple[str, ...]], dict]:
+    """The first `k` items of a `shardstream.DataLoader` and its state there, through JSON as a
+    checkpoint keeps it; its workers are shut down before returning."""
+    it = iter(loader)
+    try:
+        head = [freeze(next(it)) for _ in range(k)]
+        return head, json.loads(json.dumps(loader.state_dict()))
     finally:
         shut_down(it)
         del it

@@ -24,6 +24,7 @@ from shardstream.plan import (
     consumed_positions,
     consumed_samples,
     deal_chunks,
+    deal_run,
     epoch_block,
     epoch_sequence,
     epoch_units,
@@ -38,6 +39,7 @@ from shardstream.plan import (
     split_ranks,
     worker_items,
     worker_plan,
+    worker_positions,
     worker_samples,
 )
 from shardstream.pieces import REVISIT_HOLD, stretches
@@ -340,6 +342,48 @@ def check_deal(n, workers, chunk):
 
 
 
+def test_runs_deal_every_worker_as_many_chunks_as_one_at_a_time():
+    """Dealt in runs (Layout.run), each worker gets the same chunks' worth as dealt one at a time
+    (the batch counts, the round robin's arithmetic and every resume replay rest on it), the last,
+    short chunk to the same worker; a run of 1 is the round robin itself."""
+    for n, workers, chunk, run in itertools.product([0, 1, 5, 21, 64, 65, 130, 200, 1001], [1, 2, 3, 4, 7],
+                                                    [1, 3, 8, 64], [1, 2, 3, 5, 40]):
+        dealt = [worker_positions(n, workers, chunk, w, run) for w in range(workers)]
+        one_at_a_time = deal_chunks(n, workers, chunk)
+        assert is_permutation(np.concatenate(dealt), n)
+        assert [len(d) for d in dealt] == [len(d) for d in one_at_a_time]
+        assert [n - 1 in d for d in dealt] == [n - 1 in d for d in one_at_a_time]
+        assert worker_samples(n, Layout(workers=workers, batch_size=chunk, run=run)) == [len(d) for d in dealt]
+        if run == 1:
+            assert all(np.array_equal(a, b) for a, b in zip(dealt, one_at_a_time))
+
+
+def test_runs_are_whole_and_the_last_round_one_share_a_worker():
+    """Run j of a full round goes to worker j mod W; the last round's chunks, too few for a run
+    each, go in one contiguous share a worker, so that no worker reads every other chunk of it."""
+    n, workers, chunk, run = 1000, 3, 8, 5  # 125 chunks: 8 rounds of 15, then 5 chunks
+    dealt = [worker_positions(n, workers, chunk, w, run) for w in range(workers)]
+    for w, mine in enumerate(dealt):
+        runs = mine[: 8 * run * chunk].reshape(8, run * chunk)
+        assert all(np.array_equal(r, np.arange(r[0], r[0] + run * chunk)) for r in runs)
+        assert runs[:, 0].tolist() == [(k * workers + w) * run * chunk for k in range(8)]
+        tail = mine[8 * run * chunk :]
+        assert np.array_equal(tail, np.arange(tail[0], tail[0] + len(tail)))
+    # 5 chunks over 3 workers: 2, 2, 1, the last (short) one where one at a time puts it (worker 1),
+    # so the shares go in the order of workers 2, 0, 1.
+    assert [len(d) - 8 * run * chunk for d in dealt] == [16, 16, 8]
+    assert dealt[2][-8:].tolist() == list(range(960, 968))  # chunk 120
+    assert dealt[0][-16:].tolist() == list(range(968, 984)) and dealt[1][-16:].tolist() == list(range(984, 1000))
+
+
+def test_deal_run_is_eight_frames_and_4_mb_of_chunks():
+    """A run holds BLOCK_FRAMES frames' worth of samples and BLOCK_BYTES of the smallest, in whole chunks."""
+    assert deal_run(64, 9, 114_000) == 2  # ImageNet's JPEGs: 72 samples (8 frames), 2 batches of 64
+    assert deal_run(64, 170, 6_000) == -(-(BLOCK_FRAMES * 170) // 64)  # 6 KB samples: 22 batches
+    assert deal_run(8, 1, 20_000) == -(-(-(-BLOCK_BYTES // 20_000)) // 8)  # the bytes decide
+    assert deal_run(4096, 9, 114_000) == 1 and deal_run(64, 9, 0) == 2  # no bytes known: the frames
+
+
 def test_worker_samples_are_the_lengths_of_the_deal():
     for n, workers, chunk in itertools.product([0, 1, 5, 21, 64, 65, 130, 200], [1, 2, 3, 4], [1, 2, 3, 8, 64]):
         layout = Layout(workers=workers, batch_size=chunk)
@@ -586,6 +630,7 @@ def random_layout(rng: np.random.Generator) -> Layout:
         partial=["pad", "drop"][int(rng.integers(0, 2))],
         shuffle=bool(rng.integers(0, 2)),
         buffer=int(rng.integers(0, 9)),
+        run=[1, 1, 2, 3][int(rng.integers(0, 4))],
     )
 
 

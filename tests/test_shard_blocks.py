@@ -107,12 +107,7 @@ def test_a_resume_in_the_middle_of_an_epoch_of_blocks_is_exact(three_shards, wor
                                       num_workers=workers)
 
     full = [D.freeze(b) for b in D.listed(make())]
-    stopped = make()
-    it = iter(stopped)
-    head = [D.freeze(next(it)) for _ in range(9)]
-    state = json.loads(json.dumps(stopped.state_dict()))
-    D.shut_down(it)
-    del it
+    head, state = D.stop_after(make(), 9)
     assert state["blocks"] == [block_of(three_shards)]
     resumed = make()
     resumed.load_state_dict(state)
