@@ -54,6 +54,7 @@ __all__ = [
     "split_ranks",
     "deal_chunks",
     "deal_run",
+    "run_samples",
     "worker_positions",
     "yield_order",
     "worker_samples",
@@ -180,15 +181,18 @@ def deal_run(chunk: int, samples_per_frame: int, sample_bytes: int = 0) -> int:
     chunks, each of which fetches and decompresses it; and over remote storage, where a
     read bridges gaps of up to 2 MB between a worker's runs (`pieces.planned_pieces`),
     chunks of under 2 MB had each of W workers fetch all of a shard's bytes (a batch of 64
-    samples of 6 KB is 0.4 MB: measured, 2 workers fetched 2.0x the dataset an epoch, 4
-    workers 3.75x). Runs of these sizes are what `shuffle_block` makes blocks of, for the
+    samples of 6 KB is 0.4 MB: measured, 2 workers fetched 2.01x the dataset an epoch, 4
+    workers 3.64x: BENCHMARKS.md, "Thirty-fifth session"). Runs of these sizes are what `shuffle_block` makes blocks of, for the
     same two reasons: a frame at a run's edges is fetched by two workers, and a gap of
     another worker's run is not bridged.
     """
+    return max(1, -(-run_samples(samples_per_frame, sample_bytes) // max(int(chunk), 1)))
+
+
+def run_samples(samples_per_frame: int, sample_bytes: int = 0) -> int:
+    """The fewest samples a worker's run holds (`deal_run`, before rounding up to whole chunks)."""
     samples = BLOCK_FRAMES * max(int(samples_per_frame), 1)
-    if sample_bytes > 0:
-        samples = max(samples, -(-BLOCK_BYTES // int(sample_bytes)))
-    return max(1, -(-samples // max(int(chunk), 1)))
+    return max(samples, -(-BLOCK_BYTES // int(sample_bytes))) if sample_bytes > 0 else samples
 
 
 def epoch_sequence(counts: Sequence[int] | np.ndarray, seed: int, epoch: int, shuffle: bool,

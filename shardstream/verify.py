@@ -23,6 +23,7 @@ from .reader import ShardReader
 from .shardfile import seek_table
 from .tario import END_OF_ARCHIVE, member_key
 from .epochs import shard_block
+from .plan import run_samples
 from .source import Source, open_dataset
 from .threads import ordered_map
 
@@ -57,6 +58,8 @@ def inspect_dataset(url: str, *, storage_options: dict[str, Any] | None = None) 
         # How a shuffled epoch reads it (plan.shuffle_block): 0, each shard whole, front to back.
         "shuffle_block": block,
         "shuffle_blocks": int(np.maximum(counts // block, 1).sum()) if block else len(counts),
+        # The fewest samples a shuffled epoch deals a DataLoader worker at a time (plan.deal_run).
+        "worker_run": run_samples(source.samples_per_frame(), source.least_sample_bytes()),
     }
 
 

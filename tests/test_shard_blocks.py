@@ -219,7 +219,7 @@ def test_inspect_says_how_a_shuffled_epoch_reads_the_shards(one_shard, three_sha
     def shown(url: str) -> str:
         done = subprocess.run([sys.executable, "-m", "shardstream.cli", "inspect", url], capture_output=True,
                               text=True, timeout=120, check=True)
-        return done.stdout.splitlines()[-1]
+        return next(line for line in done.stdout.splitlines() if line.startswith("shuffled epochs read"))
 
     for url, order in ((one_shard, "all shards' in one seeded order"), (three_shards, "all shards' in one seeded order")):
         info = inspect_dataset(url)

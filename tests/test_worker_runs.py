@@ -1,8 +1,8 @@
 """A shuffled epoch deals its chunks to DataLoader workers in runs of several (plan.deal_run).
 
 Dealt a batch at a time, chunks of small samples are smaller than a frame, and every worker
-read (over remote storage: fetched) about every frame: 2 workers fetched 2x a dataset of
-6 KB samples an epoch over HTTP, 4 workers 3.75x. The plan's own properties are in
+read (over remote storage: fetched) about every frame: 2 workers fetched 2.01x a dataset of
+6 KB samples an epoch over HTTP, 4 workers 3.64x. The plan's own properties are in
 test_plan.py; here the dataset: its layout, the bytes it fetches, and a resume from a
 state taken before runs.
 """
@@ -10,6 +10,8 @@ state taken before runs.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +59,19 @@ def test_a_shuffled_epoch_deals_runs_of_chunks_and_an_unshuffled_one_a_chunk_at_
     assert one.state_dict()["current"]["layout"]["run"] == 1
     ordered = D.flat(D.run(D.key_dataset(small_samples, batch_size=BATCH), 2))
     assert ordered == D.manifest_keys(small_samples)
+
+
+def test_inspect_says_the_run_a_worker_is_dealt(small_samples):
+    """`shardstream inspect` names the fewest samples a worker's run holds: the layout's run is
+    that many samples in whole batches."""
+    from shardstream.verify import inspect_dataset
+
+    info = inspect_dataset(small_samples)
+    assert run_of(small_samples, shuffle=True) == -(-info["worker_run"] // BATCH)
+    shown = subprocess.run([sys.executable, "-m", "shardstream.cli", "inspect", small_samples], capture_output=True,
+                           text=True, timeout=120, check=True).stdout.splitlines()[-1]
+    assert shown.startswith(f"with several DataLoader workers, a shuffled epoch deals each runs of "
+                            f"{info['worker_run']:,} samples or more")
 
 
 @pytest.mark.parametrize("workers", [2, 3])
