@@ -34,7 +34,7 @@ def classes_per_batch(labels: np.ndarray, batch: int) -> float:
 def layout_of(args: argparse.Namespace, buffer: int) -> Layout:
     """The layout a shuffled StreamingDataset reads with: its workers dealt runs of chunks
     (`plan.deal_run`) from the frames' and samples' sizes, unless `--run` says otherwise."""
-    run = args.run or deal_run(args.batch, args.samples_per_frame, args.sample_bytes)
+    run = args.run or (deal_run(args.batch, args.samples_per_frame, args.sample_bytes) if args.workers > 1 else 1)
     return Layout(world_size=1, workers=args.workers, batch_size=args.batch, shuffle=True, buffer=buffer, run=run)
 
 

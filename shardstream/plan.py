@@ -79,6 +79,10 @@ PARTIAL = ("pad", "drop")
 # The most ranks a plan is made for: a plan holds arrays as long as the ranks (16 million:
 # 128 MB), and a resume state claiming 10**9 failed as a bare MemoryError.
 MAX_WORLD_SIZE = 1 << 24
+# The longest run of chunks a worker is dealt (`deal_run`: a run of 1-sample batches of 3-byte
+# samples would be 1.4 million), and the longest a resume state's layout may claim. Its cost
+# does not grow with it: only the chunks a rank block holds are dealt.
+MAX_RUN = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -186,7 +190,7 @@ def deal_run(chunk: int, samples_per_frame: int, sample_bytes: int = 0) -> int:
     same two reasons: a frame at a run's edges is fetched by two workers, and a gap of
     another worker's run is not bridged.
     """
-    return max(1, -(-run_samples(samples_per_frame, sample_bytes) // max(int(chunk), 1)))
+    return min(max(1, -(-run_samples(samples_per_frame, sample_bytes) // max(int(chunk), 1))), MAX_RUN)
 
 
 def run_samples(samples_per_frame: int, sample_bytes: int = 0) -> int:
@@ -315,12 +319,11 @@ def _last_round(first: int, chunks: int, workers: int, worker: int) -> np.ndarra
     time, they would be the chunks no run spares from being fetched by several workers, all
     of them where a rank block holds under a round (4 workers' runs of 4 MB: 16 MB)."""
     each, extra = divmod(chunks - first, workers)
-    for w in ((extra + i) % workers for i in range(workers)):
-        share = each + (w < extra)
-        if w == worker:
-            return np.arange(first, first + share, dtype=np.int64)
-        first += share
-    raise ValueError(f"worker {worker} of {workers}")
+    if worker >= extra:  # after workers extra .. worker - 1, each `each` chunks
+        start = first + (worker - extra) * each
+    else:  # after workers extra .. W - 1, then 0 .. worker - 1, these with one more each
+        start = first + (workers - extra) * each + worker * (each + 1)
+    return np.arange(start, start + each + (worker < extra), dtype=np.int64)
 
 
 def buffer_shuffle(n: int, buffer: int, rng: np.random.Generator, initial: int = 100,

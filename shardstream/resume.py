@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from .errors import ShardstreamError
-from .plan import (MAX_WORLD_SIZE, PARTIAL, Layout, consumed_positions, left_out_positions,
+from .plan import (MAX_RUN, MAX_WORLD_SIZE, PARTIAL, Layout, consumed_positions, left_out_positions,
                    rank_block_length, remaining_after, streams_digest, worker_items)
 from .roundrobin import EndlessDeal
 from .shared import SLOTS
@@ -51,8 +51,6 @@ MAX_EPOCH = (1 << 63) - 1  # the processes share the epoch as a signed 64-bit in
 # are refused: each shard was read front to back then. Layouts of versions 1 to 4 have no
 # `run`: they dealt their workers a chunk at a time, Layout's default, and replay so.
 READ_VERSIONS = (1, 2, 3, 4, 5)
-# The longest run a state's layout may claim (`plan.deal_run` makes a few chunks).
-MAX_RUN = 1 << 20
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ state taken before runs.
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -31,8 +32,8 @@ BATCH = 8
 @pytest.fixture(scope="module")
 def small_samples(tmp_path_factory) -> str:
     """1,200 samples of 16-24 KB of noise in one shard: a batch of 8 is about 160 KB, a frame
-    (1 MB) holds about 50 samples, and a run 4 MB of the smallest (plan.BLOCK_BYTES) and
-    8 frames: 50 batches."""
+    (1 MB) holds about 48 samples, and a run 8 frames (more than plan.BLOCK_BYTES' 4 MB):
+    48 batches, about 7.7 MB."""
     folder = tmp_path_factory.mktemp("runs") / "small"
     rng = np.random.default_rng(0)
     with shardstream.ShardWriter(str(folder)) as writer:
@@ -76,9 +77,10 @@ def test_inspect_says_the_run_a_worker_is_dealt(small_samples):
 
 @pytest.mark.parametrize("workers", [2, 3])
 def test_workers_over_http_fetch_a_shuffled_epoch_about_once(small_samples, workers):
-    """Each of the workers reads runs of about 4 MB, and a read bridges gaps of 2 MB at most:
-    the epoch fetches each frame about once, every sample once (a batch at a time: about
-    `workers` times the bytes)."""
+    """Each of the workers reads runs of about 7.7 MB, and a read bridges gaps of 2 MB at most:
+    the epoch fetches each frame about once, every sample once (a batch at a time: 2.16x and
+    3.2x the bytes). What is over once: the frames at the edges of the shard's 3 blocks, of
+    the runs, and of the last round's shares (16 samples each, of 3 workers: 1.235x)."""
     stored = sum(os.path.getsize(os.path.join(small_samples, name)) for name in os.listdir(small_samples)
                  if name.endswith(".tar.zst"))
     with H.CountingHTTPServer(str(Path(small_samples).parent)) as server:
@@ -86,7 +88,7 @@ def test_workers_over_http_fetch_a_shuffled_epoch_about_once(small_samples, work
         got = D.flat(D.run(ds, workers))
         fetched = ds.io_stats()["bytes"]
     assert sorted(got) == D.manifest_keys(small_samples)
-    assert stored < fetched < 1.25 * stored, (fetched / stored, workers)
+    assert stored < fetched < 1.4 * stored, (fetched / stored, workers)
 
 
 def test_a_state_taken_a_chunk_at_a_time_resumes_exactly_once(small_samples, monkeypatch):
@@ -108,3 +110,35 @@ def test_a_state_taken_a_chunk_at_a_time_resumes_exactly_once(small_samples, mon
     assert resumed.state_dict()["finished"][0]["layout"]["run"] == 1
     seen = D.flat(head) + D.flat(D.freeze(b) for b in rest)
     assert sorted(seen) == D.manifest_keys(small_samples)
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+def test_a_worker_state_taken_a_chunk_at_a_time_is_refused_naming_the_run(small_samples, monkeypatch):
+    """torchdata's StatefulDataLoader hands each worker its own place in its layout, which a worker
+    dealt runs cannot take up: a version 4 worker state (a chunk at a time) is refused, saying that
+    the run differs, not the world size or the worker count (found by a review: the message said
+    those must be the same, and they were)."""
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+
+    def make():
+        return D.key_dataset(small_samples, shuffle=True, seed=5, batch_size=BATCH)
+
+    with monkeypatch.context() as patch:  # the workers fork with it
+        patch.setattr(epochs.EpochSequences, "deal_run", lambda self, chunk: 1)
+        loader = stateful.StatefulDataLoader(make(), batch_size=None, num_workers=2)
+        it = iter(loader)
+        next(it), next(it)
+        state = loader.state_dict()
+        D.shut_down(it)
+        del it
+    for snapshot in state["_snapshot"]["_worker_snapshots"].values():
+        worker_state = snapshot["dataset_state"]
+        assert worker_state["current"]["layout"]["run"] == 1
+        del worker_state["current"]["layout"]["run"]
+        worker_state["version"] = 4
+    resumed = stateful.StatefulDataLoader(make(), batch_size=None, num_workers=2)
+    resumed.load_state_dict(state)
+    with pytest.raises(shardstream.ShardstreamError, match=r"another layout \(run 1 there, \d+ here\).*before version 5") as raised:
+        D.listed(resumed)
+    del raised
+    gc.collect()  # the error's traceback holds the failed iterator's queues (and their threads) in a cycle
