@@ -18,6 +18,7 @@ from shardstream.plan import (
     BLOCK_BYTES,
     BLOCK_FRAMES,
     INTERLEAVE_SHARDS,
+    MAX_RUN,
     SHUFFLE_UNITS,
     Layout,
     buffer_shuffle,
@@ -382,6 +383,9 @@ def test_deal_run_is_eight_frames_and_4_mb_of_chunks():
     assert deal_run(64, 170, 6_000) == -(-(BLOCK_FRAMES * 170) // 64)  # 6 KB samples: 22 batches
     assert deal_run(8, 1, 20_000) == -(-(-(-BLOCK_BYTES // 20_000)) // 8)  # the bytes decide
     assert deal_run(4096, 9, 114_000) == 1 and deal_run(64, 9, 0) == 2  # no bytes known: the frames
+    # Capped where a resume state's layout is bounded (found by review: 1-sample batches of 3-byte samples
+    # made runs of 1.4 million, and the library refused its own state).
+    assert deal_run(1, 1024, 3) == MAX_RUN
 
 
 def test_worker_samples_are_the_lengths_of_the_deal():
