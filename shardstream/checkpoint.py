@@ -325,10 +325,10 @@ class Checkpointing:
                                for f in dataclasses.fields(Layout) if getattr(taken, f.name) != getattr(mine, f.name))
             raise ShardstreamError(
                 f"this worker state was taken with another layout ({differ}): torchdata's StatefulDataLoader "
-                "resumes onto the same layout only: the same world size and num_workers, and the same run, the "
-                "chunks a shuffled epoch deals a worker at a time (1 in states before version 5: resume those with "
-                "the shardstream that took them, or start the epoch afresh); for an elastic resume, checkpoint "
-                "shardstream.DataLoader's state_dict() instead")
+                "resumes a worker state onto the layout it was taken with only: its world size, num_workers, "
+                "batching and shuffle buffer, and its run, the chunks a shuffled epoch deals a worker at a time (1 "
+                "in states before version 5: resume those with the shardstream that took them, or start the epoch "
+                "afresh); for an elastic resume, checkpoint shardstream.DataLoader's state_dict() instead")
         if self._shared.epoch_chosen and resume.epoch != self._shared.epoch:
             # torchdata's StatefulDataLoader loads each worker's state as its iteration begins, after
             # the loop's set_epoch: another epoch there is the loop's choice (the next epoch after an

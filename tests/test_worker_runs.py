@@ -139,6 +139,13 @@ def test_a_worker_state_taken_a_chunk_at_a_time_is_refused_naming_the_run(small_
     resumed = stateful.StatefulDataLoader(make(), batch_size=None, num_workers=2)
     resumed.load_state_dict(state)
     with pytest.raises(shardstream.ShardstreamError, match=r"another layout \(run 1 there, \d+ here\).*before version 5") as raised:
-        D.listed(resumed)
-    del raised
-    gc.collect()  # the error's traceback holds the failed iterator's queues (and their threads) in a cycle
+        iter(resumed)
+    # The iterator raised as it was made, so nothing holds it but the error's traceback, in a cycle that the
+    # collector would shut down in about 10 s: shut its workers down here.
+    tb = raised.tb
+    while tb is not None and not hasattr(tb.tb_frame.f_locals.get("self"), "_shutdown_workers"):
+        tb = tb.tb_next
+    assert tb is not None, "the failed iterator is in the traceback"
+    D.shut_down(tb.tb_frame.f_locals["self"])
+    del raised, tb
+    gc.collect()
