@@ -44,6 +44,8 @@ from .collate import default_collate, pad_collate
 from .dataset import StreamingDataset
 from .errors import RaisedInWorker, ShardstreamError, WorkerDiedError
 from .parentwatch import end_with_parent
+from .rankcounts import WorkerCounts
+from .resume import dataset_fingerprint
 from .shared import SLOTS
 from .workercontext import lock_free_context
 
@@ -431,6 +433,7 @@ class DataLoader:
         # persistent_workers above: turning workers off (to debug, say) then needs no other change.
         self.timeout = timeout if num_workers > 0 else 0
         self.stats = LoaderStats()
+        self._worker_counts = WorkerCounts()  # this rank's num_workers against the other ranks'
         self._loader: torch.utils.data.DataLoader | None = None
         self._iteration: _Iteration | None = None  # the iteration that counts into _delivered (see __iter__)
         self._workers: list[Any] = []  # the worker processes of the latest iteration (see _worker_death)
@@ -526,9 +529,14 @@ class DataLoader:
         self._recount("set_epoch")  # a loaded state of this epoch still counts
 
     def state_dict(self) -> dict[str, Any]:
-        """The dataset's state at the items the training loop has received."""
+        """The dataset's state at the items the training loop has received.
+
+        Refused where the ranks of a torch.distributed job iterate with different
+        `num_workers` (`rankcounts`): one rank's state would resume the others wrongly."""
         self._follow_the_callers_dataset()
-        return self.dataset.state_dict(delivered=self._delivered, num_workers=self.num_workers)
+        state = self.dataset.state_dict(delivered=self._delivered, num_workers=self.num_workers)
+        self._worker_counts.check()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.dataset.load_state_dict(state)
@@ -543,6 +551,8 @@ class DataLoader:
             self._drop_workers()  # they forgot the state, having read it to its end ahead of a pass left early
         self._delivered = self.dataset.start_pass(self.num_workers)
         self._counted_epoch = self.dataset.epoch
+        world = self.dataset.world()
+        self._worker_counts.tell(lambda: dataset_fingerprint(self.dataset), world.rank, world.size, self.num_workers)
         # This iteration owns the count until a state is loaded or an epoch set (_recount), as
         # the dataset's latest iteration owns its own: a loop that rolled back to a checkpoint
         # (load_state_dict inside it) and ran on counted its old epoch's batches on top of the

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from .dataset import StreamingDataset
     from .world import World
 
-__all__ = ["ResumeState", "Segment", "SequenceAfter", "check_counts", "current_place", "current_sequence", "endless_deal", "finished_before",
+__all__ = ["ResumeState", "Segment", "SequenceAfter", "check_counts", "current_place", "current_sequence", "dataset_fingerprint", "endless_deal", "finished_before",
            "endless_onto", "endless_place", "fingerprint", "sequence_after"]
 
 STATE_VERSION = 5
@@ -340,6 +340,11 @@ def _walks_a_stream(dataset: "StreamingDataset") -> bool:
     sampling = dataset.sampling
     sized = sampling is not None and sampling.samples_per_epoch is not None and not sampling.weighted
     return sized or getattr(dataset.source, "weights", None) is not None
+
+
+def dataset_fingerprint(dataset: "StreamingDataset") -> str:
+    """The fingerprint `dataset`'s states name it by."""
+    return _fingerprint_of(dataset)
 
 
 def _fingerprint_of(dataset: "StreamingDataset", contents: bool | Callable[[], bytes | None] = True) -> str:

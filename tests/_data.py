@@ -180,6 +180,32 @@ def spawned_rank_keys(rank: int, store: str, dataset: Any, out: str) -> None:
         dist.destroy_process_group()
 
 
+def spawned_rank_state(rank: int, store: str, url: str, workers: list[int], out: str) -> None:
+    """A training process as `torch.multiprocessing.spawn` starts it: it joins a 2-rank gloo group,
+    reads 2 batches of `url` through `shardstream.DataLoader` with `workers[rank]` workers, and once
+    both ranks have, takes a state: out/RANK.json holds the error that refused it, or "ok"."""
+    import json
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        loader = shardstream.DataLoader(key_dataset(url, shuffle=True, batch_size=2), num_workers=workers[rank])
+        it = iter(loader)
+        next(it), next(it)
+        dist.barrier()
+        try:
+            loader.state_dict()
+            result = "ok"
+        except shardstream.ShardstreamError as error:
+            result = str(error)
+        it.close()
+        Path(out, f"{rank}.json").write_text(json.dumps(result))
+        dist.barrier()  # the store (rank 0's) stays until both have asked it
+    finally:
+        dist.destroy_process_group()
+
+
 def spawned_rank_epoch(rank: int, dataset: Any, out: str) -> None:
     """A training process as `torch.multiprocessing.spawn` starts it: rank 0 sets the epoch of `dataset`
     (made in the launcher) to 5; rank 1, once it has, writes the epoch it sees to out/1.json."""

@@ -310,6 +310,24 @@ def test_gloo_epoch_with_workers_not_forked_from_the_rank(gloo, keys, url, conte
     assert gloo[context] == gloo["epoch"]  # the same split and order as forked workers give
 
 
+@pytest.mark.parametrize("workers", [(1, 1), (0, 1)])
+def test_a_state_is_refused_where_the_ranks_iterate_with_different_num_workers(url, tmp_path, workers):
+    """Regression (left by the thirtieth session's review): ranks with different num_workers split an
+    epoch exactly, but a state taken on one describes every rank with its own count, and resuming it lost
+    and repeated samples on the others without a word (26 of 301). Each rank's loader tells its count
+    through the process group's store; a state is refused on every rank where they differ."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(D.spawned_rank_state, args=(rendezvous_file(tmp_path), url, list(workers), str(tmp_path)), nprocs=2)
+    results = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(2)]
+    if workers[0] == workers[1]:
+        assert results == ["ok", "ok"]
+        return
+    for result in results:  # either rank may have told its count first
+        assert "different numbers of DataLoader workers" in result, result
+        assert all(part in result for part in ("rank 0 ", "rank 1 ", "num_workers=0", "num_workers=1")), result
+
+
 def test_a_dataset_handed_to_mp_spawn_finds_each_child_s_rank(url, keys, tmp_path):
     """Regression: the launcher's own spawn pinned its rank 0 of 1 into the dataset (a pin meant for
     DataLoader workers of a rank), so both training processes read the whole dataset."""
