@@ -20,6 +20,7 @@ alone), nothing is compared: README says every rank must use the same `num_worke
 from __future__ import annotations
 
 import collections
+import warnings
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -65,10 +66,16 @@ class WorkerCounts:
         try:
             first_rank, first_count = store.compare_set(self._key, "", mine).decode().split(":")
             if first_count != str(num_workers):
-                store.set(f"{self._key}/differs", f"rank {rank} iterates it with num_workers={num_workers}, and "
-                          f"rank {first_rank} with num_workers={first_count}")
+                differs = (f"rank {rank} iterates it with num_workers={num_workers}, and rank {first_rank} with "
+                           f"num_workers={first_count}")
+                store.set(f"{self._key}/differs", differs)
         except RuntimeError:  # the store went away (the group destroyed meanwhile): nothing to compare
             return
+        if first_count != str(num_workers):
+            # Now, not only when a checkpoint is refused, which may come hours into the job.
+            warnings.warn(f"the ranks iterate this dataset with different numbers of DataLoader workers ({differs}): "
+                          "every state_dict() will be refused, on every rank; give every rank the same num_workers",
+                          stacklevel=3)
 
     def check(self) -> None:
         """Refuse to make a state where some rank iterates with another count than another."""

@@ -183,8 +183,10 @@ def spawned_rank_keys(rank: int, store: str, dataset: Any, out: str) -> None:
 def spawned_rank_state(rank: int, store: str, url: str, workers: list[int], out: str) -> None:
     """A training process as `torch.multiprocessing.spawn` starts it: it joins a 2-rank gloo group,
     reads 2 batches of `url` through `shardstream.DataLoader` with `workers[rank]` workers, and once
-    both ranks have, takes a state: out/RANK.json holds the error that refused it, or "ok"."""
+    both ranks have, takes a state: out/RANK.json holds [the error that refused it, or "ok", the
+    warnings its iteration's start gave]."""
     import json
+    import warnings
 
     import torch.distributed as dist
 
@@ -192,7 +194,9 @@ def spawned_rank_state(rank: int, store: str, url: str, workers: list[int], out:
     try:
         loader = shardstream.DataLoader(key_dataset(url, shuffle=True, batch_size=2), num_workers=workers[rank])
         it = iter(loader)
-        next(it), next(it)
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            next(it), next(it)
         dist.barrier()
         try:
             loader.state_dict()
@@ -200,7 +204,8 @@ def spawned_rank_state(rank: int, store: str, url: str, workers: list[int], out:
         except shardstream.ShardstreamError as error:
             result = str(error)
         it.close()
-        Path(out, f"{rank}.json").write_text(json.dumps(result))
+        told = [str(w.message) for w in warned if "numbers of DataLoader workers" in str(w.message)]
+        Path(out, f"{rank}.json").write_text(json.dumps([result, told]))
         dist.barrier()  # the store (rank 0's) stays until both have asked it
     finally:
         dist.destroy_process_group()

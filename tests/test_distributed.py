@@ -319,13 +319,15 @@ def test_a_state_is_refused_where_the_ranks_iterate_with_different_num_workers(u
     import torch.multiprocessing as mp
 
     mp.spawn(D.spawned_rank_state, args=(rendezvous_file(tmp_path), url, list(workers), str(tmp_path)), nprocs=2)
-    results = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(2)]
+    results, warned = zip(*(json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(2)))
     if workers[0] == workers[1]:
-        assert results == ["ok", "ok"]
+        assert list(results) == ["ok", "ok"] and list(warned) == [[], []]
         return
     for result in results:  # either rank may have told its count first
         assert "different numbers of DataLoader workers" in result, result
         assert all(part in result for part in ("rank 0 ", "rank 1 ", "num_workers=0", "num_workers=1")), result
+    # The rank that told its count second warned as its iteration began, not only at the refusal.
+    assert sorted(map(len, warned)) == [0, 1] and "every state_dict() will be refused" in sum(warned, [])[0]
 
 
 def test_a_dataset_handed_to_mp_spawn_finds_each_child_s_rank(url, keys, tmp_path):
