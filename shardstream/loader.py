@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import hashlib
 import math
 import multiprocessing
 import multiprocessing.context
@@ -535,8 +536,15 @@ class DataLoader:
         `num_workers` (`rankcounts`): one rank's state would resume the others wrongly."""
         self._follow_the_callers_dataset()
         state = self.dataset.state_dict(delivered=self._delivered, num_workers=self.num_workers)
-        self._worker_counts.check()
+        self._worker_counts.check(self.num_workers)
         return state
+
+    def _stream(self) -> str:
+        """What this loader reads, named alike on every rank: the dataset, and what else its states
+        depend on (`rankcounts`)."""
+        ds = self.dataset
+        what = (dataset_fingerprint(ds), ds.seed, ds.shuffle, ds.batch_size, ds.drop_last, ds.partial, ds.shuffle_buffer)
+        return hashlib.sha256(repr(what).encode()).hexdigest()[:16]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.dataset.load_state_dict(state)
@@ -552,7 +560,7 @@ class DataLoader:
         self._delivered = self.dataset.start_pass(self.num_workers)
         self._counted_epoch = self.dataset.epoch
         world = self.dataset.world()
-        self._worker_counts.tell(lambda: dataset_fingerprint(self.dataset), world.rank, world.size, self.num_workers)
+        self._worker_counts.tell(self._stream, world.rank, world.size, self.num_workers)
         # This iteration owns the count until a state is loaded or an epoch set (_recount), as
         # the dataset's latest iteration owns its own: a loop that rolled back to a checkpoint
         # (load_state_dict inside it) and ran on counted its old epoch's batches on top of the

@@ -7,19 +7,24 @@ describes the others with its count, and resuming it lost and repeated samples o
 without a word (26 of 301 in a review's 2-rank job).
 
 Each rank's `shardstream.DataLoader` knows its count in its main process when an iteration
-starts. It writes the count to the key-value store that `init_process_group` made, as the
-first rank's count unless one is there already (`compare_set`, so no rank ever waits for
-another: a loader iterated on one rank alone, for validation, must not hang). A rank that
-finds another count there marks the mismatch. `state_dict()` on any rank then refuses to
-make a state while the mark is there.
+starts, and writes it to the key-value store that `init_process_group` made, under a key
+of its own rank and of the stream (the dataset's fingerprint and what else a state depends
+on: seed, shuffle, batching, `partial`, buffer). A later iteration of any loader of the same
+stream on that rank writes over it, so a loader one rank alone iterates first (a preview, a
+sanity check) does not stand for that rank's training loader. `state_dict()` writes its own
+count again, then compares the counts every rank wrote, and refuses where they differ. No
+rank ever waits for another (no collective; a rank that has not written yet is not compared),
+so a loader iterated on one rank alone cannot hang.
 
 Where there is no process group (ranks given by `rank=`/`world_size=` or the environment
-alone), nothing is compared: README says every rank must use the same `num_workers`.
+alone), in a process forked from a rank (it shares the rank's connection to the store), and
+through torch's own DataLoader, nothing is compared: README says every rank must use the
+same `num_workers`.
 """
 
 from __future__ import annotations
 
-import collections
+import os
 import warnings
 from typing import Any, Callable
 
@@ -31,63 +36,87 @@ __all__ = ["WorkerCounts"]
 
 PREFIX = "shardstream/num_workers"
 
-# Loaders of one dataset in this process, in the order of their first iterations: the n-th
-# loader of a dataset here is compared with the n-th of the same dataset on the other ranks.
-_loaders_of: collections.Counter = collections.Counter()
+# A process forked from a rank shares the rank's connection to a TCP store: its requests and
+# the rank's interleave on one socket, and both fail (`DistStoreError`, a rank hung). Only the
+# process that was not forked after this module loaded talks to the store.
+_forked = False
+
+
+def _mark_forked() -> None:
+    global _forked
+    _forked = True
+
+
+os.register_at_fork(after_in_child=_mark_forked)
 
 
 def _store() -> Any:
-    """The default process group's store, or None (no group, or one destroyed)."""
-    if not (dist.is_available() and dist.is_initialized()):
+    """The default process group's store, or None (none, one destroyed, or a forked process)."""
+    if _forked or not (dist.is_available() and dist.is_initialized()):
         return None
     try:
         return dist.distributed_c10d._get_default_store()
-    except (RuntimeError, ValueError, AttributeError):  # a private function: gone in another torch
+    except Exception:  # a private function: gone, or another kind of group, in another torch
         return None
+
+
+def _counted(num_workers: int) -> int:
+    """The count a state holds: 0 workers (the loop's own process) plans as 1."""
+    return max(1, num_workers)
 
 
 class WorkerCounts:
     """One loader's worker count, told to the other ranks and checked against theirs."""
 
     def __init__(self) -> None:
-        self._key: str | None = None  # this loader's key, from its first iteration on
+        self._keys: list[str] | None = None  # every rank's key of this stream, from the first iteration on
+        self._rank = 0
 
-    def tell(self, dataset_id: Callable[[], str], rank: int, world_size: int, num_workers: int) -> None:
-        """Write this rank's count at an iteration's start; mark a count other than the first rank's.
-        `dataset_id` names the dataset alike on every rank (its fingerprint), asked once."""
+    def tell(self, stream: Callable[[], str], rank: int, world_size: int, num_workers: int) -> None:
+        """Write this rank's count as an iteration starts; from this loader's second iteration on,
+        warn where another rank's differs, rather than only when a checkpoint is refused, which
+        may come hours into the job. (At the first, another rank's count may still be that of a
+        loader of its own it looked through first.) `stream` names what this loader reads alike
+        on every rank, asked once."""
         store = _store()
         if store is None or world_size <= 1:
             return
-        if self._key is None:
-            name = dataset_id()
-            self._key = f"{PREFIX}/{name}/{_loaders_of[name]}"
-            _loaders_of[name] += 1
-        mine = f"{rank}:{num_workers}"
-        try:
-            first_rank, first_count = store.compare_set(self._key, "", mine).decode().split(":")
-            if first_count != str(num_workers):
-                differs = (f"rank {rank} iterates it with num_workers={num_workers}, and rank {first_rank} with "
-                           f"num_workers={first_count}")
-                store.set(f"{self._key}/differs", differs)
-        except RuntimeError:  # the store went away (the group destroyed meanwhile): nothing to compare
-            return
-        if first_count != str(num_workers):
-            # Now, not only when a checkpoint is refused, which may come hours into the job.
-            warnings.warn(f"the ranks iterate this dataset with different numbers of DataLoader workers ({differs}): "
-                          "every state_dict() will be refused, on every rank; give every rank the same num_workers",
-                          stacklevel=3)
+        first = self._keys is None
+        if first:
+            # An elastic restart keeps torchrun's store, and the last attempt's counts in it.
+            base = f"{PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{stream()}"
+            self._keys, self._rank = [f"{base}/{r}" for r in range(world_size)], rank
+        differ = self._differing(store, num_workers)
+        if differ and not first:
+            warnings.warn(f"{differ}: every state_dict() of this loader will be refused while they differ; give "
+                          "every rank the same num_workers", stacklevel=3)
 
-    def check(self) -> None:
-        """Refuse to make a state where some rank iterates with another count than another."""
+    def check(self, num_workers: int) -> None:
+        """Refuse to make a state where a rank's count differs from this one's."""
         store = _store()
-        if store is None or self._key is None:
+        if store is None or self._keys is None:
             return
+        differ = self._differing(store, num_workers)
+        if differ:
+            raise ShardstreamError(f"{differ}: a state holds one worker count for every rank, so resuming this one "
+                                   "would lose and repeat samples on the ranks with another; give every rank the "
+                                   "same num_workers")
+
+    def _differing(self, store: Any, num_workers: int) -> str | None:
+        """Write this rank's count; then which ranks wrote another, said in words (None: none, or
+        not every rank has written yet, or the store failed: nothing to compare)."""
+        assert self._keys is not None
+        mine = _counted(num_workers)
         try:
-            differs = store.get(f"{self._key}/differs").decode() if store.check([f"{self._key}/differs"]) else None
-        except RuntimeError:
-            return
-        if differs is not None:
-            raise ShardstreamError(
-                f"the ranks iterate this dataset with different numbers of DataLoader workers ({differs}): a state "
-                "holds one worker count for every rank, so resuming this one would lose and repeat samples on the "
-                "ranks with another; give every rank the same num_workers")
+            store.set(self._keys[self._rank], str(mine))
+            if not store.check(self._keys):  # a rank that has not begun: not waited for
+                return None
+            counts = [int(v) for v in store.multi_get(self._keys)]
+        except Exception:  # the store gone (the group destroyed meanwhile) or unable: nothing to compare
+            return None
+        other = {r: n for r, n in enumerate(counts) if n != mine}
+        if not other:
+            return None
+        shown = ", ".join(f"rank {r} with {n}" for r, n in list(other.items())[:4]) + (", ..." if len(other) > 4 else "")
+        return (f"the ranks iterate this dataset with different numbers of DataLoader workers (this rank, "
+                f"{self._rank}, with {mine}; {shown}; 0 counts as 1)")

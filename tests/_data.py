@@ -180,11 +180,13 @@ def spawned_rank_keys(rank: int, store: str, dataset: Any, out: str) -> None:
         dist.destroy_process_group()
 
 
-def spawned_rank_state(rank: int, store: str, url: str, workers: list[int], out: str) -> None:
+def spawned_rank_state(rank: int, store: str, url: str, workers: list[int], preview: bool, out: str) -> None:
     """A training process as `torch.multiprocessing.spawn` starts it: it joins a 2-rank gloo group,
-    reads 2 batches of `url` through `shardstream.DataLoader` with `workers[rank]` workers, and once
-    both ranks have, takes a state: out/RANK.json holds [the error that refused it, or "ok", the
-    warnings its iteration's start gave]."""
+    reads 2 batches of `url` through `shardstream.DataLoader` with `workers[rank]` workers, twice
+    (two iterations begun: the second's start compares the counts), and once both ranks have,
+    takes a state: out/RANK.json holds [the error that refused it, or "ok", the
+    warnings its iteration's start gave]. With `preview`, rank 0 first looks at a batch of the same
+    dataset through a loader of its own, with no workers."""
     import json
     import warnings
 
@@ -192,12 +194,18 @@ def spawned_rank_state(rank: int, store: str, url: str, workers: list[int], out:
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
-        loader = shardstream.DataLoader(key_dataset(url, shuffle=True, batch_size=2), num_workers=workers[rank])
-        it = iter(loader)
+        dataset = key_dataset(url, shuffle=True, batch_size=2)
+        if preview and rank == 0:
+            next(iter(shardstream.DataLoader(dataset)))
+        loader = shardstream.DataLoader(dataset, num_workers=workers[rank])
         with warnings.catch_warnings(record=True) as warned:
             warnings.simplefilter("always")
-            next(it), next(it)
-        dist.barrier()
+            for begun in range(2):
+                if begun:
+                    it.close()
+                it = iter(loader)
+                next(it), next(it)
+                dist.barrier()
         try:
             loader.state_dict()
             result = "ok"
