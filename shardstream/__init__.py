@@ -33,6 +33,7 @@ from .tarstream import StreamTarReader, open_shard
 from .source import Source, open_dataset
 from .retry import RetryPolicy
 from .writer import ShardWriter
+from . import rankcounts as _rankcounts  # noqa: F401  its fork hook, before any fork (rankcounts; imports no torch)
 
 if TYPE_CHECKING:  # the lazy names' types, for type checkers and IDEs, which do not run `__getattr__`
     from .collate import default_collate as default_collate, pad_collate as pad_collate

@@ -532,8 +532,8 @@ class DataLoader:
     def state_dict(self) -> dict[str, Any]:
         """The dataset's state at the items the training loop has received.
 
-        Refused where the ranks of a torch.distributed job iterate with different
-        `num_workers` (`rankcounts`): one rank's state would resume the others wrongly."""
+        Warns where the ranks of a torch.distributed job iterate with different `num_workers`
+        (`rankcounts`): one rank's state would resume the others wrongly."""
         self._follow_the_callers_dataset()
         state = self.dataset.state_dict(delivered=self._delivered, num_workers=self.num_workers)
         self._worker_counts.check(self.num_workers)

@@ -12,50 +12,68 @@ of its own rank and of the stream (the dataset's fingerprint and what else a sta
 on: seed, shuffle, batching, `partial`, buffer). A later iteration of any loader of the same
 stream on that rank writes over it, so a loader one rank alone iterates first (a preview, a
 sanity check) does not stand for that rank's training loader. `state_dict()` writes its own
-count again, then compares the counts every rank wrote, and refuses where they differ. No
-rank ever waits for another (no collective; a rank that has not written yet is not compared),
-so a loader iterated on one rank alone cannot hang.
+count again, then compares the counts every rank wrote, and warns where they differ; so does
+a loader's second and later iteration as it begins. No rank ever waits for another (no
+collective; a rank that has not written yet is not compared), so a loader iterated on one
+rank alone cannot hang.
+
+It warns, and does not refuse the state, because which loader stands for a rank is a guess:
+a loader of the same stream that one rank alone iterates in the middle of training (a look
+at a batch to log it) writes its count over the training loader's, and another rank's
+checkpoint then finds a difference that is not there (found by a review: a correct job
+crashed at its checkpoint). A wrong warning costs a line of log; a wrong refusal cost the job.
 
 Where there is no process group (ranks given by `rank=`/`world_size=` or the environment
 alone), in a process forked from a rank (it shares the rank's connection to the store), and
 through torch's own DataLoader, nothing is compared: README says every rank must use the
-same `num_workers`.
+same `num_workers`. This module imports no torch, so that `import shardstream` registers its
+fork hook without it (`shardstream pack` starts without torch).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from typing import Any, Callable
-
-import torch.distributed as dist
-
-from .errors import ShardstreamError
 
 __all__ = ["WorkerCounts"]
 
 PREFIX = "shardstream/num_workers"
 
 # A process forked from a rank shares the rank's connection to a TCP store: its requests and
-# the rank's interleave on one socket, and both fail (`DistStoreError`, a rank hung). Only the
-# process that was not forked after this module loaded talks to the store.
+# the rank's interleave on one socket, and both fail (`DistStoreError`, a rank hung). A process
+# forked where a process group existed leaves the store alone; ranks forked by a launcher before
+# any group exists (notebook launchers) make their own, and compare. `shardstream/__init__`
+# imports this module, so that the hook is there before any fork of a program that uses it.
 _forked = False
+_group_at_fork = False
 
 
-def _mark_forked() -> None:
+def _group_exists() -> bool:
+    dist = sys.modules.get("torch.distributed")  # never imported: no group
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+def _before_fork() -> None:
+    global _group_at_fork
+    _group_at_fork = _group_exists()
+
+
+def _after_fork_in_child() -> None:
     global _forked
-    _forked = True
+    _forked = _forked or _group_at_fork
 
 
-os.register_at_fork(after_in_child=_mark_forked)
+os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
 
 
 def _store() -> Any:
     """The default process group's store, or None (none, one destroyed, or a forked process)."""
-    if _forked or not (dist.is_available() and dist.is_initialized()):
+    if _forked or not _group_exists():
         return None
     try:
-        return dist.distributed_c10d._get_default_store()
+        return sys.modules["torch.distributed"].distributed_c10d._get_default_store()
     except Exception:  # a private function: gone, or another kind of group, in another torch
         return None
 
@@ -66,7 +84,7 @@ def _counted(num_workers: int) -> int:
 
 
 class WorkerCounts:
-    """One loader's worker count, told to the other ranks and checked against theirs."""
+    """One loader's worker count, told to the other ranks and compared with theirs."""
 
     def __init__(self) -> None:
         self._keys: list[str] | None = None  # every rank's key of this stream, from the first iteration on
@@ -74,10 +92,10 @@ class WorkerCounts:
 
     def tell(self, stream: Callable[[], str], rank: int, world_size: int, num_workers: int) -> None:
         """Write this rank's count as an iteration starts; from this loader's second iteration on,
-        warn where another rank's differs, rather than only when a checkpoint is refused, which
-        may come hours into the job. (At the first, another rank's count may still be that of a
-        loader of its own it looked through first.) `stream` names what this loader reads alike
-        on every rank, asked once."""
+        warn where another rank's differs, rather than only at a checkpoint, which may come hours
+        into the job. (At the first, another rank's count may still be that of a loader of its
+        own it looked through first.) `stream` names what this loader reads alike on every rank,
+        asked once."""
         store = _store()
         if store is None or world_size <= 1:
             return
@@ -88,19 +106,20 @@ class WorkerCounts:
             self._keys, self._rank = [f"{base}/{r}" for r in range(world_size)], rank
         differ = self._differing(store, num_workers)
         if differ and not first:
-            warnings.warn(f"{differ}: every state_dict() of this loader will be refused while they differ; give "
-                          "every rank the same num_workers", stacklevel=3)
+            warnings.warn(f"{differ}: a state_dict() of this loader would resume the other ranks wrongly while they "
+                          "differ; give every rank the same num_workers", stacklevel=3)
 
     def check(self, num_workers: int) -> None:
-        """Refuse to make a state where a rank's count differs from this one's."""
+        """Warn, as a state is made, where a rank's count differs from this one's."""
         store = _store()
         if store is None or self._keys is None:
             return
         differ = self._differing(store, num_workers)
         if differ:
-            raise ShardstreamError(f"{differ}: a state holds one worker count for every rank, so resuming this one "
-                                   "would lose and repeat samples on the ranks with another; give every rank the "
-                                   "same num_workers")
+            warnings.warn(f"{differ}: a state holds one worker count for every rank, so resuming this one would "
+                          "lose and repeat samples on the ranks with another; give every rank the same num_workers "
+                          "(where one rank alone last iterated a loader of this dataset and settings, to look at a "
+                          "batch, that loader's count stood for it: then nothing differs)", stacklevel=3)
 
     def _differing(self, store: Any, num_workers: int) -> str | None:
         """Write this rank's count; then which ranks wrote another, said in words (None: none, or

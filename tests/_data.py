@@ -184,9 +184,9 @@ def spawned_rank_state(rank: int, store: str, url: str, workers: list[int], prev
     """A training process as `torch.multiprocessing.spawn` starts it: it joins a 2-rank gloo group,
     reads 2 batches of `url` through `shardstream.DataLoader` with `workers[rank]` workers, twice
     (two iterations begun: the second's start compares the counts), and once both ranks have,
-    takes a state: out/RANK.json holds [the error that refused it, or "ok", the
-    warnings its iteration's start gave]. With `preview`, rank 0 first looks at a batch of the same
-    dataset through a loader of its own, with no workers."""
+    takes a state: out/RANK.json holds [the warnings the iterations' starts gave, those taking
+    the state gave]. With `preview`, rank 0 first looks at a batch of the same dataset through a
+    loader of its own, with no workers."""
     import json
     import warnings
 
@@ -198,7 +198,7 @@ def spawned_rank_state(rank: int, store: str, url: str, workers: list[int], prev
         if preview and rank == 0:
             next(iter(shardstream.DataLoader(dataset)))
         loader = shardstream.DataLoader(dataset, num_workers=workers[rank])
-        with warnings.catch_warnings(record=True) as warned:
+        with warnings.catch_warnings(record=True) as began:
             warnings.simplefilter("always")
             for begun in range(2):
                 if begun:
@@ -206,14 +206,13 @@ def spawned_rank_state(rank: int, store: str, url: str, workers: list[int], prev
                 it = iter(loader)
                 next(it), next(it)
                 dist.barrier()
-        try:
+        with warnings.catch_warnings(record=True) as taken:
+            warnings.simplefilter("always")
             loader.state_dict()
-            result = "ok"
-        except shardstream.ShardstreamError as error:
-            result = str(error)
         it.close()
-        told = [str(w.message) for w in warned if "numbers of DataLoader workers" in str(w.message)]
-        Path(out, f"{rank}.json").write_text(json.dumps([result, told]))
+        ours = [[str(w.message) for w in caught if "numbers of DataLoader workers" in str(w.message)]
+                for caught in (began, taken)]
+        Path(out, f"{rank}.json").write_text(json.dumps(ours))
         dist.barrier()  # the store (rank 0's) stays until both have asked it
     finally:
         dist.destroy_process_group()
