@@ -45,7 +45,9 @@ PREFIX = "shardstream/num_workers"
 # the rank's interleave on one socket, and both fail (`DistStoreError`, a rank hung). A process
 # forked where a process group existed leaves the store alone; ranks forked by a launcher before
 # any group exists (notebook launchers) make their own, and compare. `shardstream/__init__`
-# imports this module, so that the hook is there before any fork of a program that uses it.
+# imports this module, so the hook covers every fork after `import shardstream`; a child forked
+# from a rank before the rank imported shardstream cannot be told from the rank, and a loader of
+# its own would use the rank's connection (README says to import shardstream before forking).
 _forked = False
 _group_at_fork = False
 
