@@ -67,7 +67,8 @@ def _after_fork_in_child() -> None:
     _forked = _forked or _group_at_fork
 
 
-os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
+    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
 
 
 def _store() -> Any:
