@@ -638,6 +638,14 @@ def random_layout(rng: np.random.Generator) -> Layout:
     )
 
 
+def random_case(rng: np.random.Generator) -> tuple[Layout, int, int, np.ndarray]:
+    """A random layout, seed and epoch, and the epoch sequence of random shard counts."""
+    counts = random_counts(rng)
+    layout = random_layout(rng)
+    seed, epoch = int(rng.integers(0, 1000)), int(rng.integers(0, 4))
+    return layout, seed, epoch, epoch_sequence(counts, seed, epoch, layout.shuffle)
+
+
 def rank_items(seq: np.ndarray, layout: Layout, seed: int, epoch: int, rank: int, segment: int = 0):
     """Per worker: the samples it yields, in its order, and its items (as lists of sample ids)."""
     block = split_ranks(seq, layout.world_size, layout.partial)[rank]
@@ -657,10 +665,7 @@ def rank_items(seq: np.ndarray, layout: Layout, seed: int, epoch: int, rank: int
 def test_worker_plans_cover_the_rank_block():
     rng = np.random.default_rng(1)
     for _ in range(150):
-        counts = random_counts(rng)
-        layout = random_layout(rng)
-        seed, epoch = int(rng.integers(0, 1000)), int(rng.integers(0, 4))
-        seq = epoch_sequence(counts, seed, epoch, layout.shuffle)
+        layout, seed, epoch, seq = random_case(rng)
         blocks = split_ranks(seq, layout.world_size, layout.partial)
         for rank in range(layout.world_size):
             yielded = []
@@ -676,10 +681,7 @@ def test_consumed_matches_what_the_round_robin_delivered():
     """consumed_samples == the samples in the first `delivered` items of every rank, polled round robin."""
     rng = np.random.default_rng(2)
     for _ in range(150):
-        counts = random_counts(rng)
-        layout = random_layout(rng)
-        seed, epoch = int(rng.integers(0, 1000)), int(rng.integers(0, 4))
-        seq = epoch_sequence(counts, seed, epoch, layout.shuffle)
+        layout, seed, epoch, seq = random_case(rng)
         per_rank = [rank_items(seq, layout, seed, epoch, r) for r in range(layout.world_size)]
         total = len(list(itertools.chain.from_iterable(per_rank[0])))
         assert all(sum(map(len, p)) == total for p in per_rank)  # equal item counts per rank
@@ -701,10 +703,7 @@ def test_consumed_matches_what_the_round_robin_delivered():
 def test_consumed_and_remaining_partition_the_epoch():
     rng = np.random.default_rng(3)
     for _ in range(300):
-        counts = random_counts(rng)
-        layout = random_layout(rng)
-        seed, epoch = int(rng.integers(0, 1000)), int(rng.integers(0, 4))
-        seq = epoch_sequence(counts, seed, epoch, layout.shuffle)
+        layout, seed, epoch, seq = random_case(rng)
         blocks = split_ranks(seq, layout.world_size, layout.partial)
         items = worker_items(blocks.shape[1], layout)
         delivered = int(rng.integers(0, sum(items) + 1))
