@@ -96,6 +96,12 @@ log = logging.getLogger("shardstream")
 # modification time stays the download's.
 _verified: dict[str, tuple] = {}
 _damaged: dict[str, tuple] = {}  # cached files that failed the hash: their `_version` then
+# Copies whose downloads never matched the manifest's checksum in this process. The stored
+# file is then the dataset's own damage, not the way's: downloading it again at each opening
+# (every epoch, every visit of an interleaved shard) fetched it DOWNLOAD_ATTEMPTS times over
+# to read it by ranges after all. A path names the checksum too, so a shard packed again
+# (a new checksum, a new path) is downloaded afresh.
+_never_matched: set[str] = set()
 # Every lock file `open` handed out in this process, while it is open. A forked child gets
 # copies of them, and an flock is held while any copy is open: a child that kept them (a
 # DataLoader worker, forked while a head start held the next epoch's first shard) would
@@ -166,6 +172,9 @@ class ShardCache:
             raise CacheFullError(f"{size} bytes with its index, its manifest says: more than the cache's limit of "
                                  f"{self.room.limit}", url=ref.url)
         path = self.path(ref)
+        if path in _never_matched:
+            raise DownloadChecksumError(f"downloaded file did not match the manifest's checksum in {DOWNLOAD_ATTEMPTS} "
+                                        "downloads earlier in this process", url=ref.url)
         lock = self._acquire(path, ref)
         try:
             with _writing(path):
@@ -280,6 +289,7 @@ class ShardCache:
                     if _download_into(ref.store, remote, size, digest, f, part):
                         break
                     if attempt == DOWNLOAD_ATTEMPTS:
+                        _never_matched.add(path)
                         raise DownloadChecksumError(f"downloaded file does not match the manifest's checksum "
                                                     f"({DOWNLOAD_ATTEMPTS} downloads)", url=ref.store.url(remote))
                     io_stats.add(retries=1)

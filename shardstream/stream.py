@@ -41,6 +41,7 @@ MAX_AHEAD = 32  # pieces in flight at most, however small
 
 
 _full_caches: set[str] = set()  # the cache folders this process said had no room
+_unmatched_said: set[str] = set()  # the shards this process said it reads by ranges, their downloads unmatched
 
 
 def _say_cache_full(root: str, error: CacheFullError) -> None:
@@ -124,7 +125,9 @@ class Readers:
         except DownloadChecksumError as e:
             if not ref.name.endswith(SHARD_SUFFIX["zstd"]):
                 raise
-            log.warning("%s; read uncached, by ranges, its frames' checksums checked", e)
+            if ref.url not in _unmatched_said:  # once a process: it is not downloaded again here (cache.py)
+                _unmatched_said.add(ref.url)
+                log.warning("%s; read uncached, by ranges, its frames' checksums checked", e)
             return self.source.reader(shard), None
 
     def hold(self, shard: int, lock: BinaryIO) -> None:

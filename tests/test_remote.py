@@ -21,6 +21,7 @@ import errno
 import hashlib
 import http.server
 import json
+import logging
 import os
 import random
 import re
@@ -1944,6 +1945,39 @@ def test_a_shard_whose_download_never_matches_is_read_by_ranges_its_bad_frame_a_
         got = {key: hashlib.sha256(jpg).hexdigest() for key, jpg in ds}
     assert 0 < ds.skipped < len(jpg_digests)
     assert len(got) == len(jpg_digests) - ds.skipped and all(jpg_digests[key] == digest for key, digest in got.items())
+
+
+def test_a_shard_whose_download_never_matched_is_not_downloaded_again_in_the_process(
+        local_ds, shard_names, jpg_digests, tmp_path, caplog):
+    """Regression (left by the thirty-third session): a shard whose stored file never matched
+    its checksum was downloaded DOWNLOAD_ATTEMPTS times at every opening (each epoch), to be
+    read by ranges after all. Now the process remembers: the next epoch reads it by ranges
+    straight away, and says so once."""
+    from shardstream.cache import DOWNLOAD_ATTEMPTS
+
+    victim = shard_names[1]
+    damaged = tmp_path / "damaged"
+    data = bytearray(Path(local_ds, victim).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    damaged.write_bytes(data)
+    policy = shardstream.ErrorPolicy(mode="skip", max_fraction=1.0)
+    io_stats.reset()
+    with _damaging_server(local_ds, victim, str(damaged), 10**9) as server, \
+            caplog.at_level(logging.WARNING, logger="shardstream"):
+        ds = StreamingDataset(server.url, decode=None, fields=("__key__", "jpg"), prefetch=0, on_error=policy,
+                              cache_dir=str(tmp_path / "cache"), cache_limit="1GB")
+        gets = []
+        for epoch in range(2):
+            ds.set_epoch(epoch)
+            before = server.gets(victim)
+            got = {key: hashlib.sha256(jpg).hexdigest() for key, jpg in ds}
+            gets.append(server.gets(victim) - before)
+            assert 0 < len(got) < len(jpg_digests)  # the damaged frame's samples skipped, the rest read
+            assert all(jpg_digests[key] == digest for key, digest in got.items())
+    assert gets[1] == gets[0] - DOWNLOAD_ATTEMPTS  # the same ranged reads, no whole downloads
+    assert io_stats.cache_misses == len(shard_names) and io_stats.retries == DOWNLOAD_ATTEMPTS - 1
+    said = [r for r in caplog.records if "read uncached, by ranges" in r.getMessage()]
+    assert len(said) == 1 and victim in said[0].getMessage()
 
 
 def test_a_plain_tar_whose_download_never_matches_is_an_error_not_read_by_ranges(tmp_path):
