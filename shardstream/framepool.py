@@ -24,14 +24,17 @@ the pipe raw, read straight into its final buffer: the transport costs what it m
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
+import logging
 import multiprocessing
 import multiprocessing.connection
 import os
 import queue
 import signal
 import struct
+import sys
 import threading
 from multiprocessing.pool import ExceptionWithTraceback, MaybeEncodingError
 from multiprocessing.reduction import ForkingPickler
@@ -48,16 +51,72 @@ from .sourcefile import SourceFile
 from .shardfile import FRAME_SIZE, Frame
 from .threads import Ahead, ordered_map
 
+log = logging.getLogger("shardstream")
+
 __all__ = ["THREADS_FROM_BYTES", "threads_pay", "pool_context", "bytes_ahead", "thread_results", "process_results"]
 
 
-def pool_context() -> multiprocessing.context.BaseContext:
-    # fork starts in milliseconds, but forking a process that runs threads can deadlock
-    # the child; fall back to forkserver then (and on platforms without fork).
+def pool_context() -> multiprocessing.context.BaseContext | None:
+    """How to start worker processes here; None where they cannot be started safely (use threads).
+
+    fork starts in milliseconds, but forking a process that runs threads can deadlock the
+    child: forkserver then (and spawn on platforms without either). Those run the main
+    script again in every child, so a script that calls in at its top level, outside
+    ``if __name__ == "__main__":``, would start its work over in each: a pack to `s3://`
+    (fsspec runs a thread) from a plain script died so, where a local one worked. Threads
+    then (`_reruns_main`), said once.
+    """
     methods = multiprocessing.get_all_start_methods()
     if "fork" in methods and threading.active_count() == 1:
         return multiprocessing.get_context("fork")
-    return multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+    context = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+    where = _reruns_main()
+    if where is None:
+        return context
+    if where not in _said_reruns:
+        _said_reruns.add(where)
+        log.warning("%s calls shardstream outside `if __name__ == \"__main__\":`, and worker processes, started "
+                    "by %s here (this process runs threads), would run it again: using threads instead (slower "
+                    "for small images; put the call under that `if` for processes)", where, context.get_start_method())
+    return None
+
+
+_said_reruns: set[str] = set()
+
+
+def _reruns_main() -> str | None:
+    """Where (file:line) the main script, run again in a forkserver or spawn child, would call
+    in again: its top-level code calling us, outside ``if __name__ == "__main__":``. None where
+    it would not, or where that cannot be told (no script, its source not readable)."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or path is None:
+        return None  # an interactive session or a notebook: children run nothing of it
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and (spec.name == "__main__" or spec.name.endswith(".__main__")):
+        return None  # `python -m package`: children leave a package's __main__ alone
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_globals is main.__dict__ and frame.f_code.co_name == "<module>"):
+        frame = frame.f_back
+    if frame is None:
+        return None  # not called from the script's top level (a thread, a callback)
+    line = frame.f_lineno
+    try:
+        with open(path, "rb") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and _tests_main(node.test) and node.body[0].lineno <= line <= \
+                (node.body[-1].end_lineno or line):
+            return None
+    return f"{path}:{line}"
+
+
+def _tests_main(test: ast.expr) -> bool:
+    """Whether `test` compares `__name__` with "__main__" (the guard, as written anyhow)."""
+    names = {n.id for n in ast.walk(test) if isinstance(n, ast.Name)}
+    return "__name__" in names and any(isinstance(n, ast.Constant) and n.value == "__main__" for n in ast.walk(test))
 
 
 # Threads pay from this mean image size up: measured on 4,000 JPEGs each (2 workers),

@@ -349,10 +349,10 @@ def pack(
     results: Iterator[FrameResult]
     if workers == 1:
         results = map(build_job, jobs)
-    elif threads_pay(entries):
+    elif threads_pay(entries) or (context := pool_context()) is None:
         results = thread_results(jobs, workers, job_bytes)
     else:  # the context is chosen before the progress bar starts its monitor thread
-        results = process_results(jobs, workers, pool_context(), job_bytes)
+        results = process_results(jobs, workers, context, job_bytes)
     results = _bomb_warnings_raise(results)
     bar = _progress(len(entries), progress)
     bar.update(sum(s.samples + len(k) for s, k in done.values()))

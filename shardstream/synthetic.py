@@ -339,11 +339,11 @@ def make_image_folder(
         for i in range(count):
             image_seed, width, height = _image_spec(seed, c, i, size_range)
             jobs.append((str(class_dir / f"img_{i:0{idigits}d}.jpg"), image_seed, width, height, quality, c))
-    if workers > 1 and len(jobs) > 1:
+    # Not forked from a process running threads (a test runner's, a training script's): a child
+    # forked while another thread held a lock waits on it forever, and `demo` hung so in a test.
+    context = pool_context() if workers > 1 and len(jobs) > 1 else None
+    if context is not None:
         _tiles()  # build once here so that forked workers share it
-        # Not forked from a process running threads (a test runner's, a training script's): a child
-        # forked while another thread held a lock waits on it forever, and `demo` hung so in a test.
-        context = pool_context()
         forked = context.get_start_method() == "fork"
         with context.Pool(min(workers, len(jobs)), initializer=_die_with,
                           initargs=(os.getpid() if forked else None,)) as pool:

@@ -383,6 +383,38 @@ def test_file_list_without_labels(image_folder, tmp_path):
     assert all(set(s) == {"__key__", "__url__", "jpg"} for s in got)
 
 
+_SCRIPT = """
+import sys, threading, time
+import shardstream
+print("top level ran", flush=True)
+threading.Thread(target=time.sleep, args=(60,), daemon=True).start()  # as fsspec's loop: no fork now
+{call}
+"""
+_CALL = 'shardstream.pack(sys.argv[1], sys.argv[2], workers=2, shard_size="20KB", progress=False)'
+
+
+@pytest.mark.parametrize("guarded", [False, True])
+def test_a_script_calling_pack_at_its_top_level_while_threads_run_packs(image_folder, tmp_path, dataset_files,
+                                                                         guarded):
+    """Regression (found by a user's walk through README): a plain script calling pack() at its top
+    level, with a thread running (a pack to s3://: fsspec's loop), died with "pack worker process
+    exited unexpectedly": the workers, started by forkserver, ran the script again, pack and all.
+    Unguarded, it packs with threads now, said once; under the guard the workers stay processes
+    (they run the script's unguarded top level as they start: its line printed again)."""
+    call = f'if __name__ == "__main__":\n    {_CALL}' if guarded else _CALL
+    script = tmp_path / "train.py"
+    script.write_text(_SCRIPT.format(call=call))
+    done = subprocess.run([sys.executable, str(script), str(image_folder), str(tmp_path / "ds")], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    said = done.stderr.count("outside `if __name__")
+    assert (said, done.stdout.count("top level ran") > 1) == ((0, True) if guarded else (1, False)), done
+    if not guarded:
+        assert f"{script}:6" in done.stderr  # the line that calls in
+    run_pack(image_folder, tmp_path / "reference", workers=1, shard_size="20KB")
+    assert dataset_files(tmp_path / "ds") == dataset_files(tmp_path / "reference")
+
+
 def test_bad_sources(tmp_path, image_folder):
     with pytest.raises(PackError):
         run_pack(tmp_path / "missing", tmp_path / "ds")
