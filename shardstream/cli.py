@@ -249,9 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_verify)
 
     p = sub.add_parser("demo", help="make a small image folder, pack it, stream it, report speed")
-    p.add_argument("--images", type=_positive_int, default=400)
-    p.add_argument("--classes", type=_positive_int, default=4)
-    p.add_argument("--workers", type=_count, default=2, help="DataLoader workers")
+    p.add_argument("--images", type=_positive_int, default=400, help="images to make (default 400)")
+    p.add_argument("--classes", type=_positive_int, default=4, help="class folders to make them in (default 4)")
+    p.add_argument("--workers", type=_count, default=2, help="DataLoader workers (default 2)")
     p.add_argument("--keep", default=None, help="keep the files in this folder")
     p.set_defaults(run=cmd_demo)
 
@@ -260,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=_worker_counts, default=[0, 1, 2, 4, 8],
                    help="num_workers values to try, comma-separated (default 0,1,2,4,8); 0 iterates in this "
                    "process with torch.set_num_threads(1), as DataLoader workers do")
-    p.add_argument("--batch-size", type=_positive_int, default=64)
+    p.add_argument("--batch-size", type=_positive_int, default=64, help="samples a batch (default 64)")
     p.add_argument("--transform", choices=("train", "val", "none"), default="train",
                    help="train: RandomResizedCropJPEG(224); val: CenterCropJPEG(224); none: raw bytes")
     p.add_argument("--seconds", type=_positive_float, default=5.0, help="measured seconds per worker count (default 5)")

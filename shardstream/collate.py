@@ -17,6 +17,7 @@ import torch
 from torch.utils.data._utils.collate import collate, default_collate_fn_map
 
 from .batchmemory import collate_tensors, one_batch, pooled_tensor
+from .decode import image_formats_hint
 from .device_jpeg import EncodedImage, collate_encoded
 from .errors import CollateError, ShardstreamError, reason
 
@@ -129,7 +130,8 @@ def _keys_differ(first: Mapping, item: Mapping, path: str) -> str:
     missing, extra = sorted(map(str, first.keys() - item.keys())), sorted(map(str, item.keys() - first.keys()))
     told = (["no " + ", ".join(missing)] if missing else []) + ([", ".join(extra)] if extra else [])
     whose = f"the keys of field {path}" if path else "its fields"
-    return f"has {' and '.join(told)} among {whose}, unlike the batch's first"
+    hint = "" if path else image_formats_hint([*missing, *extra])
+    return f"has {' and '.join(told)} among {whose}, unlike the batch's first{hint}"
 
 
 def _part_name(path: str, i: int, names: Sequence[str] | None) -> str:

@@ -151,8 +151,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             f"{order}")
     else:
         say(f"shuffled epochs read each of the {info['shards']} shards whole, in a seeded order")
-    say(f"with several DataLoader workers, a shuffled epoch deals each runs of {info['worker_run']:,} samples "
-        "or more (whole batches), but in an epoch's last round")
+    say(f"with several DataLoader workers, a shuffled epoch deals each worker runs of {info['worker_run']:,} "
+        "samples or more (whole batches), but in an epoch's last round")
     return 0
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import os
 import pickle
+import sys
 import time
 import traceback
 import warnings
@@ -24,6 +25,7 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import default_collate as torch_default_collate
 
 from .arguments import flag, integer
 from .cache import ShardCache
@@ -122,6 +124,18 @@ def carry_errors(items: Iterator[Any], worker: int) -> Iterator[Any]:
         if failure is None:
             raise
         yield failure
+
+
+def _batches_again(caller: Any) -> bool:
+    """Whether `caller`, the frame that called iter() on a dataset that batches, is torch's
+    DataLoader collating the dataset's items into batches with a default collate: torch's
+    default batch_size is 1, so `DataLoader(ds)` stacked every batch into one of one. Known
+    by torch's fetcher (torch.utils.data._utils.fetch), looked at by name: a torch without it
+    is not checked. A collate_fn of the user's own may mean to group batches: left alone."""
+    fetcher = caller.f_locals.get("self")
+    if type(fetcher).__name__ != "_IterableDatasetFetcher" or not getattr(fetcher, "auto_collation", False):
+        return False
+    return getattr(fetcher, "collate_fn", None) in (torch_default_collate, default_collate)
 
 
 class StreamingDataset(Checkpointing, IterableDataset):
@@ -376,6 +390,13 @@ class StreamingDataset(Checkpointing, IterableDataset):
         return self._resolved
 
     @property
+    def classes(self) -> tuple[str, ...]:
+        """The class names of the labels (`cls`): ``classes[label]``, as torchvision's `ImageFolder`
+        names them (sorted folder names, or a file list's names). From the manifest; () where
+        there is none (shards named without one), or a mix's datasets name their labels apart."""
+        return self.resolve().classes()
+
+    @property
     def prefetch(self) -> int:
         """Pieces read ahead per worker (see the constructor)."""
         if self._prefetch is not None:
@@ -454,6 +475,10 @@ class StreamingDataset(Checkpointing, IterableDataset):
         self._fields_checked = True  # once: a manifest's fields do not change
 
     def __iter__(self) -> Iterator[Any]:
+        if self.batch_size is not None and _batches_again(sys._getframe(1)):
+            raise ValueError(f"this dataset makes batches of {self.batch_size}, and torch's DataLoader batches them "
+                             "again (a batch of batches, stacked: (n, batch, ...), and an error at a short last "
+                             "batch): pass DataLoader(batch_size=None), or leave batch_size off the dataset")
         # This iteration's storage work counts in its own counters (io_stats(); iostats.py): the
         # manifest `_check_fields` reads and the planning's reads too.
         reads = IOStats()
@@ -486,6 +511,8 @@ class StreamingDataset(Checkpointing, IterableDataset):
         self._pass_resume = self._active_resume(world)
         if self._pass_resume is None:
             self._shared.begin_pass(world.worker)
+            if loaded is None:  # not the rest of an epoch from a state: its order again
+                self._warn_of_a_repeated_order(epoch, world)
         resume_id = self._resume_id if self._resume is not None and not self._worker_resume else None
         worker, done = loaded or plan.start(len(block), delivered, world.worker)
         first = WorkerEpoch(epoch, block, segment, worker, done)
@@ -536,10 +563,24 @@ class StreamingDataset(Checkpointing, IterableDataset):
             self._count_io(world.worker, reads)
         if resume_id is not None:  # the resumed epoch is complete: later passes start afresh
             self._shared.finish_resume(resume_id, world.worker, world.workers)
+        self._shared.finished_epoch = self._position[0] + 1
         # A worker's own state stays until its next iteration (see _worker_state); a state loaded
         # while this iteration ran (it no longer owns the place) is the next iteration's.
         if not self._worker_resume and self._iteration is iteration:
             self._resume = None
+
+    def _warn_of_a_repeated_order(self, epoch: int, world: World) -> None:
+        """Say so where a shuffled epoch begins again in the order of a pass just read to its end,
+        the loop never having called `set_epoch`: every epoch of such a loop is the same order, as
+        with torch's DistributedSampler, and nothing else shows it. Once a process, by its first
+        worker alone (a DataLoader worker's warning reaches the console from its process)."""
+        if not self.shuffle or self._shared.epoch_chosen or self._shared.finished_epoch != epoch + 1:
+            return
+        if world.worker == 0 and not getattr(self, "_said_repeated", False):
+            self._said_repeated = True
+            warnings.warn(f"a shuffled epoch ({epoch}) begins again in the order of the pass just read: call "
+                          "set_epoch(epoch) (on the dataset or shardstream.DataLoader) before each epoch, or every "
+                          "epoch is this order", stacklevel=4)
 
     def _epoch_items(self, world: World, plan: RankPlan, part: WorkerEpoch) -> Iterator[Any]:
         """The items of `part` (one plan worker's share of an epoch, after its first items):

@@ -17,7 +17,7 @@ import io
 import math
 import pickle
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple
 
 import numpy as np
 from PIL import Image
@@ -42,11 +42,24 @@ except ImportError:  # the C extension was not built (no libjpeg-turbo headers o
 REGION_DECODER = _jpegregion is not None
 
 __all__ = ["Decoder", "DecodedCrop", "decode_image", "decode_rgb", "decode_rgb_crop", "image_size", "is_jpeg",
-           "jpeg_crop_decoder", "jpeg_damage", "jpeg_ends", "narrowed_grey", "open_image", "IMAGE_EXTENSIONS",
+           "image_formats_hint", "jpeg_crop_decoder", "jpeg_damage", "jpeg_ends", "narrowed_grey", "open_image", "IMAGE_EXTENSIONS",
            "IMAGE_MODES", "JPEG_FORMATS", "PIL_FORMATS", "REGION_DECODER"]
 
 IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp", "ppm", "pgm", "bmp", "gif", "tif", "tiff"})
 IMAGE_MODES = (None, "pil", "rgb8")
+
+
+def image_formats_hint(fields: Iterable[str]) -> str:
+    """Advice where `fields` (fields asked and found, or one sample's and another's) name images
+    of several formats: `pack` stores each image under its own format's field, so a folder of
+    JPEGs and PNGs gives samples of `jpg` and samples of `png`. "" where they do not."""
+    images = set(fields) & IMAGE_EXTENSIONS
+    if len(images) < 2:
+        return ""
+    packed = ["jpg", "png", "webp"]  # what pack stores (sourcefile.IMAGE_FIELDS)
+    field = ";".join(packed + sorted(images - set(packed)))
+    return f" (images of several formats: fields=({field!r}, ...) takes whichever a sample has)"
+
 PICKLE_EXTENSIONS = frozenset({"pyd", "pickle", "pkl", "pth"})
 # The Pillow formats of IMAGE_EXTENSIONS (its JPEG plugin opens MPO files too).
 # Pillow recognises a file by its bytes, not its name, and would open anything it knows:
@@ -302,7 +315,8 @@ class Decoder:
 
     def __post_init__(self) -> None:
         if not callable(self.images) and self.images not in IMAGE_MODES:
-            raise ValueError(f"images must be one of {IMAGE_MODES} or a callable, not {self.images!r}")
+            raise ValueError(f"decode (a Decoder's images) must be one of {IMAGE_MODES} or a callable (a transform "
+                             f"such as RandomResizedCropJPEG), not {self.images!r}")
 
     def __call__(self, sample: dict[str, Any], crops: torch.Generator | None = None) -> dict[str, Any]:
         """`sample` decoded; a fused crop (`images` a `RandomResizedCropJPEG`) draws from

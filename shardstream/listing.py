@@ -32,7 +32,8 @@ def list_source(src: str) -> Listing:
         return _list_folder(src)
     if os.path.isfile(src) and src.lower().endswith((".txt", ".csv")):
         return list_file(src)
-    raise PackError("source must be an image folder or a .txt/.csv file list", url=src)
+    found = "a file of another kind" if os.path.lexists(src) else "nothing is there"
+    raise PackError(f"source must be an image folder or a .txt/.csv file list, and {found}", url=src)
 
 
 def _list_folder(root: str) -> Listing:

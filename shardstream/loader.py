@@ -366,6 +366,32 @@ def _ending(exitcode: int) -> str:
         return f"killed by signal {-exitcode}"
 
 
+# torch's DataLoader options this one leaves to the dataset, or does without: where they go.
+_TORCH_OPTIONS = {
+    "shuffle": "StreamingDataset(shuffle=True, seed=...) shuffles, and loader.set_epoch(epoch) makes each epoch's "
+               "order",
+    "drop_last": "StreamingDataset(drop_last=...) drops a rank's short last batch",
+    "collate_fn": "StreamingDataset(collate_fn=...) collates in the workers",
+    "sampler": "a StreamingDataset splits itself across ranks and workers: no sampler; Sampling(...) weights samples",
+    "batch_sampler": "a StreamingDataset batches itself (batch_size here or on it): no batch sampler",
+    "generator": "StreamingDataset(seed=...) seeds the shuffle and every sample's augmentation",
+    "worker_init_fn": "this loader starts its workers itself: set a worker up in the transform (it runs there), or "
+                      "use torch.utils.data.DataLoader with the dataset (README: 'It works with the standard "
+                      "DataLoader')",
+}
+
+
+def _where_instead(misplaced: dict[str, Any]) -> str:
+    told = [f"{name}: {_TORCH_OPTIONS[name]}" for name in misplaced if name in _TORCH_OPTIONS]
+    unknown = [name for name in misplaced if name not in _TORCH_OPTIONS]
+    said = f"shardstream.DataLoader takes no {', '.join(misplaced)}"
+    if told:
+        said += "; " + "; ".join(told)
+    if unknown:
+        said += f" ({', '.join(unknown)}: no such option)"
+    return said
+
+
 class DataLoader:
     """Batches from a `StreamingDataset`, on `device`, with resumable state and statistics.
 
@@ -391,7 +417,10 @@ class DataLoader:
         transform_on_device: Callable[[Any], Any] | Sequence[Callable[[Any], Any]] | None = None,
         multiprocessing_context: str | multiprocessing.context.BaseContext | None = None,
         timeout: float = 0,
+        **misplaced: Any,
     ) -> None:
+        if misplaced:
+            raise TypeError(_where_instead(misplaced))
         if not isinstance(dataset, StreamingDataset):
             raise TypeError(f"shardstream.DataLoader loads a StreamingDataset, not a {type(dataset).__name__}: "
                             "use torch.utils.data.DataLoader for other datasets")

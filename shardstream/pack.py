@@ -45,7 +45,7 @@ from .parts import (MAX_PARTS, other_journals, other_packs, part_shards, unliste
 from .scratch import cleanup_scratch
 from .shardfile import FRAME_SIZE, IMAGE_LEVEL
 from .shrink import DEFAULT_QUALITY
-from .sourcefile import Listing, SourceFile, other_images, printable
+from .sourcefile import Listing, SourceFile, image_field, other_images, printable
 from .storage import Store
 from .urls import expand_home, local_path
 from .writer import (MAX_COUNT, check_compression, check_level_used, parse_size, remove_dataset, shard_name,
@@ -97,6 +97,8 @@ class PackSummary:
     # Of `ignored`, the images of formats pack does not store, by extension ({".bmp": 3}): a
     # torchvision ImageFolder reads some of them, and they would go unnoticed in a count.
     other_images: dict[str, int] = field(default_factory=dict)
+    # Of `ignored`, the images beside an image folder's class folders: in no class, so not packed.
+    unclassed: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         rate = (self.samples - self.resumed) / self.seconds if self.seconds else 0.0
@@ -111,6 +113,10 @@ class PackSummary:
             counts = ", ".join(f"{n} {extension}" for extension, n in self.other_images.items())
             lines.append(f"  not images include images pack does not store: {counts} (convert them to JPEG, PNG "
                          "or WebP to pack them)")
+        if self.unclassed:
+            shown = ", ".join(self.unclassed[:5]) + (", ..." if len(self.unclassed) > 5 else "")
+            lines.append(f"  not images include {len(self.unclassed)} images beside the class folders, in no class "
+                         f"(move them into one to pack them): {shown}")
         lines += [f"  skipped {path}: {reason}" for path, reason in self.skipped]
         if self.misnamed:
             lines.append(f"content differs from its name: {len(self.misnamed)}, stored as named: shardstream's "
@@ -383,6 +389,7 @@ def pack(
         skipped=list(manifest.skipped),
         ignored=len(listing.ignored),
         other_images=other_images(listing.ignored),
+        unclassed=[path for path in listing.ignored if "/" not in path and image_field(path)],
         misnamed=written.misnamed,
         kept_whole=written.kept_whole,
         resumed=sum(info.samples for info, _ in done.values()),

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from .collate import collated, default_collate, pad_collate
-from .decode import Decoder
+from .decode import Decoder, image_formats_hint
 from .decode_ahead import DecodeAhead
 from .device_jpeg import DeferDecode
 from .errors import MissingFieldError, ShardstreamError, add_note
@@ -304,7 +304,8 @@ def _pick(sample: dict[str, Any], spec: str) -> Any:
     for name in spec.split(";"):
         if name in sample:
             return sample[name]
-    raise MissingFieldError(f"no field {spec!r}; the sample has {sorted(k for k in sample if not k.startswith('__'))}",
+    has = sorted(k for k in sample if not k.startswith("__"))
+    raise MissingFieldError(f"no field {spec!r}; the sample has {has}{image_formats_hint([*spec.split(';'), *has])}",
                             url=sample.get("__url__"), key=sample.get("__key__"))
 
 

@@ -35,7 +35,8 @@ _EPOCH, _RESUME_ID, _SKIPS, _DONE = 0, 1, 2, 2 + SLOTS  # offsets in the int arr
 _WORKERS, _UNREAD, _LOADER_COPY, _LOADED = 2 + 2 * SLOTS, 3 + 2 * SLOTS, 4 + 2 * SLOTS, 5 + 2 * SLOTS
 _RESUMED_BY = 6 + 2 * SLOTS  # the workers of the pass that read the resumed epoch (0: none has finished it)
 _EPOCH_SET = 7 + 2 * SLOTS  # 1 once the training loop has chosen the epoch with set_epoch
-_INTS = 8 + 2 * SLOTS
+_FINISHED = 8 + 2 * SLOTS  # 1 + the epoch a pass was last read to its end in (0: none yet)
+_INTS = 9 + 2 * SLOTS
 
 
 T = TypeVar("T", int, bool)
@@ -108,6 +109,8 @@ class SharedState:
     epoch = _Slot(_EPOCH, int, "The epoch the next iteration reads (`set_epoch`, or a loaded state's).")
     epoch_chosen = _Slot(_EPOCH_SET, bool, "Whether the training loop chose the epoch (`set_epoch`), rather than "
                          "a loaded state.")
+    finished_epoch = _Slot(_FINISHED, int, "1 + the epoch whose pass a process (a worker) last read to its end; "
+                           "0 before any.")
     iterating_workers = _Slot(_WORKERS, int, """The `num_workers` of the DataLoader whose workers iterate the
         dataset last began (0: it was iterated in its own process last, or loaded since): the main
         process cannot count what such workers deliver, so `state_dict` asks for the count.""")

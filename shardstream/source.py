@@ -27,6 +27,7 @@ from .shardtable import ShardTable, checked_index
 from .reader import ShardReader
 from .tarstream import StreamTarReader
 from .shardfile import FRAME_SIZE
+from .sourcefile import image_field
 from .retry import RetryPolicy
 from .storage import Store
 from .urls import expand_home, is_local, local_path, split_query, split_url
@@ -224,6 +225,12 @@ class Source:
         if manifests is None:
             return None
         return {name for m in manifests for name in m.shards.all_fields()}
+
+    def classes(self) -> tuple[str, ...]:
+        """The names of the labels, by the manifests (`Manifest.classes`); () where a part has no
+        manifest, or no class table, or the parts of a mix name their labels differently."""
+        tables = {m.classes for m in self._manifests() or ()}
+        return tables.pop() if len(tables) == 1 else ()
 
     def _manifests(self) -> list[Manifest] | None:
         """The manifests of this source (one per part), or None if any part has none."""
@@ -424,6 +431,8 @@ def open_dataset(url: str | os.PathLike[str], *, storage_options: dict[str, Any]
     store = Store(os.fspath(url), storage_options or {}, retry or RetryPolicy())
     manifest_url = store.url(MANIFEST_NAME)
     if store.local and os.path.isfile(local_path(store.root)):
+        if os.path.basename(store.root.rstrip("/")) == MANIFEST_NAME:
+            raise ManifestError("a dataset's manifest: the dataset is the folder that holds it", url=store.root)
         raise ManifestError("a file, not a dataset folder: a shard is read with StreamingDataset([path]), and "
                             "`shardstream index` makes a folder of plain .tar shards a dataset", url=store.root)
     try:
@@ -436,10 +445,26 @@ def open_dataset(url: str | os.PathLike[str], *, storage_options: dict[str, Any]
     except StorageError as e:
         if e.detail != "file not found":
             raise
-        raise ManifestError("no manifest: not a packed dataset (or packing has not finished; for a folder of "
-                            "plain .tar shards, `shardstream index` writes one)", url=manifest_url) from e
+        raise ManifestError(f"no manifest: not a packed dataset ({_found_instead(store)})", url=manifest_url) from e
     manifest = Manifest.from_bytes(data, manifest_url)
     return Source(os.fspath(url), ManifestShards(store, manifest.shards), manifest)
+
+
+def _found_instead(store: Store) -> str:
+    """What a location without a manifest holds, for its error: nothing (a path mistyped), an
+    image folder not packed yet, shards without a manifest, or a pack not finished. One
+    listing, on this error's path only; where it fails, the causes in general."""
+    if store.local and not os.path.isdir(local_path(store.root)):
+        return "no such folder"
+    try:
+        files, folders = store.list(), store.folders()
+    except ShardstreamError:
+        files, folders = None, []
+    if files is not None and not files and not folders:
+        return "nothing is there: an empty folder, or a prefix no object has"
+    if files and any(image_field(name) for name in files) or folders and not files:
+        return "images or class folders, not shards: `shardstream pack` packs them into a dataset"
+    return "or packing has not finished; for a folder of plain .tar shards, `shardstream index` writes one"
 
 
 def _names_a_dataset_folder(url: str, options: dict[str, Any]) -> bool:

@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     # the GPU (on a machine without it, the same crop is decoded on the CPU).
     dataset = StreamingDataset(args.data, shuffle=True, seed=args.seed,
                                decode=DeferDecode(crop) if args.decode_on_device else crop,
-                               fields=("jpg", "cls", "__key__"))
+                               fields=("jpg;png;webp", "cls", "__key__"))  # pack keeps each image's format
     num_classes = args.num_classes
     if num_classes is None:
         manifest = dataset.resolve().manifest
