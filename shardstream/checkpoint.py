@@ -92,6 +92,12 @@ class Checkpointing:
         loaded = self._shared.loaded_resume
         if get_worker_info() is None or self._worker_resume or not loaded or loaded == self._resume_id:
             return None
+        if self._loader_copy:
+            # shardstream.DataLoader starts fresh workers for every state its copy takes (its own
+            # load_state_dict, or the caller's dataset's): a state loaded since was another
+            # loader's of this dataset (the slot is shared), a training loop rolled back while
+            # this loader, a look at batches, kept its workers. Not this loader's to read.
+            return None
         return ShardstreamError(
             "load_state_dict was called after this DataLoader's persistent workers started, and the state does "
             "not reach them (they would read the epoch from its start): make a new DataLoader after "
@@ -214,7 +220,10 @@ class Checkpointing:
         if delivered is not None:
             delivered = integer(delivered, "delivered", 0)
         workers = self._shared.iterating_workers
-        if not workers:
+        if not workers or self._loader_copy:
+            # shardstream.DataLoader gives its own counts, whatever loader iterated the dataset last
+            # (the slot is the dataset's, shared by every loader of it: a look at a batch through
+            # another loader with workers made the training loader's state_dict refuse its count).
             return delivered
         if delivered is None:
             raise ShardstreamError(

@@ -711,6 +711,36 @@ def test_setting_another_epoch_than_a_loaded_states_warns(packed):
         loader.set_epoch(2)
 
 
+def test_two_loaders_of_one_dataset_keep_their_own_counts_and_states(packed):
+    """Regression (left since the twenty-ninth session): the loaders of one dataset share its slots.
+    A look at a batch through a second loader with workers made the training loader's state_dict
+    refuse ("the DataLoader iterating this dataset has 1 workers, and num_workers=2 was given"),
+    and the training loader's roll-back (load_state_dict) ended the second loader's persistent
+    workers with "load_state_dict was called after this DataLoader's persistent workers started".
+    Each keeps its own now: the state resumes the training epoch exactly, the look reads its
+    epoch from its start."""
+    ds = keys_of(packed)
+    train = DataLoader(ds, batch_size=2, num_workers=2)
+    look = DataLoader(ds, batch_size=2, num_workers=1)
+    full = [tuple(keys) for keys, in DataLoader(keys_of(packed), batch_size=2, num_workers=2,
+                                               persistent_workers=False)]
+    look_first = tuple(next(iter(DataLoader(keys_of(packed), batch_size=2, num_workers=1,
+                                            persistent_workers=False)))[0])
+    got = []
+    for i, (keys,) in enumerate(train):
+        got.append(tuple(keys))
+        if i == 1:
+            assert tuple(next(iter(look))[0]) == look_first
+        if i == 3:
+            state = train.state_dict()
+            break
+    assert got == full[:4]
+    train.load_state_dict(state)  # a roll-back, the look's persistent workers alive
+    assert tuple(next(iter(look))[0]) == look_first
+    assert [tuple(keys) for keys, in train] == full[4:]
+    del train, look
+
+
 class _FailsEveryOtherEpoch:
     """A user transform with a bug that shows in epochs 0, 2, 4, ..."""
 
