@@ -41,12 +41,23 @@ except ImportError:  # the C extension was not built (no libjpeg-turbo headers o
 #: Whether JPEG crops are decoded region only (the `_jpegregion` extension is built).
 REGION_DECODER = _jpegregion is not None
 
-__all__ = ["Decoder", "DecodedCrop", "decode_image", "decode_rgb", "decode_rgb_crop", "image_size", "is_jpeg",
-           "image_formats_hint", "jpeg_crop_decoder", "jpeg_damage", "jpeg_ends", "narrowed_grey", "open_image", "IMAGE_EXTENSIONS",
+__all__ = ["Decoder", "DecodedCrop", "decode_image", "decode_rgb", "decode_rgb_crop", "image_formats_hint", "image_size",
+           "is_jpeg", "jpeg_crop_decoder", "jpeg_damage", "jpeg_ends", "narrowed_grey", "open_image", "IMAGE_EXTENSIONS",
            "IMAGE_MODES", "JPEG_FORMATS", "PIL_FORMATS", "REGION_DECODER"]
 
 IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp", "ppm", "pgm", "bmp", "gif", "tif", "tiff"})
 IMAGE_MODES = (None, "pil", "rgb8")
+PICKLE_EXTENSIONS = frozenset({"pyd", "pickle", "pkl", "pth"})
+# The Pillow formats of IMAGE_EXTENSIONS (its JPEG plugin opens MPO files too).
+# Pillow recognises a file by its bytes, not its name, and would open anything it knows:
+# an EPS stored as a `jpg` field would run Ghostscript on a shard's PostScript.
+PIL_FORMATS = ("JPEG", "PNG", "WEBP", "PPM", "BMP", "GIF", "TIFF")
+# What Pillow names a JPEG it opened: an MPO (a camera JPEG holding more pictures after the
+# first: stereo, depth, a large preview) is a JPEG to libjpeg, reduced and decoded alike.
+JPEG_FORMATS = ("JPEG", "MPO")
+# What Pillow raises on damaged image bytes. Mostly OSError, but its parsers raise others on
+# some damage: IndexError from PNG's `verify` on a file with no image-data (IDAT) chunk.
+DAMAGED_IMAGE_ERRORS = (OSError, SyntaxError, ValueError, IndexError, Image.DecompressionBombError)
 
 
 def image_formats_hint(fields: Iterable[str]) -> str:
@@ -59,18 +70,6 @@ def image_formats_hint(fields: Iterable[str]) -> str:
     packed = ["jpg", "png", "webp"]  # what pack stores (sourcefile.IMAGE_FIELDS)
     field = ";".join(packed + sorted(images - set(packed)))
     return f" (images of several formats: fields=({field!r}, ...) takes whichever a sample has)"
-
-PICKLE_EXTENSIONS = frozenset({"pyd", "pickle", "pkl", "pth"})
-# The Pillow formats of IMAGE_EXTENSIONS (its JPEG plugin opens MPO files too).
-# Pillow recognises a file by its bytes, not its name, and would open anything it knows:
-# an EPS stored as a `jpg` field would run Ghostscript on a shard's PostScript.
-PIL_FORMATS = ("JPEG", "PNG", "WEBP", "PPM", "BMP", "GIF", "TIFF")
-# What Pillow names a JPEG it opened: an MPO (a camera JPEG holding more pictures after the
-# first: stereo, depth, a large preview) is a JPEG to libjpeg, reduced and decoded alike.
-JPEG_FORMATS = ("JPEG", "MPO")
-# What Pillow raises on damaged image bytes. Mostly OSError, but its parsers raise others on
-# some damage: IndexError from PNG's `verify` on a file with no image-data (IDAT) chunk.
-DAMAGED_IMAGE_ERRORS = (OSError, SyntaxError, ValueError, IndexError, Image.DecompressionBombError)
 
 
 def open_image(data: bytes) -> Image.Image:
