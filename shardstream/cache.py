@@ -96,12 +96,13 @@ log = logging.getLogger("shardstream")
 # modification time stays the download's.
 _verified: dict[str, tuple] = {}
 _damaged: dict[str, tuple] = {}  # cached files that failed the hash: their `_version` then
-# Copies whose downloads never matched the manifest's checksum in this process. The stored
-# file is then the dataset's own damage, not the way's: downloading it again at each opening
-# (every epoch, every visit of an interleaved shard) fetched it DOWNLOAD_ATTEMPTS times over
-# to read it by ranges after all. A path names the checksum too, so a shard packed again
-# (a new checksum, a new path) is downloaded afresh.
-_never_matched: set[str] = set()
+# Copies whose downloads never matched the manifest's checksum in this process, and when. The
+# stored file is then likely the dataset's own damage, not the way's: downloading it again at
+# each opening (every epoch, every visit of an interleaved shard) fetched it DOWNLOAD_ATTEMPTS
+# times over to read it by ranges after all. Tried again after UNMATCHED_RETRY_S (a repaired
+# upload, a proxy's burst of damage over), or at once where another process cached a good copy.
+_never_matched: dict[str, float] = {}
+UNMATCHED_RETRY_S = 600.0
 # Every lock file `open` handed out in this process, while it is open. A forked child gets
 # copies of them, and an flock is held while any copy is open: a child that kept them (a
 # DataLoader worker, forked while a head start held the next epoch's first shard) would
@@ -172,9 +173,6 @@ class ShardCache:
             raise CacheFullError(f"{size} bytes with its index, its manifest says: more than the cache's limit of "
                                  f"{self.room.limit}", url=ref.url)
         path = self.path(ref)
-        if path in _never_matched:
-            raise DownloadChecksumError(f"downloaded file did not match the manifest's checksum in {DOWNLOAD_ATTEMPTS} "
-                                        "downloads earlier in this process", url=ref.url)
         lock = self._acquire(path, ref)
         try:
             with _writing(path):
@@ -221,6 +219,10 @@ class ShardCache:
             if self._check(path, ref):
                 io_stats.add(cache_hits=1)
                 return lock
+            if time.monotonic() - _never_matched.get(path, -UNMATCHED_RETRY_S) < UNMATCHED_RETRY_S:
+                raise DownloadChecksumError(f"downloaded file did not match the manifest's checksum in "
+                                            f"{DOWNLOAD_ATTEMPTS} downloads, less than {UNMATCHED_RETRY_S:.0f} s ago "
+                                            "in this process", url=ref.url)
             with _download_lock(path + ".dl", ref.url):
                 if not self._check(path, ref):  # unless another download got there first
                     io_stats.add(cache_misses=1)
@@ -289,7 +291,7 @@ class ShardCache:
                     if _download_into(ref.store, remote, size, digest, f, part):
                         break
                     if attempt == DOWNLOAD_ATTEMPTS:
-                        _never_matched.add(path)
+                        _never_matched[path] = time.monotonic()
                         raise DownloadChecksumError(f"downloaded file does not match the manifest's checksum "
                                                     f"({DOWNLOAD_ATTEMPTS} downloads)", url=ref.store.url(remote))
                     io_stats.add(retries=1)

@@ -572,12 +572,13 @@ class StreamingDataset(Checkpointing, IterableDataset):
     def _warn_of_a_repeated_order(self, epoch: int, world: World) -> None:
         """Say so where a shuffled epoch begins again in the order of a pass just read to its end,
         the loop never having called `set_epoch`: every epoch of such a loop is the same order, as
-        with torch's DistributedSampler, and nothing else shows it. Once a process, by its first
-        worker alone (a DataLoader worker's warning reaches the console from its process)."""
+        with torch's DistributedSampler, and nothing else shows it. Once a dataset, by its first
+        worker alone (a DataLoader worker's warning reaches the console from its process; torch's
+        workers, not persistent, are new processes each epoch: the slot is shared)."""
         if not self.shuffle or self._shared.epoch_chosen or self._shared.finished_epoch != epoch + 1:
             return
-        if world.worker == 0 and not getattr(self, "_said_repeated", False):
-            self._said_repeated = True
+        if world.worker == 0 and not self._shared.repeat_said:
+            self._shared.repeat_said = True
             warnings.warn(f"a shuffled epoch ({epoch}) begins again in the order of the pass just read: call "
                           "set_epoch(epoch) (on the dataset or shardstream.DataLoader) before each epoch, or every "
                           "epoch is this order", stacklevel=4)

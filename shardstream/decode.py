@@ -69,7 +69,7 @@ def image_formats_hint(fields: Iterable[str]) -> str:
         return ""
     packed = ["jpg", "png", "webp"]  # what pack stores (sourcefile.IMAGE_FIELDS)
     field = ";".join(packed + sorted(images - set(packed)))
-    return f" (images of several formats: fields=({field!r}, ...) takes whichever a sample has)"
+    return f" (pack stores an image under its format's field: fields=({field!r}, ...) takes whichever a sample has)"
 
 
 def open_image(data: bytes) -> Image.Image:

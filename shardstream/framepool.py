@@ -96,7 +96,9 @@ def _reruns_main() -> str | None:
     if spec is not None and (spec.name == "__main__" or spec.name.endswith(".__main__")):
         return None  # `python -m package`: children leave a package's __main__ alone
     frame = sys._getframe(1)
-    while frame is not None and not (frame.f_globals is main.__dict__ and frame.f_code.co_name == "<module>"):
+    # The script's own top level: code it exec()s has such frames too, with another file's lines.
+    while frame is not None and not (frame.f_globals is main.__dict__ and frame.f_code.co_name == "<module>"
+                                     and frame.f_code.co_filename == path):
         frame = frame.f_back
     if frame is None:
         return None  # not called from the script's top level (a thread, a callback)

@@ -389,7 +389,8 @@ def pack(
         skipped=list(manifest.skipped),
         ignored=len(listing.ignored),
         other_images=other_images(listing.ignored),
-        unclassed=[path for path in listing.ignored if "/" not in path and image_field(path)],
+        unclassed=[path for path in listing.ignored  # hidden ones are never images (listing.py)
+                   if "/" not in path and not path.startswith(".") and image_field(path)],
         misnamed=written.misnamed,
         kept_whole=written.kept_whole,
         resumed=sum(info.samples for info, _ in done.values()),

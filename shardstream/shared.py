@@ -36,7 +36,8 @@ _WORKERS, _UNREAD, _LOADER_COPY, _LOADED = 2 + 2 * SLOTS, 3 + 2 * SLOTS, 4 + 2 *
 _RESUMED_BY = 6 + 2 * SLOTS  # the workers of the pass that read the resumed epoch (0: none has finished it)
 _EPOCH_SET = 7 + 2 * SLOTS  # 1 once the training loop has chosen the epoch with set_epoch
 _FINISHED = 8 + 2 * SLOTS  # 1 + the epoch a pass was last read to its end in (0: none yet)
-_INTS = 9 + 2 * SLOTS
+_REPEAT_SAID = 9 + 2 * SLOTS  # 1 once a process has warned of an epoch's order read again
+_INTS = 10 + 2 * SLOTS
 
 
 T = TypeVar("T", int, bool)
@@ -111,6 +112,8 @@ class SharedState:
                          "a loaded state.")
     finished_epoch = _Slot(_FINISHED, int, "1 + the epoch whose pass a process (a worker) last read to its end; "
                            "0 before any.")
+    repeat_said = _Slot(_REPEAT_SAID, bool, "Whether a process (a worker) has warned of a shuffled epoch's "
+                        "order read again without set_epoch: said once a dataset, not once each worker.")
     iterating_workers = _Slot(_WORKERS, int, """The `num_workers` of the DataLoader whose workers iterate the
         dataset last began (0: it was iterated in its own process last, or loaded since): the main
         process cannot count what such workers deliver, so `state_dict` asks for the count.""")

@@ -450,21 +450,53 @@ def open_dataset(url: str | os.PathLike[str], *, storage_options: dict[str, Any]
     return Source(os.fspath(url), ManifestShards(store, manifest.shards), manifest)
 
 
+_NO_MANIFEST = "or packing has not finished; for a folder of plain .tar shards, `shardstream index` writes one"
+_PACK_FIRST = ("images, not shards: `shardstream pack` packs a folder of class folders of images (or a file "
+               "list of them) into a dataset")
+
+
 def _found_instead(store: Store) -> str:
     """What a location without a manifest holds, for its error: nothing (a path mistyped), an
-    image folder not packed yet, shards without a manifest, or a pack not finished. One
-    listing, on this error's path only; where it fails, the causes in general."""
-    if store.local and not os.path.isdir(local_path(store.root)):
-        return "no such folder"
+    image folder not packed yet, datasets in its folders, or the general causes. Locally a
+    look at a few entries; remotely one lookup of the prefix (a listing would cost a request
+    per thousand objects: a prefix of a million raw images took 2,000); over HTTP nothing,
+    where a missing listing says nothing of what is there."""
+    if store.local:
+        return _found_in_folder(local_path(store.root))
+    if store.root.startswith(("http://", "https://")):
+        return _NO_MANIFEST
     try:
-        files, folders = store.list(), store.folders()
+        there = store.exists("")
     except ShardstreamError:
-        files, folders = None, []
-    if files is not None and not files and not folders:
-        return "nothing is there: an empty folder, or a prefix no object has"
-    if files and any(image_field(name) for name in files) or folders and not files:
-        return "images or class folders, not shards: `shardstream pack` packs them into a dataset"
-    return "or packing has not finished; for a folder of plain .tar shards, `shardstream index` writes one"
+        return _NO_MANIFEST
+    return f"{_NO_MANIFEST}; a folder of images is packed by `shardstream pack` first" if there else \
+        "nothing is there: no object has this prefix"
+
+
+_LOOK_AT = 64  # entries a folder (and each of its first few subfolders) is looked at for, at most
+
+
+def _found_in_folder(root: str) -> str:
+    if not os.path.isdir(root):
+        return "no such folder"
+    with os.scandir(root) as entries:
+        seen = [(entry.name, entry.is_dir()) for _, entry in zip(range(_LOOK_AT), entries)]
+    if not seen:
+        return "an empty folder"
+    folders = [name for name, is_dir in seen if is_dir and not name.startswith(".")]
+    datasets = [name for name in sorted(folders) if os.path.isfile(os.path.join(root, name, MANIFEST_NAME))]
+    if datasets:
+        return f"datasets in its folders ({', '.join(datasets[:3])}{', ...' if len(datasets) > 3 else ''}): " \
+            "name one of them"
+    if any(image_field(name) for name, is_dir in seen if not is_dir) or any(
+            _holds_images(os.path.join(root, name)) for name in sorted(folders)[:3]):
+        return _PACK_FIRST
+    return _NO_MANIFEST
+
+
+def _holds_images(folder: str) -> bool:
+    with os.scandir(folder) as entries:
+        return any(image_field(entry.name) for _, entry in zip(range(_LOOK_AT), entries))
 
 
 def _names_a_dataset_folder(url: str, options: dict[str, Any]) -> bool:

@@ -133,7 +133,8 @@ def test_a_shuffled_epoch_read_again_without_set_epoch_is_warned_of(mixed):
 
 def test_a_worker_warns_of_an_epoch_read_again_without_set_epoch(mixed, tmp_path):
     """In DataLoader workers (here, a script's: pytest's warning capture would keep a forked
-    worker's to itself), one worker says so, once."""
+    worker's to itself), one worker says so, once a dataset: torch's workers, not persistent,
+    are new processes each epoch, and said it every epoch (found by review)."""
     _, url = mixed
     script = tmp_path / "train.py"
     script.write_text(
@@ -143,16 +144,24 @@ def test_a_worker_warns_of_an_epoch_read_again_without_set_epoch(mixed, tmp_path
         "    ds = ss.StreamingDataset(sys.argv[1], fields=('__key__',), shuffle=True)\n"
         "    loader = ss.DataLoader(ds, batch_size=4, num_workers=2)\n"
         "    for epoch in range(3):\n"
-        "        print(sum(len(keys) for keys, in loader))\n")
+        "        print(sum(len(keys) for keys, in loader))\n"
+        "    ds = ss.StreamingDataset(sys.argv[1], fields=('__key__',), shuffle=True)\n"
+        "    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)  # new workers each epoch\n"
+        "    for epoch in range(3):\n"
+        "        print(sum(1 for _ in loader))\n")
+    script.write_text("import torch\n" + script.read_text())
     done = subprocess.run([sys.executable, str(script), url], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and done.stdout.split() == ["24"] * 3, done
-    assert done.stderr.count("begins again in the order of the pass just read") == 1, done.stderr
+    assert done.returncode == 0 and done.stdout.split() == ["24"] * 6, done
+    assert done.stderr.count("begins again in the order of the pass just read") == 2, done.stderr  # one a dataset
 
 
 def test_a_location_without_a_manifest_says_what_is_there(mixed, tmp_path):
     src, url = mixed
-    cases = {tmp_path / "nowhere": "(no such folder)", src: "not shards: `shardstream pack` packs them",
-             tmp_path: "nothing is there"}
+    (tmp_path / "empty").mkdir()
+    parent = Path(url).parent
+    cases = {tmp_path / "nowhere": "(no such folder)", tmp_path / "empty": "(an empty folder)",
+             src: "images, not shards: `shardstream pack` packs a folder of class folders",
+             src / "cat": "images, not shards", parent: f"datasets in its folders ({Path(url).name}): name one"}
     for location, said in cases.items():
         with pytest.raises(ManifestError, match=re.escape(said)):
             ss.StreamingDataset(str(location)).resolve()
@@ -169,6 +178,7 @@ def test_pack_names_a_missing_source_and_images_in_no_class(mixed, tmp_path):
     for path in Path(src, "cat").iterdir():
         (folder / "cat" / path.name).write_bytes(path.read_bytes())
     (folder / "stray.jpg").write_bytes((folder / "cat" / "jpg0.jpg").read_bytes())
+    (folder / "._stray.jpg").write_bytes(b"\0\5\26\7")  # macOS's AppleDouble file: hidden, no image
     summary = ss.pack(str(folder), str(tmp_path / "out"), workers=1, progress=False)
     assert summary.samples == 12 and summary.unclassed == ["stray.jpg"]
     assert "1 images beside the class folders, in no class (move them into one to pack them): stray.jpg" \

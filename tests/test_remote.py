@@ -188,6 +188,21 @@ def s3_ds(moto, src, local_ds) -> str:
     return url
 
 
+def test_an_s3_location_without_a_manifest_says_whether_anything_is_there(moto, src):
+    """The "no manifest" error over S3 (item 375, and its review): a missing bucket or prefix says
+    nothing is there; a prefix of images names `shardstream pack`. One lookup, not a listing: a
+    listing of a prefix of a million raw images took 2,000 requests before the error."""
+    fs = s3fs_of(moto)
+    image = next(Path(src).rglob("*.jpg"))
+    fs.pipe(f"{BUCKET}/raw/class_a/{image.name}", image.read_bytes())
+    cases = {f"s3://{BUCKET}/nowhere": "nothing is there: no object has this prefix",
+             "s3://no-such-bucket/ds": "nothing is there: no object has this prefix",
+             f"s3://{BUCKET}/raw": "a folder of images is packed by `shardstream pack` first"}
+    for url, said in cases.items():
+        with pytest.raises(ManifestError, match=re.escape(said)):
+            StreamingDataset(url, storage_options=moto.storage_options).resolve()
+
+
 def s3fs_of(moto):
     import s3fs
 
@@ -1947,12 +1962,14 @@ def test_a_shard_whose_download_never_matches_is_read_by_ranges_its_bad_frame_a_
     assert len(got) == len(jpg_digests) - ds.skipped and all(jpg_digests[key] == digest for key, digest in got.items())
 
 
-def test_a_shard_whose_download_never_matched_is_not_downloaded_again_in_the_process(
-        local_ds, shard_names, jpg_digests, tmp_path, caplog):
+def test_a_shard_whose_download_never_matched_is_not_downloaded_again_for_a_while(
+        local_ds, shard_names, jpg_digests, tmp_path, caplog, monkeypatch):
     """Regression (left by the thirty-third session): a shard whose stored file never matched
     its checksum was downloaded DOWNLOAD_ATTEMPTS times at every opening (each epoch), to be
     read by ranges after all. Now the process remembers: the next epoch reads it by ranges
-    straight away, and says so once."""
+    straight away, and says so once; after UNMATCHED_RETRY_S it downloads again (a repaired
+    upload), and a good copy another process cached meanwhile is read at once (found by review)."""
+    from shardstream import cache as cache_module
     from shardstream.cache import DOWNLOAD_ATTEMPTS
 
     victim = shard_names[1]
@@ -1966,16 +1983,31 @@ def test_a_shard_whose_download_never_matched_is_not_downloaded_again_in_the_pro
             caplog.at_level(logging.WARNING, logger="shardstream"):
         ds = StreamingDataset(server.url, decode=None, fields=("__key__", "jpg"), prefetch=0, on_error=policy,
                               cache_dir=str(tmp_path / "cache"), cache_limit="1GB")
-        gets = []
-        for epoch in range(2):
-            ds.set_epoch(epoch)
-            before = server.gets(victim)
+
+        def epoch(number: int) -> tuple[int, int, int, int]:
+            """(downloads begun, retries, requests of the victim, samples) of one epoch."""
+            ds.set_epoch(number)
+            before = (io_stats.cache_misses, io_stats.retries, server.gets(victim))
             got = {key: hashlib.sha256(jpg).hexdigest() for key, jpg in ds}
-            gets.append(server.gets(victim) - before)
-            assert 0 < len(got) < len(jpg_digests)  # the damaged frame's samples skipped, the rest read
             assert all(jpg_digests[key] == digest for key, digest in got.items())
-    assert gets[1] == gets[0] - DOWNLOAD_ATTEMPTS  # the same ranged reads, no whole downloads
-    assert io_stats.cache_misses == len(shard_names) and io_stats.retries == DOWNLOAD_ATTEMPTS - 1
+            after = (io_stats.cache_misses, io_stats.retries, server.gets(victim))
+            return (*(int(a - b) for a, b in zip(after, before)), len(got))
+
+        first, second = epoch(0), epoch(1)
+        damaged_epoch = len(jpg_digests) - first[3]
+        assert first[:2] == (len(shard_names), DOWNLOAD_ATTEMPTS - 1) and 0 < damaged_epoch < len(jpg_digests)
+        # No download (its retries are the downloads after the first), the damaged frame's samples skipped.
+        assert second[:2] == (0, 0) and second[3] == first[3] and 0 < second[2] < first[2]
+        monkeypatch.setattr(cache_module, "UNMATCHED_RETRY_S", 0.0)
+        tried = epoch(2)  # time to try again: downloaded again (at each opening), still damaged
+        assert tried[0] >= 1 and tried[1] == tried[0] * (DOWNLOAD_ATTEMPTS - 1) and tried[3] == first[3]
+        monkeypatch.undo()
+        copy = cached_file(tmp_path / "cache", shard_names[0]).parent.parent / hashlib.sha256(
+            Path(local_ds, victim).read_bytes()).hexdigest()[:16] / victim
+        copy.parent.mkdir(exist_ok=True)  # (its lock files are there)
+        shutil.copy(Path(local_ds, victim), copy)  # a good copy, as another process downloading it later
+        shutil.copy(Path(local_ds, victim + ".idx"), copy.parent / (victim + ".idx"))
+        assert epoch(3) == (0, 0, 0, len(jpg_digests))
     said = [r for r in caplog.records if "read uncached, by ranges" in r.getMessage()]
     assert len(said) == 1 and victim in said[0].getMessage()
 
