@@ -16,6 +16,7 @@ cluster for nothing, and race a retry that writes the same destination.
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from typing import Any
 
@@ -24,6 +25,7 @@ from .errors import PackError, ShardstreamError, reason
 from .format import Manifest
 from .pack import PackSummary, pack
 from .parts import merge
+from .urls import expand_home
 
 __all__ = ["pack_with_ray"]
 
@@ -38,6 +40,12 @@ STOP_WAIT_S = 60.0
 
 def _pack_part(src: str, dst: str, part: tuple[int, int], options: dict[str, Any]) -> PackSummary:
     return pack(src, dst, part=part, progress=False, **options)
+
+
+def _absolute(path: str) -> str:
+    """A local path made absolute (a `file://` URL and remote URLs as they are)."""
+    path = expand_home(path)
+    return os.path.abspath(path) if "://" not in path else path
 
 
 def pack_with_ray(src: str, dst: str, *, parts: int, address: str | None = None, cpus_per_part: int = 1,
@@ -58,6 +66,9 @@ def pack_with_ray(src: str, dst: str, *, parts: int, address: str | None = None,
     if not ray.is_initialized():
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
     options.setdefault("workers", cpus_per_part)
+    # The tasks run in worker processes that a cluster started elsewhere, whose working folder is
+    # not this one: a relative path named nothing there ("src: ... nothing is there").
+    src, dst = (_absolute(path) for path in (src, dst))
     task = ray.remote(num_cpus=_cpus_to_ask(ray, cpus_per_part))(_pack_part)
     pending = {task.remote(src, dst, (i, parts), options): i for i in range(parts)}
     summaries: dict[int, PackSummary] = {}

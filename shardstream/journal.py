@@ -29,6 +29,28 @@ READ_THREADS = 16  # a remote journal's records read at once
 REPLACING = "replacing.msgpack"  # the files of the dataset a pack replaces, while they are removed
 
 
+def _what_changed(previous: Any, plan: dict[str, Any]) -> str:
+    """How the journaled run's `previous` plan record differs from this run's `plan`, for the refusal."""
+    if not isinstance(previous, dict):
+        return "its record is not one this version wrote"
+    said = []
+    then, now = previous.get("options"), plan["options"]
+    then = then if isinstance(then, dict) else {}
+    for name in sorted(set(then) | set(now), key=str):
+        if then.get(name) != now.get(name):
+            said.append(f"{name} {then.get(name)!r} then, {now.get(name)!r} now")
+    for name in ("part", "on_error"):
+        if previous.get(name) != plan[name]:
+            said.append(f"{name} {previous.get(name)!r} then, {plan[name]!r} now")
+    if said:  # the seed (and the shuffle) order the listing: its digests differ then too
+        return "; ".join(said)
+    if previous.get("listing") != plan["listing"]:
+        return "another source listing: other file names, labels or class folders"
+    if previous.get("files") != plan["files"]:
+        return "source files modified since: other sizes or modification times"
+    return "its record differs"
+
+
 class Journal:
     def __init__(self, store: Store, name: str):
         self.store = replace(store, root=store.url(f"{FOLDER}/{name}"))
@@ -46,9 +68,8 @@ class Journal:
                                        "shardstream, whose record this one cannot compare; run without resume "
                                        "(--resume) to start over", url=self.store.root)
             if previous != plan:
-                raise ShardstreamError("cannot resume: the earlier pack had other options, another source listing, or "
-                                       "source files modified since; run without resume (--resume) to start over",
-                                       url=self.store.root)
+                raise ShardstreamError(f"cannot resume: the earlier pack differs ({_what_changed(previous, plan)}); run "
+                                       "as it ran, or without resume (--resume) to start over", url=self.store.root)
             # One listing gives every shard's size: asking whether each shard is there and its
             # size was 2 requests in a row a finished shard (a part's thousand shards on S3: a minute).
             sizes = self.shards.sizes()

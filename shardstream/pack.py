@@ -40,8 +40,8 @@ from .journal import FOLDER as JOURNAL_FOLDER, Journal
 from .listing import list_source, look_up_files
 from .packoutput import dataset_manifest, write_shards
 from .packplan import PackOptions, order, part_slice, plan_frames, shrunk_estimates
-from .parts import (MAX_PARTS, other_journals, other_packs, part_shards, unlisted_single_shards, unplanned_part_shards,
-                    unplanned_single_shards)
+from .parts import (MAX_PARTS, check_part_agrees, other_journals, other_packs, part_shards, unlisted_single_shards,
+                    unplanned_part_shards, unplanned_single_shards)
 from .scratch import cleanup_scratch
 from .shardfile import FRAME_SIZE, IMAGE_LEVEL
 from .shrink import DEFAULT_QUALITY
@@ -312,6 +312,8 @@ def pack(
     # `resume` compares them); a part's also says which part it is.
     options = {**opts.as_dict(), **({"part": list(part)} if part is not None else {}), "listing": fingerprint,
                "sizes": sizes_digest(entries)}
+    if part is not None and not complete and not overwrite:
+        check_part_agrees(store, part, options, compression, listing.classes, len(listing.ignored))
     # Other packs' files first, a stale merge among them: a merge that lists this part's
     # shards must be gone before they are, or a crash between would leave it listing none.
     journal = Journal(store, "main" if part is None else f"part-{part[0]:05d}-of-{part[1]:05d}")

@@ -24,7 +24,7 @@ from .journal import FOLDER as JOURNAL_FOLDER, remove_journal_folder
 from .threads import ordered_map
 from .writer import write_manifest
 
-__all__ = ["MAX_PARTS", "merge", "missing_parts", "other_journals", "other_packs", "part_shards", "unplanned_part_shards",
+__all__ = ["MAX_PARTS", "check_part_agrees", "merge", "missing_parts", "other_journals", "other_packs", "part_shards", "unplanned_part_shards",
            "unplanned_single_shards", "unlisted_single_shards"]
 
 MAX_PARTS = 10**5  # part numbers have five digits in the file names (FORMAT.md)
@@ -167,19 +167,21 @@ def merge(dst: str, *, storage_options: dict[str, Any] | None = None, fsync: boo
     first = parts[0]
     common = _common_options(first)
     for i, part in enumerate(parts):
-        where = store.url(found[i][1])
         if part.options.get("part") != [i, total]:
-            raise ManifestError(f"this manifest says it is part {part.options.get('part')}, not [{i}, {total}]", url=where)
-        # The options first: another seed orders the listing otherwise, and changes its digest too.
-        differ = _differences(_common_options(part), common)
-        if differ or part.compression != first.compression:
-            raise ManifestError(f"part {i} was packed with other options than part 0: {differ or 'compression'}",
-                                url=where)
-        if (part.options.get("listing"), part.classes, part.ignored) != (
-                first.options.get("listing"), first.classes, first.ignored):
-            raise ManifestError(f"part {i} listed another source than part 0 (other file names, labels or class "
-                                "folders, or another count of files that are not images): every part must list "
-                                "the same source", url=where)
+            raise ManifestError(f"this manifest says it is part {part.options.get('part')}, not [{i}, {total}]",
+                                url=store.url(found[i][1]))
+    # The options first: another seed orders the listing otherwise, and changes its digest too.
+    odd, usual = _odd_ones_out([(_options_told(part), part.compression) for part in parts])
+    if odd:
+        raise ManifestError(f"{_parts(odd)} {'was' if len(odd) == 1 else 'were'} packed with other options than "
+                            f"{_parts(usual)} ({_told_apart(parts[odd[0]], parts[usual[0]], odd, usual)}): pack "
+                            f"{'it' if len(odd) == 1 else 'them'} again with the others' options (--overwrite)",
+                            url=store.url(found[odd[0]][1]))
+    odd, usual = _odd_ones_out([(part.options.get("listing"), part.classes, part.ignored) for part in parts])
+    if odd:
+        raise ManifestError(f"{_parts(odd)} listed another source than {_parts(usual)} (other file names, labels "
+                            "or class folders, or another count of files that are not images): every part must "
+                            "list the same source", url=store.url(found[odd[0]][1]))
     names = [name for part in parts for name in part.shards.names]
     if len(names) != len(set(names)):
         raise ManifestError("parts list the same shard twice", url=dst)
@@ -197,6 +199,64 @@ def merge(dst: str, *, storage_options: dict[str, Any] | None = None, fsync: boo
     if store.local:  # the parts' journals are gone; their common folder can go too
         remove_journal_folder(store.url(JOURNAL_FOLDER))
     return manifest
+
+
+def _options_told(manifest: Manifest) -> dict[str, Any]:
+    """The options parts must share but the source listing's digest, which is told apart."""
+    return {k: v for k, v in _common_options(manifest).items() if k != "listing"}
+
+
+def _odd_ones_out(keys: list[Any]) -> tuple[list[int], list[int]]:
+    """(the parts whose `keys` differ from most parts', the others): where parts disagree, those
+    of the largest group (part 0's, in a tie) are taken for right, so that one bad part among
+    32 is named, not the 31 compared with it."""
+    groups: dict[str, list[int]] = {}
+    for i, key in enumerate(keys):
+        groups.setdefault(repr(key), []).append(i)
+    usual = max(groups.values(), key=lambda members: (len(members), members == groups[repr(keys[0])]))
+    return [i for i in range(len(keys)) if i not in usual], usual
+
+
+def _parts(numbers: list[int]) -> str:
+    shown = ", ".join(map(str, numbers[:8])) + (f" and {len(numbers) - 8} more" if len(numbers) > 8 else "")
+    return f"part {shown}" if len(numbers) == 1 else f"parts {shown}"
+
+
+def _told_apart(odd: Manifest, usual: Manifest, odd_numbers: list[int], usual_numbers: list[int]) -> str:
+    """How an odd part's options differ from the usual ones, each value named by its parts."""
+    differ = _differences(_common_options(odd), _common_options(usual))
+    if odd.compression != usual.compression:
+        differ["compression"] = (odd.compression, usual.compression)
+    return "; ".join(f"{name} {theirs!r} in {_parts(odd_numbers)}, {ours!r} in {_parts(usual_numbers)}"
+                     for name, (theirs, ours) in differ.items())
+
+
+def check_part_agrees(store: Store, part: tuple[int, int], options: dict[str, Any], compression: str,
+                      classes: tuple[str, ...], ignored: int) -> None:
+    """ManifestError, before part `part` packs anything, where a part of the same pack already
+    in `store` was packed with other options or from another source listing: found only at
+    the merge, after every part had packed (hours on a cluster). One part manifest is read."""
+    found = {i: name for i, (total, name) in _part_manifests(store).items() if total == part[1] and i != part[0]}
+    if not found:
+        return
+    other = min(found)
+    try:
+        there = Manifest.from_bytes(store.read(found[other]), store.url(found[other]))
+    except ShardstreamError:
+        return  # unreadable: the merge says so
+    ours = {k: v for k, v in options.items() if k not in ("part", "prefix", "sizes")}
+    differ = _differences(ours, _common_options(there))
+    if compression != there.compression:
+        differ["compression"] = (compression, there.compression)
+    said = f"part {part[0]} of {part[1]} and part {other}, packed already, do not merge: "
+    if differ:
+        told = "; ".join(f"{name} {mine!r} here, {theirs!r} in part {other}" for name, (mine, theirs) in differ.items())
+        raise ManifestError(f"{said}other options ({told}): pack with part {other}'s options, or every part again "
+                            "with these (--overwrite)", url=store.url(found[other]))
+    if (options.get("listing"), classes, ignored) != (there.options.get("listing"), there.classes, there.ignored):
+        raise ManifestError(f"{said}another source listing (other file names, labels or class folders, or another "
+                            "count of files that are not images): every part must list the same source",
+                            url=store.url(found[other]))
 
 
 def _check_shards(store: Store, parts: list[Manifest]) -> None:

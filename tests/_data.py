@@ -288,3 +288,21 @@ def write_unchecked(folder: Path, samples: list[dict[str, Any]]) -> str:
                 tar.addfile(member, io.BytesIO(sample[name]))
     index_tars(str(folder))
     return str(folder)
+
+
+def killed_after_first_shard(monkeypatch: Any, run: Callable[[], object]) -> None:
+    """`run()` (a pack), killed (a KeyboardInterrupt) right after its journal records the first shard."""
+    import pytest
+
+    from shardstream.journal import Journal
+
+    record = Journal.record
+
+    def interrupted(self, shard, info, skipped):  # type: ignore[no-untyped-def]
+        record(self, shard, info, skipped)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Journal, "record", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run()
+    monkeypatch.setattr(Journal, "record", record)

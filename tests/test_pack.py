@@ -28,6 +28,8 @@ from shardstream import PackError, ShardstreamError, open_dataset, open_shard, p
 from shardstream.format import MANIFEST_NAME, ShardIndex
 from shardstream.listing import SLOW_STAT_S, list_source, look_up_files
 
+from _data import killed_after_first_shard
+
 SEEKABLE_MAGIC = 0x8F92EAB1
 
 
@@ -1321,6 +1323,21 @@ def test_a_fresh_run_after_one_that_skipped_a_whole_shard(image_folder_copy, tmp
     monkeypatch.setattr(Journal, "record", record)
     summary = run_pack(folder, tmp_path / "ds", max_samples=1, on_error="skip", seed=1)  # afresh, other options
     assert summary.samples == len(list(folder.rglob("*.jpg"))) - 1 and len(summary.skipped) == 1
+
+
+def test_a_refused_resume_says_what_changed(image_folder_copy, tmp_path, monkeypatch):
+    """Regression (found by a user's walk through packing on a cluster): "the earlier pack had other
+    options, another source listing, or source files modified since" said none of which; a pack
+    that failed on a bad image, resumed with --on-error skip, could not tell why it was refused."""
+    killed_after_first_shard(monkeypatch, lambda: run_pack(image_folder_copy, tmp_path / "ds", shard_size="20KB"))
+    with pytest.raises(ShardstreamError, match=re.escape("cannot resume: the earlier pack differs (seed 0 then, 3 "
+                                                         "now; on_error 'fail' then, 'skip' now)")):
+        run_pack(image_folder_copy, tmp_path / "ds", shard_size="20KB", resume=True, seed=3, on_error="skip")
+    (image_folder_copy / "class_000" / "zz_new.jpg").write_bytes(next(image_folder_copy.rglob("*.jpg")).read_bytes())
+    with pytest.raises(ShardstreamError, match="differs \\(another source listing: other file names"):
+        run_pack(image_folder_copy, tmp_path / "ds", shard_size="20KB", resume=True)
+    summary = run_pack(image_folder_copy, tmp_path / "ds", shard_size="20KB")  # afresh
+    assert summary.samples == len(list(image_folder_copy.rglob("*.jpg")))
 
 
 @pytest.mark.parametrize("resume", [False, True])

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import collections
 import os
+import re
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 from typing import Callable
 
 import pytest
@@ -14,6 +17,8 @@ import shardstream as ss
 from shardstream.errors import ManifestError, ShardstreamError
 from shardstream.parts import merge
 from shardstream.synthetic import make_image_folder
+
+from _data import killed_after_first_shard
 
 
 @pytest.fixture(scope="module")
@@ -118,20 +123,53 @@ def test_a_missing_part_is_named(source, tmp_path):
     assert not os.path.exists(os.path.join(dst, "manifest.msgpack"))
 
 
-def test_inconsistent_options_are_refused(source, tmp_path):
+def _parts_packed_apart(source: Path, tmp_path: Path, *packs: tuple[int, int, dict]) -> str:
+    """Parts (index, total, pack options) packed each into a folder of its own, then put in one: parts
+    packed at once, where none saw the others' manifests as it began."""
+    dst = tmp_path / "parts"
+    dst.mkdir()
+    for index, total, options in packs:
+        alone = tmp_path / f"alone-{index}"
+        ss.pack(str(options.pop("src", source / "src")), str(alone), shard_size="8KB", part=(index, total),
+                progress=False, **options)
+        for path in alone.iterdir():
+            if path.is_file():
+                shutil.copy(path, dst / path.name)
+    return str(dst)
+
+
+def test_a_part_of_other_options_is_refused_before_it_packs(source, tmp_path):
+    """Regression (found by a user's walk through packing on a cluster): a part packed with other
+    options than a part already there packed everything, and only then said the parts do not merge."""
     dst = str(tmp_path / "parts")
     ss.pack(str(source / "src"), dst, shard_size="8KB", part=(0, 2), progress=False)
-    ss.pack(str(source / "src"), dst, shard_size="8KB", part=(1, 2), seed=7, progress=False)
-    with pytest.raises(ManifestError, match=r"part 1 was packed with other options than part 0: \{'seed': \(7, 0\)\}$"):
+    before = files(dst)
+    with pytest.raises(ManifestError, match=re.escape("part 1 of 2 and part 0, packed already, do not merge: other "
+                                                      "options (seed 7 here, 0 in part 0)")):
+        ss.pack(str(source / "src"), dst, shard_size="8KB", part=(1, 2), seed=7, progress=False)
+    assert files(dst) == before  # nothing packed
+    other = tmp_path / "other"
+    make_image_folder(other, num_classes=3, images_per_class=[7, 9, 6], size_range=((32, 24), (48, 40)))
+    with pytest.raises(ManifestError, match="do not merge: another source listing"):
+        ss.pack(str(other), dst, shard_size="8KB", part=(1, 2), progress=False)
+    assert files(dst) == before
+    ss.pack(str(other), dst, shard_size="8KB", part=(0, 2), progress=False, overwrite=True)  # packing anew: let be
+
+
+def test_inconsistent_options_are_refused_naming_the_odd_part(source, tmp_path):
+    """Parts packed at once, none seeing another's manifest: the merge refuses, naming the part that
+    differs from most (not part 1, compared with a bad part 0), each value with its parts."""
+    dst = _parts_packed_apart(source, tmp_path, (0, 3, {"seed": 7}), (1, 3, {}), (2, 3, {}))
+    with pytest.raises(ManifestError, match=re.escape("part 0 was packed with other options than parts 1, 2 (seed 7 "
+                                                      "in part 0, 0 in parts 1, 2): pack it again with the others' "
+                                                      "options (--overwrite)")):
         merge(dst)
 
 
 def test_parts_of_another_source_are_refused(source, tmp_path):
     other = tmp_path / "other"
     make_image_folder(other, num_classes=3, images_per_class=[7, 9, 6], size_range=((32, 24), (48, 40)))
-    dst = str(tmp_path / "parts")
-    ss.pack(str(source / "src"), dst, shard_size="8KB", part=(0, 2), progress=False)
-    ss.pack(str(other), dst, shard_size="8KB", part=(1, 2), progress=False)
+    dst = _parts_packed_apart(source, tmp_path, (0, 2, {}), (1, 2, {"src": other}))
     # Named as another source, not as other options printed whole, which differed in the listing's digest alone.
     with pytest.raises(ManifestError, match="part 1 listed another source than part 0") as error:
         merge(dst)
@@ -445,7 +483,6 @@ def test_what_an_earlier_version_left_is_refused_naming_the_version(source, tmp_
     import msgpack
 
     from shardstream.format import Manifest
-    from shardstream.journal import Journal
 
     def as_an_earlier_version_wrote_it(path):
         manifest = Manifest.from_bytes(path.read_bytes(), str(path))
@@ -464,16 +501,8 @@ def test_what_an_earlier_version_left_is_refused_naming_the_version(source, tmp_
     with pytest.raises(ManifestError, match=r"parts \[1\] were packed by an earlier version"):
         merge(str(parts))
 
-    record = Journal.record
-
-    def interrupted(self, shard, info, skipped):
-        record(self, shard, info, skipped)
-        raise KeyboardInterrupt  # a kill, after the first shard
-
-    monkeypatch.setattr(Journal, "record", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        ss.pack(src, str(tmp_path / "killed"), shard_size="8KB", progress=False)
-    monkeypatch.setattr(Journal, "record", record)
+    killed_after_first_shard(monkeypatch, lambda: ss.pack(src, str(tmp_path / "killed"), shard_size="8KB",
+                                                          progress=False))
     plan = tmp_path / "killed" / ".shardstream-pack" / "main" / "plan.msgpack"
     written = msgpack.unpackb(plan.read_bytes())
     written["modified"] = written.pop("files")  # the stamp's name and content before

@@ -53,6 +53,19 @@ def test_ray_parts_equal_a_single_pack(tmp_path, local_ray):
     assert (manifest.classes, manifest.class_counts) == (single.classes, single.class_counts)
 
 
+def test_relative_paths_name_the_same_folders_in_the_ray_workers(tmp_path, local_ray, monkeypatch):
+    """Regression (found by a user's walk through packing on a cluster): the tasks got `src` and
+    `dst` as typed, and Ray's workers, started elsewhere, took them against their own working
+    folder: "src: ... nothing is there (part 1 of 2)". Made absolute before they go."""
+    from shardstream.executors import pack_with_ray
+
+    make_image_folder(tmp_path / "src", num_classes=2, images_per_class=[4, 3], size_range=((32, 24), (48, 40)))
+    monkeypatch.chdir(tmp_path)  # the workers were started in another folder (the module's Ray began there)
+    manifest, _ = pack_with_ray("src", "packed", parts=2, progress=False)
+    assert manifest.samples == 7 and keys(str(tmp_path / "packed")) == sorted(
+        p.relative_to(tmp_path / "src").with_suffix("").as_posix() for p in (tmp_path / "src").rglob("*.jpg"))
+
+
 def _reader_present(fifo: str) -> int | None:
     """A write end of `fifo` if some process has it open for reading (then its open() returns), else None."""
     try:
