@@ -89,6 +89,13 @@ def index_tars(source: str | os.PathLike[str] | Sequence[str], *, workers: int =
         writer=f"shardstream {__version__} (index)",
     )
     write_manifest(store, manifest)
+    if not counts.size and "cls" in manifest.shards.all_fields():
+        # WebDataset writers often store class names there ({"cls": "bird"}): read as labels they fail,
+        # sample after sample, long after this had read them all.
+        warnings.warn(f"{store.root}: samples hold a cls field, and none is an integer class index (class "
+                      "names?): the manifest has no class table, and fields=('cls',) fails on them; read them as "
+                      "bytes (decode=None), or pack the images with shardstream pack, which numbers the classes",
+                      stacklevel=2)
     return manifest
 
 

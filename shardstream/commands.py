@@ -137,6 +137,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
           f"{info['bytes'] / 1e6:,.1f} MB + {info['index_bytes'] / 1e3:,.1f} KB of index")
     say(f"tar bytes {info['tar_bytes'] / 1e6:,.1f} MB, compression ratio {info['compression_ratio']:.3f}")
     say(f"fields: {', '.join(info['fields'])}; written by {info['writer']} (format {info['format_version']})")
+    if info["options"]:
+        say("packed with: " + ", ".join(f"{name} {value}" for name, value in info["options"].items()))
     if info["classes"]:
         say(f"{len(info['classes'])} classes:")
         for name, count in info["classes"].items():

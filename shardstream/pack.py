@@ -103,9 +103,9 @@ class PackSummary:
     def __str__(self) -> str:
         rate = (self.samples - self.resumed) / self.seconds if self.seconds else 0.0
         earlier = f" ({self.resumed} of them by an earlier run)" if self.resumed else ""
+        timed = f" in {self.seconds:.2f} s ({rate:,.0f} img/s)" if self.resumed < self.samples else ""
         lines = [
-            f"packed {self.samples} samples{earlier} into {self.shards} shards in {self.seconds:.2f} s "
-            f"({rate:,.0f} img/s)",
+            f"packed {self.samples} samples{earlier} into {self.shards} shards{timed}",
             f"bytes in {self.bytes_in / 1e6:,.1f} MB, out {self.bytes_out / 1e6:,.1f} MB",
             f"skipped {len(self.skipped)}, not images {self.ignored}",
         ]

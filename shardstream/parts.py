@@ -148,7 +148,9 @@ def merge(dst: str, *, storage_options: dict[str, Any] | None = None, fsync: boo
     store = Store(dst, storage_options or {}, durable=flag(fsync, "fsync"))
     found = _part_manifests(store)
     if not found:
-        raise ShardstreamError("no part manifests (manifest.part-IIIII-of-NNNNN.msgpack) found", url=dst)
+        there = " (a dataset's manifest is there: a single pack's, with nothing to merge)" \
+            if store.exists(MANIFEST_NAME) else ""
+        raise ShardstreamError(f"no part manifests (manifest.part-IIIII-of-NNNNN.msgpack) found{there}", url=dst)
     totals = {n for n, _ in found.values()}
     if len(totals) != 1:
         raise ShardstreamError(f"part manifests disagree on the number of parts: {sorted(totals)}", url=dst)

@@ -50,6 +50,9 @@ def inspect_dataset(url: str, *, storage_options: dict[str, Any] | None = None) 
         "bytes": stored,
         "index_bytes": int(m.shards.index_bytes.sum()),
         "fields": fields,
+        # How it was packed (seed, shuffle, level, max_side, parts, ...): the source listing's
+        # and its files' digests left out, which say nothing to read.
+        "options": {k: v for k, v in m.options.items() if k not in ("listing", "sizes")},
         "classes": dict(zip(m.classes, m.class_counts)),
         "skipped": [{"file": f, "reason": r} for f, r in m.skipped],
         "ignored": m.ignored,

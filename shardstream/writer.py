@@ -300,10 +300,14 @@ class ShardWriter:
         self._claimed = True
 
     def abort(self) -> None:
-        """Drop the shard being written; write no manifest."""
+        """Drop the shard being written and those finished; write no manifest (an exception in
+        the `with` block does this). Finished shards no manifest lists were of no use, and a
+        second run into the folder refused them ("shard files that no manifest lists")."""
         if self._shard is not None:
             self._shard.abort()
             cleanup_scratch(self.store)  # the scratch folder, if that emptied it
+        if not self._closed:
+            self.store.remove_all(name for info in self.shards for name in (info.name, info.index))
         self._shard, self._pending, self._closed = None, [], True
 
 

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import warnings
 from pathlib import Path
 
 import fsspec
@@ -556,6 +557,44 @@ def test_repack_names_the_tar_a_refused_sample_came_from(tmp_path):
     with pytest.raises(ShardstreamError, match=r"src/shard-001\.tar, sample 's1_0', byte 3072: sample 's1_0' appears "
                                                r"again after other samples"):
         repack_tars(str(tmp_path / "src"), str(tmp_path / "out"))
+
+
+def test_a_failed_repack_leaves_no_shards_and_a_rerun_needs_no_overwrite(tmp_path):
+    """Regression (found by a user's walk through adopting WebDataset data): a repack that failed
+    on the third tar left the shards it had finished, listed by no manifest, and the rerun was
+    refused ("already holds shard files that no manifest lists ... pass --overwrite")."""
+    (tmp_path / "src").mkdir()
+    for i in range(3):
+        with tarfile.open(tmp_path / "src" / f"shard-{i:03d}.tar", "w") as tf:
+            for j in range(3):
+                _member(tf, f"s{i}_{j}.txt", bytes(range(256)) * 8)
+            if i == 2:
+                _member(tf, "s2_0.cls", b"1")  # key s2_0 again, not adjacent: the reader refuses it
+    with pytest.raises(ShardstreamError, match="appears again after other samples"):
+        repack_tars(str(tmp_path / "src"), str(tmp_path / "out"), shard_size="4KB")
+    assert sorted(p.name for p in (tmp_path / "out").rglob("*") if p.is_file()) == []
+    (tmp_path / "src" / "shard-002.tar").unlink()
+    manifest = repack_tars(str(tmp_path / "src"), str(tmp_path / "out"), shard_size="4KB")
+    assert manifest.samples == 6 and len(manifest.shards) > 1
+
+
+def test_index_warns_of_class_names_in_cls(tmp_path):
+    """Regression (found by a user's walk through adopting WebDataset data): tars whose `cls` holds
+    class names (`{"cls": "bird"}`, common practice) were indexed with "0 classes" and no word, and
+    streaming them with fields=("jpg", "cls") failed at the first sample."""
+    with tarfile.open(tmp_path / "shard-000000.tar", "w") as tf:
+        for i, name in enumerate(("bird", "cat")):
+            _member(tf, f"s{i}.txt", b"x")
+            _member(tf, f"s{i}.cls", name.encode())
+    with pytest.warns(UserWarning, match="none is an integer class index \\(class names\\?\\)"):
+        manifest = index_tars(str(tmp_path), progress=False)
+    assert manifest.samples == 2 and manifest.classes == ()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with tarfile.open(tmp_path / "shard-000000.tar", "w") as tf:
+            _member(tf, "s0.txt", b"x")
+            _member(tf, "s0.cls", b"1")
+        assert index_tars(str(tmp_path), progress=False, overwrite=True).classes == ("0", "1")
 
 
 def test_index_refuses_a_class_index_past_the_format_limit(tmp_path):

@@ -57,9 +57,13 @@ def test_pack_inspect_verify(image_folder, tmp_path, packed, dataset_files):
     assert info["fields"] == ["cls", "jpg"]
     assert info["skipped"] == [] and info["ignored"] == 1
     assert info["bytes"] == sum(p.stat().st_size for p in dst.glob("shard-*.tar.zst"))
+    # How it was packed, as the manifest records it, its digests of the source left out.
+    assert info["options"]["seed"] == 0 and info["options"]["max_side"] is None
+    assert "listing" not in info["options"] and "sizes" not in info["options"]
 
     text = cli("inspect", dst)
     assert text.returncode == 0 and "21 samples" in text.stdout and "class_001: 7" in text.stdout
+    assert "packed with: " in text.stdout and ", seed 0, shuffle True," in text.stdout
 
     checked = cli("verify", dst, "--quiet")
     assert checked.returncode == 0, checked.stdout + checked.stderr

@@ -1007,6 +1007,7 @@ def test_a_finished_pack_rerun_with_resume_says_an_earlier_run_packed_it(image_f
     again = run_pack(image_folder, tmp_path / "ds", resume=True)
     assert again.resumed == again.samples > 0
     assert f"({again.samples} of them by an earlier run)" in str(again)
+    assert " s (" not in str(again).splitlines()[0]  # no time and rate for nothing packed now (was 0 img/s)
 
 
 def test_a_finished_pack_that_skipped_files_is_refused_as_done_under_fail(image_folder_copy, tmp_path):

@@ -112,6 +112,12 @@ def test_a_part_looks_up_only_the_files_it_packs(source, tmp_path, monkeypatch):
     assert merge(str(tmp_path / "parts")).samples == len(images)
 
 
+def test_merge_of_a_single_pack_says_so(source):
+    with pytest.raises(ShardstreamError, match="no part manifests .* found \\(a dataset's manifest is there: a "
+                                               "single pack's, with nothing to merge\\)"):
+        merge(str(source / "single"))
+
+
 def test_a_missing_part_is_named(source, tmp_path):
     dst = str(tmp_path / "parts")
     for part in (0, 2):
