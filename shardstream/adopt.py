@@ -94,7 +94,7 @@ def index_tars(source: str | os.PathLike[str] | Sequence[str], *, workers: int =
         # sample after sample, long after this had read them all.
         warnings.warn(f"{store.root}: samples hold a cls field, and none is an integer class index (class "
                       "names?): the manifest has no class table, and fields=('cls',) fails on them; read them as "
-                      "bytes (decode=None), or pack the images with shardstream pack, which numbers the classes",
+                      "bytes (decode=None), or `shardstream repack --class-names` them, which numbers the classes",
                       stacklevel=2)
     return manifest
 
@@ -102,14 +102,17 @@ def index_tars(source: str | os.PathLike[str] | Sequence[str], *, workers: int =
 def repack_tars(source: str | os.PathLike[str] | Sequence[str], dst: str | os.PathLike[str], *,
                 shard_size: int | str = "256MB", compression: str = "zstd", level: int = IMAGE_LEVEL,
                 storage_options: dict[str, Any] | None = None, progress: bool = False,
-                overwrite: bool = False) -> Manifest:
+                overwrite: bool = False, class_names: bool = False) -> Manifest:
     """Rewrite tars written by other tools (`.tar`, `.tar.gz`, `.tar.zst`, ...) as a shardstream dataset at `dst`.
 
     `source` is as for `index_tars`, but compressed tars are welcome: each is read
     once, front to back, and every sample goes to `dst` with its key and its fields'
     bytes unchanged, in order, through `ShardWriter` (zstd frames, indexes, a manifest;
-    a `cls` field must then hold an integer, and keys must be unique). The shards are
-    read one after another; the output is the same whatever the machine. A dataset
+    a `cls` field must then hold an integer, and keys must be unique). With `class_names`,
+    a `cls` holds a class's name (`{"cls": "bird"}`, as WebDataset writers often store it):
+    the tars are read twice, first for the names, which sorted make the class table (as
+    torchvision's ImageFolder sorts its folders), then written with each `cls` its index.
+    The shards are read one after another; the output is the same whatever the machine. A dataset
     already at `dst` is replaced only with `overwrite`, as `pack` does.
     """
     from .progress import progress_bar
@@ -130,19 +133,41 @@ def repack_tars(source: str | os.PathLike[str] | Sequence[str], dst: str | os.Pa
     # Another tool's bytes as they came (as `index` keeps them): a field that does not read
     # back as its extension says (Latin-1 text) is the reader's to refuse, one sample, not
     # the whole repack's.
+    classes = _class_names(store, names, progress) if flag(class_names, "class_names") else None
     writer = ShardWriter(dst, shard_size, compression=compression, level=level if compression == "zstd" else LEVEL,
-                         storage_options=options, overwrite=overwrite, check_bytes=False)
+                         storage_options=options, overwrite=overwrite, check_bytes=False, classes=classes or ())
+    numbers = {name.encode(): str(i).encode() for i, name in enumerate(classes or ())}
     try:
         with progress_bar(total=len(names), unit="shard", desc="repack", disable=not progress) as bar:
             for name in names:
                 for sample in StreamTarReader(store, name):
                     sample.pop("__url__", None)
+                    if classes is not None and "cls" in sample:
+                        sample["cls"] = numbers[bytes(sample["cls"])]
                     _write_from(writer, sample, store.url(name))
                 bar.update(1)
     except BaseException:
         writer.abort()  # no manifest, no partial shard
         raise
     return writer.close()
+
+
+def _class_names(store: Store, names: list[str], progress: bool) -> list[str]:
+    """Every `cls` of the tars `names`, as text, sorted: a first reading of them all."""
+    from .progress import progress_bar
+
+    found: set[str] = set()
+    with progress_bar(total=len(names), unit="shard", desc="class names", disable=not progress) as bar:
+        for name in names:
+            for sample in StreamTarReader(store, name):
+                if "cls" in sample:
+                    try:
+                        found.add(bytes(sample["cls"]).decode("utf-8"))
+                    except UnicodeDecodeError:
+                        raise ShardstreamError("cls is not UTF-8 text, which class names are", url=store.url(name),
+                                               key=sample.get("__key__")) from None
+            bar.update(1)
+    return sorted(found)
 
 
 def _same_folder(a: Store, b: Store) -> bool:

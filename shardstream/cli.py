@@ -232,6 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compression", choices=("zstd", "none"), default="zstd")
     p.add_argument("--level", type=_level, default=IMAGE_LEVEL, help=f"zstd level (default {IMAGE_LEVEL})")
     p.add_argument("--overwrite", action="store_true", help="replace a dataset already at DST")
+    p.add_argument("--class-names", action="store_true",
+                   help="cls holds class names (\"bird\"): number them in sorted order (reads the tars twice)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=cmd_repack)
 

@@ -597,6 +597,27 @@ def test_index_warns_of_class_names_in_cls(tmp_path):
         assert index_tars(str(tmp_path), progress=False, overwrite=True).classes == ("0", "1")
 
 
+def test_repack_numbers_class_names_in_sorted_order(tmp_path):
+    """`{"cls": "bird"}` tars (found by the same walk: no way to give them a class table): `repack
+    --class-names` numbers the names as ImageFolder numbers its folders, sorted, and streams them."""
+    (tmp_path / "src").mkdir()
+    names = {"s0": "zebra", "s1": "bird", "s2": "cat", "s3": "bird"}
+    with tarfile.open(tmp_path / "src" / "shard-000000.tar.gz", "w:gz") as tf:
+        for key, name in names.items():
+            _member(tf, f"{key}.txt", key.encode())
+            _member(tf, f"{key}.cls", name.encode())
+        _member(tf, "s4.txt", b"no class")
+    result = subprocess.run([sys.executable, "-m", "shardstream.cli", "repack", str(tmp_path / "src"),
+                             str(tmp_path / "out"), "--class-names", "--quiet"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    manifest = ss.open_dataset(str(tmp_path / "out")).manifest
+    assert manifest.classes == ("bird", "cat", "zebra") and manifest.class_counts == (2, 1, 1)
+    got = {s["__key__"]: s.get("cls") for s in ss.StreamingDataset(str(tmp_path / "out"))}
+    assert got == {"s0": 2, "s1": 0, "s2": 1, "s3": 0, "s4": None}
+    with pytest.raises(ShardstreamError, match="cls must be an integer class index, not b'zebra'"):
+        repack_tars(str(tmp_path / "src"), str(tmp_path / "plain"))
+
+
 def test_index_refuses_a_class_index_past_the_format_limit(tmp_path):
     """cls 16777216 made a class table of 16.7 million names (a 157 MB manifest), 3e9 a numpy MemoryError."""
     with tarfile.open(tmp_path / "shard-000000.tar", "w") as tf:
