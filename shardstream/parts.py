@@ -157,7 +157,10 @@ def merge(dst: str, *, storage_options: dict[str, Any] | None = None, fsync: boo
     total = totals.pop()
     missing = [i for i in range(total) if i not in found]
     if missing:
-        names = ", ".join(f"part {i} (manifest.part-{i:05d}-of-{total:05d}.msgpack)" for i in missing)
+        begun = _begun_parts(store, total)
+        names = ", ".join(f"part {i} (manifest.part-{i:05d}-of-{total:05d}.msgpack"
+                          + ("; begun and not finished: --resume continues it" if i in begun else "") + ")"
+                          for i in missing)
         raise ShardstreamError(f"missing {len(missing)} of {total} parts: {names}", url=dst)
 
     parts = [Manifest.from_bytes(store.read(found[i][1]), store.url(found[i][1])) for i in range(total)]
@@ -201,6 +204,16 @@ def merge(dst: str, *, storage_options: dict[str, Any] | None = None, fsync: boo
     if store.local:  # the parts' journals are gone; their common folder can go too
         remove_journal_folder(store.url(JOURNAL_FOLDER))
     return manifest
+
+
+def _begun_parts(store: Store, total: int) -> set[int]:
+    """The parts of `total` whose journal is in `store`: runs begun and, where their manifest is
+    missing, not finished (killed); one listing."""
+    try:
+        folders = replace(store, root=store.url(JOURNAL_FOLDER)).folders()
+    except ShardstreamError:
+        return set()
+    return {int(match.group(1)) for name in folders if (match := re.fullmatch(rf"part-(\d{{5}})-of-{total:05d}", name))}
 
 
 def _options_told(manifest: Manifest) -> dict[str, Any]:

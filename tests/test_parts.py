@@ -112,6 +112,16 @@ def test_a_part_looks_up_only_the_files_it_packs(source, tmp_path, monkeypatch):
     assert merge(str(tmp_path / "parts")).samples == len(images)
 
 
+def test_a_missing_part_begun_and_killed_is_said_to_resume(source, tmp_path, monkeypatch):
+    dst = str(tmp_path / "parts")
+    ss.pack(str(source / "src"), dst, shard_size="8KB", part=(0, 2), progress=False)
+    killed_after_first_shard(monkeypatch, lambda: ss.pack(str(source / "src"), dst, shard_size="8KB", part=(1, 2),
+                                                          progress=False))
+    with pytest.raises(ShardstreamError, match=re.escape("missing 1 of 2 parts: part 1 (manifest.part-00001-of-00002"
+                                                         ".msgpack; begun and not finished: --resume continues it)")):
+        merge(dst)
+
+
 def test_merge_of_a_single_pack_says_so(source):
     with pytest.raises(ShardstreamError, match="no part manifests .* found \\(a dataset's manifest is there: a "
                                                "single pack's, with nothing to merge\\)"):
