@@ -169,7 +169,7 @@ class Checkpointing:
         """
         if delivered is None and get_worker_info() is not None:
             return self._worker_state()
-        if self._shared.loader_copy_iterates and not self._loader_copy:
+        if delivered is None and self._shared.loader_copy_iterates and not self._loader_copy:
             raise ShardstreamError(
                 "shardstream.DataLoader iterates a copy of this dataset, and this one has not seen what it "
                 "delivered: take the state from the loader (loader.state_dict())")

@@ -503,7 +503,8 @@ class StreamingDataset(Checkpointing, IterableDataset):
         if loaded is None and self._worker_resume:  # a worker's own state applies to one iteration
             self._resume, self._worker_resume = None, False
         block, plan, segment, delivered, epoch = self._rank_block(world)
-        self._shared.iterating_workers = world.workers if get_worker_info() is not None else 0
+        if not self._loader_copy:  # shardstream.DataLoader gives its counts itself: the slot is torch's loops'
+            self._shared.iterating_workers = world.workers if get_worker_info() is not None else 0
         if get_worker_info() is not None:
             end_with_parent()  # torch's own DataLoader too, whose workers look for their parent only between items
         self._shared.loader_copy_iterates = self._loader_copy

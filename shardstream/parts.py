@@ -176,14 +176,16 @@ def merge(dst: str, *, storage_options: dict[str, Any] | None = None, fsync: boo
             raise ManifestError(f"this manifest says it is part {part.options.get('part')}, not [{i}, {total}]",
                                 url=store.url(found[i][1]))
     # The options first: another seed orders the listing otherwise, and changes its digest too.
-    odd, usual = _odd_ones_out([(_options_told(part), part.compression) for part in parts])
-    if odd:
+    odd_groups, usual = _odd_ones_out([(sorted(_options_told(part).items()), part.compression) for part in parts])
+    if odd_groups:
+        odd = sorted(i for group in odd_groups for i in group)
+        told = "; ".join(f"{_parts(group)}: {_told_apart(parts[group[0]], parts[usual[0]])}" for group in odd_groups)
         raise ManifestError(f"{_parts(odd)} {'was' if len(odd) == 1 else 'were'} packed with other options than "
-                            f"{_parts(usual)} ({_told_apart(parts[odd[0]], parts[usual[0]], odd, usual)}): pack "
-                            f"{'it' if len(odd) == 1 else 'them'} again with the others' options (--overwrite)",
-                            url=store.url(found[odd[0]][1]))
-    odd, usual = _odd_ones_out([(part.options.get("listing"), part.classes, part.ignored) for part in parts])
-    if odd:
+                            f"{_parts(usual)} ({told}): pack {'it' if len(odd) == 1 else 'them'} again with the "
+                            "others' options (--overwrite)", url=store.url(found[odd[0]][1]))
+    odd_groups, usual = _odd_ones_out([(part.options.get("listing"), part.classes, part.ignored) for part in parts])
+    if odd_groups:
+        odd = sorted(i for group in odd_groups for i in group)
         raise ManifestError(f"{_parts(odd)} listed another source than {_parts(usual)} (other file names, labels "
                             "or class folders, or another count of files that are not images): every part must "
                             "list the same source", url=store.url(found[odd[0]][1]))
@@ -221,15 +223,19 @@ def _options_told(manifest: Manifest) -> dict[str, Any]:
     return {k: v for k, v in _common_options(manifest).items() if k != "listing"}
 
 
-def _odd_ones_out(keys: list[Any]) -> tuple[list[int], list[int]]:
-    """(the parts whose `keys` differ from most parts', the others): where parts disagree, those
-    of the largest group (part 0's, in a tie) are taken for right, so that one bad part among
-    32 is named, not the 31 compared with it."""
-    groups: dict[str, list[int]] = {}
+def _odd_ones_out(keys: list[Any]) -> tuple[list[list[int]], list[int]]:
+    """(the groups of parts whose `keys` differ from most parts', each alike within, the most
+    parts'): where parts disagree, the largest group (part 0's, in a tie) is taken for right,
+    so that one bad part among 32 is named, not the 31 compared with it."""
+    groups: list[tuple[Any, list[int]]] = []
     for i, key in enumerate(keys):
-        groups.setdefault(repr(key), []).append(i)
-    usual = max(groups.values(), key=lambda members: (len(members), members == groups[repr(keys[0])]))
-    return [i for i in range(len(keys)) if i not in usual], usual
+        group = next((members for known, members in groups if known == key), None)
+        if group is None:
+            groups.append((key, [i]))
+        else:
+            group.append(i)
+    usual = max((members for _, members in groups), key=lambda members: (len(members), 0 in members))
+    return [members for _, members in groups if members is not usual], usual
 
 
 def _parts(numbers: list[int]) -> str:
@@ -237,13 +243,12 @@ def _parts(numbers: list[int]) -> str:
     return f"part {shown}" if len(numbers) == 1 else f"parts {shown}"
 
 
-def _told_apart(odd: Manifest, usual: Manifest, odd_numbers: list[int], usual_numbers: list[int]) -> str:
-    """How an odd part's options differ from the usual ones, each value named by its parts."""
+def _told_apart(odd: Manifest, usual: Manifest) -> str:
+    """How an odd part's options differ from the usual ones: each as "name theirs, not ours"."""
     differ = _differences(_common_options(odd), _common_options(usual))
     if odd.compression != usual.compression:
         differ["compression"] = (odd.compression, usual.compression)
-    return "; ".join(f"{name} {theirs!r} in {_parts(odd_numbers)}, {ours!r} in {_parts(usual_numbers)}"
-                     for name, (theirs, ours) in differ.items())
+    return ", ".join(f"{name} {theirs!r}, not {ours!r}" for name, (theirs, ours) in differ.items())
 
 
 def check_part_agrees(store: Store, part: tuple[int, int], options: dict[str, Any], compression: str,
@@ -259,6 +264,8 @@ def check_part_agrees(store: Store, part: tuple[int, int], options: dict[str, An
         there = Manifest.from_bytes(store.read(found[other]), store.url(found[other]))
     except ShardstreamError:
         return  # unreadable: the merge says so
+    if "sizes" not in there.options:
+        return  # an earlier version's part, whose listing digest is of another kind: the merge says so
     ours = {k: v for k, v in options.items() if k not in ("part", "prefix", "sizes")}
     differ = _differences(ours, _common_options(there))
     if compression != there.compression:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import re
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -473,7 +474,9 @@ def _found_instead(store: Store) -> str:
         "nothing is there: no object has this prefix"
 
 
-_LOOK_AT = 64  # entries a folder (and each of its first few subfolders) is looked at for, at most
+_LOOK_AT = 10_000  # a folder's entries looked at, at most (each subfolder's: `_LOOK_INSIDE`)
+_LOOK_INSIDE = 64
+_PART_MANIFEST = re.compile(r"manifest\.part-\d{5}-of-\d{5}\.msgpack")
 
 
 def _found_in_folder(root: str) -> str:
@@ -483,20 +486,29 @@ def _found_in_folder(root: str) -> str:
         seen = [(entry.name, entry.is_dir()) for _, entry in zip(range(_LOOK_AT), entries)]
     if not seen:
         return "an empty folder"
-    folders = [name for name, is_dir in seen if is_dir and not name.startswith(".")]
-    datasets = [name for name in sorted(folders) if os.path.isfile(os.path.join(root, name, MANIFEST_NAME))]
+    files = [name for name, is_dir in seen if not is_dir]
+    folders = sorted(name for name, is_dir in seen if is_dir and not name.startswith("."))
+    if any(_PART_MANIFEST.fullmatch(name) for name in files):
+        return "parts of a pack, not merged yet: `shardstream merge` merges them once every part is there"
+    datasets = [name for name in folders if os.path.isfile(os.path.join(root, name, MANIFEST_NAME))]
     if datasets:
         return f"datasets in its folders ({', '.join(datasets[:3])}{', ...' if len(datasets) > 3 else ''}): " \
             "name one of them"
-    if any(image_field(name) for name, is_dir in seen if not is_dir) or any(
-            _holds_images(os.path.join(root, name)) for name in sorted(folders)[:3]):
+    if any(image_field(name) for name in files) or any(_holds_images(os.path.join(root, name), 0) for name in
+                                                       folders[:3]):
         return _PACK_FIRST
+    splits = [name for name in folders[:3] if _holds_images(os.path.join(root, name), 1)]
+    if splits:  # train/ and val/, each of class folders
+        return f"image folders in its folders ({', '.join(splits)}): `shardstream pack` packs each into a dataset"
     return _NO_MANIFEST
 
 
-def _holds_images(folder: str) -> bool:
+def _holds_images(folder: str, depth: int) -> bool:
+    """Whether `folder`, or (`depth` levels down) its first few subfolders, hold image files."""
     with os.scandir(folder) as entries:
-        return any(image_field(entry.name) for _, entry in zip(range(_LOOK_AT), entries))
+        seen = [(entry.name, entry.is_dir()) for _, entry in zip(range(_LOOK_INSIDE), entries)]
+    return any(image_field(name) for name, is_dir in seen if not is_dir) or depth > 0 and any(
+        _holds_images(os.path.join(folder, name), depth - 1) for name in sorted(n for n, d in seen if d)[:3])
 
 
 def _names_a_dataset_folder(url: str, options: dict[str, Any]) -> bool:

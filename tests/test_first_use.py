@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import re
+import shutil
 import subprocess
 import sys
 import warnings
@@ -159,9 +160,22 @@ def test_a_location_without_a_manifest_says_what_is_there(mixed, tmp_path):
     src, url = mixed
     (tmp_path / "empty").mkdir()
     parent = Path(url).parent
+    splits = tmp_path / "splits"
+    for split in ("train", "val"):
+        shutil.copytree(src, splits / split)
+    runs = tmp_path / "runs"  # a dataset among many folders (found by review: the first 64 entries only)
+    for i in range(300):
+        (runs / f"run{i:03d}").mkdir(parents=True)
+    shutil.copytree(url, runs / "run150" / "ds")
+    (runs / "run150" / "ds").rename(runs / "zz_ds")
+    parts = tmp_path / "parts"
+    ss.pack(str(src), str(parts), part=(0, 2), workers=1, progress=False)
     cases = {tmp_path / "nowhere": "(no such folder)", tmp_path / "empty": "(an empty folder)",
              src: "images, not shards: `shardstream pack` packs a folder of class folders",
-             src / "cat": "images, not shards", parent: f"datasets in its folders ({Path(url).name}): name one"}
+             src / "cat": "images, not shards", parent: f"datasets in its folders ({Path(url).name}): name one",
+             splits: "image folders in its folders (train, val): `shardstream pack` packs each",
+             runs: "datasets in its folders (zz_ds): name one",
+             parts: "parts of a pack, not merged yet: `shardstream merge` merges them"}
     for location, said in cases.items():
         with pytest.raises(ManifestError, match=re.escape(said)):
             ss.StreamingDataset(str(location)).resolve()

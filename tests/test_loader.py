@@ -741,6 +741,45 @@ def test_two_loaders_of_one_dataset_keep_their_own_counts_and_states(packed):
     del train, look
 
 
+def test_a_state_loaded_into_the_loaders_own_dataset_reaches_its_persistent_workers(packed):
+    """Regression (found by review of the change above): `loader.dataset.load_state_dict(state)` (README
+    names `loader.dataset`) with persistent workers alive was refused by those workers; with the check
+    let go for the loader's copy, they read the epoch from its start and repeated the samples before
+    the state, silently. Workers started before the copy's state are replaced now."""
+    full = [tuple(keys) for keys, in DataLoader(keys_of(packed), batch_size=2, num_workers=2,
+                                               persistent_workers=False)]
+    loader = DataLoader(keys_of(packed), batch_size=2, num_workers=2)
+    it = iter(loader)
+    taken = [tuple(next(it)[0]) for _ in range(3)]
+    state = loader.state_dict()
+    del it
+    assert [tuple(keys) for keys, in loader] == full  # a whole pass: the workers live on
+    loader.dataset.load_state_dict(state)
+    assert len(loader) == len(full) - 3
+    assert taken + [tuple(keys) for keys, in loader] == full
+    del loader
+
+
+def test_a_look_through_shardstreams_loader_leaves_a_torch_loops_state_alone(packed):
+    """Found by review: training through torch's DataLoader and a look at a batch through
+    shardstream.DataLoader over the same dataset: the look's pass made `ds.state_dict(delivered=...,
+    num_workers=...)` refuse (it said to take the state from the look's loader, and, with another
+    worker count, that the count given was wrong)."""
+    def torch_loader(ds: StreamingDataset):  # type: ignore[no-untyped-def]
+        return torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=False)
+
+    full = [tuple(item) for item in torch_loader(keys_of(packed))]
+    ds = keys_of(packed)
+    it = iter(torch_loader(ds))
+    taken = [tuple(next(it)) for _ in range(5)]
+    next(iter(DataLoader(ds, batch_size=2, num_workers=1, persistent_workers=False)))
+    state = ds.state_dict(delivered=5, num_workers=2)
+    del it
+    resumed = keys_of(packed)
+    resumed.load_state_dict(state)
+    assert taken + [tuple(item) for item in torch_loader(resumed)] == full
+
+
 class _FailsEveryOtherEpoch:
     """A user transform with a bug that shows in epochs 0, 2, 4, ..."""
 

@@ -143,7 +143,7 @@ def _parts_packed_apart(source: Path, tmp_path: Path, *packs: tuple[int, int, di
     """Parts (index, total, pack options) packed each into a folder of its own, then put in one: parts
     packed at once, where none saw the others' manifests as it began."""
     dst = tmp_path / "parts"
-    dst.mkdir()
+    dst.mkdir(parents=True)
     for index, total, options in packs:
         alone = tmp_path / f"alone-{index}"
         ss.pack(str(options.pop("src", source / "src")), str(alone), shard_size="8KB", part=(index, total),
@@ -176,9 +176,16 @@ def test_inconsistent_options_are_refused_naming_the_odd_part(source, tmp_path):
     """Parts packed at once, none seeing another's manifest: the merge refuses, naming the part that
     differs from most (not part 1, compared with a bad part 0), each value with its parts."""
     dst = _parts_packed_apart(source, tmp_path, (0, 3, {"seed": 7}), (1, 3, {}), (2, 3, {}))
-    with pytest.raises(ManifestError, match=re.escape("part 0 was packed with other options than parts 1, 2 (seed 7 "
-                                                      "in part 0, 0 in parts 1, 2): pack it again with the others' "
-                                                      "options (--overwrite)")):
+    with pytest.raises(ManifestError, match=re.escape("part 0 was packed with other options than parts 1, 2 (part 0: "
+                                                      "seed 7, not 0): pack it again with the others' options "
+                                                      "(--overwrite)")):
+        merge(dst)
+    # Odd parts that differ each their own way are each told (found by review: part 2's level was
+    # not named, and part 1's seed was said of it).
+    dst = _parts_packed_apart(source, tmp_path / "five", (0, 5, {}), (1, 5, {"seed": 7}), (2, 5, {"level": 5}),
+                              (3, 5, {}), (4, 5, {}))
+    with pytest.raises(ManifestError, match=re.escape("parts 1, 2 were packed with other options than parts 0, 3, 4 "
+                                                      "(part 1: seed 7, not 0; part 2: level 5, not -1)")):
         merge(dst)
 
 
