@@ -41,9 +41,9 @@ except ImportError:  # the C extension was not built (no libjpeg-turbo headers o
 #: Whether JPEG crops are decoded region only (the `_jpegregion` extension is built).
 REGION_DECODER = _jpegregion is not None
 
-__all__ = ["Decoder", "DecodedCrop", "decode_image", "decode_rgb", "decode_rgb_crop", "image_formats_hint", "image_size",
-           "is_jpeg", "jpeg_crop_decoder", "jpeg_damage", "jpeg_ends", "narrowed_grey", "open_image", "IMAGE_EXTENSIONS",
-           "IMAGE_MODES", "JPEG_FORMATS", "PIL_FORMATS", "REGION_DECODER"]
+__all__ = ["Decoder", "DecodedCrop", "decode_image", "decode_rgb", "decode_rgb_crop", "image_formats_hint",
+           "image_size", "is_jpeg", "jpeg_crop_decoder", "jpeg_damage", "jpeg_ends", "narrowed_grey", "open_image",
+           "IMAGE_EXTENSIONS", "IMAGE_MODES", "JPEG_FORMATS", "PIL_FORMATS", "REGION_DECODER"]
 
 IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp", "ppm", "pgm", "bmp", "gif", "tif", "tiff"})
 IMAGE_MODES = (None, "pil", "rgb8")

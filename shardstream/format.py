@@ -8,6 +8,7 @@ a damaged one fails here with a message naming the file, not later with a KeyErr
 from __future__ import annotations
 
 import itertools
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,8 @@ from .shardtable import ShardInfo as ShardInfo, ShardTable  # ShardInfo: re-expo
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.msgpack"
+# A part's manifest (`pack --part I/N`): its number and the number of parts, five digits each.
+PART_MANIFEST = re.compile(r"manifest\.part-(\d{5})-of-(\d{5})\.msgpack")
 INDEX_SUFFIX = ".idx"
 MAX_MANIFEST_BYTES = 1 << 30
 MAX_INDEX_BYTES = 256 << 20

@@ -68,8 +68,9 @@ class Journal:
                                        "shardstream, whose record this one cannot compare; run without resume "
                                        "(--resume) to start over", url=self.store.root)
             if previous != plan:
-                raise ShardstreamError(f"cannot resume: the earlier pack differs ({_what_changed(previous, plan)}); run "
-                                       "as it ran, or without resume (--resume) to start over", url=self.store.root)
+                changed = _what_changed(previous, plan)
+                raise ShardstreamError(f"cannot resume: the earlier pack differs ({changed}); run as it ran, or "
+                                       "without resume (--resume) to start over", url=self.store.root)
             # One listing gives every shard's size: asking whether each shard is there and its
             # size was 2 requests in a row a finished shard (a part's thousand shards on S3: a minute).
             sizes = self.shards.sizes()

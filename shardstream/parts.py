@@ -17,18 +17,17 @@ from typing import Any
 
 from .arguments import flag
 from .errors import ManifestError, ShardstreamError
-from .format import INDEX_SUFFIX, MANIFEST_NAME, Manifest, ShardInfo
+from .format import INDEX_SUFFIX, MANIFEST_NAME, PART_MANIFEST, Manifest, ShardInfo
 from .shardtable import ShardTable
 from .storage import Store
 from .journal import FOLDER as JOURNAL_FOLDER, remove_journal_folder
 from .threads import ordered_map
 from .writer import write_manifest
 
-__all__ = ["MAX_PARTS", "check_part_agrees", "merge", "missing_parts", "other_journals", "other_packs", "part_shards", "unplanned_part_shards",
-           "unplanned_single_shards", "unlisted_single_shards"]
+__all__ = ["MAX_PARTS", "check_part_agrees", "merge", "missing_parts", "other_journals", "other_packs", "part_shards",
+           "unplanned_part_shards", "unplanned_single_shards", "unlisted_single_shards"]
 
 MAX_PARTS = 10**5  # part numbers have five digits in the file names (FORMAT.md)
-_PART = re.compile(r"manifest\.part-(\d{5})-of-(\d{5})\.msgpack")
 # A part's shard, or its index: one whose shard went first (a removal killed between the two,
 # or removals remote in any order) would be matched by nothing else, and stay for good.
 _PART_SHARD = re.compile(r"shard-p(\d{5})-\d{6}\.tar(\.zst)?(\.idx)?")
@@ -41,7 +40,7 @@ def _part_manifests(store: Store) -> dict[int, tuple[int, str]]:
     """The part manifests in `store`: part number -> (number of parts, file name)."""
     found: dict[int, tuple[int, str]] = {}
     for name in store.list(".msgpack"):
-        match = _PART.fullmatch(name)
+        match = PART_MANIFEST.fullmatch(name)
         if match:
             found[int(match.group(1))] = (int(match.group(2)), name)
     return found
@@ -60,7 +59,8 @@ def other_packs(store: Store, parts: int | None) -> tuple[list[str], list[str]]:
     may be another part of this pack at work, and cannot be told apart).
     """
     names = store.list()  # one listing answers all three questions (one request, remotely)
-    manifests = [name for name in names if (match := _PART.fullmatch(name)) and int(match.group(2)) != parts]
+    manifests = [name for name in names
+                 if (match := PART_MANIFEST.fullmatch(name)) and int(match.group(2)) != parts]
     if parts is None:
         return manifests, []
     if MANIFEST_NAME in names and _merged_parts(store) != parts:
@@ -215,7 +215,8 @@ def _begun_parts(store: Store, total: int) -> set[int]:
         folders = replace(store, root=store.url(JOURNAL_FOLDER)).folders()
     except ShardstreamError:
         return set()
-    return {int(match.group(1)) for name in folders if (match := re.fullmatch(rf"part-(\d{{5}})-of-{total:05d}", name))}
+    journal = re.compile(rf"part-(\d{{5}})-of-{total:05d}")
+    return {int(match.group(1)) for name in folders if (match := journal.fullmatch(name))}
 
 
 def _options_told(manifest: Manifest) -> dict[str, Any]:
@@ -243,11 +244,17 @@ def _parts(numbers: list[int]) -> str:
     return f"part {shown}" if len(numbers) == 1 else f"parts {shown}"
 
 
+def _differing(options: dict[str, Any], compression: str, other: Manifest) -> dict[str, tuple[Any, Any]]:
+    """`_differences` of a part's `options` (and `compression`) from part manifest `other`'s."""
+    differ = _differences(options, _common_options(other))
+    if compression != other.compression:
+        differ["compression"] = (compression, other.compression)
+    return differ
+
+
 def _told_apart(odd: Manifest, usual: Manifest) -> str:
     """How an odd part's options differ from the usual ones: each as "name theirs, not ours"."""
-    differ = _differences(_common_options(odd), _common_options(usual))
-    if odd.compression != usual.compression:
-        differ["compression"] = (odd.compression, usual.compression)
+    differ = _differing(_common_options(odd), odd.compression, usual)
     return ", ".join(f"{name} {theirs!r}, not {ours!r}" for name, (theirs, ours) in differ.items())
 
 
@@ -266,10 +273,7 @@ def check_part_agrees(store: Store, part: tuple[int, int], options: dict[str, An
         return  # unreadable: the merge says so
     if "sizes" not in there.options:
         return  # an earlier version's part, whose listing digest is of another kind: the merge says so
-    ours = {k: v for k, v in options.items() if k not in ("part", "prefix", "sizes")}
-    differ = _differences(ours, _common_options(there))
-    if compression != there.compression:
-        differ["compression"] = (compression, there.compression)
+    differ = _differing({k: v for k, v in options.items() if k not in ("part", "prefix", "sizes")}, compression, there)
     said = f"part {part[0]} of {part[1]} and part {other}, packed already, do not merge: "
     if differ:
         told = "; ".join(f"{name} {mine!r} here, {theirs!r} in part {other}" for name, (mine, theirs) in differ.items())

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import re
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -22,7 +21,8 @@ import numpy as np
 from .braces import expand_braces, folder_named, names_shards
 from .columns import MAX_CLASS, class_of, label_column, sampling_weight_of, weight_column
 from .errors import ManifestError, ShardstreamError, StorageError
-from .format import INDEX_SUFFIX, MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ShardIndex, ShardInfo
+from .format import (INDEX_SUFFIX, MANIFEST_NAME, MAX_MANIFEST_BYTES, PART_MANIFEST, Manifest, ShardIndex,
+                     ShardInfo)
 from .iostats import counting_here
 from .shardtable import ShardTable, checked_index
 from .reader import ShardReader
@@ -476,7 +476,6 @@ def _found_instead(store: Store) -> str:
 
 _LOOK_AT = 10_000  # a folder's entries looked at, at most (each subfolder's: `_LOOK_INSIDE`)
 _LOOK_INSIDE = 64
-_PART_MANIFEST = re.compile(r"manifest\.part-\d{5}-of-\d{5}\.msgpack")
 
 
 def _found_in_folder(root: str) -> str:
@@ -488,7 +487,7 @@ def _found_in_folder(root: str) -> str:
         return "an empty folder"
     files = [name for name, is_dir in seen if not is_dir]
     folders = sorted(name for name, is_dir in seen if is_dir and not name.startswith("."))
-    if any(_PART_MANIFEST.fullmatch(name) for name in files):
+    if any(PART_MANIFEST.fullmatch(name) for name in files):
         return "parts of a pack, not merged yet: `shardstream merge` merges them once every part is there"
     datasets = [name for name in folders if os.path.isfile(os.path.join(root, name, MANIFEST_NAME))]
     if datasets:

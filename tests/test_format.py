@@ -920,12 +920,10 @@ def test_writer_failure_leaves_no_manifest_and_no_partial_shard(tmp_path):
     assert not (dst / MANIFEST_NAME).exists()
     with pytest.raises(ManifestError):
         open_dataset(str(dst))
-    assert not (dst / "shard-000002.tar.zst").exists()
     assert not [p for p in dst.rglob("*") if p.name.endswith(".part")]
-    # What was published is complete.
-    for i in range(2):
-        reader = open_shard(str(dst / f"shard-{i:06d}.tar.zst"))
-        assert [s["bin"] for s in reader] == [s["bin"] for s in samples[3 * i : 3 * i + 3]]
+    # Nor the shards it finished: listed by no manifest, they were of no use, and a second writer into
+    # the folder refused them (thirty-sixth session: a failed repack's rerun).
+    assert not [p for p in dst.rglob("shard-*")]
     with pytest.raises(ShardstreamError):
         writer.write({"__key__": "late", "txt": "x"})
 

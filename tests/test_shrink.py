@@ -215,8 +215,9 @@ def test_shards_are_planned_on_the_shrunk_sizes(tmp_path):
 def test_parts_packed_with_other_sizes_do_not_merge(folder, tmp_path):
     dst = str(tmp_path / "parts")
     ss.pack(str(folder), dst, max_side=72, part=(0, 2), progress=False)
-    ss.pack(str(folder), dst, max_side=80, part=(1, 2), progress=False)
-    with pytest.raises(ManifestError, match="part 1 was packed with other options"):
+    with pytest.raises(ManifestError, match="do not merge: other options \\(max_side 80 here, 72 in part 0\\)"):
+        ss.pack(str(folder), dst, max_side=80, part=(1, 2), progress=False)  # refused before it packs
+    with pytest.raises(ss.ShardstreamError, match="missing 1 of 2 parts"):
         merge(dst)
 
 
