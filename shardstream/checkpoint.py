@@ -169,7 +169,7 @@ class Checkpointing:
         """
         if delivered is None and get_worker_info() is not None:
             return self._worker_state()
-        if delivered is None and self._shared.loader_copy_iterates and not self._loader_copy:
+        if self._shared.loader_copy_iterates and not self._loader_copy and not self._shared.plain_iterated:
             raise ShardstreamError(
                 "shardstream.DataLoader iterates a copy of this dataset, and this one has not seen what it "
                 "delivered: take the state from the loader (loader.state_dict())")
@@ -256,13 +256,15 @@ class Checkpointing:
         """`shardstream.DataLoader` (`passes_told`) beginning a pass with `num_workers`: where
         the pass before, over a loaded state's remainder, was left early after its workers had
         read it to its end, the state applies to this pass again, as it does without workers
-        (whether it did depended on how far ahead the workers had read). Those workers forgot
-        it: it is marked anew, and True says to start fresh ones."""
+        (whether it did depended on how far ahead the workers had read). A worker that read its
+        share to its end forgot it, and read its share of the whole epoch next (104 samples
+        again, where it waited for all of them): it is marked anew where any has, and True says
+        to start fresh ones."""
         self._forget_stale()
         if self._resume is None or self._worker_resume or num_workers == 0:
             return False
-        if not self._shared.resume_used_up(self._resume_id, num_workers):
-            return False  # the workers still hold it: they read it again
+        if not self._shared.resume_begun_to_end(self._resume_id):
+            return False  # no worker has read it to its end: they all hold it and read it again
         self._resume_id = self._shared.new_resume()
         self._shared.loaded_resume = self._resume_id
         return True
@@ -270,6 +272,7 @@ class Checkpointing:
     def finish_pass(self) -> None:
         """The iteration is complete: the next starts the epoch afresh. Until it does, or
         another epoch is set, `state_dict` still describes the completed one."""
+        self._shared.finished_epoch = self._shared.epoch + 1
         self._resume = None
         self._delivered = 0
         self._iteration = None  # an iteration still open no longer counts (another epoch, or it ended)
@@ -295,6 +298,7 @@ class Checkpointing:
             return
         self._shared.epoch = resume.epoch
         self._shared.iterating_workers = 0  # until workers iterate again, the loaded state describes progress
+        self._shared.plain_iterated = False
         self._shared.loaded_unread = True
         self._take_resume(resume, self._shared.new_resume())
         self._shared.loaded_resume = self._resume_id

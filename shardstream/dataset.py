@@ -318,6 +318,7 @@ class StreamingDataset(Checkpointing, IterableDataset):
             self.forget_resume()
         self._shared.epoch = epoch
         self._shared.epoch_chosen = True
+        self._shared.plain_iterated = False
 
     def world(self) -> World:
         """This process's place: rank and size (explicit, or detected), DataLoader worker."""
@@ -503,8 +504,9 @@ class StreamingDataset(Checkpointing, IterableDataset):
         if loaded is None and self._worker_resume:  # a worker's own state applies to one iteration
             self._resume, self._worker_resume = None, False
         block, plan, segment, delivered, epoch = self._rank_block(world)
-        if not self._loader_copy:  # shardstream.DataLoader gives its counts itself: the slot is torch's loops'
+        if not self._loader_copy:  # shardstream.DataLoader gives its counts itself: the slots are torch's loops'
             self._shared.iterating_workers = world.workers if get_worker_info() is not None else 0
+            self._shared.plain_iterated = True
         if get_worker_info() is not None:
             end_with_parent()  # torch's own DataLoader too, whose workers look for their parent only between items
         self._shared.loader_copy_iterates = self._loader_copy
@@ -564,25 +566,32 @@ class StreamingDataset(Checkpointing, IterableDataset):
             self._count_io(world.worker, reads)
         if resume_id is not None:  # the resumed epoch is complete: later passes start afresh
             self._shared.finish_resume(resume_id, world.worker, world.workers)
-        self._shared.finished_epoch = self._position[0] + 1
+        if get_worker_info() is None and not self._loader_copy:
+            # A loop in this process received the epoch whole (shardstream.DataLoader says so of its
+            # own, `finish_pass`). A worker's share read to its end says nothing of the loop's: a look
+            # at one batch through workers read ahead to their ends, and the epoch after was warned of.
+            self._shared.finished_epoch = self._position[0] + 1
         # A worker's own state stays until its next iteration (see _worker_state); a state loaded
         # while this iteration ran (it no longer owns the place) is the next iteration's.
         if not self._worker_resume and self._iteration is iteration:
             self._resume = None
 
     def _warn_of_a_repeated_order(self, epoch: int, world: World) -> None:
-        """Say so where a shuffled epoch begins again in the order of a pass just read to its end,
-        the loop never having called `set_epoch`: every epoch of such a loop is the same order, as
-        with torch's DistributedSampler, and nothing else shows it. Once a dataset, by its first
-        worker alone (a DataLoader worker's warning reaches the console from its process; torch's
-        workers, not persistent, are new processes each epoch: the slot is shared)."""
-        if not self.shuffle or self._shared.epoch_chosen or self._shared.finished_epoch != epoch + 1:
-            return
+        """Say so where a shuffled (or sampled) epoch begins again in the order of one a loop just
+        received whole (`finished_epoch`), the loop never having called `set_epoch`: every epoch of
+        such a loop is the same, as with torch's DistributedSampler, and nothing else shows it.
+        Once a dataset, by its first worker alone (a DataLoader worker's warning reaches the
+        console from its process; torch's workers, not persistent, are new processes each epoch:
+        the slot is shared). torch's own DataLoader with workers tells no process that its loop
+        received an epoch whole: not warned there."""
+        if not (self.shuffle or self.sampling is not None) or self.resampled or self._shared.epoch_chosen \
+                or self._shared.finished_epoch != epoch + 1:
+            return  # (Sampling draws an epoch's samples by the epoch: the same few again otherwise)
         if world.worker == 0 and not self._shared.repeat_said:
             self._shared.repeat_said = True
-            warnings.warn(f"a shuffled epoch ({epoch}) begins again in the order of the pass just read: call "
-                          "set_epoch(epoch) (on the dataset or shardstream.DataLoader) before each epoch, or every "
-                          "epoch is this order", stacklevel=4)
+            warnings.warn(f"epoch {epoch} begins again in the order of the pass just read (a shuffle's order, "
+                          "and a Sampling's draw, are the epoch's): call set_epoch(epoch) (on the dataset or "
+                          "shardstream.DataLoader) before each epoch, or every epoch is this one", stacklevel=4)
 
     def _epoch_items(self, world: World, plan: RankPlan, part: WorkerEpoch) -> Iterator[Any]:
         """The items of `part` (one plan worker's share of an epoch, after its first items):

@@ -510,6 +510,7 @@ class DataLoader:
         the place this replaces, and is told `why` (`_Iteration`)."""
         self._delivered = self.dataset.resumed_items(self.num_workers)
         self._counted_epoch = self.dataset.epoch
+        self._counted_resume_id = self.dataset._resume_id
         self._end_open_iteration(why)
         self._iteration = None
 
@@ -524,6 +525,10 @@ class DataLoader:
         the new epoch's first step said the old epoch's items were delivered, and its resume
         skipped the new epoch whole)."""
         if self.dataset.adopt_loaded(self._callers):
+            self._recount(_ROLLED_BACK)
+            self._drop_workers()
+        elif self.dataset._resume_id != self._counted_resume_id and self.dataset._resume is not None:
+            # a state loaded straight into the copy (loader.dataset.load_state_dict): as load_state_dict
             self._recount(_ROLLED_BACK)
             self._drop_workers()
         elif self._counted_epoch != self.dataset.epoch:
@@ -594,6 +599,7 @@ class DataLoader:
             self._drop_workers()
         self._delivered = self.dataset.start_pass(self.num_workers)
         self._counted_epoch = self.dataset.epoch
+        self._counted_resume_id = pass_id = self.dataset._resume_id
         world = self.dataset.world()
         self._worker_counts.tell(self._stream, world.rank, world.size, self.num_workers)
         # This iteration owns the count until a state is loaded or an epoch set (_recount), as
@@ -674,7 +680,7 @@ class DataLoader:
             yield batch
             t0 = time.perf_counter()
         stats.elapsed_s = time.perf_counter() - start
-        if self._iteration is iteration:
+        if self._iteration is iteration and self.dataset._resume_id == pass_id:
             self.dataset.finish_pass()  # the epoch is complete; workers forgot it too
 
     def _use_cuda(self) -> bool:

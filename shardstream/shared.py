@@ -37,7 +37,8 @@ _RESUMED_BY = 6 + 2 * SLOTS  # the workers of the pass that read the resumed epo
 _EPOCH_SET = 7 + 2 * SLOTS  # 1 once the training loop has chosen the epoch with set_epoch
 _FINISHED = 8 + 2 * SLOTS  # 1 + the epoch a pass was last read to its end in (0: none yet)
 _REPEAT_SAID = 9 + 2 * SLOTS  # 1 once a process has warned of an epoch's order read again
-_INTS = 10 + 2 * SLOTS
+_PLAIN = 10 + 2 * SLOTS  # 1 once the dataset itself (not shardstream.DataLoader's copy) began a pass
+_INTS = 11 + 2 * SLOTS
 
 
 T = TypeVar("T", int, bool)
@@ -110,8 +111,11 @@ class SharedState:
     epoch = _Slot(_EPOCH, int, "The epoch the next iteration reads (`set_epoch`, or a loaded state's).")
     epoch_chosen = _Slot(_EPOCH_SET, bool, "Whether the training loop chose the epoch (`set_epoch`), rather than "
                          "a loaded state.")
-    finished_epoch = _Slot(_FINISHED, int, "1 + the epoch whose pass a process (a worker) last read to its end; "
-                           "0 before any.")
+    finished_epoch = _Slot(_FINISHED, int, "1 + the epoch a loop last received whole (shardstream.DataLoader's, "
+                           "or one in the dataset's process); 0 before any.")
+    plain_iterated = _Slot(_PLAIN, bool, "Whether an iteration of the dataset itself, not of "
+                           "shardstream.DataLoader's copy (torch's loop, or the dataset's own), began since the last "
+                           "state loaded or epoch set: its loop counts what it received, and may take a state.")
     repeat_said = _Slot(_REPEAT_SAID, bool, "Whether a process (a worker) has warned of a shuffled epoch's "
                         "order read again without set_epoch: said once a dataset, not once each worker.")
     iterating_workers = _Slot(_WORKERS, int, """The `num_workers` of the DataLoader whose workers iterate the
@@ -152,6 +156,12 @@ class SharedState:
     def later_pass(self) -> bool:
         """Whether a worker has begun a pass after finishing the resumed one."""
         return any(self._ints[_DONE + w] == 2 for w in range(SLOTS))
+
+    def resume_begun_to_end(self, resume_id: int) -> bool:
+        """Whether any worker has read the resumed epoch to its end (and so forgot it)."""
+        if self._ints[_RESUME_ID] != resume_id:
+            return True
+        return any(self._ints[_DONE + w] for w in range(SLOTS))
 
     def resume_used_up(self, resume_id: int, workers: int) -> bool:
         """True once every worker of the pass that read the resumed epoch has finished it

@@ -107,9 +107,13 @@ def test_a_shuffled_epoch_read_again_without_set_epoch_is_warned_of(mixed):
         warnings.simplefilter("always")
         first, again = list(ds), list(ds)
     assert first == again
+    sampled = dataset(sampling=ss.Sampling(samples_per_epoch=10))  # unshuffled: an epoch's draw is the epoch's
+    with pytest.warns(UserWarning, match=re.escape("epoch 0 begins again")):
+        assert list(sampled) == list(sampled)
     assert [str(w.message) for w in caught if "set_epoch" in str(w.message)] == [
-        "a shuffled epoch (0) begins again in the order of the pass just read: call set_epoch(epoch) (on the "
-        "dataset or shardstream.DataLoader) before each epoch, or every epoch is this order"]
+        "epoch 0 begins again in the order of the pass just read (a shuffle's order, and a Sampling's draw, are "
+        "the epoch's): call set_epoch(epoch) (on the dataset or shardstream.DataLoader) before each epoch, or "
+        "every epoch is this one"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ds = dataset(shuffle=True)
@@ -124,6 +128,11 @@ def test_a_shuffled_epoch_read_again_without_set_epoch_is_warned_of(mixed):
         next(iter(ds))  # a pass left early is no epoch read
         list(ds)
         ds = dataset(shuffle=True)
+        look = iter(ss.DataLoader(ds, batch_size=2, num_workers=2, persistent_workers=False))
+        next(look)  # its workers read their shares to their ends ahead of this look
+        look.close()
+        list(ds)
+        ds = dataset(shuffle=True)
         it = iter(ds)
         next(it)
         state = ds.state_dict()
@@ -134,8 +143,7 @@ def test_a_shuffled_epoch_read_again_without_set_epoch_is_warned_of(mixed):
 
 def test_a_worker_warns_of_an_epoch_read_again_without_set_epoch(mixed, tmp_path):
     """In DataLoader workers (here, a script's: pytest's warning capture would keep a forked
-    worker's to itself), one worker says so, once a dataset: torch's workers, not persistent,
-    are new processes each epoch, and said it every epoch (found by review)."""
+    worker's to itself), one worker says so, once a dataset (found by review: said every epoch)."""
     _, url = mixed
     script = tmp_path / "train.py"
     script.write_text(
@@ -153,7 +161,10 @@ def test_a_worker_warns_of_an_epoch_read_again_without_set_epoch(mixed, tmp_path
     script.write_text("import torch\n" + script.read_text())
     done = subprocess.run([sys.executable, str(script), url], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.split() == ["24"] * 6, done
-    assert done.stderr.count("begins again in the order of the pass just read") == 2, done.stderr  # one a dataset
+    # Once a dataset; torch's own loader with workers tells no process that its loop received an epoch
+    # whole (a worker at the end of its share may be far ahead of the loop: a look at one batch was
+    # warned of, found by review), so the second dataset is not warned of.
+    assert done.stderr.count("begins again in the order of the pass just read") == 1, done.stderr
 
 
 def test_a_location_without_a_manifest_says_what_is_there(mixed, tmp_path):

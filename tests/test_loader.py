@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import gc
+import json
 import os
 import pickle
 import re
@@ -778,6 +779,70 @@ def test_a_look_through_shardstreams_loader_leaves_a_torch_loops_state_alone(pac
     resumed = keys_of(packed)
     resumed.load_state_dict(state)
     assert taken + [tuple(item) for item in torch_loader(resumed)] == full
+
+
+def _stop_after(loader: DataLoader, k: int) -> tuple[list[tuple[str, ...]], dict]:
+    """The first `k` batches of keys of `loader` and its state there, through JSON as a checkpoint keeps it."""
+    it = iter(loader)
+    head = [tuple(next(it)[0]) for _ in range(k)]
+    state = json.loads(json.dumps(loader.state_dict()))
+    it.close()
+    return head, state
+
+
+def _reference(packed: str) -> list[tuple[str, ...]]:
+    return [tuple(keys) for keys, in DataLoader(keys_of(packed), batch_size=2, num_workers=2, persistent_workers=False)]
+
+
+def test_a_resumed_pass_left_early_resumes_again_when_one_worker_had_read_to_its_end(packed):
+    """Found by review (from before this session): a loaded state's pass left after one batch, one
+    persistent worker having read its share of the remainder to its end (and so forgotten the state)
+    and the other not: the next pass read the first worker's share of the whole epoch (104 samples
+    again in the review's 240). Workers are started afresh where any has read it to its end."""
+    full = _reference(packed)
+    first = DataLoader(keys_of(packed), batch_size=2, num_workers=2, persistent_workers=False)
+    taken, state = _stop_after(first, len(full) - 4)
+    loader = DataLoader(keys_of(packed), batch_size=2, num_workers=2)
+    loader.load_state_dict(state)
+    it = iter(loader)
+    next(it)
+    time.sleep(0.5)  # the workers read ahead, one to the end of its share
+    del it
+    assert len(loader) == 4
+    assert [tuple(keys) for keys, in loader] == full[-4:]
+    del loader
+
+
+@pytest.mark.parametrize("when", ["inside the loop", "after a pass"])
+def test_a_state_loaded_into_the_loaders_own_dataset_is_the_place(packed, when):
+    """Found by review: `loader.dataset.load_state_dict(state)` inside the loop (the loop running on) had
+    the pass's end drop the state, and the next pass read the whole epoch; loaded after a pass, the
+    loader's next state_dict still counted the old pass (a resume from it lost or repeated samples)."""
+    full = _reference(packed)
+    loader = DataLoader(keys_of(packed), batch_size=2, num_workers=2)
+    taken, state = _stop_after(loader, 3)
+    if when == "inside the loop":
+        for i, _ in enumerate(loader):
+            if i == 5:
+                loader.dataset.load_state_dict(state)
+    else:
+        list(loader)
+        loader.dataset.load_state_dict(state)
+        assert loader.state_dict() == state
+    assert [tuple(keys) for keys, in loader] == full[3:]
+    del loader
+
+
+def test_a_datasets_state_is_refused_where_only_shardstreams_loader_iterated_it(packed):
+    """Found by review of item 379: `ds.state_dict(delivered=k, num_workers=n)` (torch's recipe) after
+    training through shardstream.DataLoader was let through once given a count, and a wrong count lost
+    and repeated samples: refused again (take the state from the loader), where no loop of the dataset's
+    own has iterated since the last state or epoch."""
+    ds = keys_of(packed)
+    loader = DataLoader(ds, batch_size=2, num_workers=2, persistent_workers=False)
+    _stop_after(loader, 3)
+    with pytest.raises(shardstream.ShardstreamError, match="take the state from the loader"):
+        ds.state_dict(delivered=3, num_workers=3)
 
 
 class _FailsEveryOtherEpoch:
