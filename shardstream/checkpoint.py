@@ -169,7 +169,8 @@ class Checkpointing:
         """
         if delivered is None and get_worker_info() is not None:
             return self._worker_state()
-        if self._shared.loader_copy_iterates and not self._loader_copy and not self._shared.plain_iterated:
+        if self._shared.loader_copy_iterates and not self._loader_copy and not self._own_loops_count(delivered,
+                                                                                                     num_workers):
             raise ShardstreamError(
                 "shardstream.DataLoader iterates a copy of this dataset, and this one has not seen what it "
                 "delivered: take the state from the loader (loader.state_dict())")
@@ -191,6 +192,23 @@ class Checkpointing:
             # resuming it onto the loaded layout would no longer continue that one exactly.
             return loaded.to_dict()
         return ResumeState.current_of(self, world, segment).to_dict()
+
+    def _own_loops_count(self, delivered: Any, num_workers: int) -> bool:
+        """Whether `delivered` (given where shardstream.DataLoader's copy iterated last) is the count
+        of a loop of this dataset's own: a torch loop that iterated it since the last state or epoch,
+        and a look through the loader beside it (`plain_iterated`); or nothing delivered since the
+        state or epoch began (a checkpoint before the loop's first batch), which the count says
+        whoever iterates. Without a count, or with one where only the loader iterated, the state
+        is the loader's: a look at the dataset before a loader's training, then `ds.state_dict()`,
+        described the look's one batch, and a resume from it repeated 72 of 240."""
+        if delivered is None:
+            return False
+        if self._shared.plain_iterated:
+            return True
+        try:
+            return integer(delivered, "delivered", 0) == self.resumed_items(num_workers)
+        except (TypeError, ValueError):
+            return False  # refused as the loader's; a bad count is told where it is checked
 
     def _resumed_from(self, world: World) -> ResumeState | None:
         """The state the reading with `world`'s layout resumed from (`_state_resume`), as loaded:

@@ -843,6 +843,20 @@ def test_a_datasets_state_is_refused_where_only_shardstreams_loader_iterated_it(
     _stop_after(loader, 3)
     with pytest.raises(shardstream.ShardstreamError, match="take the state from the loader"):
         ds.state_dict(delivered=3, num_workers=3)
+    # A look at the dataset itself before the loader's training (found by a fourth review: the look's
+    # one item was the state then, silently).
+    ds = keys_of(packed)
+    next(iter(ds))
+    _stop_after(DataLoader(ds, batch_size=2), 3)
+    with pytest.raises(shardstream.ShardstreamError, match="take the state from the loader"):
+        ds.state_dict()
+    # A torch loop's checkpoint before its first batch, a look through shardstream's loader since the epoch
+    # began: nothing delivered, the epoch's start, whoever iterates (refused by the first version of this).
+    ds = keys_of(packed)
+    ds.set_epoch(1)
+    _stop_after(DataLoader(ds, batch_size=2, num_workers=1, persistent_workers=False), 1)
+    state = ds.state_dict(delivered=0, num_workers=2)
+    assert (state["epoch"], state["current"]["delivered"]) == (1, 0)
 
 
 class _FailsEveryOtherEpoch:
