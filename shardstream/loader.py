@@ -528,7 +528,9 @@ class DataLoader:
             self._recount(_ROLLED_BACK)
             self._drop_workers()
         elif self.dataset._resume_id != self._counted_resume_id and self.dataset._resume is not None:
-            # a state loaded straight into the copy (loader.dataset.load_state_dict): as load_state_dict
+            # A state loaded straight into the copy (`loader.dataset.load_state_dict`): followed as one
+            # loaded through the loader, its count and its workers (else lost at the pass's end, or
+            # miscounted by the next state_dict).
             self._recount(_ROLLED_BACK)
             self._drop_workers()
         elif self._counted_epoch != self.dataset.epoch:
