@@ -465,7 +465,6 @@ class DataLoader:
         self.stats = LoaderStats()
         self._worker_counts = WorkerCounts()  # this rank's num_workers against the other ranks'
         self._loader: torch.utils.data.DataLoader | None = None
-        self._workers_resume_id = 0  # the copy's loaded state (its id) when the workers of `_loader` started
         self._iteration: _Iteration | None = None  # the iteration that counts into _delivered (see __iter__)
         self._workers: list[Any] = []  # the worker processes of the latest iteration (see _worker_death)
         self._recount("")  # a state the dataset loaded before still counts
@@ -482,7 +481,6 @@ class DataLoader:
                 # counts (a manifest read, or a read through every tar without an index,
                 # whose indexes they then reuse).
                 self.dataset.counts()
-            self._workers_resume_id = self.dataset._resume_id  # the state its workers start with
             self._loader = torch.utils.data.DataLoader(
                 self.dataset,
                 batch_size=None,
@@ -595,10 +593,6 @@ class DataLoader:
         self._follow_the_callers_dataset()
         if self.dataset.rearm_resume(self.num_workers):
             self._drop_workers()  # they forgot the state, having read it to its end ahead of a pass left early
-        elif self._loader is not None and self.dataset._resume_id != self._workers_resume_id:
-            # A state loaded straight into this loader's copy (`loader.dataset.load_state_dict`), which
-            # persistent workers started before it do not have: they read the epoch from its start.
-            self._drop_workers()
         self._delivered = self.dataset.start_pass(self.num_workers)
         self._counted_epoch = self.dataset.epoch
         self._counted_resume_id = pass_id = self.dataset._resume_id

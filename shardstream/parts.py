@@ -183,7 +183,7 @@ def merge(dst: str, *, storage_options: dict[str, Any] | None = None, fsync: boo
         raise ManifestError(f"{_parts(odd)} {'was' if len(odd) == 1 else 'were'} packed with other options than "
                             f"{_parts(usual)} ({told}): pack {'it' if len(odd) == 1 else 'them'} again with the "
                             "others' options (--overwrite)", url=store.url(found[odd[0]][1]))
-    odd_groups, usual = _odd_ones_out([(part.options.get("listing"), part.classes, part.ignored) for part in parts])
+    odd_groups, usual = _odd_ones_out([_source_listed(part) for part in parts])
     if odd_groups:
         odd = sorted(i for group in odd_groups for i in group)
         raise ManifestError(f"{_parts(odd)} listed another source than {_parts(usual)} (other file names, labels "
@@ -217,6 +217,12 @@ def _begun_parts(store: Store, total: int) -> set[int]:
         return set()
     journal = re.compile(rf"part-(\d{{5}})-of-{total:05d}")
     return {int(match.group(1)) for name in folders if (match := journal.fullmatch(name))}
+
+
+def _source_listed(manifest: Manifest) -> tuple[Any, tuple[str, ...], int]:
+    """What a part listed of its source, which every part must share: the listing's digest, the
+    class table, the count of files that are not images."""
+    return manifest.options.get("listing"), manifest.classes, manifest.ignored
 
 
 def _options_told(manifest: Manifest) -> dict[str, Any]:
@@ -279,7 +285,7 @@ def check_part_agrees(store: Store, part: tuple[int, int], options: dict[str, An
         told = "; ".join(f"{name} {mine!r} here, {theirs!r} in part {other}" for name, (mine, theirs) in differ.items())
         raise ManifestError(f"{said}other options ({told}): pack with part {other}'s options, or every part again "
                             "with these (--overwrite)", url=store.url(found[other]))
-    if (options.get("listing"), classes, ignored) != (there.options.get("listing"), there.classes, there.ignored):
+    if (options.get("listing"), classes, ignored) != _source_listed(there):
         raise ManifestError(f"{said}another source listing (other file names, labels or class folders, or another "
                             "count of files that are not images): every part must list the same source",
                             url=store.url(found[other]))
