@@ -16,6 +16,7 @@ shards instead: every sample, every field's bytes, in their order.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 import hashlib
@@ -28,7 +29,7 @@ import numpy as np
 from ._version import __version__
 from .arguments import flag
 from .braces import expand_braces, folder_named, names_shards
-from .errors import ShardstreamError
+from .errors import DuplicateKeyError, ShardstreamError
 from .format import INDEX_SUFFIX, MANIFEST_NAME, Manifest, ShardIndex, ShardInfo
 from .tarstream import CountingReader, StreamTarReader, scan_tar
 from .shardfile import IMAGE_LEVEL, LEVEL
@@ -102,7 +103,7 @@ def index_tars(source: str | os.PathLike[str] | Sequence[str], *, workers: int =
 def repack_tars(source: str | os.PathLike[str] | Sequence[str], dst: str | os.PathLike[str], *,
                 shard_size: int | str = "256MB", compression: str = "zstd", level: int = IMAGE_LEVEL,
                 storage_options: dict[str, Any] | None = None, progress: bool = False,
-                overwrite: bool = False, class_names: bool = False) -> Manifest:
+                overwrite: bool = False, class_names: bool = False, prefix_keys: bool = False) -> Manifest:
     """Rewrite tars written by other tools (`.tar`, `.tar.gz`, `.tar.zst`, ...) as a shardstream dataset at `dst`.
 
     `source` is as for `index_tars`, but compressed tars are welcome: each is read
@@ -112,6 +113,9 @@ def repack_tars(source: str | os.PathLike[str] | Sequence[str], dst: str | os.Pa
     a `cls` holds a class's name (`{"cls": "bird"}`, as WebDataset writers often store it):
     the tars are read twice, first for the names, which sorted make the class table (as
     torchvision's ImageFolder sorts its folders), then written with each `cls` its index.
+    With `prefix_keys`, each key becomes ``<tar name>/<key>`` (``shards-000003/000017``):
+    tars written by several processes often number their samples from 0 each, and a key
+    repeated across tars is refused (the refusal names the tar that had it first).
     The shards are read one after another; the output is the same whatever the machine. A dataset
     already at `dst` is replaced only with `overwrite`, as `pack` does.
     """
@@ -137,14 +141,25 @@ def repack_tars(source: str | os.PathLike[str] | Sequence[str], dst: str | os.Pa
     writer = ShardWriter(dst, shard_size, compression=compression, level=level if compression == "zstd" else LEVEL,
                          storage_options=options, overwrite=overwrite, check_bytes=False, classes=classes or ())
     numbers = {name.encode(): str(i).encode() for i, name in enumerate(classes or ())}
+    prefix_keys = flag(prefix_keys, "prefix_keys")
+    starts: list[int] = []  # how many samples came before each tar: where a repeated key was first
+    written = 0
     try:
         with progress_bar(total=len(names), unit="shard", desc="repack", disable=not progress) as bar:
             for name in names:
+                starts.append(written)
+                prefix = tar_stem(name) + "/" if prefix_keys else ""
                 for sample in StreamTarReader(store, name):
                     sample.pop("__url__", None)
+                    if prefix and isinstance(sample.get("__key__"), str):
+                        sample["__key__"] = prefix + sample["__key__"]
                     if classes is not None and "cls" in sample:
                         sample["cls"] = numbers[bytes(sample["cls"])]
-                    _write_from(writer, sample, store.url(name))
+                    try:
+                        _write_from(writer, sample, store.url(name))
+                    except DuplicateKeyError as e:
+                        raise _first_source(e, writer, store, names, starts, prefix_keys) from None
+                    written += 1
                 bar.update(1)
     except BaseException:
         writer.abort()  # no manifest, no partial shard
@@ -170,6 +185,33 @@ def _class_names(store: Store, names: list[str], progress: bool) -> list[str]:
     return sorted(found)
 
 
+def tar_stem(name: str) -> str:
+    """A tar's file name without its folder and its extensions (``shards-000003`` of
+    ``x/shards-000003.tar.gz``)."""
+    base = name.rsplit("/", 1)[-1]
+    for suffix in (*_COMPRESSED, ".tar"):
+        if base.endswith(suffix):
+            return base[: -len(suffix)]
+    return base
+
+
+def _first_source(error: DuplicateKeyError, writer: Any, store: Store, names: list[str], starts: list[int],
+                  prefixed: bool) -> DuplicateKeyError:
+    """`error`, for a key repeated in the tars, naming the tar its first sample came from
+    (the writer names only the shard it wrote it to, which the user never made)."""
+    at = writer.position(error.key) if error.key is not None else None
+    if at is None:
+        return error
+    first = names[bisect.bisect_right(starts, at) - 1]
+    if first == names[len(starts) - 1]:
+        where = "earlier in this same tar"
+    else:
+        hint = "" if prefixed else ("; tars written apart often number their samples alike: --prefix-keys "
+                                    "(prefix_keys=True) makes each key <tar name>/<key>")
+        where = f"first in {store.url(first)}{hint}"
+    return DuplicateKeyError(f"duplicate sample key: {where}", url=error.url, key=error.key)
+
+
 def _same_folder(a: Store, b: Store) -> bool:
     """Whether two stores are one folder, however spelled (`Store.folder`): locally through
     links too; ``memory://t`` and ``memory:///t``, or ``simplecache::file:///x`` and ``/x``,
@@ -188,7 +230,7 @@ def _write_from(writer: Any, sample: dict[str, Any], url: str) -> None:
     except ShardstreamError as e:
         if e.url is not None:  # about another file (the destination refused): as it named it
             raise
-        raise ShardstreamError(e.detail, url=url, key=e.key or _printable_key(sample), offset=e.offset) from e
+        raise type(e)(e.detail, url=url, key=e.key or _printable_key(sample), offset=e.offset) from e
 
 
 def normal_key(key: str) -> str:

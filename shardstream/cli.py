@@ -234,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace a dataset already at DST")
     p.add_argument("--class-names", action="store_true",
                    help="cls holds class names (\"bird\"): number them in sorted order (reads the tars twice)")
+    p.add_argument("--prefix-keys", action="store_true",
+                   help="make each key <tar name>/<key>, where tars repeat each other's keys")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=cmd_repack)
 

@@ -119,7 +119,7 @@ def cmd_repack(args: argparse.Namespace) -> int:
 
     manifest = repack_tars(args.source, args.dst, shard_size=args.shard_size, compression=args.compression,
                            level=args.level, progress=not args.quiet, overwrite=args.overwrite,
-                           class_names=args.class_names, storage_options=_storage_options(args.storage_options))
+                           class_names=args.class_names, prefix_keys=args.prefix_keys, storage_options=_storage_options(args.storage_options))
     say(f"repacked {manifest.samples:,} samples into {len(manifest.shards)} shards "
           f"({manifest.shards.bytes.sum() / 1e6:,.1f} MB)")
     return 0
@@ -176,6 +176,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     status = "ok" if report.ok else f"{count} problem{'' if count == 1 else 's'}"
     if report.warnings:
         status += f" ({len(report.warnings)} warning{'' if len(report.warnings) == 1 else 's'})"
+    if report.parts is not None:
+        numbers, total = report.parts
+        missing = total - len(numbers)
+        status += (f"; parts {', '.join(map(str, numbers))} of {total}, not merged"
+                   + (f" ({missing} part{'s' if missing != 1 else ''} not finished)" if missing else
+                      " (`shardstream merge` merges them)"))
     say(f"verified {report.shards} shards, {report.samples} samples, {report.images} images decoded: {status}")
     return 0 if report.ok else 1
 

@@ -194,6 +194,10 @@ class WorkerDiedError(ShardstreamError, RuntimeError):
     catches that keeps working under `shardstream.DataLoader`."""
 
 
+class DuplicateKeyError(ShardstreamError):
+    """A sample's key is one a sample written before had: a dataset's keys are unique."""
+
+
 class PackError(ShardstreamError):
     """Packing could not proceed: bad source, unreadable or corrupt input file."""
 

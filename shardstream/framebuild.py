@@ -37,6 +37,7 @@ class FrameResult:
     bytes_in: int
     misnamed: list[tuple[str, str]] = field(default_factory=list)  # as PackSummary's
     kept_whole: list[tuple[str, str]] = field(default_factory=list)
+    shrunk: int = 0  # images `max_side` shrank
 
 
 def _check_fits(entry: SourceFile, size: int, shrinking: bool = False) -> None:
@@ -53,6 +54,7 @@ def build_job(job: tuple[int, list[SourceFile], str, PackOptions, bool]) -> Fram
     samples, skipped, bytes_in = [], [], 0
     misnamed: list[tuple[str, str]] = []
     kept_whole: list[tuple[str, str]] = []
+    shrunk = 0
     frame_bytes = 0  # the tar bytes of the samples taken
     for entry in entries:
         path = entry.full_path(root)
@@ -67,6 +69,7 @@ def build_job(job: tuple[int, list[SourceFile], str, PackOptions, bool]) -> Fram
             _check_fits(entry, found.st_size, shrinking=opts.max_side is not None)
             with open(path, "rb") as f:
                 data = f.read()
+            original = data
             kind = check_image(data, path)
             read = len(data)
             kept = None
@@ -99,10 +102,12 @@ def build_job(job: tuple[int, list[SourceFile], str, PackOptions, bool]) -> Fram
                 misnamed.append((entry.path, name or kind))
         if kept is not None:
             kept_whole.append((entry.path, kept))
+        elif data is not original:  # `shrink_or_keep` returns the bytes it was given unless it shrank them
+            shrunk += 1
         frame_bytes += taken
         fields = [(entry.field, data)]
         if entry.label is not None:
             fields.append(("cls", str(entry.label).encode("ascii")))
         samples.append((entry.key, sorted(fields)))
     return FrameResult(shard, build_frame(samples, opts.compression, opts.level), skipped, bytes_in, misnamed,
-                       kept_whole)
+                       kept_whole, shrunk)

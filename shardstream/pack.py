@@ -79,7 +79,8 @@ class PackSummary:
     decoders, Pillow) read it; JPEG-only decoders (nvJPEG, DALI's JPEG path) refuse it.
     One that `max_side` shrank is encoded in its field's format and is not listed.
     `kept_whole` lists (file, why) for each image larger than `max_side` that kept its
-    bytes (``"animated"``). Both cover, as `bytes_in` does, the shards this run packed:
+    bytes (``"animated"``); `shrunk` counts the images it shrank (None without `max_side`).
+    These cover, as `bytes_in` does, the shards this run packed:
     a resumed pack does not see the earlier run's, nor does a finished pack's rerun. The
     manifest records what was skipped.
     """
@@ -93,6 +94,7 @@ class PackSummary:
     ignored: int = 0
     misnamed: list[tuple[str, str]] = field(default_factory=list)
     kept_whole: list[tuple[str, str]] = field(default_factory=list)
+    shrunk: int | None = None
     resumed: int = 0  # of `samples`, those an earlier run packed (`resume=True`), not in `seconds`
     # Of `ignored`, the images of formats pack does not store, by extension ({".bmp": 3}): a
     # torchvision ImageFolder reads some of them, and they would go unnoticed in a count.
@@ -122,6 +124,8 @@ class PackSummary:
             lines.append(f"content differs from its name: {len(self.misnamed)}, stored as named: shardstream's "
                          "decoders read them, JPEG-only decoders (nvJPEG, DALI's JPEG path) refuse them")
             lines += [f"  {path} is {kind}" for path, kind in self.misnamed]
+        if self.shrunk is not None:
+            lines.append(f"shrunk to max_side: {self.shrunk}")
         if self.kept_whole:
             lines.append(f"kept whole, larger than max_side: {len(self.kept_whole)}")
             lines += [f"  kept whole {path}: {why}" for path, why in self.kept_whole]
@@ -395,6 +399,7 @@ def pack(
                    if "/" not in path and not path.startswith(".") and image_field(path)],
         misnamed=written.misnamed,
         kept_whole=written.kept_whole,
+        shrunk=None if max_side is None else written.shrunk,
         resumed=sum(info.samples for info, _ in done.values()),
     )
 

@@ -35,6 +35,7 @@ class Written:
     bytes_in: int = 0
     misnamed: list[tuple[str, str]] = field(default_factory=list)
     kept_whole: list[tuple[str, str]] = field(default_factory=list)
+    shrunk: int = 0
 
 
 def write_shards(results: Iterator[FrameResult], store: Store, opts: PackOptions,
@@ -61,6 +62,7 @@ def write_shards(results: Iterator[FrameResult], store: Store, opts: PackOptions
             written.bytes_in += result.bytes_in
             written.misnamed += result.misnamed
             written.kept_whole += result.kept_whole
+            written.shrunk += result.shrunk
             bar.update(len(result.frame.keys) + len(result.skipped))
             bar.set_postfix_str(f"{written.bytes_in / 1e6 / max(time.perf_counter() - start, 1e-9):,.0f} MB/s",
                                 refresh=False)

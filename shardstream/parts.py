@@ -36,7 +36,7 @@ _JOURNAL = re.compile(r"part-\d{5}-of-\d{5}")  # a part's journal (the single pa
 CHECK_THREADS = 16  # indexes read at once by `merge` from a remote store, whose latency they hide
 
 
-def _part_manifests(store: Store) -> dict[int, tuple[int, str]]:
+def part_manifests(store: Store) -> dict[int, tuple[int, str]]:
     """The part manifests in `store`: part number -> (number of parts, file name)."""
     found: dict[int, tuple[int, str]] = {}
     for name in store.list(".msgpack"):
@@ -134,7 +134,7 @@ def _merged_parts(store: Store) -> int | None:
 
 def missing_parts(dst: str, parts: int, *, storage_options: dict[str, Any] | None = None) -> list[int]:
     """The parts of `parts` whose part manifest is not (yet) in `dst`: one listing."""
-    found = _part_manifests(Store(dst, storage_options or {}))
+    found = part_manifests(Store(dst, storage_options or {}))
     return [i for i in range(parts) if found.get(i, (None,))[0] != parts]
 
 
@@ -146,7 +146,7 @@ def merge(dst: str, *, storage_options: dict[str, Any] | None = None, fsync: boo
     manifest is on the disk when this returns (`pack`'s `fsync`, which the parts need too).
     """
     store = Store(dst, storage_options or {}, durable=flag(fsync, "fsync"))
-    found = _part_manifests(store)
+    found = part_manifests(store)
     if not found:
         there = " (a dataset's manifest is there: a single pack's, with nothing to merge)" \
             if store.exists(MANIFEST_NAME) else ""
@@ -269,7 +269,7 @@ def check_part_agrees(store: Store, part: tuple[int, int], options: dict[str, An
     """ManifestError, before part `part` packs anything, where a part of the same pack already
     in `store` was packed with other options or from another source listing: found only at
     the merge, after every part had packed (hours on a cluster). One part manifest is read."""
-    found = {i: name for i, (total, name) in _part_manifests(store).items() if total == part[1] and i != part[0]}
+    found = {i: name for i, (total, name) in part_manifests(store).items() if total == part[1] and i != part[0]}
     if not found:
         return
     other = min(found)
@@ -317,13 +317,23 @@ def _check_shard(store: Store, sizes: dict[str, int], shard: ShardInfo, part_num
     them: the shard at its size (`sizes`: hashing every shard would read the whole dataset),
     the index, small, by its hash too (a part's output copied by hand, or cut short, must
     not make a dataset whose reads fail later)."""
-    if sizes.get(shard.name) != shard.bytes:
-        raise ManifestError(f"part {part_number} lists {shard.name}, which is missing or incomplete",
-                            url=store.url(shard.name))
-    index = store.read(shard.index) if sizes.get(shard.index) == shard.index_bytes else None
+    found = sizes.get(shard.name)
+    if found != shard.bytes:
+        raise ManifestError(f"part {part_number} lists {shard.name} ({shard.bytes} bytes), which is "
+                            f"{_as_found(found, shard.bytes)}", url=store.url(shard.name))
+    found = sizes.get(shard.index)
+    index = store.read(shard.index) if found == shard.index_bytes else None
     if index is None or len(index) != shard.index_bytes or hashlib.sha256(index).hexdigest() != shard.index_sha256:
-        raise ManifestError(f"part {part_number} lists {shard.index}, which is missing or not the index it wrote",
+        what = _as_found(found, shard.index_bytes) if index is None else "not the index it wrote (another hash)"
+        raise ManifestError(f"part {part_number} lists {shard.index} ({shard.index_bytes} bytes), which is {what}",
                             url=store.url(shard.index))
+
+
+def _as_found(size: int | None, listed: int) -> str:
+    """How a file a part lists at `listed` bytes differs, by the size found (None: absent)."""
+    if size is None:
+        return "missing"
+    return f"{size} bytes here: " + ("cut short (a copy interrupted?)" if size < listed else "changed since the part wrote it")
 
 
 def _common_options(manifest: Manifest) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from .errors import ShardstreamError
+from .errors import DuplicateKeyError
 
 __all__ = ["SeenKeys"]
 
@@ -57,7 +57,7 @@ class SeenKeys:
         """Refuse `key` if a sample written before has it: one of the shard being written, or
         of a finished shard (naming it)."""
         if key in self._open:
-            raise ShardstreamError("duplicate sample key", key=key)
+            raise DuplicateKeyError("duplicate sample key", key=key)
         if self._finished:
             bit = self._hash(key) & self._mask
             if self._filter_bytes[bit >> 3] >> (bit & 7) & 1 and self._in_runs(key):
@@ -116,4 +116,4 @@ class SeenKeys:
         the hash with another key, and passes."""
         for shard, keys in self._written_keys():
             if key in keys:
-                raise ShardstreamError(f"duplicate sample key: written before, to {shard}", key=key)
+                raise DuplicateKeyError(f"duplicate sample key: written before, to {shard}", key=key)

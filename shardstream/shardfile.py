@@ -252,6 +252,11 @@ class ShardFileWriter:
         return len(self._keys)
 
     @property
+    def keys(self) -> tuple[str, ...]:
+        """The keys of the samples appended so far, in order."""
+        return tuple(self._keys)
+
+    @property
     def raw_bytes(self) -> int:
         return self._sample_offsets[-1]
 

@@ -17,14 +17,17 @@ import numpy as np
 from .columns import label_of, weight_of
 from .decode import IMAGE_EXTENSIONS, decode_image, jpeg_damage
 from .fields import field_extension
+from .format import Manifest
 from .arguments import flag
-from .errors import ShardstreamError, shown_url
+from .errors import ManifestError, ShardstreamError, shown_url
 from .reader import ShardReader
 from .shardfile import seek_table
 from .tario import END_OF_ARCHIVE, member_key
 from .epochs import shard_block
+from .parts import part_manifests
 from .plan import run_samples
-from .source import Source, open_dataset
+from .source import ManifestShards, Source, open_dataset
+from .storage import Store
 from .threads import ordered_map
 
 __all__ = ["inspect_dataset", "verify_dataset", "Problem"]
@@ -84,6 +87,8 @@ class VerifyReport:
     images: int = 0  # decoded
     problems: list[Problem] = field(default_factory=list)
     warnings: list[Problem] = field(default_factory=list)  # images that decode with data missing
+    # Of a pack's parts not merged yet: (the part numbers verified, of how many parts); None for a dataset.
+    parts: tuple[tuple[int, ...], int] | None = None
 
     @property
     def ok(self) -> bool:
@@ -295,16 +300,49 @@ def verify_dataset(
     storage, whose latency threads hide), in threads: hashing, reading and Pillow's
     decoding release the GIL. The report lists the problems in shard order, whatever
     `workers` is.
+
+    A folder of a pack's parts not merged yet (`pack --part`) has each finished part
+    checked, against its part manifest: a node's output can be checked before the merge.
     """
     decode_images, progress = flag(decode_images, "decode_images"), flag(progress, "progress")
-    from .progress import progress_bar
-
     report = VerifyReport()
     try:
-        source: Source = open_dataset(url, storage_options=storage_options)
+        try:
+            sources = [open_dataset(url, storage_options=storage_options)]
+        except ManifestError:
+            sources = _unmerged_parts(url, storage_options or {}, report)
+            if not sources:
+                raise
     except ShardstreamError as e:
         report.problems.append(Problem("manifest", None, str(e)))
         return report
+    for source in sources:
+        _verify_source(source, report, decode_images, progress, workers)
+    return report
+
+
+def _unmerged_parts(url: str, storage_options: dict[str, Any], report: VerifyReport) -> list[Source]:
+    """The finished parts of the pack at `url` (those whose part manifest is written), in
+    part order, where it holds no dataset manifest; `report.parts` says which of how many."""
+    store = Store(os.fspath(url), storage_options)
+    found = part_manifests(store)
+    totals = {total for total, _ in found.values()}
+    if len(totals) != 1:  # none, or parts of packs in different numbers of parts: `merge` says which
+        return []
+    report.parts = (tuple(sorted(found)), totals.pop())
+    sources = []
+    for number in sorted(found):
+        name = found[number][1]
+        manifest = Manifest.from_bytes(store.read(name), store.url(name))
+        sources.append(Source(store.url(name), ManifestShards(store, manifest.shards), manifest))
+    return sources
+
+
+def _verify_source(source: Source, report: VerifyReport, decode_images: bool, progress: bool,
+                   workers: int | None) -> None:
+    """`verify_dataset` of one dataset (or part), into `report`."""
+    from .progress import progress_bar
+
     bar = progress_bar(total=source.manifest.samples if source.manifest else None, unit="sample", desc="verify", disable=not progress)
 
     bar_lock = threading.Lock()  # tqdm's counter is not safe to bump from several threads
@@ -327,6 +365,7 @@ def verify_dataset(
         labels = _label_counts(reader) if tally.wanted and not problems else None
         return problems, warnings, samples, images, labels
 
+    problems_before = len(report.problems)  # the class counts are checked where the shards had none
     local = source.local
     workers = max(1, min(workers or max(os.cpu_count() or 1, 1 if local else 4), len(source.shards) or 1))
     readers = (_shard_reader(ref) for ref in source.shards)  # made as the threads take them
@@ -342,9 +381,8 @@ def verify_dataset(
                 tally.add(ref.name, labels)
     finally:
         bar.close()
-    if not report.problems and tally.wanted:
+    if len(report.problems) == problems_before and tally.wanted:
         report.problems += tally.problems(source.manifest)
-    return report
 
 
 def _shard_reader(ref: Any) -> ShardReader:

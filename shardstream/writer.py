@@ -248,6 +248,18 @@ class ShardWriter:
         self._shard = None
         self._fill.start_next()
 
+    def position(self, key: str) -> int | None:
+        """Where the sample written with `key` came among the writes (0: the first), or None if
+        none had it: a duplicate key's first sample, which `repack` traces to the tar it came
+        from. It reads every finished shard's index: a lookup for a refusal, not a loop."""
+        done = 0
+        for _, keys in self._written_keys():
+            if key in keys:
+                return done + keys.index(key)
+            done += len(keys)
+        open_keys = [*(self._shard.keys if self._shard is not None else ()), *(k for k, _ in self._pending)]
+        return done + open_keys.index(key) if key in open_keys else None
+
     def _written_keys(self) -> Iterator[tuple[str, tuple[str, ...]]]:
         """(name, keys) of each finished shard, from its index: read only where a new key's
         hash matches one of theirs (`SeenKeys`)."""

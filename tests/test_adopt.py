@@ -559,6 +559,36 @@ def test_repack_names_the_tar_a_refused_sample_came_from(tmp_path):
         repack_tars(str(tmp_path / "src"), str(tmp_path / "out"))
 
 
+def test_repack_names_the_tar_a_repeated_key_came_from_first_and_prefix_keys_tells_them_apart(tmp_path):
+    """Regression (found by a user's walk through packing and adopting data): tars written by several
+    processes number their samples alike, and repack refused the second tar's first sample "written before,
+    to shard-000000.tar.zst", a shard the user never made, and offered no way through."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(3):
+        with tarfile.open(src / f"part-{i}.tar", "w") as tf:
+            for j in range(4):
+                _member(tf, f"{j:06d}.txt", f"{i}-{j}".encode() * 300)
+    with pytest.raises(ss.DuplicateKeyError, match=r"src/part-1\.tar, sample '000000': duplicate sample key: first "
+                                                   r"in .*src/part-0\.tar; .*--prefix-keys"):
+        repack_tars(str(src), str(tmp_path / "out"), shard_size="2KB")  # its first was in a finished shard
+    with pytest.raises(ss.DuplicateKeyError, match=r"src/part-1\.tar, sample '000000': duplicate .* first in "
+                                                   r".*src/part-0\.tar"):
+        repack_tars(str(src), str(tmp_path / "out"))  # in the shard being written
+    manifest = repack_tars(str(src), str(tmp_path / "out"), shard_size="2KB", prefix_keys=True)
+    samples = [s for ref in ss.open_dataset(str(tmp_path / "out")).shards for s in ref.reader()]
+    assert manifest.samples == 12 and [s["__key__"] for s in samples] == [
+        f"part-{i}/{j:06d}" for i in range(3) for j in range(4)]
+    assert [bytes(s["txt"]) for s in samples] == [f"{i}-{j}".encode() * 300 for i in range(3) for j in range(4)]
+    with tarfile.open(src / "part-3.tar.gz", "w:gz") as tf:  # one file's key, spelled twice in one tar
+        for name in ("./a.txt", "b.txt", "a.cls"):
+            _member(tf, name, b"1")
+    result = subprocess.run([sys.executable, "-m", "shardstream", "repack", str(src), str(tmp_path / "cli"),
+                             "--prefix-keys", "--quiet"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and ("part-3.tar.gz, sample 'part-3/a': duplicate sample key: earlier in this "
+                                       "same tar") in result.stderr, result.stderr
+
+
 def test_a_failed_repack_leaves_no_shards_and_a_rerun_needs_no_overwrite(tmp_path):
     """Regression (found by a user's walk through adopting WebDataset data): a repack that failed
     on the third tar left the shards it had finished, listed by no manifest, and the rerun was

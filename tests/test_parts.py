@@ -288,13 +288,51 @@ def test_merge_checks_every_index(source, tmp_path):
     index = sorted(dst.glob("shard-p00001-*.idx"))[0]
     kept = index.read_bytes()
     index.unlink()  # an interrupted copy of a part's output
-    with pytest.raises(ManifestError, match=rf"part 1 lists {index.name}, which is missing"):
+    with pytest.raises(ManifestError, match=rf"part 1 lists {index.name} \({len(kept)} bytes\), which is missing"):
         merge(str(dst))
     index.write_bytes(kept[:-1] + bytes([kept[-1] ^ 1]))  # the same size, other bytes
     with pytest.raises(ManifestError, match="not the index it wrote"):
         merge(str(dst))
     index.write_bytes(kept)
+    shard = sorted(dst.glob("shard-p00000-*.tar.zst"))[-1]
+    whole = shard.read_bytes()
+    size = len(whole)
+    shard.write_bytes(whole + b"\0")  # a byte appended, by a copy tool gone wrong
+    with pytest.raises(ManifestError, match=rf"part 0 lists {shard.name} \({size} bytes\), which is {size + 1} "
+                                            "bytes here: changed since"):
+        merge(str(dst))
+    shard.write_bytes(whole[:-7])  # an interrupted copy
+    with pytest.raises(ManifestError, match=rf"which is {size - 7} bytes here: cut short"):
+        merge(str(dst))
+    shard.write_bytes(whole)
     assert merge(str(dst)).samples == 21 and samples(str(dst)) == samples(str(source / "single"))
+
+
+def test_verify_checks_the_finished_parts_before_the_merge(source, tmp_path):
+    """Regression (found by a user's walk through packing in parts): `verify` of a node's part before
+    the merge said only that no manifest was there."""
+    from shardstream.verify import verify_dataset
+
+    dst = tmp_path / "parts"
+    ss.pack(str(source / "src"), str(dst), shard_size="8KB", part=(1, 3), progress=False)
+    report = verify_dataset(str(dst))
+    listed = ss.Manifest.from_bytes((dst / "manifest.part-00001-of-00003.msgpack").read_bytes(), "part")
+    assert report.ok and report.parts == ((1,), 3)
+    assert (report.shards, report.samples) == (len(listed.shards), listed.samples) and listed.samples > 0
+    result = cli("verify", str(dst), "--quiet")
+    assert result.returncode == 0 and "; parts 1 of 3, not merged (2 parts not finished)" in result.stdout
+    ss.pack(str(source / "src"), str(dst), shard_size="8KB", part=(0, 3), progress=False)
+    shard = sorted(dst.glob("shard-p00000-*.tar.zst"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-40] ^= 1
+    shard.write_bytes(bytes(data))
+    report = verify_dataset(str(dst))
+    assert report.parts == ((0, 1), 3) and not report.ok
+    assert report.problems[0].shard == shard.name and "sha256 does not match" in report.problems[0].message
+    part_0 = ss.Manifest.from_bytes((dst / "manifest.part-00000-of-00003.msgpack").read_bytes(), "part")
+    assert report.shards == len(part_0.shards) + len(listed.shards)
+    result = cli("verify", str(dst), "--quiet")
+    assert result.returncode == 1 and "; parts 0, 1 of 3, not merged (1 part not finished)" in result.stdout
 
 
 def test_merge_asks_the_store_once_for_every_size_and_reads_each_index_once(source, tmp_path, monkeypatch):

@@ -182,12 +182,14 @@ def test_pack_shrinks_what_is_larger_and_keeps_the_rest(folder, tmp_path):
             assert opened(data).size == shrunk_size(size, 72) and data != sources[key]
             shrunk += 1
     assert kept and shrunk  # the fixture has both kinds
+    assert summary.shrunk == shrunk and f"shrunk to max_side: {shrunk}" in str(summary)
     assert summary.bytes_in == sum(len(d) for d in sources.values())
     manifest = ss.open_dataset(dst).manifest
     assert (manifest.options["max_side"], manifest.options["quality"]) == (72, 85)
     # The labels are those of a plain pack.
     plain = str(tmp_path / "plain")
-    ss.pack(str(folder), plain, workers=1, progress=False)
+    unshrunk = ss.pack(str(folder), plain, workers=1, progress=False)
+    assert unshrunk.shrunk is None and "shrunk" not in str(unshrunk)
     labels = {s["__key__"]: s["cls"] for ref in ss.open_dataset(dst).shards for s in ref.reader()}
     assert labels == {s["__key__"]: s["cls"] for ref in ss.open_dataset(plain).shards for s in ref.reader()}
     assert manifest.class_counts == ss.open_dataset(plain).manifest.class_counts
@@ -288,6 +290,7 @@ def test_pack_keeps_animated_images_whole_and_counts_them(folder, tmp_path):
     assert summary.samples == 17 and not summary.skipped
     assert sorted(summary.kept_whole) == [("class_000/moving.webp", "animated"), ("class_001/moving.png", "animated")]
     assert "kept whole, larger than max_side: 2" in str(summary)
+    assert summary.shrunk == sum(max(opened(p.read_bytes()).size) > 72 for p in src.rglob("*.jpg"))
 
 
 def test_pack_shrinks_a_misnamed_image_into_the_format_of_its_field(tmp_path):
