@@ -467,11 +467,24 @@ def _found_instead(store: Store) -> str:
     if store.root.startswith(("http://", "https://")):
         return _NO_MANIFEST
     try:
-        there = store.exists("")
+        if store.exists(""):
+            return f"{_NO_MANIFEST}; a folder of images is packed by `shardstream pack` first"
+        bucket = _bucket_of(store.root)
+        if bucket is not None and (bucket == store.root.rstrip("/") or not Store(bucket, store.options).exists("")):
+            return f"no bucket {bucket}, or no access to it"
     except ShardstreamError:
         return _NO_MANIFEST
-    return f"{_NO_MANIFEST}; a folder of images is packed by `shardstream pack` first" if there else \
-        "nothing is there: no object has this prefix"
+    return "nothing is there: no object has this prefix"
+
+
+def _bucket_of(url: str) -> str | None:
+    """The bucket (or container) of an object store's `url` (``s3://b`` of ``s3://b/x/y``),
+    where its first name is one (not ``memory://``, nor a chain of protocols)."""
+    scheme, _, rest = url.partition("://")
+    if scheme not in ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss", "r2") or "::" in url:
+        return None
+    name = rest.split("/", 1)[0]
+    return f"{scheme}://{name}" if name else None
 
 
 _LOOK_AT = 10_000  # a folder's entries looked at, at most (each subfolder's: `_LOOK_INSIDE`)

@@ -190,13 +190,15 @@ def s3_ds(moto, src, local_ds) -> str:
 
 def test_an_s3_location_without_a_manifest_says_whether_anything_is_there(moto, src):
     """The "no manifest" error over S3 (item 375, and its review): a missing bucket or prefix says
-    nothing is there; a prefix of images names `shardstream pack`. One lookup, not a listing: a
-    listing of a prefix of a million raw images took 2,000 requests before the error."""
+    nothing is there (a missing bucket, by its name); a prefix of images names `shardstream pack`. One
+    lookup, not a listing: a listing of a prefix of a million raw images took 2,000 requests before
+    the error."""
     fs = s3fs_of(moto)
     image = next(Path(src).rglob("*.jpg"))
     fs.pipe(f"{BUCKET}/raw/class_a/{image.name}", image.read_bytes())
     cases = {f"s3://{BUCKET}/nowhere": "nothing is there: no object has this prefix",
-             "s3://no-such-bucket/ds": "nothing is there: no object has this prefix",
+             "s3://no-such-bucket/ds": "no bucket s3://no-such-bucket, or no access to it",
+             "s3://no-such-bucket": "no bucket s3://no-such-bucket, or no access to it",
              f"s3://{BUCKET}/raw": "a folder of images is packed by `shardstream pack` first"}
     for url, said in cases.items():
         with pytest.raises(ManifestError, match=re.escape(said)):
