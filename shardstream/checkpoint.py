@@ -25,7 +25,7 @@ from torch.utils.data import get_worker_info
 from .arguments import integer
 from .errors import ShardstreamError
 from .plan import Layout
-from .resume import ResumeState, check_counts, current_sequence, endless_onto, finished_before
+from .resume import ResumeState, check_counts, current_sequence, endless_onto, finished_before, rests_nothing
 from .world import World
 
 if TYPE_CHECKING:
@@ -310,14 +310,16 @@ class Checkpointing:
         resume = ResumeState.from_dict(state, self)
         # The counts' bounds need the epoch's size: the fingerprint has just read the sample counts.
         # What earlier layouts left of the epoch is kept for `len()` and the iteration (epochs.py).
-        check_counts(self._sequences().after(resume.epoch), resume, self.resampled)
+        after = self._sequences().after(resume.epoch)
+        check_counts(after, resume, self.resampled)
         if resume.position is not None:
             self._load_worker_state(resume)
             return
         self._shared.epoch = resume.epoch
         self._shared.iterating_workers = 0  # until workers iterate again, the loaded state describes progress
         self._shared.plain_iterated = False
-        self._shared.loaded_unread = True
+        # A state taken at its epoch's end has nothing to read: the next epoch set drops nothing.
+        self._shared.loaded_unread = not rests_nothing(after, resume, self.resampled)
         self._take_resume(resume, self._shared.new_resume())
         self._shared.loaded_resume = self._resume_id
 

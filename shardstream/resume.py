@@ -423,6 +423,14 @@ def check_counts(after: SequenceAfter, resume: ResumeState, endless: bool) -> No
                                f"items {left})", done)
 
 
+def rests_nothing(after: SequenceAfter, resume: ResumeState, endless: bool) -> bool:
+    """Whether a rank's state (`check_counts`'d) delivered every item of its epoch: taken at
+    the end of the epoch's pass, as a checkpoint after each epoch is."""
+    if endless or resume.position is not None:
+        return False
+    return resume.current.delivered >= sum(plan_items(len(after(resume.finished)), resume.current.layout))
+
+
 def plan_items(sequence_length: int, layout: Layout) -> list[int]:
     """Items each plan worker of a rank yields from an epoch sequence of this length."""
     return worker_items(rank_block_length(sequence_length, layout), layout)

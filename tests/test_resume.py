@@ -18,6 +18,7 @@ import sys
 import tarfile
 import textwrap
 import time
+import warnings
 
 import msgpack
 import numpy as np
@@ -502,6 +503,22 @@ def test_state_of_another_epoch(url):
     ds4 = dataset(url)
     ds4.set_epoch(4)
     assert [D.freeze(item) for item in fresh2] == [D.freeze(item) for item in ds4]
+    # Regression: a state taken at the epoch's end (a checkpoint after each epoch) leaves nothing to drop,
+    # and the next epoch set after loading it warned that its unread rest was dropped.
+    ds.set_epoch(3)
+    assert [D.freeze(item) for item in ds] == full3
+    ended = ds.state_dict()
+    for loaded, warned in ((ended, False), (state, True)):
+        fresh4 = dataset(url)
+        fresh4.load_state_dict(loaded)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fresh4.set_epoch(4)
+        assert any("drops the state loaded" in str(w.message) for w in caught) is warned
+        assert [D.freeze(item) for item in fresh4] == [D.freeze(item) for item in ds4]
+    ended_there = dataset(url)
+    ended_there.load_state_dict(ended)
+    assert list(ended_there) == []  # its epoch is over: nothing of epoch 3 is read again
 
 
 def test_state_from_another_dataset_or_seed_is_refused(url, src, tmp_path):
