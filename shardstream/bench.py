@@ -39,7 +39,9 @@ import time
 from typing import Any, Callable, Iterator, Sequence
 
 from .benchresult import BenchResult, BenchRow, find_knee
+from .decode import IMAGE_EXTENSIONS
 from .errors import ShardstreamError, WorkerDiedError, scrubbed
+from .fields import field_extension
 from .peakmem import PeakSampler, TreeRSS, peak_memory_method
 from .shared import SLOTS
 
@@ -47,7 +49,7 @@ __all__ = ["BenchResult", "BenchRow", "bench", "find_knee", "peak_memory_method"
 
 TRANSFORMS = ("train", "val", "none")
 MIN_BATCHES_PER_WORKER = 4  # a row's window holds at least this many batches a worker, whatever `seconds`
-IMAGE_FIELD = "jpg;png;webp"
+IMAGE_FIELD = "jpg;jpeg;png;webp"  # what pack stores, and `jpeg` of other tools' tars
 _MB = 1e6
 
 
@@ -245,6 +247,7 @@ def bench(
     storage_options: dict[str, Any] | None = None,
     tolerance: float = 0.05,
     on_row: Callable[[BenchRow], None] | None = None,
+    image_field: str = IMAGE_FIELD,
 ) -> BenchResult:
     """Measure loader throughput for each worker count in `workers`; see the module doc.
 
@@ -261,7 +264,8 @@ def bench(
     iterates in this process with `torch.set_num_threads(1)`, as DataLoader workers run
     (restored after). `prefetch` is the dataset's (None: its default): where the
     diagnosis says the readers waited with their read-ahead at its largest, measure again
-    with more. `on_row` is called with each row as it is measured.
+    with more. `on_row` is called with each row as it is measured. `image_field` names the
+    image's field, alternatives joined by ";" as `fields=` takes them.
     """
     from .dataset import StreamingDataset
     from .loader import DataLoader
@@ -283,6 +287,10 @@ def bench(
         raise ShardstreamError(f"tolerance must be in [0, 1) (0.05: within 5% of the best rate), not {tolerance}")
     if decode_on_device and transform == "none":
         raise ShardstreamError("decode_on_device needs a transform to defer (train or val), not 'none'")
+    if transform != "none" and not all(field_extension(f) in IMAGE_EXTENSIONS for f in image_field.split(";")):
+        # Decoded by its name's extension, as every field is: another name would reach the crop as bytes.
+        raise ShardstreamError(f"image_field {image_field!r}: an image field is named by its format "
+                               f"({', '.join(sorted(IMAGE_EXTENSIONS))}), alternatives joined by ';'")
     if decode_threads < 0 or (decode_threads and (transform == "none" or decode_on_device)):
         raise ShardstreamError("decode_threads must be 0 or more, and decode images here: transform train or val, "
                                "without decode_on_device")
@@ -295,7 +303,7 @@ def bench(
     manifest = source.manifest
     samples = manifest.samples if manifest is not None else None
     bytes_per_sample = (int(manifest.shards.bytes.sum()) / samples) if manifest is not None and samples else None
-    fields = (IMAGE_FIELD, "cls") if _labelled(source) else (IMAGE_FIELD,)
+    fields = (image_field, "cls") if _labelled(source) else (image_field,)
     decode = _decode(transform)
     on_device = None
     if decode_on_device:

@@ -25,6 +25,7 @@ from typing import Any, Iterator, Sequence
 
 from .commands import (cmd_bench, cmd_demo, cmd_index, cmd_inspect, cmd_merge, cmd_pack, cmd_repack,
                        cmd_verify, plot_file)
+from .bench import IMAGE_FIELD
 from .errors import ShardstreamError
 from .parts import MAX_PARTS
 from .shared import SLOTS
@@ -276,6 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode in N threads in each process that iterates (default 0: in the iterating thread)")
     p.add_argument("--prefetch", type=_count, default=None, metavar="N",
                    help="pieces each reader reads ahead (StreamingDataset's prefetch; default: 2 local, 6 remote)")
+    p.add_argument("--image-field", default=IMAGE_FIELD, metavar="FIELD",
+                   help=f"the image's field, alternatives joined by ';' (default {IMAGE_FIELD})")
     p.add_argument("--plot", default=None, metavar="PNG", help="write the curve here (needs matplotlib)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -227,6 +227,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         decode_on_device=args.decode_on_device,
         decode_threads=args.decode_threads,
         prefetch=args.prefetch,
+        image_field=args.image_field,
         progress=not args.quiet,
         storage_options=_storage_options(args.storage_options),
     )

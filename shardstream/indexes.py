@@ -53,7 +53,14 @@ def load_index(store: Store, name: str, info: ShardInfo | None = None) -> ShardI
         data = store.read(index_name, 0, MAX_INDEX_BYTES + 1)
     if info is not None and hashlib.sha256(data).hexdigest() != info.index_sha256:
         raise CorruptIndexError("index checksum does not match the manifest", url=url)
-    index = ShardIndex.from_bytes(data, url)
+    try:
+        index = ShardIndex.from_bytes(data, url)
+    except CorruptIndexError as e:
+        if info is not None:
+            raise
+        # Beside a shard no manifest lists, the likelier story is another tool's file of the name.
+        raise CorruptIndexError("not a shardstream index (another tool's?): remove it, or `shardstream index "
+                                f"--overwrite` writes shardstream's ({e.detail.rstrip('.')})", url=url) from e
     if info is not None and len(index) != info.samples:
         raise CorruptIndexError(f"index lists {len(index)} samples, the manifest {info.samples}", url=url)
     if key is not None:

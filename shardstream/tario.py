@@ -405,11 +405,14 @@ def _member_data(read: Callable[[int], bytes], header: Header, url: str) -> byte
     return b""
 
 
-def members_apart(key: str, url: str, offset: int) -> CorruptShardError:
+def members_apart(key: str, field: str, url: str, offset: int) -> CorruptShardError:
     """The error of a sample whose members are not adjacent in its tar: WebDataset reads it
-    as two half samples, and an index must not hold a key twice."""
+    as two half samples, and an index must not hold a key twice. A dotted field (`001.jpg`
+    of `a.001.jpg`) says where the key was cut, the likelier cause."""
+    cut = (f"; a key ends at the name's first dot: {key}.{field} is field {field!r} of sample {key!r}, where "
+           f"{key}_{field} would be a sample of its own") if "." in field else ""
     return CorruptShardError(f"sample {key!r} appears again after other samples (its members are not adjacent): "
-                             "make the tar with each sample's files together", url=url, key=key, offset=offset)
+                             f"make the tar with each sample's files together{cut}", url=url, key=key, offset=offset)
 
 
 def check_new_field(field: str, present: Container[str], *, url: str, key: str, offset: int) -> None:
@@ -442,7 +445,7 @@ def group_samples(
             sample = None
         if sample is None:
             if key in earlier:
-                raise members_apart(key, url, offset)
+                raise members_apart(key, field, url, offset)
             earlier.add(key)
             sample, sample_offset = {"__key__": key}, offset
         check_new_field(field, sample, url=url, key=key, offset=offset)

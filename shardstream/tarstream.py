@@ -243,7 +243,7 @@ def scan_tar(f: CountingReader, url: str, *, label: Callable[..., int] = check_l
         key, field = named
         if not keys or keys[-1] != key:
             if key in earlier:
-                raise tario.members_apart(key, url, offset)
+                raise tario.members_apart(key, field, url, offset)
             earlier.add(key)
             keys.append(key)
             offsets.append(offset)

@@ -126,6 +126,11 @@ def test_another_tools_index_file_is_kept_unless_told(wds_folder):
         index_tars(str(folder))
     assert raised.value.url == str(foreign) and foreign.read_bytes() == b"another tool's index"
     assert not (folder / MANIFEST_NAME).exists()
+    # Streamed by name, the reader says the same (found by a user's walk: "not valid msgpack", no more).
+    with pytest.raises(ss.CorruptIndexError, match=r"not a shardstream index \(another tool's\?\): remove it, or "
+                                                   r"`shardstream index --overwrite`") as raised:
+        list(ss.StreamingDataset([str(folder / "shard-000001.tar")], decode=None))
+    assert raised.value.url == str(foreign)
     index_tars(str(folder), overwrite=True)
     (folder / MANIFEST_NAME).unlink()
     index_tars(str(folder))  # its own indexes, from the run before: replaced

@@ -291,24 +291,46 @@ def test_cli_bench_errors(tmp_path, capsys):
         assert "usage:" in capsys.readouterr().err
 
 
-def test_bench_of_tars_without_labels(tmp_path):
-    """Other tools' tars named by a brace pattern, without `cls`: bench asked for `cls` and failed."""
+def _image_tars(folder, field: str) -> str:
+    """Two tars of 8 small JPEGs each under `field`, no labels; their brace pattern."""
     import io
     import tarfile
 
     from PIL import Image
 
     for s in range(2):
-        with tarfile.open(tmp_path / f"shard-{s:03d}.tar", "w") as tf:
+        with tarfile.open(folder / f"shard-{s:03d}.tar", "w") as tf:
             for i in range(8):
                 data = io.BytesIO()
                 Image.new("RGB", (40, 30), (s, i, 0)).save(data, format="JPEG")
-                info = tarfile.TarInfo(f"s{s}_{i}.jpg")
+                info = tarfile.TarInfo(f"s{s}_{i}.{field}")
                 info.size = len(data.getvalue())
                 tf.addfile(info, io.BytesIO(data.getvalue()))
-    result = bench(str(tmp_path / "shard-{000..001}.tar"), workers=[0], batch_size=4, transform="train",
-                   seconds=0.3, warmup=0.0)
+    return str(folder / "shard-{000..001}.tar")
+
+
+def test_bench_of_tars_without_labels(tmp_path):
+    """Other tools' tars named by a brace pattern, without `cls`: bench asked for `cls` and failed."""
+    result = bench(_image_tars(tmp_path, "jpg"), workers=[0], batch_size=4, transform="train", seconds=0.3, warmup=0.0)
     assert result.rows[0].images > 0
+
+
+def test_bench_of_images_in_another_field(tmp_path):
+    """Regression (found by a user's walk adopting WebDataset data): tars holding `.jpeg` members were refused
+    ("no field 'jpg;png;webp'"), with advice (`fields=`) that bench had no option for."""
+    (tmp_path / "jpeg").mkdir()
+    result = bench(_image_tars(tmp_path / "jpeg", "jpeg"), workers=[0], batch_size=4, transform="val", seconds=0.3,
+                   warmup=0.0)
+    assert result.rows[0].images > 0
+    (tmp_path / "bmp").mkdir()
+    pattern = _image_tars(tmp_path / "bmp", "bmp")  # JPEG bytes: decoders go by the bytes, the field by its name
+    with pytest.raises(ShardstreamError, match="no field 'jpg;jpeg;png;webp'"):
+        bench(pattern, workers=[0], batch_size=4, transform="val", seconds=0.3, warmup=0.0)
+    result = run_cli(pattern, "--workers", "0", "--batch-size", "4", "--transform", "val", "--seconds",
+                     "0.3", "--warmup", "0", "--image-field", "bmp", "--quiet", cwd=tmp_path)
+    assert result.returncode == 0 and "knee: num_workers=0" in result.stdout, result.stderr
+    with pytest.raises(ShardstreamError, match="image_field 'image': an image field is named by its format"):
+        bench(pattern, workers=[0], image_field="image")
 
 
 def test_bench_of_a_dataset_where_only_some_samples_are_labelled(tmp_path):

@@ -7,6 +7,7 @@ import gzip
 import io
 import lzma
 import os
+import re
 import shutil
 import subprocess
 import tarfile
@@ -510,8 +511,19 @@ def test_streaming_refuses_a_sample_whose_members_are_apart(tmp_path, suffix):
             info.size = 1
             tf.addfile(info, io.BytesIO(b"1"))
     (tmp_path / f"t{suffix}").write_bytes(gzip.compress(data.getvalue()) if suffix == ".tar.gz" else data.getvalue())
-    with pytest.raises(shardstream.CorruptShardError, match="'k1' appears again after other samples"):
+    with pytest.raises(shardstream.CorruptShardError, match="'k1' appears again after other samples") as refused:
         list(StreamingDataset([str(tmp_path / f"t{suffix}")], decode=None))
+    assert "first dot" not in str(refused.value)
+    # Dotted names (found by a user's walk adopting WebDataset data): the cut at the first dot is the cause.
+    with tarfile.open(tmp_path / "dotted.tar", "w") as tf:
+        for name in ("a.001.jpg", "b.jpg", "a.002.jpg"):
+            info = tarfile.TarInfo(name)
+            info.size = 1
+            tf.addfile(info, io.BytesIO(b"1"))
+    with pytest.raises(shardstream.CorruptShardError, match=re.escape(
+            "a key ends at the name's first dot: a.002.jpg is field '002.jpg' of sample 'a', where a_002.jpg would "
+            "be a sample of its own")):
+        list(StreamingDataset([str(tmp_path / "dotted.tar")], decode=None))
 
 
 @pytest.mark.parametrize("key", ["a//b", "./a/b", "a/./b", "/a/b", "a/../b", "a/"])
