@@ -45,7 +45,8 @@ _COMPRESSED = (".tar.gz", ".tgz", ".tar.zst", ".tar.bz2", ".tbz2", ".tar.xz", ".
 
 
 def index_tars(source: str | os.PathLike[str] | Sequence[str], *, workers: int = 8, overwrite: bool = False,
-               storage_options: dict[str, Any] | None = None, progress: bool = False) -> Manifest:
+               storage_options: dict[str, Any] | None = None, progress: bool = False,
+               manifest: bool = True) -> Manifest:
     """Index plain `.tar` shards in place and write the manifest that makes them a dataset.
 
     `source` is a folder or URL prefix (its ``*.tar`` files, in name order), a brace
@@ -55,14 +56,20 @@ def index_tars(source: str | os.PathLike[str] | Sequence[str], *, workers: int =
     sample's class (the class table names classes by their numbers), a `weight` field
     its sampling weight. Tars without samples are left out of the manifest. Returns
     the manifest written. An existing manifest is replaced only with `overwrite`.
+
+    A folder holds one manifest, so one dataset. Without `manifest`, only the indexes
+    are written (the manifest is returned, not written): another set of shards in a
+    folder that has its dataset (``val-*.tar`` beside ``train-*.tar``) then streams by
+    its brace pattern or list, sample by sample, its counts read from the indexes.
     """
     overwrite, progress = flag(overwrite, "overwrite"), flag(progress, "progress")  # "false" replaced it
+    write = flag(manifest, "manifest")
     store, names = _shards(source, storage_options or {})
     if store.root.startswith(("http://", "https://")):
         raise ShardstreamError("cannot write indexes over HTTP: index the tars where they can be written "
                                "(a local folder, S3), then serve the folder", url=store.root)
-    if store.exists(MANIFEST_NAME):
-        _check_replaceable(store, overwrite)
+    if write and store.exists(MANIFEST_NAME):
+        _check_replaceable(store, overwrite, names)
     if not overwrite:
         _refuse_foreign_indexes(store, names)
     from .progress import progress_bar
@@ -81,7 +88,7 @@ def index_tars(source: str | os.PathLike[str] | Sequence[str], *, workers: int =
     labels = np.concatenate([lab for _, lab in scans if lab is not None] or [np.zeros(0, np.int64)])
     labels = labels[labels >= 0]
     counts = np.bincount(labels) if labels.size else np.zeros(0, np.int64)
-    manifest = Manifest(
+    made = Manifest(
         shards=shards,
         compression="none",
         classes=tuple(str(i) for i in range(len(counts))),
@@ -89,15 +96,16 @@ def index_tars(source: str | os.PathLike[str] | Sequence[str], *, workers: int =
         options={"indexed_in_place": True},
         writer=f"shardstream {__version__} (index)",
     )
-    write_manifest(store, manifest)
-    if not counts.size and "cls" in manifest.shards.all_fields():
+    if write:
+        write_manifest(store, made)
+    if not counts.size and "cls" in made.shards.all_fields():
         # WebDataset writers often store class names there ({"cls": "bird"}): read as labels they fail,
         # sample after sample, long after this had read them all.
         warnings.warn(f"{store.root}: samples hold a cls field, and none is an integer class index (class "
-                      "names?): the manifest has no class table, and fields=('cls',) fails on them; read them as "
-                      "bytes (decode=None), or `shardstream repack --class-names` them, which numbers the classes",
+                      "names?): the manifest has no class table, and a cls read decodes as an integer and fails on them; "
+                      "leave cls out of fields=, or `shardstream repack --class-names` them, which numbers the classes",
                       stacklevel=2)
-    return manifest
+    return made
 
 
 def repack_tars(source: str | os.PathLike[str] | Sequence[str], dst: str | os.PathLike[str], *,
@@ -245,15 +253,25 @@ def _printable_key(sample: dict[str, Any]) -> str | None:
     return key if isinstance(key, str) and key else None
 
 
-def _check_replaceable(store: Store, overwrite: bool) -> None:
+def _check_replaceable(store: Store, overwrite: bool, names: Sequence[str]) -> None:
     """Refuse to replace a manifest unless told to, and never one that `pack` wrote."""
     url = store.url(MANIFEST_NAME)
-    if not overwrite:
-        raise ShardstreamError("already holds a manifest; pass overwrite=True (--overwrite) to replace it", url=url)
     try:
-        existing = Manifest.from_bytes(store.read(MANIFEST_NAME), url)
+        existing: Manifest | None = Manifest.from_bytes(store.read(MANIFEST_NAME), url)
     except ShardstreamError:
-        return  # unreadable: nothing is lost by replacing it
+        existing = None  # unreadable: nothing is lost by replacing it
+    if not overwrite:
+        listed = list(existing.shards.names) if existing is not None else []
+        if listed and not set(listed) & set(names):  # val-*.tar beside train-*.tar: the folder's dataset would change
+            shown = ", ".join(listed[:2]) + (", ..." if len(listed) > 2 else "")
+            raise ShardstreamError(f"already holds the manifest of other shards ({shown}: {len(listed)} shards), "
+                                   "which --overwrite would replace, and the folder would stream these instead: a "
+                                   "folder is one dataset; index these in a folder of their own, or with "
+                                   "--no-manifest (manifest=False: their indexes only) and stream them by their "
+                                   "brace pattern", url=url)
+        raise ShardstreamError("already holds a manifest; pass overwrite=True (--overwrite) to replace it", url=url)
+    if existing is None:
+        return
     if not existing.options.get("indexed_in_place"):
         raise ShardstreamError(f"a dataset written by {existing.writer}, already indexed; replacing its manifest "
                                "would lose its class names and pack record", url=url)

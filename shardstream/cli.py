@@ -223,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("source", help="folder or URL prefix of .tar shards, a brace pattern, or one shard's URL")
     p.add_argument("--workers", type=_positive_int, default=8, help="shards read at once (default 8)")
     p.add_argument("--overwrite", action="store_true", help="replace a manifest already there")
+    p.add_argument("--no-manifest", action="store_true",
+                   help="write the indexes only (stream the shards by their brace pattern): for a second set of "
+                   "shards in a folder that has its dataset")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=cmd_index)
 

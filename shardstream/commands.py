@@ -107,10 +107,11 @@ def cmd_index(args: argparse.Namespace) -> int:
     from .adopt import index_tars
 
     manifest = index_tars(args.source, workers=args.workers, overwrite=args.overwrite, progress=not args.quiet,
-                          storage_options=_storage_options(args.storage_options))
+                          storage_options=_storage_options(args.storage_options), manifest=not args.no_manifest)
     say(f"indexed {manifest.samples:,} samples in {len(manifest.shards)} shards "
           f"({manifest.shards.bytes.sum() / 1e6:,.1f} MB); fields {', '.join(manifest.shards.all_fields())}; "
-          f"{len(manifest.classes)} classes")
+          f"{len(manifest.classes)} classes" + ("; no manifest written: stream them by their pattern"
+                                                 if args.no_manifest else ""))
     return 0
 
 

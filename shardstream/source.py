@@ -364,8 +364,9 @@ class Source:
 
     def labels(self) -> np.ndarray:
         """Every sample's class index, in shard order, from the shard indexes (one read each)."""
-        labels = self._per_sample("labels", "class weights need per-sample labels: this shard's index has none "
-                                  "(pack it with shardstream 0.1+, with a cls field)", np.int64)
+        labels = self._per_sample("labels", "class weights need per-sample labels: this shard's index has none (no "
+                                  "sample has a cls field holding an integer class index; `shardstream repack "
+                                  "--class-names` numbers class names)", np.int64)
         unlabelled = np.flatnonzero(labels < 0)
         if len(unlabelled):
             url, key = self.where(int(unlabelled[0]))

@@ -115,6 +115,32 @@ def test_an_existing_manifest_is_kept_unless_told(wds_folder):
     assert (folder / MANIFEST_NAME).read_bytes() == first  # the same input gives the same manifest
 
 
+def test_a_second_set_of_shards_in_the_folder_is_indexed_without_replacing_its_dataset(wds_folder):
+    """Regression (found by a user's walk adopting WebDataset data): with train and val shards in one folder,
+    indexing val was refused with "pass --overwrite", which swapped the folder's dataset for val's, silently."""
+    folder, samples = wds_folder
+    for i, name in enumerate(sorted(folder.glob("shard-*.tar"))[3:]):
+        name.rename(folder / f"val-{i:06d}.tar")
+    train = index_tars(str(folder / "shard-{000000..000002}.tar"))
+    before = (folder / MANIFEST_NAME).read_bytes()
+    with pytest.raises(ShardstreamError, match=r"already holds the manifest of other shards \(shard-000000.tar, "
+                                               r"shard-000001.tar, ...: 3 shards\), which --overwrite would replace.*"
+                                               r"--no-manifest"):
+        index_tars(str(folder / "val-{000000..000001}.tar"))
+    val = index_tars(str(folder / "val-{000000..000001}.tar"), manifest=False)
+    assert (folder / MANIFEST_NAME).read_bytes() == before and (folder / "val-000001.tar.idx").exists()
+    assert val.samples == len(samples) - train.samples == 6
+    pattern = ss.StreamingDataset(str(folder / "val-{000000..000001}.tar"), decode=None)
+    assert len(pattern) == 6 and isinstance(pattern.resolve().reader(0), ss.ShardReader)  # by its index
+    assert sorted(s["__key__"] for s in pattern) == sorted(s["__key__"] for s in samples[train.samples:])
+    assert len(ss.StreamingDataset(str(folder), decode=None)) == train.samples
+    result = subprocess.run([sys.executable, "-m", "shardstream", "index", str(folder / "val-000000.tar"),
+                             "--no-manifest", "--quiet"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "no manifest written" in result.stdout, result.stderr
+    with pytest.raises(ShardstreamError, match=r"already holds a manifest; pass overwrite=True"):  # the same shards
+        index_tars(str(folder / "shard-{000000..000001}.tar"))
+
+
 def test_another_tools_index_file_is_kept_unless_told(wds_folder):
     """Regression (found by review): `index` wrote `<shard>.idx` over a file of that name that
     was no shardstream index (another tool's), without a word, where `pack` refuses files it
@@ -621,9 +647,17 @@ def test_index_warns_of_class_names_in_cls(tmp_path):
         for i, name in enumerate(("bird", "cat")):
             _member(tf, f"s{i}.txt", b"x")
             _member(tf, f"s{i}.cls", name.encode())
-    with pytest.warns(UserWarning, match="none is an integer class index \\(class names\\?\\)"):
+    with pytest.warns(UserWarning, match="none is an integer class index \\(class names\\?\\).*leave cls out of "
+                                         "fields="):
         manifest = index_tars(str(tmp_path), progress=False)
     assert manifest.samples == 2 and manifest.classes == ()
+    # The advice holds (found by a user's walk: it said decode=None, which decodes cls all the same).
+    assert [x for (x,) in ss.StreamingDataset(str(tmp_path), fields=("txt",))] == ["x", "x"]
+    with pytest.raises(ss.DecodeError, match="cannot decode field 'cls'"):
+        next(iter(ss.StreamingDataset(str(tmp_path), decode=None)))
+    with pytest.raises(ShardstreamError, match="no sample has a cls field holding an integer class index; "
+                                               "`shardstream repack --class-names`"):
+        list(ss.StreamingDataset(str(tmp_path), fields=("txt",), sampling=ss.Sampling(class_weights="balanced")))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with tarfile.open(tmp_path / "shard-000000.tar", "w") as tf:
