@@ -20,7 +20,7 @@ import numpy as np
 
 from .braces import expand_braces, folder_named, names_shards
 from .columns import MAX_CLASS, class_of, label_column, sampling_weight_of, weight_column
-from .errors import ManifestError, ShardstreamError, StorageError
+from .errors import CorruptShardError, ManifestError, ShardstreamError, StorageError
 from .format import (INDEX_SUFFIX, MANIFEST_NAME, MAX_MANIFEST_BYTES, PART_MANIFEST, Manifest, ShardIndex,
                      ShardInfo)
 from .iostats import counting_here
@@ -300,6 +300,16 @@ class Source:
         Not its reader: readers kept until every shard was counted held every index read at
         once, every key of the dataset (about 100 bytes a sample, 10 GB at 100M samples,
         in every process that counts), where the counts need one index at a time."""
+        try:
+            return self._count_read(shard)
+        except CorruptShardError as e:
+            # Met before any sample is read, where `on_error` does not reach: said, as WebDataset
+            # users expect its handlers' skip past damage.
+            raise CorruptShardError(f"{e.detail} (met counting the samples of a shard without an index, before "
+                                    "any is read: on_error cannot skip part of it; remove or repair the shard)",
+                                    url=e.url, key=e.key, offset=e.offset) from e
+
+    def _count_read(self, shard: int) -> tuple[bool, Any, int, bytes | None]:
         reader = self.reader(shard)
         if isinstance(reader, StreamTarReader) and reader.index is None:  # compressed: read through
             labels, weights, keys = [], [], []
@@ -548,6 +558,13 @@ def resolve_source(source: "str | Sequence[str] | Mix", *, storage_options: dict
         parts = tuple(resolve_source(s, storage_options=options, retry=retry) for s in source.sources)
         return Source("mix", ChainedShards([p.shards for p in parts]), None, parts)
     source = source_urls(source)  # a pathlib.Path is a location too
+    piped = next((url for url in ([source] if isinstance(source, str) else source)
+                  if isinstance(url, str) and url.startswith("pipe:")), None)
+    if piped is not None:
+        # WebDataset's: a shell command whose output is the shard. Taken for a file name, it was "file not found".
+        raise ShardstreamError("a pipe: URL is WebDataset's shell command, which shardstream does not run: name the "
+                               "shard's file or fsspec URL (s3://, https://) itself; .tar.zst, .tar.gz and plain tars "
+                               "are read as they are", url=piped)
     if isinstance(source, str):
         # A local folder holding a dataset is that dataset, whatever its name says (`pack`
         # writes to a name as given: `data.tar` was read as one shard, "is a directory").

@@ -526,6 +526,32 @@ def test_streaming_refuses_a_sample_whose_members_are_apart(tmp_path, suffix):
         list(StreamingDataset([str(tmp_path / "dotted.tar")], decode=None))
 
 
+def test_a_webdataset_pipe_url_is_refused_saying_so(tmp_path):
+    """Found by a user's walk adopting WebDataset data: `pipe:cat x.tar` was "file not found"."""
+    for source in (f"pipe:cat {tmp_path}/x.tar", [f"pipe:zstd -dc < {tmp_path}/x.tar.zst"]):
+        with pytest.raises(ShardstreamError, match="a pipe: URL is WebDataset's shell command, which shardstream "
+                                                   "does not run"):
+            StreamingDataset(source).resolve()
+
+
+def test_a_tar_cut_short_without_an_index_is_named_under_either_policy(tmp_path):
+    """Found by a user's walk adopting WebDataset data: damage met while counting an unindexed tar's samples
+    raised under on_error="skip" too, without saying why skip could not apply."""
+    data = io.BytesIO()
+    with tarfile.open(fileobj=data, mode="w") as tf:
+        for i in range(4):
+            info = tarfile.TarInfo(f"k{i}.txt")
+            info.size = 3000
+            tf.addfile(info, io.BytesIO(bytes(3000)))
+    (tmp_path / "cut.tar").write_bytes(data.getvalue()[:9000])  # inside the third member
+    for policy in ("raise", "skip"):
+        ds = StreamingDataset([str(tmp_path / "cut.tar")], decode=None, on_error=policy)
+        with pytest.raises(shardstream.CorruptShardError, match=r"cut\.tar.*truncated tar member.*met counting the "
+                                                               r"samples of a shard without an index.*on_error cannot "
+                                                               r"skip part of it"):
+            list(ds)
+
+
 @pytest.mark.parametrize("key", ["a//b", "./a/b", "a/./b", "/a/b", "a/../b", "a/"])
 def test_the_writer_refuses_keys_that_extract_as_another(tmp_path, key):
     """Regression: "a/b", "a//b", "./a/b" and "a/./b" were four samples that `tar -x` extracts as one file."""
