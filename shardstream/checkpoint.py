@@ -169,6 +169,12 @@ class Checkpointing:
         """
         if delivered is None and get_worker_info() is not None:
             return self._worker_state()
+        if delivered is None and self._loader_copy:
+            # Its loader counts what it delivered and passes it: without a count this copy described
+            # the epoch's start, and a resume from it repeated every batch trained on (80 of 297).
+            raise ShardstreamError("this is shardstream.DataLoader's copy of the dataset (loader.dataset), which "
+                                   "has not seen what the loader delivered: take the state from the loader "
+                                   "(loader.state_dict())")
         if self._shared.loader_copy_iterates and not self._loader_copy and not self._own_loops_count(delivered,
                                                                                                      num_workers):
             raise ShardstreamError(
@@ -180,9 +186,12 @@ class Checkpointing:
             segment = self._delivered if self._delivered is not None else self._resumed_in_layout(world)
         else:
             earlier = self._earlier_layouts_items(world)
-            if delivered < earlier:
-                raise ValueError(f"delivered counts the items of the epoch from its start: {earlier} were delivered "
-                                 f"before the resume onto this layout, and {delivered} is fewer "
+            before = earlier + self._resumed_in_layout(world)  # the loaded state's count, on its own layout too
+            if delivered < before:
+                # A count since the restart, not since the epoch's start: taken as the epoch's, it made
+                # a state that repeated what the run before the restart had trained on.
+                raise ValueError(f"delivered counts the items of the epoch from its start: {before} were delivered "
+                                 f"before this pass (the state it resumed from), and {delivered} is fewer "
                                  "(resumed_items() says how many came before this pass)")
             segment = delivered - earlier
         loaded = self._resumed_from(world)

@@ -338,9 +338,19 @@ def _sigterm_interrupts() -> Iterator[None]:
         yield
         return
     before = signal.signal(signal.SIGTERM, _raise_terminated)
+    hook = sys.unraisablehook
+
+    def quiet_about_terminated(unraisable: Any) -> None:
+        # A Terminated dropped in a weakref callback or a __del__ (`_SIGTERMS`) is said once, by
+        # `main`: Python's "Exception ignored in ..." traceback was printed above it.
+        if not isinstance(unraisable.exc_value, Terminated):
+            hook(unraisable)
+
+    sys.unraisablehook = quiet_about_terminated
     try:
         yield
     finally:
+        sys.unraisablehook = hook
         signal.signal(signal.SIGTERM, before)
 
 

@@ -1423,6 +1423,8 @@ def test_a_remote_resume_asks_nothing_of_each_finished_shard(image_folder, monke
         summary = run_pack(image_folder, "memory://resume/ds", max_samples=1, workers=1, resume=True)
         monkeypatch.undo()
         assert summary.resumed == 8 and summary.samples == len(list(image_folder.rglob("*.jpg")))
+        # Bytes in are this run's, out the whole dataset's: the summary says so (found by a user's walk).
+        assert "(this run's), out" in str(summary) and "MB (the whole dataset's)" in str(summary)
         assert not [name for _, name in asked if name in recorded]
         run_pack(image_folder, "memory://resume/uninterrupted", max_samples=1, workers=1)
 

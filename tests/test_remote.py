@@ -199,10 +199,12 @@ def test_an_s3_location_without_a_manifest_says_whether_anything_is_there(moto, 
     cases = {f"s3://{BUCKET}/nowhere": "nothing is there: no object has this prefix",
              "s3://no-such-bucket/ds": "no bucket s3://no-such-bucket, or no access to it",
              "s3://no-such-bucket": "no bucket s3://no-such-bucket, or no access to it",
+             f"s3://{BUCKET}/ds/manifest.msgpack": "the location names a manifest: the dataset is the folder",
+             f"s3://{BUCKET}/ds/shard-{{000000..000001}}.tar": "it names shards, not a dataset's folder",
              f"s3://{BUCKET}/raw": "a folder of images is packed by `shardstream pack` first"}
-    for url, said in cases.items():
+    for url, said in cases.items():  # as `inspect` and `verify` open them
         with pytest.raises(ManifestError, match=re.escape(said)):
-            StreamingDataset(url, storage_options=moto.storage_options).resolve()
+            shardstream.open_dataset(url, storage_options=moto.storage_options)
 
 
 def s3fs_of(moto):

@@ -1056,6 +1056,41 @@ def test_end_of_epoch_state_after_an_elastic_resume(url, keys, first, second):
         assert_epoch_complete(url, end, num_workers, full)
 
 
+def test_a_count_since_the_restart_is_refused_on_the_same_layout_too(url, keys):
+    """Regression (found by a user's walk resuming DDP from S3): through torch's DataLoader, a count of the items
+    since the restart (resumed_items() forgotten) was refused after a resume onto another layout, and taken on the
+    same one: the state then said 3 where 8 had been trained on, and a resume from it repeated 5."""
+    first = dataset(url)
+    head = D.take(first, 2, 5)
+    state = json.loads(json.dumps(first.state_dict(delivered=5, num_workers=2)))
+    resumed = dataset(url)
+    resumed.load_state_dict(state)
+    middle = D.take(resumed, 2, 3)
+    with pytest.raises(ValueError, match=r"5 were delivered before this pass \(the state it resumed from\), and 3 "
+                                         r"is fewer"):
+        resumed.state_dict(delivered=3, num_workers=2)
+    later = json.loads(json.dumps(resumed.state_dict(delivered=resumed.resumed_items(2) + 3, num_workers=2)))
+    restored = dataset(url)
+    restored.load_state_dict(later)
+    rest = D.run(restored, 2)
+    assert sorted(D.flat(head + middle + rest)) == sorted(keys), "every sample of the epoch once"
+
+
+def test_shardstream_dataloaders_copy_refuses_a_state_without_the_loaders_count(url, keys):
+    """Regression (found by a user's walk resuming DDP from S3): `loader.dataset.state_dict()` described the
+    epoch's start (another layout, nothing delivered), and a resume from it repeated every batch trained on."""
+    ds = dataset(url)
+    loader = shardstream.DataLoader(ds, num_workers=2)
+    head, state = D.stop_after(loader, 4)
+    with pytest.raises(ShardstreamError, match=r"shardstream.DataLoader's copy of the dataset \(loader.dataset\).*"
+                                               r"loader.state_dict\(\)"):
+        loader.dataset.state_dict()
+    assert loader.dataset.state_dict(delivered=4, num_workers=2) == loader.state_dict() == state
+    restored = dataset(url)
+    restored.load_state_dict(loader.state_dict())
+    assert sorted(D.flat(head + D.run(restored, 1))) == sorted(keys)
+
+
 @pytest.mark.parametrize("persistent", [False, True])
 def test_end_of_epoch_state_through_a_torch_dataloader_after_an_elastic_resume(url, keys, persistent):
     """Through a plain torch DataLoader the training loop counts its items and passes them to
@@ -1073,7 +1108,7 @@ def test_end_of_epoch_state_through_a_torch_dataloader_after_an_elastic_resume(u
     dl = D.loader(resumed, 2, persistent_workers=persistent)
     rest = [D.freeze(item) for item in dl]
     assert sorted(D.flat(head + rest)) == sorted(keys), "every sample of the epoch once"
-    with pytest.raises(ValueError, match="3 were delivered before the resume onto this layout"):
+    with pytest.raises(ValueError, match=r"3 were delivered before this pass \(the state it resumed from\)"):
         resumed.state_dict(delivered=2, num_workers=2)
     end = json.loads(json.dumps(resumed.state_dict(delivered=3 + len(rest), num_workers=2)))
     restored = dataset(url)
