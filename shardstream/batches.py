@@ -109,6 +109,10 @@ def count_samples(batch: Any, by_first_field: bool = False) -> int:
 
 def map_field(batch: Any, field: int | str, fn: Callable[[Any], Any]) -> Any:
     """`batch` with ``fn`` applied to one field: a key of a dict, an index of a tuple or list."""
+    if isinstance(batch, Mapping) and field not in batch:
+        # The default field 0 is a tuple batch's first (fields=(...)); a dict batch has names.
+        raise ValueError(f"the batch has no field {field!r}: it holds {sorted(map(str, batch))}; name the image's "
+                       "field (field=\"jpg\"), or give the dataset fields=(\"jpg\", \"cls\") for tuple batches")
     if isinstance(batch, Mapping):
         if isinstance(batch, MutableMapping):
             out = copy.copy(batch)

@@ -194,8 +194,10 @@ class ResumeState:
         if state.dataset != mine and state.dataset != _fingerprint_of(dataset, contents=False) and not (
                 state.dataset.startswith("keys-")
                 and state.dataset == _fingerprint_of(dataset, contents=dataset.resolve().keys_read)):
+            # The fingerprint folds in the epoch's draw: a changed Sampling was blamed on the data.
             raise ShardstreamError(
-                f"resume state is from another dataset (fingerprint {state.dataset}, this one {mine})"
+                f"resume state is from another dataset (fingerprint {state.dataset}, this one {mine}): its shards, "
+                "their contents, or its Sampling or Mix weights differ"
             )
         if (state.seed, state.shuffle) != (dataset.seed, dataset.shuffle):
             raise ShardstreamError(

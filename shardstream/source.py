@@ -473,14 +473,13 @@ def _found_instead(store: Store) -> str:
     look at a few entries; remotely one lookup of the prefix (a listing would cost a request
     per thousand objects: a prefix of a million raw images took 2,000); over HTTP nothing,
     where a missing listing says nothing of what is there."""
-    named = store.root.rstrip("/").rsplit("/", 1)[-1]
-    if named == MANIFEST_NAME:  # locally refused before the read, as a file
+    if store.local:  # a folder named `photos.tar` is a folder; a manifest file is refused before the read
+        return _found_in_folder(local_path(store.root))
+    if store.root.rstrip("/").rsplit("/", 1)[-1] == MANIFEST_NAME:
         return "the location names a manifest: the dataset is the folder that holds it"
     if names_shards(store.root):  # only commands that take a dataset's folder come here with one
         return ("it names shards, not a dataset's folder: name the folder (`shardstream index` makes a folder of "
                 "plain .tar shards a dataset)")
-    if store.local:
-        return _found_in_folder(local_path(store.root))
     if store.root.startswith(("http://", "https://")):
         return _NO_MANIFEST
     try:

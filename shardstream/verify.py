@@ -17,7 +17,7 @@ import numpy as np
 from .columns import label_of, weight_of
 from .decode import IMAGE_EXTENSIONS, decode_image, jpeg_damage
 from .fields import field_extension
-from .format import Manifest
+from .format import MANIFEST_NAME, Manifest
 from .arguments import flag
 from .errors import ManifestError, ShardstreamError, shown_url
 from .reader import ShardReader
@@ -310,7 +310,9 @@ def verify_dataset(
         try:
             sources = [open_dataset(url, storage_options=storage_options)]
         except ManifestError:
-            sources = _unmerged_parts(url, storage_options or {}, report)
+            # Only where no manifest is there: a damaged one beside the parts it merged is the problem.
+            store = Store(os.fspath(url), storage_options or {})
+            sources = [] if store.exists(MANIFEST_NAME) else _unmerged_parts(store, report)
             if not sources:
                 raise
     except ShardstreamError as e:
@@ -321,10 +323,9 @@ def verify_dataset(
     return report
 
 
-def _unmerged_parts(url: str, storage_options: dict[str, Any], report: VerifyReport) -> list[Source]:
-    """The finished parts of the pack at `url` (those whose part manifest is written), in
+def _unmerged_parts(store: Store, report: VerifyReport) -> list[Source]:
+    """The finished parts of the pack in `store` (those whose part manifest is written), in
     part order, where it holds no dataset manifest; `report.parts` says which of how many."""
-    store = Store(os.fspath(url), storage_options)
     found = part_manifests(store)
     totals = {total for total, _ in found.values()}
     if len(totals) != 1:  # none, or parts of packs in different numbers of parts: `merge` says which

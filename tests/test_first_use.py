@@ -190,6 +190,10 @@ def test_a_location_without_a_manifest_says_what_is_there(mixed, tmp_path):
     for location, said in cases.items():
         with pytest.raises(ManifestError, match=re.escape(said)):
             ss.StreamingDataset(str(location)).resolve()
+    # A folder named like a shard is a folder (found by review: "it names shards" for `verify photos.tar/`).
+    shutil.copytree(src, tmp_path / "photos.tar")
+    with pytest.raises(ManifestError, match=re.escape("images, not shards: `shardstream pack`")):
+        ss.open_dataset(str(tmp_path / "photos.tar"))
     with pytest.raises(ManifestError, match="a dataset's manifest: the dataset is the folder that holds it"):
         ss.StreamingDataset(str(Path(url) / MANIFEST_NAME)).resolve()
 

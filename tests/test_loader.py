@@ -205,6 +205,10 @@ def test_normalize_is_the_formula_on_any_field():
     Batch = collections.namedtuple("Batch", "labels images")
     out_named = Normalize(field=1)(Batch(labels, images_u8))
     assert isinstance(out_named, Batch) and torch.allclose(out_named.images.double(), expected, atol=1e-6)
+    # A dict batch and the default field 0 (found by a user's walk: a bare `KeyError: 0`).
+    with pytest.raises(ValueError, match=r"the batch has no field 0: it holds \['cls', 'jpg'\]; name the image's "
+                                         r"field \(field=\"jpg\"\)"):
+        Normalize()({"jpg": images_u8, "cls": labels})
 
 
 def test_normalize_refuses_what_is_not_images_in_chw():

@@ -333,6 +333,15 @@ def test_verify_checks_the_finished_parts_before_the_merge(source, tmp_path):
     assert report.shards == len(part_0.shards) + len(listed.shards)
     result = cli("verify", str(dst), "--quiet")
     assert result.returncode == 1 and "; parts 0, 1 of 3, not merged (1 part not finished)" in result.stdout
+    # Merged, with its manifest damaged (the parts' manifests still beside it): the manifest is the problem,
+    # not the parts (found by the review: verify said "ok" over a dataset no reader opens).
+    shard.write_bytes(bytes(data[:-40] + bytes([data[-40] ^ 1]) + data[-39:]))  # repaired
+    ss.pack(str(source / "src"), str(dst), shard_size="8KB", part=(2, 3), progress=False)
+    assert merge(str(dst)).samples == 21 and verify_dataset(str(dst)).ok
+    manifest = dst / "manifest.msgpack"
+    manifest.write_bytes(manifest.read_bytes()[: manifest.stat().st_size // 2])
+    report = verify_dataset(str(dst))
+    assert not report.ok and report.parts is None and "not valid msgpack" in report.problems[0].message
 
 
 def test_merge_asks_the_store_once_for_every_size_and_reads_each_index_once(source, tmp_path, monkeypatch):

@@ -507,7 +507,8 @@ def test_sample_weights_resume_exactly_and_the_state_knows_them(weighted):
     assert head + list(resumed) == full
     other = weights.copy()
     other[1] = 5.0
-    with pytest.raises(ss.ShardstreamError, match="another dataset"):
+    with pytest.raises(ss.ShardstreamError, match="another dataset .*: its shards, their contents, or its "
+                                                  "Sampling or Mix weights differ"):
         make(other).load_state_dict(state)
 
 
