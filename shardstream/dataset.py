@@ -647,7 +647,8 @@ class StreamingDataset(Checkpointing, IterableDataset):
         return _this_process(self._heads, HeadStart)  # a forked child's copy is its parent's, threads and all
 
     def io_stats(self) -> dict[str, float]:
-        """Storage counters (requests, bytes, retries, wait_s, cache hits and misses, and
+        """Storage counters (requests, bytes, remote_bytes (those of `bytes` remote storage
+        sent: not a cached copy's), retries, wait_s, cache hits and misses, and
         `readahead_waits`: pieces a reader waited for with its read-ahead window at its
         largest, a sign to raise `prefetch`) of this dataset, summed over the processes that
         read for it (the workers, or this process) and over epochs. An iteration counts its

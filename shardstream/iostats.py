@@ -33,10 +33,13 @@ class IOStats:
     prefetch threads); `cache_*` count shard lookups in a local cache; `readahead_waits`
     counts the pieces a reader had to wait for with its read-ahead window at its largest
     (readahead.py): storage latency the window could not cover at the reader's rate.
+    `remote_bytes` are those of `bytes` read from remote storage: with a cache, `bytes`
+    counts the cached copies' reads too, and this what the storage sent.
     """
 
     requests: int = 0
     bytes: int = 0
+    remote_bytes: int = 0
     retries: int = 0
     wait_s: float = 0.0
     cache_hits: int = 0

@@ -30,7 +30,7 @@ __all__ = ["SharedState", "IO_FIELDS", "SLOTS"]
 # (StreamingDataset refuses more). 64 dropped the skips, storage counts and resume bookkeeping of
 # workers 64 and up without a word; this many cost 73 KB of shared memory a dataset.
 SLOTS = 1024
-IO_FIELDS = ("requests", "bytes", "retries", "wait_s", "cache_hits", "cache_misses", "readahead_waits")
+IO_FIELDS = ("requests", "bytes", "remote_bytes", "retries", "wait_s", "cache_hits", "cache_misses", "readahead_waits")
 _EPOCH, _RESUME_ID, _SKIPS, _DONE = 0, 1, 2, 2 + SLOTS  # offsets in the int array
 _WORKERS, _UNREAD, _LOADER_COPY, _LOADED = 2 + 2 * SLOTS, 3 + 2 * SLOTS, 4 + 2 * SLOTS, 5 + 2 * SLOTS
 _RESUMED_BY = 6 + 2 * SLOTS  # the workers of the pass that read the resumed epoch (0: none has finished it)

@@ -20,7 +20,7 @@ import numpy as np
 
 from .braces import expand_braces, folder_named, names_shards
 from .columns import MAX_CLASS, class_of, label_column, sampling_weight_of, weight_column
-from .errors import CorruptShardError, ManifestError, ShardstreamError, StorageError
+from .errors import CorruptShardError, ManifestError, ShardstreamError, StorageError, shown_url
 from .format import (INDEX_SUFFIX, MANIFEST_NAME, MAX_MANIFEST_BYTES, PART_MANIFEST, Manifest, ShardIndex,
                      ShardInfo)
 from .iostats import counting_here
@@ -552,6 +552,19 @@ def _names_a_dataset_folder(url: str, options: dict[str, Any]) -> bool:
         return False
 
 
+def _warn_of_other_class_tables(parts: Sequence[Source]) -> None:
+    """Warn where a mix's sources give one label to different classes: each `cls` is a number
+    in its own source's table, and the mix yields them as they are (`classes` is then ()).
+    Tables of which one begins the other (a source with some of the classes) agree."""
+    tables = [(p.url, p.manifest.classes) for p in parts if p.manifest is not None and p.manifest.classes]
+    if any(a[: len(b)] != b[: len(a)] for _, a in tables for _, b in tables):
+        shown = "; ".join(f"{shown_url(url)}: {len(classes)} ({', '.join(classes[:3])}"
+                          f"{', ...' if len(classes) > 3 else ''})" for url, classes in tables)
+        warnings.warn(f"the mixed sources name their classes differently ({shown}): label k is another class in "
+                      "each, and the mix yields the labels as they are; map them to one table in a transform",
+                      stacklevel=4)
+
+
 def resolve_source(source: "str | Sequence[str] | Mix", *, storage_options: dict[str, Any] | None = None,
                    retry: RetryPolicy | None = None) -> Source:
     """A `Source` from a dataset location, a brace pattern, a list of shard URLs, or a `Mix` of those."""
@@ -561,6 +574,7 @@ def resolve_source(source: "str | Sequence[str] | Mix", *, storage_options: dict
     retry = retry or RetryPolicy()
     if isinstance(source, Mix):
         parts = tuple(resolve_source(s, storage_options=options, retry=retry) for s in source.sources)
+        _warn_of_other_class_tables(parts)
         return Source("mix", ChainedShards([p.shards for p in parts]), None, parts)
     source = source_urls(source)  # a pathlib.Path is a location too
     piped = next((url for url in ([source] if isinstance(source, str) else source)

@@ -271,7 +271,8 @@ class Store:
                     data = f.read() if end is None else f.read(end - (start or 0))
             else:
                 data = self.retry.call(self._remote_read, name, start, end, size, url=self.url(name))
-        io_stats.add(requests=1, bytes=len(data), wait_s=time.perf_counter() - started)
+        io_stats.add(requests=1, bytes=len(data), remote_bytes=0 if self.local else len(data),
+                     wait_s=time.perf_counter() - started)
         return data
 
     def read_into(self, name: str, start: int, out: memoryview) -> int:

@@ -206,6 +206,25 @@ def test_samples_per_epoch_smaller_and_larger(small):
     assert max(counts.values()) - min(counts.values()) <= 1  # whole passes first, then part of one more
 
 
+def test_a_mix_of_sources_whose_labels_name_other_classes_is_warned_of(imbalanced, small, tmp_path):
+    """Found by a user's walk: a Mix of datasets whose class tables differ yielded each one's labels as they are,
+    label 0 a cat in one and a truck in the other, and said so only by `classes` being ()."""
+    import warnings
+
+    make_image_folder(tmp_path / "src", num_classes=2, images_per_class=3, size_range=TINY)
+    for old, new in (("class_000", "cat"), ("class_001", "dog")):
+        (tmp_path / "src" / old).rename(tmp_path / "src" / new)
+    ss.pack(str(tmp_path / "src"), str(tmp_path / "pets"), progress=False)
+    with pytest.warns(UserWarning, match=r"the mixed sources name their classes differently \(.*pets: 2 \(cat, dog\); "
+                                         r".*: 2 \(class_000, class_001\)\)"):
+        ss.StreamingDataset(Mix([str(tmp_path / "pets"), small], weights=[1, 1]), decode=None).resolve()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one table begins the other: label k is one class in both
+        ds = ss.StreamingDataset(Mix([imbalanced, small], weights=[1, 1]), decode=None)
+        ds.resolve()
+    assert ds.classes == ()
+
+
 def test_mix_proportions_hold_per_window(imbalanced, small):
     mix = Mix([imbalanced, small], weights=[0.7, 0.3])
     ds = ss.StreamingDataset(mix, decode=None, fields=("__url__",), sampling=Sampling(samples_per_epoch=1000),
