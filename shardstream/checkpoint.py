@@ -186,13 +186,13 @@ class Checkpointing:
             segment = self._delivered if self._delivered is not None else self._resumed_in_layout(world)
         else:
             earlier = self._earlier_layouts_items(world)
-            before = earlier + self._resumed_in_layout(world)  # the loaded state's count, on its own layout too
+            before = earlier + self._loaded_in_layout(world)  # the loaded state's count, on its own layout too
             if delivered < before:
                 # A count since the restart, not since the epoch's start: taken as the epoch's, it made
                 # a state that repeated what the run before the restart had trained on.
                 raise ValueError(f"delivered counts the items of the epoch from its start: {before} were delivered "
-                                 f"before this pass (the state it resumed from), and {delivered} is fewer "
-                                 "(resumed_items() says how many came before this pass)")
+                                 f"before this pass (the state it resumed from), and {delivered} is fewer (read "
+                                 "resumed_items() as the pass begins, and count on from it)")
             segment = delivered - earlier
         loaded = self._resumed_from(world)
         if segment == 0 and loaded is not None:
@@ -232,6 +232,15 @@ class Checkpointing:
         state's earlier parts), which a state's current part does not count."""
         layout = self.layout(world)
         return sum(part.delivered for part in finished_before(self._state_resume(world), layout))
+
+    def _loaded_in_layout(self, world: World) -> int:
+        """Items the state this pass resumed from counts in this layout: as `_resumed_in_layout`,
+        also once the workers have read the pass to its end (`_state_resume`), which the loop's
+        count since the epoch's start cannot be below (a count since the restart was)."""
+        resume = self._state_resume(world)
+        if resume is None or resume.position is not None or resume.current.layout != self.layout(world):
+            return 0
+        return resume.current.delivered
 
     def _resumed_in_layout(self, world: World) -> int:
         resume = self._active_resume(world)

@@ -387,6 +387,12 @@ class StreamingDataset(Checkpointing, IterableDataset):
                 raise StorageError("cache_dir keeps the shards of datasets with a manifest (its checksums verify "
                                    "each copy), and these remote shards have none: `shardstream index` writes one, "
                                    "or leave out cache_dir", url=source.url)
+            apart = source.classes_apart()
+            if apart is not None and not self._shared.mix_said:
+                self._shared.mix_said = True  # once a dataset: every worker of every epoch resolves it
+                warnings.warn(f"the mixed sources name their classes differently ({apart}): label k is another "
+                              "class in each, and the mix yields the labels as they are; map them to one table in "
+                              "a transform", stacklevel=3)
             self._resolved = source
         return self._resolved
 

@@ -38,7 +38,8 @@ _EPOCH_SET = 7 + 2 * SLOTS  # 1 once the training loop has chosen the epoch with
 _FINISHED = 8 + 2 * SLOTS  # 1 + the epoch a loop last received whole (0: none yet)
 _REPEAT_SAID = 9 + 2 * SLOTS  # 1 once a process has warned of an epoch's order read again
 _PLAIN = 10 + 2 * SLOTS  # 1 once the dataset itself (not shardstream.DataLoader's copy) began a pass
-_INTS = 11 + 2 * SLOTS
+_MIX_SAID = 11 + 2 * SLOTS  # 1 once a process has warned of a mix's sources numbering classes apart
+_INTS = 12 + 2 * SLOTS
 
 
 T = TypeVar("T", int, bool)
@@ -118,6 +119,8 @@ class SharedState:
                            "state loaded or epoch set: its loop counts what it received, and may take a state.")
     repeat_said = _Slot(_REPEAT_SAID, bool, "Whether a process (a worker) has warned of a shuffled epoch's "
                         "order read again without set_epoch: said once a dataset, not once each worker.")
+    mix_said = _Slot(_MIX_SAID, bool, "Whether a process has warned that a mix's sources give one label to "
+                     "different classes: said once a dataset, not once each worker and epoch.")
     iterating_workers = _Slot(_WORKERS, int, """The `num_workers` of the DataLoader whose workers iterate the
         dataset last began (0: it was iterated in its own process last, or loaded since): the main
         process cannot count what such workers deliver, so `state_dict` asks for the count.""")

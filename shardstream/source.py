@@ -233,6 +233,16 @@ class Source:
         tables = {m.classes for m in self._manifests() or ()}
         return tables.pop() if len(tables) == 1 else ()
 
+    def classes_apart(self) -> str | None:
+        """Where the parts of a mix give one label to different classes (each `cls` is a number in
+        its own source's table, and the mix yields them as they are), what each names; else None.
+        Tables of which one begins the other (a source with some of the classes) agree."""
+        tables = [(p.url, p.manifest.classes) for p in self.parts if p.manifest is not None and p.manifest.classes]
+        if not any(a[: len(b)] != b[: len(a)] for _, a in tables for _, b in tables):
+            return None
+        return "; ".join(f"{shown_url(url)}: {len(classes)} ({', '.join(classes[:3])}"
+                         f"{', ...' if len(classes) > 3 else ''})" for url, classes in tables)
+
     def _manifests(self) -> list[Manifest] | None:
         """The manifests of this source (one per part), or None if any part has none."""
         manifests = [p.manifest for p in self.parts] if self.parts else [self.manifest]
@@ -473,13 +483,17 @@ def _found_instead(store: Store) -> str:
     look at a few entries; remotely one lookup of the prefix (a listing would cost a request
     per thousand objects: a prefix of a million raw images took 2,000); over HTTP nothing,
     where a missing listing says nothing of what is there."""
-    if store.local:  # a folder named `photos.tar` is a folder; a manifest file is refused before the read
-        return _found_in_folder(local_path(store.root))
-    if store.root.rstrip("/").rsplit("/", 1)[-1] == MANIFEST_NAME:
-        return "the location names a manifest: the dataset is the folder that holds it"
-    if names_shards(store.root):  # only commands that take a dataset's folder come here with one
+    # A folder named `photos.tar` is a folder; a local manifest file is refused before the read.
+    folder = local_path(store.root) if store.local else None
+    pattern = any(c in store.root for c in "{*?[")
+    if names_shards(store.root) and (folder is None or pattern or os.path.isfile(folder)):
+        # Only commands that take a dataset's folder (inspect, verify) come here with shards' names.
         return ("it names shards, not a dataset's folder: name the folder (`shardstream index` makes a folder of "
                 "plain .tar shards a dataset)")
+    if folder is not None:
+        return _found_in_folder(folder)
+    if store.root.rstrip("/").rsplit("/", 1)[-1] == MANIFEST_NAME:
+        return "the location names a manifest: the dataset is the folder that holds it"
     if store.root.startswith(("http://", "https://")):
         return _NO_MANIFEST
     try:
@@ -552,19 +566,6 @@ def _names_a_dataset_folder(url: str, options: dict[str, Any]) -> bool:
         return False
 
 
-def _warn_of_other_class_tables(parts: Sequence[Source]) -> None:
-    """Warn where a mix's sources give one label to different classes: each `cls` is a number
-    in its own source's table, and the mix yields them as they are (`classes` is then ()).
-    Tables of which one begins the other (a source with some of the classes) agree."""
-    tables = [(p.url, p.manifest.classes) for p in parts if p.manifest is not None and p.manifest.classes]
-    if any(a[: len(b)] != b[: len(a)] for _, a in tables for _, b in tables):
-        shown = "; ".join(f"{shown_url(url)}: {len(classes)} ({', '.join(classes[:3])}"
-                          f"{', ...' if len(classes) > 3 else ''})" for url, classes in tables)
-        warnings.warn(f"the mixed sources name their classes differently ({shown}): label k is another class in "
-                      "each, and the mix yields the labels as they are; map them to one table in a transform",
-                      stacklevel=4)
-
-
 def resolve_source(source: "str | Sequence[str] | Mix", *, storage_options: dict[str, Any] | None = None,
                    retry: RetryPolicy | None = None) -> Source:
     """A `Source` from a dataset location, a brace pattern, a list of shard URLs, or a `Mix` of those."""
@@ -574,7 +575,6 @@ def resolve_source(source: "str | Sequence[str] | Mix", *, storage_options: dict
     retry = retry or RetryPolicy()
     if isinstance(source, Mix):
         parts = tuple(resolve_source(s, storage_options=options, retry=retry) for s in source.sources)
-        _warn_of_other_class_tables(parts)
         return Source("mix", ChainedShards([p.shards for p in parts]), None, parts)
     source = source_urls(source)  # a pathlib.Path is a location too
     piped = next((url for url in ([source] if isinstance(source, str) else source)

@@ -194,6 +194,13 @@ def test_a_location_without_a_manifest_says_what_is_there(mixed, tmp_path):
     shutil.copytree(src, tmp_path / "photos.tar")
     with pytest.raises(ManifestError, match=re.escape("images, not shards: `shardstream pack`")):
         ss.open_dataset(str(tmp_path / "photos.tar"))
+    shards = sorted(Path(url).glob("*.tar*"))
+    pattern = str(Path(url) / (shards[0].name.split("-")[0] + "-{000000..000001}" + shards[0].name[-len(".tar.zst"):]))
+    for named in (pattern, str(Path(url) / "shard-00000*.tar.zst")):  # as `inspect` and `verify` open them
+        with pytest.raises(ManifestError, match=re.escape("it names shards, not a dataset's folder")):
+            ss.open_dataset(named)
+    with pytest.raises(ManifestError, match=re.escape("(no such folder)")):  # a name mistyped: nothing there
+        ss.open_dataset(str(tmp_path / "nowhere.tar"))
     with pytest.raises(ManifestError, match="a dataset's manifest: the dataset is the folder that holds it"):
         ss.StreamingDataset(str(Path(url) / MANIFEST_NAME)).resolve()
 

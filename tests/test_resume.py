@@ -1074,6 +1074,14 @@ def test_a_count_since_the_restart_is_refused_on_the_same_layout_too(url, keys):
     restored.load_state_dict(later)
     rest = D.run(restored, 2)
     assert sorted(D.flat(head + middle + rest)) == sorted(keys), "every sample of the epoch once"
+    # The same once the workers have read the resumed pass to its end (found by review: the floor was
+    # then 0, and resumed_items() too, so a count read from it at the checkpoint was taken).
+    ended = dataset(url)
+    ended.load_state_dict(state)
+    assert len(D.run(ended, 2)) == len(middle) + len(rest) and ended.resumed_items(2) == 0
+    with pytest.raises(ValueError, match=r"5 were delivered before this pass .*read resumed_items\(\) as the pass "
+                                         r"begins"):
+        ended.state_dict(delivered=len(head) - 1, num_workers=2)
 
 
 def test_shardstream_dataloaders_copy_refuses_a_state_without_the_loaders_count(url, keys):

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import collections
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -223,6 +226,22 @@ def test_a_mix_of_sources_whose_labels_name_other_classes_is_warned_of(imbalance
         ds = ss.StreamingDataset(Mix([imbalanced, small], weights=[1, 1]), decode=None)
         ds.resolve()
     assert ds.classes == ()
+    # Once a dataset, not once each worker and epoch (found by review: 4 times in 2 epochs of 2 workers). In a
+    # process of its own: pytest records the warnings of the workers this process forks, and they print none.
+    script = textwrap.dedent(f"""
+        import warnings
+        from torch.utils.data import DataLoader
+        import shardstream as ss
+        warnings.simplefilter("always")  # the workers' own once-a-place would not show a second
+        pets = ss.StreamingDataset(ss.Mix([{str(tmp_path / "pets")!r}, {small!r}], weights=[1, 1]), decode=None,
+                                   fields=("cls",))
+        loader = DataLoader(pets, batch_size=None, num_workers=2)
+        for epoch in range(2):
+            pets.set_epoch(epoch)
+            assert len(list(loader)) == 6 + 63
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stderr.count("name their classes differently") == 1, done.stderr
 
 
 def test_mix_proportions_hold_per_window(imbalanced, small):
