@@ -102,8 +102,9 @@ def index_tars(source: str | os.PathLike[str] | Sequence[str], *, workers: int =
         # WebDataset writers often store class names there ({"cls": "bird"}): read as labels they fail,
         # sample after sample, long after this had read them all.
         warnings.warn(f"{store.root}: samples hold a cls field, and none is an integer class index (class "
-                      "names?): the manifest has no class table, and a cls read decodes as an integer and fails on them; "
-                      "leave cls out of fields=, or `shardstream repack --class-names` them, which numbers the classes",
+                      "names?): the manifest has no class table, and a cls read decodes as an integer and fails "
+                      "on them; leave cls out of fields=, or `shardstream repack --class-names` them, which numbers "
+                      "the classes",
                       stacklevel=2)
     return made
 

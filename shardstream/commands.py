@@ -120,7 +120,8 @@ def cmd_repack(args: argparse.Namespace) -> int:
 
     manifest = repack_tars(args.source, args.dst, shard_size=args.shard_size, compression=args.compression,
                            level=args.level, progress=not args.quiet, overwrite=args.overwrite,
-                           class_names=args.class_names, prefix_keys=args.prefix_keys, storage_options=_storage_options(args.storage_options))
+                           class_names=args.class_names, prefix_keys=args.prefix_keys,
+                           storage_options=_storage_options(args.storage_options))
     say(f"repacked {manifest.samples:,} samples into {len(manifest.shards)} shards "
           f"({manifest.shards.bytes.sum() / 1e6:,.1f} MB)")
     return 0

@@ -333,7 +333,8 @@ def _as_found(size: int | None, listed: int) -> str:
     """How a file a part lists at `listed` bytes differs, by the size found (None: absent)."""
     if size is None:
         return "missing"
-    return f"{size} bytes here: " + ("cut short (a copy interrupted?)" if size < listed else "changed since the part wrote it")
+    changed = "cut short (a copy interrupted?)" if size < listed else "changed since the part wrote it"
+    return f"{size} bytes here: {changed}"
 
 
 def _common_options(manifest: Manifest) -> dict[str, Any]:
