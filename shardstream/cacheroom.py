@@ -232,13 +232,14 @@ class Room:
 def writing(path: str) -> Iterator[None]:
     """The cache's own disk failing (full, read-only, quota, I/O error) raises a `StorageError`
     naming the cache's file (the one the error names, else `path`), not a bare OSError, which
-    said neither where nor that it was the cache; a full disk or quota a `CacheFullError`."""
+    said neither where nor that it was the cache; a full disk or quota, or a read-only one
+    (remounted so after I/O errors), a `CacheFullError`: shards are then read uncached."""
     try:
         yield
     except ShardstreamError:
         raise
     except OSError as error:
-        kind = CacheFullError if error.errno in (errno.ENOSPC, errno.EDQUOT) else StorageError
+        kind = CacheFullError if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS) else StorageError
         raise kind(f"cannot write the cache: {error.strerror or error}",
                    url=str(error.filename) if error.filename else path) from error
 

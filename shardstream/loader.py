@@ -646,10 +646,11 @@ class DataLoader:
                 died = _worker_died(workers, error) if self.num_workers > 0 else None  # this iteration's
                 # A worker that died (or raised) leaves torch's persistent workers unusable:
                 # the next epoch starts fresh ones instead of raising the same error again.
-                # Interrupted (Ctrl-C, SystemExit), the loop is not kept waiting: torch's
-                # graceful shutdown waits up to 5 s a worker for what it is reading, and with
-                # storage slow to answer, a Ctrl-C took 5.5 to 10.5 s to end the program.
-                self._drop_workers(source, at_once=not isinstance(error, Exception))
+                # Nor is the loop kept waiting, whatever ended it: torch's graceful shutdown
+                # waits up to 5 s a worker for what it is reading, and with storage slow to
+                # answer a Ctrl-C took 5.5 to 10.5 s to end the program, and `timeout=3` raised
+                # after 13 s with 2 workers stuck in reads, 23 s with 4.
+                self._drop_workers(source, at_once=True)
                 _free_frames_holding(error)
                 if died is not None:
                     raise died from error

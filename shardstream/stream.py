@@ -49,8 +49,8 @@ def _say_cache_full(root: str, error: CacheFullError) -> None:
     setting to change (a larger disk, fewer workers, smaller shards), not news at every shard."""
     if root not in _full_caches:
         _full_caches.add(root)
-        log.warning("%s: shards it has no room for (its disk's, or its limit's) are read uncached, by ranges "
-                    "(the first: %s)", root, error)
+        log.warning("%s: shards it cannot keep (no room on its disk or under its limit, or a read-only disk) are "
+                    "read uncached, by ranges (the first: %s)", root, error)
 
 
 class Readers:

@@ -155,6 +155,10 @@ class HTTPTestServer:
 
     def close(self) -> None:
         self.server.shutdown()
+        try:  # out of LISTEN for every process: forked DataLoader workers hold the socket too
+            self.server.socket.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self.server.server_close()
         self.thread.join(timeout=5)
 

@@ -46,6 +46,7 @@ from torch.utils.data import DataLoader
 
 import shardstream
 from shardstream import ManifestError, ShardWriter, StorageError, StreamingDataset
+from shardstream.errors import CacheFullError
 from shardstream.format import MANIFEST_NAME
 from shardstream.iostats import io_stats
 from shardstream.plan import epoch_sequence, split_ranks
@@ -2213,6 +2214,14 @@ def test_a_shard_replaced_mid_epoch_is_an_error_naming_it(local_ds, shard_names,
                 if i == 0:
                     (served / last).write_bytes((served / last).read_bytes() + b"\0" * 1024)
         assert caught.value.url == f"{server.url}/{last}" and ds.skipped == 0
+    # Into a cache: refused at the first response, not downloaded whole 3 times and called a checksum mismatch
+    # (found by a user's walk injecting faults).
+    with H.CountingHTTPServer(str(served)) as server:
+        ds = StreamingDataset(server.url, decode=None, fields=("__key__",), prefetch=0, on_error="skip",
+                              cache_dir=str(tmp_path / "cache"))
+        with pytest.raises(shardstream.StorageError, match=f"{last}.*replaced since the manifest"):
+            list(ds)
+        assert server.gets(last) == 1
 
 
 def test_an_error_in_a_cached_shard_names_the_datasets_shard_not_the_copy(local_ds, shard_names, tmp_path):
@@ -2925,6 +2934,27 @@ def test_the_cache_disk_failing_anywhere_says_so_naming_the_cache(local_ds, tmp_
                 failing()
             in_use.close()
     assert info.value.url and info.value.url.startswith(str(mount / "cache")), info.value.url
+    # A read-only disk is one the cache cannot keep shards on, as a full one: its shards are read uncached.
+    assert isinstance(info.value, CacheFullError)
+
+
+def test_a_read_only_cache_disk_reads_uncached(local_ds, tmp_path, caplog):
+    """Found by a user's walk injecting faults: a cache disk remounted read-only (as after I/O errors) ended
+    the job at its first shard ("cannot write the cache: Read-only file system"), where a full one reads the
+    shards uncached. A real tmpfs."""
+    expected = sorted(s["__key__"] for ref in shardstream.open_dataset(local_ds).shards for s in ref.reader())
+    with tmpfs(tmp_path / "mnt", 16 << 20) as mount, H.CountingHTTPServer(local_ds) as server, \
+            caplog.at_level("WARNING", logger="shardstream"):
+        first = StreamingDataset(server.url, decode=None, fields=("__key__",), cache_dir=str(mount / "cache"))
+        assert sorted(key for (key,) in first) == expected
+        remount(mount, "ro")
+        try:
+            again = StreamingDataset(server.url, decode=None, fields=("__key__",), cache_dir=str(mount / "cache"))
+            assert sorted(key for (key,) in again) == expected
+        finally:
+            remount(mount, "rw")
+    said = [r.getMessage() for r in caplog.records if "cannot keep" in r.getMessage()]
+    assert len(said) == 1 and "Read-only file system" in said[0], caplog.text
 
 
 def test_a_process_forked_while_a_download_writes_starts(tmp_path):
@@ -3183,7 +3213,7 @@ def test_a_shard_the_caches_disk_has_no_room_for_is_read_uncached(tmp_path, capl
             caplog.at_level("WARNING", logger="shardstream"):
         ds = StreamingDataset(server.url, decode=None, fields=("__key__", "bin"), cache_dir=str(cache))
         assert {key: hashlib.sha256(data).hexdigest() for key, data in ds} == expected
-    said = [r.getMessage() for r in caplog.records if "has no room for" in r.getMessage()]
+    said = [r.getMessage() for r in caplog.records if "cannot keep" in r.getMessage()]
     assert len(said) == 1 and "No space left on device" in said[0], caplog.text
 
 
@@ -3210,7 +3240,7 @@ def test_a_shard_larger_than_the_caches_limit_is_read_uncached_and_evicts_nothin
         assert got == expected
     cached = sorted(path.name for path in cache.rglob("*.tar.zst"))
     assert cached == ["shard-000000.tar.zst", "shard-000001.tar.zst"]  # the small dataset's, both kept
-    said = [r.getMessage() for r in caplog.records if "has no room for" in r.getMessage()]
+    said = [r.getMessage() for r in caplog.records if "cannot keep" in r.getMessage()]
     assert len(said) == 1 and "more than the cache's limit of 32768" in said[0], caplog.text
 
 
