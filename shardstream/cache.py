@@ -8,11 +8,12 @@ processes:
   it, holds a shared `flock` on the shard's lock file (`NAME.lock`), which keeps the copy
   from being evicted. A download also holds an exclusive `flock` on the shard's download
   lock (`NAME.dl`); a second process (or thread) finding the copy absent waits for that
-  lock, then finds the copy there. A download waits for nothing a reader holds, so no
-  process waits on another that waits on it, nor on itself: a copy found damaged while
-  others read it, in this process or another, is downloaded again and renamed over it;
-  their next reads open the file by its name, so they read the new copy (the same bytes,
-  whole again), and none of them is waited for.
+  lock, then finds the copy there, or the failure of the download it waited for, which it
+  raises rather than spend its own retries after it (`_DownloadTurn`). A download waits
+  for nothing a reader holds, so no process waits on another that waits on it, nor on
+  itself: a copy found damaged while others read it, in this process or another, is
+  downloaded again and renamed over it; their next reads open the file by its name, so
+  they read the new copy (the same bytes, whole again), and none of them is waited for.
 * **No torn files.** Shards are downloaded under a temporary name, verified against
   the manifest's SHA-256 (downloaded again on a mismatch, `DOWNLOAD_ATTEMPTS` times in
   all, then an error naming the file), and renamed into place.
@@ -58,6 +59,7 @@ import contextlib
 import ctypes
 import errno
 import hashlib
+import json
 import logging
 import os
 import tempfile
@@ -67,7 +69,7 @@ from dataclasses import dataclass, replace
 from typing import BinaryIO, Callable, Iterator
 
 from .cacheroom import Room, names_file, writing as _writing
-from .cancel import pause
+from .cancel import ReadCancelled, pause
 from .errors import CacheFullError, DownloadChecksumError, ShardstreamError, StorageError, described
 from .format import INDEX_SUFFIX
 from .iostats import io_stats
@@ -223,10 +225,19 @@ class ShardCache:
                 raise DownloadChecksumError(f"downloaded file did not match the manifest's checksum in "
                                             f"{DOWNLOAD_ATTEMPTS} downloads, less than {UNMATCHED_RETRY_S:.0f} s ago "
                                             "in this process", url=ref.url)
-            with _download_lock(path + ".dl", ref.url):
+            with _download_lock(path + ".dl", ref.url) as turn:
                 if not self._check(path, ref):  # unless another download got there first
+                    failed = turn.failed_meanwhile(self.root)
+                    if failed is not None:
+                        if isinstance(failed, DownloadChecksumError):
+                            _never_matched[path] = time.monotonic()
+                        raise failed
                     io_stats.add(cache_misses=1)
-                    self._download(ref, path)
+                    try:
+                        self._download(ref, path)
+                    except StorageError as error:
+                        turn.record(error, self.root)
+                        raise
                     _verified[path] = _version(path, ref)
                 else:
                     io_stats.add(cache_hits=1)
@@ -368,18 +379,61 @@ def _not_a_folder(folder: str) -> str | None:
 
 
 @contextlib.contextmanager
-def _download_lock(path: str, url: str) -> Iterator[None]:
+def _download_lock(path: str, url: str) -> Iterator["_DownloadTurn"]:
     """Hold the download lock at `path` (made if absent) exclusively. Taken only while the
     shard's lock file is held shared, which keeps walks from deleting either (`_evict`)."""
     with _writing(path):
         lock = open(path, "a+b", buffering=0)  # see _locks
     _locks.add(lock)
     try:
-        _take(lock, fcntl.LOCK_EX, path, lambda waited: log.warning(
+        asked = time.time()
+        waited = _take(lock, fcntl.LOCK_EX, path, lambda waited: log.warning(
             "%s: waited %.0f s for another download of this shard into the cache; still waiting", url, waited))
-        yield
+        yield _DownloadTurn(lock, asked if waited else None)
     finally:
         lock.close()
+
+
+@dataclass(frozen=True)
+class _DownloadTurn:
+    """A held download lock, and when its holder began waiting for another's download
+    (None where it did not wait).
+
+    A download that fails against the store (its retries spent, a 404, a checksum that
+    never matched) writes why into the lock file before letting go. Each process waiting
+    for it then took its turn and downloaded again, its own retries spent one after the
+    other: 4 DataLoader workers of a rank failed in 11 s where one failed in 2. So a
+    process that waited for a download that failed meanwhile raises that failure at once;
+    one that comes later tries the store afresh. Errors of the cache's own disk are not
+    recorded: each process meets those for itself (an emptied cache is downloaded again,
+    a full disk read uncached), nor a download cancelled because its reading ended."""
+
+    lock: BinaryIO
+    waited_from: float | None
+
+    def record(self, error: StorageError, root: str) -> None:
+        """Say in the lock file that the download failed with `error`, unless the cache's disk failed it."""
+        if str(error.url).startswith(root) or isinstance(error, (CacheFullError, ReadCancelled)):
+            return  # the disk's, or a reading that ended: not the store's
+        record = {"at": time.time(), "checksum": isinstance(error, DownloadChecksumError),
+                  "detail": error.detail, "url": error.url}
+        with contextlib.suppress(OSError):  # only the waiters' time is at stake
+            os.ftruncate(self.lock.fileno(), 0)
+            self.lock.write(json.dumps(record).encode())
+
+    def failed_meanwhile(self, root: str) -> StorageError | None:
+        """The failure of the download this process waited for, or None (module doc)."""
+        if self.waited_from is None:
+            return None
+        try:
+            record = json.loads(os.pread(self.lock.fileno(), 1 << 16, 0) or b"null")
+        except (OSError, ValueError):
+            return None
+        if not isinstance(record, dict) or record.get("at", 0) < self.waited_from:
+            return None
+        kind = DownloadChecksumError if record.get("checksum") else StorageError
+        return kind(f"another download of this shard into the cache {root} failed while this one waited for it: "
+                    f"{record.get('detail')}", url=record.get("url"))
 
 
 def _cached_index(ref: ShardRef) -> str:
@@ -389,16 +443,18 @@ def _cached_index(ref: ShardRef) -> str:
     return ref.name + INDEX_SUFFIX
 
 
-def _take(lock: BinaryIO, kind: int, path: str, slow: Callable[[float], None] | None = None) -> None:
+def _take(lock: BinaryIO, kind: int, path: str, slow: Callable[[float], None] | None = None) -> bool:
     """`flock` `lock` (`kind`: LOCK_SH or LOCK_EX), polled rather than blocked on, so that a
     reading that stops (cancel.py) stops waiting too, instead of holding up the end of its
-    iteration until the holder is done. `slow(waited)` is called once past `SLOW_WAIT_S`."""
-    delay, started = 0.002, time.monotonic()
+    iteration until the holder is done. `slow(waited)` is called once past `SLOW_WAIT_S`.
+    Returns whether another process held it first."""
+    delay, started, held_first = 0.002, time.monotonic(), False
     while True:
         try:
             fcntl.flock(lock, kind | fcntl.LOCK_NB)
-            return
+            return held_first
         except BlockingIOError:
+            held_first = True
             if slow is not None and (waited := time.monotonic() - started) > SLOW_WAIT_S:
                 slow(waited)
                 slow = None  # said once

@@ -1943,6 +1943,51 @@ def test_cache_downloads_a_damaged_shard_again_then_gives_up_naming_it(local_ds,
     assert io_stats.retries == min(damaged_downloads, DOWNLOAD_ATTEMPTS - 1)
 
 
+def test_processes_waiting_for_a_download_that_fails_raise_its_failure_without_retrying_it(local_ds, tmp_path):
+    """Regression (left by the thirty-seventh session): where the store failed every request for
+    a shard, each process waiting for its download took the lock in turn and spent the whole
+    retry budget again: 4 workers failed in 11 s where one failed in 2. Those that waited now
+    raise the failure they waited for; a later opening tries the store afresh."""
+    from shardstream.cache import ShardCache
+
+    policy = RetryPolicy(attempts=3, base_delay=0.2, max_delay=0.2)
+    with H.CountingHTTPServer(local_ds) as server:
+        ref = shardstream.open_dataset(server.url, retry=policy).shards[0]
+        cache = ShardCache(str(tmp_path / "cache"), 1 << 30)
+        server.faults.fail_fraction = 1.0
+        before = server.faults.requests
+        errors: list[BaseException] = []
+
+        def opening() -> None:
+            try:
+                cache.open(ref)[1].close()
+            except StorageError as e:
+                errors.append(e)
+
+        first = threading.Thread(target=opening)
+        first.start()
+        deadline = time.monotonic() + 30
+        while server.faults.requests == before and time.monotonic() < deadline:
+            time.sleep(0.005)  # the download has begun, its lock held
+        waiters = [threading.Thread(target=opening) for _ in range(3)]
+        for thread in waiters:
+            thread.start()
+        for thread in [first, *waiters]:
+            thread.join(60)
+        assert len(errors) == 4 and all(ref.name in str(e) for e in errors)
+        assert server.faults.requests - before == policy.attempts  # one download's tries, not four
+        waited = [e for e in errors if "failed while this one waited for it" in str(e)]
+        assert len(waited) == 3 and all(str(tmp_path / "cache") in str(e) for e in waited)
+        with pytest.raises(StorageError, match=re.escape(ref.name)) as later:
+            cache.open(ref)
+        assert "waited" not in str(later.value)
+        assert server.faults.requests - before == 2 * policy.attempts
+        server.faults.fail_fraction = 0.0
+        reader, lock = cache.open(ref)  # the store back: the failure recorded is no one's now
+        lock.close()
+    assert next(iter(reader.read(0, 1)))["__key__"]
+
+
 def test_a_shard_whose_download_never_matches_is_read_by_ranges_its_bad_frame_a_data_error(
         local_ds, shard_names, jpg_digests, tmp_path):
     """Regression (found by review): with a cache, a shard whose stored file is damaged (a byte
