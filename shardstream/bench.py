@@ -39,9 +39,8 @@ import time
 from typing import Any, Callable, Iterator, Sequence
 
 from .benchresult import BenchResult, BenchRow, find_knee
-from .decode import IMAGE_EXTENSIONS
 from .errors import ShardstreamError, WorkerDiedError, scrubbed
-from .fields import field_extension
+from .fields import IMAGE_EXTENSIONS, field_extension
 from .peakmem import PeakSampler, TreeRSS, peak_memory_method
 from .shared import SLOTS
 

@@ -23,8 +23,19 @@ from .errors import CollateError, ShardstreamError, reason
 
 __all__ = ["collated", "default_collate", "dicts_unlike_the_first", "pad_collate", "unlike_the_first"]
 
+def _collate_ints(batch: Sequence[Any], **_: Any) -> torch.Tensor:
+    """torch's collate of a batch whose first number is an int: `torch.tensor(batch)`,
+    float32 by torch's default dtype where floats follow (JSON numbers: a timestamp
+    1700000000, then 1700000000.123 came back 1700000000.0), where a float first gives
+    float64. Here float64 either way."""
+    if any(isinstance(number, float) for number in batch):
+        return torch.tensor(batch, dtype=torch.float64)
+    return torch.tensor(batch)
+
+
 _COLLATE_FN_MAP = {
     **default_collate_fn_map,
+    int: _collate_ints,
     torch.Tensor: collate_tensors,
     EncodedImage: lambda batch, **_: collate_encoded(batch),
 }
@@ -64,9 +75,10 @@ def collated(collate_fn: Callable[[list[Any]], Any], batch: list[Any], where: Wh
     except ShardstreamError:
         raise
     except Exception as error:
-        unlike = unlike_the_first(batch, names=names)
+        # pad_collate's sequences differ in length by design: their other dimensions are compared.
+        unlike = unlike_the_first(batch, names=names, padded=_underlying(collate_fn) is pad_collate)
         position, how = unlike if unlike is not None else (0, "")
-        if collate_fn not in (default_collate, pad_collate) and how:
+        if _underlying(collate_fn) not in (default_collate, pad_collate) and how:
             # Code of the user's own may fail for any reason: the difference is told, not blamed.
             name = getattr(collate_fn, "__qualname__", None) or type(collate_fn).__name__
             how = f"differs from the first, which may be why {name} failed: it {how}"
@@ -87,16 +99,49 @@ def _collate_error(batch: Sequence[Any], position: int, how: str, where: Where,
     return CollateError(said, url=url if isinstance(url, str) else None, key=key if isinstance(key, str) else None)
 
 
-def unlike_the_first(batch: Sequence[Any], *, names: Sequence[str] | None = None) -> tuple[int, str] | None:
+def _underlying(collate_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The function a `functools.partial` calls (``partial(pad_collate, padding_value=-1)``)."""
+    while isinstance(collate_fn, functools.partial):
+        collate_fn = collate_fn.func
+    return collate_fn
+
+
+def unlike_the_first(batch: Sequence[Any], *, names: Sequence[str] | None = None,
+                     padded: bool = False) -> tuple[int, str] | None:
     """(the position of the first item of `batch` unlike its first item, how it differs),
     or None where all are alike: fields, parts, types, and the shapes and dtypes of
-    tensors and arrays. `names` names the parts of tuple items (the dataset's `fields`)."""
+    tensors and arrays. `names` names the parts of tuple items (the dataset's `fields`).
+    `padded`: items are `pad_collate`'s, whose sequences (the first part) may differ in
+    length, and in dtype (promoted), not in their other dimensions."""
     first = batch[0]
+    difference = _padded_difference if padded else functools.partial(_difference, path="")
     for position in range(1, len(batch)):
-        how = _difference(first, batch[position], "", names)
+        how = difference(first, batch[position], names=names)
         if how is not None:
             return position, how
     return None
+
+
+def _padded_difference(first: Any, item: Any, names: Sequence[str] | None = None) -> str | None:
+    """`_difference` of two of `pad_collate`'s items (`unlike_the_first`): a sequence alone,
+    or a tuple whose first part is the sequence."""
+    if not isinstance(first, (tuple, list)):
+        return _sequence_difference(first, item, "the sample")
+    if isinstance(item, (tuple, list)) and first and item:
+        how = _sequence_difference(first[0], item[0], f"field {_part_name('', 0, names)}")
+        if how is not None:
+            return how
+        first, item = (None, *first[1:]), (None, *item[1:])  # the rest compared as default_collate's
+    return _difference(first, item, "", names)
+
+
+def _sequence_difference(first: Any, item: Any, name: str) -> str | None:
+    if not (isinstance(first, (torch.Tensor, np.ndarray)) and isinstance(item, (torch.Tensor, np.ndarray))):
+        return None
+    if tuple(first.shape[1:]) == tuple(item.shape[1:]):
+        return None
+    return (f"has {name} of shape {tuple(item.shape)}, the batch's first {tuple(first.shape)}: sequences may "
+            "differ in their length (the first dimension) only")
 
 
 def _difference(first: Any, item: Any, path: str, names: Sequence[str] | None = None) -> str | None:
@@ -109,7 +154,8 @@ def _difference(first: Any, item: Any, path: str, names: Sequence[str] | None = 
         return f"has {where} a {type(item).__name__}, where the batch's first has a {type(first).__name__}"
     elif isinstance(first, (tuple, list)):
         if len(first) != len(item):
-            return f"has {len(item)} parts, the batch's first {len(first)}"
+            parts = f"{len(item)} parts" if not path else f"field {path} of {len(item)} items"
+            return f"has {parts}, the batch's first {len(first)}"
         children = ((_part_name(path, i, names), a, b) for i, (a, b) in enumerate(zip(first, item)))
     elif isinstance(first, (torch.Tensor, np.ndarray)):
         if tuple(first.shape) != tuple(item.shape):
@@ -198,26 +244,44 @@ def _dict_difference(tree: _Tree, first: Any, item: Any, path: str, names: Seque
     return None
 
 
-def pad_collate(batch: Sequence[Any], padding_value: float = 0) -> tuple[torch.Tensor, torch.Tensor, Any]:
-    """Collate ``(sequence, label)`` pairs of different lengths.
+def pad_collate(batch: Sequence[Any], padding_value: float = 0) -> tuple[Any, ...]:
+    """Collate samples whose sequences differ in length: ``(sequence, label, ...)`` tuples
+    (``fields=("tokens.npy", "cls")``), or sequences alone.
 
-    Returns ``(padded, lengths, labels)``: `padded` is ``(batch, max_len, ...)`` with
-    `padding_value` after each sequence's end, `lengths` the true lengths (int64), and
-    the labels collated by `default_collate`. Sequences may be tensors or arrays whose
-    first dimension is the length; anything after the first two tuple items is ignored.
+    A sequence is a tensor or array whose first dimension is its length; its other
+    dimensions must agree across the batch (``(T, 80)`` features: T varies). Returns
+    ``(padded, lengths, *rest)``: `padded` is ``(batch, max_len, ...)`` with
+    `padding_value` after each sequence's end, `lengths` the true lengths (int64;
+    ``torch.arange(padded.shape[1]) < lengths[:, None]`` is the mask), and each further
+    part of the tuples collated by `default_collate`: ``(padded, lengths, labels)`` for
+    pairs, ``(padded, lengths)`` for sequences alone. One field is padded; a sample with
+    two sequences of their own lengths needs a collate of its own, which may call this
+    once for each.
     """
     if not batch:
         raise ValueError("pad_collate needs at least one sample")
-    sequences = [torch.as_tensor(item[0]) for item in batch]
+    samples = [_as_parts(item) for item in batch]
+    sequences = [torch.as_tensor(parts[0]) for parts in samples]
     # One dtype for all, as default_collate promotes: the first's cast 1.5 to 1 and 300 to 44.
     dtype = functools.reduce(torch.promote_types, (sequence.dtype for sequence in sequences))
     sequences = [sequence.to(dtype) for sequence in sequences]
     _check_padding(padding_value, dtype)
     lengths = torch.tensor([len(s) for s in sequences], dtype=torch.int64)
-    with one_batch():  # labels that fail to collate give the padded sequences' slot back
+    with one_batch():  # the rest failing to collate gives the padded sequences' slot back
         padded = _pad(sequences, padding_value)
-        labels = default_collate([item[1] for item in batch])
-    return padded, lengths, labels
+        # Every part after the sequence: anything after the label was dropped, keys and all.
+        rest = default_collate([parts[1:] for parts in samples]) if len(samples[0]) > 1 else []
+    return (padded, lengths, *rest)
+
+
+def _as_parts(item: Any) -> tuple[Any, ...]:
+    """`item` as pad_collate's parts: a tuple or list's own, or a sequence alone."""
+    if isinstance(item, (tuple, list)) and item:
+        return tuple(item)
+    if isinstance(item, (torch.Tensor, np.ndarray)):
+        return (item,)
+    raise CollateError(f"pad_collate pads a sequence (a tensor or array), alone or first in a tuple (fields=(...)), "
+                       f"not a {type(item).__name__}")
 
 
 def _check_padding(padding_value: float, dtype: torch.dtype) -> None:

@@ -23,7 +23,7 @@ import numpy as np
 from PIL import Image
 
 from .errors import DecodeError, reason
-from .fields import FIELD_DECODERS, READ_ERRORS, field_extension
+from .fields import FIELD_DECODERS, IMAGE_EXTENSIONS, READ_ERRORS, field_extension
 
 if TYPE_CHECKING:
     import torch
@@ -45,7 +45,6 @@ __all__ = ["Decoder", "DecodedCrop", "decode_image", "decode_rgb", "decode_rgb_c
            "image_size", "is_jpeg", "jpeg_crop_decoder", "jpeg_damage", "jpeg_ends", "narrowed_grey", "open_image",
            "IMAGE_EXTENSIONS", "IMAGE_MODES", "JPEG_FORMATS", "PIL_FORMATS", "REGION_DECODER"]
 
-IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp", "ppm", "pgm", "bmp", "gif", "tif", "tiff"})
 IMAGE_MODES = (None, "pil", "rgb8")
 PICKLE_EXTENSIONS = frozenset({"pyd", "pickle", "pkl", "pth"})
 # The Pillow formats of IMAGE_EXTENSIONS (its JPEG plugin opens MPO files too).

@@ -32,9 +32,9 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from .decode import IMAGE_EXTENSIONS, Decoder
+from .decode import Decoder
 from .errors import ShardstreamError
-from .fields import field_extension
+from .fields import IMAGE_EXTENSIONS, field_extension
 from .transforms import crop_resize, is_fused
 
 if TYPE_CHECKING:

@@ -18,7 +18,13 @@ import numpy as np
 from .errors import ShardstreamError, reason
 from .format import MAX_KEY_BYTES
 
-__all__ = ["encode_field", "encode_sample", "field_extension"]
+__all__ = ["encode_field", "encode_sample", "field_extension", "unreadable", "IMAGE_EXTENSIONS"]
+
+# Fields that hold an image file's bytes, read by the image decoders (decode.py).
+IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp", "ppm", "pgm", "bmp", "gif", "tif", "tiff"})
+# A sample's names beginning with "__" are the readers' (its key, and WebDataset's shard URL
+# and local path): `write` leaves these out of the shard, and refuses others (FORMAT.md).
+READER_NAMES = frozenset({"__key__", "__url__", "__local_path__"})
 
 
 def _encode_int(value: Any) -> bytes:
@@ -53,6 +59,9 @@ def _encode_msgpack(value: Any) -> bytes:
 
 
 def _encode_npy(value: Any) -> bytes:
+    if isinstance(value, np.ma.MaskedArray):  # np.save would store the data and drop the mask
+        raise TypeError("npy stores no mask: pass array.filled(value), or the data and "
+                        "np.ma.getmaskarray(array) as two fields")
     out = io.BytesIO()
     np.save(out, np.asarray(value), allow_pickle=False)
     return out.getvalue()
@@ -108,7 +117,10 @@ def _msgpack(data: bytes) -> Any:
 def _npy(data: bytes) -> np.ndarray:
     # The .npy format only: np.load also opens bytes that begin as a zip does, as a lazy
     # NpzFile (not an array), and raises zipfile's own errors on damaged ones.
-    return np.lib.format.read_array(io.BytesIO(data), allow_pickle=False)
+    array = np.lib.format.read_array(io.BytesIO(data), allow_pickle=False)
+    # In this machine's byte order, the same values: torch takes no other (a big-endian
+    # array failed every collate, and torch.from_numpy).
+    return array if array.dtype.isnative else array.astype(array.dtype.newbyteorder("="))
 
 
 FIELD_DECODERS: dict[str, Callable[[bytes], Any]] = {
@@ -138,16 +150,35 @@ def _readable(field: str, data: bytes, key: str) -> bytes:
     not stored for every read to fail (an npy of pickled objects, text that is no UTF-8,
     JSON or msgpack that does not parse: with the writer's own encoding, a tuple as a
     msgpack map's key, which reads back as an unhashable list)."""
+    if field_extension(field) in _WRITER_CHECKS:
+        return data
+    why = unreadable(field, data)
+    if why is not None:
+        raise ShardstreamError(f"field {field!r}: {why}", key=key or None)
+    return data
+
+
+def unreadable(field: str, data: bytes) -> str | None:
+    """Why the bytes `data` do not read as `field`'s extension says, or None (also where
+    no reader of the extension is known: images, whose decoders are decode.py's). JSON
+    with NaN or Infinity is refused, which Python's reader takes but FORMAT.md and
+    other readers do not."""
     ext = field_extension(field)
     decoder = FIELD_DECODERS.get(ext)
-    if decoder is None or ext in _WRITER_CHECKS:
-        return data
+    if decoder is None:
+        return None
     try:
-        decoder(data)
+        if decoder is _json:
+            json.loads(data, parse_constant=_no_constant)
+        else:
+            decoder(data)
     except READ_ERRORS as e:
-        raise ShardstreamError(f"field {field!r}: its bytes do not read back as {ext} ({reason(e)})",
-                               key=key or None) from e
-    return data
+        return f"its bytes do not read back as {ext} ({reason(e)})"
+    return None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 def encode_field(field: str, value: Any, *, key: str = "", check_bytes: bool = True) -> bytes:
@@ -162,7 +193,10 @@ def encode_field(field: str, value: Any, *, key: str = "", check_bytes: bool = T
     ext = field_extension(field)
     encoder = ENCODERS.get(ext)
     if encoder is None:
-        if isinstance(value, str):
+        if isinstance(value, str) and ext in IMAGE_EXTENSIONS:  # a path passed for the file's bytes, most likely
+            raise ShardstreamError(f"field {field!r}: an image field holds the file's bytes, not a str: pass "
+                                   "open(path, 'rb').read()", key=key or None)
+        if isinstance(value, str):  # WebDataset's convention for other extensions: UTF-8
             return value.encode("utf-8")
         raise ShardstreamError(
             f"field {field!r}: no encoding for {type(value).__name__} by this extension; pass bytes, or use "
@@ -171,7 +205,8 @@ def encode_field(field: str, value: Any, *, key: str = "", check_bytes: bool = T
         )
     try:
         data = encoder(value)
-    except (TypeError, ValueError, OverflowError, RecursionError) as e:  # msgpack's ints past 64 bits; deep json
+    # msgpack's ints past 64 bits; deep json; a tensor that requires grad (RuntimeError)
+    except (TypeError, ValueError, OverflowError, RecursionError, RuntimeError) as e:
         raise ShardstreamError(f"field {field!r}: cannot encode {type(value).__name__}: {e}", key=key or None) from e
     return _readable(field, data, key) if encoder is _encode_msgpack else data
 
@@ -191,8 +226,12 @@ def encode_sample(sample: dict[str, Any], *, check_bytes: bool = True) -> tuple[
     _check_key(key)
     fields = []
     for name in sorted(sample):
-        if name.startswith("__"):
+        if name in READER_NAMES:
             continue
+        if name.startswith("__"):  # dropped, it was data lost; stored, readers refuse it (FORMAT.md)
+            raise ShardstreamError(f"bad field name {name!r}: names beginning with '__' are the readers' "
+                                   f"({', '.join(sorted(READER_NAMES))}), and no reader yields another: rename it",
+                                   key=key)
         if not name or "/" in name or "\0" in name:  # a NUL would cut the tar member's name
             raise ShardstreamError(f"bad field name {name!r}", key=key)
         if name != name.lower():  # readers, WebDataset's and ours, lower-case it

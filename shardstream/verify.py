@@ -15,8 +15,8 @@ from typing import Any, Iterator
 import numpy as np
 
 from .columns import label_of, weight_of
-from .decode import IMAGE_EXTENSIONS, decode_image, jpeg_damage
-from .fields import field_extension
+from .decode import decode_image, jpeg_damage
+from .fields import IMAGE_EXTENSIONS, field_extension, unreadable
 from .format import MANIFEST_NAME, Manifest
 from .arguments import flag
 from .errors import ManifestError, ShardstreamError, shown_url
@@ -167,6 +167,9 @@ def verify_shard(reader: ShardReader, decode_images: bool = True,
         fields.update(name for name in sample if not name.startswith("__"))
         decoded = 0
         for name, value in sample.items():
+            why = None if name.startswith("__") else unreadable(name, value)
+            if why is not None:  # cls, json, npy, txt, msgpack, by the field's extension: readers fail on it
+                yield Problem(info.name, key, f"field {name!r}: {why}")
             if decode_images and not name.startswith("__") and field_extension(name) in IMAGE_EXTENSIONS:
                 try:
                     decode_image(value, "pil", url=reader.url, key=key, name=name).load()  # type: ignore[union-attr,arg-type]

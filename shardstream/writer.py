@@ -106,10 +106,13 @@ class ShardWriter:
 
     A sample is ``{"__key__": str, field: value, ...}``: bytes are stored as they are,
     ints, strings, dicts and arrays by the field's extension (`cls`, `txt`, `json`,
-    `msgpack`, `npy`). Bytes given for one of those extensions are refused where a reader
-    would not read them back (`check_bytes=False` stores them all the same, as `repack`
-    does with other tools' samples). `shard_size` counts uncompressed tar bytes; `classes` names the
-    class indices found in the `cls` field, for the manifest.
+    `msgpack`, `npy`; a str for another extension as its UTF-8, but not for an image's,
+    which holds the file's bytes). Bytes given for one of those extensions are refused
+    where a reader would not read them back (`check_bytes=False` stores them all the same,
+    as `repack` does with other tools' samples). The readers' own names (``__url__``,
+    ``__local_path__``: a sample read from WebDataset) are left out, and other fields
+    beginning with ``__`` refused. `shard_size` counts uncompressed tar bytes; `classes`
+    names the class indices found in the `cls` field, for the manifest.
 
     Use as a context manager: on a clean exit the manifest is written; on an exception
     the partial shard is removed and no manifest is written. A key written before is

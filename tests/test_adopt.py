@@ -16,6 +16,7 @@ import warnings
 from pathlib import Path
 
 import fsspec
+import numpy as np
 import pytest
 import zstandard
 from torch.utils.data import DataLoader
@@ -548,6 +549,23 @@ def test_verify_decodes_every_field_an_image_decoder_would(tmp_path):
     index_tars(str(tmp_path), progress=False)
     report = verify_dataset(str(tmp_path))
     assert report.images == 2 and sorted(p.key for p in report.problems) == ["a", "b"]  # 4 checked, 2 decoded
+
+
+def test_verify_reads_every_field_its_extension_names(tmp_path):
+    """Regression (found by a user's walk): verify decoded images only, and said "ok" of
+    a json, npy, txt or cls field no reader can read (written with check_bytes=False, as
+    `repack` keeps another tool's bytes; or by another tool and indexed)."""
+    pickled = io.BytesIO()
+    np.save(pickled, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    with ss.ShardWriter(str(tmp_path / "ds"), check_bytes=False) as writer:
+        writer.write({"__key__": "a", "npy": pickled.getvalue(), "txt": b"fine"})
+        writer.write({"__key__": "b", "meta.json": b"{not json", "cls": b"3"})
+        writer.write({"__key__": "c", "txt": b"\xff\xfe", "cls": b"2"})
+        writer.write({"__key__": "d", "meta.json": b'{"x": [1]}', "npy": np.arange(2), "cls": b"1"})
+    report = verify_dataset(str(tmp_path / "ds"))
+    assert sorted((p.key, p.message.split(":")[0]) for p in report.problems) == [
+        ("a", "field 'npy'"), ("b", "field 'meta.json'"), ("c", "field 'txt'")], report.problems
+    assert all("do not read back as" in p.message for p in report.problems)
 
 
 def test_the_writer_refuses_what_readers_would_read_otherwise(tmp_path):

@@ -493,11 +493,56 @@ def test_pad_collate_variable_length_sequences(rich, num_workers):
 
 def test_pad_collate_direct():
     seqs = [torch.arange(3.0), torch.arange(1.0), np.arange(4, dtype=np.float32)]
-    padded, lengths, labels = pad_collate([(s, lab, "ignored") for s, lab in zip(seqs, [2, 0, 1])], padding_value=-1)
+    padded, lengths, labels = pad_collate([(s, lab) for s, lab in zip(seqs, [2, 0, 1])], padding_value=-1)
     assert padded.tolist() == [[0, 1, 2, -1], [0, -1, -1, -1], [0, 1, 2, 3]]
     assert lengths.tolist() == [3, 1, 4] and labels.tolist() == [2, 0, 1]
     with pytest.raises(ValueError):
         pad_collate([])
+
+
+def test_pad_collate_keeps_every_part_and_takes_sequences_alone():
+    """Regression (found by a user's walk): parts after the label were dropped without a
+    word (`fields=("tok.npy", "cls", "__key__")` lost the keys), and a sequence alone
+    (`fields=("tok.npy",)`) failed, its error blaming the lengths it exists to pad."""
+    seqs = [np.arange(3, dtype=np.int32), np.arange(5, dtype=np.int32)]
+    padded, lengths, labels, keys = pad_collate([(s, i, f"k{i}") for i, s in enumerate(seqs)])
+    assert padded.tolist() == [[0, 1, 2, 0, 0], [0, 1, 2, 3, 4]] and lengths.tolist() == [3, 5]
+    assert labels.tolist() == [0, 1] and list(keys) == ["k0", "k1"]
+    for batch in ([(s,) for s in seqs], seqs):
+        padded, lengths = pad_collate(batch)
+        assert padded.shape == (2, 5) and lengths.tolist() == [3, 5]
+    with pytest.raises(shardstream.CollateError, match="pad_collate pads a sequence .* not a dict"):
+        pad_collate([{"tok.npy": s} for s in seqs])
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_pad_collate_errors_name_the_part_that_failed(tmp_path, num_workers):
+    """Regression (found by a user's walk): any failure under pad_collate was blamed on the
+    sequences' lengths ("has field tok.npy of shape (247,), the batch's first (426,)"), the
+    difference it exists to pad; the part that failed is named now."""
+    with ShardWriter(str(tmp_path / "ds")) as writer:
+        for i, n in enumerate((3, 5)):
+            writer.write({"__key__": f"s{i}", "tok.npy": np.arange(n), "mel.npy": np.zeros((n, 80 if i == 0 else 40)),
+                          "meta.json": {"spans": list(range(i + 1))}})
+    failing = {("tok.npy", "meta.json"): "sample 's1'.* has field meta.json.spans of 2 items, the batch's first 1",
+               ("mel.npy", "meta.json"): r"has field mel.npy of shape \(5, 40\), the batch's first \(3, 80\): "
+                                         r"sequences may differ in their length \(the first dimension\) only"}
+    for fields, message in failing.items():
+        ds = StreamingDataset(str(tmp_path / "ds"), fields=fields, batch_size=2, collate_fn=pad_collate)
+        assert re.search(message, _collate_error_of(ds, num_workers)), (fields, _collate_error_of(ds, num_workers))
+    ds = StreamingDataset(str(tmp_path / "ds"), fields=("tok.npy",), batch_size=2, collate_fn=pad_collate)
+    [(padded, lengths)] = list(D.loader(ds, num_workers))
+    assert padded.tolist() == [[0, 1, 2, 0, 0], [0, 1, 2, 3, 4]] and lengths.tolist() == [3, 5]
+
+
+def test_default_collate_of_ints_then_floats_keeps_float64():
+    """Regression (found by a user's walk): torch's collate of numbers whose first is an int
+    makes `torch.tensor(batch)`, float32 where floats follow: JSON timestamps 1700000000 then
+    1700000000.123 came back all 1700000000.0, where a float first gave float64."""
+    collated = shardstream.default_collate([{"t": 1700000000}, {"t": 1700000000.123}, {"t": 1700000001.75}])["t"]
+    assert collated.dtype == torch.float64 and collated.tolist() == [1700000000, 1700000000.123, 1700000001.75]
+    assert shardstream.default_collate([1, 2]).dtype == torch.int64
+    assert shardstream.default_collate([True, False]).dtype == torch.bool
 
 
 @pytest.mark.parametrize("decode_threads", [0, 2])

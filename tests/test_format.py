@@ -17,6 +17,7 @@ from typing import Iterator
 import msgpack
 import numpy as np
 import pytest
+import torch
 import zstandard
 from PIL import Image
 
@@ -1506,6 +1507,34 @@ def test_shardwriter_refuses_fields_that_would_not_read_back_as_written(tmp_path
     got = Decoder()(sample)
     assert got["json"] == {"a": [1, [2, 3]]} and got["msgpack"] == {1: "one", "t": [1, 2]} and got["txt"] == "café"
     assert got["npy"].tolist() == [0, 1, 2]
+
+
+def test_shardwriter_refuses_values_it_would_store_as_something_else(tmp_path):
+    """Regression (found by a user's walk): a str for an image field (a path passed for the
+    file's bytes) was stored as its text and failed at every read; a field named `__meta__.json`
+    or `__extra` vanished; JSON bytes with NaN were taken (FORMAT.md: no NaN); a masked array
+    lost its mask; a tensor that requires grad raised torch's bare RuntimeError. Each is
+    refused now, naming the sample and field."""
+    masked = np.ma.array([1, 2, 3], mask=[0, 1, 0])
+    refused = [({"jpg": "/data/images/0001.jpg"}, "'jpg': an image field holds the file's bytes, not a str"),
+               ({"__meta__.json": {"a": 1}}, "bad field name '__meta__.json': names beginning with '__'"),
+               ({"__extra": b"keep me"}, "bad field name '__extra'"),
+               ({"json": b'{"loss": NaN}'}, "do not read back as json .NaN is not JSON"),
+               ({"npy": masked}, "npy stores no mask"),
+               ({"npy": torch.ones(3, requires_grad=True)}, "'npy': cannot encode Tensor")]
+    with ShardWriter(str(tmp_path / "ds")) as writer:
+        for fields, message in refused:
+            with pytest.raises(ShardstreamError, match=message) as info:
+                writer.write({"__key__": "bad", "cls": 0, **fields})
+            assert info.value.key == "bad"
+        # The readers' own names are left out, as a sample read from a shard holds them; other
+        # extensions keep WebDataset's convention for a str: its UTF-8.
+        writer.write({"__key__": "good", "__url__": "s3://b/x.tar", "__local_path__": "/tmp/x", "note": "café",
+                      "be.npy": np.arange(3, dtype=">i4")})
+    [sample] = list(StreamingDataset(str(tmp_path / "ds")))
+    assert sample["note"] == "café".encode() and "__local_path__" not in sample
+    assert sample["be.npy"].dtype == np.int32 and sample["be.npy"].dtype.isnative  # torch takes no other order
+    assert sample["be.npy"].tolist() == [0, 1, 2]
 
 
 def test_a_missing_field_names_the_fields_the_sample_holds(tmp_path):
