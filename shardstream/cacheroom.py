@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import re
 import shutil
@@ -48,8 +49,11 @@ _room = threading.Lock()
 COMPANIONS = (".lock", ".idx", ".dl")
 ROOM_LOCK = ".room.lock"  # at the cache's root: one walk, or one landing, at a time
 OVER_LIMIT = ".over-limit"  # at the cache's root while the last walk left it over its limit
-# At the cache's root: the bytes the last walk counted plus every reservation since, and when it walked.
+# At the cache's root: the bytes the last walk counted plus every reservation since, when it walked,
+# and the limit of the process that wrote it last.
 LEDGER = ".room.ledger"
+log = logging.getLogger("shardstream")
+_limits_said: set[tuple[str, int]] = set()  # (cache root, another process's limit): warned of once
 # A walk of a large cache is long (2.1 s at 50k shards, a stat or two a file), and every download on the
 # machine waits its turn behind it: downloads that fit by the ledger do not walk, for this long after
 # the walk it starts from. The ledger only errs high (a download given up, a damaged copy replaced, a
@@ -116,13 +120,28 @@ class Room:
 
     def _make(self, incoming: int) -> None:
         ledger = _read_ledger(self.root)
+        if ledger is not None:
+            self._say_other_limit(ledger[2])
         if incoming and ledger is not None:
-            counted, walked = ledger
+            counted, walked, _ = ledger
             if counted + incoming <= self._room_for(counted) and 0 <= time.time() - walked < LEDGER_TRUST_S:
-                _write_ledger(self.root, counted + incoming, walked)
+                _write_ledger(self.root, counted + incoming, walked, self.limit)
                 return
         walked = time.time()
-        _write_ledger(self.root, self.walk(incoming) + incoming, walked)
+        _write_ledger(self.root, self.walk(incoming) + incoming, walked, self.limit)
+
+    def _say_other_limit(self, other: int | None) -> None:
+        """Warn, once a process, that another process uses this cache with another limit:
+        each walk evicts down to its own, so the smallest holds for all, and the others'
+        copies are evicted as fast as they land (a job at 10 MB beside one at 200 KB
+        downloaded its shards 3.2 times an epoch, without a word)."""
+        if other is None or other == self.limit or (self.root, other) in _limits_said:
+            return
+        _limits_said.add((self.root, other))
+        log.warning("the cache %s is in use with cache_limit=%d too (this process's: %d): each process evicts "
+                    "down to its own limit, so the smallest holds for all, and the copies others keep beyond it "
+                    "are downloaded again and again; give every job that shares a cache_dir the same cache_limit",
+                    self.root, other, self.limit)
 
     def _room_for(self, counted: int) -> int:
         """The most the cache may hold: its limit, or where its disk is the smaller, what it
@@ -244,20 +263,21 @@ def writing(path: str) -> Iterator[None]:
                    url=str(error.filename) if error.filename else path) from error
 
 
-def _read_ledger(root: str) -> tuple[int, float] | None:
-    """(bytes counted, time of the walk they start from), or None: none yet, or unreadable
-    (a process killed while writing it), which the next walk writes anew."""
+def _read_ledger(root: str) -> tuple[int, float, int | None] | None:
+    """(bytes counted, time of the walk they start from, the limit of its last writer: None
+    where an earlier version wrote it), or None: none yet, or unreadable (a process killed
+    while writing it), which the next walk writes anew."""
     try:
         with open(os.path.join(root, LEDGER)) as f:
-            counted, walked = f.read().split()
-        return int(counted), float(walked)
+            counted, walked, *limit = f.read().split()
+        return int(counted), float(walked), int(limit[0]) if limit else None
     except (OSError, ValueError):
         return None
 
 
-def _write_ledger(root: str, counted: int, walked: float) -> None:
+def _write_ledger(root: str, counted: int, walked: float, limit: int) -> None:
     with open(os.path.join(root, LEDGER), "w") as f:
-        f.write(f"{counted} {walked!r}\n")
+        f.write(f"{counted} {walked!r} {limit}\n")
 
 
 def _depth(root: str, folder: str) -> int:

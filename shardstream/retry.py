@@ -32,6 +32,10 @@ def is_transient(error: BaseException) -> bool:
     """Errors worth retrying: 5xx, throttling, timeouts, dropped connections."""
     if error_code(error) in _TRANSIENT_CODES:  # whatever status, or exception, it came as
         return True
+    if isinstance(error, FileNotFoundError) and isinstance(error.__cause__, Exception):
+        # fsspec's HTTP `info` raises FileNotFoundError from whatever failed: a 503 or a dropped
+        # connection too, which through `simplecache::http://` read as "no manifest", untried.
+        return is_transient(error.__cause__)
     if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
         return False
     # A local file system's lasting answers: `shardstream index` on a read-only mount was

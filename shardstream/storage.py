@@ -120,6 +120,26 @@ def _s3_filesystem_class() -> type[fsspec.AbstractFileSystem]:
     return OneTryS3FileSystem
 
 
+def _cat_file(fs: fsspec.AbstractFileSystem, path: str, **byte_range: int | None) -> bytes:
+    """`fs.cat_file(path, ...)`, where a cache wrapper's "not found" is the store's.
+
+    fsspec's cache wrappers (``simplecache::``, ``filecache::``) ask the store `exists()`,
+    which answers False for any failure, and raise a FileNotFoundError with no cause: a
+    503 through ``simplecache::http://`` read as "no manifest", never tried again. The
+    store's own look-up then says what it was: its error (a transient one is retried),
+    or the file, which the wrapper missed (retried too)."""
+    try:
+        return fs.cat_file(path, **byte_range)
+    except FileNotFoundError as error:
+        import fsspec
+
+        inner = getattr(fs, "fs", None)
+        if error.__cause__ is not None or not isinstance(inner, fsspec.AbstractFileSystem):
+            raise
+        inner.info(path)  # raises what the store says
+        raise ConnectionError(f"the cache wrapper found no file where the store has one ({path})") from error
+
+
 def _fitted(data: bytes, url: str, start: int | None, end: int | None, size: int | None) -> bytes:
     """Bytes [start, end) of `url`, from what fsspec's `cat_file` gave for them (`size`: the
     file's, where its reader knows it). A server that ignores Range answers 200 with the
@@ -304,9 +324,9 @@ class Store:
                                         connect_s=HTTP_CONNECT_TIMEOUT_S, read_s=HTTP_READ_TIMEOUT_S, size=size)
         fs, path = self._fs_path(name)
         if start is None and end is None:
-            return fs.cat_file(path)
+            return _cat_file(fs, path)
         try:
-            data = fs.cat_file(path, start=start, end=end)
+            data = _cat_file(fs, path, start=start, end=end)
         except Exception as e:  # fsspec's HTTP raises aiohttp's errors, which are no OSErrors
             if http_status(e) != 416:
                 raise

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Iterable, Iterator
 import numpy as np
 
 from .cache import ShardCache
-from .cancel import Cancellation
+from .cancel import Cancellation, ReadCancelled
 from .errors import (CacheFullError, CorruptIndexError, CorruptShardError, DownloadChecksumError, ShardstreamError,
                      StorageError)
 from .format import SHARD_SUFFIX
@@ -79,34 +79,49 @@ class Readers:
         return self._opened(shard, entry)
 
     def _entry(self, shard: int, opening: int | None = None) -> list[Any] | None:
-        """`shard`'s entry, [lock, reader or None], made if absent; for an open ahead of need,
+        """`shard`'s entry, [lock, reader or None, the error its opening raised or None], made
+        if absent; for an open ahead of need,
         for the shard's `opening`-th opening (`pieces.Stretch`), None once this iteration
         let that opening go (told in the same turn of the guard as the entry is made: a
         release between the two would leave the shard held)."""
         with self._guard:
             if opening is not None and self._released.get(shard, 0) > opening:
                 return None
-            return self._entries.setdefault(shard, [threading.Lock(), None])
+            return self._entries.setdefault(shard, [threading.Lock(), None, None])
 
     def _opened(self, shard: int, entry: list[Any]) -> ShardReader | StreamTarReader:
         with entry[0]:
+            if entry[2] is not None:
+                # An opening ahead of need failed (a download's retries spent): opening again
+                # spent them all again, one budget after the other (2 ranks x 2 workers sharing
+                # a cache: 30 requests and 43 s where 10 tell). It stands for this iteration.
+                raise entry[2]
             if entry[1] is None:
-                ref = self.source.shards[shard]
-                lock = None
-                if self.cache is not None and not ref.store.local:
-                    entry[1], lock = self._cached(shard)
-                else:
-                    entry[1] = self.source.reader(shard)
-                if lock is not None:
-                    with self._guard:
-                        self._locks.append(lock)
-                        self._shard_locks[shard] = lock
-                        held = self._held.pop(shard, None)
-                        if held is not None:
-                            self._locks.remove(held)
-                    if held is not None:
-                        held.close()  # this iteration's own lock keeps the copy now
+                try:
+                    self._open(shard, entry)
+                except StorageError as error:
+                    if not isinstance(error, ReadCancelled):
+                        entry[2] = error
+                    raise
             return entry[1]
+
+    def _open(self, shard: int, entry: list[Any]) -> None:
+        """Open `shard` into `entry` (with a cache: download it, and keep its lock)."""
+        ref = self.source.shards[shard]
+        lock = None
+        if self.cache is not None and not ref.store.local:
+            entry[1], lock = self._cached(shard)
+        else:
+            entry[1] = self.source.reader(shard)
+        if lock is not None:
+            with self._guard:
+                self._locks.append(lock)
+                self._shard_locks[shard] = lock
+                held = self._held.pop(shard, None)
+                if held is not None:
+                    self._locks.remove(held)
+            if held is not None:
+                held.close()  # this iteration's own lock keeps the copy now
 
     def _cached(self, shard: int) -> tuple[ShardReader | StreamTarReader, BinaryIO | None]:
         """`shard`'s reader over its cached copy, and the lock that keeps the copy; where the

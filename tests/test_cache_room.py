@@ -110,3 +110,25 @@ def test_a_walk_counts_and_touches_the_caches_own_files_only(cache):
     assert all(path.read_bytes() == b"\1" * MB for path in theirs)
     assert (root / "empty-of-theirs").is_dir()
     assert not os.path.exists(root / ".over-limit")  # their 5 MB are not the cache's: it fits
+
+
+def test_a_process_sharing_the_cache_with_another_limit_is_warned_once(cache, caplog, monkeypatch):
+    """Found by a walk of a shared cache: a job at 10 MB beside one at 200 KB on one cache_dir
+    downloaded its shards 3.2 times an epoch, without a word: each walk evicts down to its own
+    limit, so the smallest holds for all. The ledger records its writer's limit, and a process
+    that finds another's is warned, once."""
+    monkeypatch.setattr(cacheroom, "_limits_said", set())
+    small = Room(cache.root, 2 * MB)
+    make_room(cache, MB)
+    with caplog.at_level("WARNING", logger="shardstream"):
+        make_room(cache, MB)  # the ledger is its own: nothing to say
+        assert not caplog.records
+        make_room(small, 0)
+        make_room(cache, MB)  # the small limit walked last: its limit is in the ledger
+        make_room(small, 0)
+        make_room(cache, MB)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2, said  # once in each direction
+    assert f"cache_limit={2 * MB} too (this process's: {10 * MB})" in said[1]
+    assert "give every job that shares a cache_dir the same cache_limit" in said[0]
+    assert len(cached(cache)) <= 2  # the smallest limit held: what the warning says
