@@ -29,7 +29,7 @@ import numpy as np
 from ._version import __version__
 from .arguments import flag
 from .braces import expand_braces, folder_named, names_shards
-from .errors import DuplicateKeyError, ShardstreamError
+from .errors import DuplicateKeyError, ShardstreamError, add_note
 from .format import INDEX_SUFFIX, MANIFEST_NAME, Manifest, ShardIndex, ShardInfo
 from .tarstream import CountingReader, StreamTarReader, scan_tar
 from .shardfile import IMAGE_LEVEL, LEVEL
@@ -168,6 +168,11 @@ def repack_tars(source: str | os.PathLike[str] | Sequence[str], dst: str | os.Pa
                         _write_from(writer, sample, store.url(name))
                     except DuplicateKeyError as e:
                         raise _first_source(e, writer, store, names, starts, prefix_keys) from None
+                    except ShardstreamError as e:
+                        if classes is None and e.detail.startswith("cls must be an integer"):
+                            add_note(e, "class names in cls: repack with --class-names (class_names=True), "
+                                       "which numbers them in sorted order")
+                        raise
                     written += 1
                 bar.update(1)
     except BaseException:

@@ -406,7 +406,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         return status
     except ShardstreamError as e:
-        print(f"shardstream {args.command}: error: {e}", file=QuietStderr())
+        notes = "".join(f"\n  {note}" for note in getattr(e, "__notes__", ()))  # what to do about it
+        print(f"shardstream {args.command}: error: {e}{notes}", file=QuietStderr())
         return 1
     except BrokenPipeError:  # `shardstream inspect DST | head`: the reader has gone, as `yes | head` reads
         # Quiet, as Unix tools are; stdout points nowhere, so flushing at exit raises nothing more.

@@ -18,6 +18,11 @@ __all__ = ["cmd_bench", "cmd_demo", "cmd_index", "cmd_inspect", "cmd_merge", "cm
            "plot_file"]
 
 
+
+def _count(n: int, noun: str) -> str:
+    """`n` `noun`s in words: "1 shard", "2,048 shards"."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
 def _storage_options(text: str | None) -> dict:
     """--storage-options (or SHARDSTREAM_STORAGE_OPTIONS, its default): a JSON object."""
     if not text:
@@ -63,7 +68,8 @@ def _merge_if_complete(args: argparse.Namespace, parts: int) -> int:
     except ShardstreamError as e:
         print(f"shardstream: every part is done, but they do not merge: {e}", file=QuietStderr())
         return 1
-    say(f"all {parts} parts done: merged {manifest.samples:,} samples in {len(manifest.shards)} shards")
+    say(f"all {parts} parts done: merged {_count(manifest.samples, 'sample')} in "
+        f"{_count(len(manifest.shards), 'shard')}")
     return 0
 
 
@@ -83,8 +89,8 @@ def _pack_with_ray(args: argparse.Namespace) -> int:
                                         cpus_per_part=args.workers or 1, progress=not args.quiet,
                                         **_pack_options(args))
     seconds = max(s.seconds for s in summaries)
-    say(f"packed {manifest.samples:,} samples into {len(manifest.shards)} shards as {args.parts or 4} Ray tasks "
-          f"(slowest part {seconds:.1f} s); skipped {len(manifest.skipped)}, not images {manifest.ignored}")
+    say(f"packed {_count(manifest.samples, 'sample')} into {_count(len(manifest.shards), 'shard')} as "
+        f"{args.parts or 4} Ray tasks (slowest part {seconds:.1f} s); skipped {len(manifest.skipped)}, not images {manifest.ignored}")
     return 0
 
 
@@ -99,7 +105,8 @@ def cmd_merge(args: argparse.Namespace) -> int:
     from .parts import merge
 
     manifest = merge(args.dst, storage_options=_storage_options(args.storage_options), fsync=args.fsync)
-    say(f"merged {manifest.options.get('parts')} parts: {manifest.samples:,} samples in {len(manifest.shards)} shards")
+    say(f"merged {manifest.options.get('parts')} parts: {_count(manifest.samples, 'sample')} in "
+        f"{_count(len(manifest.shards), 'shard')}")
     return 0
 
 
@@ -108,7 +115,7 @@ def cmd_index(args: argparse.Namespace) -> int:
 
     manifest = index_tars(args.source, workers=args.workers, overwrite=args.overwrite, progress=not args.quiet,
                           storage_options=_storage_options(args.storage_options), manifest=not args.no_manifest)
-    say(f"indexed {manifest.samples:,} samples in {len(manifest.shards)} shards "
+    say(f"indexed {_count(manifest.samples, 'sample')} in {_count(len(manifest.shards), 'shard')} "
           f"({manifest.shards.bytes.sum() / 1e6:,.1f} MB); fields {', '.join(manifest.shards.all_fields())}; "
           f"{len(manifest.classes)} classes" + ("; no manifest written: stream them by their pattern"
                                                  if args.no_manifest else ""))
@@ -122,7 +129,7 @@ def cmd_repack(args: argparse.Namespace) -> int:
                            level=args.level, progress=not args.quiet, overwrite=args.overwrite,
                            class_names=args.class_names, prefix_keys=args.prefix_keys,
                            storage_options=_storage_options(args.storage_options))
-    say(f"repacked {manifest.samples:,} samples into {len(manifest.shards)} shards "
+    say(f"repacked {_count(manifest.samples, 'sample')} into {_count(len(manifest.shards), 'shard')} "
           f"({manifest.shards.bytes.sum() / 1e6:,.1f} MB)")
     return 0
 
@@ -135,8 +142,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.json:
         say(json.dumps(info, indent=2))
         return 0
-    say(f"{info['url']}: {info['samples']:,} samples in {info['shards']} shards ({info['compression']}), "
-          f"{info['bytes'] / 1e6:,.1f} MB + {info['index_bytes'] / 1e3:,.1f} KB of index")
+    say(f"{info['url']}: {_count(info['samples'], 'sample')} in {_count(info['shards'], 'shard')} "
+        f"({info['compression']}), {info['bytes'] / 1e6:,.1f} MB + {info['index_bytes'] / 1e3:,.1f} KB of index")
     say(f"tar bytes {info['tar_bytes'] / 1e6:,.1f} MB, compression ratio {info['compression_ratio']:.3f}")
     say(f"fields: {', '.join(info['fields'])}; written by {info['writer']} (format {info['format_version']})")
     if info["options"]:
@@ -154,9 +161,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         say(f"shuffled epochs read {info['shuffle_blocks']:,} blocks of {info['shuffle_block']:,} samples or more, "
             f"{order}")
     else:
-        say(f"shuffled epochs read each of the {info['shards']} shards whole, in a seeded order")
-    say(f"with several DataLoader workers, a shuffled epoch deals each worker runs of {info['worker_run']:,} "
-        "samples or more (whole batches), but in an epoch's last round")
+        say(f"shuffled epochs read each of the {_count(info['shards'], 'shard')} whole, in a seeded order")
+    say(f"with several DataLoader workers, a shuffled epoch deals each worker runs of at least "
+        f"{info['worker_run']:,} samples, rounded up to whole batches (so that a worker reads whole frames); "
+        "an epoch's last round, and a rank's share smaller than a run a worker, are dealt in smaller ones")
     return 0
 
 
@@ -184,7 +192,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         status += (f"; parts {', '.join(map(str, numbers))} of {total}, not merged"
                    + (f" ({missing} part{'s' if missing != 1 else ''} not finished)" if missing else
                       " (`shardstream merge` merges them)"))
-    say(f"verified {report.shards} shards, {report.samples} samples, {report.images} images decoded: {status}")
+    say(f"verified {_count(report.shards, 'shard')}, {_count(report.samples, 'sample')}, "
+        f"{_count(report.images, 'image')} decoded: {status}")
     return 0 if report.ok else 1
 
 

@@ -75,9 +75,10 @@ def run_demo(images: int = 400, classes: int = 4, workers: int = 2, keep: str | 
             once = len(seen) == len(set(seen)) == total
             if not once:
                 failed.append(f"epoch {epoch}: {len(seen)} images, {len(set(seen))} different, not each of {total} once")
-            say(f"4. epoch {epoch}: {s.batches} batch{'es' if s.batches != 1 else ''} of {tuple(images_.shape[1:])} "
-                f"float images, {s.samples_per_s:,.0f} img/s with {workers} workers, "
-                f"first batch after {s.first_batch_s:.2f} s, waited {100 * s.wait_fraction:.0f}% of the time; "
+            say(f"{'4.' if epoch == 0 else '  '} epoch {epoch}: {s.batches} batch{'es' if s.batches != 1 else ''} of "
+                f"{tuple(images_.shape[1:])} float images, {s.samples_per_s:,.0f} img/s with {workers} workers, "
+                f"first batch after {s.first_batch_s:.2f} s, waited {100 * s.wait_fraction:.0f}% of the time "
+                "(the loop trains nothing: it only waits); "
                 + ("each image exactly once" if once else "NOT each image exactly once"))
 
         loader.set_epoch(2)

@@ -203,6 +203,9 @@ class PackError(ShardstreamError):
 
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+# Pillow names the in-memory file it was given (`cannot identify image file <_io.BytesIO object
+# at 0x...>`), which tells a reader nothing: the sample is named beside it.
+_IN_MEMORY_FILE = re.compile(r" <_io\.BytesIO object( at 0x[0-9a-fA-F]+)?>")
 
 
 def described(error: BaseException) -> str:
@@ -225,4 +228,4 @@ def reason(error: BaseException) -> str:
     if isinstance(error, OSError) and error.strerror and error.filename is not None:
         return error.strerror
     # Some say nothing (msgpack's FormatError on a reserved byte): their type's name is all there is to tell.
-    return scrubbed(_ADDRESS.sub("", str(error))) or type(error).__name__
+    return scrubbed(_ADDRESS.sub("", _IN_MEMORY_FILE.sub("", str(error)))) or type(error).__name__

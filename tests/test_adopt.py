@@ -443,7 +443,7 @@ def test_cli_repack(wds_folder, tmp_path):
     result = subprocess.run([sys.executable, "-m", "shardstream.cli", "repack", str(folder), str(tmp_path / "out"),
                              "--quiet"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert f"repacked {len(samples)} samples into 1 shards" in result.stdout
+    assert f"repacked {len(samples)} samples into 1 shard" in result.stdout
     # Again: refused, saying how to replace it (there was no way), and replaced with --overwrite.
     again = subprocess.run([sys.executable, "-m", "shardstream.cli", "repack", str(folder), str(tmp_path / "out"),
                             "--quiet"], capture_output=True, text=True, timeout=120)
@@ -701,8 +701,12 @@ def test_repack_numbers_class_names_in_sorted_order(tmp_path):
     assert manifest.classes == ("bird", "cat", "zebra") and manifest.class_counts == (2, 1, 1)
     got = {s["__key__"]: s.get("cls") for s in ss.StreamingDataset(str(tmp_path / "out"))}
     assert got == {"s0": 2, "s1": 0, "s2": 1, "s3": 0, "s4": None}
-    with pytest.raises(ShardstreamError, match="cls must be an integer class index, not b'zebra'"):
+    with pytest.raises(ShardstreamError, match="cls must be an integer class index, not b'zebra'") as info:
         repack_tars(str(tmp_path / "src"), str(tmp_path / "plain"))
+    assert "repack with --class-names" in "".join(getattr(info.value, "__notes__", ()))
+    cli = subprocess.run([sys.executable, "-m", "shardstream", "repack", str(tmp_path / "src"), str(tmp_path / "cli"),
+                          "--quiet"], capture_output=True, text=True)
+    assert cli.returncode == 1 and "not b'zebra'" in cli.stderr and "repack with --class-names" in cli.stderr
 
 
 def test_index_refuses_a_class_index_past_the_format_limit(tmp_path):

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,9 @@ TIMEOUT_S = 300
 pytestmark = pytest.mark.xdist_group("gloo")  # one gloo job at a time (test_distributed.py says why)
 
 
-def _train(data: str, log: Path, *extra: str) -> subprocess.CompletedProcess:
+def _train(data: str, log: Path, *extra: str, signal_after_step: int | None = None) -> subprocess.CompletedProcess:
+    """A torchrun job of WORLD ranks; with `signal_after_step`, SIGTERM to the whole job (as
+    SLURM and Kubernetes send it) once every rank has logged that step."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD}",
            "--standalone", str(SCRIPT), "--data", data,
@@ -38,6 +41,13 @@ def _train(data: str, log: Path, *extra: str) -> subprocess.CompletedProcess:
     # Its own session, so that a timeout kills torchrun, the ranks and their workers together.
     with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           start_new_session=True) as popen:
+        if signal_after_step is not None:
+            deadline = time.monotonic() + TIMEOUT_S
+            while time.monotonic() < deadline and popen.poll() is None and not (
+                    log.exists() and {row["rank"] for row in map(json.loads, log.read_text().splitlines())
+                                      if row["step"] >= signal_after_step} == set(range(WORLD))):
+                time.sleep(0.05)
+            os.killpg(popen.pid, signal.SIGTERM)
         try:
             stdout, stderr = popen.communicate(timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -45,6 +55,8 @@ def _train(data: str, log: Path, *extra: str) -> subprocess.CompletedProcess:
             stdout, stderr = popen.communicate()
             raise AssertionError(f"timed out after {TIMEOUT_S} s\nstdout:\n{stdout[-4000:]}\nstderr:\n{stderr[-4000:]}")
     proc = subprocess.CompletedProcess(cmd, popen.returncode, stdout, stderr)
+    if signal_after_step is not None:
+        return proc  # torchrun itself exits as SIGTERM'd; the ranks' part is checked by the caller
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
     return proc
 
@@ -140,3 +152,21 @@ def test_preempt_and_resume_mid_epoch(dataset, full_run, tmp_path):
     # (model, optimizer and augmentation restored too) the same final weights, bit for bit.
     assert both == full_run[0]
     assert _checksum(proc.stdout) == full_run[1]
+
+
+def test_sigterm_stops_every_rank_after_the_same_step_and_resumes_exactly(dataset, full_run, tmp_path):
+    """README's preemption recipe, as tools/train_ddp.py runs it: SIGTERM to the whole job (the
+    ranks, their DataLoader workers and torchrun) mid-epoch; the ranks agree on the flag, stop
+    after the same step, rank 0 checkpoints, and the resumed job ends as the uninterrupted one."""
+    data, keys = dataset
+    ckpt, log = tmp_path / "ckpt.pt", tmp_path / "keys.jsonl"
+    proc = _train(data, log, "--checkpoint", str(ckpt), "--step-sleep", "0.5", signal_after_step=1)
+    assert proc.stdout.count("(stopped by SIGTERM)") == WORLD, proc.stdout + proc.stderr[-3000:]
+    first = _per_rank(log)
+    assert len({len(batches) for batches in first.values()}) == 1 and len(first[0]) < 3  # the same step, mid-epoch
+    assert ckpt.exists()
+    proc = _train(data, log, "--checkpoint", str(ckpt), "--resume")
+    assert "mid-epoch" in proc.stdout
+    both = _per_rank(log)
+    _check_exactly_once(both, keys)
+    assert both == full_run[0] and _checksum(proc.stdout) == full_run[1]

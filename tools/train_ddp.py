@@ -27,7 +27,10 @@ What it exercises:
   `DecodeOnDevice` decodes on the device (nvJPEG on CUDA; on the CPU without it, with
   the same pixels as decoding in the workers);
 * ``--steps N``: stop once the global step count reaches N (counted across resumes, like
-  a ``max_steps``), e.g. to simulate a preemption in a test.
+  a ``max_steps``), e.g. to simulate a preemption in a test;
+* preemption (README's recipe): SIGTERM only sets a flag; after each step the ranks agree on
+  it (one all-reduce of MAX), so they all stop after the same step, rank 0 checkpoints,
+  and the job exits 0 for its scheduler to requeue it with ``--resume``.
 """
 
 from __future__ import annotations
@@ -35,7 +38,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -92,6 +97,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quiet", action="store_true", help="no per-step loss lines")
     p.add_argument("--decode-on-device", action="store_true",
                    help="decode JPEGs on the device (nvJPEG where available) instead of in the workers")
+    p.add_argument("--step-sleep", type=float, default=0.0,
+                   help="seconds to sleep after each step (lets a test preempt a tiny epoch mid-way)")
     args = p.parse_args(argv)
     if args.resume and not args.checkpoint:
         p.error("--resume needs --checkpoint")
@@ -139,6 +146,11 @@ def save_checkpoint(path: str, state: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # Set here, acted on after a step (README: saving inside the handler could catch the
+    # model mid-update). Before the loader's workers start: they ignore the job's SIGTERM
+    # while this process lives (shardstream.DataLoader), and end with it.
+    preempted = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: preempted.set())
     rank, world_size, device = setup()
     torch.manual_seed(args.seed)  # identical initial weights everywhere (DDP also broadcasts rank 0's)
 
@@ -194,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
             })
 
     stopped = args.steps is not None and step >= args.steps
+    preempted_stop = False
     epoch = start_epoch
     while epoch < args.epochs and not stopped:
         if epoch != loader.dataset.epoch:
@@ -218,8 +231,17 @@ def main(argv: list[str] | None = None) -> int:
                 say(f"epoch {epoch} step {step}: loss {loss.item():.4f}")
             if args.checkpoint and args.checkpoint_every and step % args.checkpoint_every == 0:
                 checkpoint(epoch, epoch_done=False)
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
             if args.steps is not None and step >= args.steps:
                 stopped = True
+                break
+            # Every rank stops after the same step: one that saw no signal yet would go on into
+            # the next step's all-reduce alone, and hang there.
+            signalled = torch.tensor([float(preempted.is_set())], device=device)
+            dist.all_reduce(signalled, op=dist.ReduceOp.MAX)
+            if signalled.item():
+                stopped = preempted_stop = True
                 break
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -228,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"[rank {rank}/{world_size}] epoch {epoch}: {s.batches}/{batches_left} batches, {s.samples} images "
             f"in {wall:.2f} s = {s.samples / wall if wall else 0:,.0f} images/s; data wait {s.wait_s:.2f} s "
             f"(wait_fraction {s.wait_fraction:.3f}); mean loss {(loss_sum / max(seen, 1)).item():.4f}"
-            + (" (stopped by --steps)" if stopped else ""))
+            + ((" (stopped by SIGTERM)" if preempted_stop else " (stopped by --steps)") if stopped else ""))
         # Stopped on the epoch's last batch counts as done: the resumed job starts the next epoch.
         checkpoint(epoch, epoch_done=seen == batches_left)
         epoch += 1
