@@ -8,7 +8,8 @@ time, cost 1.2-2.4 ms of CPU per MB through s3fs against 0.8-1.3 ms through boto
 (BENCHMARKS.md).
 
 Options understood, by s3fs's names: `key`, `secret`, `token`, `anon`, `endpoint_url`,
-and `client_kwargs` holding `endpoint_url` and `region_name`. Anything not given comes
+`client_kwargs` holding `endpoint_url` and `region_name`, and `config_kwargs` holding
+`connect_timeout` and `read_timeout` (read by the store, which passes them in). Anything not given comes
 from botocore's usual chain (the AWS environment variables, `AWS_ENDPOINT_URL` among
 them, ~/.aws, instance roles), as it does for s3fs. botocore does not retry by itself
 here: `RetryPolicy` does, and counts every retry. Each request has a deadline, as
@@ -34,8 +35,9 @@ from .retry import is_transient
 
 __all__ = ["supports", "read_range"]
 
-_OPTIONS = {"key", "secret", "token", "anon", "endpoint_url", "client_kwargs"}
+_OPTIONS = {"key", "secret", "token", "anon", "endpoint_url", "client_kwargs", "config_kwargs"}
 _CLIENT_KWARGS = {"endpoint_url", "region_name"}
+_CONFIG_KWARGS = {"connect_timeout", "read_timeout"}  # the caller's `connect_s` and `read_s`
 _clients = PerProcess(lambda: (threading.Lock(), {}))  # options (as JSON) -> client, per process
 
 
@@ -45,7 +47,7 @@ def supports(options: Mapping[str, Any]) -> bool:
     config file), which s3fs applies and this module would not: its reads went to another
     endpoint than the listings and writes."""
     return (set(options) <= _OPTIONS and set(options.get("client_kwargs") or {}) <= _CLIENT_KWARGS
-            and not _fsspec_s3_config() and _installed())
+            and set(options.get("config_kwargs") or {}) <= _CONFIG_KWARGS and not _fsspec_s3_config() and _installed())
 
 
 def _fsspec_s3_config() -> bool:

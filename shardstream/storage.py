@@ -193,11 +193,27 @@ class Store:
     def _direct(self) -> str | None:
         """Which module reads ranges without fsspec: "http" (`http_ranges`), "s3" (`s3_ranges`),
         or None (fsspec: other protocols, and options those modules would not honour)."""
-        if self.root.startswith(("http://", "https://")) and set(self.options) <= {"headers"}:
+        if self.root.startswith(("http://", "https://")) and set(self.options) <= {"headers", "client_kwargs"} \
+                and set(self.options.get("client_kwargs") or {}) <= {"timeout"}:
             return "http" if http_ranges.available() else None
         if self.root.startswith("s3://") and s3_ranges.supports(self.options):
             return "s3"
         return None
+
+    @property
+    def _timeouts(self) -> tuple[float, float]:
+        """The connect and read timeouts of the direct readers' requests, in seconds: the
+        user's where the options set them as fsspec's file systems take them (s3fs's
+        ``config_kwargs={"connect_timeout": ..., "read_timeout": ...}``, aiohttp's
+        ``client_kwargs={"timeout": ClientTimeout(sock_connect=..., sock_read=...)}``),
+        else `HTTP_CONNECT_TIMEOUT_S` and `HTTP_READ_TIMEOUT_S`. Setting them kept a
+        store off the direct readers before, for fsspec's slower path."""
+        config = self.options.get("config_kwargs") or {}
+        timeout = (self.options.get("client_kwargs") or {}).get("timeout")
+        connect = config.get("connect_timeout", getattr(timeout, "sock_connect", None) or
+                             getattr(timeout, "connect", None) or getattr(timeout, "total", None))
+        read = config.get("read_timeout", getattr(timeout, "sock_read", None) or getattr(timeout, "total", None))
+        return (float(connect) if connect else HTTP_CONNECT_TIMEOUT_S, float(read) if read else HTTP_READ_TIMEOUT_S)
 
     @property
     def location(self) -> str:
@@ -317,11 +333,13 @@ class Store:
     def _remote_read(self, name: str, start: int | None, end: int | None, size: int | None = None) -> bytes:
         direct = self._direct
         if direct == "http":
+            connect_s, read_s = self._timeouts
             return http_ranges.read_range(self.url(name), start, end, headers=self.options.get("headers", {}),
-                                          connect_s=HTTP_CONNECT_TIMEOUT_S, read_s=HTTP_READ_TIMEOUT_S, size=size)
+                                          connect_s=connect_s, read_s=read_s, size=size)
         if direct == "s3":
+            connect_s, read_s = self._timeouts
             return s3_ranges.read_range(self.url(name), start, end, self.options,
-                                        connect_s=HTTP_CONNECT_TIMEOUT_S, read_s=HTTP_READ_TIMEOUT_S, size=size)
+                                        connect_s=connect_s, read_s=read_s, size=size)
         fs, path = self._fs_path(name)
         if start is None and end is None:
             return _cat_file(fs, path)
@@ -476,8 +494,9 @@ class Store:
 
     def _remote_size(self, name: str) -> int:
         if self._direct == "http":  # within the direct reader's deadlines (fsspec's HEAD has none)
+            connect_s, read_s = self._timeouts
             return http_ranges.file_size(self.url(name), headers=self.options.get("headers", {}),
-                                         connect_s=HTTP_CONNECT_TIMEOUT_S, read_s=HTTP_READ_TIMEOUT_S)
+                                         connect_s=connect_s, read_s=read_s)
         fs, path = self._fs_path(name)
         try:
             size = fs.size(path)

@@ -70,7 +70,7 @@ def test_a_server_that_ignores_ranges_read_through_fsspec(plain_server, fsspec_l
     whole file on for a ranged read: every read past the first sample failed as a corrupt shard ("shorter
     than its index says") or was skipped. The range is cut from the whole file, as the direct reader does."""
     url, _ = plain_server
-    store = Store(url, {"client_kwargs": {}})  # not only headers: fsspec's HTTP filesystem
+    store = Store(url, {"client_kwargs": {"trust_env": False}})  # not only headers: fsspec's HTTP filesystem
     assert store._direct is None
     assert store.read("blob.bin", 100, 200) == DATA[100:200]
     out = bytearray(50)
@@ -406,6 +406,26 @@ def test_a_body_that_stalls_past_the_read_timeout_is_named_as_a_read_timeout(mon
     assert str(raised.value).endswith("data/blob.bin: failed after 2 attempts: ReadTimeoutError: Read timed out."), \
         str(raised.value)
     assert requests == ["/data/blob.bin"] * 2
+
+
+def test_timeouts_set_in_the_storage_options_hold_on_the_direct_readers():
+    """Left by the thirty-seventh session: the direct readers' timeouts were module constants,
+    and setting them the fsspec way (aiohttp's ClientTimeout, s3fs's config_kwargs) sent the
+    store down fsspec's slower path. They are the requests' timeouts now, on the direct path."""
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(sock_connect=0.5, sock_read=0.5)
+    with trickling(interval=2.0) as (url, requests):
+        store = Store(f"{url}/data", {"client_kwargs": {"timeout": timeout}}, RetryPolicy(attempts=2, base_delay=0.001))
+        assert store._direct == "http" and store._timeouts == (0.5, 0.5)
+        started = time.monotonic()
+        with pytest.raises(StorageError, match="failed after 2 attempts: ReadTimeoutError: Read timed out"):
+            store.read("blob.bin", 0, 200)
+        assert time.monotonic() - started < 10  # not the default 20 s a read
+    assert requests == ["/data/blob.bin"] * 2
+    s3 = Store("s3://bucket/ds", {"endpoint_url": "http://127.0.0.1:1", "config_kwargs": {"read_timeout": 90}})
+    assert s3._direct == "s3" and s3._timeouts == (storage.HTTP_CONNECT_TIMEOUT_S, 90.0)
+    assert Store("s3://bucket/ds", {"config_kwargs": {"retries": {"max_attempts": 3}}})._direct is None  # s3fs's
 
 
 class _HeaderTrickler(_Served):

@@ -3129,7 +3129,7 @@ def test_the_fsspec_http_path_reads_nothing_from_a_files_end(local_ds, tmp_path)
     (tmp_path / "empty.bin").write_bytes(b"")
     size = os.path.getsize(tmp_path / name)
     with H.CountingHTTPServer(str(tmp_path)) as server:
-        store = Store(server.url, {"client_kwargs": {}})
+        store = Store(server.url, {"client_kwargs": {"trust_env": False}})  # fsspec's HTTP
         assert store._direct is None  # fsspec's
         assert store.read(name, size, size + 100) == b""
         assert store.read("empty.bin", 0, 100) == b""
@@ -3144,7 +3144,7 @@ def test_the_s3fs_path_reads_to_the_end_and_gives_up_on_permanent_errors_at_once
     from shardstream.storage import Store
     from shardstream.verify import verify_dataset
 
-    options = {**moto.storage_options, "config_kwargs": {"connect_timeout": 5}}
+    options = {**moto.storage_options, "config_kwargs": {"max_pool_connections": 4}}
     assert not supports(options)
     report = verify_dataset(s3_ds, storage_options=options, workers=1)
     assert report.ok and report.images == N, report.problems
