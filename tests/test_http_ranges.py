@@ -1053,7 +1053,7 @@ class _StrictRanges(_Served):
         self.wfile.write(data[start:stop])
 
 
-@pytest.mark.parametrize("options", [{}, {"client_kwargs": {}}], ids=["direct", "fsspec"])
+@pytest.mark.parametrize("options", [{}, {"client_kwargs": {"trust_env": False}}], ids=["direct", "fsspec"])
 def test_a_range_refused_for_running_past_the_end_is_asked_again_up_to_it(tmp_path, options, fsspec_loop):
     """Regression (found by review): a 416 was always read as "nothing there", so a server
     that refuses a range running past the end (instead of sending up to the end) made a list
@@ -1085,7 +1085,7 @@ def test_a_range_refused_for_running_past_the_end_is_asked_again_up_to_it(tmp_pa
         http_ranges.refused_range("bytes */100", "http://h/f", 10, 50)
 
 
-@pytest.mark.parametrize("options", [{}, {"client_kwargs": {}}], ids=["direct", "fsspec"])
+@pytest.mark.parametrize("options", [{}, {"client_kwargs": {"trust_env": False}}], ids=["direct", "fsspec"])
 def test_file_names_are_percent_encoded_in_http_urls(tmp_path, options, fsspec_loop):
     """Regression (found by review): shard names went into HTTP URLs as they were: '#' cut
     the URL (and the root's ?token with it), '?' began a query, '%20' named another file;
@@ -1166,7 +1166,7 @@ class _Misanswering(_Served):
         self.wfile.write(body)
 
 
-@pytest.mark.parametrize("options", [{}, {"client_kwargs": {}}], ids=["direct", "fsspec"])
+@pytest.mark.parametrize("options", [{}, {"client_kwargs": {"trust_env": False}}], ids=["direct", "fsspec"])
 def test_a_cut_or_other_range_is_retried_or_a_storage_error_never_damaged_data(tmp_path, options, fsspec_loop):
     """Regression (found by review): a shard's answer with no length, cut short by a dropped
     connection, was a "replaced" shard on the direct path and damaged data on fsspec's, not
