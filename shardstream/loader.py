@@ -103,8 +103,16 @@ class Normalize:
         object.__setattr__(self, "std", _constants(self.std, "std"))
         if len(self.mean) != len(self.std) or not all(self.std):
             raise ValueError(f"Normalize needs as many means as stds, and no std of 0: mean={self.mean}, std={self.std}")
+        if max(map(abs, (*self.mean, *self.std))) > 1:
+            # mmcv's and timm's 0-255 constants (123.675, 58.395) made images near -2, all alike, silently.
+            raise ValueError(f"Normalize takes the constants of images in [0, 1] (it scales uint8 by 255 itself, as "
+                             f"torchvision's ToTensor then Normalize): divide 0-255 ones by 255, not mean={self.mean}, "
+                             f"std={self.std}")
 
     def normalize(self, images: torch.Tensor) -> torch.Tensor:
+        if not isinstance(images, torch.Tensor):  # JPEGs DeferDecode sent: an EncodedBatch, not yet images
+            raise TypeError(f"Normalize takes images, not a {type(images).__name__}: with DeferDecode, put "
+                            "DecodeOnDevice before it in transform_on_device")
         if images.dtype != torch.uint8:
             # Its constants take 0-255: float images already in [0, 1] (torchvision's ToTensor)
             # were divided by 255 again, silently.
@@ -495,6 +503,10 @@ class DataLoader:
                                          else None),
                 timeout=self.timeout,
                 worker_init_fn=worker_waits_for_its_parent_on_sigterm,
+                # torch draws its workers' base seed at every pass, from the training loop's global
+                # generator by default: a draw a pass moved the loop's own numbers. The samples'
+                # draws are seeded per sample (prepare.py) and need no seed from torch.
+                generator=torch.Generator(),
             )
         return self._loader
 

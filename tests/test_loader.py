@@ -149,6 +149,20 @@ def keys_of(packed: str, **kwargs) -> StreamingDataset:
     return StreamingDataset(packed, shuffle=True, seed=3, decode=None, fields=("__key__",), **kwargs)
 
 
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_a_pass_leaves_the_loops_own_generators_alone(packed, num_workers):
+    """Found by a user's walk: torch's DataLoader draws its workers' base seed at every pass from
+    the training loop's global torch generator, so each epoch moved the loop's own numbers (README
+    promises they are left as they were). The loader gives torch a generator of its own."""
+    loader = DataLoader(keys_of(packed), batch_size=4, num_workers=num_workers)
+    torch.manual_seed(7)
+    before = torch.get_rng_state()
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        assert len(list(loader)) == len(loader)
+        assert torch.equal(torch.get_rng_state(), before), f"epoch {epoch} drew from the loop's generator"
+
+
 def test_timeout_without_workers_is_ignored(packed):
     """Regression: timeout=1 with num_workers=0 failed at the first iteration on torch's assertion
     "_SingleProcessDataLoaderIter requires timeout == 0". torch documents timeout as the limit for
@@ -231,6 +245,19 @@ def test_normalize_refuses_float_images_and_integer_output():
     with pytest.raises(ValueError, match="dtype=torch.int64 is not a floating-point dtype"):
         Normalize(dtype=torch.int64)
     assert Normalize(dtype=torch.float16)(torch.zeros(2, 3, 4, 4, dtype=torch.uint8)).dtype == torch.float16
+
+
+def test_normalize_refuses_0_255_constants_and_encoded_batches():
+    """Found by a user's walk: mmcv's and timm's 0-255 constants (mean 123.675, std 58.395) gave
+    images near -2, all alike, silently; Normalize before DecodeOnDevice raised a bare
+    AttributeError ('EncodedBatch' object has no attribute 'dtype')."""
+    with pytest.raises(ValueError, match="constants of images in \\[0, 1\\].*divide 0-255 ones by 255"):
+        Normalize(mean=(123.675, 116.28, 103.53), std=(58.395, 57.12, 57.375))
+    from shardstream.device_jpeg import EncodedBatch
+
+    encoded = EncodedBatch.__new__(EncodedBatch)
+    with pytest.raises(TypeError, match="not a EncodedBatch: with DeferDecode, put DecodeOnDevice before it"):
+        Normalize(field=0)((encoded, torch.zeros(2)))  # as a batch of (images, labels) comes
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
