@@ -70,7 +70,7 @@ from typing import BinaryIO, Callable, Iterator
 
 from .cacheroom import Room, names_file, writing as _writing
 from .cancel import ReadCancelled, pause
-from .errors import CacheFullError, DownloadChecksumError, ShardstreamError, StorageError, described
+from .errors import CacheFullError, DownloadChecksumError, RetriesSpentError, ShardstreamError, StorageError, described
 from .format import INDEX_SUFFIX
 from .iostats import io_stats
 from .reader import ShardReader
@@ -227,7 +227,7 @@ class ShardCache:
                                             "in this process", url=ref.url)
             with _download_lock(path + ".dl", ref.url) as turn:
                 if not self._check(path, ref):  # unless another download got there first
-                    failed = turn.failed_meanwhile(self.root)
+                    failed = turn.failed_meanwhile(self.root, ref)
                     if failed is not None:
                         if isinstance(failed, DownloadChecksumError):
                             _never_matched[path] = time.monotonic()
@@ -236,7 +236,7 @@ class ShardCache:
                     try:
                         self._download(ref, path)
                     except StorageError as error:
-                        turn.record(error, self.root)
+                        turn.record(error, ref)
                         raise
                     _verified[path] = _version(path, ref)
                 else:
@@ -399,41 +399,51 @@ class _DownloadTurn:
     """A held download lock, and when its holder began waiting for another's download
     (None where it did not wait).
 
-    A download that fails against the store (its retries spent, a 404, a checksum that
-    never matched) writes why into the lock file before letting go. Each process waiting
-    for it then took its turn and downloaded again, its own retries spent one after the
-    other: 4 DataLoader workers of a rank failed in 11 s where one failed in 2. So a
-    process that waited for a download that failed meanwhile raises that failure at once;
-    one that comes later tries the store afresh. Errors of the cache's own disk are not
-    recorded: each process meets those for itself (an emptied cache is downloaded again,
-    a full disk read uncached), nor a download cancelled because its reading ended."""
+    A download whose retries the store outlasted (5xx, timeouts, dropped connections at
+    every attempt), or whose checksum never matched, writes why into the lock file before
+    letting go. Each process waiting for it then took its turn and downloaded again, its
+    own retries spent one after the other: 4 DataLoader workers of a rank failed in 11 s
+    where one failed in 2. So a process that waited for such a download, through the same
+    store (its URL's query and its options: another job's expired token is not its own),
+    raises that failure at once; one that comes later tries the store afresh. A
+    permanent error (404, 403) is not recorded: it comes back at once, and may be the
+    asker's own (its credentials); nor are errors of the cache's own disk, which each
+    process meets for itself, nor a download cancelled because its reading ended. The
+    record holds no URL: a query string's token stays out of a file others can read."""
 
     lock: BinaryIO
     waited_from: float | None
 
-    def record(self, error: StorageError, root: str) -> None:
-        """Say in the lock file that the download failed with `error`, unless the cache's disk failed it."""
-        if str(error.url).startswith(root) or isinstance(error, (CacheFullError, ReadCancelled)):
-            return  # the disk's, or a reading that ended: not the store's
-        record = {"at": time.time(), "checksum": isinstance(error, DownloadChecksumError),
-                  "detail": error.detail, "url": error.url}
+    def record(self, error: StorageError, ref: ShardRef) -> None:
+        """Say in the lock file that the download of `ref` failed with `error`, where that is the store's lasting word."""
+        if not isinstance(error, (RetriesSpentError, DownloadChecksumError)):
+            return
+        record = {"at": time.time(), "checksum": isinstance(error, DownloadChecksumError), "detail": error.detail,
+                  "store": _store_key(ref)}
         with contextlib.suppress(OSError):  # only the waiters' time is at stake
             os.ftruncate(self.lock.fileno(), 0)
             self.lock.write(json.dumps(record).encode())
 
-    def failed_meanwhile(self, root: str) -> StorageError | None:
-        """The failure of the download this process waited for, or None (module doc)."""
+    def failed_meanwhile(self, root: str, ref: ShardRef) -> StorageError | None:
+        """The failure of the download this process waited for, through the same store, or None."""
         if self.waited_from is None:
             return None
         try:
             record = json.loads(os.pread(self.lock.fileno(), 1 << 16, 0) or b"null")
         except (OSError, ValueError):
             return None
-        if not isinstance(record, dict) or record.get("at", 0) < self.waited_from:
+        if not isinstance(record, dict) or record.get("at", 0) < self.waited_from \
+                or record.get("store") != _store_key(ref):
             return None
-        kind = DownloadChecksumError if record.get("checksum") else StorageError
+        kind = DownloadChecksumError if record.get("checksum") else RetriesSpentError
         return kind(f"another download of this shard into the cache {root} failed while this one waited for it: "
-                    f"{record.get('detail')}", url=record.get("url"))
+                    f"{record.get('detail')}", url=ref.url)
+
+
+def _store_key(ref: ShardRef) -> str:
+    """Who asks the store for `ref`, in 16 hex digits: its URL whole (a query's token) and its options."""
+    asked = json.dumps([ref.url, ref.store.options], sort_keys=True, default=repr)
+    return hashlib.sha256(asked.encode()).hexdigest()[:16]
 
 
 def _cached_index(ref: ShardRef) -> str:

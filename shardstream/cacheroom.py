@@ -34,7 +34,7 @@ try:
 except ImportError:  # Windows: the cache is not offered there (`ShardCache`)
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["Room", "names_file", "writing", "ROOM_LOCK", "OVER_LIMIT", "LEDGER"]
+__all__ = ["Room", "names_file", "writing", "ROOM_LOCK", "OVER_LIMIT", "LEDGER", "LIMIT"]
 
 # A live download writes its file a `cache.CHUNK` at a time. One try of a 16 MB read may take 350 s
 # on a slow link (`deadlines.deadline_s`, counted in its share of the time when reads
@@ -49,9 +49,11 @@ _room = threading.Lock()
 COMPANIONS = (".lock", ".idx", ".dl")
 ROOM_LOCK = ".room.lock"  # at the cache's root: one walk, or one landing, at a time
 OVER_LIMIT = ".over-limit"  # at the cache's root while the last walk left it over its limit
-# At the cache's root: the bytes the last walk counted plus every reservation since, when it walked,
-# and the limit of the process that wrote it last.
+# At the cache's root: the bytes the last walk counted plus every reservation since, and when it walked.
 LEDGER = ".room.ledger"
+# At the cache's root: the limit of the last process that made room (a file of its own: a ledger of
+# another form was unreadable to earlier versions, which walked the whole cache at every handover).
+LIMIT = ".room.limit"
 log = logging.getLogger("shardstream")
 _limits_said: set[tuple[str, int]] = set()  # (cache root, another process's limit): warned of once
 # A walk of a large cache is long (2.1 s at 50k shards, a stat or two a file), and every download on the
@@ -119,16 +121,15 @@ class Room:
             self._make(incoming)
 
     def _make(self, incoming: int) -> None:
+        self._say_other_limit(_swap_limit(self.root, self.limit))
         ledger = _read_ledger(self.root)
-        if ledger is not None:
-            self._say_other_limit(ledger[2])
         if incoming and ledger is not None:
-            counted, walked, _ = ledger
+            counted, walked = ledger
             if counted + incoming <= self._room_for(counted) and 0 <= time.time() - walked < LEDGER_TRUST_S:
-                _write_ledger(self.root, counted + incoming, walked, self.limit)
+                _write_ledger(self.root, counted + incoming, walked)
                 return
         walked = time.time()
-        _write_ledger(self.root, self.walk(incoming) + incoming, walked, self.limit)
+        _write_ledger(self.root, self.walk(incoming) + incoming, walked)
 
     def _say_other_limit(self, other: int | None) -> None:
         """Warn, once a process, that another process uses this cache with another limit:
@@ -263,21 +264,35 @@ def writing(path: str) -> Iterator[None]:
                    url=str(error.filename) if error.filename else path) from error
 
 
-def _read_ledger(root: str) -> tuple[int, float, int | None] | None:
-    """(bytes counted, time of the walk they start from, the limit of its last writer: None
-    where an earlier version wrote it), or None: none yet, or unreadable (a process killed
-    while writing it), which the next walk writes anew."""
+def _read_ledger(root: str) -> tuple[int, float] | None:
+    """(bytes counted, time of the walk they start from), or None: none yet, or unreadable
+    (a process killed while writing it), which the next walk writes anew."""
     try:
         with open(os.path.join(root, LEDGER)) as f:
-            counted, walked, *limit = f.read().split()
-        return int(counted), float(walked), int(limit[0]) if limit else None
+            counted, walked = f.read().split()
+        return int(counted), float(walked)
     except (OSError, ValueError):
         return None
 
 
-def _write_ledger(root: str, counted: int, walked: float, limit: int) -> None:
+def _write_ledger(root: str, counted: int, walked: float) -> None:
     with open(os.path.join(root, LEDGER), "w") as f:
-        f.write(f"{counted} {walked!r} {limit}\n")
+        f.write(f"{counted} {walked!r}\n")
+
+
+def _swap_limit(root: str, limit: int) -> int | None:
+    """The limit the last process that made room here had (None: none yet, or unreadable),
+    `limit` written in its place where it differs. Called in `turn`."""
+    path = os.path.join(root, LIMIT)
+    try:
+        with open(path) as f:
+            found: int | None = int(f.read())
+    except (OSError, ValueError):
+        found = None
+    if found != limit:
+        with open(path, "w") as f:
+            f.write(f"{limit}\n")
+    return found
 
 
 def _depth(root: str, folder: str) -> int:

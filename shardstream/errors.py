@@ -173,6 +173,11 @@ class StorageError(ShardstreamError):
     """Reading or writing storage failed after the allowed retries."""
 
 
+class RetriesSpentError(StorageError):
+    """A storage request met a transient error (5xx, throttling, a timeout, a dropped
+    connection) at every attempt its `RetryPolicy` allows."""
+
+
 class DownloadChecksumError(StorageError):
     """A shard downloaded whole into the cache never matched its manifest's checksum: the
     stored file is not the one the manifest describes (damaged, or replaced)."""

@@ -158,23 +158,43 @@ def _readable(field: str, data: bytes, key: str) -> bytes:
     return data
 
 
-def unreadable(field: str, data: bytes) -> str | None:
+def unreadable(field: str, data: bytes, *, strict: bool = True) -> str | None:
     """Why the bytes `data` do not read as `field`'s extension says, or None (also where
-    no reader of the extension is known: images, whose decoders are decode.py's). JSON
-    with NaN or Infinity is refused, which Python's reader takes but FORMAT.md and
-    other readers do not."""
+    no reader of the extension is known: images, whose decoders are decode.py's). With
+    `strict`, JSON with NaN or Infinity is refused: Python's reader (and shardstream's)
+    takes it, but FORMAT.md and other readers do not. An `npy` is checked by its header
+    and length, not read: no copy of a large array."""
     ext = field_extension(field)
     decoder = FIELD_DECODERS.get(ext)
     if decoder is None:
         return None
     try:
-        if decoder is _json:
+        if decoder is _json and strict:
             json.loads(data, parse_constant=_no_constant)
+        elif decoder is _npy:
+            _check_npy(data)
         else:
             decoder(data)
     except READ_ERRORS as e:
         return f"its bytes do not read back as {ext} ({reason(e)})"
     return None
+
+
+def _check_npy(data: bytes) -> None:
+    """Raise what `_npy` would on `data`, without making the array: a header numpy reads,
+    no pickled objects, and the bytes the header's shape and dtype need."""
+    f = io.BytesIO(data)
+    version = np.lib.format.read_magic(f)
+    if version not in ((1, 0), (2, 0)):  # 3.0 (UTF-8 field names): numpy reads it, and no public header reader
+        _npy(data)
+        return
+    read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    shape, _, dtype = read_header(f)
+    if dtype.hasobject:
+        raise ValueError("Object arrays cannot be loaded when allow_pickle=False")
+    needed = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+    if len(data) - f.tell() < needed:
+        raise ValueError(f"EOF: reading array data, expected {needed} bytes got {len(data) - f.tell()}")
 
 
 def _no_constant(name: str) -> Any:

@@ -19,7 +19,7 @@ from typing import Any
 
 from .arguments import integer
 from .cancel import pause, raise_if_cancelled
-from .errors import ShardstreamError, StorageError, described, safe_cause
+from .errors import RetriesSpentError, ShardstreamError, StorageError, described, safe_cause
 from .iostats import io_stats
 
 __all__ = ["RetryPolicy", "error_code", "http_status", "is_transient", "retry_after"]
@@ -189,7 +189,7 @@ class RetryPolicy:
                         raise
                     raise StorageError(described(error), url=url) from safe_cause(error)
                 if attempt + 1 == self.attempts:
-                    raise StorageError(
+                    raise RetriesSpentError(
                         f"failed after {self.attempts} attempts: {described(error)}", url=url
                     ) from safe_cause(error)
                 io_stats.add(retries=1)

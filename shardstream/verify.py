@@ -152,6 +152,7 @@ def verify_shard(reader: ShardReader, decode_images: bool = True,
     fields: set[str] = set()
     unread = 0
     seen: dict[str, int] = {}  # key: its first sample's position
+    unreadable_fields = _UnreadableFields(info.name, index)
     for position, sample in enumerate(_every_sample(reader)):  # one item a sample: read, or a Problem
         if isinstance(sample, Problem):
             unread += 1
@@ -167,9 +168,8 @@ def verify_shard(reader: ShardReader, decode_images: bool = True,
         fields.update(name for name in sample if not name.startswith("__"))
         decoded = 0
         for name, value in sample.items():
-            why = None if name.startswith("__") else unreadable(name, value)
-            if why is not None:  # cls, json, npy, txt, msgpack, by the field's extension: readers fail on it
-                yield Problem(info.name, key, f"field {name!r}: {why}")
+            if not name.startswith("__"):
+                unreadable_fields.check(position, key, name, value)
             if decode_images and not name.startswith("__") and field_extension(name) in IMAGE_EXTENSIONS:
                 try:
                     decode_image(value, "pil", url=reader.url, key=key, name=name).load()  # type: ignore[union-attr,arg-type]
@@ -181,8 +181,41 @@ def verify_shard(reader: ShardReader, decode_images: bool = True,
                         yield Problem(info.name, key, f"decodes with data missing ({damage})", warning=True)
                     decoded += 1
         yield decoded
+    yield from unreadable_fields.problems()
     if not unread and fields != set(info.fields):  # samples unread may hold the others
         yield Problem(info.name, None, f"holds the fields {sorted(fields)}, the manifest says {sorted(info.fields)}")
+
+
+class _UnreadableFields:
+    """The fields of a shard's samples that do not read as their extension says (`cls`,
+    `json`, `npy`, `txt`, `msgpack`): one problem a field and reason a shard, naming the
+    first sample and how many more (a tar adopted with class names in `cls` named every
+    sample of it, one line each). Warnings where shardstream reads them all the same: JSON
+    with NaN (Python's reader takes it; FORMAT.md and stricter readers do not), class
+    names in `cls` that the index took for no label (`shardstream index` adopts them, and
+    readers leave `cls` out of `fields`)."""
+
+    def __init__(self, shard: str, index: Any) -> None:
+        self.shard, self.index = shard, index
+        self.found: dict[tuple[str, bool], list[Any]] = {}  # (field, warning): [first key, why, count]
+
+    def check(self, position: int, key: str, name: str, value: Any) -> None:
+        why = unreadable(name, value)
+        if why is None:
+            return
+        ext = field_extension(name)
+        labels = self.index.labels
+        warning = (ext == "json" and unreadable(name, value, strict=False) is None) or (
+            ext == "cls" and (labels is None or int(labels[position]) == -1))
+        found = self.found.setdefault((name, warning), [key, why, 0])
+        found[2] += 1
+
+    def problems(self) -> Iterator[Problem]:
+        for (name, warning), (key, why, count) in self.found.items():
+            more = f" (and {count - 1} more samples of this shard)" if count > 1 else ""
+            hint = ("; shardstream reads it, stricter JSON readers do not" if warning and name.endswith("json")
+                    else "; the index holds no label for it: read with fields that leave cls out" if warning else "")
+            yield Problem(self.shard, key, f"field {name!r}: {why}{hint}{more}", warning=warning)
 
 
 def _index_disagrees(index: Any, position: int, sample: dict[str, Any]) -> str | None:

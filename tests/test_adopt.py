@@ -566,6 +566,19 @@ def test_verify_reads_every_field_its_extension_names(tmp_path):
     assert sorted((p.key, p.message.split(":")[0]) for p in report.problems) == [
         ("a", "field 'npy'"), ("b", "field 'meta.json'"), ("c", "field 'txt'")], report.problems
     assert all("do not read back as" in p.message for p in report.problems)
+    # A tar adopted with class names in cls and Python's JSON (NaN): shardstream reads both (cls left out
+    # of fields), so they are warnings, one a field and shard, not a line a sample.
+    (tmp_path / "adopted").mkdir()
+    with tarfile.open(tmp_path / "adopted" / "shard-000000.tar", "w") as tf:
+        for i in range(5):
+            _member(tf, f"s{i}.cls", [b"bird", b"cat"][i % 2])
+            _member(tf, f"s{i}.json", b'{"score": NaN}')
+    with pytest.warns(UserWarning, match="class names"):
+        index_tars(str(tmp_path / "adopted"), progress=False)
+    report = verify_dataset(str(tmp_path / "adopted"))
+    assert report.ok and not report.problems
+    assert sorted(p.message.split(":")[0] for p in report.warnings) == ["field 'cls'", "field 'json'"]
+    assert all(p.message.endswith("(and 4 more samples of this shard)") for p in report.warnings)
 
 
 def test_the_writer_refuses_what_readers_would_read_otherwise(tmp_path):

@@ -1982,10 +1982,37 @@ def test_processes_waiting_for_a_download_that_fails_raise_its_failure_without_r
             cache.open(ref)
         assert "waited" not in str(later.value)
         assert server.faults.requests - before == 2 * policy.attempts
+        # Another job's store (another token, as a rotated one): its failure is not this one's, and
+        # the lock file holds no URL, whose token others could read.
+        server.faults.fail_fraction = 0.0
+        refs = [shardstream.open_dataset(f"{server.url}?tok={tok}", retry=policy).shards[1] for tok in ("A", "B")]
+        server.faults.fail_fraction = 1.0
+        errors.clear()
+        before = server.faults.requests
+        first = threading.Thread(target=lambda: errors.append(_failure(cache, refs[0])))
+        first.start()
+        while server.faults.requests == before and time.monotonic() < deadline:
+            time.sleep(0.005)
+        other = threading.Thread(target=lambda: errors.append(_failure(cache, refs[1])))
+        other.start()
+        first.join(60)
+        other.join(60)
+        assert len(errors) == 2 and not any("waited" in str(e) for e in errors)
+        assert server.faults.requests - before == 2 * policy.attempts
+        assert all(b"tok=" not in p.read_bytes() for p in (tmp_path / "cache").rglob("*.dl"))
         server.faults.fail_fraction = 0.0
         reader, lock = cache.open(ref)  # the store back: the failure recorded is no one's now
         lock.close()
     assert next(iter(reader.read(0, 1)))["__key__"]
+
+
+def _failure(cache, ref) -> BaseException | None:
+    """The StorageError `cache.open(ref)` raises, or None."""
+    try:
+        cache.open(ref)[1].close()
+    except StorageError as e:
+        return e
+    return None
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])
