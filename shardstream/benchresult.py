@@ -190,7 +190,8 @@ class BenchResult:
         """What the table's figures are, where they sum rounds up."""
         if self.rounds == 1:
             return None
-        return (f"each figure the median of {self.rounds} rounds (the counts' order reversed every other round), "
+        rounds = f"the rounds measured ({self.rounds} planned)" if self.partial else f"{self.rounds} rounds"
+        return (f"each figure the median of {rounds} (the counts' order reversed every other round), "
                 "min-max the range of the rates; peak RSS the most of any round")
 
     def io_table(self) -> str | None:
