@@ -13,8 +13,13 @@ images for a fixed time, looping over epochs (`set_epoch`) if the dataset is sma
   second of the window. At the knee it says what limits the rate (`BenchResult.diagnosis`):
   CPUs nearly all busy (85% or more; of the CPU quota, where a cgroup sets one: Docker's
   ``--cpus``, a Kubernetes limit) mean the work per image does, and more workers
-  cannot help; CPUs idle at a knee below the most workers measured mean storage, the
-  consuming loop or the device does; at the most workers measured, more may still pay;
+  cannot help; CPUs idle at a knee below the most workers measured mean the consuming
+  loop or the device does, or for remote shards storage latency; at the most workers
+  measured, where there are CPUs for more, more may still pay;
+* **storage counters** of the window (`StreamingDataset.io_stats`: requests, bytes,
+  retries, read-ahead waits, time in storage calls summed over the reading threads), and
+  the time the window lost to **epoch restarts** (a small dataset measures those more
+  than streaming);
 * **peak RSS** of the main process plus the worker processes it started, sampled every
   50 ms in a thread (`peakmem`: with psutil if installed, else from ``/proc``), except
   while the workers are being forked (until the first batch). RSS counts pages shared
@@ -24,7 +29,14 @@ The 0-worker run iterates in this process with ``torch.set_num_threads(1)``, as
 DataLoader workers do (and as README advises beside decode threads).
 
 The **knee** is the smallest worker count whose rate is within 5% of the best rate
-(`find_knee`): more workers than that buy nothing but memory.
+(`find_knee`): more workers than that buy nothing but memory. One measurement a count
+is not enough to find it: five identical runs over 0, 1, 2 and 4 workers on a shared
+2-core machine gave knees of 1, 2, 2, 4 and 4. So `bench` measures in **rounds**, each
+measuring every count once, in the order given in odd rounds and reversed in even ones
+(`round_order`), so that a drift over the run (another job starting, a disk cache
+filling, the machine warming) does not favour the counts measured first; the knee is
+found from each count's median, and the table shows the range of the rates beside it.
+Every measurement's window is checked for other processes holding the CPUs.
 
 Use ``shardstream bench DATASET --workers 0,1,2,4,8`` or `bench` from Python.
 """
@@ -38,16 +50,22 @@ import os
 import time
 from typing import Any, Callable, Iterator, Sequence
 
-from .benchresult import BenchResult, BenchRow, find_knee
+from .benchresult import BenchCount, BenchResult, BenchRow, find_knee
 from .errors import ShardstreamError, WorkerDiedError, scrubbed
 from .fields import IMAGE_EXTENSIONS, field_extension
 from .peakmem import PeakSampler, TreeRSS, peak_memory_method
 from .shared import SLOTS
 
-__all__ = ["BenchResult", "BenchRow", "bench", "find_knee", "peak_memory_method", "TRANSFORMS"]
+__all__ = ["BenchCount", "BenchResult", "BenchRow", "bench", "find_knee", "peak_memory_method", "round_order",
+           "TRANSFORMS"]
 
 TRANSFORMS = ("train", "val", "none")
 MIN_BATCHES_PER_WORKER = 4  # a row's window holds at least this many batches a worker, whatever `seconds`
+ROUNDS = 3  # each count measured three times: a median, and a range to judge it by
+# The window of each count a round: 5 s in one round; 2 s in each of several, so that the default
+# (5 counts, 3 rounds, 1 s of warm-up each: 45 s planned) measures 6 s a count, and took 59 s on
+# this project's shared 2-core machine, against 101 s with 5 s a round (34 s for one round of 5 s).
+SECONDS, ROUND_SECONDS = 5.0, 2.0
 IMAGE_FIELD = "jpg;jpeg;png;webp"  # what pack stores, and `jpeg` of other tools' tars
 _MB = 1e6
 
@@ -85,7 +103,7 @@ def _decode(transform: str) -> Any:
 
 
 class _Progress:
-    """A tqdm bar over the planned seconds of all runs, on stderr."""
+    """A tqdm bar over the planned seconds of all runs, on stderr; `prefix` names the round."""
 
     def __init__(self, total_s: float, enabled: bool) -> None:
         from .progress import progress_bar
@@ -94,6 +112,7 @@ class _Progress:
                        bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s [{elapsed}{postfix}]")
         self.done = 0.0  # seconds of finished runs
         self._last = 0.0
+        self.prefix = ""
 
     def update(self, run_s: float, postfix: str, force: bool = False) -> None:
         now = time.perf_counter()
@@ -101,7 +120,7 @@ class _Progress:
             return
         self._last = now
         self.bar.n = min(self.done + run_s, self.bar.total)
-        self.bar.set_postfix_str(postfix, refresh=False)
+        self.bar.set_postfix_str(self.prefix + postfix, refresh=False)
         self.bar.refresh()
 
     def finish_run(self, planned_s: float) -> None:
@@ -131,11 +150,14 @@ def _run_one(
     images = payload = 0
     epoch = epochs = 0
     cpu_start = cpu_end = machine_start = machine_end = None
-    waits_start = waits_end = 0.0  # readers' waits with their read-ahead at its largest (io_stats)
+    io_start: dict[str, float] = {}
+    io_end: dict[str, float] = {}  # the dataset's storage counters (io_stats) at the window's ends
     first_batch_s: float | None = None
     window_start: float | None = None
     counted = 0  # batches in the window
-    now = start = time.perf_counter()
+    # The window's epoch restarts, and the time from each epoch's last batch to the next one's first.
+    restarts, restart_gaps, restarting = 0, 0.0, False
+    now = start = last = time.perf_counter()
     batches: Iterator[Any] | None = None
     interrupted = False
     with PeakSampler(tree) as sampler:
@@ -155,10 +177,11 @@ def _run_one(
                 except StopIteration:
                     if delivered == 0:
                         raise ShardstreamError("the dataset yields no batches", url=str(loader.dataset.source))
-                    batches, epoch = None, epoch + 1
+                    batches, epoch, restarting = None, epoch + 1, True
                     continue
                 delivered += 1
                 now = time.perf_counter()
+                (gap, last), (restarted, restarting) = (now - last, now), (restarting, False)
                 if first_batch_s is None:
                     first_batch_s = now - start
                     sampler.sample()
@@ -166,11 +189,13 @@ def _run_one(
                     if now - start >= warmup:
                         window_start = now  # the warm-up is over; count what arrives from here
                         cpu_start, machine_start = tree.cpu_seconds(), _machine_busy_seconds()
-                        waits_start = loader.dataset.io_stats()["readahead_waits"]
+                        io_start = loader.dataset.io_stats()
                     progress.update(min(now - start, warmup), f"num_workers={num_workers}: warm-up")
                     continue
                 images += _batch_images(batch, raw)
                 counted += 1
+                if restarted:
+                    restarts, restart_gaps = restarts + 1, restart_gaps + gap
                 if raw:
                     payload += _batch_bytes(batch)
                 elapsed = now - window_start
@@ -182,7 +207,7 @@ def _run_one(
             sync()  # with CUDA: the copies of the counted batches have landed
             now = time.perf_counter()
             cpu_end, machine_end = tree.cpu_seconds(), _machine_busy_seconds()
-            waits_end = loader.dataset.io_stats()["readahead_waits"]
+            io_end = loader.dataset.io_stats()
             sampler.sample()
         except RuntimeError as error:
             # A worker that ended outright: the loader's WorkerDiedError where next() saw it,
@@ -225,7 +250,9 @@ def _run_one(
         cpus_busy=round((cpu_end - cpu_start) / window, 3) if cpu_start is not None and cpu_end is not None else None,
         machine_busy=(round((machine_end - machine_start) / window, 3)
                       if machine_start is not None and machine_end is not None else None),
-        readahead_waits=int(waits_end - waits_start),
+        # Beyond a batch's usual interval: what the restarts cost the window.
+        restart_s=round(max(0.0, restart_gaps - restarts * window / counted), 4) if counted else 0.0,
+        io={name: round(io_end[name] - io_start.get(name, 0), 4) for name in io_end},
     )
     return row, payload
 
@@ -235,15 +262,18 @@ def bench(
     workers: Sequence[int] = (0, 1, 2, 4, 8),  # as the command's --workers
     batch_size: int = 64,
     transform: str = "train",
-    seconds: float = 5.0,
+    seconds: float | None = None,  # SECONDS with one round, ROUND_SECONDS a round with more
     warmup: float = 1.0,
     device: str = "cpu",
     *,
+    rounds: int = ROUNDS,
     decode_on_device: bool = False,
     decode_threads: int = 0,
     prefetch: int | None = None,
     progress: bool = False,
     storage_options: dict[str, Any] | None = None,
+    cache_dir: str | None = None,
+    cache_limit: int | str = "50GB",
     tolerance: float = 0.05,
     on_row: Callable[[BenchRow], None] | None = None,
     image_field: str = IMAGE_FIELD,
@@ -252,8 +282,11 @@ def bench(
 
     `dataset` is anything `StreamingDataset` reads. `transform` is ``"train"``
     (`RandomResizedCropJPEG(224)`), ``"val"`` (`CenterCropJPEG(224)`) or ``"none"``
-    (raw image bytes, batched as lists: I/O and unpacking only). Each worker count gets
-    `warmup` seconds (at least until its first batch) and then `seconds` of counting.
+    (raw image bytes, batched as lists: I/O and unpacking only). Each of `rounds` rounds
+    measures every worker count once (`round_order`): `warmup` seconds (at least until
+    its first batch), then `seconds` of counting (default: 5 with one round, 2 a round
+    with more). `cache_dir` and `cache_limit` are StreamingDataset's, for remote shards:
+    the first measurement fills the cache, the rounds after read it.
     With `decode_on_device` the workers ship JPEG bytes and the crop they drew, and
     `DecodeOnDevice(device)` decodes the batch (nvJPEG on CUDA; see `device_jpeg`): the
     knee then says how many workers that path needs. With `decode_threads` each process
@@ -265,6 +298,10 @@ def bench(
     diagnosis says the readers waited with their read-ahead at its largest, measure again
     with more. `on_row` is called with each row as it is measured. `image_field` names the
     image's field, alternatives joined by ";" as `fields=` takes them.
+
+    A KeyboardInterrupt (Ctrl-C; the command's SIGTERM) is raised on, after the workers
+    are shut down, with the rows measured so far as its `result` (`partial` set), for
+    the command to print and save: rounds make a run long enough to be stopped.
     """
     from .dataset import StreamingDataset
     from .loader import DataLoader
@@ -280,6 +317,10 @@ def bench(
         raise ShardstreamError(f"transform must be one of {TRANSFORMS}, not {transform!r}")
     if batch_size < 1:
         raise ShardstreamError("batch_size must be positive")
+    if not (isinstance(rounds, int) and rounds >= 1):
+        raise ShardstreamError(f"rounds must be 1 or more, not {rounds!r}")
+    if seconds is None:
+        seconds = SECONDS if rounds == 1 else ROUND_SECONDS
     if not (math.isfinite(seconds) and seconds > 0 and math.isfinite(warmup) and warmup >= 0):
         raise ShardstreamError("seconds must be positive and warmup non-negative, both finite")
     if not 0 <= tolerance < 1:  # checked by the knee, but only once every worker count has run
@@ -314,7 +355,7 @@ def bench(
         ds = StreamingDataset(
             dataset, shuffle=True, decode=decode, fields=fields, storage_options=storage_options,
             collate_fn=_list_collate if transform == "none" else None, decode_threads=decode_threads,
-            prefetch=prefetch,
+            prefetch=prefetch, cache_dir=cache_dir, cache_limit=cache_limit,
         )
         return DataLoader(ds, batch_size=batch_size, num_workers=num_workers, device=device,
                           transform_on_device=on_device)
@@ -326,29 +367,64 @@ def bench(
         transform=transform + (" decoded on the device" if on_device else ""),
         device=str(device), seconds=seconds,
         warmup=warmup, samples=samples, bytes_per_sample=bytes_per_sample, memory=peak_memory_method(),
-        tolerance=tolerance, cpus=_cpus(), cpu_quota=_cpu_quota(),
+        tolerance=tolerance, cpus=_cpus(), cpu_quota=_cpu_quota(), rounds=rounds, workers=workers,
+        local=source.local, cache_dir=cache_dir,
     )
     _prime(make_loader(0).dataset)
-    bar = _Progress(len(workers) * (warmup + seconds), progress)
+    bar = _Progress(rounds * len(workers) * (warmup + seconds), progress)
     before = set(TreeRSS().descendants())  # processes that are not ours to count
     try:
-        for n in workers:
-            # This process decodes on the CPU at every worker count where the device side
-            # decodes there: one thread for each row, as for the 0-worker row (_torch_threads).
-            one_thread = n == 0 or (on_device is not None and not on_device.on_gpu)
-            with _torch_threads(1) if one_thread else contextlib.nullcontext():
-                row, payload = _run_one(make_loader, n, seconds=seconds, warmup=warmup, raw=transform == "none",
-                                        sync=sync, progress=bar, exclude=before)
-            if bytes_per_sample is not None:
-                row.mb_per_s = row.images_per_s * bytes_per_sample / _MB
-            elif transform == "none":
-                row.mb_per_s = payload / row.seconds / _MB if row.seconds else 0.0  # unpacked bytes: no manifest
-            result.rows.append(row)
-            if on_row is not None:
-                on_row(row)
+        with _more_workers_than_cpus(workers, result.cpus):
+            for r in range(1, rounds + 1):
+                bar.prefix = f"round {r}/{rounds}, " if rounds > 1 else ""
+                for n in round_order(workers, r):
+                    # This process decodes on the CPU at every worker count where the device side
+                    # decodes there: one thread for each row, as for the 0-worker row (_torch_threads).
+                    one_thread = n == 0 or (on_device is not None and not on_device.on_gpu)
+                    with _torch_threads(1) if one_thread else contextlib.nullcontext():
+                        row, payload = _run_one(make_loader, n, seconds=seconds, warmup=warmup,
+                                                raw=transform == "none", sync=sync, progress=bar, exclude=before)
+                    row.round = r
+                    if bytes_per_sample is not None:
+                        row.mb_per_s = row.images_per_s * bytes_per_sample / _MB
+                    elif transform == "none":
+                        row.mb_per_s = payload / row.seconds / _MB if row.seconds else 0.0  # unpacked: no manifest
+                    result.rows.append(row)
+                    if on_row is not None:
+                        on_row(row)
+    except KeyboardInterrupt as stop:
+        # The rows measured go with it, for the caller to show: with rounds a run lasts a minute or
+        # more, and a Ctrl-C near its end threw every row away.
+        result.partial = True
+        stop.result = result  # type: ignore[attr-defined]
+        raise
     finally:
-        bar.close(complete=len(result.rows) == len(workers))
+        bar.close(complete=len(result.rows) == rounds * len(workers))
     return result
+
+
+def round_order(workers: Sequence[int], round_: int) -> list[int]:
+    """The order round `round_` (from 1) measures the counts in: as given in odd rounds, reversed in
+    even ones, so that each count is measured early as often as late and a drift over the run
+    (a job starting beside, caches filling) weighs on every count alike, not on the last ones."""
+    return list(workers) if round_ % 2 else list(reversed(workers))
+
+
+@contextlib.contextmanager
+def _more_workers_than_cpus(workers: Sequence[int], cpus: int | None) -> Iterator[None]:
+    """torch's warning against more workers than CPUs, said once for the run rather than twice for
+    each such count and round (torch warns as the loader is made and again as each iteration
+    starts): bench runs such counts on purpose, to find where the curve flattens."""
+    import warnings
+
+    over = [n for n in workers if cpus and n > cpus]
+    if over:
+        warnings.warn(f"num_workers={', '.join(map(str, over))} more than the {cpus} CPU{'s' if cpus > 1 else ''} "
+                      f"here (torch suggests at most {cpus}): measured as asked, to see whether more workers still "
+                      "pay", stacklevel=3)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
+        yield
 
 
 def _labelled(source: Any) -> bool:

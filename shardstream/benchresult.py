@@ -1,10 +1,13 @@
-"""What `shardstream bench` measured: a row per worker count, the knee, and their table, curve and JSON.
+"""What `shardstream bench` measured: a row per worker count and round, the knee, and their table, curve and JSON.
 
-`BenchRow` is one worker count's measurement; `BenchResult` holds the run's settings
-and its rows, and computes the knee from the rows' rates when asked (`find_knee`: the
-smallest worker count within a tolerance of the best rate). `bench` makes a result;
-the command prints it (`BenchResult.table`), saves it (`save_json`) and plots it
-(`BenchResult.plot`, with matplotlib). Nothing here imports torch or the loader.
+`BenchRow` is one measurement: one worker count in one round. `BenchResult` holds the
+run's settings and every row; it sums each count's rounds up (`BenchCount`: the median
+of each figure, and the least and most rate of a round) and computes the knee from the
+medians when asked (`find_knee`: the smallest worker count within a tolerance of the
+best rate). One sample a count was not enough: five identical runs on a shared 2-core
+machine gave knees of 1, 2, 2, 4 and 4. `bench` makes a result; the command prints it
+(`table`, `diagnosis`, `notes`), saves it (`save_json`) and plots it (`plot`, with
+matplotlib). Nothing here imports torch or the loader.
 """
 
 from __future__ import annotations
@@ -12,13 +15,19 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
-__all__ = ["BenchResult", "BenchRow", "find_knee", "save_json"]
+__all__ = ["BenchCount", "BenchResult", "BenchRow", "find_knee", "save_json"]
 
 
 CPU_BOUND = 0.85  # the share of the CPUs busy from which a rate counts as limited by them
+CROWDED = 0.5  # CPUs' worth of other processes' work in a window, on a machine CPU_BOUND busy, that disturbed it
+# The share of a measurement's window its epochs' restarts took (`BenchRow.restart_s`) from which
+# its rate measures them more than steady streaming. Over 400 small images, 8 epochs in 3 s at 2
+# workers kept 0.8 of 2 CPUs busy, and 4,000 of the same images 1.9.
+RESTARTS = 0.1
 
 
 def find_knee(rates: dict[int, float], tolerance: float = 0.05) -> int:
@@ -38,7 +47,7 @@ def find_knee(rates: dict[int, float], tolerance: float = 0.05) -> int:
 
 @dataclass
 class BenchRow:
-    """One worker count's measurement."""
+    """One measurement: one worker count, in one round."""
 
     num_workers: int
     images: int  # images delivered in the measured window
@@ -52,113 +61,293 @@ class BenchRow:
     # The same of every process on the CPUs this one may use (Linux's /proc/stat): where it is
     # near all of them and `cpus_busy` is not, other work held the CPUs.
     machine_busy: float | None = None
-    # Pieces the readers waited for with their read-ahead window at its largest (io_stats):
-    # storage latency that only a larger `prefetch` (or a cache) would have hidden.
-    readahead_waits: int = 0
+    # Seconds of the window from an epoch's last batch to the next one's first, beyond a batch's
+    # usual interval: the pipeline drained and filled again, shards opened, the shuffle buffer refilled.
+    restart_s: float = 0.0
+    # The dataset's storage counters over the window (`StreamingDataset.io_stats`): requests,
+    # bytes, retries, `wait_s` (summed over the reading threads: it can exceed the window),
+    # `readahead_waits` (pieces waited for with the read-ahead window at its largest: storage
+    # latency that only a larger `prefetch`, or a cache, would have hidden), cache hits, ...
+    io: dict[str, float] = field(default_factory=dict)
+    round: int = 1  # the round that measured it, from 1
+
+    @property
+    def readahead_waits(self) -> int:
+        return int(self.io.get("readahead_waits", 0))
+
+
+@dataclass
+class BenchCount:
+    """One worker count over the rounds that measured it: each figure the median of theirs."""
+
+    num_workers: int
+    rounds: int
+    images_per_s: float
+    low: float  # the least rate of a round
+    high: float  # the most
+    mb_per_s: float | None
+    first_batch_s: float
+    peak_rss_mb: float | None  # the most of any round: memory is a limit to stay under, not a rate
+    epochs: int  # the most a round started
+    cpus_busy: float | None
+    machine_busy: float | None
+    io: dict[str, float]  # each counter the median of the rounds'
+    retries: int  # over every round: a median would hide the one round whose requests failed
+
+    @classmethod
+    def of(cls, rows: Sequence[BenchRow]) -> "BenchCount":
+        rates = [r.images_per_s for r in rows]
+        return cls(
+            num_workers=rows[0].num_workers, rounds=len(rows), images_per_s=statistics.median(rates),
+            low=min(rates), high=max(rates), mb_per_s=_median([r.mb_per_s for r in rows]),
+            first_batch_s=statistics.median(r.first_batch_s for r in rows),
+            peak_rss_mb=None if any(r.peak_rss_mb is None for r in rows) else max(r.peak_rss_mb for r in rows),
+            epochs=max(r.epochs for r in rows), cpus_busy=_median([r.cpus_busy for r in rows]),
+            machine_busy=_median([r.machine_busy for r in rows]),
+            io={name: statistics.median(r.io.get(name, 0) for r in rows) for name in _keys(r.io for r in rows)},
+            retries=int(sum(r.io.get("retries", 0) for r in rows)),
+        )
 
 
 @dataclass
 class BenchResult:
-    """What `bench` measured: one row per worker count, and the knee."""
+    """What `bench` measured: every round's row for each worker count, and the knee of their medians."""
 
     dataset: str
     batch_size: int
     transform: str
     device: str
-    seconds: float
+    seconds: float  # a round's measured window for each count
     warmup: float
     samples: int | None  # samples in the dataset (None without a manifest)
     bytes_per_sample: float | None  # mean stored bytes per sample (manifest), None if unknown
     memory: str  # how peak RSS was sampled: "psutil", "/proc" or "unavailable"
-    rows: list[BenchRow] = field(default_factory=list)
+    rows: list[BenchRow] = field(default_factory=list)  # in the order measured
     decode_threads: int = 0  # decode threads in each iterating process
     prefetch: int | None = None  # each reader's read-ahead in pieces (None: StreamingDataset's default)
     tolerance: float = 0.05
     cpus: int | None = None  # CPUs this process may run on
     # CPUs' worth of time its cgroup allows (Docker's --cpus, a Kubernetes limit); None: no quota.
     cpu_quota: float | None = None
+    rounds: int = 1  # rounds planned: each measures every count once
+    workers: list[int] = field(default_factory=list)  # the counts planned (empty: those of the rows)
+    # Whether every shard is on a local file system (`Source.local`): no request latency, so no
+    # read-ahead or cache to advise. None: not known.
+    local: bool | None = None
+    cache_dir: str | None = None  # StreamingDataset's cache_dir (remote shards only)
+    partial: bool = False  # stopped (Ctrl-C, SIGTERM) before every round had measured every count
+
+    @property
+    def counts(self) -> list[BenchCount]:
+        """Each worker count's rounds summed up, in the order first measured."""
+        by_count: dict[int, list[BenchRow]] = {}
+        for row in self.rows:
+            by_count.setdefault(row.num_workers, []).append(row)
+        return [BenchCount.of(rows) for rows in by_count.values()]
 
     @property
     def rates(self) -> dict[int, float]:
-        """images/s by num_workers."""
-        return {row.num_workers: row.images_per_s for row in self.rows}
+        """images/s by num_workers: the median of its rounds."""
+        return {count.num_workers: count.images_per_s for count in self.counts}
 
     @property
     def knee(self) -> int:
-        """The smallest num_workers within `tolerance` of the best rate."""
+        """The smallest num_workers whose median is within `tolerance` of the best median."""
         return find_knee(self.rates, self.tolerance)
 
+    def others_busy(self, machine_busy: float | None, cpus_busy: float | None) -> float | None:
+        """CPUs other processes kept busy in a window, where they disturbed it (the machine's
+        CPUs CPU_BOUND busy, CROWDED of it theirs); None where they did not, or unmeasured."""
+        if machine_busy is None or cpus_busy is None or not self.cpus:
+            return None
+        others = round(machine_busy - cpus_busy, 2)
+        return others if round(machine_busy, 2) >= CPU_BOUND * self.cpus - 1e-9 and others >= CROWDED else None
+
     def to_dict(self) -> dict[str, Any]:
-        """Plain data (JSON-serialisable), with the knee."""
+        """Plain data (JSON-serialisable): every row, each count's medians, and the knee."""
         out = asdict(self)
+        for row, data in zip(self.rows, out["rows"]):
+            data["disturbed_by"] = self.others_busy(row.machine_busy, row.cpus_busy)
+        out["counts"] = [asdict(count) for count in self.counts]
         out["knee"] = self.knee if self.rows else None
         out["best_images_per_s"] = max(self.rates.values()) if self.rows else None
         return out
 
     def table(self) -> str:
-        """The rows as an aligned text table."""
-        headers = ("num_workers", "images/sec", "MB/s", "CPUs busy", "first batch s", "peak RSS MB")
+        """A row a worker count, as an aligned text table (with rounds: medians, and the rates' range)."""
+        spread = self.rounds > 1
+        headers = ("num_workers", "images/sec", *(("min-max",) if spread else ()), "MB/s", "CPUs busy",
+                   "first batch s", "peak RSS MB")
         cells = [
-            (str(r.num_workers), f"{r.images_per_s:,.1f}", _fmt(r.mb_per_s, "{:,.1f}"), _fmt(r.cpus_busy, "{:.2f}"),
-             f"{r.first_batch_s:.2f}", _fmt(r.peak_rss_mb, "{:,.0f}"))
-            for r in self.rows
+            (str(c.num_workers), f"{c.images_per_s:,.1f}", *((f"{c.low:,.0f}-{c.high:,.0f}",) if spread else ()),
+             _fmt(c.mb_per_s, "{:,.1f}"), _fmt(c.cpus_busy, "{:.2f}"), f"{c.first_batch_s:.2f}",
+             _fmt(c.peak_rss_mb, "{:,.0f}"))
+            for c in self.counts
         ]
-        widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
-        lines = [" | ".join(h.rjust(w) for h, w in zip(headers, widths)),
-                 "-+-".join("-" * w for w in widths)]
-        lines += [" | ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
-        return "\n".join(lines)
+        return _aligned(headers, cells)
+
+    def legend(self) -> str | None:
+        """What the table's figures are, where they sum rounds up."""
+        if self.rounds == 1:
+            return None
+        rounds = f"the rounds measured ({self.rounds} planned)" if self.partial else f"{self.rounds} rounds"
+        return (f"each figure the median of {rounds} (the counts' order reversed every other round), "
+                "min-max the range of the rates; peak RSS the most of any round")
+
+    def io_table(self) -> str | None:
+        """Each count's storage counters (a round's median), for a dataset not on a local file system."""
+        if self.local is not False or not self.rows:
+            return None
+        cached = self.cache_dir is not None
+        headers = ("num_workers", "requests", "MB read", "retries", "read-ahead waits", "wait s (all threads)",
+                   *(("cache hits", "cache misses") if cached else ()))
+        cells = [
+            (str(c.num_workers), f"{c.io.get('requests', 0):,.0f}", f"{c.io.get('bytes', 0) / 1e6:,.1f}",
+             f"{c.retries:,}", f"{c.io.get('readahead_waits', 0):,.0f}", f"{c.io.get('wait_s', 0):,.2f}",
+             *((f"{c.io.get('cache_hits', 0):,.0f}", f"{c.io.get('cache_misses', 0):,.0f}") if cached else ()))
+            for c in self.counts
+        ]
+        return _aligned(headers, cells) + (
+            "\nstorage: a round's median (retries: every round's); wait s sums the time each reading thread "
+            "spent in storage calls, so it exceeds the window where several read at once")
 
     def diagnosis(self) -> str | None:
         """What limits the rate at the knee, from the CPUs it kept busy (None if unmeasured).
 
         If the CPUs were nearly all busy there, the work per image is the limit. If not,
         and the knee is below the most workers measured (more workers stopped paying),
-        something that more processes do not speed up is: storage, the consumer, or the
-        device. At the most workers measured, with CPUs to spare, more may still pay."""
-        row = next((r for r in self.rows if r.num_workers == self.knee), None) if self.rows else None
-        if row is None or row.cpus_busy is None or not self.cpus:
+        something that more processes do not speed up is: the consumer or the device, and
+        for remote shards storage latency. At the most workers measured, with CPUs to
+        spare, more may still pay."""
+        count = next((c for c in self.counts if c.num_workers == self.knee), None) if self.rows else None
+        if count is None or count.cpus_busy is None or not self.cpus:
             return None
         # Under a quota the CPUs' time, not their number, bounds the rate; the machine's other
         # processes still share the CPUs themselves.
-        usable = min(self.cpus, self.cpu_quota) if self.cpu_quota else self.cpus
-        busy = (f"num_workers={row.num_workers} kept {row.cpus_busy:.1f} of {round(usable, 2):g} CPUs busy"
+        usable = self.usable_cpus
+        # Judged on the figure printed: at 1.66 of 2, "1.7 of 2 CPUs busy: not CPU-bound" read as a
+        # contradiction of the 85% said.
+        kept = round(count.cpus_busy, 2)
+        busy = (f"num_workers={count.num_workers} kept {kept:.2f} of {round(usable, 2):g} CPUs busy"
                 + (" (the CPU quota of its cgroup)" if usable < self.cpus else ""))
-        if row.cpus_busy >= CPU_BOUND * usable:
+        if kept >= CPU_BOUND * usable - 1e-9:
             levers = "a cheaper transform, pack --max-side" + ("" if "on the device" in self.transform
                                                                else ", the decode on the GPU")
             return f"{busy}: CPU-bound. More workers cannot help; less work per image can ({levers}) or more CPUs."
-        others = row.machine_busy - row.cpus_busy if row.machine_busy is not None else 0.0
-        if row.machine_busy is not None and row.machine_busy >= CPU_BOUND * self.cpus and others >= 0.5:
-            return (f"{busy}, and the machine {row.machine_busy:.1f}: other processes held {others:.1f} CPUs. "
+        others = self.others_busy(count.machine_busy, count.cpus_busy)
+        if others is not None:
+            return (f"{busy}, and the machine {count.machine_busy:.2f}: other processes held {others:.2f} CPUs. "
                     "The rate is bounded by the CPUs left to it; measure again on an idle machine.")
-        if row.readahead_waits:
-            return (f"{busy}: not CPU-bound, and its readers waited {row.readahead_waits} times for pieces with "
-                    "their read-ahead window at its largest: storage latency limits the rate. Raise prefetch "
-                    "(StreamingDataset(prefetch=...)), or use cache_dir.")
-        if row.num_workers == max(r.num_workers for r in self.rows):
+        if count.io.get("readahead_waits"):
+            return (f"{busy}: not CPU-bound, and its readers waited {count.io['readahead_waits']:g} times for pieces "
+                    "with their read-ahead window at its largest: storage latency limits the rate. Raise prefetch "
+                    "(StreamingDataset(prefetch=...))" + (", or use cache_dir." if not self.local else "."))
+        most = max(c.num_workers for c in self.counts)
+        if count.num_workers == most and len(self.counts) > 1 and most <= usable:
             return f"{busy}, and it is the most workers measured: measure more workers, they may still pay."
+        if self.local:  # no requests to wait on: read-ahead and the cache (remote shards only) cannot help
+            handover = (", or handing batches over from the workers (raw bytes are pickled through a pipe)"
+                        if self.transform == "none" and count.num_workers > 0 else "")
+            return (f"{busy}: not CPU-bound, and its shards are local (no request latency for prefetch or a "
+                    f"cache to hide). The limit is elsewhere: the consuming loop, or the device{handover}.")
         return (f"{busy}: not CPU-bound. The limit is elsewhere: storage (raise prefetch, use cache_dir), "
                 "the consuming loop, or the device.")
 
+    @property
+    def usable_cpus(self) -> float:
+        """The CPUs whose time the bench could use: the affinity's, or the cgroup's quota where less."""
+        cpus = float(self.cpus or 0)
+        return min(cpus, self.cpu_quota) if self.cpu_quota else cpus
+
+    def notes(self) -> list[str]:
+        """What else the reader of the table should know, a line each: a stop before the end, a
+        single count, disturbed measurements, rows that measured epoch restarts, requests the
+        store failed."""
+        counts, notes = self.counts, []
+        if self.partial:
+            planned = self.workers or [c.num_workers for c in counts]
+            missing = [n for n in planned if n not in self.rates]
+            notes.append(f"partial: stopped after {len(self.rows)} of the {len(planned) * self.rounds} measurements "
+                         f"planned ({self.rounds} round{_s(self.rounds)} of {len(planned)} count{_s(len(planned))})"
+                         + (f"; num_workers={_listed(missing)} not measured" if missing else ""))
+        if len(counts) == 1:
+            notes.append("one worker count measured: there is no curve to find a knee on; measure several "
+                         "(--workers 0,1,2,4)")
+        notes += self._disturbed_notes()
+        notes += self._epoch_notes(counts)
+        retried = [c for c in counts if c.retries]
+        if retried:
+            notes.append("the store failed requests, and they were retried: "
+                         + ", ".join(f"{c.retries} at num_workers={c.num_workers}" for c in retried)
+                         + " (over every round); those rates include the waits before each retry")
+        waited = [c for c in counts if c.io.get("readahead_waits")]
+        if waited and self.io_table() is None:  # else that table shows them
+            notes.append("readers waited for pieces with their read-ahead window at its largest (a round's median): "
+                         + ", ".join(f"{c.io['readahead_waits']:g} at num_workers={c.num_workers}" for c in waited)
+                         + "; --prefetch N measures with more")
+        if self.cache_dir is not None and self.local:
+            notes.append(f"cache_dir {self.cache_dir} keeps remote shards only: these local ones were read in place")
+        return notes
+
+    def _disturbed_notes(self) -> list[str]:
+        """The counts, and rounds, whose windows other processes disturbed: every row is checked,
+        as one disturbed below the knee reads low and moves the knee up."""
+        rounds: dict[int, list[int]] = {c.num_workers: [] for c in self.counts}  # in the table's order
+        for row in self.rows:
+            if self.others_busy(row.machine_busy, row.cpus_busy) is not None:
+                rounds.setdefault(row.num_workers, []).append(row.round)
+        rounds = {n: sorted(r) for n, r in rounds.items() if r}
+        if not rounds:
+            return []
+        which = ", ".join(f"num_workers={n}" + (f" (round{_s(len(r))} {_listed(r)})" if self.rounds > 1 else "")
+                          for n, r in rounds.items())
+        below = [n for n in rounds if n < self.knee]
+        return [f"other processes held {CROWDED:g} CPUs or more, on a machine {CPU_BOUND:.0%} busy or more, while "
+                f"these were measured: {which}. Their rates may read low"
+                + (f"; below the knee (num_workers={_listed(below)}) that can move the knee up" if below else "")
+                + ": measure again on an idle machine."]
+
+    def _epoch_notes(self, counts: list[BenchCount]) -> list[str]:
+        """Counts whose rows measured epochs ending and starting as much as steady streaming."""
+        small = ([c.num_workers for c in counts if self.samples < self.batch_size * max(1, c.num_workers)]
+                 if self.samples is not None else [])
+        share = {c.num_workers: 0.0 for c in counts}  # in the table's order
+        for row in self.rows:
+            if row.num_workers not in small and row.seconds > 0:
+                share[row.num_workers] = max(share[row.num_workers], row.restart_s / row.seconds)
+        short = {n: s for n, s in share.items() if s >= RESTARTS}
+        notes = []
+        if small:
+            notes.append(f"the dataset's {self.samples} samples are fewer than a batch of {self.batch_size} for "
+                         f"each worker at num_workers={_listed(small)}: those rows measure epochs ending and "
+                         "starting, not steady streaming; measure a larger dataset (or a smaller --batch-size)")
+        if short:
+            which = ", ".join(f"{s:.0%} at num_workers={n}" for n, s in short.items())
+            notes.append(f"epochs are short: restarting them (from an epoch's last batch to the next one's first) "
+                         f"took up to {which} of a measurement's window: those rows measure epochs ending and "
+                         "starting as much as steady streaming; measure a larger dataset")
+        return notes
+
     def __str__(self) -> str:
-        knee = f"\nknee: num_workers={self.knee}" if self.rows else ""
-        diagnosis = self.diagnosis()
-        return self.table() + knee + (f"\n{diagnosis}" if diagnosis else "")
+        lines = [self.table(), self.io_table(), self.legend(),
+                 f"knee: num_workers={self.knee}" if self.rows else None, self.diagnosis(), *self.notes()]
+        return "\n".join(line for line in lines if line)
 
     def plot(self, path: str | os.PathLike) -> None:
-        """Write the images/s curve (with the knee marked) as an image; needs matplotlib."""
+        """Write the images/s curve (medians, each round's range as a bar; the knee marked) as an
+        image; needs matplotlib."""
         try:
             from matplotlib.figure import Figure
         except ImportError as e:
             raise ImportError("plotting needs matplotlib: pip install 'shardstream[plot]'") from e
-        rows = sorted(self.rows, key=lambda r: r.num_workers)
-        xs = [r.num_workers for r in rows]
-        ys = [r.images_per_s for r in rows]
+        counts = sorted(self.counts, key=lambda c: c.num_workers)
+        xs = [c.num_workers for c in counts]
+        ys = [c.images_per_s for c in counts]
         fig = Figure(figsize=(6, 4), dpi=100)
         ax = fig.add_subplot()
-        ax.plot(xs, ys, marker="o")
-        if rows:
+        ax.errorbar(xs, ys, yerr=[[c.images_per_s - c.low for c in counts], [c.high - c.images_per_s for c in counts]],
+                    marker="o", capsize=3)
+        if counts:
             knee = self.knee
             ax.axvline(knee, color="grey", linestyle="--", linewidth=1)
             ax.plot([knee], [self.rates[knee]], marker="o", markersize=11, fillstyle="none", color="red",
@@ -166,18 +355,50 @@ class BenchResult:
             ax.legend(loc="best")
         ax.set_xticks(xs)
         ax.set_xlabel("num_workers")
-        ax.set_ylabel("images / s")
-        ax.set_ylim(0, max(ys, default=1.0) * 1.12 or 1.0)
-        where = str(self.dataset).removesuffix("?...").rstrip("/")  # a hidden query string names nothing
-        ax.set_title(f"{os.path.basename(where) or self.dataset}: "
-                     f"transform={self.transform}, batch {self.batch_size}, {self.device}", fontsize=10)
+        ax.set_ylabel("images / s" + (f" (median of {self.rounds} rounds)" if self.rounds > 1 else ""))
+        ax.set_ylim(0, max((c.high for c in counts), default=1.0) * 1.12 or 1.0)
+        ax.set_title(self.title(), fontsize=10)
         ax.grid(True, alpha=0.3)
         fig.tight_layout()
         fig.savefig(os.fspath(path))
 
+    def title(self) -> str:
+        """The plot's title: the dataset and what was measured with it."""
+        where = str(self.dataset).removesuffix("?...").rstrip("/")  # a hidden query string names nothing
+        settings = [f"transform={self.transform}", f"batch {self.batch_size}", self.device]
+        if self.decode_threads:
+            settings.append(f"{self.decode_threads} decode threads")
+        if self.prefetch is not None:
+            settings.append(f"prefetch {self.prefetch}")
+        return f"{os.path.basename(where) or self.dataset}: {', '.join(settings)}"
+
+
+def _keys(dicts: Any) -> list[str]:
+    """The keys of `dicts`, each once, in the order first seen."""
+    return list(dict.fromkeys(key for d in dicts for key in d))
+
+
+def _median(values: list[float | None]) -> float | None:
+    return None if any(v is None for v in values) else statistics.median(values)  # type: ignore[type-var]
+
+
+def _s(n: int) -> str:
+    return "" if n == 1 else "s"
+
+
+def _listed(values: Sequence[int]) -> str:
+    return ", ".join(map(str, values))
+
 
 def _fmt(value: float | None, spec: str) -> str:
     return "n/a" if value is None else spec.format(value)
+
+
+def _aligned(headers: Sequence[str], cells: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
+    lines = [" | ".join(h.rjust(w) for h, w in zip(headers, widths)), "-+-".join("-" * w for w in widths)]
+    lines += [" | ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
 
 
 def save_json(result: BenchResult, path: str | os.PathLike) -> None:

@@ -25,7 +25,7 @@ from typing import Any, Iterator, Sequence
 
 from .commands import (cmd_bench, cmd_demo, cmd_index, cmd_inspect, cmd_merge, cmd_pack, cmd_repack,
                        cmd_verify, plot_file)
-from .bench import IMAGE_FIELD
+from .bench import IMAGE_FIELD, ROUND_SECONDS, ROUNDS, SECONDS
 from .errors import ShardstreamError
 from .parts import MAX_PARTS
 from .shared import SLOTS
@@ -116,6 +116,17 @@ def _size(text: str) -> str:
     return text
 
 
+def _byte_size(text: str) -> str:
+    """A count of bytes such as 50GB (checked here, passed on as written)."""
+    from .writer import parse_size
+
+    try:
+        parse_size(text)
+    except ShardstreamError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def _part_spec(text: str) -> str:
     """I/N with 0 <= I < N (checked here, passed on as written)."""
     index, _, total = text.partition("/")
@@ -137,6 +148,8 @@ def _check_combinations(parser: argparse.ArgumentParser, args: argparse.Namespac
         if args.decode_threads and (args.transform == "none" or args.decode_on_device):
             parser.error("--decode-threads decodes images here: it goes with --transform train or val, "
                          "without --decode-on-device")
+        if args.cache_limit is not None and args.cache_dir is None:
+            parser.error("--cache-limit goes with --cache-dir")
         if args.json is not None and args.plot is not None and \
                 os.path.abspath(args.json) == os.path.abspath(plot_file(args.plot)):
             parser.error(f"--json and --plot name the same file ({args.json}): one would replace the other")
@@ -271,7 +284,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=_positive_int, default=64, help="samples a batch (default 64)")
     p.add_argument("--transform", choices=("train", "val", "none"), default="train",
                    help="train: RandomResizedCropJPEG(224); val: CenterCropJPEG(224); none: raw bytes")
-    p.add_argument("--seconds", type=_positive_float, default=5.0, help="measured seconds per worker count (default 5)")
+    p.add_argument("--rounds", type=_positive_int, default=ROUNDS, metavar="N",
+                   help=f"measure every worker count N times, the order reversed every other round; the knee is "
+                   f"found from each count's median (default {ROUNDS})")
+    p.add_argument("--seconds", type=_positive_float, default=None,
+                   help=f"measured seconds per worker count and round (default {SECONDS:g} with --rounds 1, "
+                   f"{ROUND_SECONDS:g} with more: {ROUNDS} rounds of 5 counts, with their warm-ups, about a minute)")
     p.add_argument("--warmup", type=_seconds_at_least_zero, default=1.0, help="seconds discarded first (default 1)")
     p.add_argument("--device", default="cpu", help="where batches go: cpu or cuda (default cpu)")
     p.add_argument("--decode-on-device", action="store_true",
@@ -280,6 +298,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode in N threads in each process that iterates (default 0: in the iterating thread)")
     p.add_argument("--prefetch", type=_count, default=None, metavar="N",
                    help="pieces each reader reads ahead (StreamingDataset's prefetch; default: 2 local, 6 remote)")
+    p.add_argument("--cache-dir", default=None, metavar="DIR",
+                   help="keep remote shards in this local folder (StreamingDataset's cache_dir): the first "
+                   "measurement fills it")
+    p.add_argument("--cache-limit", type=_byte_size, default=None, metavar="SIZE",
+                   help="most bytes the cache keeps, e.g. 50GB (the default)")
     p.add_argument("--image-field", default=IMAGE_FIELD, metavar="FIELD",
                    help=f"the image's field, alternatives joined by ';' (default {IMAGE_FIELD})")
     p.add_argument("--plot", default=None, metavar="PNG", help="write the curve here (needs matplotlib)")

@@ -10,9 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from typing import TYPE_CHECKING
 
 from .errors import ShardstreamError
 from .streams import QuietStderr, say
+
+if TYPE_CHECKING:
+    from .benchresult import BenchResult
 
 __all__ = ["cmd_bench", "cmd_demo", "cmd_index", "cmd_inspect", "cmd_merge", "cmd_pack", "cmd_repack", "cmd_verify",
            "plot_file"]
@@ -208,7 +212,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import bench
-    from .benchresult import save_json
 
     plot = plot_file(args.plot) if args.plot is not None else None
     for option, path in (("--json", args.json), ("--plot", plot)):
@@ -227,36 +230,44 @@ def cmd_bench(args: argparse.Namespace) -> int:
             if suffix not in kinds:
                 raise ShardstreamError(f"--plot {plot}: matplotlib writes {', '.join(sorted(kinds))}, by the "
                                        "file's suffix")
-    result = bench(
-        args.dataset,
-        workers=args.workers,
-        batch_size=args.batch_size,
-        transform=args.transform,
-        seconds=args.seconds,
-        warmup=args.warmup,
-        device=args.device,
-        decode_on_device=args.decode_on_device,
-        decode_threads=args.decode_threads,
-        prefetch=args.prefetch,
-        image_field=args.image_field,
-        progress=not args.quiet,
-        storage_options=_storage_options(args.storage_options),
-    )
+    # The options named as bench's arguments are; --cache-limit, where not given, is left to its default.
+    options = {name: getattr(args, name) for name in (
+        "workers", "batch_size", "transform", "seconds", "warmup", "device", "rounds", "decode_on_device",
+        "decode_threads", "prefetch", "cache_dir", "image_field") + (("cache_limit",) if args.cache_limit else ())}
+    try:
+        result = bench(args.dataset, progress=not args.quiet, storage_options=_storage_options(args.storage_options),
+                       **options)
+    except KeyboardInterrupt as stop:  # Ctrl-C, SIGTERM: what was measured is said, then main's exit status
+        partial = getattr(stop, "result", None)
+        if partial is not None and partial.rows:
+            _say_bench(partial, args.json, None)
+        raise
+    _say_bench(result, args.json, plot)
+    return 0
+
+
+def _say_bench(result: BenchResult, json_path: str | None, plot: str | None) -> None:
+    """Print the result (partial: what was measured before a stop), and write its files."""
+    from .benchresult import save_json
+
     say(result.table())
-    if 0 in args.workers:
+    for line in (result.io_table(), result.legend()):
+        if line:
+            say(line)
+    if 0 in result.rates:
         say("num_workers=0 ran in this process with torch.set_num_threads(1), as DataLoader workers run")
     say(f"knee: num_workers={result.knee}" + (f" (with {result.decode_threads} decode threads per process)"
-                                                 if result.decode_threads else ""))
-    diagnosis = result.diagnosis()
-    if diagnosis:
-        say(diagnosis)
-    if args.json:
-        save_json(result, args.json)
-        say(f"wrote {args.json}")
+                                                 if result.decode_threads else "")
+        + (" (of what was measured)" if result.partial else ""))
+    for line in (result.diagnosis(), *result.notes()):
+        if line:
+            say(line)
+    if json_path:
+        save_json(result, json_path)
+        say(f"wrote {json_path}" + (" (partial)" if result.partial else ""))
     if plot is not None:
         result.plot(plot)
         say(f"wrote {plot}")
-    return 0
 
 
 def plot_file(path: str) -> str:
