@@ -71,8 +71,8 @@ def test_inspect_says_the_run_a_worker_is_dealt(small_samples):
     assert run_of(small_samples, shuffle=True) == -(-info["worker_run"] // BATCH)
     shown = subprocess.run([sys.executable, "-m", "shardstream.cli", "inspect", small_samples], capture_output=True,
                            text=True, timeout=120, check=True).stdout.splitlines()[-1]
-    assert shown.startswith(f"with several DataLoader workers, a shuffled epoch deals each worker runs of "
-                            f"{info['worker_run']:,} samples or more")
+    assert shown.startswith(f"with several DataLoader workers, a shuffled epoch deals each worker runs of at least "
+                            f"{info['worker_run']:,} samples, rounded up to whole batches")
 
 
 @pytest.mark.parametrize("workers", [2, 3])
