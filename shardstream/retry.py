@@ -32,9 +32,10 @@ def is_transient(error: BaseException) -> bool:
     """Errors worth retrying: 5xx, throttling, timeouts, dropped connections."""
     if error_code(error) in _TRANSIENT_CODES:  # whatever status, or exception, it came as
         return True
-    if isinstance(error, FileNotFoundError) and isinstance(error.__cause__, Exception):
-        # fsspec's HTTP `info` raises FileNotFoundError from whatever failed: a 503 or a dropped
-        # connection too, which through `simplecache::http://` read as "no manifest", untried.
+    if isinstance(error, FileNotFoundError) and type(error.__cause__).__module__.startswith("aiohttp"):
+        # fsspec's HTTP `info` raises FileNotFoundError from whatever aiohttp raised: a 503 or a
+        # dropped connection too, which through `simplecache::http://` read as "no manifest", untried.
+        # (Only aiohttp's: another library's wrapped OSError may well be the missing file's own.)
         return is_transient(error.__cause__)
     if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
         return False

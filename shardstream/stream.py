@@ -80,10 +80,10 @@ class Readers:
 
     def _entry(self, shard: int, opening: int | None = None) -> list[Any] | None:
         """`shard`'s entry, [lock, reader or None, the error its opening raised or None], made
-        if absent; for an open ahead of need,
-        for the shard's `opening`-th opening (`pieces.Stretch`), None once this iteration
-        let that opening go (told in the same turn of the guard as the entry is made: a
-        release between the two would leave the shard held)."""
+        if absent; for an open ahead of need, for the shard's `opening`-th opening
+        (`pieces.Stretch`), None once this iteration let that opening go (told in the same
+        turn of the guard as the entry is made: a release between the two would leave the
+        shard held)."""
         with self._guard:
             if opening is not None and self._released.get(shard, 0) > opening:
                 return None
