@@ -421,7 +421,7 @@ def _more_workers_than_cpus(workers: Sequence[int], cpus: int | None) -> Iterato
     if over:
         warnings.warn(f"num_workers={', '.join(map(str, over))} more than the {cpus} CPU{'s' if cpus > 1 else ''} "
                       f"here (torch suggests at most {cpus}): measured as asked, to see whether more workers still "
-                      "pay", stacklevel=3)
+                      "pay", stacklevel=4)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
         yield

@@ -241,17 +241,24 @@ class BenchResult:
         if count.io.get("readahead_waits"):
             return (f"{busy}: not CPU-bound, and its readers waited {count.io['readahead_waits']:g} times for pieces "
                     "with their read-ahead window at its largest: storage latency limits the rate. Raise prefetch "
-                    "(StreamingDataset(prefetch=...))" + (", or use cache_dir." if not self.local else "."))
+                    "(StreamingDataset(prefetch=...))" + (", or use cache_dir." if self._cache_helps else "."))
         most = max(c.num_workers for c in self.counts)
-        if count.num_workers == most and len(self.counts) > 1 and most <= usable:
+        if count.num_workers == most and most <= usable:
+            # One count measured too: one process busy on one CPU of several is limited by being one.
             return f"{busy}, and it is the most workers measured: measure more workers, they may still pay."
         if self.local:  # no requests to wait on: read-ahead and the cache (remote shards only) cannot help
             handover = (", or handing batches over from the workers (raw bytes are pickled through a pipe)"
                         if self.transform == "none" and count.num_workers > 0 else "")
             return (f"{busy}: not CPU-bound, and its shards are local (no request latency for prefetch or a "
                     f"cache to hide). The limit is elsewhere: the consuming loop, or the device{handover}.")
-        return (f"{busy}: not CPU-bound. The limit is elsewhere: storage (raise prefetch, use cache_dir), "
-                "the consuming loop, or the device.")
+        storage = "raise prefetch, use cache_dir" if self._cache_helps else "raise prefetch"
+        return (f"{busy}: not CPU-bound. The limit is elsewhere: storage ({storage}), the consuming loop, or "
+                "the device.")
+
+    @property
+    def _cache_helps(self) -> bool:
+        """Whether cache_dir is advice worth giving: remote shards, read without one."""
+        return not self.local and self.cache_dir is None
 
     @property
     def usable_cpus(self) -> float:
@@ -270,7 +277,7 @@ class BenchResult:
             notes.append(f"partial: stopped after {len(self.rows)} of the {len(planned) * self.rounds} measurements "
                          f"planned ({self.rounds} round{_s(self.rounds)} of {len(planned)} count{_s(len(planned))})"
                          + (f"; num_workers={_listed(missing)} not measured" if missing else ""))
-        if len(counts) == 1:
+        if len(counts) == 1 and len(set(self.workers or ())) <= 1:  # a partial run says what it left out
             notes.append("one worker count measured: there is no curve to find a knee on; measure several "
                          "(--workers 0,1,2,4)")
         notes += self._disturbed_notes()
@@ -329,8 +336,15 @@ class BenchResult:
         return notes
 
     def __str__(self) -> str:
-        lines = [self.table(), self.io_table(), self.legend(),
-                 f"knee: num_workers={self.knee}" if self.rows else None, self.diagnosis(), *self.notes()]
+        """The report `shardstream bench` prints: tables, legend, knee, diagnosis and notes."""
+        in_process = ("num_workers=0 ran in this process with torch.set_num_threads(1), as DataLoader workers run"
+                      if 0 in self.rates else None)
+        knee = None
+        if self.rows:
+            knee = (f"knee: num_workers={self.knee}"
+                    + (f" (with {self.decode_threads} decode threads per process)" if self.decode_threads else "")
+                    + (" (of what was measured)" if self.partial else ""))
+        lines = [self.table(), self.io_table(), self.legend(), in_process, knee, self.diagnosis(), *self.notes()]
         return "\n".join(line for line in lines if line)
 
     def plot(self, path: str | os.PathLike) -> None:

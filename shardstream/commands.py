@@ -250,18 +250,7 @@ def _say_bench(result: BenchResult, json_path: str | None, plot: str | None) -> 
     """Print the result (partial: what was measured before a stop), and write its files."""
     from .benchresult import save_json
 
-    say(result.table())
-    for line in (result.io_table(), result.legend()):
-        if line:
-            say(line)
-    if 0 in result.rates:
-        say("num_workers=0 ran in this process with torch.set_num_threads(1), as DataLoader workers run")
-    say(f"knee: num_workers={result.knee}" + (f" (with {result.decode_threads} decode threads per process)"
-                                                 if result.decode_threads else "")
-        + (" (of what was measured)" if result.partial else ""))
-    for line in (result.diagnosis(), *result.notes()):
-        if line:
-            say(line)
+    say(str(result))
     if json_path:
         save_json(result, json_path)
         say(f"wrote {json_path}" + (" (partial)" if result.partial else ""))

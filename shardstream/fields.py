@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import tokenize
 from typing import Any, Callable
 
@@ -192,7 +193,9 @@ def _check_npy(data: bytes) -> None:
     shape, _, dtype = read_header(f)
     if dtype.hasobject:
         raise ValueError("Object arrays cannot be loaded when allow_pickle=False")
-    needed = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+    if any(n < 0 for n in shape):
+        raise ValueError("negative dimensions are not allowed")
+    needed = dtype.itemsize * math.prod(shape)  # Python's ints: numpy's int64 product wraps (2**32 x 2**32 is 0)
     if len(data) - f.tell() < needed:
         raise ValueError(f"EOF: reading array data, expected {needed} bytes got {len(data) - f.tell()}")
 

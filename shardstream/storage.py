@@ -120,6 +120,18 @@ def _s3_filesystem_class() -> type[fsspec.AbstractFileSystem]:
     return OneTryS3FileSystem
 
 
+def _bounded_timeout_only(client_kwargs: Mapping[str, Any]) -> bool:
+    """Whether aiohttp's `client_kwargs` hold nothing but a `ClientTimeout` that bounds reads,
+    which the direct reader then keeps (`Store._timeouts`). Anything else, a timeout that
+    is no ClientTimeout (aiohttp refuses a number) or one without a bound on reads (None:
+    wait as long as it takes), is aiohttp's to take, on fsspec's path."""
+    if not client_kwargs:
+        return True
+    timeout = client_kwargs.get("timeout")
+    return (set(client_kwargs) == {"timeout"} and type(timeout).__name__ == "ClientTimeout"
+            and bool(getattr(timeout, "sock_read", None) or getattr(timeout, "total", None)))
+
+
 def _cat_file(fs: fsspec.AbstractFileSystem, path: str, **byte_range: int | None) -> bytes:
     """`fs.cat_file(path, ...)`, where a cache wrapper's "not found" is the store's.
 
@@ -194,7 +206,7 @@ class Store:
         """Which module reads ranges without fsspec: "http" (`http_ranges`), "s3" (`s3_ranges`),
         or None (fsspec: other protocols, and options those modules would not honour)."""
         if self.root.startswith(("http://", "https://")) and set(self.options) <= {"headers", "client_kwargs"} \
-                and set(self.options.get("client_kwargs") or {}) <= {"timeout"}:
+                and _bounded_timeout_only(self.options.get("client_kwargs") or {}):
             return "http" if http_ranges.available() else None
         if self.root.startswith("s3://") and s3_ranges.supports(self.options):
             return "s3"

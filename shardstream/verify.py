@@ -7,6 +7,7 @@ import hashlib
 import io
 import os
 import posixpath
+import re
 import tarfile
 import threading
 from dataclasses import dataclass, field
@@ -197,7 +198,7 @@ class _UnreadableFields:
 
     def __init__(self, shard: str, index: Any) -> None:
         self.shard, self.index = shard, index
-        self.found: dict[tuple[str, bool], list[Any]] = {}  # (field, warning): [first key, why, count]
+        self.found: dict[tuple[str, bool, str], list[Any]] = {}  # (field, warning, reason): [first key, why, count]
 
     def check(self, position: int, key: str, name: str, value: Any) -> None:
         why = unreadable(name, value)
@@ -205,13 +206,16 @@ class _UnreadableFields:
             return
         ext = field_extension(name)
         labels = self.index.labels
+        # Class names throughout (the index holds no labels: `index` adopted them so); a cls
+        # that is no number beside labelled samples is damage, which readers of cls fail on.
         warning = (ext == "json" and unreadable(name, value, strict=False) is None) or (
-            ext == "cls" and (labels is None or int(labels[position]) == -1))
-        found = self.found.setdefault((name, warning), [key, why, 0])
+            ext == "cls" and (labels is None or bool((labels == -1).all())))
+        reason = re.sub(r"b?'[^']*'|\d+", "#", why)  # a line a kind of damage, not a sample's values
+        found = self.found.setdefault((name, warning, reason), [key, why, 0])
         found[2] += 1
 
     def problems(self) -> Iterator[Problem]:
-        for (name, warning), (key, why, count) in self.found.items():
+        for (name, warning, _), (key, why, count) in self.found.items():
             more = f" (and {count - 1} more samples of this shard)" if count > 1 else ""
             hint = ("; shardstream reads it, stricter JSON readers do not" if warning and name.endswith("json")
                     else "; the index holds no label for it: read with fields that leave cls out" if warning else "")

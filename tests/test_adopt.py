@@ -579,6 +579,18 @@ def test_verify_reads_every_field_its_extension_names(tmp_path):
     assert report.ok and not report.problems
     assert sorted(p.message.split(":")[0] for p in report.warnings) == ["field 'cls'", "field 'json'"]
     assert all(p.message.endswith("(and 4 more samples of this shard)") for p in report.warnings)
+    # Found by review: a cls that is no number among labelled samples is damage, which readers of cls fail
+    # on (not the class names case); and each kind of damage of a field has its line.
+    (tmp_path / "damaged").mkdir()
+    with tarfile.open(tmp_path / "damaged" / "shard-000000.tar", "w") as tf:
+        for i, cls in enumerate([b"0", b"1", b"7x", b"1"]):
+            _member(tf, f"s{i}.cls", cls)
+            _member(tf, f"s{i}.npy", pickled.getvalue() if i == 1 else np.lib.format.magic(1, 0) + b"x")
+    index_tars(str(tmp_path / "damaged"), progress=False)
+    report = verify_dataset(str(tmp_path / "damaged"))
+    assert not report.ok and [p.key for p in report.problems if p.message.startswith("field 'cls'")] == ["s2"]
+    npy = sorted(p.message for p in report.problems if p.message.startswith("field 'npy'"))
+    assert len(npy) == 2 and "Object arrays" in npy[1] and npy[0].endswith("(and 2 more samples of this shard)")
 
 
 def test_the_writer_refuses_what_readers_would_read_otherwise(tmp_path):

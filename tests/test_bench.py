@@ -191,7 +191,8 @@ def test_the_cpu_bound_verdict_follows_the_figure_printed(cpus, quota):
         printed = float(re.search(r"kept ([0-9.]+) of", text).group(1))
         assert printed == round(busy, 2)
         assert ("CPU-bound." in text and "not CPU-bound" not in text) == (printed >= 0.85 * usable - 1e-9), text
-    assert "kept 1.66 of 2 CPUs busy: not CPU-bound" in _result([_row(0, 1, cpus_busy=1.66)], cpus=2).diagnosis()
+    flat = [_row(0, 1, cpus_busy=1.66), _row(1, 1, cpus_busy=1.66)]  # the knee 0, not the most measured
+    assert "kept 1.66 of 2 CPUs busy: not CPU-bound" in _result(flat, cpus=2).diagnosis()
     assert "kept 1.70 of 2 CPUs busy: CPU-bound" in _result([_row(0, 1, cpus_busy=1.704)], cpus=2).diagnosis()
 
 
@@ -211,6 +212,9 @@ def test_diagnosis_names_storage_levers_for_remote_shards_only():
     assert result(None).diagnosis() == result(False).diagnosis()  # not known: as before
     assert result(True, waits=3).diagnosis().endswith("Raise prefetch (StreamingDataset(prefetch=...)).")
     assert result(False, waits=3).diagnosis().endswith("or use cache_dir.")
+    # Measured with a cache already (found by review): not told to use one.
+    cached = [_row(0, 100, cpus_busy=1.0), _row(2, 390, cpus_busy=3.0), _row(4, 400, cpus_busy=3.1)]
+    assert "cache_dir" not in _result(cached, cpus=8, local=False, cache_dir="/nvme/cache").diagnosis()
 
 
 def test_measure_more_workers_only_where_there_are_cpus_for_them():
@@ -220,10 +224,15 @@ def test_measure_more_workers_only_where_there_are_cpus_for_them():
     assert "measure more workers" in _result(rows, cpus=8).diagnosis()
     for crowded in (_result(rows, cpus=2), _result(rows, cpus=64, cpu_quota=1.5)):
         assert "measure more workers" not in crowded.diagnosis() and "not CPU-bound" in crowded.diagnosis()
+    # One count, with CPUs to spare: more may pay (found by review: it read "the limit is the consuming loop").
     single = _result([_row(2, 400, cpus_busy=1.2)], cpus=8)
-    assert "measure more workers" not in single.diagnosis()
+    assert "measure more workers" in single.diagnosis()
     assert any("there is no curve to find a knee on" in note for note in single.notes())
     assert not any("no curve" in note for note in _result(rows, cpus=8).notes())
+    # A run stopped after its first count measured several, as planned: the partial note says so.
+    stopped = _result([_row(0, 100, cpus_busy=1.0)], cpus=8, workers=[0, 1, 2, 4], partial=True)
+    assert not any("no curve" in note for note in stopped.notes())
+    assert any(note.startswith("partial: stopped after 1 of the 4 measurements") for note in stopped.notes())
 
 
 def test_every_round_is_checked_for_other_processes():

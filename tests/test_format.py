@@ -1521,7 +1521,10 @@ def test_shardwriter_refuses_values_it_would_store_as_something_else(tmp_path):
                ({"__extra": b"keep me"}, "bad field name '__extra'"),
                ({"json": b'{"loss": NaN}'}, "do not read back as json .NaN is not JSON"),
                ({"npy": masked}, "npy stores no mask"),
-               ({"npy": torch.ones(3, requires_grad=True)}, "'npy': cannot encode Tensor")]
+               ({"npy": torch.ones(3, requires_grad=True)}, "'npy': cannot encode Tensor"),
+               # npy bytes no reader loads (found by review: the header check took them)
+               ({"npy": _npy_claiming((-1,))}, "negative dimensions"),
+               ({"npy": _npy_claiming((2**32, 2**32))}, "EOF: reading array data")]
     with ShardWriter(str(tmp_path / "ds")) as writer:
         for fields, message in refused:
             with pytest.raises(ShardstreamError, match=message) as info:
@@ -1535,6 +1538,13 @@ def test_shardwriter_refuses_values_it_would_store_as_something_else(tmp_path):
     assert sample["note"] == "café".encode() and "__local_path__" not in sample
     assert sample["be.npy"].dtype == np.int32 and sample["be.npy"].dtype.isnative  # torch takes no other order
     assert sample["be.npy"].tolist() == [0, 1, 2]
+
+
+def _npy_claiming(shape: tuple[int, ...]) -> bytes:
+    """An npy file of a few float64 bytes whose header claims `shape`."""
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "<f8", "fortran_order": False, "shape": shape})
+    return header.getvalue() + b"\0" * 16
 
 
 def test_a_missing_field_names_the_fields_the_sample_holds(tmp_path):

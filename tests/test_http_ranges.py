@@ -426,6 +426,10 @@ def test_timeouts_set_in_the_storage_options_hold_on_the_direct_readers():
     s3 = Store("s3://bucket/ds", {"endpoint_url": "http://127.0.0.1:1", "config_kwargs": {"read_timeout": 90}})
     assert s3._direct == "s3" and s3._timeouts == (storage.HTTP_CONNECT_TIMEOUT_S, 90.0)
     assert Store("s3://bucket/ds", {"config_kwargs": {"retries": {"max_attempts": 3}}})._direct is None  # s3fs's
+    # aiohttp's to take (found by review): a number, which aiohttp refuses, and no bound on reads (wait as
+    # long as it takes), which the direct reader's default 20 s would have cut short.
+    for forms in (5, aiohttp.ClientTimeout(total=None), aiohttp.ClientTimeout(sock_connect=3)):
+        assert Store("http://127.0.0.1:1/ds", {"client_kwargs": {"timeout": forms}})._direct is None, forms
 
 
 class _HeaderTrickler(_Served):
