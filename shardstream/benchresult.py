@@ -6,8 +6,8 @@ of each figure, and the least and most rate of a round) and computes the knee fr
 medians when asked (`find_knee`: the smallest worker count within a tolerance of the
 best rate). One sample a count was not enough: five identical runs on a shared 2-core
 machine gave knees of 1, 2, 2, 4 and 4. `bench` makes a result; the command prints it
-(`table`, `diagnosis`, `notes`), saves it (`save_json`) and plots it (`plot`, with
-matplotlib). Nothing here imports torch or the loader.
+(`str`: its tables, and what they mean, from benchadvice.py), saves it (`save_json`)
+and plots it (`plot`, with matplotlib). Nothing here imports torch or the loader.
 """
 
 from __future__ import annotations
@@ -212,53 +212,10 @@ class BenchResult:
             "spent in storage calls, so it exceeds the window where several read at once")
 
     def diagnosis(self) -> str | None:
-        """What limits the rate at the knee, from the CPUs it kept busy (None if unmeasured).
+        """What limits the rate at the knee (benchadvice.py), or None where unmeasured."""
+        from .benchadvice import diagnosis
 
-        If the CPUs were nearly all busy there, the work per image is the limit. If not,
-        and the knee is below the most workers measured (more workers stopped paying),
-        something that more processes do not speed up is: the consumer or the device, and
-        for remote shards storage latency. At the most workers measured, with CPUs to
-        spare, more may still pay."""
-        count = next((c for c in self.counts if c.num_workers == self.knee), None) if self.rows else None
-        if count is None or count.cpus_busy is None or not self.cpus:
-            return None
-        # Under a quota the CPUs' time, not their number, bounds the rate; the machine's other
-        # processes still share the CPUs themselves.
-        usable = self.usable_cpus
-        # Judged on the figure printed: at 1.66 of 2, "1.7 of 2 CPUs busy: not CPU-bound" read as a
-        # contradiction of the 85% said.
-        kept = round(count.cpus_busy, 2)
-        busy = (f"num_workers={count.num_workers} kept {kept:.2f} of {round(usable, 2):g} CPUs busy"
-                + (" (the CPU quota of its cgroup)" if usable < self.cpus else ""))
-        if kept >= CPU_BOUND * usable - 1e-9:
-            levers = "a cheaper transform, pack --max-side" + ("" if "on the device" in self.transform
-                                                               else ", the decode on the GPU")
-            return f"{busy}: CPU-bound. More workers cannot help; less work per image can ({levers}) or more CPUs."
-        others = self.others_busy(count.machine_busy, count.cpus_busy)
-        if others is not None:
-            return (f"{busy}, and the machine {count.machine_busy:.2f}: other processes held {others:.2f} CPUs. "
-                    "The rate is bounded by the CPUs left to it; measure again on an idle machine.")
-        if count.io.get("readahead_waits"):
-            return (f"{busy}: not CPU-bound, and its readers waited {count.io['readahead_waits']:g} times for pieces "
-                    "with their read-ahead window at its largest: storage latency limits the rate. Raise prefetch "
-                    "(StreamingDataset(prefetch=...))" + (", or use cache_dir." if self._cache_helps else "."))
-        most = max(c.num_workers for c in self.counts)
-        if count.num_workers == most and most <= usable:
-            # One count measured too: one process busy on one CPU of several is limited by being one.
-            return f"{busy}, and it is the most workers measured: measure more workers, they may still pay."
-        if self.local:  # no requests to wait on: read-ahead and the cache (remote shards only) cannot help
-            handover = (", or handing batches over from the workers (raw bytes are pickled through a pipe)"
-                        if self.transform == "none" and count.num_workers > 0 else "")
-            return (f"{busy}: not CPU-bound, and its shards are local (no request latency for prefetch or a "
-                    f"cache to hide). The limit is elsewhere: the consuming loop, or the device{handover}.")
-        storage = "raise prefetch, use cache_dir" if self._cache_helps else "raise prefetch"
-        return (f"{busy}: not CPU-bound. The limit is elsewhere: storage ({storage}), the consuming loop, or "
-                "the device.")
-
-    @property
-    def _cache_helps(self) -> bool:
-        """Whether cache_dir is advice worth giving: remote shards, read without one."""
-        return not self.local and self.cache_dir is None
+        return diagnosis(self)
 
     @property
     def usable_cpus(self) -> float:
@@ -267,73 +224,10 @@ class BenchResult:
         return min(cpus, self.cpu_quota) if self.cpu_quota else cpus
 
     def notes(self) -> list[str]:
-        """What else the reader of the table should know, a line each: a stop before the end, a
-        single count, disturbed measurements, rows that measured epoch restarts, requests the
-        store failed."""
-        counts, notes = self.counts, []
-        if self.partial:
-            planned = self.workers or [c.num_workers for c in counts]
-            missing = [n for n in planned if n not in self.rates]
-            notes.append(f"partial: stopped after {len(self.rows)} of the {len(planned) * self.rounds} measurements "
-                         f"planned ({self.rounds} round{_s(self.rounds)} of {len(planned)} count{_s(len(planned))})"
-                         + (f"; num_workers={_listed(missing)} not measured" if missing else ""))
-        if len(counts) == 1 and len(set(self.workers or ())) <= 1:  # a partial run says what it left out
-            notes.append("one worker count measured: there is no curve to find a knee on; measure several "
-                         "(--workers 0,1,2,4)")
-        notes += self._disturbed_notes()
-        notes += self._epoch_notes(counts)
-        retried = [c for c in counts if c.retries]
-        if retried:
-            notes.append("the store failed requests, and they were retried: "
-                         + ", ".join(f"{c.retries} at num_workers={c.num_workers}" for c in retried)
-                         + " (over every round); those rates include the waits before each retry")
-        waited = [c for c in counts if c.io.get("readahead_waits")]
-        if waited and self.io_table() is None:  # else that table shows them
-            notes.append("readers waited for pieces with their read-ahead window at its largest (a round's median): "
-                         + ", ".join(f"{c.io['readahead_waits']:g} at num_workers={c.num_workers}" for c in waited)
-                         + "; --prefetch N measures with more")
-        if self.cache_dir is not None and self.local:
-            notes.append(f"cache_dir {self.cache_dir} keeps remote shards only: these local ones were read in place")
-        return notes
+        """What else the reader of the table should know, a line each (benchadvice.py)."""
+        from .benchadvice import notes
 
-    def _disturbed_notes(self) -> list[str]:
-        """The counts, and rounds, whose windows other processes disturbed: every row is checked,
-        as one disturbed below the knee reads low and moves the knee up."""
-        rounds: dict[int, list[int]] = {c.num_workers: [] for c in self.counts}  # in the table's order
-        for row in self.rows:
-            if self.others_busy(row.machine_busy, row.cpus_busy) is not None:
-                rounds.setdefault(row.num_workers, []).append(row.round)
-        rounds = {n: sorted(r) for n, r in rounds.items() if r}
-        if not rounds:
-            return []
-        which = ", ".join(f"num_workers={n}" + (f" (round{_s(len(r))} {_listed(r)})" if self.rounds > 1 else "")
-                          for n, r in rounds.items())
-        below = [n for n in rounds if n < self.knee]
-        return [f"other processes held {CROWDED:g} CPUs or more, on a machine {CPU_BOUND:.0%} busy or more, while "
-                f"these were measured: {which}. Their rates may read low"
-                + (f"; below the knee (num_workers={_listed(below)}) that can move the knee up" if below else "")
-                + ": measure again on an idle machine."]
-
-    def _epoch_notes(self, counts: list[BenchCount]) -> list[str]:
-        """Counts whose rows measured epochs ending and starting as much as steady streaming."""
-        small = ([c.num_workers for c in counts if self.samples < self.batch_size * max(1, c.num_workers)]
-                 if self.samples is not None else [])
-        share = {c.num_workers: 0.0 for c in counts}  # in the table's order
-        for row in self.rows:
-            if row.num_workers not in small and row.seconds > 0:
-                share[row.num_workers] = max(share[row.num_workers], row.restart_s / row.seconds)
-        short = {n: s for n, s in share.items() if s >= RESTARTS}
-        notes = []
-        if small:
-            notes.append(f"the dataset's {self.samples} samples are fewer than a batch of {self.batch_size} for "
-                         f"each worker at num_workers={_listed(small)}: those rows measure epochs ending and "
-                         "starting, not steady streaming; measure a larger dataset (or a smaller --batch-size)")
-        if short:
-            which = ", ".join(f"{s:.0%} at num_workers={n}" for n, s in short.items())
-            notes.append(f"epochs are short: restarting them (from an epoch's last batch to the next one's first) "
-                         f"took up to {which} of a measurement's window: those rows measure epochs ending and "
-                         "starting as much as steady streaming; measure a larger dataset")
-        return notes
+        return notes(self)
 
     def __str__(self) -> str:
         """The report `shardstream bench` prints: tables, legend, knee, diagnosis and notes."""
@@ -396,11 +290,11 @@ def _median(values: list[float | None]) -> float | None:
     return None if any(v is None for v in values) else statistics.median(values)  # type: ignore[type-var]
 
 
-def _s(n: int) -> str:
+def plural_s(n: int) -> str:
     return "" if n == 1 else "s"
 
 
-def _listed(values: Sequence[int]) -> str:
+def listed(values: Sequence[int]) -> str:
     return ", ".join(map(str, values))
 
 
