@@ -273,7 +273,7 @@ def bench(
     progress: bool = False,
     storage_options: dict[str, Any] | None = None,
     cache_dir: str | None = None,
-    cache_limit: int | str = "50GB",
+    cache_limit: int | str | None = None,
     tolerance: float = 0.05,
     on_row: Callable[[BenchRow], None] | None = None,
     image_field: str = IMAGE_FIELD,

@@ -187,9 +187,12 @@ class StreamingDataset(Checkpointing, IterableDataset):
             retried: `RetryPolicy(attempts, base_delay, max_delay)`, exponential
             backoff with jitter; default `RetryPolicy()` (10 attempts, about 33 s at most).
         cache_dir, cache_limit: keep whole remote shards in this local folder, at most
-            `cache_limit` bytes ("50GB"), shared safely by all workers and ranks of a
-            machine; without `cache_dir`, shards stream from storage into memory by
-            ranged reads of just the samples planned.
+            `cache_limit` bytes (default "50GB") beyond the shards in use, shared safely by
+            all workers and ranks of a machine. In use are the shard each reader (a
+            DataLoader worker, or the main process) reads and the `prefetch` shards it
+            downloads ahead: on a small disk, allow readers x (prefetch + 1) shards, or
+            lower prefetch. Without `cache_dir`, shards stream from storage into memory
+            by ranged reads of just the samples planned.
         on_error: ``"raise"`` stops at a bad sample (corrupt frame, undecodable image,
             missing field) naming shard and key; ``"skip"`` logs and counts it and
             yields the next good sample of its worker in its place (counts stay equal
@@ -232,7 +235,7 @@ class StreamingDataset(Checkpointing, IterableDataset):
         prefetch: int | None = None,
         retry: RetryPolicy | None = None,
         cache_dir: str | None = None,
-        cache_limit: int | str = "50GB",
+        cache_limit: int | str | None = None,
         on_error: str | ErrorPolicy = "raise",
         sampling: Sampling | None = None,
         allow_pickle: bool = False,
@@ -268,7 +271,13 @@ class StreamingDataset(Checkpointing, IterableDataset):
         if retry is not None and not isinstance(retry, RetryPolicy):
             raise TypeError(f"retry must be a shardstream.RetryPolicy, not {retry!r}")
         self.retry = retry
-        self._cache = ShardCache(os.path.abspath(os.path.expanduser(cache_dir)), parse_size(cache_limit)) if cache_dir else None
+        if cache_limit is not None and not cache_dir:
+            # A limit alone read every epoch from storage, without a word (MosaicML's `cache_limit`
+            # goes with its `local`): the cache is a folder, cache_dir.
+            raise ValueError(f"cache_limit={cache_limit!r} without cache_dir: the cache is the local folder "
+                             "cache_dir names (StreamingDataset(..., cache_dir=..., cache_limit=...))")
+        self._cache = (ShardCache(os.path.abspath(os.path.expanduser(cache_dir)), parse_size(cache_limit or "50GB"))
+                       if cache_dir else None)
         # A flag: "false" (from a config) unpickled every .pyd field, running whatever it held.
         allow_pickle = flag(allow_pickle, "allow_pickle")
         self._decoder = Decoder(images=decode, allow_pickle=allow_pickle)

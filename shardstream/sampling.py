@@ -137,7 +137,11 @@ class Sampling:
 
 @dataclass(frozen=True)
 class Mix:
-    """Several datasets read as one, each contributing `weights[i]` of every window."""
+    """Several datasets read as one, each contributing `weights[i]` of every window.
+
+    The epoch is the sum of the sources' sizes, unless `Sampling(samples_per_epoch=...)`
+    says. Sources on different stores take `storage_options` by protocol
+    (``{"s3": {...}, "http": {...}}``), each its own protocol's."""
 
     sources: tuple[str | tuple[str, ...], ...]
     weights: tuple[float, ...] = field(default=())

@@ -566,6 +566,22 @@ def _names_a_dataset_folder(url: str, options: dict[str, Any]) -> bool:
         return False
 
 
+def _options_of(source: str | Sequence[str], options: dict[str, Any]) -> dict[str, Any]:
+    """A Mix's source's storage options: where `options` are given by protocol, as fsspec takes
+    a chained URL's (``{"s3": {...}, "http": {...}}``), its protocol's; else `options` whole.
+    One set of options for every source could not mix S3 with HTTP (s3fs's `endpoint_url`
+    went to aiohttp, which refused it), nor two S3 endpoints."""
+    import fsspec
+
+    url = source if isinstance(source, str) else (source[0] if source else "")
+    by_protocol = bool(options) and all(isinstance(value, dict) for value in options.values()) and set(
+        options) <= set(fsspec.available_protocols())
+    if not by_protocol or "::" in url:
+        return options
+    protocol = fsspec.core.split_protocol(url)[0] or "file"
+    return dict(options.get(protocol) or options.get({"https": "http", "s3a": "s3"}.get(protocol, ""), {}))
+
+
 def resolve_source(source: "str | Sequence[str] | Mix", *, storage_options: dict[str, Any] | None = None,
                    retry: RetryPolicy | None = None) -> Source:
     """A `Source` from a dataset location, a brace pattern, a list of shard URLs, or a `Mix` of those."""
@@ -574,7 +590,7 @@ def resolve_source(source: "str | Sequence[str] | Mix", *, storage_options: dict
     options = storage_options or {}
     retry = retry or RetryPolicy()
     if isinstance(source, Mix):
-        parts = tuple(resolve_source(s, storage_options=options, retry=retry) for s in source.sources)
+        parts = tuple(resolve_source(s, storage_options=_options_of(s, options), retry=retry) for s in source.sources)
         return Source("mix", ChainedShards([p.shards for p in parts]), None, parts)
     source = source_urls(source)  # a pathlib.Path is a location too
     piped = next((url for url in ([source] if isinstance(source, str) else source)

@@ -189,6 +189,20 @@ def s3_ds(moto, src, local_ds) -> str:
     return url
 
 
+def test_a_mix_of_s3_and_http_takes_each_sources_options_by_protocol(moto, s3_ds, local_ds):
+    """Found by a migrant's walk: one set of storage options went to every source of a Mix, so S3
+    could not be mixed with HTTP (s3fs's endpoint_url went to aiohttp: "unexpected keyword
+    argument"). Options given by protocol, as fsspec takes a chained URL's, go to each source's."""
+    expected = sorted(key for (key,) in StreamingDataset(local_ds, decode=None, fields=("__key__",)))
+    with H.CountingHTTPServer(local_ds) as server:
+        mix = shardstream.Mix([s3_ds, server.url], [1, 1])
+        ds = StreamingDataset(mix, decode=None, fields=("__key__",), storage_options={
+            "s3": moto.storage_options, "http": {"headers": {"X-Job": "mix"}}})
+        got = sorted(key for (key,) in ds)
+        assert server.get_counts()  # the HTTP source was read, through its own options
+    assert got == sorted(expected * 2)
+
+
 def test_an_s3_location_without_a_manifest_says_whether_anything_is_there(moto, src):
     """The "no manifest" error over S3 (item 375, and its review): a missing bucket or prefix says
     nothing is there (a missing bucket, by its name); a prefix of images names `shardstream pack`. One
@@ -2279,6 +2293,13 @@ def test_a_cache_limit_that_is_no_size_is_refused_in_words(tmp_path, limit):
     """Regression: 50e9 raised re's TypeError; -1 and True were taken (-1 as a limit of none)."""
     with pytest.raises(shardstream.ShardstreamError, match=f"bad size {limit!r}"):
         StreamingDataset("unused", cache_dir=str(tmp_path / "cache"), cache_limit=limit)
+
+
+def test_a_cache_limit_without_a_cache_dir_is_refused():
+    """Found by a migrant's walk: `cache_limit` alone (MosaicML's goes with its `local`) was taken
+    without a word, and every epoch read from storage."""
+    with pytest.raises(ValueError, match="cache_limit='1MB' without cache_dir"):
+        StreamingDataset("unused", cache_limit="1MB")
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])
