@@ -233,7 +233,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     # The options named as bench's arguments are; --cache-limit, where not given, is left to its default.
     options = {name: getattr(args, name) for name in (
         "workers", "batch_size", "transform", "seconds", "warmup", "device", "rounds", "decode_on_device",
-        "decode_threads", "prefetch", "cache_dir", "image_field") + (("cache_limit",) if args.cache_limit else ())}
+        "decode_threads", "prefetch", "cache_dir", "image_field") + (("cache_limit",) if args.cache_limit is not None else ())}
     try:
         result = bench(args.dataset, progress=not args.quiet, storage_options=_storage_options(args.storage_options),
                        **options)

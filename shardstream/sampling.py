@@ -140,8 +140,9 @@ class Mix:
     """Several datasets read as one, each contributing `weights[i]` of every window.
 
     The epoch is the sum of the sources' sizes, unless `Sampling(samples_per_epoch=...)`
-    says. Sources on different stores take `storage_options` by protocol
-    (``{"s3": {...}, "http": {...}}``), each its own protocol's."""
+    says. Sources on different kinds of store take `storage_options` by protocol
+    (``{"s3": {...}, "http": {...}}``), each its own protocol's (two S3 endpoints with
+    options of their own cannot be mixed so: one of them through the AWS environment)."""
 
     sources: tuple[str | tuple[str, ...], ...]
     weights: tuple[float, ...] = field(default=())

@@ -14,7 +14,7 @@ import os
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, TypeVar, overload
 
 import numpy as np
 
@@ -568,18 +568,27 @@ def _names_a_dataset_folder(url: str, options: dict[str, Any]) -> bool:
 
 def _options_of(source: str | Sequence[str], options: dict[str, Any]) -> dict[str, Any]:
     """A Mix's source's storage options: where `options` are given by protocol, as fsspec takes
-    a chained URL's (``{"s3": {...}, "http": {...}}``), its protocol's; else `options` whole.
-    One set of options for every source could not mix S3 with HTTP (s3fs's `endpoint_url`
-    went to aiohttp, which refused it), nor two S3 endpoints."""
+    a chained URL's (``{"s3": {...}, "http": {...}}``), its protocol's (by any of its file
+    system's names: `http` for `https://`, `gcs` for `gs://`); else `options` whole. One
+    set of options for every source could not mix S3 with HTTP (s3fs's `endpoint_url` went
+    to aiohttp, which refused it)."""
     import fsspec
 
     url = source if isinstance(source, str) else (source[0] if source else "")
-    by_protocol = bool(options) and all(isinstance(value, dict) for value in options.values()) and set(
-        options) <= set(fsspec.available_protocols())
+    known = set(fsspec.available_protocols()) | set(fsspec.registry)
+    by_protocol = bool(options) and all(isinstance(value, Mapping) for value in options.values()) and set(
+        options) <= known
     if not by_protocol or "::" in url:
         return options
     protocol = fsspec.core.split_protocol(url)[0] or "file"
-    return dict(options.get(protocol) or options.get({"https": "http", "s3a": "s3"}.get(protocol, ""), {}))
+    try:
+        names = fsspec.get_filesystem_class(protocol).protocol
+    except (ImportError, ValueError):  # its package not installed: reading it says so
+        names = ()
+    for name in (protocol, *([names] if isinstance(names, str) else names)):
+        if name in options:
+            return dict(options[name])
+    return {}
 
 
 def resolve_source(source: "str | Sequence[str] | Mix", *, storage_options: dict[str, Any] | None = None,

@@ -265,7 +265,8 @@ def test_a_head_start_is_stopped_at_exit_and_leaves_no_partial_download(small_ds
         from shardstream.retry import RetryPolicy
         url, cache = sys.argv[1], sys.argv[2] or None
         ds = shardstream.StreamingDataset(url, decode=None, fields=("__key__",), shuffle=True, cache_dir=cache,
-                                          cache_limit="30KB", retry=RetryPolicy(attempts=10, base_delay=10.0,
+                                          cache_limit="30KB" if cache else None,
+                                          retry=RetryPolicy(attempts=10, base_delay=10.0,
                                           max_delay=10.0))
         for epoch in range(2):  # the second iteration starts a head start on a third
             ds.set_epoch(epoch)

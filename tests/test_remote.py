@@ -201,6 +201,14 @@ def test_a_mix_of_s3_and_http_takes_each_sources_options_by_protocol(moto, s3_ds
         got = sorted(key for (key,) in ds)
         assert server.get_counts()  # the HTTP source was read, through its own options
     assert got == sorted(expected * 2)
+    # By any of the protocol's names (found by review: an http:// source given "https" options got none).
+    from shardstream.source import _options_of
+
+    headers = {"headers": {"Authorization": "Bearer t"}}
+    assert _options_of("http://h/ds", {"https": headers, "s3": {}}) == headers
+    assert _options_of("https://h/ds", {"http": headers}) == headers
+    assert _options_of("s3a://b/ds", {"s3": {"anon": True}}) == {"anon": True}
+    assert _options_of("s3://b/ds", {"client_kwargs": {"region_name": "x"}}) == {"client_kwargs": {"region_name": "x"}}
 
 
 def test_an_s3_location_without_a_manifest_says_whether_anything_is_there(moto, src):
@@ -2300,6 +2308,10 @@ def test_a_cache_limit_without_a_cache_dir_is_refused():
     without a word, and every epoch read from storage."""
     with pytest.raises(ValueError, match="cache_limit='1MB' without cache_dir"):
         StreamingDataset("unused", cache_limit="1MB")
+    # Found by review: an explicit 0 stays 0 (the least disk: nothing cached), and "" is no size.
+    assert StreamingDataset("unused", cache_dir="c", cache_limit=0)._cache.limit == 0
+    with pytest.raises(shardstream.ShardstreamError, match="bad size ''"):
+        StreamingDataset("unused", cache_dir="c", cache_limit="")
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])
