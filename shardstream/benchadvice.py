@@ -78,7 +78,8 @@ def notes(result: BenchResult) -> list[str]:
         planned = result.workers or [c.num_workers for c in counts]
         missing = [n for n in planned if n not in result.rates]
         notes.append(f"partial: stopped after {len(result.rows)} of the {len(planned) * result.rounds} measurements "
-                     f"planned ({result.rounds} round{plural_s(result.rounds)} of {len(planned)} count{plural_s(len(planned))})"
+                     f"planned ({result.rounds} round{plural_s(result.rounds)} of {len(planned)} "
+                     f"count{plural_s(len(planned))})"
                      + (f"; num_workers={listed(missing)} not measured" if missing else ""))
     if len(counts) == 1 and len(set(result.workers or ())) <= 1:  # a partial run says what it left out
         notes.append("one worker count measured: there is no curve to find a knee on; measure several "

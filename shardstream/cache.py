@@ -415,7 +415,8 @@ class _DownloadTurn:
     waited_from: float | None
 
     def record(self, error: StorageError, ref: ShardRef) -> None:
-        """Say in the lock file that the download of `ref` failed with `error`, where that is the store's lasting word."""
+        """Say in the lock file that the download of `ref` failed with `error`, where that is
+        the store's lasting word."""
         if not isinstance(error, (RetriesSpentError, DownloadChecksumError)):
             return
         record = {"at": time.time(), "checksum": isinstance(error, DownloadChecksumError), "detail": error.detail,

@@ -94,7 +94,8 @@ def _pack_with_ray(args: argparse.Namespace) -> int:
                                         **_pack_options(args))
     seconds = max(s.seconds for s in summaries)
     say(f"packed {_count(manifest.samples, 'sample')} into {_count(len(manifest.shards), 'shard')} as "
-        f"{args.parts or 4} Ray tasks (slowest part {seconds:.1f} s); skipped {len(manifest.skipped)}, not images {manifest.ignored}")
+        f"{args.parts or 4} Ray tasks (slowest part {seconds:.1f} s); skipped {len(manifest.skipped)}, not images "
+        f"{manifest.ignored}")
     return 0
 
 
@@ -233,7 +234,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     # The options named as bench's arguments are; --cache-limit, where not given, is left to its default.
     options = {name: getattr(args, name) for name in (
         "workers", "batch_size", "transform", "seconds", "warmup", "device", "rounds", "decode_on_device",
-        "decode_threads", "prefetch", "cache_dir", "image_field") + (("cache_limit",) if args.cache_limit is not None else ())}
+        "decode_threads", "prefetch", "cache_dir", "image_field")
+        + (("cache_limit",) if args.cache_limit is not None else ())}
     try:
         result = bench(args.dataset, progress=not args.quiet, storage_options=_storage_options(args.storage_options),
                        **options)

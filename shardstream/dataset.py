@@ -276,8 +276,8 @@ class StreamingDataset(Checkpointing, IterableDataset):
             # goes with its `local`): the cache is a folder, cache_dir.
             raise ValueError(f"cache_limit={cache_limit!r} without cache_dir: the cache is the local folder "
                              "cache_dir names (StreamingDataset(..., cache_dir=..., cache_limit=...))")
-        self._cache = (ShardCache(os.path.abspath(os.path.expanduser(cache_dir)), parse_size("50GB" if cache_limit is None else cache_limit))
-                       if cache_dir else None)
+        limit = parse_size("50GB" if cache_limit is None else cache_limit)
+        self._cache = ShardCache(os.path.abspath(os.path.expanduser(cache_dir)), limit) if cache_dir else None
         # A flag: "false" (from a config) unpickled every .pyd field, running whatever it held.
         allow_pickle = flag(allow_pickle, "allow_pickle")
         self._decoder = Decoder(images=decode, allow_pickle=allow_pickle)

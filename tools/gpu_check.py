@@ -447,7 +447,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--images", type=_positive_int, default=None,
                    help="synthetic ImageNet-like JPEGs to make (default 160 with CUDA, 48 without)")
     p.add_argument("--batch-size", type=_positive_int, default=None, help="for (a) (default 16) and (c)/(d) (default 128)")
-    p.add_argument("--image-size", type=_positive_int, default=224, help="crop size of the decoded and in-memory images")
+    p.add_argument("--image-size", type=_positive_int, default=224,
+                   help="crop size of the decoded and in-memory images")
     p.add_argument("--workers", type=int, default=None, help="DataLoader workers (default: min(4, cores))")
     p.add_argument("--compute-ms", type=float, default=20.0, help="(d) duration of the synthetic step")
     p.add_argument("--cpu", action="store_true", help="skip the GPU checks even when CUDA is available")
