@@ -347,7 +347,8 @@ class Terminated(KeyboardInterrupt):
 @contextlib.contextmanager
 def _sigterm_interrupts() -> Iterator[None]:
     """While the command runs, SIGTERM raises `Terminated`; a second SIGTERM ends the process
-    at once (the cleanup may be what hangs, and an interrupted pack is safe to kill).
+    at once (the cleanup may be what hangs, and an interrupted pack is safe to kill). SIGINT
+    raises KeyboardInterrupt, as Python's own handler does; both are remembered (`_SIGNALS`).
 
     Only from the main thread, where Python runs signal handlers; the handler before is
     put back after (a test may call `main` in its process). A child forked meanwhile (a
@@ -361,39 +362,49 @@ def _sigterm_interrupts() -> Iterator[None]:
         yield
         return
     before = signal.signal(signal.SIGTERM, _raise_terminated)
+    before_int = signal.signal(signal.SIGINT, _raise_interrupted)
     hook = sys.unraisablehook
 
-    def quiet_about_terminated(unraisable: Any) -> None:
-        # A Terminated dropped in a weakref callback or a __del__ (`_SIGTERMS`) is said once, by
-        # `main`: Python's "Exception ignored in ..." traceback was printed above it.
-        if not isinstance(unraisable.exc_value, Terminated):
+    def quiet_about_signals(unraisable: Any) -> None:
+        # A KeyboardInterrupt (or Terminated) dropped in a weakref callback or a __del__ (`_SIGNALS`)
+        # is said once, by `main`: Python's "Exception ignored in ..." traceback was printed above it.
+        if not isinstance(unraisable.exc_value, KeyboardInterrupt):
             hook(unraisable)
 
-    sys.unraisablehook = quiet_about_terminated
+    sys.unraisablehook = quiet_about_signals
     try:
         yield
     finally:
         sys.unraisablehook = hook
         signal.signal(signal.SIGTERM, before)
+        signal.signal(signal.SIGINT, before_int)
 
 
 def _raise_terminated(signum: int, frame: Any) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    _SIGTERMS.append(signum)
+    _SIGNALS.append(signum)
     raise Terminated()
 
 
-# The SIGTERMs a command was sent. Python runs a handler between any two bytecodes, also in a
-# weakref callback or a __del__, where an exception raised is printed and dropped: the command
-# then ran on to its end, exit status 0 (seen once in a clean-clone suite). `main` still says
-# a signal ended it.
-_SIGTERMS: list[int] = []
+def _raise_interrupted(signum: int, frame: Any) -> None:
+    """Python's own Ctrl-C, remembered (`_SIGNALS`)."""
+    _SIGNALS.append(signum)
+    raise KeyboardInterrupt()
+
+
+# The SIGTERMs and SIGINTs a command was sent. Python runs a handler between any two bytecodes,
+# also in a weakref callback or a __del__, where an exception raised is printed and dropped: the
+# command then ran on to its end, exit status 0 (seen in clean-clone suites: a SIGTERM once, a
+# Ctrl-C to a pack's process group once). `main` still says a signal ended it.
+_SIGNALS: list[int] = []
 
 
 def _default_sigterm_in_child() -> None:
     # signal.signal works here: in a forked child the forking thread is the main thread.
     if signal.getsignal(signal.SIGTERM) is _raise_terminated:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if signal.getsignal(signal.SIGINT) is _raise_interrupted:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 if hasattr(os, "register_at_fork"):
@@ -413,14 +424,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _check_combinations(args.command_parser, args)
     resume = args.command == "pack" and args.executor == "local"
-    sigterms = len(_SIGTERMS)
+    signals = len(_SIGNALS)
     try:
         with _sigterm_interrupts(), _warnings_as_lines(args.command):
             status = int(args.run(args))
             if sys.stdout is not None:  # (None where the command was started with stdout closed: `>&-`)
                 sys.stdout.flush()  # here, not at exit, where a reader gone is "Exception ignored" and status 120
-        if len(_SIGTERMS) > sigterms:  # a Terminated dropped where it was raised (see _SIGTERMS)
-            return _stopped(args.command, Terminated(), resume)
+        if len(_SIGNALS) > signals:  # an interrupt dropped where it was raised (see _SIGNALS)
+            dropped = Terminated() if _SIGNALS[-1] == signal.SIGTERM else KeyboardInterrupt()
+            return _stopped(args.command, dropped, resume)
         if reader_gone():
             return 128 + signal.SIGPIPE
         if (lost := output_lost()) is not None:  # its work done, its output not (stdout on a full disk)
