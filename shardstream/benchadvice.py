@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .benchresult import CPU_BOUND, CROWDED, RESTARTS, listed, plural_s
+from .benchresult import CPU_BOUND, CROWDED, SHORT_EPOCHS, listed, plural_s
 
 if TYPE_CHECKING:
     from .benchresult import BenchCount, BenchResult
@@ -32,6 +32,11 @@ def diagnosis(result: BenchResult) -> str | None:
     count = next((c for c in result.counts if c.num_workers == result.knee), None) if result.rows else None
     if count is None or count.cpus_busy is None or not result.cpus:
         return None
+    if result.samples is not None and result.samples < result.batch_size * max(1, count.num_workers):
+        # Each row restarted epochs (a note says so): no steady rate to say what limits.
+        return (f"num_workers={count.num_workers}: the dataset's {result.samples} samples are fewer than a batch "
+                "for each worker, so the rate is of epochs ending and starting: measure a larger dataset to "
+                "find what limits a steady one")
     # Under a quota the CPUs' time, not their number, bounds the rate; the machine's other
     # processes still share the CPUs themselves.
     usable = result.usable_cpus
@@ -100,6 +105,7 @@ def notes(result: BenchResult) -> list[str]:
         notes.append(f"cache_dir {result.cache_dir} keeps remote shards only: these local ones were read in place")
     return notes
 
+
 def _disturbed_notes(result: BenchResult) -> list[str]:
     """The counts, and rounds, whose windows other processes disturbed: every row is checked,
     as one disturbed below the knee reads low and moves the knee up."""
@@ -122,19 +128,17 @@ def _epoch_notes(result: BenchResult, counts: list[BenchCount]) -> list[str]:
     """Counts whose rows measured epochs ending and starting as much as steady streaming."""
     small = ([c.num_workers for c in counts if result.samples < result.batch_size * max(1, c.num_workers)]
              if result.samples is not None else [])
-    share = {c.num_workers: 0.0 for c in counts}  # in the table's order
-    for row in result.rows:
-        if row.num_workers not in small and row.seconds > 0:
-            share[row.num_workers] = max(share[row.num_workers], row.restart_s / row.seconds)
-    short = {n: s for n, s in share.items() if s >= RESTARTS}
+    # Counted in epochs a window held, not in time: the gap from an epoch's last batch to the next
+    # one's first also holds the batches workers made meanwhile, which then come at once (a review
+    # read "62% of the window" at 4 workers, where the rate per busy CPU lost 5-10%).
+    short = {c.num_workers: c.epochs for c in counts if c.num_workers not in small and c.epochs >= SHORT_EPOCHS}
     notes = []
     if small:
         notes.append(f"the dataset's {result.samples} samples are fewer than a batch of {result.batch_size} for "
                      f"each worker at num_workers={listed(small)}: those rows measure epochs ending and "
                      "starting, not steady streaming; measure a larger dataset (or a smaller --batch-size)")
     if short:
-        which = ", ".join(f"{s:.0%} at num_workers={n}" for n, s in short.items())
-        notes.append(f"epochs are short: restarting them (from an epoch's last batch to the next one's first) "
-                     f"took up to {which} of a measurement's window: those rows measure epochs ending and "
-                     "starting as much as steady streaming; measure a larger dataset")
+        which = ", ".join(f"{e} at num_workers={n}" for n, e in short.items())
+        notes.append(f"epochs are short: a measurement's window held up to {which} of them, each one's start (its "
+                     "plan, its first reads) counted in the rate; measure a larger dataset for the steady rate")
     return notes

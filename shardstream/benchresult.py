@@ -24,10 +24,12 @@ __all__ = ["BenchCount", "BenchResult", "BenchRow", "find_knee", "save_json"]
 
 CPU_BOUND = 0.85  # the share of the CPUs busy from which a rate counts as limited by them
 CROWDED = 0.5  # CPUs' worth of other processes' work in a window, on a machine CPU_BOUND busy, that disturbed it
-# The share of a measurement's window its epochs' restarts took (`BenchRow.restart_s`) from which
-# its rate measures them more than steady streaming. Over 400 small images, 8 epochs in 3 s at 2
-# workers kept 0.8 of 2 CPUs busy, and 4,000 of the same images 1.9.
-RESTARTS = 0.1
+# The epochs a measurement's window held from which its rate counts their starts (a plan, the first
+# reads, workers refilled) as much as steady streaming: 400 small images made 5 a 2 s window, and
+# 1,600 of the same 1 or 2. In epochs, not seconds: the time from an epoch's last batch to the next
+# one's first (`BenchRow.restart_s`) holds the batches workers made meanwhile, which then come at
+# once, and read as up to 62% of a window at 4 workers where the rate per busy CPU lost 5-10%.
+SHORT_EPOCHS = 4
 
 
 def find_knee(rates: dict[int, float], tolerance: float = 0.05) -> int:
@@ -160,7 +162,7 @@ class BenchResult:
         CPUs CPU_BOUND busy, CROWDED of it theirs); None where they did not, or unmeasured."""
         if machine_busy is None or cpus_busy is None or not self.cpus:
             return None
-        others = round(machine_busy - cpus_busy, 2)
+        others = round(round(machine_busy, 2) - round(cpus_busy, 2), 2)  # as the two figures are printed
         return others if round(machine_busy, 2) >= CPU_BOUND * self.cpus - 1e-9 and others >= CROWDED else None
 
     def to_dict(self) -> dict[str, Any]:
@@ -199,17 +201,19 @@ class BenchResult:
         if self.local is not False or not self.rows:
             return None
         cached = self.cache_dir is not None
-        headers = ("num_workers", "requests", "MB read", "retries", "read-ahead waits", "wait s (all threads)",
-                   *(("cache hits", "cache misses") if cached else ()))
+        headers = ("num_workers", "requests", "MB read", "MB from store", "retries", "read-ahead waits",
+                   "wait s (all threads)", *(("cache hits", "cache misses") if cached else ()))
         cells = [
             (str(c.num_workers), f"{c.io.get('requests', 0):,.0f}", f"{c.io.get('bytes', 0) / 1e6:,.1f}",
+             f"{c.io.get('remote_bytes', 0) / 1e6:,.1f}",
              f"{c.retries:,}", f"{c.io.get('readahead_waits', 0):,.0f}", f"{c.io.get('wait_s', 0):,.2f}",
              *((f"{c.io.get('cache_hits', 0):,.0f}", f"{c.io.get('cache_misses', 0):,.0f}") if cached else ()))
             for c in self.counts
         ]
         return _aligned(headers, cells) + (
-            "\nstorage: a round's median (retries: every round's); wait s sums the time each reading thread "
-            "spent in storage calls, so it exceeds the window where several read at once")
+            "\nstorage: a round's median (retries: every round's); MB read counts cached copies' reads too, MB "
+            "from store the remote store's alone; wait s sums the time each reading thread spent in storage "
+            "calls, so it exceeds the window where several read at once")
 
     def diagnosis(self) -> str | None:
         """What limits the rate at the knee (benchadvice.py), or None where unmeasured."""

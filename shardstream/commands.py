@@ -243,6 +243,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         partial = getattr(stop, "result", None)
         if partial is not None and partial.rows:
             _say_bench(partial, args.json, None)
+            if plot is not None:
+                say(f"no curve drawn to {plot}: stopped before the end")
+        else:
+            say("nothing was measured before the stop" + (f": no {args.json} written" if args.json else ""))
         raise
     _say_bench(result, args.json, plot)
     return 0
