@@ -203,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"zstd level, {MIN_LEVEL}..22 (default {IMAGE_LEVEL}, a fast level: image files do not "
                    "shrink, and higher levels cost twice the time and more for a fraction of a percent)")
     p.add_argument("--workers", type=_positive_int, default=None,
-                   help="parallel workers: threads for large images, processes for small ones (default: all cores)")
+                   help="parallel workers: threads for large images, processes for small ones (default: the "
+                        "CPUs this process may use: its affinity, its cgroup's CPU quota)")
     p.add_argument("--seed", type=_seed, default=0, help="seed of the sample order")
     p.add_argument("--no-shuffle", action="store_true", help="keep sorted order (class-sorted shards!)")
     p.add_argument("--on-error", choices=("fail", "skip"), default="fail", help="on a corrupt image")

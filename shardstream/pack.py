@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterator
 from PIL import Image
 
 from .arguments import flag, integer
+from .cpus import usable_cpus
 from .errors import PackError, ShardstreamError
 from .format import INDEX_SUFFIX, MANIFEST_NAME, Manifest, ShardInfo
 from .framebuild import FrameResult, build_job
@@ -355,7 +356,9 @@ def pack(
     # under way while this part's manifest is not there yet.
     scratch_names = [target, MANIFEST_NAME, *(name for shard in todo for name in (shard, shard + INDEX_SUFFIX))]
     cleanup_scratch(store, scratch_names)
-    workers = max(1, min(workers or os.cpu_count() or 1, len(jobs) or 1))
+    # The CPUs this process may use (affinity, a pod's CPU limit), not the machine's: a pod limited
+    # to 4 CPUs of a 128-core node started 128 workers and their frame buffers.
+    workers = max(1, min(workers or usable_cpus(), len(jobs) or 1))
 
     start = time.perf_counter()
     finished: dict[int, tuple[ShardInfo, list[tuple[str, str]]]] = dict(done)

@@ -20,6 +20,7 @@ from .decode import decode_image, jpeg_damage
 from .fields import IMAGE_EXTENSIONS, field_extension, unreadable
 from .format import MANIFEST_NAME, Manifest
 from .arguments import flag
+from .cpus import usable_cpus
 from .errors import ManifestError, ShardstreamError, shown_url
 from .reader import ShardReader
 from .shardfile import seek_table
@@ -408,7 +409,7 @@ def _verify_source(source: Source, report: VerifyReport, decode_images: bool, pr
 
     problems_before = len(report.problems)  # the class counts are checked where the shards had none
     local = source.local
-    workers = max(1, min(workers or max(os.cpu_count() or 1, 1 if local else 4), len(source.shards) or 1))
+    workers = max(1, min(workers or max(usable_cpus(), 1 if local else 4), len(source.shards) or 1))
     readers = (_shard_reader(ref) for ref in source.shards)  # made as the threads take them
     try:
         with contextlib.closing(ordered_map(check, readers, workers, name="shardstream-verify")) as futures:

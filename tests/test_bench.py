@@ -296,7 +296,7 @@ def test_the_plot_title_says_what_was_measured():
 
 @pytest.mark.parametrize("layout", ["v2", "v1", "v1-container"])
 def test_cpu_quota_from_cgroups(tmp_path, layout):
-    from shardstream.bench import _cpu_quota
+    from shardstream.cpus import cpu_quota as _cpu_quota
 
     mount = tmp_path / "sys"
     if layout == "v2":  # the least along the path: the pod's 1.5 CPUs below the node's "max"
@@ -315,6 +315,20 @@ def test_cpu_quota_from_cgroups(tmp_path, layout):
     (tmp_path / "none").write_text("0::/\n")
     assert _cpu_quota(str(tmp_path / "none"), str(tmp_path / "empty")) is None
     assert _cpu_quota(str(tmp_path / "missing"), str(mount)) is None
+
+
+def test_the_cpus_a_process_may_use_are_its_affinitys_or_its_quotas(monkeypatch):
+    """Found by a walk of the Kubernetes recipe: pack's default workers were `os.cpu_count()`, the machine's,
+    so a pod limited to 4 CPUs of a 128-core node started 128. The affinity, or the quota where less."""
+    from shardstream import cpus
+
+    monkeypatch.setattr(cpus, "cpus_here", lambda: 128)
+    monkeypatch.setattr(cpus, "cpu_quota", lambda: 3.5)
+    assert cpus.usable_cpus() == 4
+    monkeypatch.setattr(cpus, "cpu_quota", lambda: None)
+    assert cpus.usable_cpus() == 128
+    monkeypatch.setattr(cpus, "cpus_here", lambda: 1)  # `taskset -c 0`
+    assert cpus.usable_cpus() == 1
 
 
 def test_a_bench_reads_the_machines_cpus_beside_its_own():
