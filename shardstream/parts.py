@@ -13,7 +13,7 @@ import contextlib
 import hashlib
 import re
 from dataclasses import replace
-from typing import Any
+from typing import Any, Callable
 
 from .arguments import flag
 from .errors import ManifestError, ShardstreamError
@@ -157,6 +157,11 @@ def merge(dst: str, *, storage_options: dict[str, Any] | None = None, fsync: boo
     total = totals.pop()
     missing = [i for i in range(total) if i not in found]
     if missing:
+        # The parts there first: a part packed with other options is named now, not after the
+        # missing ones are packed (with its options copied, as the refusal before packing said).
+        present = sorted(found)
+        _check_options_agree([Manifest.from_bytes(store.read(found[i][1]), store.url(found[i][1]))
+                              for i in present], present, lambda n: store.url(found[n][1]))
         begun = _begun_parts(store, total)
         names = ", ".join(f"part {i} (manifest.part-{i:05d}-of-{total:05d}.msgpack"
                           + ("; begun and not finished: --resume continues it" if i in begun else "") + ")"
@@ -176,13 +181,7 @@ def merge(dst: str, *, storage_options: dict[str, Any] | None = None, fsync: boo
             raise ManifestError(f"this manifest says it is part {part.options.get('part')}, not [{i}, {total}]",
                                 url=store.url(found[i][1]))
     # The options first: another seed orders the listing otherwise, and changes its digest too.
-    odd_groups, usual = _odd_ones_out([(sorted(_options_told(part).items()), part.compression) for part in parts])
-    if odd_groups:
-        odd = sorted(i for group in odd_groups for i in group)
-        told = "; ".join(f"{_parts(group)}: {_told_apart(parts[group[0]], parts[usual[0]])}" for group in odd_groups)
-        raise ManifestError(f"{_parts(odd)} {'was' if len(odd) == 1 else 'were'} packed with other options than "
-                            f"{_parts(usual)} ({told}): pack {'it' if len(odd) == 1 else 'them'} again with the "
-                            "others' options (--overwrite)", url=store.url(found[odd[0]][1]))
+    _check_options_agree(parts, list(range(total)), lambda n: store.url(found[n][1]))
     odd_groups, usual = _odd_ones_out([_source_listed(part) for part in parts])
     if odd_groups:
         odd = sorted(i for group in odd_groups for i in group)
@@ -230,10 +229,38 @@ def _options_told(manifest: Manifest) -> dict[str, Any]:
     return {k: v for k, v in _common_options(manifest).items() if k != "listing"}
 
 
+def _check_options_agree(parts: list[Manifest], numbers: list[int], url_of: Callable[[int], str]) -> None:
+    """ManifestError where the part manifests `parts` (of the parts `numbers`) were packed with
+    other options: those that differ from most are named; where no options are most's (a tie),
+    each group is, and none is called right (part 0 was, and the right parts were told to pack
+    again with the wrong options)."""
+    odd_groups, usual = _odd_ones_out([(sorted(_options_told(part).items()), part.compression) for part in parts])
+    if not odd_groups:
+        return
+    named = lambda group: [numbers[i] for i in group]  # noqa: E731
+    if any(len(group) == len(usual) for group in odd_groups):
+        told = "; ".join(f"{_parts(named(group))}: {_options_words(parts[group[0]])}" for group in (usual, *odd_groups))
+        raise ManifestError(f"the parts were packed with other options, and no options are most parts' ({told}): "
+                            "pack again, with the options meant, the parts packed otherwise (--overwrite)",
+                            url=url_of(numbers[odd_groups[0][0]]))
+    odd = sorted(numbers[i] for group in odd_groups for i in group)
+    told = "; ".join(f"{_parts(named(group))}: {_told_apart(parts[group[0]], parts[usual[0]])}" for group in odd_groups)
+    raise ManifestError(f"{_parts(odd)} {'was' if len(odd) == 1 else 'were'} packed with other options than "
+                        f"{_parts(named(usual))} ({told}): pack {'it' if len(odd) == 1 else 'them'} again with the "
+                        "others' options (--overwrite)", url=url_of(odd[0]))
+
+
+def _options_words(part: Manifest) -> str:
+    """A part's options that parts must share, in words: "seed 7, level -1, ..."."""
+    options = {**_options_told(part), "compression": part.compression}
+    return ", ".join(f"{name} {value!r}" for name, value in sorted(options.items()))
+
+
 def _odd_ones_out(keys: list[Any]) -> tuple[list[list[int]], list[int]]:
     """(the groups of parts whose `keys` differ from most parts', each alike within, the most
-    parts'): where parts disagree, the largest group (part 0's, in a tie) is taken for right,
-    so that one bad part among 32 is named, not the 31 compared with it."""
+    parts'): where parts disagree, the largest group (part 0's, in a tie: the callers say
+    there is a tie) is taken for right, so that one bad part among 32 is named, not the 31
+    compared with it."""
     groups: list[tuple[Any, list[int]]] = []
     for i, key in enumerate(keys):
         group = next((members for known, members in groups if known == key), None)
@@ -268,23 +295,31 @@ def check_part_agrees(store: Store, part: tuple[int, int], options: dict[str, An
                       classes: tuple[str, ...], ignored: int) -> None:
     """ManifestError, before part `part` packs anything, where a part of the same pack already
     in `store` was packed with other options or from another source listing: found only at
-    the merge, after every part had packed (hours on a cluster). One part manifest is read."""
+    the merge, after every part had packed (hours on a cluster). Compared with the options of
+    most parts finished (one part 0 packed with a wrong seed made every later part refuse, and
+    told them to copy it), each finished part's manifest read."""
     found = {i: name for i, (total, name) in part_manifests(store).items() if total == part[1] and i != part[0]}
-    if not found:
+    finished: dict[int, Manifest] = {}
+    for i in sorted(found):
+        try:
+            manifest = Manifest.from_bytes(store.read(found[i]), store.url(found[i]))
+        except ShardstreamError:
+            continue  # unreadable: the merge says so
+        if "sizes" in manifest.options:  # else an earlier version's part, whose listing digest is of another kind
+            finished[i] = manifest
+    if not finished:
         return
-    other = min(found)
-    try:
-        there = Manifest.from_bytes(store.read(found[other]), store.url(found[other]))
-    except ShardstreamError:
-        return  # unreadable: the merge says so
-    if "sizes" not in there.options:
-        return  # an earlier version's part, whose listing digest is of another kind: the merge says so
+    numbers = sorted(finished)
+    _, usual = _odd_ones_out([(sorted(_options_told(finished[i]).items()), finished[i].compression) for i in numbers])
+    group = [numbers[i] for i in usual]
+    other, there = group[0], finished[group[0]]
     differ = _differing({k: v for k, v in options.items() if k not in ("part", "prefix", "sizes")}, compression, there)
-    said = f"part {part[0]} of {part[1]} and part {other}, packed already, do not merge: "
+    said = f"part {part[0]} of {part[1]} and {_parts(group)}, packed already, do not merge: "
     if differ:
-        told = "; ".join(f"{name} {mine!r} here, {theirs!r} in part {other}" for name, (mine, theirs) in differ.items())
-        raise ManifestError(f"{said}other options ({told}): pack with part {other}'s options, or every part again "
-                            "with these (--overwrite)", url=store.url(found[other]))
+        told = "; ".join(f"{name} {mine!r} here, {theirs!r} in {_parts(group)}"
+                         for name, (mine, theirs) in differ.items())
+        raise ManifestError(f"{said}other options ({told}): pack with the options of {_parts(group)}, or every part "
+                            "again with these (--overwrite)", url=store.url(found[other]))
     if (options.get("listing"), classes, ignored) != _source_listed(there):
         raise ManifestError(f"{said}another source listing (other file names, labels or class folders, or another "
                             "count of files that are not images): every part must list the same source",

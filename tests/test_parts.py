@@ -189,6 +189,24 @@ def test_inconsistent_options_are_refused_naming_the_odd_part(source, tmp_path):
         merge(dst)
 
 
+def test_a_bad_part_0_is_named_and_does_not_make_the_right_parts_refuse(source, tmp_path):
+    """Found by a walk of a cluster pack: the check before packing read part 0 alone, so with part 0
+    packed with a wrong seed every later (right) part refused and was told to copy it; a merge with a
+    part missing named only the missing one; and two parts that differ called part 0's options right."""
+    dst = _parts_packed_apart(source, tmp_path, (0, 4, {"seed": 7}), (1, 4, {}), (2, 4, {}))
+    with pytest.raises(ss.ShardstreamError, match=re.escape("part 0 was packed with other options than parts 1, 2 "
+                                                            "(part 0: seed 7, not 0)")):
+        merge(dst)  # part 3 missing too: the odd part is named first
+    ss.pack(str(source / "src"), dst, shard_size="8KB", part=(3, 4), progress=False)  # agrees with most: packs
+    with pytest.raises(ManifestError, match=re.escape("part 0 was packed with other options than parts 1, 2, 3")):
+        merge(dst)
+    tie = _parts_packed_apart(source, tmp_path / "tie", (0, 2, {"seed": 7}), (1, 2, {}))
+    with pytest.raises(ManifestError, match="no options are most parts' \\(part 0: .*seed 7.*; part 1: .*seed 0") \
+            as error:
+        merge(tie)
+    assert "others' options" not in str(error.value)
+
+
 def test_parts_of_another_source_are_refused(source, tmp_path):
     other = tmp_path / "other"
     make_image_folder(other, num_classes=3, images_per_class=[7, 9, 6], size_range=((32, 24), (48, 40)))
