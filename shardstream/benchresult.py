@@ -65,6 +65,8 @@ class BenchRow:
     machine_busy: float | None = None
     # Seconds of the window from an epoch's last batch to the next one's first, beyond a batch's
     # usual interval: the pipeline drained and filled again, shards opened, the shuffle buffer refilled.
+    # With workers it also holds the batches they made meanwhile, so it reads high (SHORT_EPOCHS):
+    # kept in the JSON, not judged by.
     restart_s: float = 0.0
     # The dataset's storage counters over the window (`StreamingDataset.io_stats`): requests,
     # bytes, retries, `wait_s` (summed over the reading threads: it can exceed the window),
@@ -72,10 +74,6 @@ class BenchRow:
     # latency that only a larger `prefetch`, or a cache, would have hidden), cache hits, ...
     io: dict[str, float] = field(default_factory=dict)
     round: int = 1  # the round that measured it, from 1
-
-    @property
-    def readahead_waits(self) -> int:
-        return int(self.io.get("readahead_waits", 0))
 
 
 @dataclass
