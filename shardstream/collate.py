@@ -21,7 +21,7 @@ from .decode import image_formats_hint
 from .device_jpeg import EncodedImage, collate_encoded
 from .errors import CollateError, ShardstreamError, reason
 
-__all__ = ["collated", "default_collate", "dicts_unlike_the_first", "pad_collate", "unlike_the_first"]
+__all__ = ["collated", "default_collate", "dicts_unlike_the_first", "is_own_collate", "pad_collate", "unlike_the_first"]
 
 def _collate_ints(batch: Sequence[Any], **_: Any) -> torch.Tensor:
     """torch's collate of a batch whose first number is an int: `torch.tensor(batch)`,
@@ -78,7 +78,7 @@ def collated(collate_fn: Callable[[list[Any]], Any], batch: list[Any], where: Wh
         # pad_collate's sequences differ in length by design: their other dimensions are compared.
         unlike = unlike_the_first(batch, names=names, padded=_underlying(collate_fn) is pad_collate)
         position, how = unlike if unlike is not None else (0, "")
-        if _underlying(collate_fn) not in (default_collate, pad_collate) and how:
+        if not is_own_collate(collate_fn) and how:
             # Code of the user's own may fail for any reason: the difference is told, not blamed.
             name = getattr(collate_fn, "__qualname__", None) or type(collate_fn).__name__
             how = f"differs from the first, which may be why {name} failed: it {how}"
@@ -97,6 +97,13 @@ def _collate_error(batch: Sequence[Any], position: int, how: str, where: Where,
     if error is not None:
         said += f" ({type(error).__name__}: {reason(error)})"
     return CollateError(said, url=url if isinstance(url, str) else None, key=key if isinstance(key, str) else None)
+
+
+def is_own_collate(collate_fn: Any) -> bool:
+    """Whether `collate_fn` is `default_collate` or `pad_collate`, a `functools.partial` of
+    one included (``partial(pad_collate, padding_value=-1)``): they draw nothing, and make
+    batches of fields."""
+    return _underlying(collate_fn) in (default_collate, pad_collate)
 
 
 def _underlying(collate_fn: Callable[..., Any]) -> Callable[..., Any]:

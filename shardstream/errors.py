@@ -207,6 +207,10 @@ class PackError(ShardstreamError):
     """Packing could not proceed: bad source, unreadable or corrupt input file."""
 
 
+class MissingPartsError(ShardstreamError):
+    """A pack in parts has parts not finished yet: there is nothing wrong to merge, only too little."""
+
+
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 # Pillow names the in-memory file it was given (`cannot identify image file <_io.BytesIO object
 # at 0x...>`), which tells a reader nothing: the sample is named beside it.

@@ -41,7 +41,7 @@ import torch.utils.data
 
 from .arguments import flag, integer
 from .batches import count_samples, map_field, tensors, to_device, usable_device
-from .collate import default_collate, pad_collate
+from .collate import is_own_collate
 from .dataset import StreamingDataset
 from .errors import RaisedInWorker, ShardstreamError, WorkerDiedError
 from .parentwatch import end_with_parent
@@ -641,7 +641,8 @@ class DataLoader:
         self._workers = workers = list(getattr(source, "_workers", ()))
         received = _raising_workers_errors(source)
         batches = self._on_device(received) if self._use_cuda() else self._on_host(received)
-        by_fields = self.dataset.collate_fn in (default_collate, pad_collate, torch.utils.data.default_collate)
+        collate_fn = self.dataset.collate_fn
+        by_fields = is_own_collate(collate_fn) or collate_fn is torch.utils.data.default_collate
         # The consumer has waited since it asked for the first batch: through resolving the
         # source and starting the workers above, not only inside next().
         t0 = start

@@ -16,7 +16,7 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from .arguments import flag
-from .errors import ManifestError, ShardstreamError
+from .errors import ManifestError, MissingPartsError, ShardstreamError
 from .format import INDEX_SUFFIX, MANIFEST_NAME, PART_MANIFEST, Manifest, ShardInfo
 from .shardtable import ShardTable
 from .storage import Store
@@ -146,6 +146,18 @@ def merge(dst: str, *, storage_options: dict[str, Any] | None = None, fsync: boo
     manifest is on the disk when this returns (`pack`'s `fsync`, which the parts need too).
     """
     store = Store(dst, storage_options or {}, durable=flag(fsync, "fsync"))
+    manifest = merged_manifest(store)
+    write_manifest(store, manifest)
+    if store.local:  # the parts' journals are gone; their common folder can go too
+        remove_journal_folder(store.url(JOURNAL_FOLDER))
+    return manifest
+
+
+def merged_manifest(store: Store) -> Manifest:
+    """The dataset manifest the part manifests in `store` merge into, every check of `merge`
+    made (`verify` of unmerged parts tells what would stop their merge); nothing is written.
+    Parts not finished are a MissingPartsError, once the finished ones agree."""
+    dst = store.root
     found = part_manifests(store)
     if not found:
         there = " (a dataset's manifest is there: a single pack's, with nothing to merge)" \
@@ -166,7 +178,7 @@ def merge(dst: str, *, storage_options: dict[str, Any] | None = None, fsync: boo
         names = ", ".join(f"part {i} (manifest.part-{i:05d}-of-{total:05d}.msgpack"
                           + ("; begun and not finished: --resume continues it" if i in begun else "") + ")"
                           for i in missing)
-        raise ShardstreamError(f"missing {len(missing)} of {total} parts: {names}", url=dst)
+        raise MissingPartsError(f"missing {len(missing)} of {total} parts: {names}", url=dst)
 
     parts = [Manifest.from_bytes(store.read(found[i][1]), store.url(found[i][1])) for i in range(total)]
     versions = {"sizes" in part.options for part in parts}
@@ -192,7 +204,7 @@ def merge(dst: str, *, storage_options: dict[str, Any] | None = None, fsync: boo
     if len(names) != len(set(names)):
         raise ManifestError("parts list the same shard twice", url=dst)
     _check_shards(store, parts)
-    manifest = Manifest(
+    return Manifest(
         shards=ShardTable.concat([part.shards for part in parts]),
         compression=first.compression,
         classes=first.classes,
@@ -201,10 +213,6 @@ def merge(dst: str, *, storage_options: dict[str, Any] | None = None, fsync: boo
         ignored=first.ignored,
         options={**common, "parts": total},
     )
-    write_manifest(store, manifest)
-    if store.local:  # the parts' journals are gone; their common folder can go too
-        remove_journal_folder(store.url(JOURNAL_FOLDER))
-    return manifest
 
 
 def _begun_parts(store: Store, total: int) -> set[int]:

@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
-from .collate import collated, default_collate, pad_collate
+from .collate import collated, is_own_collate
 from .decode import Decoder, image_formats_hint
 from .decode_ahead import DecodeAhead
 from .device_jpeg import DeferDecode
@@ -106,7 +106,7 @@ class SamplePrep:
         """`items` (prepared by this, collated by `collate` if batched) as the training
         loop's own process takes them: where anything draws, with the loop's generator states
         put back around each (`keeping_callers_generators`)."""
-        python_too = self.runs_user_code or (collate is not None and collate not in _OWN_COLLATES)
+        python_too = self.runs_user_code or (collate is not None and not is_own_collate(collate))
         if not (self.draws_globally or python_too):
             return items
         return keeping_callers_generators(items, python_too)
@@ -133,7 +133,7 @@ class SamplePrep:
         for k, batch in enumerate(batches(items, size, drop_last, list)):
             batch_ids = ids[k * size : (k + 1) * size]
             named = lambda position: where(batch_ids[position])  # noqa: E731
-            if collate in _OWN_COLLATES:  # they draw nothing
+            if is_own_collate(collate):  # they draw nothing
                 yield collated(collate, batch, named, names)
                 continue
             seed = sample_seed(self.seed, self.epoch, hash(tuple(batch_ids)) & _MASK63)
@@ -238,7 +238,6 @@ def sample_seed(seed: int, epoch: int, sample_id: int) -> int:
     return (x ^ (x >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
-_OWN_COLLATES = (default_collate, pad_collate)
 _MASK63 = (1 << 63) - 1
 _USER_CODE = 0x2545F4914F6CDD1D  # sets the user code's seed apart from the crops' (within 63 bits)
 

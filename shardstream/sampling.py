@@ -55,7 +55,7 @@ import math
 import numbers
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -140,23 +140,31 @@ class Mix:
     """Several datasets read as one, each contributing `weights[i]` of every window.
 
     The epoch is the sum of the sources' sizes, unless `Sampling(samples_per_epoch=...)`
-    says. Sources on different kinds of store take `storage_options` by protocol
-    (``{"s3": {...}, "http": {...}}``), each its own protocol's (two S3 endpoints with
-    options of their own cannot be mixed so: one of them through the AWS environment)."""
+    says. Sources on different kinds of store take the dataset's `storage_options` by
+    protocol (``{"s3": {...}, "http": {...}}``), each its own protocol's. Sources of one
+    protocol with options of their own (two S3 endpoints, two accounts) take them here,
+    `storage_options[i]` for source i (None: the dataset's), which are never printed."""
 
     sources: tuple[str | tuple[str, ...], ...]
     weights: tuple[float, ...] = field(default=())
+    # Credentials: left out of repr and of comparisons (a state's check compares the weights).
+    storage_options: tuple[dict[str, Any] | None, ...] = field(default=(), repr=False, compare=False)
 
     def __init__(self, sources: Sequence[str | os.PathLike[str] | Sequence[str | os.PathLike[str]]],
-                 weights: Sequence[float]):
+                 weights: Sequence[float], storage_options: Sequence[Mapping[str, Any] | None] | None = None):
         if len(sources) != len(weights) or not sources:
             raise ValueError("Mix needs one weight per source")
+        if storage_options is not None and (len(storage_options) != len(sources) or not all(
+                options is None or isinstance(options, Mapping) for options in storage_options)):
+            raise ValueError("Mix's storage_options are one dict (or None) per source")
         if not all(isinstance(w, numbers.Real) and math.isfinite(w) and w > 0 for w in weights):
             raise ValueError(f"Mix weights must be finite and positive, not {list(weights)}")
         top = float(max(weights))  # each finite, their sum may not be (1e308 twice)
         total = sum(w / top for w in weights)
         object.__setattr__(self, "sources", tuple(source_urls(s) for s in sources))
         object.__setattr__(self, "weights", tuple(float(w / top / total) for w in weights))  # plain: see Sampling
+        object.__setattr__(self, "storage_options", tuple(
+            None if options is None else dict(options) for options in storage_options or [None] * len(sources)))
 
 
 def source_urls(source: "str | os.PathLike[str] | Sequence[str | os.PathLike[str]]") -> str | tuple[str, ...]:

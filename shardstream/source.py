@@ -599,7 +599,8 @@ def resolve_source(source: "str | Sequence[str] | Mix", *, storage_options: dict
     options = storage_options or {}
     retry = retry or RetryPolicy()
     if isinstance(source, Mix):
-        parts = tuple(resolve_source(s, storage_options=_options_of(s, options), retry=retry) for s in source.sources)
+        parts = tuple(resolve_source(s, storage_options=_options_of(s, options) if own is None else own, retry=retry)
+                      for s, own in zip(source.sources, source.storage_options))
         return Source("mix", ChainedShards([p.shards for p in parts]), None, parts)
     source = source_urls(source)  # a pathlib.Path is a location too
     piped = next((url for url in ([source] if isinstance(source, str) else source)

@@ -21,12 +21,12 @@ from .fields import IMAGE_EXTENSIONS, field_extension, unreadable
 from .format import MANIFEST_NAME, Manifest
 from .arguments import flag
 from .cpus import usable_cpus
-from .errors import ManifestError, ShardstreamError, shown_url
+from .errors import ManifestError, MissingPartsError, ShardstreamError, shown_url
 from .reader import ShardReader
 from .shardfile import seek_table
 from .tario import END_OF_ARCHIVE, member_key
 from .epochs import shard_block
-from .parts import part_manifests
+from .parts import merged_manifest, part_manifests
 from .plan import run_samples
 from .source import ManifestShards, Source, open_dataset
 from .storage import Store
@@ -344,6 +344,8 @@ def verify_dataset(
 
     A folder of a pack's parts not merged yet (`pack --part`) has each finished part
     checked, against its part manifest: a node's output can be checked before the merge.
+    What would stop their merge (parts packed with other options or of another source,
+    shards missing or of other sizes) is a problem; parts not finished yet are not.
     """
     decode_images, progress = flag(decode_images, "decode_images"), flag(progress, "progress")
     report = VerifyReport()
@@ -372,6 +374,12 @@ def _unmerged_parts(store: Store, report: VerifyReport) -> list[Source]:
     if len(totals) != 1:  # none, or parts of packs in different numbers of parts: `merge` says which
         return []
     report.parts = (tuple(sorted(found)), totals.pop())
+    try:  # what would stop their merge: parts packed with other options, of another source, ...
+        merged_manifest(store)
+    except MissingPartsError:
+        pass  # the report says which parts are not finished
+    except ShardstreamError as e:
+        report.problems.append(Problem("merge", None, str(e)))
     sources = []
     for number in sorted(found):
         name = found[number][1]

@@ -672,6 +672,18 @@ def test_a_padding_value_the_dtype_cannot_hold_is_refused_in_every_process(tmp_p
     assert padded.tolist() == [[0, 1, 2], [0, 255, 255]] and lengths.tolist() == [3, 1]
 
 
+def test_a_partial_of_our_collates_is_ours():
+    """Regression (found by review): a `functools.partial` of `pad_collate` was taken for a
+    user's collate: batches then drew under a seed of their own, and samples were counted
+    as another collate's."""
+    from shardstream.collate import is_own_collate
+
+    assert is_own_collate(pad_collate) and is_own_collate(shardstream.default_collate)
+    assert is_own_collate(functools.partial(pad_collate, padding_value=-1))
+    assert is_own_collate(functools.partial(functools.partial(pad_collate), padding_value=2))
+    assert not is_own_collate(list) and not is_own_collate(functools.partial(sorted, key=len))
+
+
 # -- sources other than a packed dataset -------------------------------------------------------------------
 
 

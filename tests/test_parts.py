@@ -362,6 +362,28 @@ def test_verify_checks_the_finished_parts_before_the_merge(source, tmp_path):
     assert not report.ok and report.parts is None and "not valid msgpack" in report.problems[0].message
 
 
+def test_verify_of_unmerged_parts_names_what_would_stop_their_merge(source, tmp_path):
+    """Found by the thirty-eighth session's walk: `verify` of every part, finished and sound
+    each but packed with other seeds, said "ok" and exited 0, and `merge` then refused them."""
+    import shutil
+
+    from shardstream.verify import verify_dataset
+
+    dst, other = tmp_path / "parts", tmp_path / "other"
+    ss.pack(str(source / "src"), str(dst), shard_size="8KB", part=(0, 2), progress=False)
+    ss.pack(str(source / "src"), str(other), shard_size="8KB", part=(1, 2), seed=5, progress=False)
+    for path in other.glob("*p00001*"):
+        shutil.copy(path, dst / path.name)
+    shutil.copy(other / "manifest.part-00001-of-00002.msgpack", dst)
+    report = verify_dataset(str(dst))
+    assert report.parts == ((0, 1), 2) and report.shards > 0 and len(report.problems) == 1
+    assert report.problems[0].shard == "merge" and "packed with other options" in report.problems[0].message
+    result = cli("verify", str(dst), "--quiet")
+    assert result.returncode == 1 and "PROBLEM merge: " in result.stdout and "seed" in result.stdout
+    with pytest.raises(ss.ShardstreamError, match="packed with other options"):
+        merge(str(dst))
+
+
 def test_merge_asks_the_store_once_for_every_size_and_reads_each_index_once(source, tmp_path, monkeypatch):
     """merge asked the store, shard after shard, whether the shard and its index were there and the shard's
     size: 4 requests in a row a shard, so that on S3 a merge of 500k shards took hours. One listing

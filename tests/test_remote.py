@@ -211,6 +211,32 @@ def test_a_mix_of_s3_and_http_takes_each_sources_options_by_protocol(moto, s3_ds
     assert _options_of("s3://b/ds", {"client_kwargs": {"region_name": "x"}}) == {"client_kwargs": {"region_name": "x"}}
 
 
+def test_a_mix_of_two_s3_endpoints_takes_each_sources_own_options(moto, s3_ds, local_ds):
+    """Found by a walk (left in the thirty-eighth session's note): two S3 stores of their
+    own (two endpoints, two accounts) could not be mixed, options being given by protocol.
+    `Mix(storage_options=[...])` gives each source its own; the dataset's go to the others,
+    and none of them is printed."""
+    expected = sorted(key for (key,) in StreamingDataset(local_ds, decode=None, fields=("__key__",)))
+    other = MotoS3Server()
+    try:
+        fs = s3fs_of(other)
+        fs.call_s3("create_bucket", Bucket=BUCKET)
+        fs.put(local_ds, f"{BUCKET}/elsewhere", recursive=True)
+        second = f"s3://{BUCKET}/elsewhere"
+        mix = shardstream.Mix([s3_ds, second], [1, 1], storage_options=[None, other.storage_options])
+        assert "testing" not in repr(mix) and mix == shardstream.Mix([s3_ds, second], [1, 1])
+        ds = StreamingDataset(mix, decode=None, fields=("__key__",), storage_options=moto.storage_options)
+        assert sorted(key for (key,) in ds) == sorted(expected * 2)
+        # Without its own options the second source is read at the first endpoint, which lacks it.
+        with pytest.raises(shardstream.ShardstreamError, match="elsewhere"):
+            list(StreamingDataset(shardstream.Mix([s3_ds, second], [1, 1]), decode=None,
+                                  storage_options=moto.storage_options))
+    finally:
+        other.close()
+    with pytest.raises(ValueError, match="one dict .or None. per source"):
+        shardstream.Mix([s3_ds, second], [1, 1], storage_options=[None])
+
+
 def test_an_s3_location_without_a_manifest_says_whether_anything_is_there(moto, src):
     """The "no manifest" error over S3 (item 375, and its review): a missing bucket or prefix says
     nothing is there (a missing bucket, by its name); a prefix of images names `shardstream pack`. One
