@@ -19,6 +19,7 @@ from __future__ import annotations
 import bisect
 import collections
 import contextlib
+import dataclasses
 import hashlib
 import os
 import warnings
@@ -28,7 +29,7 @@ import numpy as np
 
 from ._version import __version__
 from .arguments import flag
-from .braces import expand_braces, folder_named, names_shards
+from .braces import COMPRESSED_TARS, expand_braces, folder_named, names_shards
 from .errors import DuplicateKeyError, ShardstreamError, add_note
 from .format import INDEX_SUFFIX, MANIFEST_NAME, Manifest, ShardIndex, ShardInfo
 from .tarstream import CountingReader, StreamTarReader, scan_tar
@@ -40,8 +41,6 @@ from .threads import ordered_map
 from .writer import check_level_used, write_manifest
 
 __all__ = ["index_tars", "repack_tars"]
-
-_COMPRESSED = (".tar.gz", ".tgz", ".tar.zst", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
 
 
 def index_tars(source: str | os.PathLike[str] | Sequence[str], *, workers: int = 8, overwrite: bool = False,
@@ -203,7 +202,7 @@ def tar_stem(name: str) -> str:
     """A tar's file name without its folder and its extensions (``shards-000003`` of
     ``x/shards-000003.tar.gz``)."""
     base = name.rsplit("/", 1)[-1]
-    for suffix in (*_COMPRESSED, ".tar"):
+    for suffix in (*COMPRESSED_TARS, ".tar"):
         if base.endswith(suffix):
             return base[: -len(suffix)]
     return base
@@ -301,7 +300,7 @@ def _refuse_foreign_indexes(store: Store, names: Sequence[str]) -> None:
 def _shards(source: str | os.PathLike[str] | Sequence[str], options: dict[str, Any], *,
             compressed: bool = False) -> tuple[Store, list[str]]:
     """The one folder the shards are in, and their names (plain tars only, unless `compressed`)."""
-    kinds = (".tar", *_COMPRESSED) if compressed else (".tar",)
+    kinds = (".tar", *COMPRESSED_TARS) if compressed else (".tar",)
     if isinstance(source, os.PathLike):  # a folder as pathlib.Path, as `pack` and the dataset take one
         source = os.fspath(source)
     # A local folder is a folder whatever its name (`webdataset.tar/`, read as one shard: "is a directory").
@@ -311,7 +310,7 @@ def _shards(source: str | os.PathLike[str] | Sequence[str], options: dict[str, A
         store = Store(source, options, RetryPolicy())
         listed = store.list()
         names = [n for n in listed if n.endswith(kinds)]
-        packed = [n for n in listed if n.endswith(_COMPRESSED)] if not compressed else []
+        packed = [n for n in listed if n.endswith(COMPRESSED_TARS)] if not compressed else []
         if not names:
             if MANIFEST_NAME in listed and packed:  # `index` of what `pack` made: nothing to do
                 raise ShardstreamError("already a shardstream dataset (its manifest and indexed shards are here): "
@@ -356,6 +355,7 @@ def _index_shard(store: Store, name: str) -> tuple[ShardInfo, np.ndarray | None]
         index, fields = scan_tar(counted, store.url(name))
         while counted.read(1 << 20):  # the end-of-archive blocks: the checksum covers the whole file
             pass
+    index = dataclasses.replace(index, shard_bytes=counted.position)
     if not len(index):
         return ShardInfo(name, 0, counted.position, counted.position, "", "", 0, "", ()), None
     data = index.to_bytes()

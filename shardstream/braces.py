@@ -31,6 +31,8 @@ _RANGE_LIKE = re.compile(r"-?[A-Za-z0-9]+\.\.-?[A-Za-z0-9]+(?:\.\.-?[A-Za-z0-9]+
 _LETTERS = string.ascii_uppercase + string.ascii_lowercase  # bash's order: Z..a is Z, a
 _ESCAPE = re.compile(r"\\(.)")
 _SHARD_SUFFIXES = (".tar", ".tgz", ".gz", ".zst", ".bz2", ".tbz2", ".xz", ".txz")  # what StreamTarReader reads
+# Tars read only front to back: no index is made in place for them (`shardstream index`).
+COMPRESSED_TARS = (".tar.gz", ".tgz", ".tar.zst", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
 
 
 @dataclass(frozen=True)
@@ -159,17 +161,24 @@ def expand_braces(pattern: str, *, limit: int = MAX_BRACE_NAMES) -> list[str]:
     """The names a brace pattern stands for, in WebDataset's order: ``shards-{000..099}.tar``,
     ``s3://bucket/{train,val}/shard-{0..98..2}.tar`` (see above).
 
+    Patterns joined by ``::`` (``a-{0..9}.tar::b-{0..9}.tar``, WebDataset's list of
+    patterns) stand for each one's names in turn, where each names shards: a chained
+    fsspec URL (``simplecache::s3://...``) begins with a protocol, which names none.
+
     A string without braces is one name, as it is. Refused with a `BracePatternError`
     naming the pattern: unbalanced braces, a range of mixed kinds, more than `limit`
     names (counted before any is made, so that a typo cannot hang or fill memory).
     """
+    patterns = pattern.split("::")
+    if len(patterns) < 2 or not all(names_shards(one) for one in patterns):
+        patterns = [pattern]
     if "{" not in pattern and "}" not in pattern:
-        return [pattern]
-    parts = _parse(pattern, pattern)
-    if (n := _brace_count(parts)) > limit:
+        return patterns
+    parsed = [_parse(one, one) for one in patterns]
+    if (n := sum(_brace_count(parts) for parts in parsed)) > limit:
         raise BracePatternError(f"expands to {n:,} names, more than the limit of {limit:,} (a typo in a range?)",
                                 url=pattern)
-    return list(_brace_names(parts))
+    return [name for parts in parsed for name in _brace_names(parts)]
 
 
 def folder_named(source: str) -> str:

@@ -302,6 +302,9 @@ class ShardIndex:
     compression: str
     labels: np.ndarray | None = None  # each sample's class (`cls`), -1 where none; optional
     weights: np.ndarray | None = None  # each sample's sampling weight (`weight`), NaN where none; optional
+    # The shard file's size as indexed; optional (indexes written before it was recorded lack
+    # it). A shard written again since gives itself away by its size where no manifest would.
+    shard_bytes: int | None = None
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -324,6 +327,8 @@ class ShardIndex:
             body["labels"] = np.asarray(self.labels, dtype="<i4").tobytes()
         if self.weights is not None:
             body["weights"] = np.asarray(self.weights, dtype="<f4").tobytes()
+        if self.shard_bytes is not None:
+            body["shard_bytes"] = int(self.shard_bytes)
         data = msgpack.packb(body, use_bin_type=True)
         # Written past the reader's limits, the index would be refused by every reader: the
         # writers end shards before (`ShardFill`); an index of a shard made elsewhere may not.
@@ -350,7 +355,10 @@ class ShardIndex:
             compression=_require(raw, "compression", str, url, E),
             labels=read_labels(raw.get("labels"), len(keys), url),
             weights=read_weights(raw.get("weights"), len(keys), url),
+            shard_bytes=_require(raw, "shard_bytes", int, url, E) if "shard_bytes" in raw else None,
         )
+        if index.shard_bytes is not None and index.shard_bytes < 0:
+            raise E(f"shard_bytes {index.shard_bytes} is negative", url=url)
         if index.compression not in COMPRESSIONS:
             raise E(f"unknown compression {index.compression!r}", url=url)
         index.check(url)

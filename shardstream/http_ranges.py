@@ -22,15 +22,20 @@ Each request has a deadline besides its timeouts (deadlines.py): past it, it fai
 from __future__ import annotations
 
 import base64
+import collections
+import contextlib
 import functools
 import importlib.util
 import re
+import threading
 import time
 import urllib.parse
-from typing import Any, Mapping
+import warnings
+from typing import Any, Iterator, Mapping
 
 from .deadlines import RequestDeadlineError, deadline_s, headers_due, read_body, watched, within
 from .errors import shown_url
+from .iostats import io_stats
 from .perprocess import PerProcess
 
 __all__ = ["HTTPStatusError", "RequestDeadlineError", "available", "most_bytes", "range_header", "read_range"]
@@ -46,6 +51,73 @@ def _pool_manager() -> Any:
 
 
 _pool = PerProcess(_pool_manager)
+
+
+# A server that ignores Range sends the whole file (200) for every piece of it asked for:
+# kept, the pieces after the first are cut from it, where each fetched the whole file again
+# (a shard of 20 MB in 8 MB pieces crossed the wire 5 times; 256 MB, 32 times).
+WHOLE_FILES_BYTES = 512 << 20  # at most this much kept a process, or the one file last sent
+# The most a whole file sent for a range, its length said, may hold where its size is unknown
+# (no manifest): the range's bound (`most_bytes`) refused any shard larger than a piece. A
+# body of no length said keeps that bound (it may not end).
+WHOLE_FILE_MOST = 4 << 30
+
+
+# A file as asked for: its URL and the request's headers (another token may be sent another file).
+_Asked = tuple[str, tuple[tuple[str, str], ...]]
+
+
+class _WholeFiles:
+    """Files that servers ignoring Range sent whole, as asked for (`_Asked`), the latest kept
+    first, within `WHOLE_FILES_BYTES`; and the servers known to ignore ranges."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.files: collections.OrderedDict[_Asked, bytes] = collections.OrderedDict()
+        self.ignoring: set[str] = set()
+        self.turns: dict[_Asked, threading.Lock] = {}
+
+    @contextlib.contextmanager
+    def turn(self, asked: _Asked) -> Iterator[None]:
+        """Reads of a file one at a time where its server is known to ignore ranges: the
+        read-ahead's next pieces wait for the first's whole file, not fetch it again each."""
+        with self.lock:
+            turn = self.turns.setdefault(asked, threading.Lock()) if _server(asked[0]) in self.ignoring else None
+        if turn is None:
+            yield
+            return
+        with turn:
+            yield
+
+    def get(self, asked: _Asked) -> bytes | None:
+        with self.lock:
+            data = self.files.get(asked)
+            if data is not None:
+                self.files.move_to_end(asked)
+            return data
+
+    def keep(self, asked: _Asked, data: bytes) -> None:
+        with self.lock:
+            self.files[asked] = data
+            self.files.move_to_end(asked)
+            while len(self.files) > 1 and sum(map(len, self.files.values())) > WHOLE_FILES_BYTES:
+                self.files.popitem(last=False)
+            server = _server(asked[0])
+            warn = server not in self.ignoring
+            self.ignoring.add(server)
+        if warn:
+            warnings.warn(f"shardstream: {server} ignores Range requests (it answered a range with the whole file): "
+                          "each shard is fetched whole, and held in memory while it is read; serve the shards from "
+                          "a server that honours ranges (nginx, S3) for reads of only the samples wanted",
+                          stacklevel=2)
+
+
+_whole_files = PerProcess(_WholeFiles)
+
+
+def _server(url: str) -> str:
+    scheme, host, port = _origin(url)
+    return f"{scheme}://{host}" + (f":{port}" if port is not None else "")
 
 MAX_REDIRECTS = 5  # as browsers and fsspec's aiohttp (10) do, a bound on redirect loops
 
@@ -111,11 +183,30 @@ def read_range(url: str, start: int | None, end: int | None, *, headers: Mapping
     """
     request_headers = dict(headers)
     url = _credentials_to_header(url, request_headers)
+    if start is None and end is None:
+        return _read_ranges(url, start, end, request_headers, connect_s, read_s, size)
+    whole_files = _whole_files.get()
+    asked = (url, tuple(sorted(request_headers.items())))
+    with whole_files.turn(asked):
+        whole = whole_files.get(asked)
+        if whole is None:
+            return _read_ranges(url, start, end, request_headers, connect_s, read_s, size, asked)
+    check_size(url, len(whole), size)  # the server sent it whole for an earlier range
+    data = whole[start or 0 : end]
+    # The store counts every read as a request whose bytes the storage sent: not this one.
+    io_stats.add(requests=-1, remote_bytes=-len(data))
+    return data
+
+
+def _read_ranges(url: str, start: int | None, end: int | None, request_headers: dict[str, str], connect_s: float,
+                 read_s: float, size: int | None, asked: _Asked | None = None) -> bytes:
+    """`read_range`'s requests: a range, and the rest of it where the server sent less; a
+    whole file sent for it kept as `asked` (`_WholeFiles`)."""
     pieces = []
     while True:
         try:
             data, url, request_headers, more, _ = _read_once(url, start, end, request_headers, connect_s, read_s,
-                                                             size)
+                                                             size, keep_whole=asked)
         except RangeRefused as refused:
             end = refused.total
             continue
@@ -139,12 +230,13 @@ def file_size(url: str, *, headers: Mapping[str, str] = {}, connect_s: float = 1
 
 
 def _read_once(url: str, start: int | None, end: int | None, headers: dict[str, str], connect_s: float,
-               read_s: float, file_size: int | None = None, size_only: bool = False
+               read_s: float, file_size: int | None = None, size_only: bool = False, keep_whole: _Asked | None = None
                ) -> tuple[bytes, str, dict[str, str], int | None, int | None]:
     """One request for bytes [start, end) of `url`, its redirects followed: (the bytes, the URL
     that sent them, the headers sent there, where to go on from if the server sent less, the
     file's size where the answer gave it). `size_only`: the size is all that is wanted, and a
-    server that ignores ranges says it in its whole file's length, unread."""
+    server that ignores ranges says it in its whole file's length, unread. `keep_whole`: the
+    file as asked for, under which a whole file sent for a range is kept (`_WholeFiles`)."""
     request_headers = dict(headers)
     if start is not None or end is not None:
         request_headers["Range"] = range_header(start, end)
@@ -181,8 +273,10 @@ def _read_once(url: str, start: int | None, end: int | None, headers: dict[str, 
             if size_only and size is not None:
                 response.close()  # not drained: the file is not wanted
                 return b"", url, headers, None, size
+        ignored = response.status == 200 and "Range" in request_headers
+        whole_said = ignored and file_size is None and size is not None
         data = read_body(response, response.read, url, started, size, connect_s, read_s,
-                         most_bytes(end, file_size))
+                         WHOLE_FILE_MOST if whole_said else most_bytes(end, file_size))
         if size is None and response.status == 200 and file_size is not None and len(data) < file_size \
                 and response.headers.get("Transfer-Encoding", "").lower() != "chunked":
             # A body that ends where the connection does, and ended early: a transfer cut
@@ -194,7 +288,13 @@ def _read_once(url: str, start: int | None, end: int | None, headers: dict[str, 
         _release(response, url, started, started + deadline_s(size or 0, connect_s, read_s))
     request_headers.pop("Range", None)
     total = len(data) if response.status == 200 else content_range_total(response.headers.get("Content-Range"))
+    whole = data
     data, more = fit_range(response.status, response.headers.get("Content-Range"), data, url, start, end, file_size)
+    if ignored:
+        # The store counts what it was given; the storage sent the whole file.
+        io_stats.add(remote_bytes=len(whole) - len(data))
+        if keep_whole is not None:
+            _whole_files.get().keep(keep_whole, whole)
     return data, url, request_headers, more, total
 
 

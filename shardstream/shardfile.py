@@ -308,7 +308,7 @@ class ShardFileWriter:
         except OSError as e:
             raise self._write_error(e) from e
         size = os.path.getsize(self._tmp)
-        index = self._index()
+        index = self._index(size)
         self.store.put(self._tmp, self.name)
         index_bytes = index.to_bytes()
         index_name = self.name + INDEX_SUFFIX
@@ -325,7 +325,7 @@ class ShardFileWriter:
             fields=tuple(sorted(self._fields)),
         )
 
-    def _index(self) -> ShardIndex:
+    def _index(self, size: int) -> ShardIndex:
         if self.compression == "zstd":
             comp = np.cumsum([0] + [c for c, _ in self._frames[:-1]])
             raw = np.cumsum([0] + [r for _, r in self._frames[:-1]])
@@ -339,6 +339,7 @@ class ShardFileWriter:
             frame_offsets=comp.astype(np.int64),
             frame_raw_offsets=raw.astype(np.int64),
             compression=self.compression,
+            shard_bytes=size,
         )
 
     def abort(self) -> None:

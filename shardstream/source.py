@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, TypeVar, ove
 
 import numpy as np
 
-from .braces import expand_braces, folder_named, names_shards
+from .braces import COMPRESSED_TARS, expand_braces, folder_named, names_shards
 from .columns import MAX_CLASS, class_of, label_column, sampling_weight_of, weight_column
 from .errors import CorruptShardError, ManifestError, ShardstreamError, StorageError, shown_url
 from .format import (INDEX_SUFFIX, MANIFEST_NAME, MAX_MANIFEST_BYTES, PART_MANIFEST, Manifest, ShardIndex,
@@ -542,6 +542,11 @@ def _found_in_folder(root: str) -> str:
     splits = [name for name in folders[:3] if _holds_images(os.path.join(root, name), 1)]
     if splits:  # train/ and val/, each of class folders
         return f"image folders in its folders ({', '.join(splits)}): `shardstream pack` packs each into a dataset"
+    compressed = sorted(name for name in files if name.lower().endswith(COMPRESSED_TARS))
+    if compressed and not any(name.lower().endswith(".tar") for name in files):
+        # `index` leaves them out (no ranged reads into a compressed tar): say what does apply.
+        return (f"compressed tars ({compressed[0]}{', ...' if len(compressed) > 1 else ''}): stream them by a brace "
+                "pattern or a list of their paths, or `shardstream repack` them into a dataset")
     return _NO_MANIFEST
 
 

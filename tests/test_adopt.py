@@ -22,7 +22,8 @@ import zstandard
 from torch.utils.data import DataLoader
 
 import shardstream as ss
-from shardstream import CorruptShardError, ShardstreamError
+from shardstream import CorruptIndexError, CorruptShardError, ShardstreamError
+from shardstream.format import ShardIndex
 from shardstream.storage import Store
 from shardstream.adopt import index_tars, repack_tars
 from shardstream.format import MANIFEST_NAME
@@ -241,6 +242,29 @@ def test_a_tar_indexed_in_place_and_written_again_larger_is_refused_not_read_in_
         list(ss.StreamingDataset(str(folder), decode=None))
     index_tars(str(folder), overwrite=True)
     assert len(list(ss.StreamingDataset(str(folder), decode=None))) == before + 3
+
+
+@pytest.mark.parametrize("samples_after", [8, 3])
+def test_a_tar_written_again_since_its_index_is_refused_where_no_manifest_tells(wds_folder, write_webdataset,
+                                                                                  samples_after):
+    """Found by a WebDataset migrant's walk: tars indexed without a manifest (`index
+    --no-manifest`, streamed by their pattern), one written again with more samples, read as
+    its old samples and the rest left out, silently; with fewer, the failure blamed the shard.
+    The index records the shard's size; a shard of another size names its index and the fix."""
+    folder, samples = wds_folder
+    index_tars(str(folder), manifest=False)
+    pattern = str(folder / "shard-{000000..000001}.tar")
+    before = [s["__key__"] for s in ss.StreamingDataset(pattern, decode=None)]
+    index = ShardIndex.from_bytes((folder / "shard-000000.tar.idx").read_bytes(), "idx")
+    assert index.shard_bytes == (folder / "shard-000000.tar").stat().st_size
+    again = write_webdataset(samples, folder.parent / "again", samples_after)
+    shutil.copyfile(again / "shard-000000.tar", folder / "shard-000000.tar")
+    with pytest.raises(CorruptIndexError, match=r"shard-000000\.tar\.idx: made for a shard of \d+ bytes, where "
+                                                r"shard-000000\.tar is \d+ bytes: .*index --overwrite"):
+        list(ss.StreamingDataset(pattern, decode=None))
+    index_tars(str(folder), manifest=False, overwrite=True)
+    after = [s["__key__"] for s in ss.StreamingDataset(pattern, decode=None)]
+    assert len(after) == len(before) - 5 + samples_after
 
 
 @pytest.mark.parametrize("name", ["b.tar", "b.tar.gz"])

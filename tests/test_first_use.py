@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import re
 import shutil
+import tarfile
 import subprocess
 import sys
 import warnings
@@ -181,12 +182,19 @@ def test_a_location_without_a_manifest_says_what_is_there(mixed, tmp_path):
     (runs / "run150" / "ds").rename(runs / "zz_ds")
     parts = tmp_path / "parts"
     ss.pack(str(src), str(parts), part=(0, 2), workers=1, progress=False)
+    gzipped = tmp_path / "gzipped"  # found by a WebDataset migrant's walk: told of `index`, which leaves them out
+    gzipped.mkdir()
+    for i in range(2):
+        with tarfile.open(gzipped / f"shard-{i}.tar.gz", "w:gz") as tar:
+            tar.add(next(iter(sorted(src.rglob("*.jpg")))), arcname=f"k{i}.jpg")
     cases = {tmp_path / "nowhere": "(no such folder)", tmp_path / "empty": "(an empty folder)",
              src: "images, not shards: `shardstream pack` packs a folder of class folders",
              src / "cat": "images, not shards", parent: f"datasets in its folders ({Path(url).name}): name one",
              splits: "image folders in its folders (train, val): `shardstream pack` packs each",
              runs: "datasets in its folders (zz_ds): name one",
-             parts: "parts of a pack, not merged yet: `shardstream merge` merges them"}
+             parts: "parts of a pack, not merged yet: `shardstream merge` merges them",
+             gzipped: "compressed tars (shard-0.tar.gz, ...): stream them by a brace pattern or a list of their "
+                      "paths, or `shardstream repack` them"}
     for location, said in cases.items():
         with pytest.raises(ManifestError, match=re.escape(said)):
             ss.StreamingDataset(str(location)).resolve()

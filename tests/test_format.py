@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import io
@@ -469,7 +470,13 @@ def test_index_of_another_shard_names_the_sample(tmp_path, compression):
         for i in range(4):
             writer.write({"__key__": f"s{i}", "bin": bytes([i]) * 300})
     first, second = open_dataset(url).manifest.shards[:2]
-    Path(url, first.index).write_bytes(Path(url, second.index).read_bytes())
+    copied = ShardIndex.from_bytes(Path(url, second.index).read_bytes(), second.index)
+    if Path(url, first.name).stat().st_size != copied.shard_bytes:  # told by the size it records
+        Path(url, first.index).write_bytes(copied.to_bytes())
+        with pytest.raises(CorruptIndexError, match=f"made for a shard of {copied.shard_bytes} bytes"):
+            list(open_shard(os.path.join(url, first.name)))
+    # An index that records no size (written before it was recorded), or of a shard of the same size:
+    Path(url, first.index).write_bytes(dataclasses.replace(copied, shard_bytes=None).to_bytes())
     with pytest.raises(CorruptIndexError, match="the shard holds 's0'") as info:
         list(open_shard(os.path.join(url, first.name)))
     assert info.value.url.endswith(first.name) and info.value.key == "s1"

@@ -77,6 +77,47 @@ def test_a_server_that_ignores_ranges_read_through_fsspec(plain_server, fsspec_l
     assert store.read_into("blob.bin", 1000, memoryview(out)) == 50 and bytes(out) == DATA[1000:1050]
 
 
+def test_shards_larger_than_a_piece_stream_from_a_server_that_ignores_ranges_each_fetched_once(
+        plain_server, folder, monkeypatch):
+    """Found by a WebDataset migrant's walk (python -m http.server): a shard larger than a piece
+    read with no manifest (a plain tar, or indexed and named by its URL) failed ("says it holds
+    20387840 bytes where the request takes 9437184 at most"), where WebDataset read it; with a
+    manifest, every piece fetched the whole file again (5 times a 20 MB shard), and `io_stats`
+    counted the pieces. The whole file is taken, kept while its pieces are read, counted as
+    sent, and the server is warned of once."""
+    import warnings
+
+    import webdataset as wds
+
+    from shardstream.adopt import index_tars
+    from shardstream.iostats import io_stats
+
+    payload = {f"k{i:02d}": os.urandom(1 << 20) for i in range(10)}  # 10 MB: more than a piece (8 MB)
+    with wds.TarWriter(str(folder / "big-0.tar"), encoder=False, mtime=0) as sink:
+        for key, data in payload.items():
+            sink.write({"__key__": key, "bin": data})
+    size = (folder / "big-0.tar").stat().st_size
+    url, seen = plain_server
+
+    def streamed(source: str) -> tuple[dict, int, list[str]]:
+        io_stats.drain()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = {s["__key__"]: bytes(s["bin"]) for s in shardstream.StreamingDataset(source, decode=None)}
+        told = [str(w.message) for w in caught if "ignores Range requests" in str(w.message)]
+        return got, int(io_stats.snapshot()["remote_bytes"]), told
+
+    got, sent, told = streamed(f"{url}/big-0.tar")
+    assert got == payload and sent == size and len(told) == 1 and url in told[0]
+    index_tars(str(folder))
+    monkeypatch.setattr(http_ranges, "_whole_files", http_ranges.PerProcess(http_ranges._WholeFiles))  # afresh
+    gets = len(seen)
+    got, sent, told = streamed(url)
+    extra = sum(p.stat().st_size for p in folder.iterdir() if p.name.endswith((".msgpack", ".idx")))
+    assert got == payload and sent <= size + extra and len(told) == 1
+    assert len(seen) - gets <= 3  # the manifest, the index, the shard: once each
+
+
 def test_ranges_as_cat_file_gives_them(folder):
     with H.CountingHTTPServer(str(folder)) as server:
         url = f"{server.url}/blob.bin"
@@ -232,7 +273,7 @@ def test_retry_after_is_honoured_up_to_the_policy_cap(monkeypatch):
         handler.answered = 0
         waits.clear()
         capped = Store(url, {}, RetryPolicy(attempts=4, base_delay=0.001, max_delay=0.25))
-        assert capped.read("x", 0, 5) == b"hello"
+        assert capped.read("y", 0, 5) == b"hello"  # another file: "x" was sent whole (no ranges), and is kept
         assert waits == [0.25, 0.25]  # a server cannot stall a run past the policy's cap
     finally:
         server.shutdown()

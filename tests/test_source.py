@@ -283,6 +283,25 @@ def test_a_product_pattern_reads_every_sample_once(split_shards):
     assert sorted(item[0] for item in loader) == sorted(picked)
 
 
+def test_patterns_joined_by_double_colons_are_webdatasets_list_of_patterns(split_shards):
+    """Found by a WebDataset migrant's walk: WebDataset splits a source on ``::`` into patterns
+    (`expand_urls`); shardstream expanded the braces across it ("a-0.tar::b-8.tar: file not
+    found"). Each pattern is expanded in turn, as WebDataset's; a chained fsspec URL, whose
+    first part is a protocol, stays one URL."""
+    from webdataset.shardlists import expand_urls
+
+    pattern, picked = split_shards
+    train, val = pattern.replace("{train,val}", "train"), pattern.replace("{train,val}", "val")
+    joined = f"{val}::{train}"
+    assert expand_braces(joined) == expand_urls(joined) and len(expand_braces(joined)) == 4
+    assert keys_of(StreamingDataset(joined, decode=None, fields=("__key__",))) == picked[5:] + picked[:5]
+    assert expand_braces("simplecache::s3://b/s-{0..1}.tar") == ["simplecache::s3://b/s-0.tar",
+                                                                  "simplecache::s3://b/s-1.tar"]
+    assert expand_braces("a.tar::b.tar") == ["a.tar", "b.tar"]
+    with pytest.raises(BracePatternError, match="expands to 4 names, more than the limit of 3"):
+        expand_braces("a-{0..1}.tar::b-{0..1}.tar", limit=3)
+
+
 def test_counting_indexed_shards_without_a_manifest_holds_one_index_at_a_time(tmp_path, monkeypatch):
     """Shards named by URL (no manifest) are counted from their indexes. The count kept every shard's
     reader until the last was counted, so every index at once, every key of the dataset: 100 MB at 1M
