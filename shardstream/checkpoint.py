@@ -200,7 +200,22 @@ class Checkpointing:
             # the one loaded. Made again, it would end with an empty segment of this layout, and
             # resuming it onto the loaded layout would no longer continue that one exactly.
             return loaded.to_dict()
-        return ResumeState.current_of(self, world, segment).to_dict()
+        state = ResumeState.current_of(self, world, segment)
+        if delivered is not None:
+            self._check_count_fits(state, delivered)
+        return state.to_dict()
+
+    def _check_count_fits(self, state: ResumeState, delivered: int) -> None:
+        """A ValueError where a count given (`delivered`) is more than this rank's epoch holds:
+        the global step passed for it made a state that every later load refused, found only
+        after the restart it was for."""
+        try:
+            check_counts(self._sequences().after(state.epoch), state, self.resampled)
+        except ShardstreamError as e:
+            said = str(e).removeprefix("invalid resume state: ")
+            raise ValueError(f"delivered={delivered} is more items than this rank's epoch {state.epoch} holds in "
+                             f"this layout ({said}): it counts the items of the epoch from its start (a step count "
+                             "since the run began is not one)") from None
 
     def _own_loops_count(self, delivered: Any, num_workers: int) -> bool:
         """Whether `delivered` (given where shardstream.DataLoader's copy iterated last) is the count

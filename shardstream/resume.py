@@ -77,7 +77,7 @@ class Segment:
     def from_dict(cls, raw: Any, field: str, version: int = STATE_VERSION) -> "Segment":
         """The segment stored at `field` of a resume state of `version`, each value checked (see `_int`)."""
         raw = _dict(raw, field)
-        layout = _layout(_entry(raw, "layout", field), f"{field}.layout")
+        layout = _layout(_entry(raw, "layout", field), f"{field}.layout", version)
         delivered = _int(_entry(raw, "delivered", field), f"{field}.delivered", minimum=0)
         spends = version > 1 and _bool(raw.get("spends_left_out", True), f"{field}.spends_left_out")
         per_worker = raw.get("per_worker")
@@ -171,11 +171,16 @@ class ResumeState:
         )
         if state.streams is not None and state.streams != streams_digest():
             numpy = raw.get("numpy")
-            taken = f"numpy {numpy}" if isinstance(numpy, str) and len(numpy) < 40 else "another numpy"
+            if numpy == np.__version__:  # the same version said: a build that draws otherwise, or damage
+                taken = (f"numpy {numpy} as here, but its draws' digest is not this numpy's: another build of it, "
+                         "or a state damaged or edited")
+            else:
+                taken = (f"numpy {numpy}" if isinstance(numpy, str) and len(numpy) < 40 else "another numpy") + \
+                    f"; this is numpy {np.__version__}, whose permutations differ"
             raise ShardstreamError(
-                f"resume state was planned with other random draws ({taken}; this is numpy {np.__version__}, "
-                "whose permutations differ): its epoch would be replayed onto another order, samples repeated and "
-                "lost. Resume with the numpy that took it, or start the epoch afresh without the state")
+                f"resume state was planned with other random draws ({taken}): its epoch would be replayed onto "
+                "another order, samples repeated and lost. Resume with the numpy that took it, or start the epoch "
+                "afresh without the state")
         if version == 1 and _walks_a_stream(dataset):
             raise ShardstreamError(
                 "resume state version 1 was taken when a Mix and samples_per_epoch drew each epoch afresh; they now "
@@ -197,12 +202,16 @@ class ResumeState:
             # The fingerprint folds in the epoch's draw: a changed Sampling was blamed on the data.
             raise ShardstreamError(
                 f"resume state is from another dataset (fingerprint {state.dataset}, this one {mine}): its shards, "
-                "their contents, or its Sampling or Mix weights differ"
+                "their contents, or its Sampling or Mix weights differ, or it was opened otherwise (a dataset's "
+                "folder, with its manifest's checksums, and a pattern or list of its shards fingerprint apart). "
+                "Resume on the dataset the state was taken on, opened as then, or start the epoch afresh without "
+                "the state"
             )
         if (state.seed, state.shuffle) != (dataset.seed, dataset.shuffle):
             raise ShardstreamError(
                 f"resume state was taken with seed={state.seed}, shuffle={state.shuffle}; "
-                f"this dataset has seed={dataset.seed}, shuffle={dataset.shuffle}"
+                f"this dataset has seed={dataset.seed}, shuffle={dataset.shuffle}: make the dataset as then "
+                "(its order comes from both), or start the epoch afresh without the state"
             )
         _check_blocks(state, version, dataset)
         return state
@@ -310,14 +319,20 @@ def _int(raw: Any, field: str, minimum: int | None = None, below: int | None = N
     return int(raw)
 
 
-def _layout(raw: Any, field: str) -> Layout:
-    """A layout; a key left out takes Layout's default, as before these checks."""
+def _layout(raw: Any, field: str, version: int = STATE_VERSION) -> Layout:
+    """A layout of a state of `version`, every key of its version there: one left out took
+    Layout's default, and a state cut short (no world_size: 1) repeated and lost samples.
+    Only `run`, which layouts before version 5 lack, takes its default there."""
     raw = _dict(raw, field)
     names = {f.name: f.default for f in fields(Layout)}
     unknown = sorted(set(raw) - set(names), key=str)
     if unknown:
         raise ShardstreamError(f"invalid resume state: {field} has unknown keys {unknown}; a layout has "
                                f"{sorted(names)}")
+    missing = sorted(set(names) - set(raw) - ({"run"} if version < 5 else set()))
+    if missing:
+        raise ShardstreamError(f"invalid resume state: {field} lacks {', '.join(missing)} (a state cut short or "
+                               "edited?): start the epoch afresh without the state")
     value = {**names, **raw}
     batch_size, partial = value["batch_size"], value["partial"]
     if partial not in PARTIAL:

@@ -687,6 +687,39 @@ def test_a_malformed_state_is_refused_naming_the_field(url, path, value, message
     assert len(resumed) == len(dataset(url)), "a refused state leaves the dataset as it was"
 
 
+@pytest.mark.parametrize("key", ["world_size", "workers", "batch_size", "shuffle", "buffer", "drop_last", "partial"])
+def test_a_layout_with_a_key_left_out_is_refused(url, key):
+    """Found by an elastic-resume walk: a layout key left out (a state cut short or edited) took
+    Layout's default: without world_size (1), a 2-rank resume lost 20 samples and repeated 53,
+    each rank yielding another count. Every layout key has been written since the first state;
+    only `run` is new (version 5), and defaults in older states."""
+    ds = dataset(url, rank=0, world_size=2)
+    D.take_main(ds, 2)
+    state = ds.state_dict()
+    cut = copy.deepcopy(state)
+    del cut["current"]["layout"][key]
+    with pytest.raises(ShardstreamError, match=rf"current\.layout lacks {key} \(a state cut short or edited\?\)"):
+        dataset(url, rank=0, world_size=2).load_state_dict(cut)
+    older = copy.deepcopy(state)
+    older["version"] = 4
+    del older["current"]["layout"]["run"]  # a version 4 state: no run, dealt a chunk at a time
+    from shardstream.resume import ResumeState
+
+    assert ResumeState.from_dict(older, dataset(url, rank=0, world_size=2)).current.layout.run == 1
+
+
+def test_a_count_the_epoch_cannot_hold_is_refused_when_the_state_is_taken(url):
+    """Found by an elastic-resume walk: `state_dict(delivered=...)` given the global step instead of
+    the epoch's count wrote a state every load then refused, found only after the restart it was for."""
+    ds = dataset(url)
+    ds.set_epoch(1)
+    total = len(ds)
+    assert ds.state_dict(delivered=total, num_workers=2)["current"]["delivered"] == total
+    with pytest.raises(ValueError, match=rf"delivered={total + 3} is more items than this rank's epoch 1 holds .*"
+                                         rf"at most {total} .*a step count since the run began is not one"):
+        ds.state_dict(delivered=total + 3, num_workers=2)
+
+
 def test_a_state_planned_under_other_random_draws_is_refused(url, monkeypatch):
     """Regression: a resume replays the epoch's plan from numpy's draws, which numpy promises only within one
     build: a state taken under a numpy that permutes otherwise (or whose `default_rng` is another generator)
@@ -698,6 +731,9 @@ def test_a_state_planned_under_other_random_draws_is_refused(url, monkeypatch):
     assert state["streams"] == shardstream.plan.streams_digest() and state["numpy"] == np.__version__
     with pytest.raises(ShardstreamError, match=r"other random draws \(numpy 1\.0\.0; this is numpy .*Resume with the numpy"):
         dataset(url).load_state_dict({**state, "streams": "0" * 16, "numpy": "1.0.0"})
+    with pytest.raises(ShardstreamError, match=rf"numpy {np.__version__} as here, but its draws' digest is not "
+                                               r"this numpy's: another build of it, or a state damaged or edited"):
+        dataset(url).load_state_dict({**state, "streams": "0" * 16})  # found by a walk: "2.4.6; this is 2.4.6"
     with pytest.raises(ShardstreamError, match=r"streams must be a string, not 7"):
         dataset(url).load_state_dict({**state, "streams": 7})
     older = {k: v for k, v in state.items() if k not in ("streams", "numpy")}  # states taken before: as they were
