@@ -170,7 +170,7 @@ def expand_braces(pattern: str, *, limit: int = MAX_BRACE_NAMES) -> list[str]:
     names (counted before any is made, so that a typo cannot hang or fill memory).
     """
     patterns = pattern.split("::")
-    if len(patterns) < 2 or not all(names_shards(one) for one in patterns):
+    if len(patterns) < 2 or not all(names_shards(one) and not _chains(one) for one in patterns):
         patterns = [pattern]
     if "{" not in pattern and "}" not in pattern:
         return patterns
@@ -179,6 +179,23 @@ def expand_braces(pattern: str, *, limit: int = MAX_BRACE_NAMES) -> list[str]:
         raise BracePatternError(f"expands to {n:,} names, more than the limit of {limit:,} (a typo in a range?)",
                                 url=pattern)
     return [name for parts in parsed for name in _brace_names(parts)]
+
+
+def _chains(part: str) -> bool:
+    """Whether `part` of a ``::``-joined string is a segment of a chained fsspec URL, whose file
+    system reads the segment after it: an archive's (``tar://member.tar::file:///x.tar``) or a
+    cache wrapper's. Such a URL is one (refused where it is read: `urls.check_chain`)."""
+    if "://" not in part:
+        return False
+    import fsspec
+    from fsspec.archive import AbstractArchiveFileSystem
+    from fsspec.implementations.cached import CachingFileSystem
+
+    try:
+        return issubclass(fsspec.get_filesystem_class(part.split("://", 1)[0]),
+                          (AbstractArchiveFileSystem, CachingFileSystem))
+    except (ImportError, ValueError):
+        return False
 
 
 def folder_named(source: str) -> str:

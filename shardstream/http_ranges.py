@@ -24,6 +24,7 @@ from __future__ import annotations
 import base64
 import collections
 import contextlib
+import email.utils
 import functools
 import importlib.util
 import re
@@ -31,14 +32,15 @@ import threading
 import time
 import urllib.parse
 import warnings
+from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
 from .deadlines import RequestDeadlineError, deadline_s, headers_due, read_body, watched, within
 from .errors import shown_url
-from .iostats import io_stats
 from .perprocess import PerProcess
 
-__all__ = ["HTTPStatusError", "RequestDeadlineError", "available", "most_bytes", "range_header", "read_range"]
+__all__ = ["HTTPStatusError", "RequestDeadlineError", "available", "fetch_range", "most_bytes", "range_header",
+           "read_range"]
 
 
 def _pool_manager() -> Any:
@@ -54,17 +56,43 @@ _pool = PerProcess(_pool_manager)
 
 
 # A server that ignores Range sends the whole file (200) for every piece of it asked for:
-# kept, the pieces after the first are cut from it, where each fetched the whole file again
-# (a shard of 20 MB in 8 MB pieces crossed the wire 5 times; 256 MB, 32 times).
+# kept, the pieces after the first ask only whether it changed (a 304, no body), where each
+# fetched the whole file again (a shard of 20 MB in 8 MB pieces crossed the wire 5 times;
+# 256 MB, 32 times).
 WHOLE_FILES_BYTES = 512 << 20  # at most this much kept a process, or the one file last sent
 # The most a whole file sent for a range, its length said, may hold where its size is unknown
 # (no manifest): the range's bound (`most_bytes`) refused any shard larger than a piece. A
 # body of no length said keeps that bound (it may not end).
 WHOLE_FILE_MOST = 4 << 30
 
-
 # A file as asked for: its URL and the request's headers (another token may be sent another file).
 _Asked = tuple[str, tuple[tuple[str, str], ...]]
+
+
+@dataclass(frozen=True)
+class _Kept:
+    """A whole file a server sent for a range, and the headers that ask it whether the file
+    changed since (`If-None-Match`, `If-Modified-Since`)."""
+
+    data: bytes
+    unchanged_since: tuple[tuple[str, str], ...]
+
+
+def _validators(headers: Any) -> tuple[tuple[str, str], ...]:
+    """The headers that ask whether a response's file changed since (RFC 9110's conditional
+    requests), or none where it cannot be told: a strong ETag; else a Last-Modified at least
+    a second before the response's Date (a file written again within the second it was sent
+    would keep its Last-Modified, and be taken for unchanged)."""
+    etag = headers.get("ETag")
+    if etag and not etag.startswith("W/"):
+        return (("If-None-Match", etag),)
+    modified, date = headers.get("Last-Modified"), headers.get("Date")
+    try:
+        if modified and date and email.utils.parsedate_to_datetime(date) > email.utils.parsedate_to_datetime(modified):
+            return (("If-Modified-Since", modified),)
+    except (TypeError, ValueError):
+        pass
+    return ()
 
 
 class _WholeFiles:
@@ -73,43 +101,61 @@ class _WholeFiles:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.files: collections.OrderedDict[_Asked, bytes] = collections.OrderedDict()
+        self.files: collections.OrderedDict[_Asked, _Kept] = collections.OrderedDict()
         self.ignoring: set[str] = set()
-        self.turns: dict[_Asked, threading.Lock] = {}
+        self.turns: dict[_Asked, list[Any]] = {}  # a lock and how many hold or wait for it
 
     @contextlib.contextmanager
     def turn(self, asked: _Asked) -> Iterator[None]:
         """Reads of a file one at a time where its server is known to ignore ranges: the
         read-ahead's next pieces wait for the first's whole file, not fetch it again each."""
         with self.lock:
-            turn = self.turns.setdefault(asked, threading.Lock()) if _server(asked[0]) in self.ignoring else None
+            if _server(asked[0]) not in self.ignoring:
+                turn = None
+            else:
+                turn = self.turns.setdefault(asked, [threading.Lock(), 0])
+                turn[1] += 1
         if turn is None:
             yield
             return
-        with turn:
-            yield
+        try:
+            with turn[0]:
+                yield
+        finally:
+            with self.lock:
+                turn[1] -= 1
+                if not turn[1]:  # no one waits: a lock a file read once ever is not kept
+                    del self.turns[asked]
 
-    def get(self, asked: _Asked) -> bytes | None:
+    def get(self, asked: _Asked) -> _Kept | None:
         with self.lock:
-            data = self.files.get(asked)
-            if data is not None:
+            kept = self.files.get(asked)
+            if kept is not None:
                 self.files.move_to_end(asked)
-            return data
+            return kept
 
-    def keep(self, asked: _Asked, data: bytes) -> None:
+    def keep(self, asked: _Asked, data: bytes, headers: Any) -> None:
+        """`data`, the whole file a server sent for a range (with `headers`), kept where it can
+        be asked whether the file changed since; the server is warned of, once a process."""
+        unchanged_since = _validators(headers)
         with self.lock:
-            self.files[asked] = data
-            self.files.move_to_end(asked)
-            while len(self.files) > 1 and sum(map(len, self.files.values())) > WHOLE_FILES_BYTES:
-                self.files.popitem(last=False)
+            self.files.pop(asked, None)
+            if unchanged_since:
+                self.files[asked] = _Kept(data, unchanged_since)
+                while len(self.files) > 1 and sum(len(kept.data) for kept in self.files.values()) > WHOLE_FILES_BYTES:
+                    self.files.popitem(last=False)
             server = _server(asked[0])
             warn = server not in self.ignoring
             self.ignoring.add(server)
         if warn:
             warnings.warn(f"shardstream: {server} ignores Range requests (it answered a range with the whole file): "
-                          "each shard is fetched whole, and held in memory while it is read; serve the shards from "
+                          "each shard is fetched whole and held in memory while it is read; serve the shards from "
                           "a server that honours ranges (nginx, S3) for reads of only the samples wanted",
                           stacklevel=2)
+
+    def drop(self, asked: _Asked) -> None:
+        with self.lock:
+            self.files.pop(asked, None)
 
 
 _whole_files = PerProcess(_WholeFiles)
@@ -181,6 +227,13 @@ def read_range(url: str, start: int | None, end: int | None, *, headers: Mapping
     request, redirects and all. `size`: the file's size as its reader knows it (a shard's,
     from the manifest); a response for a file of another size raises `SizeMismatchError`.
     """
+    return fetch_range(url, start, end, headers=headers, connect_s=connect_s, read_s=read_s, size=size)[0]
+
+
+def fetch_range(url: str, start: int | None, end: int | None, *, headers: Mapping[str, str] = {},
+                connect_s: float = 10.0, read_s: float = 20.0, size: int | None = None) -> tuple[bytes, int]:
+    """`read_range`'s bytes, and how many bytes the server sent for them: the whole file's
+    where it ignored the range, none where a file kept from such an answer was unchanged."""
     request_headers = dict(headers)
     url = _credentials_to_header(url, request_headers)
     if start is None and end is None:
@@ -188,31 +241,28 @@ def read_range(url: str, start: int | None, end: int | None, *, headers: Mapping
     whole_files = _whole_files.get()
     asked = (url, tuple(sorted(request_headers.items())))
     with whole_files.turn(asked):
-        whole = whole_files.get(asked)
-        if whole is None:
-            return _read_ranges(url, start, end, request_headers, connect_s, read_s, size, asked)
-    check_size(url, len(whole), size)  # the server sent it whole for an earlier range
-    data = whole[start or 0 : end]
-    # The store counts every read as a request whose bytes the storage sent: not this one.
-    io_stats.add(requests=-1, remote_bytes=-len(data))
-    return data
+        return _read_ranges(url, start, end, request_headers, connect_s, read_s, size, asked,
+                            whole_files.get(asked))
 
 
 def _read_ranges(url: str, start: int | None, end: int | None, request_headers: dict[str, str], connect_s: float,
-                 read_s: float, size: int | None, asked: _Asked | None = None) -> bytes:
-    """`read_range`'s requests: a range, and the rest of it where the server sent less; a
-    whole file sent for it kept as `asked` (`_WholeFiles`)."""
-    pieces = []
+                 read_s: float, size: int | None, asked: _Asked | None = None,
+                 kept: _Kept | None = None) -> tuple[bytes, int]:
+    """`fetch_range`'s requests: a range, and the rest of it where the server sent less; a
+    whole file sent for it kept as `asked` (`_WholeFiles`), and `kept`, one sent before, read
+    where the server says it is unchanged."""
+    pieces, sent = [], 0
     while True:
         try:
-            data, url, request_headers, more, _ = _read_once(url, start, end, request_headers, connect_s, read_s,
-                                                             size, keep_whole=asked)
+            data, url, request_headers, more, _, body = _read_once(url, start, end, request_headers, connect_s,
+                                                                   read_s, size, keep_whole=asked, kept=kept)
         except RangeRefused as refused:
             end = refused.total
             continue
         pieces.append(data)
+        sent += body
         if more is None:
-            return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+            return (pieces[0] if len(pieces) == 1 else b"".join(pieces)), sent
         start = more
 
 
@@ -223,23 +273,27 @@ def file_size(url: str, *, headers: Mapping[str, str] = {}, connect_s: float = 1
     server that sends no Content-Length (chunked, or compressed)."""
     request_headers = dict(headers)
     url = _credentials_to_header(url, request_headers)
-    *_, total = _read_once(url, 0, 1, request_headers, connect_s, read_s, size_only=True)
+    total = _read_once(url, 0, 1, request_headers, connect_s, read_s, size_only=True)[4]
     if total is None:
         raise HTTPStatusError(206, url, None, "its answer to a range gave no size (a Content-Range of '*')")
     return total
 
 
 def _read_once(url: str, start: int | None, end: int | None, headers: dict[str, str], connect_s: float,
-               read_s: float, file_size: int | None = None, size_only: bool = False, keep_whole: _Asked | None = None
-               ) -> tuple[bytes, str, dict[str, str], int | None, int | None]:
+               read_s: float, file_size: int | None = None, size_only: bool = False, keep_whole: _Asked | None = None,
+               kept: _Kept | None = None) -> tuple[bytes, str, dict[str, str], int | None, int | None, int]:
     """One request for bytes [start, end) of `url`, its redirects followed: (the bytes, the URL
     that sent them, the headers sent there, where to go on from if the server sent less, the
-    file's size where the answer gave it). `size_only`: the size is all that is wanted, and a
-    server that ignores ranges says it in its whole file's length, unread. `keep_whole`: the
-    file as asked for, under which a whole file sent for a range is kept (`_WholeFiles`)."""
+    file's size where the answer gave it, the bytes of body the server sent). `size_only`: the
+    size is all that is wanted, and a server that ignores ranges says it in its whole file's
+    length, unread. `keep_whole`: the file as asked for, under which a whole file sent for a
+    range is kept (`_WholeFiles`); `kept`, one kept before: asked whether it changed since,
+    and read where the server says it did not (304)."""
     request_headers = dict(headers)
     if start is not None or end is not None:
         request_headers["Range"] = range_header(start, end)
+    conditions = dict(kept.unchanged_since) if kept is not None else {}
+    request_headers.update(conditions)
     import urllib3
 
     timeout = urllib3.Timeout(connect=connect_s, read=read_s)
@@ -264,7 +318,10 @@ def _read_once(url: str, start: int | None, end: int | None, headers: dict[str, 
             raise PermissionError(f"HTTP {response.status} for {shown_url(url)}")
         if response.status == 416:  # the range starts at or past the end (or runs past it: RangeRefused)
             refused_range(response.headers.get("Content-Range"), url, start, end, response.headers)
-            return b"", url, headers, None, content_range_total(response.headers.get("Content-Range"))
+            return b"", url, headers, None, content_range_total(response.headers.get("Content-Range")), 0
+        if response.status == 304 and kept is not None:  # unchanged since it was sent whole
+            data, more = fit_range(200, None, kept.data, url, start, end, file_size)
+            return data, url, headers, more, len(kept.data), 0
         if response.status >= 300:  # errors, and redirects beyond MAX_REDIRECTS or without a Location
             raise HTTPStatusError(response.status, url, response.headers,
                                   f"a redirect after {MAX_REDIRECTS}: a loop?" if location else "")
@@ -272,7 +329,7 @@ def _read_once(url: str, start: int | None, end: int | None, headers: dict[str, 
             check_size(url, size, file_size)
             if size_only and size is not None:
                 response.close()  # not drained: the file is not wanted
-                return b"", url, headers, None, size
+                return b"", url, headers, None, size, 0
         ignored = response.status == 200 and "Range" in request_headers
         whole_said = ignored and file_size is None and size is not None
         data = read_body(response, response.read, url, started, size, connect_s, read_s,
@@ -286,16 +343,17 @@ def _read_once(url: str, start: int | None, end: int | None, headers: dict[str, 
     finally:
         # An error's body too: the connection goes back to the pool clean.
         _release(response, url, started, started + deadline_s(size or 0, connect_s, read_s))
-    request_headers.pop("Range", None)
+    for name in ("Range", *conditions):
+        request_headers.pop(name, None)
     total = len(data) if response.status == 200 else content_range_total(response.headers.get("Content-Range"))
     whole = data
     data, more = fit_range(response.status, response.headers.get("Content-Range"), data, url, start, end, file_size)
-    if ignored:
-        # The store counts what it was given; the storage sent the whole file.
-        io_stats.add(remote_bytes=len(whole) - len(data))
-        if keep_whole is not None:
-            _whole_files.get().keep(keep_whole, whole)
-    return data, url, request_headers, more, total
+    if keep_whole is not None:
+        if ignored:
+            _whole_files.get().keep(keep_whole, whole, response.headers)
+        elif kept is not None:  # the server honours ranges now
+            _whole_files.get().drop(keep_whole)
+    return data, url, request_headers, more, total, len(whole)
 
 
 # What a server that rounds ranges up (to its cache's blocks, say) may send past one.

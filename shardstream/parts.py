@@ -172,8 +172,9 @@ def merged_manifest(store: Store) -> Manifest:
         # The parts there first: a part packed with other options is named now, not after the
         # missing ones are packed (with its options copied, as the refusal before packing said).
         present = sorted(found)
-        _check_options_agree([Manifest.from_bytes(store.read(found[i][1]), store.url(found[i][1]))
-                              for i in present], present, lambda n: store.url(found[n][1]))
+        finished = [Manifest.from_bytes(store.read(found[i][1]), store.url(found[i][1])) for i in present]
+        _check_options_agree(finished, present, lambda n: store.url(found[n][1]))
+        _check_sources_agree(finished, present, lambda n: store.url(found[n][1]))
         begun = _begun_parts(store, total)
         names = ", ".join(f"part {i} (manifest.part-{i:05d}-of-{total:05d}.msgpack"
                           + ("; begun and not finished: --resume continues it" if i in begun else "") + ")"
@@ -194,12 +195,7 @@ def merged_manifest(store: Store) -> Manifest:
                                 url=store.url(found[i][1]))
     # The options first: another seed orders the listing otherwise, and changes its digest too.
     _check_options_agree(parts, list(range(total)), lambda n: store.url(found[n][1]))
-    odd_groups, usual = _odd_ones_out([_source_listed(part) for part in parts])
-    if odd_groups:
-        odd = sorted(i for group in odd_groups for i in group)
-        raise ManifestError(f"{_parts(odd)} listed another source than {_parts(usual)} (other file names, labels "
-                            "or class folders, or another count of files that are not images): every part must "
-                            "list the same source", url=store.url(found[odd[0]][1]))
+    _check_sources_agree(parts, list(range(total)), lambda n: store.url(found[n][1]))
     names = [name for part in parts for name in part.shards.names]
     if len(names) != len(set(names)):
         raise ManifestError("parts list the same shard twice", url=dst)
@@ -256,6 +252,17 @@ def _check_options_agree(parts: list[Manifest], numbers: list[int], url_of: Call
     raise ManifestError(f"{_parts(odd)} {'was' if len(odd) == 1 else 'were'} packed with other options than "
                         f"{_parts(named(usual))} ({told}): pack {'it' if len(odd) == 1 else 'them'} again with the "
                         "others' options (--overwrite)", url=url_of(odd[0]))
+
+
+def _check_sources_agree(parts: list[Manifest], numbers: list[int], url_of: Callable[[int], str]) -> None:
+    """ManifestError where the part manifests `parts` (of the parts `numbers`) listed another
+    source than most (`_source_listed`), naming those parts."""
+    odd_groups, usual = _odd_ones_out([_source_listed(part) for part in parts])
+    if odd_groups:
+        odd = sorted(numbers[i] for group in odd_groups for i in group)
+        raise ManifestError(f"{_parts(odd)} listed another source than {_parts([numbers[i] for i in usual])} (other "
+                            "file names, labels or class folders, or another count of files that are not images): "
+                            "every part must list the same source", url=url_of(odd[0]))
 
 
 def _options_words(part: Manifest) -> str:

@@ -150,15 +150,13 @@ class ShardReader:
         index = load_index(self.store, self.name, self.info)
         # Offsets past the end of the file are corruption, not a read to attempt.
         size = self.info.bytes if self.info is not None else self.store.size(self.name)
-        if index.shard_bytes is not None and index.shard_bytes != size:
-            # Without a manifest nothing else tells: a tar written again with more samples
-            # was read as its old samples, the rest left out silently.
+        if self.info is None and index.shard_bytes is not None and index.shard_bytes != size:
+            # Without a manifest (whose sizes and checksums are checked) nothing else tells: a tar
+            # written again with more samples was read as its old samples, the rest left out silently.
             raise CorruptIndexError(
-                f"made for a shard of {index.shard_bytes} bytes, where {self.name} " + (
-                    f"has {size} (its manifest says)" if self.info is not None else f"is {size} bytes") + (
-                    ": the shard was written again since it was indexed, or the index is another shard's (tars "
-                    "indexed in place: `shardstream index --overwrite` indexes them again)"),
-                url=self.store.url(self.info.index if self.info else self.name + INDEX_SUFFIX))
+                f"made for a shard of {index.shard_bytes} bytes, where {self.name} is {size} bytes: the shard was "
+                "written again since it was indexed, or the index is another shard's (tars indexed in place: "
+                "`shardstream index --overwrite` indexes them again)", url=self.store.url(self.name + INDEX_SUFFIX))
         end = int(index.frame_offsets[-1]) if index.compression == "zstd" else int(index.sample_offsets[-1])
         if end > size:
             raise CorruptIndexError(f"index points to byte {end}, past the end of the shard ({size} bytes)",

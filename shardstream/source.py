@@ -543,7 +543,8 @@ def _found_in_folder(root: str) -> str:
     if splits:  # train/ and val/, each of class folders
         return f"image folders in its folders ({', '.join(splits)}): `shardstream pack` packs each into a dataset"
     compressed = sorted(name for name in files if name.lower().endswith(COMPRESSED_TARS))
-    if compressed and not any(name.lower().endswith(".tar") for name in files):
+    # Not a pack's own shards (indexed: packing not finished, or its manifest lost).
+    if compressed and not any(name.lower().endswith((".tar", INDEX_SUFFIX)) for name in files):
         # `index` leaves them out (no ranged reads into a compressed tar): say what does apply.
         return (f"compressed tars ({compressed[0]}{', ...' if len(compressed) > 1 else ''}): stream them by a brace "
                 "pattern or a list of their paths, or `shardstream repack` them into a dataset")

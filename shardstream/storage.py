@@ -318,8 +318,8 @@ class Store:
                         f.seek(start)
                     data = f.read() if end is None else f.read(end - (start or 0))
             else:
-                data = self.retry.call(self._remote_read, name, start, end, size, url=self.url(name))
-        io_stats.add(requests=1, bytes=len(data), remote_bytes=0 if self.local else len(data),
+                data, sent = self.retry.call(self._remote_read, name, start, end, size, url=self.url(name))
+        io_stats.add(requests=1, bytes=len(data), remote_bytes=0 if self.local else sent,
                      wait_s=time.perf_counter() - started)
         return data
 
@@ -342,13 +342,20 @@ class Store:
         io_stats.add(requests=1, bytes=done, wait_s=time.perf_counter() - started)
         return done
 
-    def _remote_read(self, name: str, start: int | None, end: int | None, size: int | None = None) -> bytes:
+    def _remote_read(self, name: str, start: int | None, end: int | None,
+                     size: int | None = None) -> tuple[bytes, int]:
+        """Bytes [start, end) of `name`, and how many bytes the storage sent for them (more
+        where a server ignored the range, none where it said a file kept is unchanged)."""
         direct = self._direct
         if direct == "http":
             connect_s, read_s = self._timeouts
-            return http_ranges.read_range(self.url(name), start, end, headers=self.options.get("headers", {}),
-                                          connect_s=connect_s, read_s=read_s, size=size)
-        if direct == "s3":
+            return http_ranges.fetch_range(self.url(name), start, end, headers=self.options.get("headers", {}),
+                                           connect_s=connect_s, read_s=read_s, size=size)
+        data = self._remote_read_bytes(name, start, end, size)
+        return data, len(data)
+
+    def _remote_read_bytes(self, name: str, start: int | None, end: int | None, size: int | None) -> bytes:
+        if self._direct == "s3":
             connect_s, read_s = self._timeouts
             return s3_ranges.read_range(self.url(name), start, end, self.options,
                                         connect_s=connect_s, read_s=read_s, size=size)
@@ -366,7 +373,7 @@ class Store:
             try:
                 http_ranges.refused_range(sent.get("Content-Range"), self.url(name), start, end, sent)
             except http_ranges.RangeRefused as refused:
-                return self._remote_read(name, start, refused.total, size)
+                return self._remote_read_bytes(name, start, refused.total, size)
             return b""
         return _fitted(data, self.url(name), start, end, size)
 

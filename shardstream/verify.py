@@ -374,17 +374,17 @@ def _unmerged_parts(store: Store, report: VerifyReport) -> list[Source]:
     if len(totals) != 1:  # none, or parts of packs in different numbers of parts: `merge` says which
         return []
     report.parts = (tuple(sorted(found)), totals.pop())
-    try:  # what would stop their merge: parts packed with other options, of another source, ...
-        merged_manifest(store)
-    except MissingPartsError:
-        pass  # the report says which parts are not finished
-    except ShardstreamError as e:
-        report.problems.append(Problem("merge", None, str(e)))
     sources = []
     for number in sorted(found):
         name = found[number][1]
         manifest = Manifest.from_bytes(store.read(name), store.url(name))
         sources.append(Source(store.url(name), ManifestShards(store, manifest.shards), manifest))
+    try:  # what would stop their merge (the part manifests read: a damaged one is told once, above)
+        merged_manifest(store)
+    except MissingPartsError:
+        pass  # the report says which parts are not finished
+    except ShardstreamError as e:
+        report.problems.append(Problem("merge", None, str(e)))
     return sources
 
 

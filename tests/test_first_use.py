@@ -198,6 +198,11 @@ def test_a_location_without_a_manifest_says_what_is_there(mixed, tmp_path):
     for location, said in cases.items():
         with pytest.raises(ManifestError, match=re.escape(said)):
             ss.StreamingDataset(str(location)).resolve()
+    unfinished = tmp_path / "unfinished"  # a pack's own shards, its manifest not written: not "compressed tars"
+    shutil.copytree(url, unfinished)
+    (unfinished / MANIFEST_NAME).unlink()
+    with pytest.raises(ManifestError, match=re.escape("(or packing has not finished;")):
+        ss.StreamingDataset(str(unfinished)).resolve()
     # A folder named like a shard is a folder (found by review: "it names shards" for `verify photos.tar/`).
     shutil.copytree(src, tmp_path / "photos.tar")
     with pytest.raises(ManifestError, match=re.escape("images, not shards: `shardstream pack`")):

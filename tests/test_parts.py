@@ -382,6 +382,24 @@ def test_verify_of_unmerged_parts_names_what_would_stop_their_merge(source, tmp_
     assert result.returncode == 1 and "PROBLEM merge: " in result.stdout and "seed" in result.stdout
     with pytest.raises(ss.ShardstreamError, match="packed with other options"):
         merge(str(dst))
+    # With a part not finished, a finished part of another source is told too (found by review: "ok").
+    elsewhere, third = tmp_path / "src2", tmp_path / "third"
+    shutil.copytree(source / "src", elsewhere)
+    next(elsewhere.rglob("*.jpg")).unlink()
+    dst = tmp_path / "three"
+    ss.pack(str(source / "src"), str(dst), shard_size="8KB", part=(0, 3), progress=False)
+    ss.pack(str(elsewhere), str(third), shard_size="8KB", part=(1, 3), progress=False)
+    for path in third.glob("*p00001*"):
+        shutil.copy(path, dst / path.name)
+    shutil.copy(third / "manifest.part-00001-of-00003.msgpack", dst)
+    report = verify_dataset(str(dst))
+    assert report.parts == ((0, 1), 3) and [p.shard for p in report.problems] == ["merge"]
+    assert "listed another source than" in report.problems[0].message
+    # A damaged part manifest is told once, as the part's (the merge's checks are not run on it).
+    part = dst / "manifest.part-00001-of-00003.msgpack"
+    part.write_bytes(part.read_bytes()[:20])
+    report = verify_dataset(str(dst))
+    assert len(report.problems) == 1 and report.problems[0].shard == "manifest", report.problems
 
 
 def test_merge_asks_the_store_once_for_every_size_and_reads_each_index_once(source, tmp_path, monkeypatch):

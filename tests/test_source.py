@@ -298,6 +298,10 @@ def test_patterns_joined_by_double_colons_are_webdatasets_list_of_patterns(split
     assert expand_braces("simplecache::s3://b/s-{0..1}.tar") == ["simplecache::s3://b/s-0.tar",
                                                                   "simplecache::s3://b/s-1.tar"]
     assert expand_braces("a.tar::b.tar") == ["a.tar", "b.tar"]
+    # An archive's chain is one URL (found by review: split, its outer tar read as a shard), refused as before.
+    assert expand_braces("tar://member.tar::file:///d/outer.tar") == ["tar://member.tar::file:///d/outer.tar"]
+    with pytest.raises(ShardstreamError, match="a chained URL is read through fsspec's cache wrappers only"):
+        StreamingDataset("tar://inner.tar::file:///d/outer.tar", decode=None).resolve()
     with pytest.raises(BracePatternError, match="expands to 4 names, more than the limit of 3"):
         expand_braces("a-{0..1}.tar::b-{0..1}.tar", limit=3)
 
