@@ -12,7 +12,7 @@ import json
 import os
 from typing import TYPE_CHECKING
 
-from .errors import ShardstreamError
+from .errors import ShardstreamError, shown_name
 from .streams import QuietStderr, say
 
 if TYPE_CHECKING:
@@ -156,10 +156,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if info["classes"]:
         say(f"{len(info['classes'])} classes:")
         for name, count in info["classes"].items():
-            say(f"  {name}: {count}")
+            say(f"  {shown_name(name)}: {count}")
     say(f"skipped at pack time: {len(info['skipped'])}, not images: {info['ignored']}")
     for item in info["skipped"]:
-        say(f"  {item['file']}: {item['reason']}")
+        say(f"  {shown_name(item['file'])}: {shown_name(item['reason'])}")
     if info["shuffle_block"]:
         order = ("all shards' in one seeded order" if info["shards"] <= INTERLEAVE_SHARDS
                  else "shard after shard, each shard's in a seeded order")

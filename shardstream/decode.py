@@ -127,11 +127,20 @@ def image_size(data: bytes) -> tuple[int, int]:
     return open_image(data).size
 
 
-def _within_pixel_limit(width: int, height: int) -> tuple[int, int]:
+def pixel_limit() -> int | None:
+    """The most pixels an image may have: Pillow's error threshold, twice its
+    `PIL.Image.MAX_IMAGE_PIXELS` (89.5 MP by default, so 179 MP), None where that is None.
+    The readers decode up to it, and `pack` packs up to it (what it packs can be read: a
+    108 MP phone photo too, over Pillow's warning threshold)."""
     limit = Image.MAX_IMAGE_PIXELS
-    if limit is not None and width * height > 2 * limit:
+    return None if limit is None else 2 * limit
+
+
+def _within_pixel_limit(width: int, height: int) -> tuple[int, int]:
+    limit = pixel_limit()
+    if limit is not None and width * height > limit:
         raise Image.DecompressionBombError(
-            f"image of {width * height} pixels ({width}x{height}) exceeds the limit of {2 * limit} pixels, "
+            f"image of {width * height} pixels ({width}x{height}) exceeds the limit of {limit} pixels, "
             f"could be a decompression bomb (PIL.Image.MAX_IMAGE_PIXELS sets the limit)")
     return width, height
 

@@ -89,7 +89,17 @@ def shown_url(url: str) -> str:
         url = USERINFO.sub(r"\1***@", url)
         if "?" in url:
             return url.split("?", 1)[0] + "?..."
-    return url
+    return shown_name(url)
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def shown_name(name: str) -> str:
+    """`name` (a file's path) with its control characters written as Python writes them
+    (``\\n``, ``\\t``, ``\\x1b``): a newline in a file name made an error two lines, and a
+    summary's "skipped" line a forged one (found by a walk of a messy collection)."""
+    return _CONTROL.sub(lambda match: repr(match.group())[1:-1], name) if _CONTROL.search(name) else name
 
 
 # The user information of an HTTP(S) URL (``user:password@``), shown as ``***@``.

@@ -89,7 +89,10 @@ def build_job(job: tuple[int, list[SourceFile], str, PackOptions, bool]) -> Fram
             # The manifest records the reason, which must be reproducible: no absolute path.
             why = e.detail if isinstance(e, PackError) else f"unreadable: {reason(e)}"
             if not skip:
-                raise PackError(why, url=printable(path)) from None
+                # What to do, in the message (a note is lost on the way from a worker process): found
+                # by a walk, only a file list's errors said it.
+                raise PackError(f"{why} (--on-error skip, on_error='skip', packs the rest, and lists each file "
+                                "left out)", url=printable(path)) from None
             skipped.append((printable(entry.path), why))
             continue
         except MemoryError:  # this machine's limit, not a bad image: never a skip, but named

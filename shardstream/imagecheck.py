@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 from PIL import Image
 
-from .decode import DAMAGED_IMAGE_ERRORS, JPEG_FORMATS, is_jpeg, jpeg_ends, open_image
+from .decode import DAMAGED_IMAGE_ERRORS, JPEG_FORMATS, is_jpeg, jpeg_ends, open_image, pixel_limit
 from .errors import PackError, reason
 
 __all__ = ["check_image", "sniff_image"]
@@ -156,7 +156,7 @@ def _frame(marker: int, body: bytes) -> _Frame | None:
         return None
     bits, height, width, count = struct.unpack_from(">BHHB", body)
     if (bits != 8 or count not in (1, 3, 4) or len(body) != 6 + 3 * count
-            or not 0 < width * height <= (Image.MAX_IMAGE_PIXELS or 1 << 62)):
+            or not 0 < width * height <= (pixel_limit() or 1 << 62)):
         return None
     ids, sampling = body[6::3], body[7::3]
     horizontal, vertical = [x >> 4 for x in sampling], [x & 0x0F for x in sampling]
@@ -271,6 +271,8 @@ def check_image(data: bytes, path: str) -> str:
     """
     kind, name = sniff_image(data)
     if kind is None:
+        if not data:
+            raise PackError("not a readable image: an empty file (0 bytes)", url=path)
         if name is None:
             raise PackError("not a readable image: unknown or damaged format", url=path)
         # Pillow would read a GIF or a BMP, but the fields pack writes hold JPEG, PNG and WebP only.
@@ -279,7 +281,7 @@ def check_image(data: bytes, path: str) -> str:
         return kind
     try:
         with open_image(data) as image:
-            _within_bomb_limit(image.size)
+            _within_bomb_limit(image.size, path)
             if image.format in JPEG_FORMATS:
                 # Decoded: a JPEG comes here only where its header walk (`_plain_jpeg`) found it
                 # unusual or damaged (a frame kind, marker or table no decoder here reads), or
@@ -294,17 +296,22 @@ def check_image(data: bytes, path: str) -> str:
                 image.load()
     except Image.UnidentifiedImageError as e:
         raise PackError("not a readable image: unknown or damaged format", url=path) from e
-    except (*DAMAGED_IMAGE_ERRORS, Image.DecompressionBombWarning) as e:
+    except Image.DecompressionBombError as e:  # Pillow's own, as it opens the file
+        raise _too_large(reason(e), path) from e
+    except DAMAGED_IMAGE_ERRORS as e:
         # The reason goes into the manifest, which must be reproducible.
         raise PackError(f"not a readable image: {reason(e)}", url=path) from e
     return kind
 
 
-def _within_bomb_limit(size: tuple[int, int]) -> None:
-    # What Pillow warns about (DecompressionBombWarning) as an error, in Pillow's words,
-    # without changing the warning filters, which threads share (`pack` turns the
-    # warning itself into an error for its whole run, see `pack._bomb_warnings_raise`).
-    pixels, limit = size[0] * size[1], Image.MAX_IMAGE_PIXELS
-    if limit is not None and pixels > limit:
-        raise Image.DecompressionBombWarning(
-            f"Image size ({pixels} pixels) exceeds limit of {limit} pixels, could be decompression bomb DOS attack.")
+def _within_bomb_limit(size: tuple[int, int], path: str) -> None:
+    """The readers' limit on pixels (`decode.pixel_limit`), in words that say it is one."""
+    (width, height), limit = size, pixel_limit()
+    if limit is not None and width * height > limit:
+        raise _too_large(f"{width * height} pixels ({width}x{height}), more than the {limit} the readers decode",
+                         path)
+
+
+def _too_large(detail: str, path: str) -> PackError:
+    return PackError(f"too large: {detail} (the limit is twice PIL.Image.MAX_IMAGE_PIXELS, a guard against "
+                     "decompression bombs: raise it where the images are trusted)", url=path)

@@ -36,14 +36,25 @@ def list_source(src: str) -> Listing:
     raise PackError(f"source must be an image folder or a .txt/.csv file list, and {found}", url=src)
 
 
+def _is_dir(entry: os.DirEntry) -> bool:
+    """Whether `entry` is a folder or a link to one; a link in a loop is none (counted as not an
+    image, as one within a class folder is: found by a walk, it stopped the whole pack)."""
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
+
+
 def _list_folder(root: str) -> Listing:
-    classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
+    with os.scandir(root) as scanned:
+        entries = list(scanned)
+    classes = sorted(e.name for e in entries if _is_dir(e) and not e.name.startswith("."))
     for name in classes:
         if printable(name) != name:
             raise PackError("class folder name is not UTF-8", url=printable(os.path.join(root, name)))
     files: list[SourceFile] = []
-    ignored: list[str] = [e.name for e in os.scandir(root) if not e.is_dir()]  # links that lead nowhere too
-    for hidden in sorted(e.name for e in os.scandir(root) if e.is_dir() and e.name.startswith(".")):
+    ignored: list[str] = [e.name for e in entries if not _is_dir(e)]  # links that lead nowhere (or in a loop) too
+    for hidden in sorted(e.name for e in entries if _is_dir(e) and e.name.startswith(".")):
         # Not a class, but its files are counted: nothing in the source goes unaccounted.
         for folder, names in _walk(os.path.join(root, hidden), within=root):  # no link back in: counted twice
             ignored += [os.path.relpath(os.path.join(folder, n), root).replace(os.sep, "/") for n in names]

@@ -33,7 +33,7 @@ from PIL import Image
 
 from .arguments import flag, integer
 from .cpus import usable_cpus
-from .errors import PackError, ShardstreamError
+from .errors import PackError, ShardstreamError, shown_name
 from .format import INDEX_SUFFIX, MANIFEST_NAME, Manifest, ShardInfo
 from .framebuild import FrameResult, build_job
 from .framepool import pool_context, process_results, thread_results, threads_pay
@@ -118,14 +118,14 @@ class PackSummary:
             lines.append(f"  not images include images pack does not store: {counts} (convert them to JPEG, PNG "
                          "or WebP to pack them)")
         if self.unclassed:
-            shown = ", ".join(self.unclassed[:5]) + (", ..." if len(self.unclassed) > 5 else "")
+            shown = ", ".join(map(shown_name, self.unclassed[:5])) + (", ..." if len(self.unclassed) > 5 else "")
             lines.append(f"  not images include {len(self.unclassed)} images beside the class folders, in no class "
                          f"(move them into one to pack them): {shown}")
-        lines += [f"  skipped {path}: {reason}" for path, reason in self.skipped]
+        lines += [f"  skipped {shown_name(path)}: {shown_name(reason)}" for path, reason in self.skipped]
         if self.misnamed:
             lines.append(f"content differs from its name: {len(self.misnamed)}, stored as named: shardstream's "
                          "decoders read them, JPEG-only decoders (nvJPEG, DALI's JPEG path) refuse them")
-            lines += [f"  {path} is {kind}" for path, kind in self.misnamed]
+            lines += [f"  {shown_name(path)} is {kind}" for path, kind in self.misnamed]
         if self.shrunk is not None:
             lines.append(f"shrunk to max_side: {self.shrunk}")
         if self.kept_whole:
@@ -369,7 +369,7 @@ def pack(
         results = thread_results(jobs, workers, job_bytes)
     else:  # the context is chosen before the progress bar starts its monitor thread
         results = process_results(jobs, workers, context, job_bytes)
-    results = _bomb_warnings_raise(results)
+    results = _bomb_warnings_quiet(results)
     bar = _progress(len(entries), progress)
     bar.update(sum(s.samples + len(k) for s, k in done.values()))
     try:
@@ -475,12 +475,15 @@ def _finished_summary(store: Store, name: str, options: dict[str, Any], on_error
     )
 
 
-def _bomb_warnings_raise(results: Iterator[FrameResult]) -> Iterator[FrameResult]:
-    """`results`, with Pillow's DecompressionBombWarning an error wherever they are built:
-    the filter is set once, here, for the threads (which share it) and the processes
-    (which inherit it when they start, on the first result), never changed while they run."""
+def _bomb_warnings_quiet(results: Iterator[FrameResult]) -> Iterator[FrameResult]:
+    """`results`, with Pillow's DecompressionBombWarning (images over its warning threshold,
+    half its error threshold) not said wherever they are built: `imagecheck` refuses images
+    past the readers' limit (Pillow's error threshold) itself, and packs those below, which
+    the readers decode. The filter is set once, here, for the threads (which share it) and
+    the processes (which inherit it when they start, on the first result), never changed
+    while they run."""
     with warnings.catch_warnings():
-        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
         yield from results
 
 

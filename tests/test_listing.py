@@ -92,6 +92,20 @@ def test_a_link_back_into_the_source_from_a_hidden_folder_is_not_followed(tmp_pa
     assert list(listing.ignored) == [".ipynb_checkpoints/x.jpg"]
 
 
+def test_a_link_in_a_loop_beside_the_class_folders_is_counted_not_fatal(tmp_path):
+    """Found by a walk of a messy collection: a link to itself beside the class folders stopped
+    the pack ("Too many levels of symbolic links"); within a class folder it was counted as not
+    an image. It is counted as not an image at the top too."""
+    root = tmp_path / "src"
+    (root / "cat").mkdir(parents=True)
+    (root / "cat" / "a.jpg").write_bytes(b"\xff\xd8 not decoded by a listing")
+    os.symlink("selfloop", root / "selfloop")
+    os.symlink("loop", root / "cat" / "loop")
+    listing = list_source(str(root))
+    assert [f.path for f in listing.files] == ["cat/a.jpg"] and listing.classes == ("cat",)
+    assert sorted(listing.ignored) == ["cat/loop", "selfloop"]
+
+
 def test_a_folder_nested_deeper_than_pythons_recursion_is_listed(tmp_path):
     """Regression (found by a review of pack under stress): Python 3.11's os.walk recurses, and an image 1,100
     folders down ended `pack` in a bare RecursionError. The walk keeps its own stack, in os.walk's order. (Here

@@ -593,7 +593,9 @@ def test_file_list_repeating_a_file_packs_it_once_under_skip(image_folder_copy, 
     listing, files = _list_with_a_repeated_row(image_folder_copy)
     summary = run_pack(listing, tmp_path / "ds", on_error="skip")
     manifest = open_dataset(str(tmp_path / "ds")).manifest
-    assert summary.skipped == list(manifest.skipped) == [(files[0], "duplicate of line 4")]
+    # The reason says the file was packed (found by a walk: "duplicate of line 4" read as the file skipped).
+    reason = "line 9 left out, a second row for this file: it is packed once, by line 4"
+    assert summary.skipped == list(manifest.skipped) == [(files[0], reason)]
     assert summary.samples == manifest.samples == 5 and manifest.ignored == 0
     assert manifest.samples + len(manifest.skipped) + manifest.ignored == 6  # rows
     got = samples_by_key(tmp_path / "ds")
@@ -609,7 +611,7 @@ def test_a_repeated_row_is_recorded_once_by_a_pack_in_parts(image_folder_copy, t
     for index in range(3):
         run_pack(listing, tmp_path / "ds", on_error="skip", part=(index, 3))
     manifest = merge(str(tmp_path / "ds"))
-    assert manifest.skipped == ((files[0], "duplicate of line 4"),)
+    assert manifest.skipped == ((files[0], "line 9 left out, a second row for this file: it is packed once, by line 4"),)
     assert manifest.samples == 5 and manifest.class_counts == (3, 2)
 
 
@@ -683,33 +685,42 @@ def test_corrupt_images_skipped_and_recorded(image_folder_copy, tmp_path):
 
 
 @functools.cache
-def _png_over_the_pixel_limit() -> bytes:
-    """9,500 x 9,500 pixels (above Pillow's default MAX_IMAGE_PIXELS, below twice it) in 11 KB: the limit need not
-    be lowered, which worker processes started by forkserver would not see."""
+def _png_of(side: int) -> bytes:
+    """`side` x `side` pixels of one bit in a few KB: the limit need not be lowered, which worker
+    processes started by forkserver would not see."""
     from PIL import Image
 
     out = io.BytesIO()
-    Image.new("1", (9500, 9500)).save(out, "PNG")
+    Image.new("1", (side, side)).save(out, "PNG")
     return out.getvalue()
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-def test_image_over_the_pixel_limit_is_skipped_with_pillows_reason(image_folder_copy, tmp_path, workers, pool_kind):
-    """Over Pillow's MAX_IMAGE_PIXELS (where Pillow only warns, below twice the limit) an image is refused: a
-    skip with Pillow's own words under on_error="skip", from threads and processes alike; the warning filters
-    are the caller's again afterwards."""
+def test_images_are_packed_up_to_the_pixel_limit_the_readers_decode(image_folder_copy, tmp_path, workers, pool_kind):
+    """Found by a walk of a messy collection: a 108 MP phone photo (12000x9000), over Pillow's
+    MAX_IMAGE_PIXELS, where Pillow only warns, was refused ("not a readable image"), with
+    `--max-side` too, though every reader decodes it (they take twice the limit, Pillow's error
+    threshold). pack takes what the readers take; an image past that is a skip that says it is
+    too large and what sets the limit, from threads and processes alike; no warning is said and
+    the warning filters are the caller's again afterwards."""
     import warnings
 
     from PIL import Image
 
-    (image_folder_copy / "class_001" / "big.png").write_bytes(_png_over_the_pixel_limit())
+    from shardstream.decode import image_size as decode_size
+
+    (image_folder_copy / "class_001" / "big.png").write_bytes(_png_of(9500))  # 90.25 MP: between the two
+    (image_folder_copy / "class_001" / "huge.png").write_bytes(_png_of(13500))  # 182 MP: past twice the limit
     filters = list(warnings.filters)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         run_pack(image_folder_copy, tmp_path / "ds", on_error="skip", workers=workers)
-    [(path, reason)] = open_dataset(str(tmp_path / "ds")).manifest.skipped
-    assert path == "class_001/big.png"
-    assert f"exceeds limit of {Image.MAX_IMAGE_PIXELS} pixels" in reason and "90250000" in reason
+    source = open_dataset(str(tmp_path / "ds"))
+    [(path, reason)] = source.manifest.skipped
+    assert path == "class_001/huge.png" and reason.startswith("too large: ") and "182250000" in reason
+    assert "twice PIL.Image.MAX_IMAGE_PIXELS" in reason
+    [big] = [s for s in shardstream.StreamingDataset(str(tmp_path / "ds"), decode=None) if s["__key__"].endswith("big")]
+    assert big["png"] == _png_of(9500) and decode_size(big["png"]) == (9500, 9500)  # within the readers' limit
     assert not [w for w in caught if issubclass(w.category, Image.DecompressionBombWarning)]
     assert warnings.filters == filters
 
@@ -772,10 +783,14 @@ def test_check_image_refuses_an_image_over_the_pixel_limit(monkeypatch):
     from shardstream.imagecheck import check_image
 
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 10_000)
-    png = io.BytesIO()
-    Image.new("RGB", (120, 100)).save(png, "PNG")
-    with pytest.warns(Image.DecompressionBombWarning), pytest.raises(PackError, match="exceeds limit of 10000 pixels"):
-        check_image(png.getvalue(), "big.png")  # Pillow warns, as it does outside shardstream; the check refuses
+    for width, height in ((120, 100), (160, 125)):  # over the limit, within twice it: packed; 20,000 past twice it
+        png = io.BytesIO()
+        Image.new("RGB", (width, height)).save(png, "PNG")
+        if width * height <= 20_000:
+            assert check_image(png.getvalue(), "big.png") == "png"
+        else:
+            with pytest.raises(PackError, match=r"big\.png: too large: .*20000 pixels.* twice PIL.Image.MAX_IMAGE_PIXELS"):
+                check_image(png.getvalue(), "big.png")
     check_image(_small_png(), "small.png")  # within the limit: no error
 
 
@@ -833,6 +848,29 @@ def test_a_shard_of_only_bad_images_is_left_out(image_folder_copy, tmp_path):
     assert sorted(p.name for p in (tmp_path / "ds").glob("shard-*.tar.zst")) == sorted(names)
     assert len(keys_in_order(tmp_path / "ds")) == 15
 
+
+
+def test_a_file_name_with_a_newline_is_one_line_in_errors_and_summaries(image_folder_copy, tmp_path):
+    """Found by a walk of a messy collection: a damaged file named "bad\\n  skipped c_ok.jpg: fake.jpg"
+    made the error two lines, and the summary (and `inspect`) a forged "skipped" line. Control
+    characters are written as Python writes them; the manifest keeps the name as it is. An empty
+    file says so, and the error says what --on-error skip does."""
+    name = "bad\n  skipped c_ok.jpg: fake.jpg"
+    (image_folder_copy / "class_001" / name).write_bytes(b"xx")
+    with pytest.raises(PackError) as info:
+        run_pack(image_folder_copy, tmp_path / "failed")
+    assert "\n" not in str(info.value) and "bad\\n  skipped" in str(info.value)
+    assert "--on-error skip, on_error='skip', packs the rest" in str(info.value)
+    (image_folder_copy / "class_001" / "empty.jpg").write_bytes(b"")
+    summary = run_pack(image_folder_copy, tmp_path / "ds", on_error="skip")
+    skipped = [line for line in str(summary).splitlines() if line.startswith("  skipped")]
+    assert len(skipped) == 2 and any("bad\\n  skipped c_ok.jpg" in line for line in skipped)
+    assert ("class_001/empty.jpg", "not a readable image: an empty file (0 bytes)") in summary.skipped
+    assert (f"class_001/{name}", "not a readable image: unknown or damaged format") in summary.skipped
+    shown = subprocess.run([sys.executable, "-m", "shardstream", "inspect", str(tmp_path / "ds")],
+                           capture_output=True, text=True, check=True).stdout
+    assert "class_001/bad\\n  skipped c_ok.jpg: fake.jpg: not a readable image" in shown
+    assert not any(line.startswith("  skipped c_ok.jpg") for line in shown.splitlines())
 
 
 def test_dangling_symlink_is_skipped_or_named(image_folder_copy, tmp_path):
