@@ -36,9 +36,12 @@ import signal
 import struct
 import sys
 import threading
+import warnings
 from multiprocessing.pool import ExceptionWithTraceback, MaybeEncodingError
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Iterator
+
+from PIL import Image
 
 try:
     import fcntl
@@ -198,6 +201,7 @@ class _FramePool:
         self.tasks: list[Any] = []  # parent -> worker: (job number, job)
         self.results: list[Any] = []  # worker -> parent
         forked = context.get_start_method() == "fork"
+        pixels = Image.MAX_IMAGE_PIXELS
         try:
             for w in range(workers):
                 task_recv, task_send = context.Pipe(duplex=False)
@@ -208,8 +212,8 @@ class _FramePool:
                 # (SIGKILL, the OOM killer) would leave the workers waiting on each other forever.
                 parents = tuple(c.fileno() for c in (*self.tasks, *self.results, task_send, result_recv)) \
                     if forked else ()
-                proc = context.Process(target=_frame_worker, args=(task_recv, result_send, parents), daemon=True,
-                                       name=f"shardstream-pack-{w}")
+                proc = context.Process(target=_frame_worker, args=(task_recv, result_send, parents, pixels),
+                                       daemon=True, name=f"shardstream-pack-{w}")
                 proc.start()
                 task_recv.close()
                 result_send.close()
@@ -322,16 +326,21 @@ def _grow_pipe(fd: int) -> None:
                 continue
 
 
-def _frame_worker(tasks: Any, conn: Any, parents: tuple[int, ...] = ()) -> None:
+def _frame_worker(tasks: Any, conn: Any, parents: tuple[int, ...] = (), pixels: int | None = None) -> None:
     """A worker process: build the jobs that come down `tasks`, send each result to `conn`.
 
     A thread sends, so that the next frame is built while the parent reads the last one,
     and so that this loop is always back at `tasks.recv()` soon: the parent may be
     blocked sending a job here, and must never wait on a worker that waits on it.
     `parents`: the parent's pipe ends a forked worker inherited, closed first, so that the
-    parent's death ends `tasks`.
+    parent's death ends `tasks`. `pixels`: the parent's `PIL.Image.MAX_IMAGE_PIXELS`, which a
+    worker started by spawn or forkserver would not have (found by review: a limit raised
+    for trusted images packed them with threads, and skipped them with processes); Pillow's
+    warning below its error threshold is not said, as in the parent (`pack`).
     """
     _leave_stopping_to_the_parent()
+    Image.MAX_IMAGE_PIXELS = pixels
+    warnings.simplefilter("ignore", Image.DecompressionBombWarning)
     for fd in parents:
         with contextlib.suppress(OSError):
             os.close(fd)

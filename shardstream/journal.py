@@ -39,9 +39,12 @@ def _what_changed(previous: Any, plan: dict[str, Any]) -> str:
     for name in sorted(set(then) | set(now), key=str):
         if then.get(name) != now.get(name):
             said.append(f"{name} {then.get(name)!r} then, {now.get(name)!r} now")
-    for name in ("part", "on_error"):
+    for name in ("part", "on_error", "pixel_limit"):
         if previous.get(name) != plan[name]:
             said.append(f"{name} {previous.get(name)!r} then, {plan[name]!r} now")
+    if previous.get("rules") != plan["rules"]:  # begun by a shardstream that packs otherwise
+        said.append("begun by another version of shardstream, which decides otherwise which images are packed and "
+                    "how (its shards and this run's would not make one pack's)")
     if said:  # the seed (and the shuffle) order the listing: its digests differ then too
         return "; ".join(said)
     if previous.get("listing") != plan["listing"]:
@@ -138,7 +141,7 @@ class Journal:
         if not isinstance(shard, int) or isinstance(shard, bool) or shard < 0 or not isinstance(skipped, list) \
                 or not all(isinstance(s, list) and len(s) == 2 and all(isinstance(v, str) for v in s) for s in skipped):
             raise ShardstreamError("a pack journal record that this library did not write", url=url)
-        return shard, shard_entry(raw.get("info"), url), [(path, why) for path, why in skipped]
+        return shard, _recorded_entry(raw.get("info"), url), [(path, why) for path, why in skipped]
 
     def record(self, shard: int, info: ShardInfo, skipped: list[tuple[str, str]]) -> None:
         body = {"shard": shard, "info": {**asdict(info), "fields": list(info.fields)}, "skipped": skipped}
@@ -152,6 +155,18 @@ class Journal:
             shutil.rmtree(self.store.root, ignore_errors=True)
             if remove_folder:
                 remove_journal_folder(os.path.dirname(self.store.root))
+
+
+def _recorded_entry(info: Any, url: str) -> ShardInfo:
+    """A record's shard entry: a manifest's, or that of a shard whose every image was skipped
+    (`packoutput.finish_shard`: no file, no index), which a manifest never lists (found by
+    review: a resume refused it as a manifest entry naming no index, "unsafe shard file name")."""
+    if isinstance(info, dict) and info.get("samples") == 0 and info.get("index") == "":
+        name = info.get("name")
+        if not isinstance(name, str) or not safe_name(name):
+            raise ShardstreamError("a pack journal record that this library did not write", url=url)
+        return ShardInfo(name, 0, 0, 0, "", "", 0, "", ())
+    return shard_entry(info, url)
 
 
 def remove_journal_folder(path: str) -> None:

@@ -33,6 +33,7 @@ from PIL import Image
 
 from .arguments import flag, integer
 from .cpus import usable_cpus
+from .decode import pixel_limit
 from .errors import PackError, ShardstreamError, shown_name
 from .format import INDEX_SUFFIX, MANIFEST_NAME, Manifest, ShardInfo
 from .framebuild import FrameResult, build_job
@@ -130,7 +131,7 @@ class PackSummary:
             lines.append(f"shrunk to max_side: {self.shrunk}")
         if self.kept_whole:
             lines.append(f"kept whole, larger than max_side: {len(self.kept_whole)}")
-            lines += [f"  kept whole {path}: {why}" for path, why in self.kept_whole]
+            lines += [f"  kept whole {shown_name(path)}: {why}" for path, why in self.kept_whole]
         return "\n".join(lines)
 
 
@@ -333,13 +334,21 @@ def pack(
         journal.clear(remove_folder=part is None)  # a kill between the manifest and this left it
         cleanup_scratch(store, [target])  # and a kill mid-manifest its scratch file, or the empty folder
         return summary
-    shrunk = None if max_side is None else shrunk_estimates(entries, listing.root, max_side)
+    if max_side is None:
+        shrunk = None
+    else:
+        with warnings.catch_warnings():  # headers of images over Pillow's warning threshold, which pack takes
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            shrunk = shrunk_estimates(entries, listing.root, max_side)
     planned = plan_frames(entries, opts, shrunk)
     store.makedirs()
     # on_error decides which files are skipped, so a resume must keep it; the files' sizes
     # and times catch a source edited in place (the listing has only names and labels).
+    # And what decides which images are packed beyond the options: Pillow's limit, and the
+    # rules of this version (`PACK_RULES`): a resume by a version that packs otherwise mixed
+    # shards that neither version would write (found by review).
     plan_record = {"options": opts.as_dict(), "listing": fingerprint, "part": list(part or ()), "on_error": on_error,
-                   "files": _files_stamp(entries)}
+                   "files": _files_stamp(entries), "pixel_limit": pixel_limit(), "rules": PACK_RULES}
     done = journal.start(plan_record, resume)
     # After the journal's fresh start, which removes its own run's shards: others' left behind.
     planned_names = {shard_name(opts.prefix, frame.shard, compression) for frame in planned}
@@ -473,6 +482,11 @@ def _finished_summary(store: Store, name: str, options: dict[str, Any], on_error
         ignored=manifest.ignored,
         resumed=manifest.samples,  # every one packed by the earlier run: "0 img/s" said otherwise
     )
+
+
+# Raised where a version of pack decides otherwise which images are packed, or their bytes
+# (not the options'): 2, the readers' pixel limit and `exact` for lossy WebP re-encoded.
+PACK_RULES = 2
 
 
 def _bomb_warnings_quiet(results: Iterator[FrameResult]) -> Iterator[FrameResult]:

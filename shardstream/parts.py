@@ -113,6 +113,15 @@ def unlisted_single_shards(store: Store) -> list[str]:
     return [name for name in store.list() if _SINGLE_SHARD.fullmatch(name) and name not in listed]
 
 
+def unlisted_shards(store: Store, manifest: Manifest) -> list[str]:
+    """The files in `store` named as shardstream names shards (a single pack's or a part's, and
+    their indexes) that `manifest` does not list: left by an earlier pack into the folder
+    (killed, or of another number of parts). Readers never open them; `verify` tells of them."""
+    listed = {name for shard in manifest.shards for name in (shard.name, shard.index)}
+    return sorted(name for name in store.list()
+                  if (_SINGLE_SHARD.fullmatch(name) or _PART_SHARD.fullmatch(name)) and name not in listed)
+
+
 def unplanned_single_shards(store: Store, planned: set[str]) -> list[str]:
     """The shard files in `store` that a single pack planning `planned` would not write and no
     manifest of it lists: a single pack's beyond the plan, and any part's. An overwrite

@@ -64,9 +64,9 @@ class Repeat:
 
     @property
     def reason(self) -> str:
-        # The file itself is packed, by its first row: the record says a row was left out (found by a
-        # walk: "duplicate of line 1" read as the file skipped, and a list less the skips lost it).
-        return f"line {self.line} left out, a second row for this file: it is packed once, by line {self.first_line}"
+        # The row is left out, not the file, which its first row stands for (found by a walk:
+        # "duplicate of line 1" read as the file skipped, and a list less the skips lost it).
+        return f"line {self.line} left out, a second row for this file: its first row, line {self.first_line}, stands for it"
 
     @property
     def refusal(self) -> str:

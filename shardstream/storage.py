@@ -354,6 +354,11 @@ class Store:
         data = self._remote_read_bytes(name, start, end, size)
         return data, len(data)
 
+    def _count_sent(self, name: str) -> None:
+        """A one-byte read of `name` that tells whether it is there, its bytes sent counted
+        (a server that ignores ranges sends the whole file: found by review, uncounted)."""
+        io_stats.add(remote_bytes=self._remote_read(name, 0, 1)[1])
+
     def _remote_read_bytes(self, name: str, start: int | None, end: int | None, size: int | None) -> bytes:
         if self._direct == "s3":
             connect_s, read_s = self._timeouts
@@ -432,7 +437,7 @@ class Store:
         if self.root.startswith(("http://", "https://")):
             # fsspec's HTTP info() turns every failure (a 503 too) into FileNotFoundError;
             # a one-byte read tells "not found" (404) from a transient error.
-            self._remote_read(name, 0, 1)
+            self._count_sent(name)
             return {"name": self.url(name)}
         fs, path = self._fs_path(name)
         return fs.info(path)
@@ -524,7 +529,7 @@ class Store:
                 raise
             # fsspec's HTTP size() turns every failure (a 503 too) into FileNotFoundError,
             # as info() does: a one-byte read raises again on a 404 and is retried on a 5xx.
-            self._remote_read(name, 0, 1)
+            self._count_sent(name)
             raise ConnectionError("the size lookup failed, though the file is there") from None
         if size is None:
             raise StorageError("the server does not report a size", url=self.url(name))

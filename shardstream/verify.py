@@ -26,7 +26,7 @@ from .reader import ShardReader
 from .shardfile import seek_table
 from .tario import END_OF_ARCHIVE, member_key
 from .epochs import shard_block
-from .parts import merged_manifest, part_manifests
+from .parts import merged_manifest, part_manifests, unlisted_shards
 from .plan import run_samples
 from .source import ManifestShards, Source, open_dataset
 from .storage import Store
@@ -352,6 +352,7 @@ def verify_dataset(
     try:
         try:
             sources = [open_dataset(url, storage_options=storage_options)]
+            _tell_unlisted(sources[0], report)
         except ManifestError:
             # Only where no manifest is there: a damaged one beside the parts it merged is the problem.
             store = Store(os.fspath(url), storage_options or {})
@@ -364,6 +365,21 @@ def verify_dataset(
     for source in sources:
         _verify_source(source, report, decode_images, progress, workers)
     return report
+
+
+def _tell_unlisted(source: Source, report: VerifyReport) -> None:
+    """A warning of shard files in the dataset's folder that its manifest does not list (left by
+    an earlier pack: found by a walk, `verify` said "ok" over them without a word)."""
+    assert source.manifest is not None
+    store = source.shards.store if isinstance(source.shards, ManifestShards) else None
+    if store is None:
+        return
+    stray = unlisted_shards(store, source.manifest)
+    if stray:
+        report.warnings.append(Problem(
+            "folder", None, f"{len(stray)} file{'s' if len(stray) > 1 else ''} named as shards that the manifest "
+            f"does not list ({', '.join(stray[:3])}{', ...' if len(stray) > 3 else ''}): an earlier pack's? Readers "
+            "never open them; `shardstream pack --overwrite` into this folder removes them", warning=True))
 
 
 def _unmerged_parts(store: Store, report: VerifyReport) -> list[Source]:

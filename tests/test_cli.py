@@ -125,6 +125,22 @@ def test_verify_names_bytes_appended_to_a_shard(packed, tmp_path):
     assert f"file is {shard.bytes + 15} bytes, the manifest says {shard.bytes}" in checked.stdout
 
 
+def test_verify_warns_of_shard_files_the_manifest_does_not_list(packed, tmp_path):
+    """Left by the thirty-eighth session: shard files in a dataset's folder that its manifest does
+    not list (an earlier pack's, killed or of another number of parts) verified "ok" without a
+    word. They are a warning (readers never open them), named, with what removes them."""
+    copy = tmp_path / "ds"
+    shutil.copytree(packed, copy)
+    first = open_dataset(str(copy)).manifest.shards[0].name
+    for stray in ("shard-000099.tar.zst", "shard-p00001-000000.tar.zst.idx"):
+        shutil.copy(copy / first, copy / stray)
+    (copy / "notes-000001.tar").write_bytes(b"")  # not named as shardstream names shards: not its business
+    checked = cli("verify", copy, "--quiet", "--no-decode")
+    assert checked.returncode == 0 and "ok (1 warning)" in checked.stdout
+    assert ("WARNING folder: 2 files named as shards that the manifest does not list (shard-000099.tar.zst, "
+            "shard-p00001-000000.tar.zst.idx): an earlier pack's?") in checked.stdout
+
+
 def _edited_manifest(packed, tmp_path, edit) -> str:
     import msgpack
 

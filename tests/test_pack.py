@@ -594,7 +594,7 @@ def test_file_list_repeating_a_file_packs_it_once_under_skip(image_folder_copy, 
     summary = run_pack(listing, tmp_path / "ds", on_error="skip")
     manifest = open_dataset(str(tmp_path / "ds")).manifest
     # The reason says the file was packed (found by a walk: "duplicate of line 4" read as the file skipped).
-    reason = "line 9 left out, a second row for this file: it is packed once, by line 4"
+    reason = "line 9 left out, a second row for this file: its first row, line 4, stands for it"
     assert summary.skipped == list(manifest.skipped) == [(files[0], reason)]
     assert summary.samples == manifest.samples == 5 and manifest.ignored == 0
     assert manifest.samples + len(manifest.skipped) + manifest.ignored == 6  # rows
@@ -611,7 +611,8 @@ def test_a_repeated_row_is_recorded_once_by_a_pack_in_parts(image_folder_copy, t
     for index in range(3):
         run_pack(listing, tmp_path / "ds", on_error="skip", part=(index, 3))
     manifest = merge(str(tmp_path / "ds"))
-    assert manifest.skipped == ((files[0], "line 9 left out, a second row for this file: it is packed once, by line 4"),)
+    assert manifest.skipped == ((files[0], "line 9 left out, a second row for this file: its first row, line 4, stands "
+                                           "for it"),)
     assert manifest.samples == 5 and manifest.class_counts == (3, 2)
 
 
@@ -723,6 +724,31 @@ def test_images_are_packed_up_to_the_pixel_limit_the_readers_decode(image_folder
     assert big["png"] == _png_of(9500) and decode_size(big["png"]) == (9500, 9500)  # within the readers' limit
     assert not [w for w in caught if issubclass(w.category, Image.DecompressionBombWarning)]
     assert warnings.filters == filters
+
+
+def test_a_raised_or_lowered_pixel_limit_reaches_workers_that_are_not_forked(image_folder_copy, tmp_path,
+                                                                             monkeypatch):
+    """Found by review: worker processes started by forkserver (chosen where the caller runs a
+    thread) or spawn had Pillow's default limit, not the caller's: a limit raised for trusted
+    images packed them with threads and skipped them with processes. Each worker takes the
+    caller's. (Lowered here, to tell with small images: 90x90 is within twice 5,000 pixels,
+    110x110 past it.)"""
+    import multiprocessing
+
+    from PIL import Image
+
+    framepool, packing = sys.modules["shardstream.framepool"], sys.modules["shardstream.pack"]
+
+    for side in (90, 110):
+        out = io.BytesIO()
+        Image.new("RGB", (side, side)).save(out, "PNG")
+        (image_folder_copy / "class_001" / f"side{side}.png").write_bytes(out.getvalue())
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 5000)
+    monkeypatch.setattr(framepool, "THREADS_FROM_BYTES", 1 << 40)  # processes
+    monkeypatch.setattr(packing, "pool_context", lambda: multiprocessing.get_context("forkserver"))
+    summary = run_pack(image_folder_copy, tmp_path / "ds", on_error="skip", workers=2)
+    too_large = sorted(path for path, reason in summary.skipped if reason.startswith("too large"))
+    assert too_large == ["class_001/side110.png"], summary.skipped
 
 
 def _header_damage() -> dict[str, tuple[bytes, bytes]]:
@@ -997,7 +1023,8 @@ def test_an_image_in_a_format_pack_does_not_store_fails_or_is_skipped(image_fold
     (folder / "class_002" / "zz_bmp.png").write_bytes(encoded("BMP"))
     with pytest.raises(PackError) as info:
         run_pack(folder, tmp_path / "fail", shuffle=False)
-    assert str(info.value).endswith("zz_gif.jpg: a GIF image: pack stores JPEG, PNG and WebP only")
+    assert str(info.value).endswith("zz_gif.jpg: a GIF image: pack stores JPEG, PNG and WebP only (--on-error skip, "
+                                    "on_error='skip', packs the rest, and lists each file left out)")
     assert os.path.samefile(info.value.url, folder / "class_001" / "zz_gif.jpg")
     summary = run_pack(folder, tmp_path / "ds", on_error="skip", workers=2)
     manifest = open_dataset(str(tmp_path / "ds")).manifest
@@ -1364,6 +1391,32 @@ def test_a_fresh_run_after_one_that_skipped_a_whole_shard(image_folder_copy, tmp
     assert summary.samples == len(list(folder.rglob("*.jpg"))) - 1 and len(summary.skipped) == 1
 
 
+def test_a_resume_after_a_shard_whose_every_image_was_skipped(image_folder_copy, tmp_path, monkeypatch,
+                                                              dataset_files):
+    """Found by review: a resume read such a shard's journal record (no file, no index) as a manifest's
+    entry, and refused it ("unsafe shard file name ''"): the pack could not be resumed at all."""
+    from shardstream.journal import Journal
+
+    folder = image_folder_copy
+    write_text_as_jpeg(folder, "class_000/aaa_bad.jpg")  # first in the unshuffled order: a shard of its own
+    record, calls = Journal.record, []
+
+    def interrupted(self, shard, info, skipped):
+        record(self, shard, info, skipped)
+        calls.append(shard)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(Journal, "record", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_pack(folder, tmp_path / "ds", max_samples=1, on_error="skip", shuffle=False)
+    monkeypatch.setattr(Journal, "record", record)
+    resumed = run_pack(folder, tmp_path / "ds", max_samples=1, on_error="skip", shuffle=False, resume=True)
+    fresh = run_pack(folder, tmp_path / "fresh", max_samples=1, on_error="skip", shuffle=False)
+    assert resumed.resumed == 2 and resumed.skipped == fresh.skipped == [("class_000/aaa_bad.jpg", resumed.skipped[0][1])]
+    assert dataset_files(tmp_path / "ds") == dataset_files(tmp_path / "fresh")
+
+
 def test_a_refused_resume_says_what_changed(image_folder_copy, tmp_path, monkeypatch):
     """Regression (found by a user's walk through packing on a cluster): "the earlier pack had other
     options, another source listing, or source files modified since" said none of which; a pack
@@ -1377,6 +1430,28 @@ def test_a_refused_resume_says_what_changed(image_folder_copy, tmp_path, monkeyp
         run_pack(image_folder_copy, tmp_path / "ds", shard_size="20KB", resume=True)
     summary = run_pack(image_folder_copy, tmp_path / "ds", shard_size="20KB")  # afresh
     assert summary.samples == len(list(image_folder_copy.rglob("*.jpg")))
+
+
+def test_a_resume_of_a_pack_begun_under_other_packing_rules_is_refused(image_folder_copy, tmp_path, monkeypatch):
+    """Found by review: a pack begun by a version that decided otherwise which images are packed (Pillow's
+    warning threshold, not the readers' limit) was resumed by this one: shards of both in one dataset,
+    which neither would write. A plan records the rules and Pillow's limit; another is refused, named."""
+    import msgpack
+
+    from PIL import Image
+
+    killed_after_first_shard(monkeypatch, lambda: run_pack(image_folder_copy, tmp_path / "ds", shard_size="20KB"))
+    plan = tmp_path / "ds" / ".shardstream-pack" / "main" / "plan.msgpack"
+    record = msgpack.unpackb(plan.read_bytes())
+    assert record["rules"] == sys.modules["shardstream.pack"].PACK_RULES
+    limit = 2 * Image.MAX_IMAGE_PIXELS
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 10 ** 9)
+    with pytest.raises(ShardstreamError, match=rf"differs \(pixel_limit {limit} then, 2000000000 now\)"):
+        run_pack(image_folder_copy, tmp_path / "ds", shard_size="20KB", resume=True)
+    monkeypatch.undo()
+    plan.write_bytes(msgpack.packb({k: v for k, v in record.items() if k not in ("rules", "pixel_limit")}))
+    with pytest.raises(ShardstreamError, match="begun by another version of shardstream, which decides otherwise"):
+        run_pack(image_folder_copy, tmp_path / "ds", shard_size="20KB", resume=True)
 
 
 @pytest.mark.parametrize("resume", [False, True])
