@@ -1368,25 +1368,31 @@ def test_a_plain_rerun_after_an_overwrite_killed_while_removing_leaves_nothing_o
     assert {p.name for p in dst.iterdir() if not p.name.startswith(".")} == listed | {MANIFEST_NAME}
 
 
-def test_a_fresh_run_after_one_that_skipped_a_whole_shard(image_folder_copy, tmp_path, monkeypatch):
-    """A shard whose every image was skipped is journaled without files; a fresh run after an interrupted one
-    removed the files its journal recorded, and for that shard removed "" (the destination): IsADirectoryError."""
+def _killed_after_a_skipped_shard(folder: Path, dst: Path, monkeypatch, shards: int) -> None:
+    """A pack of `folder` into `dst` (a sample a shard, unshuffled, skipping) killed once `shards` shards are
+    journaled, the first of them a shard whose every image was skipped (a bad file first in the order)."""
     from shardstream.journal import Journal
 
-    folder = image_folder_copy
     write_text_as_jpeg(folder, "class_000/aaa_bad.jpg")  # first in the unshuffled order: a shard of its own
     record, calls = Journal.record, []
 
     def interrupted(self, shard, info, skipped):
         record(self, shard, info, skipped)
         calls.append(shard)
-        if len(calls) == 4:
-            raise KeyboardInterrupt  # a kill, after four shards
+        if len(calls) == shards:
+            raise KeyboardInterrupt  # a kill
 
     monkeypatch.setattr(Journal, "record", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        run_pack(folder, tmp_path / "ds", max_samples=1, on_error="skip", shuffle=False)
+        run_pack(folder, dst, max_samples=1, on_error="skip", shuffle=False)
     monkeypatch.setattr(Journal, "record", record)
+
+
+def test_a_fresh_run_after_one_that_skipped_a_whole_shard(image_folder_copy, tmp_path, monkeypatch):
+    """A shard whose every image was skipped is journaled without files; a fresh run after an interrupted one
+    removed the files its journal recorded, and for that shard removed "" (the destination): IsADirectoryError."""
+    folder = image_folder_copy
+    _killed_after_a_skipped_shard(folder, tmp_path / "ds", monkeypatch, 4)
     summary = run_pack(folder, tmp_path / "ds", max_samples=1, on_error="skip", seed=1)  # afresh, other options
     assert summary.samples == len(list(folder.rglob("*.jpg"))) - 1 and len(summary.skipped) == 1
 
@@ -1395,22 +1401,8 @@ def test_a_resume_after_a_shard_whose_every_image_was_skipped(image_folder_copy,
                                                               dataset_files):
     """Found by review: a resume read such a shard's journal record (no file, no index) as a manifest's
     entry, and refused it ("unsafe shard file name ''"): the pack could not be resumed at all."""
-    from shardstream.journal import Journal
-
     folder = image_folder_copy
-    write_text_as_jpeg(folder, "class_000/aaa_bad.jpg")  # first in the unshuffled order: a shard of its own
-    record, calls = Journal.record, []
-
-    def interrupted(self, shard, info, skipped):
-        record(self, shard, info, skipped)
-        calls.append(shard)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(Journal, "record", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        run_pack(folder, tmp_path / "ds", max_samples=1, on_error="skip", shuffle=False)
-    monkeypatch.setattr(Journal, "record", record)
+    _killed_after_a_skipped_shard(folder, tmp_path / "ds", monkeypatch, 3)
     resumed = run_pack(folder, tmp_path / "ds", max_samples=1, on_error="skip", shuffle=False, resume=True)
     fresh = run_pack(folder, tmp_path / "fresh", max_samples=1, on_error="skip", shuffle=False)
     assert resumed.resumed == 2 and resumed.skipped == fresh.skipped == [("class_000/aaa_bad.jpg", resumed.skipped[0][1])]
