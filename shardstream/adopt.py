@@ -73,7 +73,7 @@ def index_tars(source: str | os.PathLike[str] | Sequence[str], *, workers: int =
         _refuse_foreign_indexes(store, names)
     from .progress import progress_bar
 
-    scans: list[tuple[ShardInfo, np.ndarray | None]] = []
+    scans: list[tuple[ShardInfo, np.ndarray | None, tuple[str, ...]]] = []
     # A transient storage error mid-read reads the shard again, from the start. On an
     # error, the shards not yet started are not read.
     futures = ordered_map(lambda name: store.retry.call(_index_shard, store, name, url=store.url(name)), names,
@@ -83,8 +83,9 @@ def index_tars(source: str | os.PathLike[str] | Sequence[str], *, workers: int =
         for future in futures:
             scans.append(future.result())
             bar.update(1)
-    shards = tuple(info for info, _ in scans if info.samples)
-    labels = np.concatenate([lab for _, lab in scans if lab is not None] or [np.zeros(0, np.int64)])
+    shards = tuple(info for info, _, _ in scans if info.samples)
+    _warn_of_keys_repeated(store.root, [(info.name, keys) for info, _, keys in scans])
+    labels = np.concatenate([lab for _, lab, _ in scans if lab is not None] or [np.zeros(0, np.int64)])
     labels = labels[labels >= 0]
     counts = np.bincount(labels) if labels.size else np.zeros(0, np.int64)
     made = Manifest(
@@ -348,8 +349,29 @@ def _shards(source: str | os.PathLike[str] | Sequence[str], options: dict[str, A
     return store, names
 
 
-def _index_shard(store: Store, name: str) -> tuple[ShardInfo, np.ndarray | None]:
-    """Scan one shard, write its index beside it; its manifest entry and its labels."""
+def _warn_of_keys_repeated(root: str, shards: list[tuple[str, tuple[str, ...]]]) -> None:
+    """Warn where a key comes back in another shard (tars written by several processes, each
+    numbering from 0): FORMAT.md allows it in tars indexed in place, but a sample is then
+    told apart by its shard and key, and a metric gathered by key alone (README's validation
+    recipe) silently scored half a set (found by a walk of distributed evaluation)."""
+    first: dict[str, str] = {}
+    repeated, example = 0, None
+    for name, keys in shards:
+        for key in keys:
+            where = first.setdefault(key, name)
+            if where != name:
+                repeated += 1
+                example = example or (key, where, name)
+    if example is not None:
+        key, where, name = example
+        warnings.warn(f"{root}: {repeated:,} sample key{'s' if repeated > 1 else ''} come back in another shard "
+                      f"(such as {key!r}, in {where} and {name}): a sample is told apart by its shard and key "
+                      "(fields=(\"__url__\", \"__key__\")), not by its key alone; `shardstream repack --prefix-keys` "
+                      "makes every key unique", stacklevel=3)
+
+
+def _index_shard(store: Store, name: str) -> tuple[ShardInfo, np.ndarray | None, tuple[str, ...]]:
+    """Scan one shard, write its index beside it; its manifest entry, its labels and its keys."""
     with store.open(name) as f:
         counted = CountingReader(f, hashlib.sha256())
         index, fields = scan_tar(counted, store.url(name))
@@ -357,10 +379,10 @@ def _index_shard(store: Store, name: str) -> tuple[ShardInfo, np.ndarray | None]
             pass
     index = dataclasses.replace(index, shard_bytes=counted.position)
     if not len(index):
-        return ShardInfo(name, 0, counted.position, counted.position, "", "", 0, "", ()), None
+        return ShardInfo(name, 0, counted.position, counted.position, "", "", 0, "", ()), None, ()
     data = index.to_bytes()
     store.write(name + INDEX_SUFFIX, data)
     info = ShardInfo(name=name, samples=len(index), bytes=counted.position, raw_bytes=counted.position,
                      sha256=counted.hash.hexdigest(), index=name + INDEX_SUFFIX, index_bytes=len(data),  # type: ignore[union-attr]
                      index_sha256=hashlib.sha256(data).hexdigest(), fields=fields)
-    return info, index.labels
+    return info, index.labels, index.keys
