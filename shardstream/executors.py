@@ -38,7 +38,13 @@ CANCEL_GRACE_S = 5.0
 STOP_WAIT_S = 60.0
 
 
-def _pack_part(src: str, dst: str, part: tuple[int, int], options: dict[str, Any]) -> PackSummary:
+def _pack_part(src: str, dst: str, part: tuple[int, int], options: dict[str, Any],
+               pixels: int | None = None) -> PackSummary:
+    # The caller's Pillow limit (`pixels`): a Ray worker started elsewhere has Pillow's default,
+    # and skipped images the caller's pack would take (found by review).
+    from PIL import Image
+
+    Image.MAX_IMAGE_PIXELS = pixels
     return pack(src, dst, part=part, progress=False, **options)
 
 
@@ -70,7 +76,9 @@ def pack_with_ray(src: str, dst: str, *, parts: int, address: str | None = None,
     # not this one: a relative path named nothing there ("src: ... nothing is there").
     src, dst = (_absolute(path) for path in (src, dst))
     task = ray.remote(num_cpus=_cpus_to_ask(ray, cpus_per_part))(_pack_part)
-    pending = {task.remote(src, dst, (i, parts), options): i for i in range(parts)}
+    from PIL import Image
+
+    pending = {task.remote(src, dst, (i, parts), options, Image.MAX_IMAGE_PIXELS): i for i in range(parts)}
     summaries: dict[int, PackSummary] = {}
     with progress_bar(total=parts, unit="part", desc="pack (ray)", disable=not progress) as bar:
         try:

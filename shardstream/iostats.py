@@ -33,8 +33,9 @@ class IOStats:
     prefetch threads); `cache_*` count shard lookups in a local cache; `readahead_waits`
     counts the pieces a reader had to wait for with its read-ahead window at its largest
     (readahead.py): storage latency the window could not cover at the reader's rate.
-    `remote_bytes` are those of `bytes` read from remote storage: with a cache, `bytes`
-    counts the cached copies' reads too, and this what the storage sent.
+    `remote_bytes` are what remote storage sent: with a cache, `bytes` counts the cached
+    copies' reads too; from a server that ignores Range, whole files for the ranges asked
+    (more than `bytes`), and none for a piece of a file kept from such an answer.
     """
 
     requests: int = 0

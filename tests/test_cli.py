@@ -141,6 +141,42 @@ def test_verify_warns_of_shard_files_the_manifest_does_not_list(packed, tmp_path
             "shard-p00001-000000.tar.zst.idx): an earlier pack's?") in checked.stdout
 
 
+
+def test_the_look_for_unlisted_shard_files_never_fails_verify_nor_blames_tars_indexed_in_place(packed, tmp_path,
+                                                                                                  monkeypatch):
+    """Found by review: a store that refuses listings (nginx without autoindex, S3 without list
+    permission) made `verify` fail before any shard ("could not list"), and a tar of no samples,
+    which `index` leaves out of its manifest, was called an earlier pack's, with advice to
+    `pack --overwrite` the folder: the user's tars gone."""
+    from shardstream import StorageError
+    from shardstream.adopt import index_tars
+    from shardstream.storage import Store
+    from shardstream.verify import verify_dataset
+
+    copy = tmp_path / "ds"
+    shutil.copytree(packed, copy)
+    shutil.copy(copy / open_dataset(str(copy)).manifest.shards[0].name, copy / "shard-000099.tar.zst")
+
+    def refused(self, suffix=""):
+        raise StorageError("could not list: PermissionError", url=self.root)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(Store, "list", refused)
+        report = verify_dataset(str(copy), decode_images=False)
+    assert report.ok and not report.warnings and report.shards == len(open_dataset(str(copy)).manifest.shards)
+    tars = tmp_path / "tars"
+    tars.mkdir()
+    for i, members in enumerate((2, 0)):  # the second holds no sample: left out of the manifest
+        with tarfile.open(tars / f"shard-{i:06d}.tar", "w") as tar:
+            for j in range(members):
+                info = tarfile.TarInfo(f"s{i}{j}.txt")
+                info.size = 1
+                tar.addfile(info, io.BytesIO(b"x"))
+    index_tars(str(tars))
+    report = verify_dataset(str(tars), decode_images=False)
+    assert report.ok and not report.warnings and report.samples == 2
+
+
 def _edited_manifest(packed, tmp_path, edit) -> str:
     import msgpack
 
