@@ -281,7 +281,6 @@ def check_image(data: bytes, path: str) -> str:
         return kind
     try:
         with open_image(data) as image:
-            _within_bomb_limit(image.size, path)
             if image.format in JPEG_FORMATS:
                 # Decoded: a JPEG comes here only where its header walk (`_plain_jpeg`) found it
                 # unusual or damaged (a frame kind, marker or table no decoder here reads), or
@@ -296,20 +295,12 @@ def check_image(data: bytes, path: str) -> str:
                 image.load()
     except Image.UnidentifiedImageError as e:
         raise PackError("not a readable image: unknown or damaged format", url=path) from e
-    except Image.DecompressionBombError as e:  # Pillow's own, as it opens the file
+    except Image.DecompressionBombError as e:  # Pillow's own, as it opens the file: the readers' limit too
         raise _too_large(reason(e), path) from e
     except DAMAGED_IMAGE_ERRORS as e:
         # The reason goes into the manifest, which must be reproducible.
         raise PackError(f"not a readable image: {reason(e)}", url=path) from e
     return kind
-
-
-def _within_bomb_limit(size: tuple[int, int], path: str) -> None:
-    """The readers' limit on pixels (`decode.pixel_limit`), in words that say it is one."""
-    (width, height), limit = size, pixel_limit()
-    if limit is not None and width * height > limit:
-        raise _too_large(f"{width * height} pixels ({width}x{height}), more than the {limit} the readers decode",
-                         path)
 
 
 def _too_large(detail: str, path: str) -> PackError:
