@@ -491,9 +491,9 @@ PACK_RULES = 2
 
 def _bomb_warnings_quiet(results: Iterator[FrameResult]) -> Iterator[FrameResult]:
     """`results`, with Pillow's DecompressionBombWarning (images over its warning threshold,
-    half its error threshold) not said wherever they are built: `imagecheck` refuses images
-    past the readers' limit (Pillow's error threshold) itself, and packs those below, which
-    the readers decode. The filter is set once, here, for the threads (which share it) and
+    half its error threshold) not said wherever they are built: Pillow refuses images past
+    its error threshold, the readers' limit, as it opens them (`imagecheck` says "too
+    large"), and pack takes those below, which the readers decode. The filter is set once, here, for the threads (which share it) and
     the processes (which inherit it when they start, on the first result), never changed
     while they run."""
     with warnings.catch_warnings():

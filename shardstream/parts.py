@@ -176,14 +176,15 @@ def merged_manifest(store: Store) -> Manifest:
     if len(totals) != 1:
         raise ShardstreamError(f"part manifests disagree on the number of parts: {sorted(totals)}", url=dst)
     total = totals.pop()
+    url_of = lambda n: store.url(found[n][1])  # noqa: E731 - part n's manifest, named in refusals
     missing = [i for i in range(total) if i not in found]
     if missing:
         # The parts there first: a part packed with other options is named now, not after the
         # missing ones are packed (with its options copied, as the refusal before packing said).
         present = sorted(found)
         finished = [Manifest.from_bytes(store.read(found[i][1]), store.url(found[i][1])) for i in present]
-        _check_options_agree(finished, present, lambda n: store.url(found[n][1]))
-        _check_sources_agree(finished, present, lambda n: store.url(found[n][1]))
+        _check_options_agree(finished, present, url_of)
+        _check_sources_agree(finished, present, url_of)
         begun = _begun_parts(store, total)
         names = ", ".join(f"part {i} (manifest.part-{i:05d}-of-{total:05d}.msgpack"
                           + ("; begun and not finished: --resume continues it" if i in begun else "") + ")"
@@ -203,8 +204,8 @@ def merged_manifest(store: Store) -> Manifest:
             raise ManifestError(f"this manifest says it is part {part.options.get('part')}, not [{i}, {total}]",
                                 url=store.url(found[i][1]))
     # The options first: another seed orders the listing otherwise, and changes its digest too.
-    _check_options_agree(parts, list(range(total)), lambda n: store.url(found[n][1]))
-    _check_sources_agree(parts, list(range(total)), lambda n: store.url(found[n][1]))
+    _check_options_agree(parts, list(range(total)), url_of)
+    _check_sources_agree(parts, list(range(total)), url_of)
     names = [name for part in parts for name in part.shards.names]
     if len(names) != len(set(names)):
         raise ManifestError("parts list the same shard twice", url=dst)
