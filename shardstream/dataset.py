@@ -13,6 +13,7 @@ manifest read) on first use, in whichever process gets there first.
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import pickle
 import sys
@@ -42,11 +43,11 @@ from .policy import ErrorPolicy, guarded
 from .plan import MAX_WORLD_SIZE, Layout, items_of
 from .prepare import SamplePrep
 from .rankplan import RankPlan, WorkerEpoch
-from .resume import MAX_EPOCH, current_place
+from .resume import MAX_EPOCH, Segment, current_place
 from .sampling import Mix, Sampling, source_urls
 from .shared import SLOTS, SharedState
 from .source import Source, resolve_source
-from .stream import read_samples, reorder
+from .stream import marked, read_samples, reorder
 from .retry import RetryPolicy
 from .urls import preload_driver
 from .world import World
@@ -441,14 +442,15 @@ class StreamingDataset(Checkpointing, IterableDataset):
         """This rank's reads with `world`'s layout (rankplan.py)."""
         return RankPlan(self._sequences(), self.layout(world), world.rank, self.resampled)
 
-    def _rank_block(self, world: World) -> tuple[np.ndarray, RankPlan, int, int, int]:
-        """This rank's samples of the current segment, its plan, segment number, items already
-        delivered, and the epoch (that of a loaded resume state, else the dataset's)."""
+    def _rank_block(self, world: World) -> tuple[np.ndarray, RankPlan, tuple[Segment, ...], int, int]:
+        """This rank's samples of the current segment, its plan, the segments finished before
+        it (earlier layouts'), items already delivered, and the epoch (that of a loaded resume
+        state, else the dataset's)."""
         plan = self._plan(world)
         resume = self._resume_for(world)
         epoch = resume.epoch if resume is not None else self.epoch
         finished, delivered = current_place(resume, plan.layout)
-        return plan.block(epoch, finished), plan, len(finished), delivered, epoch
+        return plan.block(epoch, finished), plan, finished, delivered, epoch
 
     def __len__(self) -> int:
         """Items (batches with `batch_size`, else samples) the next iteration yields on this rank."""
@@ -518,7 +520,7 @@ class StreamingDataset(Checkpointing, IterableDataset):
         loaded, self._loaded_position = self._loaded_position, None
         if loaded is None and self._worker_resume:  # a worker's own state applies to one iteration
             self._resume, self._worker_resume = None, False
-        block, plan, segment, delivered, epoch = self._rank_block(world)
+        block, plan, finished, delivered, epoch = self._rank_block(world)
         if not self._loader_copy:  # shardstream.DataLoader gives its counts itself: the slots are torch's loops'
             self._shared.iterating_workers = world.workers if get_worker_info() is not None else 0
             self._shared.plain_iterated = True
@@ -533,7 +535,7 @@ class StreamingDataset(Checkpointing, IterableDataset):
                 self._warn_of_a_repeated_order(epoch, world)
         resume_id = self._resume_id if self._resume is not None and not self._worker_resume else None
         worker, done = loaded or plan.start(len(block), delivered, world.worker)
-        first = WorkerEpoch(epoch, block, segment, worker, done)
+        first = WorkerEpoch(epoch, block, plan.sequence_length(epoch, finished), len(finished), worker, done)
         stream = self._endless(world, plan, first) if plan.endless else self._epoch_items(world, plan, first)
         self._delivered = delivered
         self._position = (epoch, worker, done)
@@ -620,7 +622,7 @@ class StreamingDataset(Checkpointing, IterableDataset):
             next_ids = lambda: plan.next_epoch_reads(part.epoch, part.next_worker, world.worker)  # noqa: E731
         samples = read_samples(source, mine[needed], self.counts(), self.prefetch, self._cache,
                                tolerant=self.on_error.mode == "skip", head_start=head_start, next_ids=next_ids)
-        ordered = reorder(zip(needed.tolist(), samples), remaining)
+        ordered = marked(reorder(zip(needed.tolist(), samples), remaining), plan.repeats(part)[remaining].tolist())
         prep = SamplePrep(self._decoder, self.transform, self.fields, self.seed, part.epoch, self._ahead,
                           self.decode_threads)
         ids = draws[remaining].tolist()
@@ -631,17 +633,19 @@ class StreamingDataset(Checkpointing, IterableDataset):
             """The samples the run before yielded, latest first: a resumed pass left with bad samples
             only pads with the last good one, as the uninterrupted pass did. Read only then."""
             back = draws[plan.yielded(part)[::-1]]
-            return zip(read_samples(source, plan.sequences.samples_of(back), self.counts(), 0, self._cache,
-                                    tolerant=True), back.tolist())
+            stand_ins = marked(read_samples(source, plan.sequences.samples_of(back), self.counts(), 0, self._cache,
+                                            tolerant=True), itertools.repeat(True))
+            return zip(stand_ins, back.tolist())
 
         stages = [samples]  # closed when the items end, however (see _closing)
         if self.decode_threads:
             ahead = prep.ahead_of(zip(ordered, ids))
             stages.insert(0, ahead)
             items = guarded(ahead, prep.complete, self.on_error, planned, on_skip,
-                            lambda: prep.ahead_of(earlier()))
+                            lambda: prep.ahead_of(earlier()), prep.as_repeat)
         else:
-            items = guarded(zip(ordered, ids), lambda pair: prep(*pair), self.on_error, planned, on_skip, earlier)
+            items = guarded(zip(ordered, ids), lambda pair: prep(*pair), self.on_error, planned, on_skip, earlier,
+                            prep.as_repeat)
         if self.batch_size is not None:
             items = prep.batched(items, ids, self.batch_size, self.drop_last, self.collate_fn,
                                  lambda draw: source.where(int(plan.sequences.samples_of(np.array([draw]))[0])))

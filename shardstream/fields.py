@@ -23,9 +23,10 @@ __all__ = ["encode_field", "encode_sample", "field_extension", "unreadable", "IM
 
 # Fields that hold an image file's bytes, read by the image decoders (decode.py).
 IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp", "ppm", "pgm", "bmp", "gif", "tif", "tiff"})
-# A sample's names beginning with "__" are the readers' (its key, and WebDataset's shard URL
-# and local path): `write` leaves these out of the shard, and refuses others (FORMAT.md).
-READER_NAMES = frozenset({"__key__", "__url__", "__local_path__"})
+# A sample's names beginning with "__" are the readers' (its key, WebDataset's shard URL and
+# local path, and the dataset's mark of a repeat): `write` leaves these out of the shard, and
+# refuses others (FORMAT.md).
+READER_NAMES = frozenset({"__key__", "__url__", "__local_path__", "__pad__"})
 
 
 def _encode_int(value: Any) -> bytes:

@@ -67,6 +67,7 @@ __all__ = [
     "chunks_of",
     "consumed_positions",
     "left_out_positions",
+    "repeated_positions",
     "consumed_samples",
     "remaining_after",
     "remaining_sequence",
@@ -509,6 +510,65 @@ def left_out_positions(n: int, layout: Layout, seed: int, epoch: int, segment: i
     appearances = total // n + (np.arange(n) < total % n)
     hits = np.bincount(np.concatenate(dropped) % n, minlength=n) if dropped else np.zeros(n, dtype=np.int64)
     return np.flatnonzero(hits == appearances)
+
+
+def repeated_positions(n: int, layout: Layout, seed: int, epoch: int, rank: int, positions: np.ndarray,
+                       segment: int = 0) -> np.ndarray:
+    """Which of `positions` (in rank `rank`'s block of an epoch sequence of length `n`) deliver
+    a sample that another position delivers first: the repeats ``partial="pad"`` adds, as a
+    bool mask, for a loop to leave out (a validation set scored once per sample).
+
+    Of a sample's deliveries, the first is the original (by the loop's step, ranks in
+    lockstep, the lower rank first at one step); the rest are repeats. So however far a pass
+    goes before a resume, every sample it delivered has exactly one delivery not marked,
+    and the padding a batch that `drop_last` drops held is replaced by the delivered one.
+    Only the first ``total - n`` positions of the sequence and the padding after `n` take
+    part: a handful, their workers' orders replayed, whatever the epoch's length."""
+    mask = np.zeros(len(positions), dtype=bool)
+    per_rank = rank_block_length(n, layout)
+    total = per_rank * layout.world_size
+    if layout.partial == "drop" or total == n or not n:
+        return mask
+    where = rank * per_rank + np.asarray(positions, dtype=np.int64)  # in the blocks laid end to end
+    candidates = np.flatnonzero((where >= n) | (where < total - n)).tolist()
+    if not candidates:  # most workers: none of theirs takes part
+        return mask
+    steps = _DeliverySteps(per_rank, layout, seed, epoch, segment)
+    for i in candidates:
+        own = steps.of(int(where[i]))
+        if own is not None:  # (one never delivered needs no mark)
+            mask[i] = own != min(filter(None, map(steps.of, range(int(where[i]) % n, total, n))))
+    return mask
+
+
+class _DeliverySteps:
+    """When the loop receives each position of the padded rank blocks laid end to end:
+    (step, rank), or None where `drop_last` drops its batch. A rank's items come round robin
+    from its workers (roundrobin.py): item k of plan worker w is step
+    ``sum(min(items[v], k)) + #{v < w: items[v] > k}``."""
+
+    def __init__(self, per_rank: int, layout: Layout, seed: int, epoch: int, segment: int) -> None:
+        self.per_rank, self.layout, self.seed, self.epoch, self.segment = per_rank, layout, seed, epoch, segment
+        self.samples = worker_samples(per_rank, layout)
+        self.items = [items_of(s, layout) for s in self.samples]
+        self.owner = np.empty(per_rank, dtype=np.int64)  # the plan worker of each place in a block
+        self.index = np.empty(per_rank, dtype=np.int64)  # and its place among that worker's
+        for w in range(layout.workers):
+            mine = worker_positions(per_rank, layout.workers, layout.chunk, w, layout.run)
+            self.owner[mine], self.index[mine] = w, np.arange(len(mine))
+        self._yielded_at: dict[tuple[int, int], np.ndarray] = {}
+
+    def of(self, position: int) -> tuple[int, int] | None:
+        rank, place = divmod(position, self.per_rank)
+        w = int(self.owner[place])
+        if (rank, w) not in self._yielded_at:  # a worker's yield order, inverted
+            order = yield_order(self.samples[w], self.layout, self.seed, self.epoch, rank, w, self.segment)
+            self._yielded_at[rank, w] = np.argsort(order)
+        k = int(self._yielded_at[rank, w][self.index[place]]) // (self.layout.batch_size or 1)
+        if k >= self.items[w]:
+            return None
+        step = sum(min(n, k) for n in self.items) + sum(n > k for n in self.items[:w])
+        return step, rank
 
 
 def consumed_samples(sequence: np.ndarray, layout: Layout, seed: int, epoch: int, delivered: int,

@@ -61,7 +61,8 @@ class ErrorPolicy:
 
 def guarded(inputs: Iterable[Any], prepare: Callable[[Any], Any], policy: ErrorPolicy, planned: int,
             on_skip: Callable[[], None] = lambda: None,
-            earlier: Callable[[], Iterable[Any]] | None = None) -> Iterator[Any]:
+            earlier: Callable[[], Iterable[Any]] | None = None,
+            as_repeat: Callable[[Any], Any] = lambda result: result) -> Iterator[Any]:
     """`prepare` each input; under "skip", a failure is stood in for by the next good result.
 
     The stand-in comes after the bad sample's place has passed, so each bad place is owed
@@ -72,7 +73,8 @@ def guarded(inputs: Iterable[Any], prepare: Callable[[Any], Any], policy: ErrorP
     Where a resumed run has nothing good left, its last good one is among the inputs the
     run before yielded: `earlier` gives them, latest first, and the first that prepares
     is the stand-in (a resume there raised, on every restart). `planned` (the worker's
-    samples this epoch) sets the fraction cap.
+    samples this epoch) sets the fraction cap. A stand-in is yielded as `as_repeat` makes
+    it (marked as a repeat of a sample delivered in its own place).
     """
     skips = 0
     owed = 0
@@ -101,7 +103,7 @@ def guarded(inputs: Iterable[Any], prepare: Callable[[Any], Any], policy: ErrorP
             continue
         last, have_good = result, True
         for _ in range(owed):
-            yield result
+            yield as_repeat(result)
         owed = 0
         yield result
     if owed and not have_good and earlier is not None:
@@ -112,7 +114,7 @@ def guarded(inputs: Iterable[Any], prepare: Callable[[Any], Any], policy: ErrorP
                             f"nothing good to stand in for them; last: {skipped.detail}", url=skipped.url,
                             key=skipped.key)
     for _ in range(owed):
-        yield last
+        yield as_repeat(last)
 
 
 def _last_good(earlier: Iterable[Any], prepare: Callable[[Any], Any]) -> tuple[bool, Any]:

@@ -159,6 +159,16 @@ class SamplePrep:
             return sample
         return {name: value if name in names or name.startswith("__") else None for name, value in sample.items()}
 
+    def as_repeat(self, item: Any) -> Any:
+        """A prepared `item` again, its ``__pad__`` set: a stand-in for a skipped sample
+        (policy.guarded) repeats the sample after it. Where the item holds no ``__pad__``
+        (a transform's own result, or `fields` without it), as it is."""
+        if isinstance(item, dict) and "__pad__" in item:
+            return {**item, "__pad__": True}
+        if self.fields is not None and isinstance(item, tuple) and "__pad__" in self.fields:
+            return tuple(True if spec == "__pad__" else value for spec, value in zip(self.fields, item))
+        return item
+
     def _picked(self, sample: dict[str, Any]) -> Any:
         if self.fields is None:
             return sample

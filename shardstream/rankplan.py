@@ -18,7 +18,7 @@ from typing import Iterator
 import numpy as np
 
 from .epochs import EpochSequences
-from .plan import Layout, read_order, worker_items, worker_plan
+from .plan import Layout, read_order, repeated_positions, worker_items, worker_plan, worker_positions
 from .resume import Segment, endless_deal, endless_place
 from .roundrobin import endless_start, loader_start
 
@@ -28,12 +28,14 @@ __all__ = ["RankPlan", "WorkerEpoch"]
 @dataclass(frozen=True, eq=False)  # holds an array: compared by identity
 class WorkerEpoch:
     """What one DataLoader worker reads of epoch `epoch`: plan worker `worker`'s share of
-    `block` (the rank's samples of the epoch's segment number `segment`), after the first
-    `done` items it handed over. `next_worker`: the plan worker it serves in `epoch + 1`
-    of an endless stream (None: a new pass starts at the loader worker's own place)."""
+    `block` (the rank's samples of the epoch's segment number `segment`, one of the equal
+    blocks a sequence of `sequence_length` samples was cut into), after the first `done`
+    items it handed over. `next_worker`: the plan worker it serves in `epoch + 1` of an
+    endless stream (None: a new pass starts at the loader worker's own place)."""
 
     epoch: int
     block: np.ndarray
+    sequence_length: int
     segment: int
     worker: int
     done: int
@@ -53,6 +55,10 @@ class RankPlan:
     def block(self, epoch: int, finished: tuple[Segment, ...] = ()) -> np.ndarray:
         """This rank's samples of what the `finished` segments (earlier layouts) left of `epoch`."""
         return self.sequences.rank_block(epoch, finished, self.layout.world_size, self.rank, self.layout.partial)
+
+    def sequence_length(self, epoch: int, finished: tuple[Segment, ...] = ()) -> int:
+        """The samples of what the `finished` segments left of `epoch`, which `block` cuts into ranks."""
+        return len(self.sequences.after(epoch)(finished)) if finished else self.sequences.size
 
     def start(self, block: int, delivered: int, loader_worker: int) -> tuple[int, int]:
         """The plan worker DataLoader worker `loader_worker` serves, and how many items that
@@ -74,6 +80,14 @@ class RankPlan:
         source = self.sequences.source
         frontier = int(perm[:start].max()) + 1 if start and source.indexed else 0
         return mine, remaining, read_order(remaining, frontier, source.samples_per_frame())
+
+    def repeats(self, part: WorkerEpoch) -> np.ndarray:
+        """Which of the plan worker's draws (`reads`) repeat a sample delivered first elsewhere:
+        the padding of uneven ranks (`plan.repeated_positions`), as a bool mask."""
+        places = worker_positions(len(part.block), self.layout.workers, self.layout.chunk, part.worker,
+                                  self.layout.run)
+        return repeated_positions(part.sequence_length, self.layout, self.sequences.seed, part.epoch, self.rank,
+                                  places, part.segment)
 
     def epoch_share(self, part: WorkerEpoch, reads: int) -> int:
         """The samples a plan worker reads in a whole epoch of this layout, for the error
@@ -100,7 +114,7 @@ class RankPlan:
         block = self.block(epoch + 1)
         if worker is None:
             worker, _ = self.start(len(block), 0, loader_worker)
-        mine, _, needed = self.reads(WorkerEpoch(epoch + 1, block, 0, worker, 0))
+        mine, _, needed = self.reads(WorkerEpoch(epoch + 1, block, self.sequences.size, 0, worker, 0))
         return self.sequences.samples_of(mine[needed])
 
     def endless_epochs(self, first: WorkerEpoch) -> Iterator[WorkerEpoch]:
@@ -118,7 +132,8 @@ class RankPlan:
             epoch, segment = epoch + k, 0
             block = self.block(epoch)
         while True:
-            yield WorkerEpoch(epoch, block, segment, deal.share(first.worker, k), done,
+            length = first.sequence_length if segment else self.sequences.size
+            yield WorkerEpoch(epoch, block, length, segment, deal.share(first.worker, k), done,
                               deal.share(first.worker, k + 1))
             epoch, k, done, segment = epoch + 1, k + 1, 0, 0
             block = self.block(epoch)

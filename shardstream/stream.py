@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("shardstream")
 
-__all__ = ["Readers", "read_piece", "read_samples", "read_tolerant", "read_whole", "reorder"]
+__all__ = ["Readers", "marked", "read_piece", "read_samples", "read_tolerant", "read_whole", "reorder"]
 
 OPENERS = 4  # threads that open shards ahead (fetch indexes, or download into the cache)
 MAX_AHEAD = 32  # pieces in flight at most, however small
@@ -459,6 +459,14 @@ def _read_healing(read: Any, readers: Readers, shard: int, a: int, b: int) -> It
 
 def read_whole(reader: ShardReader | StreamTarReader, first: int, stop: int) -> Iterator[Sample]:
     return reader.read(first, stop)
+
+
+def marked(samples: Iterable[Sample], repeats: Iterable[bool]) -> Iterator[Sample]:
+    """Each sample with ``__pad__``: whether it repeats a sample delivered first elsewhere
+    (`plan.repeated_positions`). Each is a dict of its own (`_repeated` copies), so set in place."""
+    for sample, repeat in zip(samples, repeats):
+        sample["__pad__"] = repeat
+        yield sample
 
 
 def reorder(arrivals: Iterable[tuple[int, Sample]], order: np.ndarray) -> Iterator[Sample]:

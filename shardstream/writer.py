@@ -110,7 +110,8 @@ class ShardWriter:
     which holds the file's bytes). Bytes given for one of those extensions are refused
     where a reader would not read them back (`check_bytes=False` stores them all the same,
     as `repack` does with other tools' samples). The readers' own names (``__url__``,
-    ``__local_path__``: a sample read from WebDataset) are left out, and other fields
+    ``__local_path__``: a sample read from WebDataset; ``__pad__``: one from a
+    `StreamingDataset`) are left out, and other fields
     beginning with ``__`` refused. `shard_size` counts uncompressed tar bytes; `classes`
     names the class indices found in the `cls` field, for the manifest.
 

@@ -442,6 +442,66 @@ def test_skip_keeps_every_rank_at_its_planned_count(corrupt_dataset, num_workers
         assert len(logged) == 2 and all(any(k in m for m in logged) for k in bad), logged
 
 
+@pytest.mark.parametrize(("num_workers", "decode_threads"), [(0, 0), (2, 0), (0, 2)])
+def test_stand_ins_and_padding_are_marked_so_that_each_good_sample_counts_once(corrupt_dataset, num_workers,
+                                                                             decode_threads, caplog):
+    """30 samples on 4 ranks: 2 repeats pad the ranks, and 2 bad samples' places hold stand-ins.
+    Every one of those carries ``__pad__`` True; the rest are the good samples, each once."""
+    url, keys, bad = corrupt_dataset
+    unmarked, marked = [], []
+    for rank in range(4):
+        dataset = StreamingDataset(url, fields=("__key__", "jpg", "__pad__"), on_error="skip", rank=rank,
+                                   world_size=4, shuffle=True, seed=5, decode_threads=decode_threads)
+        if num_workers:
+            it = iter(torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=num_workers))
+            try:
+                got = [(key, bool(pad)) for key, _, pad in it]
+            finally:
+                it._shutdown_workers()
+        else:
+            got = [(key, pad) for key, _, pad in dataset]
+        assert all(isinstance(pad, bool) for _, pad in got)
+        unmarked += [key for key, pad in got if not pad]
+        marked += [key for key, pad in got if pad]
+    assert sorted(unmarked) == sorted(set(keys) - bad)
+    assert len(marked) == 4 * 8 - N_SKIP + len(bad)
+    _release(caplog)
+
+
+def _last_two_bad(tmp_path: Path) -> str:
+    """10 samples (jpg + cls), s008 and s009 truncated JPEGs: the pass ends on bad samples."""
+    url = str(tmp_path / "ds")
+    with shardstream.ShardWriter(url, shard_size="12KB") as w:
+        for i in range(10):
+            jpg = synthetic_jpeg(i, 32, 24, quality=70)
+            w.write({"__key__": f"s{i:03d}", "jpg": jpg[: len(jpg) // 2] if i >= 8 else jpg, "cls": i % 3})
+    return url
+
+
+def test_a_stand_in_a_resumed_run_reads_again_is_marked(tmp_path, caplog):
+    """The last samples of a pass bad, their stand-in is the last good one the run before
+    yielded, read again after a resume: marked, as in the uninterrupted run, at every place."""
+    url = _last_two_bad(tmp_path)
+
+    def dataset() -> StreamingDataset:
+        return StreamingDataset(url, fields=("__key__", "__pad__"), decode="rgb8",
+                                on_error=ErrorPolicy(mode="skip", max_skips=2),
+                                transform=lambda sample: {**sample, "jpg": sample["jpg"].shape})
+
+    whole = list(dataset())
+    assert whole == [(f"s{i:03d}", False) for i in range(8)] + [("s007", True), ("s007", True)]
+    for k in range(len(whole)):
+        ds = dataset()
+        it = iter(ds)
+        head = [next(it) for _ in range(k)]
+        state = ds.state_dict()
+        it.close()
+        resumed = dataset()
+        resumed.load_state_dict(state)
+        assert head + list(resumed) == whole, f"resumed after {k}"
+    _release(caplog)
+
+
 def test_skip_stands_in_the_next_good_sample_and_resumes_exactly_at_every_place(corrupt_dataset, caplog):
     """A bad sample's place gets the next good sample of its worker, so a run resumed at any
     place, the bad ones included, yields what the uninterrupted run did from there on (with
@@ -477,11 +537,7 @@ def test_a_resume_with_only_bad_samples_left_pads_with_the_last_good_one_before(
     one before them; a run resumed after that good one had nothing good left and raised TooManyErrors, on
     every restart: the checkpoint could never be resumed (17 places of a review's sweep). It pads with the
     good one the run before yielded last, read again."""
-    url = str(tmp_path / "ds")
-    with shardstream.ShardWriter(url, shard_size="12KB") as w:
-        for i in range(10):
-            jpg = synthetic_jpeg(i, 32, 24, quality=70)
-            w.write({"__key__": f"s{i:03d}", "jpg": jpg[: len(jpg) // 2] if i >= 8 else jpg, "cls": i % 3})
+    url = _last_two_bad(tmp_path)
 
     def dataset() -> StreamingDataset:
         collate = (lambda batch: [key for key, _ in batch]) if batch_size else None

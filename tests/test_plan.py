@@ -34,6 +34,7 @@ from shardstream.plan import (
     rank_block_length,
     read_order,
     remaining_sequence,
+    repeated_positions,
     rng_for,
     samples_of_items,
     shuffle_block,
@@ -744,6 +745,73 @@ def test_left_out_positions_are_what_a_whole_epoch_never_delivers():
         assert left_out == sorted(set(range(n)) - delivered)
         seen_out += bool(left_out)
     assert seen_out > 30, "the random layouts leave samples out often enough to test"
+
+
+def loop_timeline(n: int, layout: Layout, seed: int, epoch: int, segment: int) -> list[list[list[tuple[int, bool]]]]:
+    """Per rank, the items its loop receives, in order, each a list of (position in the
+    epoch sequence, marked as a repeat): workers polled round robin, skipping finished ones."""
+    blocks = split_ranks(np.arange(n, dtype=np.int64), layout.world_size, layout.partial)
+    timeline = []
+    for rank in range(layout.world_size):
+        queues = []
+        for w in range(layout.workers):
+            places = worker_positions(blocks.shape[1], layout.workers, layout.chunk, w, layout.run)
+            mine, perm = worker_plan(blocks[rank], layout, seed, epoch, rank, w, segment)
+            marks = repeated_positions(n, layout, seed, epoch, rank, places, segment)
+            order = list(zip(mine[perm].tolist(), marks[perm].tolist()))
+            size = layout.batch_size or 1
+            items = [order[i : i + size] for i in range(0, len(order), size)]
+            if layout.drop_last and items and len(items[-1]) < size:
+                items.pop()
+            queues.append(items)
+        received = []
+        while any(queues):
+            for queue in queues:
+                if queue:
+                    received.append(queue.pop(0))
+        timeline.append(received)
+    return timeline
+
+
+def test_repeats_marked_leave_every_delivered_sample_once_however_far_the_pass_went():
+    """Where a pass stops (a resume's state, or its end), the deliveries not marked as
+    repeats hold every sample delivered so far exactly once, and a whole pass's marks are
+    exactly its deliveries beyond the distinct samples (the padding, less what drop_last dropped)."""
+    rng = np.random.default_rng(12)
+    marked_seen = cut_between = 0
+    for case in range(400):
+        counts = random_counts(rng)
+        layout = random_layout(rng)
+        if case % 3 == 0:  # more ranks than samples too: 10 samples on 8 ranks hold 6 repeats
+            layout = Layout(**{**layout.__dict__, "world_size": int(rng.integers(5, 12))})
+        seed, epoch, segment = int(rng.integers(0, 1000)), int(rng.integers(0, 4)), int(rng.integers(0, 3))
+        n = int(np.sum(counts))
+        timeline = loop_timeline(n, layout, seed, epoch, segment)
+        steps = len(timeline[0])
+        assert all(len(received) == steps for received in timeline)
+        for stop in sorted({int(rng.integers(0, steps + 1)), steps}):
+            delivered: list[int] = []
+            unmarked: list[int] = []
+            for received in timeline:
+                for item in received[:stop]:
+                    delivered += [p for p, _ in item]
+                    unmarked += [p for p, marked in item if not marked]
+            assert sorted(unmarked) == sorted(set(delivered)), (layout, n, stop)
+            cut_between += stop < steps and len(delivered) > len(set(delivered))
+        marked_seen += len(delivered) > len(set(delivered))
+        if layout.partial == "drop":
+            assert len(delivered) == len(set(delivered))
+    assert marked_seen > 60 and cut_between > 10, "the random layouts repeat samples, and stop among them, often enough"
+
+
+def test_repeated_positions_mark_the_padding_of_an_unshuffled_pass():
+    """10 samples on 8 ranks of one worker: blocks of 2, positions 10-15 repeat 0-5 in the
+    blocks of ranks 5 to 7, received at the same steps as ranks 0 to 2 receive 0-5."""
+    layout = Layout(world_size=8)
+    marks = [repeated_positions(10, layout, 0, 0, rank, np.arange(2)).tolist() for rank in range(8)]
+    assert marks == [[False, False]] * 5 + [[True, True]] * 3
+    assert not repeated_positions(10, Layout(world_size=8, partial="drop"), 0, 0, 7, np.arange(1)).any()
+    assert not repeated_positions(16, layout, 0, 0, 7, np.arange(2)).any()
 
 
 def test_samples_of_items():

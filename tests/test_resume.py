@@ -229,6 +229,33 @@ def test_elastic_resume(url, keys, interrupted, k, new_world, new_workers):
     check_elastic(keys, D.flat(got[0] + got[1]), rest, lens, new_world)
 
 
+@pytest.mark.parametrize("k", [2, 4, 6])
+def test_padding_marks_count_each_sample_once_across_an_elastic_resume(url, keys, k):
+    """21 samples on 4 ranks x 2 workers (3 repeats), stopped after k samples a rank, resumed on 3
+    ranks: the samples delivered without ``__pad__`` are the dataset, each once, whichever of a
+    sample's deliveries came before the stop (the validation recipe's count stays exact)."""
+    def marked(**kwargs):
+        return shardstream.StreamingDataset(url, decode=None, fields=("__key__", "__pad__"), shuffle=True, seed=SEED,
+                                            shuffle_buffer=5, **kwargs)
+
+    delivered = []
+    for rank in range(4):
+        ds = marked(rank=rank, world_size=4)
+        it = iter(D.loader(ds, 2))
+        try:
+            delivered += [(key, bool(pad)) for key, pad in (next(it) for _ in range(k))]
+        finally:
+            D.shut_down(it)
+        state = json.loads(json.dumps(ds.state_dict(delivered=k, num_workers=2)))
+    for rank in range(3):
+        resumed = marked(rank=rank, world_size=3)
+        resumed.load_state_dict(state)
+        delivered += list(resumed)
+    unmarked = [key for key, pad in delivered if not pad]
+    assert sorted(unmarked) == sorted(keys)
+    assert len(delivered) > len(keys), "the layouts padded"
+
+
 def test_elastic_twice(url, keys, interrupted):
     """2x2 -> 3 ranks in process (checkpointed again mid-way) -> 2 ranks x 1 worker."""
     got, state = interrupted(3)
