@@ -42,8 +42,8 @@ from .journal import FOLDER as JOURNAL_FOLDER, Journal
 from .listing import list_source, look_up_files
 from .packoutput import dataset_manifest, write_shards
 from .packplan import PackOptions, order, part_slice, plan_frames, shrunk_estimates
-from .parts import (MAX_PARTS, check_part_agrees, other_journals, other_packs, part_shards, unlisted_single_shards,
-                    unplanned_part_shards, unplanned_single_shards)
+from .parts import (MAX_PARTS, RULES, check_part_agrees, other_journals, other_packs, part_shards,
+                    unlisted_single_shards, unplanned_part_shards, unplanned_single_shards)
 from .scratch import cleanup_scratch
 from .shardfile import FRAME_SIZE, IMAGE_LEVEL
 from .shrink import DEFAULT_QUALITY
@@ -316,9 +316,11 @@ def pack(
         entries = part_slice(entries, *part)
     look_up_files(entries, listing.root)  # this pack's (part's) files alone
     # What the manifest records of the options, and of which listing and files (a rerun with
-    # `resume` compares them); a part's also says which part it is.
+    # `resume` compares them); a part's also says which part it is. And what decides which
+    # images are packed beyond the options (see `plan_record`), so that parts packed by other
+    # versions, or under another pixel limit, are not merged into one dataset.
     options = {**opts.as_dict(), **({"part": list(part)} if part is not None else {}), "listing": fingerprint,
-               "sizes": sizes_digest(entries)}
+               "sizes": sizes_digest(entries), "pack_rules": PACK_RULES, "pixel_limit": pixel_limit()}
     if part is not None and not complete and not overwrite:
         check_part_agrees(store, part, options, compression, listing.classes, len(listing.ignored))
     # Other packs' files first, a stale merge among them: a merge that lists this part's
@@ -470,6 +472,10 @@ def _finished_summary(store: Store, name: str, options: dict[str, Any], on_error
                                "source this one cannot compare; pass overwrite=True (--overwrite) to pack it again",
                                url=store.url(name))
     if manifest.options != options:
+        if _but_rules(manifest.options) == _but_rules(options):
+            raise ShardstreamError("already holds this pack, made by another version of shardstream or under another "
+                                   "pixel limit (PIL.Image.MAX_IMAGE_PIXELS), which decide which images are packed; "
+                                   "pass overwrite=True (--overwrite) to pack it again", url=store.url(name))
         raise ShardstreamError("already holds a pack made from another source or with other options; "
                                "pass overwrite=True (--overwrite) to replace it", url=store.url(name))
     return PackSummary(
@@ -482,6 +488,11 @@ def _finished_summary(store: Store, name: str, options: dict[str, Any], on_error
         ignored=manifest.ignored,
         resumed=manifest.samples,  # every one packed by the earlier run: "0 img/s" said otherwise
     )
+
+
+def _but_rules(options: dict[str, Any]) -> dict[str, Any]:
+    """A manifest's `options` but what decides which images are packed beyond them (`parts.RULES`)."""
+    return {name: value for name, value in options.items() if name not in RULES}
 
 
 # Raised where a version of pack decides otherwise which images are packed, or their bytes

@@ -185,6 +185,7 @@ def merged_manifest(store: Store) -> Manifest:
         finished = [Manifest.from_bytes(store.read(found[i][1]), store.url(found[i][1])) for i in present]
         _check_options_agree(finished, present, url_of)
         _check_sources_agree(finished, present, url_of)
+        _check_rules_agree(finished, present, url_of)
         begun = _begun_parts(store, total)
         names = ", ".join(f"part {i} (manifest.part-{i:05d}-of-{total:05d}.msgpack"
                           + ("; begun and not finished: --resume continues it" if i in begun else "") + ")"
@@ -206,6 +207,7 @@ def merged_manifest(store: Store) -> Manifest:
     # The options first: another seed orders the listing otherwise, and changes its digest too.
     _check_options_agree(parts, list(range(total)), url_of)
     _check_sources_agree(parts, list(range(total)), url_of)
+    _check_rules_agree(parts, list(range(total)), url_of)
     names = [name for part in parts for name in part.shards.names]
     if len(names) != len(set(names)):
         raise ManifestError("parts list the same shard twice", url=dst)
@@ -239,8 +241,38 @@ def _source_listed(manifest: Manifest) -> tuple[Any, tuple[str, ...], int]:
 
 
 def _options_told(manifest: Manifest) -> dict[str, Any]:
-    """The options parts must share but the source listing's digest, which is told apart."""
-    return {k: v for k, v in _common_options(manifest).items() if k != "listing"}
+    """The options parts must share but the source listing's digest and the packing rules, which are told apart."""
+    return {k: v for k, v in _common_options(manifest).items() if k != "listing" and k not in RULES}
+
+
+# What decides which images a pack takes beyond its options: the version's rules and Pillow's
+# pixel limit (pack.py records both; parts packed before record neither).
+RULES = ("pack_rules", "pixel_limit")
+
+
+def _rules(options: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(options.get(name) for name in RULES)
+
+
+def _rules_words(options: dict[str, Any]) -> str:
+    rules, limit = _rules(options)
+    return f"packing rules {rules if rules is not None else 'of before 2'}, pixel limit {limit}"
+
+
+def _check_rules_agree(parts: list[Manifest], numbers: list[int], url_of: Callable[[int], str]) -> None:
+    """ManifestError where the part manifests `parts` (of the parts `numbers`) were packed by a
+    version that decides otherwise which images are packed, or under another pixel limit
+    (`PIL.Image.MAX_IMAGE_PIXELS`), than most: their shards and the others' would make no one
+    pack's (an image over Pillow's warning threshold skipped in some parts, packed in others)."""
+    odd_groups, usual = _odd_ones_out([_rules(part.options) for part in parts])
+    if odd_groups:
+        odd = sorted(numbers[i] for group in odd_groups for i in group)
+        told = "; ".join(f"{_parts([numbers[i] for i in group])}: {_rules_words(parts[group[0]].options)}"
+                         for group in (usual, *odd_groups))
+        raise ManifestError(f"{_parts(odd)} {'was' if len(odd) == 1 else 'were'} packed by another version of "
+                            "shardstream or under another pixel limit (PIL.Image.MAX_IMAGE_PIXELS) than "
+                            f"{_parts([numbers[i] for i in usual])} ({told}), which decide which images are packed: "
+                            "pack every part with one version and limit (--overwrite)", url=url_of(odd[0]))
 
 
 def _check_options_agree(parts: list[Manifest], numbers: list[int], url_of: Callable[[int], str]) -> None:
@@ -349,6 +381,12 @@ def check_part_agrees(store: Store, part: tuple[int, int], options: dict[str, An
         raise ManifestError(f"{said}another source listing (other file names, labels or class folders, or another "
                             "count of files that are not images): every part must list the same source",
                             url=store.url(found[other]))
+    if _rules(options) != _rules(there.options):
+        raise ManifestError(f"{said}another version of shardstream or another pixel limit "
+                            f"(PIL.Image.MAX_IMAGE_PIXELS), which decide which images are packed "
+                            f"({_rules_words(options)} here, {_rules_words(there.options)} in {_parts(group)}): pack "
+                            f"with the version and limit of {_parts(group)}, or every part again with these "
+                            "(--overwrite)", url=store.url(found[other]))
 
 
 def _check_shards(store: Store, parts: list[Manifest]) -> None:
@@ -407,5 +445,5 @@ def _differences(options: dict[str, Any], first: dict[str, Any]) -> dict[str, tu
     """The options but the source listing's digest in which a part differs from part 0:
     name -> (the part's, part 0's). The digest is told apart, as another source: printed
     among the options, two digests read as two options."""
-    names = sorted((options.keys() | first.keys()) - {"listing"})
+    names = sorted((options.keys() | first.keys()) - {"listing", *RULES})
     return {name: (options.get(name), first.get(name)) for name in names if options.get(name) != first.get(name)}

@@ -217,6 +217,53 @@ def test_parts_of_another_source_are_refused(source, tmp_path):
     assert "options" not in str(error.value)
 
 
+def test_parts_packed_under_other_rules_are_refused(source, tmp_path, monkeypatch):
+    """Found by the thirty-ninth session's note: parts packed by versions that decide otherwise which
+    images are packed (`pack.PACK_RULES`), or under another pixel limit (Pillow's, which pack takes
+    images up to twice of), merged into one dataset that neither would pack. Refused before a part
+    packs, at the merge, and by a rerun of a finished pack; parts that agree merge as before."""
+    import importlib
+
+    from PIL import Image
+
+    from shardstream.verify import verify_dataset
+
+    packing = importlib.import_module("shardstream.pack")  # the module: `shardstream.pack` names the function
+    src = str(source / "src")
+    dst = str(tmp_path / "parts")
+    ss.pack(src, dst, shard_size="8KB", part=(0, 2), progress=False)
+    before = files(dst)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", Image.MAX_IMAGE_PIXELS * 2)
+    with pytest.raises(ManifestError, match=re.escape("part 1 of 2 and part 0, packed already, do not merge: another "
+                                                      "version of shardstream or another pixel limit")):
+        ss.pack(src, dst, shard_size="8KB", part=(1, 2), progress=False)
+    assert files(dst) == before  # nothing packed
+    monkeypatch.undo()
+
+    monkeypatch.setattr(packing, "PACK_RULES", 1)
+    apart = tmp_path / "apart"
+    ss.pack(src, str(apart), shard_size="8KB", part=(1, 2), progress=False)
+    monkeypatch.undo()
+    for path in apart.iterdir():
+        if path.is_file():
+            shutil.copy(path, Path(dst) / path.name)
+    with pytest.raises(ManifestError, match=re.escape("part 1 was packed by another version of shardstream or under "
+                                                      "another pixel limit (PIL.Image.MAX_IMAGE_PIXELS) than part 0 "
+                                                      "(part 0: packing rules 2")) as error:
+        merge(dst)
+    assert "part 1: packing rules 1" in str(error.value)
+    assert "packed by another version" in verify_dataset(dst).problems[0].message
+
+    ss.pack(src, dst, shard_size="8KB", part=(1, 2), progress=False, overwrite=True)  # this version: they merge
+    merge(dst)
+    assert samples(dst) == samples(str(source / "single"))
+    single = str(tmp_path / "single")
+    ss.pack(src, single, shard_size="8KB", progress=False)
+    monkeypatch.setattr(packing, "PACK_RULES", 3)
+    with pytest.raises(ShardstreamError, match="already holds this pack, made by another version of shardstream"):
+        ss.pack(src, single, shard_size="8KB", resume=True, progress=False)
+
+
 def test_cli_part_and_merge(source, tmp_path):
     dst = str(tmp_path / "parts")
     for part in ("0/2", "1/2"):
