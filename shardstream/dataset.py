@@ -25,6 +25,7 @@ from multiprocessing.context import get_spawning_popen
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import numpy as np
+from PIL import Image
 from torch.utils.data import IterableDataset, get_worker_info
 from torch.utils.data import default_collate as torch_default_collate
 
@@ -54,6 +55,8 @@ from .world import World
 from .writer import parse_size
 
 __all__ = ["StreamingDataset"]
+
+_UNSENT = object()  # no pixel limit in a pickled dataset's state (see __getstate__)
 
 
 def _callable(value: Any, name: str) -> Any:
@@ -350,10 +353,20 @@ class StreamingDataset(Checkpointing, IterableDataset):
         state = self.__dict__.copy()
         state["_heads"] = {}  # threads and their reads stay in their process
         state["_outside"] = {}
-        if get_worker_info() is None and get_spawning_popen() is not None and _in_process_group():
-            world = World.detect(self.rank, self.world_size)
-            state["rank"], state["world_size"] = world.rank, world.size
+        if get_worker_info() is None and get_spawning_popen() is not None:
+            if _in_process_group():
+                world = World.detect(self.rank, self.world_size)
+                state["rank"], state["world_size"] = world.rank, world.size
+            # And the caller's pixel limit, which forked workers inherit and fresh interpreters do
+            # not: a limit raised for trusted photos failed them in spawned workers alone.
+            state["_pixel_limit"] = Image.MAX_IMAGE_PIXELS
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        limit = state.pop("_pixel_limit", _UNSENT)
+        if limit is not _UNSENT:  # a worker process being started: its limit is the caller's
+            Image.MAX_IMAGE_PIXELS = limit
+        self.__dict__.update(state)
 
     def explain_pickling(self, error: Exception, start_method: str) -> None:
         """Add a note to `error`, raised while DataLoader workers started by `start_method`,

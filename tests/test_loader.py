@@ -205,6 +205,26 @@ def test_an_unpicklable_argument_is_named_when_workers_are_not_forked(packed, me
     assert f"DataLoader workers started by '{method}' receive the dataset pickled" in notes
 
 
+def test_spawned_workers_decode_under_the_callers_pixel_limit(packed, monkeypatch):
+    """Found by the thirty-ninth session's walk: a pixel limit set in the training script (raised
+    for trusted photos) held in forked workers, which inherit it, and not in spawned ones, which
+    start a fresh interpreter: the dataset carries it to them. Lowered here, so that every image
+    is over it: refused in the worker as in this process."""
+    from PIL import Image
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
+    dataset = StreamingDataset(packed, fields=("jpg",))
+    with pytest.raises(shardstream.ShardstreamError, match="exceeds limit of 200 pixels"):
+        next(iter(dataset))
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=1, multiprocessing_context="spawn")
+    it = iter(loader)
+    try:
+        with pytest.raises(shardstream.ShardstreamError, match="exceeds limit of 200 pixels"):
+            next(it)
+    finally:
+        it._shutdown_workers()  # now: after an error torch's re-raise keeps the iterator in a reference cycle
+
+
 def test_normalize_is_the_formula_on_any_field():
     images_u8 = torch.randint(0, 256, (2, 3, 5, 7), dtype=torch.uint8)
     mean, std = torch.tensor([0.485, 0.456, 0.406]), torch.tensor([0.229, 0.224, 0.225])
