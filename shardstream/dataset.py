@@ -160,7 +160,10 @@ class StreamingDataset(Checkpointing, IterableDataset):
         transform: a callable applied to each decoded sample dict, in the worker.
         fields: yield tuples of these fields instead of dicts; ``"jpg;png"`` takes the
             first present of several. Without a `transform` (which sees the whole
-            sample), the fields left out are not decoded.
+            sample), the fields left out are not decoded. Besides the stored fields, a
+            sample holds ``__key__``, ``__url__`` (its shard) and ``__pad__``: True on a
+            repeat that pads uneven ranks, or a stand-in for a skipped sample, which a
+            validation loop leaves out to score each sample once (README).
         batch_size: batch in the worker with `collate_fn` (default: `default_collate`,
             which stacks tensors, in DataLoader workers into shared memory they reuse:
             batchmemory.py); use with ``DataLoader(batch_size=None)``. Iterating with a
