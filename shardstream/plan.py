@@ -523,7 +523,12 @@ def repeated_positions(n: int, layout: Layout, seed: int, epoch: int, rank: int,
     goes before a resume, every sample it delivered has exactly one delivery not marked,
     and the padding a batch that `drop_last` drops held is replaced by the delivered one.
     Only the first ``total - n`` positions of the sequence and the padding after `n` take
-    part: a handful, their workers' orders replayed, whatever the epoch's length."""
+    part: a handful, their workers' orders replayed, whatever the epoch's length. The steps
+    are those of one epoch's round robin of the plan's items. Where an endless stream's
+    workers cross into the next epoch at other steps, or torch's DataLoader batches the
+    samples, a whole epoch still leaves one delivery unmarked, not always the first; and
+    where that DataLoader's `drop_last` drops a worker's short batch, which the plan counts
+    as delivered, a sample may be left with marked deliveries only (README says so)."""
     mask = np.zeros(len(positions), dtype=bool)
     per_rank = rank_block_length(n, layout)
     total = per_rank * layout.world_size

@@ -165,8 +165,8 @@ class SamplePrep:
         (a transform's own result, or `fields` without it), as it is."""
         if isinstance(item, dict) and "__pad__" in item:
             return {**item, "__pad__": True}
-        if self.fields is not None and isinstance(item, tuple) and "__pad__" in self.fields:
-            return tuple(True if spec == "__pad__" else value for spec, value in zip(self.fields, item))
+        if self.fields is not None and isinstance(item, tuple) and any(_picks_pad(spec) for spec in self.fields):
+            return tuple(True if _picks_pad(spec) else value for spec, value in zip(self.fields, item))
         return item
 
     def _picked(self, sample: dict[str, Any]) -> Any:
@@ -309,6 +309,11 @@ def _transformed(transform: Callable[[Any], Any], sample: dict[str, Any]) -> Any
     except Exception as e:
         add_note(e, f"shardstream: in the transform of sample {sample.get('__key__')!r} of {sample.get('__url__')}")
         raise
+
+
+def _picks_pad(spec: str) -> bool:
+    """Whether a `fields` spec picks ``__pad__``, which every sample holds: as its first name."""
+    return spec.split(";")[0] == "__pad__"
 
 
 def _pick(sample: dict[str, Any], spec: str) -> Any:
