@@ -256,7 +256,9 @@ def _rules(options: dict[str, Any]) -> tuple[Any, ...]:
 
 def _rules_words(options: dict[str, Any]) -> str:
     rules, limit = _rules(options)
-    return f"packing rules {rules if rules is not None else 'of before 2'}, pixel limit {limit}"
+    if rules is None:
+        return "packing rules and pixel limit not recorded (an earlier version)"
+    return f"packing rules {rules}, pixel limit {limit if limit is not None else 'none'}"
 
 
 def _check_rules_agree(parts: list[Manifest], numbers: list[int], url_of: Callable[[int], str]) -> None:

@@ -568,7 +568,8 @@ class _DeliverySteps:
         w = int(self.owner[place])
         if (rank, w) not in self._yielded_at:  # a worker's yield order, inverted
             order = yield_order(self.samples[w], self.layout, self.seed, self.epoch, rank, w, self.segment)
-            self._yielded_at[rank, w] = np.argsort(order)
+            self._yielded_at[rank, w] = yielded_at = np.empty_like(order)
+            yielded_at[order] = np.arange(len(order))
         k = int(self._yielded_at[rank, w][self.index[place]]) // (self.layout.batch_size or 1)
         if k >= self.items[w]:
             return None
