@@ -215,7 +215,7 @@ class Checkpointing:
         sequences = self._sequences()
         try:
             if state.finished:  # the epoch's rest after earlier layouts: drawn (and kept) as the state loaded
-                check_counts(sequences.after(state.epoch), state, self.resampled)
+                check_counts(sequences.length_after(state.epoch), state, self.resampled)
             elif delivered > (most := sum(plan_items(sequences.size, state.current.layout))):
                 # Its length is all a plain epoch's bound needs: the epoch's order, drawn, took 18 s
                 # and 80 MB at 10^7 samples (found by review).
@@ -354,7 +354,7 @@ class Checkpointing:
         # The counts' bounds need the epoch's size: the fingerprint has just read the sample counts.
         # What earlier layouts left of the epoch is kept for `len()` and the iteration (epochs.py).
         after = self._sequences().after(resume.epoch)
-        check_counts(after, resume, self.resampled)
+        check_counts(self._sequences().length_after(resume.epoch), resume, self.resampled)
         if resume.position is not None:
             self._load_worker_state(resume)
             return

@@ -472,8 +472,20 @@ class StreamingDataset(Checkpointing, IterableDataset):
         """Items (batches with `batch_size`, else samples) the next iteration yields on this rank."""
         if self.resampled:
             raise TypeError("an endless (resampled) stream has no length; count steps instead")
-        block, plan, _, delivered, _ = self._rank_block(self.world())
+        block, plan, _, delivered, _ = self._rank_block(self._counting_world())
         return items_of(len(block), plan.layout) - delivered
+
+    def _counting_world(self) -> World:
+        """The world `len()` counts with: this process's, but with a loaded state's number of
+        DataLoader workers where the training loop's process counts for them. A rank's items do
+        not depend on the number of workers (batches are dealt whole), and counted with the
+        loop's own one, a state taken with 8 workers was replayed as a resume onto another
+        layout: seconds at 10^6 samples, at every `len()` of the resumed epoch."""
+        world = self.world()
+        resume = self._resume
+        if resume is None or self._worker_resume or get_worker_info() is not None:
+            return world
+        return replace(world, workers=resume.current.layout.workers)
 
     @property
     def resampled(self) -> bool:

@@ -417,17 +417,18 @@ def current_place(resume: ResumeState | None, layout: Layout) -> tuple[tuple[Seg
     return finished, resume.current.delivered if resume is not None and resume.current.layout == layout else 0
 
 
-def check_counts(after: SequenceAfter, resume: ResumeState, endless: bool) -> None:
-    """Refuse a state whose counts exceed what its layouts hold of the resumed epoch, whose
-    remains after earlier segments `after` gives (`sequence_after`). In an endless stream
-    the current segment's counts run on into later epochs: no bound there."""
+def check_counts(length_after: Callable[[tuple[Segment, ...]], int], resume: ResumeState, endless: bool) -> None:
+    """Refuse a state whose counts exceed what its layouts hold of the resumed epoch, the
+    length of whose remains after earlier segments `length_after` gives
+    (`EpochSequences.length_after`). In an endless stream the current segment's counts run
+    on into later epochs: no bound there."""
     segments = resume.finished + (resume.current,)
     for number, segment in enumerate(segments):
         current = number == len(resume.finished)
-        sequence = after(resume.finished[:number])
+        length = length_after(resume.finished[:number])
         field = "current" if current else f"finished[{number}]"
-        items = plan_items(len(sequence), segment.layout)
-        left = f"{field}.layout makes of the {len(sequence)} samples of epoch {resume.epoch} left to it"
+        items = plan_items(length, segment.layout)
+        left = f"{field}.layout makes of the {length} samples of epoch {resume.epoch} left to it"
         for w, done in enumerate(segment.per_worker or ()):
             if done > items[w] and not (current and endless):
                 raise _invalid(f"{field}.per_worker[{w}]", f"at most {items[w]} (plan worker {w}'s items {left})", done)
