@@ -218,6 +218,17 @@ def spawned_rank_state(rank: int, store: str, url: str, workers: list[int], prev
         dist.destroy_process_group()
 
 
+def spawned_rank_states(rank: int, stores: list[str], url: str, scenarios: list[list[Any]], out: str) -> None:
+    """`spawned_rank_state` for each of `scenarios` ([workers, preview] pairs) in turn, each in a 2-rank gloo
+    group of its own (on its own store, `stores[i]`), writing to out/i/RANK.json: one training process a rank
+    for them all, not one a scenario (a process started by spawn imports torch: seconds of CPU)."""
+    import gc
+
+    for i, (store, (workers, preview)) in enumerate(zip(stores, scenarios)):
+        spawned_rank_state(rank, store, url, workers, preview, str(Path(out, str(i))))
+        gc.collect()  # the scenario's loader, and its workers, gone before the next group is made
+
+
 def spawned_rank_epoch(rank: int, dataset: Any, out: str) -> None:
     """A training process as `torch.multiprocessing.spawn` starts it: rank 0 sets the epoch of `dataset`
     (made in the launcher) to 5; rank 1, once it has, writes the epoch it sees to out/1.json."""

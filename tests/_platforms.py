@@ -91,6 +91,13 @@ def run_as(platform: str, tmp: Path, command: str, *args: str) -> Any:
 # -- commands ----------------------------------------------------------------------------------------------
 
 
+def each(calls: str) -> list[Any]:
+    """Several of this module's commands, `calls` a JSON list of [command, *args], run one after another in
+    this one process: their results, in order. One interpreter start (torch's import: seconds of CPU) for
+    reads that need no process of their own; the worker processes each read starts are its own all the same."""
+    return [globals()[name](*args) for name, *args in json.loads(calls)]
+
+
 def keys_read(url: str, workers: str, *cache_dir: str) -> list[str]:
     """The keys of a dataset as a DataLoader with `workers` workers (started by the platform's
     default method) delivers them, shuffled, the images decoded."""

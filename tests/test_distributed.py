@@ -342,8 +342,27 @@ def test_gloo_epoch_with_workers_not_forked_from_the_rank(gloo, keys, url, conte
     assert gloo[context] == gloo["epoch"]  # the same split and order as forked workers give
 
 
-@pytest.mark.parametrize(("workers", "preview"), [((1, 1), False), ((1, 2), False), ((0, 1), False), ((2, 2), True)])
-def test_a_state_warns_where_the_ranks_iterate_with_different_num_workers(url, tmp_path, workers, preview):
+STATE_SCENARIOS = [((1, 1), False), ((1, 2), False), ((0, 1), False), ((2, 2), True)]  # (workers by rank, preview)
+
+
+@pytest.fixture(scope="module")
+def state_warnings(url, tmp_path_factory) -> dict:
+    """{scenario: (the warnings each rank's iteration starts gave, those each rank's state_dict gave)}, every one
+    of STATE_SCENARIOS run by the same two `torch.multiprocessing.spawn` processes (`D.spawned_rank_states`), each
+    in a process group and store of its own: two interpreter starts for the four, not eight."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path_factory.mktemp("rankstates")
+    for i in range(len(STATE_SCENARIOS)):
+        (out / str(i)).mkdir()
+    stores = [rendezvous_file(out / str(i)) for i in range(len(STATE_SCENARIOS))]
+    mp.spawn(D.spawned_rank_states, args=(stores, url, [[list(w), p] for w, p in STATE_SCENARIOS], str(out)), nprocs=2)
+    return {scenario: tuple(zip(*(json.loads((out / str(i) / f"{rank}.json").read_text()) for rank in range(2))))
+            for i, scenario in enumerate(STATE_SCENARIOS)}
+
+
+@pytest.mark.parametrize(("workers", "preview"), STATE_SCENARIOS)
+def test_a_state_warns_where_the_ranks_iterate_with_different_num_workers(state_warnings, workers, preview):
     """Regression (left by the thirtieth session's review): ranks with different num_workers split an
     epoch exactly, but a state taken on one describes every rank with its own count, and resuming it lost
     and repeated samples on the others without a word (26 of 301). Each rank's loader tells its count
@@ -351,11 +370,7 @@ def test_a_state_warns_where_the_ranks_iterate_with_different_num_workers(url, t
     the second iteration's start. 0 and 1 workers plan alike, and a loader of rank 0 alone (a look at a
     batch, with no workers) before the training loader is not taken for rank 0's count (found by a
     review: the first version refused both)."""
-    import torch.multiprocessing as mp
-
-    mp.spawn(D.spawned_rank_state, args=(rendezvous_file(tmp_path), url, list(workers), preview, str(tmp_path)),
-             nprocs=2)
-    began, taken = zip(*(json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(2)))
+    began, taken = state_warnings[(workers, preview)]
     if max(workers[0], 1) == max(workers[1], 1):
         assert list(began) == [[], []] and list(taken) == [[], []]
         return

@@ -7,6 +7,7 @@ as well, which start by spawn as on those platforms.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -47,9 +48,11 @@ def test_macos_spawned_workers_stream_through_the_cache_as_forked_ones_do(source
     expected = keys_here(url, 2)
     assert sorted(expected) == sorted(D.all_keys(source))
     with HTTPTestServer(str(Path(url).parent)) as server:
-        for _ in range(2):  # downloading, then from the cache
-            assert run_as("macos", tmp_path, "keys_read", f"{server.url}/ds", "2", str(tmp_path / "cache")) == expected
-    assert run_as("macos", tmp_path, "keys_read", url, "0") == keys_here(url, 0)
+        remote = ["keys_read", f"{server.url}/ds", "2", str(tmp_path / "cache")]
+        assert run_as("macos", tmp_path, *remote) == expected  # downloading
+        # then from the cache, in another process; and the local dataset in the loop's own process, in that one
+        assert run_as("macos", tmp_path, "each", json.dumps([remote, ["keys_read", url, "0"]])) == [
+            expected, keys_here(url, 0)]
 
 
 def test_macos_uploads_keep_the_scratch_files_of_running_processes(tmp_path):
@@ -74,8 +77,8 @@ def test_windows_packs_with_worker_processes(source, tmp_path):
 def test_windows_streams_a_local_dataset_without_and_with_spawned_workers(url, tmp_path):
     """Regression: the dataset's modules imported fcntl (for the cache) at import, and local reads
     used os.preadv: neither is on Windows, so no StreamingDataset could be made there."""
-    assert run_as("windows", tmp_path, "keys_read", url, "0") == keys_here(url, 0)
-    assert run_as("windows", tmp_path, "keys_read", url, "2") == keys_here(url, 2)
+    reads = [["keys_read", url, "0"], ["keys_read", url, "2"]]  # one process: its own read, then its workers'
+    assert run_as("windows", tmp_path, "each", json.dumps(reads)) == [keys_here(url, 0), keys_here(url, 2)]
 
 
 def test_windows_cache_dir_is_refused_in_words(url, tmp_path):

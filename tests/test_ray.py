@@ -17,6 +17,10 @@ from shardstream.synthetic import make_image_folder
 
 ray = pytest.importorskip("ray")
 
+# One worker runs this module under `pytest -n 2 --dist loadgroup` (.ci/run), so the local Ray instance
+# (`local_ray`, a dozen processes) is started once, not once in each worker.
+pytestmark = pytest.mark.xdist_group("ray")
+
 
 @pytest.fixture(scope="module")
 def local_ray():

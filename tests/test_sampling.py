@@ -21,6 +21,10 @@ from shardstream.synthetic import make_image_folder
 
 TINY = ((8, 8), (12, 12))
 
+# One worker runs this module under `pytest -n 2 --dist loadgroup` (.ci/run): `imbalanced`, 1,110 images
+# made and packed (seconds of CPU), is then made once, not once in each worker.
+pytestmark = pytest.mark.xdist_group("sampling")
+
 
 @pytest.fixture(scope="module")
 def imbalanced(tmp_path_factory):
