@@ -16,10 +16,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .plan import deal_run, epoch_block, epoch_sequence, shuffle_block, split_ranks
+from .plan import deal_run, epoch_units, rank_stretches, sequence_between, shuffle_block, split_ranks
 from .resume import Segment, SequenceAfter, sequence_after
-from .sampling import (Sampling, class_sample_weights, distinct_draws, drawn_samples, mixed_sequence, sized_sequence,
-                       stream_slice, weighted_sequence)
+from .sampling import (PassStream, Sampling, WeightedDraws, class_sample_weights, draw_table, drawn_samples,
+                       mixed_draws)
 from .source import Source
 
 __all__ = ["EpochSequences", "shard_block"]
@@ -39,6 +39,8 @@ class EpochSequences:
     # Samples in a block of each shard (`plan.shuffle_block`; 0: shards whole), per mixed source for a mix.
     blocks: tuple[int, ...] = field(default=(), init=False)
     _weights: np.ndarray | None = field(default=None, init=False, repr=False)  # draw weights
+    _table: tuple[np.ndarray, ...] | None = field(default=None, init=False, repr=False)  # `sampling.draw_table`
+    _drawn: WeightedDraws | None = field(default=None, init=False, repr=False)  # the last epoch's
     _left: tuple[int, tuple[Segment, ...], np.ndarray] | None = field(default=None, init=False, repr=False)
     _lengths: dict[tuple[int, tuple[Segment, ...]], int] = field(default_factory=dict, init=False, repr=False)
     _runs: dict[int, int] = field(default_factory=dict, init=False, repr=False)  # deal_run, by chunk
@@ -62,59 +64,65 @@ class EpochSequences:
         return self._runs[chunk]
 
     def __getstate__(self) -> dict[str, Any]:
-        # `_left` can be megabytes: a DataLoader worker that needs it makes it again.
-        return {**self.__dict__, "_left": None}
-
-    def ids(self, epoch: int) -> np.ndarray:
-        """Epoch `epoch`'s sequence of global sample ids."""
-        counts, seed, shuffle = self.counts, self.seed, self.shuffle
-        n = self.sampling.samples_per_epoch if self.sampling is not None else None
-        if self.mix_weights is not None:
-            sizes = [len(part.shards) for part in self.source.parts]
-            bounds = np.concatenate([[0], np.cumsum(sizes)])
-            offsets = np.concatenate([[0], np.cumsum(counts)])[bounds[:-1]]
-            part_counts = [counts[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
-            for part, part_count in zip(self.source.parts, part_counts):
-                # Its share of the mix cannot be drawn: said at once, naming it (a mix of empty
-                # sources gave epochs of nothing, silently; one empty source failed when first drawn).
-                if not part_count.sum():
-                    raise ValueError(f"mixed source {part.url} has no samples")
-        elif not counts.sum() and (n is not None or (self.sampling is not None and self.sampling.weighted)):
-            # Else n samples of none was an epoch of none, silently, and weights said "all 0".
-            asked = f"samples_per_epoch={n}" if n is not None else "sampling by weight"
-            raise ValueError(f"{asked}, but the dataset {self.source.url} has no samples")
-        if self.mix_weights is not None:
-            total = n or int(counts.sum())
-
-            def stream(i: int) -> Callable[[int, int], np.ndarray]:
-                # Source i's own stream, pass after pass, read on from where its picks of earlier
-                # epochs stopped (`sampling.mix_schedule`): a source a mix reads less of than it
-                # holds has its tail read too.
-                size = int(part_counts[i].sum())
-
-                def pass_of(p: int) -> np.ndarray:
-                    if not shuffle:
-                        return offsets[i] + np.arange(size, dtype=np.int64)
-                    return offsets[i] + epoch_sequence(part_counts[i], seed, p, shuffle, salt=i << 20,
-                                                       block=self.blocks[i])
-
-                return lambda first, count: stream_slice(pass_of, size, first, count)
-
-            return mixed_sequence([stream(i) for i in range(len(sizes))], self.mix_weights, total, start=epoch * total)
-        if self.sampling is not None and self.sampling.weighted:
-            return weighted_sequence(counts, self._draw_weights(), seed, epoch, shuffle, n or int(counts.sum()),
-                                     self.blocks[0])
-        if n is not None:
-            return sized_sequence(counts, seed, epoch, shuffle, n, self.blocks[0])
-        return epoch_sequence(counts, seed, epoch, shuffle, block=self.blocks[0])
+        # `_left` and `_drawn` can be megabytes: a DataLoader worker that needs them makes them again.
+        return {**self.__dict__, "_left": None, "_drawn": None}
 
     def draws(self, epoch: int) -> np.ndarray:
         """Epoch `epoch`'s sequence as the plan splits it: sample ids, where a sequence may
         hold a sample more than once (weighted draws, an epoch larger than the data, a mix)
         with each draw of a sample told apart (`sampling.distinct_draws`; `samples_of`
         gives back the samples), so that each gets its own augmentations."""
-        ids = self.ids(epoch)
-        return ids if self._each_once else distinct_draws(ids, self.total)
+        return self.stretch(epoch, 0, self.size)
+
+    def stretch(self, epoch: int, start: int, stop: int) -> np.ndarray:
+        """Positions [start, stop) of `draws(epoch)`, made without the rest of it."""
+        self._check_drawable()
+        size = self.size
+        if self.mix_weights is not None:
+            return mixed_draws(self._mix_streams(), self.mix_weights, epoch * size, epoch * size + start,
+                               epoch * size + stop, self.total)
+        if self.sampling is not None and self.sampling.weighted:
+            return self._weighted(epoch).draws(start, stop, self.total)
+        stream = PassStream(self.counts, self.seed, self.shuffle, block=self.blocks[0])
+        if self.sampling is not None and self.sampling.samples_per_epoch is not None:
+            return stream.draws(epoch * size + start, epoch * size + stop, epoch * size, self.total)
+        units, order = epoch_units(self.counts, self.seed, epoch, self.shuffle, block=self.blocks[0])
+        return sequence_between(units, order, start, stop)  # pass `epoch` of the stream, each sample once
+
+    def _check_drawable(self) -> None:
+        """Refuse an epoch that cannot be drawn, naming the source."""
+        if self.mix_weights is not None:
+            for part, streams in zip(self.source.parts, self._mix_streams()):
+                # Its share of the mix cannot be drawn: said at once, naming it (a mix of empty
+                # sources gave epochs of nothing, silently; one empty source failed when first drawn).
+                if not streams.size:
+                    raise ValueError(f"mixed source {part.url} has no samples")
+            return
+        n = self.sampling.samples_per_epoch if self.sampling is not None else None
+        if not self.total and (n is not None or (self.sampling is not None and self.sampling.weighted)):
+            # Else n samples of none was an epoch of none, silently, and weights said "all 0".
+            asked = f"samples_per_epoch={n}" if n is not None else "sampling by weight"
+            raise ValueError(f"{asked}, but the dataset {self.source.url} has no samples")
+
+    def _mix_streams(self) -> list[PassStream]:
+        """Each mixed source's own stream, pass after pass, read on from where its picks of
+        earlier epochs stopped (`sampling.mix_schedule`): a source a mix reads less of than it
+        holds has its tail read too."""
+        sizes = [len(part.shards) for part in self.source.parts]
+        bounds = np.concatenate([[0], np.cumsum(sizes)])
+        offsets = np.concatenate([[0], np.cumsum(self.counts)])[bounds[:-1]]
+        return [PassStream(self.counts[a:b], self.seed, self.shuffle, salt=i << 20, block=self.blocks[i],
+                           offset=int(offsets[i]))
+                for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
+
+    def _weighted(self, epoch: int) -> WeightedDraws:
+        """Epoch `epoch`'s weighted draws (the last epoch's kept: every rank block and head start asks)."""
+        if self._drawn is None or self._drawn.epoch != epoch:
+            units, order = epoch_units(self.counts, self.seed, epoch, self.shuffle, block=self.blocks[0])
+            if self._table is None:  # units in id order are the same every epoch
+                self._table = draw_table(units, self._draw_weights())
+            self._drawn = WeightedDraws(units, order, *self._table, self.seed, epoch, self.size)
+        return self._drawn
 
     def samples_of(self, draws: np.ndarray) -> np.ndarray:
         """The sample ids of the plan's `draws` (see `draws`), to read."""
@@ -139,13 +147,14 @@ class EpochSequences:
     def rank_block(self, epoch: int, finished: tuple[Segment, ...], world_size: int, rank: int,
                    partial: str) -> np.ndarray:
         """Rank `rank`'s block of what the `finished` segments left of `epoch`'s sequence
-        (`plan.split_ranks`). A plain epoch's is made without the whole sequence: a DataLoader
-        worker of one rank in 256 then holds its rank's ids, not the epoch's."""
-        sampling = self.sampling
-        drawn = sampling is not None and (sampling.weighted or sampling.samples_per_epoch is not None)
-        if finished or drawn or self.mix_weights is not None:
+        (`plan.split_ranks`). An epoch no earlier layout read of is made a stretch at a time
+        (`stretch`), without the whole sequence: a DataLoader worker of one rank in 256 then
+        draws and holds its rank's share, not the epoch's."""
+        self._check_drawable()  # an empty source's epoch has no stretch to make, and is refused all the same
+        if finished:
             return split_ranks(self.after(epoch)(finished), world_size, partial)[rank]
-        return epoch_block(self.counts, self.seed, epoch, self.shuffle, world_size, rank, partial, self.blocks[0])
+        return np.concatenate([np.zeros(0, dtype=np.int64)] + [
+            self.stretch(epoch, start, stop) for start, stop in rank_stretches(self.size, world_size, rank, partial)])
 
     def after(self, epoch: int) -> SequenceAfter:
         """What earlier layouts (the finished segments of a resumed epoch) left of `epoch`'s

@@ -49,6 +49,8 @@ __all__ = [
     "Layout",
     "epoch_sequence",
     "epoch_block",
+    "rank_stretches",
+    "sequence_between",
     "epoch_units",
     "shuffle_block",
     "split_ranks",
@@ -209,7 +211,7 @@ def epoch_sequence(counts: Sequence[int] | np.ndarray, seed: int, epoch: int, sh
     need more than one pass over the data).
     """
     units, order = epoch_units(counts, seed, epoch, shuffle, salt, block)
-    return _ids_between(units, order, 0, int(units.sum()))
+    return sequence_between(units, order, 0, int(units.sum()))
 
 
 def epoch_block(counts: Sequence[int] | np.ndarray, seed: int, epoch: int, shuffle: bool, world_size: int,
@@ -219,14 +221,26 @@ def epoch_block(counts: Sequence[int] | np.ndarray, seed: int, epoch: int, shuff
     would otherwise hold every sample id of the epoch (8 bytes each, twice over while padding)
     to keep 1/256 of them."""
     units, order = epoch_units(counts, seed, epoch, shuffle, 0, block)
-    n = int(units.sum())
+    stretches = rank_stretches(int(units.sum()), world_size, rank, partial)
+    return _joined([sequence_between(units, order, start, stop) for start, stop in stretches])
+
+
+def rank_stretches(n: int, world_size: int, rank: int, partial: str) -> list[tuple[int, int]]:
+    """The positions [start, stop) of a sequence of `n` that rank `rank`'s block holds
+    (`split_ranks`), in order: padded, the sequence repeats from its start (np.resize), so
+    one stretch per pass the block spans. A drawn epoch is made a stretch at a time from
+    these, so that a rank's DataLoader worker draws its rank's share, not the epoch."""
+    if partial not in PARTIAL:
+        raise ValueError(f"partial must be one of {PARTIAL}, not {partial!r}")
     per_rank = rank_block_length(n, Layout(world_size=world_size, partial=partial))
     start, stop = rank * per_rank, (rank + 1) * per_rank
     if not n or start == stop:
-        return np.zeros(0, dtype=np.int64)
-    # Padded, the sequence repeats from its start (np.resize): one piece per pass it spans.
-    passes = range(start // n, -(-stop // n))
-    return np.concatenate([_ids_between(units, order, max(start - k * n, 0), min(stop - k * n, n)) for k in passes])
+        return []
+    return [(max(start - k * n, 0), min(stop - k * n, n)) for k in range(start // n, -(-stop // n))]
+
+
+def _joined(pieces: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
 
 
 def epoch_units(counts: Sequence[int] | np.ndarray, seed: int, epoch: int, shuffle: bool, salt: int = 0,
@@ -265,8 +279,9 @@ def _shard_order(counts: np.ndarray, seed: int, epoch: int, shuffle: bool, salt:
     return rng.permutation(len(counts)) if shuffle else np.arange(len(counts))
 
 
-def _ids_between(counts: np.ndarray, order: np.ndarray, start: int, stop: int) -> np.ndarray:
-    """Positions [start, stop) of the sequence that lists the shards' samples in `order`."""
+def sequence_between(counts: np.ndarray, order: np.ndarray, start: int, stop: int) -> np.ndarray:
+    """Positions [start, stop) of the sequence that lists the units' samples (`counts` of
+    them each, consecutive ids unit after unit) in `order`."""
     if start >= stop:
         return np.zeros(0, dtype=np.int64)
     ordered = counts[order]

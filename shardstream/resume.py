@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 __all__ = ["ResumeState", "Segment", "SequenceAfter", "check_counts", "current_place", "current_sequence", "dataset_fingerprint", "endless_deal", "finished_before",
            "endless_onto", "endless_place", "fingerprint", "sequence_after"]
 
-STATE_VERSION = 5
+STATE_VERSION = 6
 MAX_EPOCH = (1 << 63) - 1  # the processes share the epoch as a signed 64-bit int (shared.py)
 # Version 1 states are read as they were written: their segments' left-out samples
 # remain for the layouts after them (`Segment.spends_left_out`). Those of a Mix or of
@@ -50,7 +50,9 @@ MAX_EPOCH = (1 << 63) - 1  # the processes share the epoch as a signed 64-bit in
 # Versions 1 to 3 of shuffled epochs whose shards are now cut into blocks (`plan.shuffle_block`)
 # are refused: each shard was read front to back then. Layouts of versions 1 to 4 have no
 # `run`: they dealt their workers a chunk at a time, Layout's default, and replay so.
-READ_VERSIONS = (1, 2, 3, 4, 5)
+# Versions 3 to 5 of weighted epochs are refused: their draws were made for the whole epoch
+# at once, not unit by unit (`sampling.WeightedDraws`), so they drew other samples.
+READ_VERSIONS = (1, 2, 3, 4, 5, 6)
 
 
 @dataclass(frozen=True)
@@ -191,6 +193,11 @@ class ResumeState:
                 f"resume state version {version} was taken when a weighted epoch read each sample's draws side by side "
                 "in one walk over the shards; they are now spread over several walks, so its epoch holds another order "
                 "here: resume with the shardstream that took it, or start the epoch afresh without the state")
+        if version < 6 and dataset.sampling is not None and dataset.sampling.weighted:
+            raise ShardstreamError(
+                f"resume state version {version} was taken when a weighted epoch was drawn for the whole epoch at once; "
+                "its draws are now made shard by shard (so that a rank draws its own share), so its epoch holds other "
+                "samples here: resume with the shardstream that took it, or start the epoch afresh without the state")
         mine = _fingerprint_of(dataset)
         # States taken before the checksums counted name the shards and counts only: still accepted.
         # And a state of tars read through to count them names their keys, which this dataset (the

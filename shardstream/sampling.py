@@ -9,12 +9,14 @@ downstream holds unchanged: equal counts per rank, deterministic order, exact re
   the epoch draws `samples_per_epoch` ids with replacement, each sample with
   probability proportional to its class's weight ("balanced" is 1 / class count, the
   PyTorch recipe), over the per-sample labels that shard indexes carry. The draws are
-  then grouped by shard (shards in the epoch's seeded order; where shards are few, by
-  the blocks they are cut into, `plan.epoch_units`) and sorted within a shard or block,
-  so reading stays sequential, in up to `MAX_WALKS` walks over the shards: a sample's
+  made shard by shard (where shards are few, by the blocks they are cut into,
+  `plan.epoch_units`; shards in the epoch's seeded order) and sorted within a shard or
+  block, so reading stays sequential, in `MAX_WALKS` walks over the shards: a sample's
   copies go to successive walks, so they do not sit side by side, where the shuffle
-  buffer would keep them within a few batches. Cost: one pass over the labels (4 bytes
-  a sample) per epoch, reading every index once, and each shard opened once a walk.
+  buffer would keep them within a few batches (`WeightedDraws`). A rank draws the
+  shards its share of the epoch meets, not the epoch. Cost: the weights' running sum
+  (8 bytes a sample) per process, reading every index once, and each shard opened once
+  a walk.
 * **Sample weights** (``Sampling(sample_weights="weight")``, or an array with one weight
   per sample in dataset order): the same draw, each sample with probability
   proportional to its own weight, times its class weight if both are given. "weight"
@@ -55,22 +57,24 @@ import math
 import numbers
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from .arguments import flag, integer
 from .columns import MAX_CLASS
-from .plan import epoch_sequence, epoch_units, rng_for
+from .plan import epoch_units, rng_for, sequence_between
 
-__all__ = ["Sampling", "Mix", "sized_sequence", "stream_slice", "weighted_sequence", "distinct_draws", "drawn_samples",
-           "mix_picks", "mix_schedule",
-           "mixed_sequence", "class_sample_weights", "drawn_copy"]
+__all__ = ["Sampling", "Mix", "PassStream", "WeightedDraws", "sized_sequence", "weighted_draws", "weighted_sequence",
+           "draw_table", "distinct_draws", "drawn_samples", "mix_picks", "mix_schedule", "mixed_draws",
+           "class_sample_weights", "drawn_copy"]
 
-# The most walks over the shards a weighted epoch is read in (`weighted_sequence`): each walk
-# opens the shards its draws are in again, so a sample drawn more often than this has
-# copies in one walk (adjacent there), about copies / MAX_WALKS of them.
+# The walks over the shards a weighted epoch is read in (`WeightedDraws`): each walk opens
+# the shards its draws are in again, so a sample drawn more often than this has copies in
+# one walk (adjacent there), about copies / MAX_WALKS of them.
 MAX_WALKS = 8
+# The draws `WeightedDraws` makes at a time (their arrays, about 100 bytes a draw, at once).
+DRAW_GROUP = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -174,30 +178,103 @@ def source_urls(source: "str | os.PathLike[str] | Sequence[str | os.PathLike[str
     return tuple(os.fspath(url) for url in source)
 
 
+@dataclass(frozen=True, eq=False)  # holds an array: compared by identity
+class PassStream:
+    """Pass after pass over the samples of `counts` (ids from `offset`): pass p in epoch p's
+    order when shuffling (with `salt`, an independent order; with `block`, the shards cut
+    into blocks: `plan.epoch_units`), in id order unshuffled. An epoch larger or smaller than
+    the data is a window of it (`sized_sequence`), and so is a mixed source's share of an
+    epoch (`mixed_draws`); either is made a stretch at a time, for one rank's share."""
+
+    counts: np.ndarray
+    seed: int
+    shuffle: bool
+    salt: int = 0
+    block: int = 0
+    offset: int = 0
+
+    @property
+    def size(self) -> int:
+        return int(self.counts.sum())
+
+    def ids(self, start: int, stop: int) -> np.ndarray:
+        """The ids at positions [start, stop) of the stream (none: an empty stream)."""
+        return _joined([ids for _, ids in self._passes(start, stop)])
+
+    def draws(self, start: int, stop: int, window: int, total: int) -> np.ndarray:
+        """The ids at positions [start, stop), each draw of a sample told apart as
+        `distinct_draws` tells apart those of the window of positions from `window` on
+        (which holds [start, stop)): the k-th of a sample's draws since `window` is its
+        id + k `total`. Made without the window: in pass p after the window's first pass f,
+        a sample was drawn once in each pass between, and in pass f if its place there is
+        inside the window."""
+        size = self.size
+        first = window // size if size else 0
+        pieces = []
+        for p, ids in self._passes(start, stop):
+            if p > first:
+                # Python ints for the passes: an epoch's window of a stream starts at epoch x n.
+                inside = self._places(first, ids - self.offset) >= window - first * size
+                ids = ids + (p - first - 1 + inside.astype(np.int64)) * total
+            pieces.append(ids)
+        return _joined(pieces)
+
+    def _passes(self, start: int, stop: int) -> list[tuple[int, np.ndarray]]:
+        size = self.size
+        if not size or stop <= start:
+            return []
+        out = []
+        for p in range(start // size, (stop - 1) // size + 1):
+            units, order = self._units(p)
+            out.append((p, self.offset + sequence_between(units, order, max(start - p * size, 0),
+                                                          min(stop - p * size, size))))
+        return out
+
+    def _units(self, p: int) -> tuple[np.ndarray, np.ndarray]:
+        return epoch_units(self.counts, self.seed, p, self.shuffle, self.salt, self.block)
+
+    def _places(self, p: int, ids: np.ndarray) -> np.ndarray:
+        """Where each of `ids` (from 0) stands in pass `p`."""
+        units, order = self._units(p)
+        starts = np.cumsum(units) - units  # each unit's first id
+        unit = np.searchsorted(starts, ids, side="right") - 1  # an empty unit's start is the next one's
+        place = np.empty(len(order), dtype=np.int64)
+        place[order] = np.arange(len(order))
+        begins = np.cumsum(units[order]) - units[order]  # where each unit's run begins in the pass
+        return begins[place[unit]] + ids - starts[unit]
+
+
 def sized_sequence(counts: np.ndarray, seed: int, epoch: int, shuffle: bool, n: int, block: int = 0) -> np.ndarray:
-    """`n` ids: epoch `epoch`'s window of a stream of whole passes over the data.
+    """`n` ids: epoch `epoch`'s window of a stream of whole passes over the data (`PassStream`).
 
     The stream is pass after pass (pass p in epoch p's order when shuffling, so an epoch
     of the data's size is the plain epoch), and epoch e is its positions [e n, (e + 1) n):
     epochs walk on from where the last stopped, as WebDataset's `with_epoch` does. Cut
     short at the same place every epoch instead, the samples beyond the cut of every
     shard larger than an epoch would never be read, shuffled or not."""
-    total = int(counts.sum())
-
-    def pass_of(p: int) -> np.ndarray:
-        return epoch_sequence(counts, seed, p, shuffle, block=block) if shuffle else np.arange(total, dtype=np.int64)
-
-    return stream_slice(pass_of, total, epoch * n, n)
+    return PassStream(np.asarray(counts, dtype=np.int64), seed, shuffle, block=block).ids(epoch * n, (epoch + 1) * n)
 
 
-def stream_slice(pass_of: Callable[[int], np.ndarray], size: int, start: int, n: int) -> np.ndarray:
-    """Positions [start, start + n) of the stream made of the passes `pass_of(0)`, `pass_of(1)`,
-    ..., each `size` long (none: an empty stream)."""
-    if not size or n <= 0:
-        return np.zeros(0, dtype=np.int64)
-    first, last = start // size, (start + n - 1) // size
-    passes = np.concatenate([pass_of(p) for p in range(first, last + 1)])
-    return passes[start - first * size : start - first * size + n]
+def mixed_draws(streams: Sequence[PassStream], weights: Sequence[float], window: int, start: int, stop: int,
+                total: int) -> np.ndarray:
+    """Positions [start, stop) of the mixed stream (see the module docstring) as draws, each
+    draw of a sample told apart within the window of positions from `window` on (an epoch;
+    see `PassStream.draws`): source i's picks are the positions of `streams[i]` that come
+    next, each source's window starting where its picks before `window` stop."""
+    picked, before = mix_schedule(weights, start, stop - start)
+    _, window_before = mix_schedule(weights, window, 0)
+    out = np.empty(len(picked), dtype=np.int64)
+    for i, stream in enumerate(streams):
+        where = np.flatnonzero(picked == i)
+        if len(where) and not stream.size:
+            raise ValueError(f"mixed source {i} has no samples")
+        first = int(before[i])
+        out[where] = stream.draws(first, first + len(where), int(window_before[i]), total)
+    return out
+
+
+def _joined(pieces: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
 
 
 def class_sample_weights(labels: np.ndarray, class_weights: str | Mapping[int, float]) -> np.ndarray:
@@ -221,44 +298,152 @@ def class_sample_weights(labels: np.ndarray, class_weights: str | Mapping[int, f
     return table[labels]
 
 
-def weighted_sequence(counts: np.ndarray, weights: np.ndarray, seed: int, epoch: int, shuffle: bool,
-                      n: int, block: int = 0) -> np.ndarray:
-    """`n` ids drawn with replacement with probability ∝ `weights`, grouped by shard (with
-    `block`, by a shard's blocks, in the epoch's order: `plan.epoch_units`) for reading."""
+@dataclass(frozen=True, eq=False)  # holds arrays: compared by identity
+class WeightedDraws:
+    """Epoch `epoch`'s `n` draws with replacement, each sample with probability ∝ its weight,
+    in reading order, made a stretch at a time (`draws`).
+
+    The draws are made unit by unit (`units`: the samples of each shard, or of each block a
+    shard is cut into, in id order; `order`: the units' order in the epoch, `plan.epoch_units`):
+    how many fall in each unit is one multinomial draw over the units' weights (`masses`),
+    and which samples, a draw within the unit from a stream of uniforms of its own, sorted,
+    so that a unit is read front to back. That is the same distribution as `n` independent
+    draws, and it lets a rank's DataLoader worker draw its rank's share only: drawn whole,
+    each of them drew every sample's share of the epoch (3.7 s and 400-750 MB a worker at
+    10^7 draws).
+
+    A unit's draws are dealt round robin to `MAX_WALKS` walks over the units, from a seeded
+    walk per unit; the sequence is walk after walk, each walk the units in the epoch's order.
+    Sorted, a sample's copies (a rare class's, drawn dozens of times) are side by side, so
+    they go to successive walks, a walk apart: read in one walk they sat together, and the
+    shuffle buffer spread them over a few batches only (12 copies of one image in a batch of
+    64). Each walk holds the same mix of classes as the draws, and reads each unit's samples
+    in order; a unit is visited once a walk."""
+
+    units: np.ndarray
+    order: np.ndarray
+    cumulative: np.ndarray  # the weights' running sum, from 0: sample i's draws land in [c[i], c[i + 1])
+    masses: np.ndarray  # the weights of each unit's samples, summed
+    last_drawable: np.ndarray  # each unit's last sample with a weight above 0
+    seed: int
+    epoch: int
+    n: int
+
+    def __post_init__(self) -> None:
+        drawn = rng_for(self.seed, self.epoch, 2).multinomial(self.n, self.masses / self.masses.sum())
+        first_walk = rng_for(self.seed, self.epoch, 3).integers(0, MAX_WALKS, len(self.units))
+        placed = drawn[self.order]
+        # cells[w, i]: the draws of the epoch's i-th unit in walk w, the sequence's runs in order.
+        cells = placed // MAX_WALKS + ((np.arange(MAX_WALKS)[:, None] - first_walk[self.order]) % MAX_WALKS
+                                       < placed % MAX_WALKS)
+        for name, value in (("_drawn", drawn), ("_drawn_before", np.cumsum(drawn) - drawn),
+                            ("_first_walk", first_walk), ("_first_ids", np.cumsum(self.units) - self.units),
+                            ("_cell_counts", cells.ravel()), ("_cell_ends", np.cumsum(cells.ravel())),
+                            ("_uniforms", rng_for(self.seed, self.epoch, 5).bit_generator.state)):
+            object.__setattr__(self, name, value)
+
+    def draws(self, start: int, stop: int, total: int) -> np.ndarray:
+        """Positions [start, stop) of the sequence: sample ids, the k-th draw of a sample
+        (in sequence order) as id + k `total` (`distinct_draws`). A sample's draws are all
+        in its unit: the units whose runs the stretch meets are drawn, whole."""
+        if stop <= start:
+            return np.zeros(0, dtype=np.int64)
+        counts, ends = self._cell_counts, self._cell_ends
+        begins = ends - counts
+        cells = np.arange(np.searchsorted(ends, start, side="right"), np.searchsorted(begins, stop, side="left"))
+        units = np.unique(self.order[cells[counts[cells] > 0] % len(self.units)])  # in id order
+        place = np.empty(len(self.order), dtype=np.int64)
+        place[self.order] = np.arange(len(self.order))
+        out = np.empty(stop - start, dtype=np.int64)
+        # A group of units at a time: a dozen arrays as long as their draws (1.6 GB at 10^7 draws at once).
+        drawn = np.cumsum(self._drawn[units])
+        for group in np.split(units, np.flatnonzero(np.diff(drawn // DRAW_GROUP)) + 1):
+            self._place(group, begins, place, start, stop, total, out)
+        return out
+
+    def _place(self, units: np.ndarray, begins: np.ndarray, place: np.ndarray, start: int, stop: int, total: int,
+               out: np.ndarray) -> None:
+        """Draw `units` (consecutive in id order, each whole) and put those of their draws
+        whose places in the sequence are in [start, stop) into `out` (which starts at `start`)."""
+        drawn = self._drawn[units]
+        # Each draw lands at the running sum at the unit's start plus a uniform times the unit's
+        # mass; sorted, the units' in id order, each unit's in order, so the lookup is one sweep
+        # (see `sorted_choice`: numpy's `choice`, without its cache miss a draw). Landing at or
+        # past the unit's start, it is a sample of the unit; rounding can land it at the unit's
+        # end, past its last sample with a weight.
+        landing = np.repeat(self.cumulative[self._first_ids[units]], drawn)
+        landing += self._unit_uniforms(units) * np.repeat(self.masses[units], drawn)
+        landing.sort()
+        ids = np.searchsorted(self.cumulative, landing, side="right") - 1
+        del landing
+        np.minimum(ids, np.repeat(self.last_drawable[units], drawn), out=ids)
+        within = np.arange(len(ids))  # a draw's place in its unit
+        within -= np.repeat(np.cumsum(drawn) - drawn, drawn)
+        walk = (within + np.repeat(self._first_walk[units], drawn)) % MAX_WALKS
+        # Its place in the sequence: its cell's start, then the unit's draws of that walk in order.
+        cell = np.repeat(place[units], drawn)
+        cell += walk * len(self.units)
+        where = begins[cell]
+        del cell
+        within //= MAX_WALKS
+        where += within
+        del within
+        # Told apart in sequence order: a sample's copies (side by side, in one unit) by walk.
+        copies = np.argsort(ids * MAX_WALKS + walk, kind="stable")  # nearly sorted already: timsort's runs
+        del walk
+        copy = np.empty_like(ids)
+        copy[copies] = drawn_copy(ids[copies])
+        del copies
+        ids += copy * total
+        inside = (where >= start) & (where < stop)
+        out[where[inside] - start] = ids[inside]
+
+    def _unit_uniforms(self, units: np.ndarray) -> np.ndarray:
+        """The uniforms of `units` (in id order), one after another. Each unit's are its
+        stretch of one stream, the units' in id order, so consecutive units' are one stretch,
+        reached by `advance` (PCG64 makes a float64 of one 64-bit output): 3 us, where a
+        generator seeded per unit costs 34 us (3 s an epoch of 100,000 shards)."""
+        stream = np.random.PCG64(0)
+        pieces = []
+        for run in np.split(units, np.flatnonzero(np.diff(units) != 1) + 1):
+            if len(run):
+                stream.state = self._uniforms
+                stream.advance(int(self._drawn_before[run[0]]))
+                pieces.append(np.random.Generator(stream).random(int(self._drawn[run].sum())))
+        return np.concatenate(pieces) if pieces else np.zeros(0)
+
+
+def weighted_draws(counts: np.ndarray, weights: np.ndarray, seed: int, epoch: int, shuffle: bool, n: int,
+                   block: int = 0) -> WeightedDraws:
+    """Epoch `epoch`'s `n` draws by `weights` (one per sample of `counts`' shards), grouped by
+    shard (with `block`, by a shard's blocks, in the epoch's order: `plan.epoch_units`)."""
+    units, order = epoch_units(counts, seed, epoch, shuffle, block=block)
+    return WeightedDraws(units, order, *draw_table(units, weights), seed, epoch, n)
+
+
+def draw_table(units: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What `WeightedDraws` draws from, the same every epoch (as units in id order are): the
+    weights' running sum from 0, each unit's sum, and each unit's last sample with a weight
+    above 0 (-1 where none)."""
     weights = np.asarray(weights, dtype=np.float64)
     if not weights.sum() > 0:
         raise ValueError("the sampling weights (class weight times sample weight) are 0 for every sample")
     if not math.isfinite(weights.sum()):
         weights = weights / weights.max()  # each finite, their sum past float's range
-    draws = sorted_choice(rng_for(seed, epoch, 2), weights / weights.sum(), n)
-    # Shards in the epoch's order, each shard's draws sorted: sequential reads. In one walk
-    # over the shards a sample's copies (a rare class's, drawn dozens of times) sat side by
-    # side, and the shuffle buffer spread them over a few batches: 12 copies of one image
-    # in a batch of 64. So the draws are dealt to `walks` walks over the shards, a sample's
-    # k-th copy to walk (first + k) mod walks from a first walk drawn per sample: copies
-    # walks apart, and every walk the same mix of classes, as its draws are.
-    units, order = epoch_units(counts, seed, epoch, shuffle, block=block)
-    starts = np.concatenate([[0], np.cumsum(units)])
-    rank = np.empty(len(units), dtype=np.int64)
-    rank[order] = np.arange(len(units))
-    by_shard = np.argsort(rank[np.searchsorted(starts, draws, side="right") - 1], kind="stable")
-    walk = _walks(draws, rng_for(seed, epoch, 3))
-    # int8 walks: numpy sorts them stably by radix, and the draws' arrays stay few (10^8 draws: 0.8 GB each).
-    return draws[by_shard[np.argsort(walk[by_shard], kind="stable")]]
+    cumulative = np.zeros(len(weights) + 1)
+    np.cumsum(weights, out=cumulative[1:])
+    ends = np.cumsum(units)
+    weighed = np.flatnonzero(weights > 0)
+    last = weighed[np.maximum(np.searchsorted(weighed, ends) - 1, 0)]  # the last before each unit's end
+    last = np.where(last >= ends - units, last, -1)  # none in the unit
+    return cumulative, cumulative[ends] - cumulative[ends - units], last
 
 
-def _walks(draws: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """Each of the sorted `draws`' walk (int8): a first walk drawn per distinct sample (a draw
-    per sample drawn, not per sample of the dataset), and its k-th copy k walks on."""
-    copy = drawn_copy(draws)
-    walks = min(int(copy.max()) + 1 if len(copy) else 1, MAX_WALKS)
-    starts = np.flatnonzero(copy == 0)  # where each distinct sample's draws begin
-    first = (rng.random(len(starts)) * walks).astype(np.int8)
-    walk = np.repeat(first, np.diff(np.r_[starts, len(copy)]))
-    copy %= walks
-    walk += copy.astype(np.int8)
-    walk %= walks
-    return walk
+def weighted_sequence(counts: np.ndarray, weights: np.ndarray, seed: int, epoch: int, shuffle: bool,
+                      n: int, block: int = 0) -> np.ndarray:
+    """The sample ids of `weighted_draws`, whole."""
+    return drawn_samples(weighted_draws(counts, weights, seed, epoch, shuffle, n, block).draws(0, n, len(weights)),
+                         len(weights))
 
 
 def drawn_copy(draws: np.ndarray) -> np.ndarray:
@@ -338,19 +523,3 @@ def mix_schedule(weights: Sequence[float], start: int, n: int) -> tuple[np.ndarr
             break
         quota = quota * 2 + 2
     return picked[skip:], before + np.bincount(picked[:skip], minlength=len(w))
-
-
-def mixed_sequence(sources: Sequence[Callable[[int, int], np.ndarray]], weights: Sequence[float], n: int,
-                   start: int = 0) -> np.ndarray:
-    """`n` ids interleaved from the sources by weight: the mixed stream's positions
-    [start, start + n) (see the module docstring). `sources[i](first, count)` gives the ids
-    at positions [first, first + count) of source i's own stream."""
-    picked, before = mix_schedule(weights, start, n)
-    out = np.empty(n, dtype=np.int64)
-    for i, take in enumerate(sources):
-        where = np.flatnonzero(picked == i)
-        ids = take(int(before[i]), len(where)) if len(where) else np.zeros(0, dtype=np.int64)
-        if len(ids) < len(where):
-            raise ValueError(f"mixed source {i} has no samples")
-        out[where] = ids
-    return out
