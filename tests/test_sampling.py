@@ -104,13 +104,16 @@ def test_a_drawn_epoch_is_drawn_once_for_its_len_and_its_iteration(imbalanced, m
     """A weighted epoch was drawn again at every len(), iter() and head start (seconds each at 10^7 samples)."""
     from shardstream.sampling import WeightedDraws
 
-    drawn = []
-    real = WeightedDraws.__post_init__
+    drawn, stretches = [], []
+    real, real_draws = WeightedDraws.__post_init__, WeightedDraws.draws
     monkeypatch.setattr(WeightedDraws, "__post_init__", lambda self: drawn.append(self.epoch) or real(self))
+    monkeypatch.setattr(WeightedDraws, "draws", lambda self, *a: stretches.append(a) or real_draws(self, *a))
     ds = ss.StreamingDataset(imbalanced, decode=None, fields=("__key__",),
                              sampling=Sampling(class_weights="balanced"))
     assert len(ds) == len(ds) == len(list(ds))
-    assert drawn == [0]
+    assert drawn == [0] and len(stretches) == 1
+    # The rank's block is kept (a head start on the next epoch, then that epoch, ask for it): drawn once.
+    assert len(list(ds)) == len(ds) and len(stretches) == 1
     ds.set_epoch(1)
     assert len(ds) == len(list(ds)) and drawn == [0, 1]
 
