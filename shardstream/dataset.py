@@ -353,10 +353,13 @@ class StreamingDataset(Checkpointing, IterableDataset):
         # group: pin the rank and world size of that group. Only of a process group: a
         # launcher's own spawn (mp.spawn of the training processes, which then join a group)
         # must leave each child to find its rank, and children inherit torchrun's variables.
+        spawning = get_worker_info() is None and get_spawning_popen() is not None
+        if spawning:
+            self.weigh_for_workers()  # before the copy, which then carries them
         state = self.__dict__.copy()
         state["_heads"] = {}  # threads and their reads stay in their process
         state["_outside"] = {}
-        if get_worker_info() is None and get_spawning_popen() is not None:
+        if spawning:
             if _in_process_group():
                 world = World.detect(self.rank, self.world_size)
                 state["rank"], state["world_size"] = world.rank, world.size
@@ -364,6 +367,15 @@ class StreamingDataset(Checkpointing, IterableDataset):
             # not: a limit raised for trusted photos failed them in spawned workers alone.
             state["_pixel_limit"] = Image.MAX_IMAGE_PIXELS
         return state
+
+    def weigh_for_workers(self) -> None:
+        """Read the draw weights of a weighted `sampling` here, once, for DataLoader workers
+        about to start: they inherit them (forked) or receive them (spawned), where each would
+        read every shard's index for them (a remote store: every worker of every rank a
+        request a shard). `shardstream.DataLoader` calls it, and pickling for a worker being
+        spawned; with torch's DataLoader and forked workers, call it before `iter(loader)`."""
+        if self.sampling is not None and self.sampling.weighted and not isinstance(self.source, Mix):
+            self._sequences().draw_weights()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         limit = state.pop("_pixel_limit", _UNSENT)

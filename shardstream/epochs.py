@@ -122,7 +122,7 @@ class EpochSequences:
         if self._drawn is None or self._drawn.epoch != epoch:
             units, order = epoch_units(self.counts, self.seed, epoch, self.shuffle, block=self.blocks[0])
             if self._table is None:  # units in id order are the same every epoch
-                self._table = draw_table(units, self._draw_weights())
+                self._table = draw_table(units, self.draw_weights())
             self._drawn = WeightedDraws(units, order, *self._table, self.seed, epoch, self.size)
         return self._drawn
 
@@ -202,8 +202,11 @@ class EpochSequences:
 
         return length
 
-    def _draw_weights(self) -> np.ndarray:
-        """Each sample's draw weight: its class weight times its own weight (either may be absent)."""
+    def draw_weights(self) -> np.ndarray:
+        """Each sample's draw weight: its class weight times its own weight (either may be
+        absent). Made once a process, from every shard's index: a DataLoader's own process
+        makes them before its workers start (`StreamingDataset.weigh_for_workers`), so that
+        they inherit them, rather than each reading every index again."""
         if self._weights is None:
             sampling, total = self.sampling, int(self.counts.sum())
             assert sampling is not None

@@ -617,6 +617,7 @@ class DataLoader:
         self._end_open_iteration("a new iteration of the loader (iter(loader))")
         self._iteration = iteration = _Iteration()
         if self.num_workers > 0:
+            self.dataset.weigh_for_workers()
             # Made here, before the fork, workers share this process's temporary folder (torch's
             # fd-passing listener makes one) and it goes at this process's exit; made in each
             # worker, it went with the worker's finalizers, which a worker ended by a signal (the

@@ -3535,3 +3535,29 @@ def test_names_holding_two_colons_are_not_taken_for_chained_urls(packed, jpg_dig
         ds = StreamingDataset(server.url, decode=None, fields=("__key__", "jpg"),
                               cache_dir=str(tmp_path / "job::3" / "cache"))
         assert {key: hashlib.sha256(jpg).hexdigest() for key, jpg in ds} == jpg_digests
+
+
+@pytest.mark.parametrize("kind,context", [("shardstream", "fork"), ("shardstream", "spawn"), ("torch", "spawn")])
+def test_class_weights_are_read_once_for_the_dataloaders_workers(tmp_path, kind, context):
+    """Regression (found by a walk at scale): with class weights, every DataLoader worker read every shard's
+    index for the labels, each epoch's first: on S3, every worker of every rank a request a shard (64 ranks x
+    8 workers x 10k shards: 5M GETs at a job's start). The loader's own process reads them once, and its
+    workers inherit them (forked) or receive them (spawned): they read only the indexes of shards they read.
+    Through torch's DataLoader, spawned workers receive them too (read as the dataset is pickled for them)."""
+    import torch
+    from shardstream.sampling import Sampling
+
+    with shardstream.ShardWriter(str(tmp_path / "ds"), max_samples=3) as writer:
+        for i in range(120):
+            writer.write({"__key__": f"k{i:04d}", "cls": i % 3, "txt": "x"})
+    with H.CountingHTTPServer(str(tmp_path / "ds")) as server:
+        ds = StreamingDataset(server.url, decode=None, fields=("__key__", "cls"),
+                              sampling=Sampling(class_weights="balanced", samples_per_epoch=4))
+        make = shardstream.DataLoader if kind == "shardstream" else torch.utils.data.DataLoader
+        loader = make(ds, batch_size=None, num_workers=2, multiprocessing_context=context)
+        drawn = [cls for _, cls in loader]
+        indexes = sum(n for name, n in server.get_counts().items() if name.endswith(".idx"))
+    assert len(drawn) == 4
+    # 40 by the loader's process, and each worker its own shards' (4 draws, the head start's 4 more):
+    # each worker read all 40 before.
+    assert 40 <= indexes <= 40 + 2 * 8, indexes
