@@ -1004,3 +1004,15 @@ def test_a_ranks_block_of_a_drawn_epoch_costs_its_share(kind):
     share = peak(lambda: sequences.rank_block(1, (), 64, 5, "pad"))
     assert share < whole / 4, (share, whole)
     assert np.array_equal(sequences.rank_block(1, (), 64, 5, "pad"), split_ranks(sequences.draws(1), 64, "pad")[5])
+
+
+def test_sample_weights_are_kept_apart_from_the_callers_array():
+    """Regression (found by review): `Sampling(sample_weights=array)` made the caller's own array read-only, so
+    weights updated between epochs (hard example mining) failed at the assignment; and it drew from that
+    array, so a change made through a view would have drawn otherwise than the state's fingerprint says."""
+    weights = np.ones(6)
+    sampling = Sampling(sample_weights=weights)
+    described = sampling.describe()
+    weights[0] = 5.0  # the caller's array stays theirs
+    assert sampling.sample_weights.tolist() == [1.0] * 6 and sampling.describe() == described
+    assert Sampling(sample_weights=weights).describe() != described  # other weights, another fingerprint
