@@ -1007,7 +1007,7 @@ def test_a_ranks_block_of_a_drawn_epoch_costs_its_share(kind):
 
 
 def test_sample_weights_are_kept_apart_from_the_callers_array():
-    """Regression (found by review): `Sampling(sample_weights=array)` made the caller's own array read-only, so
+    """Regression: `Sampling(sample_weights=array)` made the caller's own array read-only, so
     weights updated between epochs (hard example mining) failed at the assignment; and it drew from that
     array, so a change made through a view would have drawn otherwise than the state's fingerprint says."""
     weights = np.ones(6)
