@@ -15,12 +15,14 @@ reports a command a signal ended: 130 for SIGINT, 143 for SIGTERM.
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import contextlib
 import os
 import signal
 import sys
 import threading
+import time
 from typing import Any, Iterator, Sequence
 
 from .commands import (cmd_bench, cmd_demo, cmd_index, cmd_inspect, cmd_merge, cmd_pack, cmd_repack,
@@ -368,23 +370,36 @@ def _sigterm_interrupts() -> Iterator[None]:
 
     def quiet_about_signals(unraisable: Any) -> None:
         # A KeyboardInterrupt (or Terminated) dropped in a weakref callback or a __del__ (`_SIGNALS`)
-        # is said once, by `main`: Python's "Exception ignored in ..." traceback was printed above it.
-        if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+        # is raised again, as a Ctrl-C: dropped, the command ran on to its end (a pack Ctrl-C'd
+        # with 118 of 120 shards to go wrote its manifest), and `main` then said it was
+        # interrupted. From a thread of its own, a moment later: raised here, in the hook, it would
+        # be dropped again (so is threading's start, which waits for the thread). It is said once,
+        # by `main` (Python's "Exception ignored in ..." is not printed).
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+            _thread.start_new_thread(_interrupt_main_soon, ())
+        else:
             hook(unraisable)
 
     sys.unraisablehook = quiet_about_signals
     try:
         yield
     finally:
-        sys.unraisablehook = hook
-        signal.signal(signal.SIGTERM, before)
-        signal.signal(signal.SIGINT, before_int)
+        try:
+            sys.unraisablehook = hook
+        finally:  # an interrupt raised again (above) can come as the first line here runs
+            signal.signal(signal.SIGTERM, before)
+            signal.signal(signal.SIGINT, before_int)
 
 
 def _raise_terminated(signum: int, frame: Any) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _SIGNALS.append(signum)
     raise Terminated()
+
+
+def _interrupt_main_soon() -> None:
+    time.sleep(0.001)  # the hook that started this has returned
+    _thread.interrupt_main(signal.SIGINT)
 
 
 def _raise_interrupted(signum: int, frame: Any) -> None:
@@ -412,9 +427,9 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_default_sigterm_in_child)
 
 
-def _stopped(command: str, error: KeyboardInterrupt, resume: bool) -> int:
-    """Say that `command` was stopped by a signal, and return its exit status (128 + its number)."""
-    terminated = isinstance(error, Terminated)
+def _stopped(command: str, terminated: bool, resume: bool) -> int:
+    """Say that `command` was stopped by a signal (SIGTERM where `terminated`, else SIGINT), and
+    return its exit status (128 + its number)."""
     hint = "; --resume continues from the last complete shard" if resume else ""
     print(f"shardstream {command}: {'terminated (SIGTERM)' if terminated else 'interrupted'}{hint}", file=QuietStderr())
     return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
@@ -432,8 +447,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if sys.stdout is not None:  # (None where the command was started with stdout closed: `>&-`)
                 sys.stdout.flush()  # here, not at exit, where a reader gone is "Exception ignored" and status 120
         if len(_SIGNALS) > signals:  # an interrupt dropped where it was raised (see _SIGNALS)
-            dropped = Terminated() if _SIGNALS[-1] == signal.SIGTERM else KeyboardInterrupt()
-            return _stopped(args.command, dropped, resume)
+            return _stopped(args.command, signal.SIGTERM in _SIGNALS[signals:], resume)
         if reader_gone():
             return 128 + signal.SIGPIPE
         if (lost := output_lost()) is not None:  # its work done, its output not (stdout on a full disk)
@@ -453,8 +467,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = f"{e.filename}: " if e.filename is not None else ""
         print(f"shardstream {args.command}: error: {where}{e.strerror or e}", file=QuietStderr())
         return 1
-    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (`Terminated`)
-        return _stopped(args.command, e, resume)
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (`Terminated`; or raised again as a Ctrl-C, dropped)
+        return _stopped(args.command, isinstance(e, Terminated) or signal.SIGTERM in _SIGNALS[signals:], resume)
 
 
 if __name__ == "__main__":

@@ -978,6 +978,43 @@ def test_pack_interrupted_as_a_shard_file_is_made_leaves_no_scratch(resume_sourc
     assert not (dst / ".shardstream-tmp").exists(), sorted(p.name for p in (dst / ".shardstream-tmp").iterdir())
 
 
+_CTRL_C_IN_A_DEL_AS_THE_THIRD_SHARD_BEGINS = """
+import os, signal, sys
+import shardstream.cli as cli
+import shardstream.shardfile as shardfile
+
+made = []
+scratch_file = shardfile.scratch_file
+
+class Dropping:
+    def __del__(self):  # Ctrl-C handled here, in a __del__: Python prints its exception and drops it
+        os.kill(os.getpid(), signal.SIGINT)
+
+def third(store, name):
+    made.append(name)
+    if len(made) == 3:
+        Dropping()  # made and gone at once
+    return scratch_file(store, name)
+
+shardfile.scratch_file = third
+sys.exit(cli.main(["pack", sys.argv[1], sys.argv[2], "--shard-size", "20KB", "--workers", "1", "--quiet"]))
+"""
+
+
+def test_a_ctrl_c_dropped_in_a_del_still_stops_the_pack(resume_source, tmp_path):
+    """Regression (a clean-clone suite: a SIGINT to the pack's group, 118 of 120 shards to go, and the manifest
+    written): Python runs a signal handler at the next bytecode, also in a `__del__` or a weakref callback,
+    where the KeyboardInterrupt it raises is printed and dropped; the pack ran on to its end, and then said it
+    was interrupted, with status 130. The CLI raises a dropped interrupt again, and the pack stops there."""
+    dst = tmp_path / "ds"
+    proc = subprocess.run([sys.executable, "-c", _CTRL_C_IN_A_DEL_AS_THE_THIRD_SHARD_BEGINS, str(resume_source),
+                           str(dst)], capture_output=True, text=True, timeout=CHILD_TIMEOUT, env=_child_env())
+    assert proc.returncode == 128 + signal.SIGINT, proc.stderr[-2000:]
+    assert proc.stderr == "shardstream pack: interrupted; --resume continues from the last complete shard\n"
+    assert 2 <= len(assert_no_partial_dataset(dst)) < 10
+    assert not (dst / ".shardstream-tmp").exists(), sorted(p.name for p in (dst / ".shardstream-tmp").iterdir())
+
+
 def test_pack_workers_leave_ctrl_c_to_the_pack(resume_source, resume_reference, tmp_path):
     """Regression: Ctrl-C signals every process of the terminal's group, in no set order. A pack worker that
     handled it first raised KeyboardInterrupt and printed its traceback (about one Ctrl-C in three), or, when
