@@ -600,6 +600,8 @@ class DataLoader:
         self._drop_workers()  # persistent workers hold the old state: start fresh ones
 
     def __iter__(self) -> Iterator[Any]:
+        """Start an iteration: its workers (fresh, or persistent ones reset), ending an iteration
+        of this loader still open, which then raises at its next batch."""
         self.stats = stats = LoaderStats()
         start = time.perf_counter()
         self._follow_the_callers_dataset()
@@ -644,8 +646,15 @@ class DataLoader:
         batches = self._on_device(received) if self._use_cuda() else self._on_host(received)
         collate_fn = self.dataset.collate_fn
         by_fields = is_own_collate(collate_fn) or collate_fn is torch.utils.data.default_collate
+        # Started here, as torch's DataLoader starts its workers at iter(): a generator's body runs
+        # from the first next(), and a second iter(loader) ended nothing until its first batch.
+        return self._serving(source, workers, batches, iteration, pass_id, stats, start, by_fields)
+
+    def _serving(self, source: Iterator[Any], workers: list[Any], batches: Iterator[Any], iteration: "_Iteration",
+                 pass_id: int, stats: LoaderStats, start: float, by_fields: bool) -> Iterator[Any]:
+        """The batches of the iteration `__iter__` started, counted (`stats`) as the loop takes them."""
         # The consumer has waited since it asked for the first batch: through resolving the
-        # source and starting the workers above, not only inside next().
+        # source and starting the workers (`__iter__`), not only inside next().
         t0 = start
         while True:
             try:

@@ -1002,6 +1002,13 @@ def test_a_newer_iteration_or_epoch_inside_the_loop_is_an_error_not_a_short_epoc
         for step, _ in enumerate(loader):
             if step == 1:
                 next(iter(loader))
+    # iter() alone starts the iteration, as torch's DataLoader's does (found by a README walk: the open loop
+    # ran on until the new iterator's first batch, `__iter__` being a generator that ran nothing before it).
+    with pytest.raises(ShardstreamError, match=r"ended by a new iteration of the loader \(iter\(loader\)\)"):
+        for step, _ in enumerate(loader):
+            if step == 1:
+                newer = iter(loader)
+    del newer
     with pytest.raises(ShardstreamError, match="ended by set_epoch while it was open"):
         for step, _ in enumerate(loader):
             if step == 1:
