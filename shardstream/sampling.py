@@ -433,10 +433,11 @@ def draw_table(units: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.n
     weights = np.asarray(weights, dtype=np.float64)
     if not weights.sum() > 0:
         raise ValueError("the sampling weights (class weight times sample weight) are 0 for every sample")
-    if not math.isfinite(weights.sum()):
-        weights = weights / weights.max()  # each finite, their sum past float's range
     cumulative = np.zeros(len(weights) + 1)
     np.cumsum(weights, out=cumulative[1:])
+    if not math.isfinite(cumulative[-1]):  # each finite, their sum past float's range (the running sum's
+        # rounding can pass it where numpy's pairwise sum does not)
+        np.cumsum(weights / weights.max(), out=cumulative[1:])
     ends = np.cumsum(units)
     weighed = np.flatnonzero(weights > 0)
     last = weighed[np.maximum(np.searchsorted(weighed, ends) - 1, 0)]  # the last before each unit's end

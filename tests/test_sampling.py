@@ -743,6 +743,12 @@ def test_weights_whose_sum_overflows_still_weigh():
     assert Mix(["a", "b"], [1e308, 1e308]).weights == (0.5, 0.5)
     drawn = weighted_sequence(np.array([2, 2]), np.array([1e308, 1e308, 0.0, 0.0]), 0, 0, False, 20)
     assert set(drawn.tolist()) == {0, 1}
+    # numpy's pairwise sum finite, the running sum not (found by review: every weighted epoch failed).
+    weights = np.zeros(16)
+    weights[0] = weights[2] = 2.0 ** 969
+    weights[3] = np.finfo(float).max
+    assert np.isfinite(weights.sum()) and not np.isfinite(np.cumsum(weights)[-1])
+    assert set(weighted_sequence(np.array([8, 8]), weights, 0, 0, True, 5).tolist()) <= {0, 2, 3}
 
 
 def test_samples_per_epoch_must_be_a_whole_count():
