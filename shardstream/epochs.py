@@ -142,7 +142,7 @@ class EpochSequences:
 
     @property
     def size(self) -> int:
-        """The length of every epoch's sequence (`ids`), without drawing one."""
+        """The length of every epoch's sequence (`draws`), without drawing one."""
         n = self.sampling.samples_per_epoch if self.sampling is not None else None
         return n if n is not None else self.total
 

@@ -75,6 +75,8 @@ __all__ = ["Sampling", "Mix", "PassStream", "WeightedDraws", "sized_sequence", "
 MAX_WALKS = 8
 # The draws `WeightedDraws` makes at a time (their arrays, about 100 bytes a draw, at once).
 DRAW_GROUP = 1 << 20
+# The positions of a mixed stream `mix_schedule` places: its times are float64.
+MIX_POSITIONS = 1 << 53
 
 
 @dataclass(frozen=True)
@@ -508,7 +510,13 @@ def mix_schedule(weights: Sequence[float], start: int, n: int) -> tuple[np.ndarr
     epoch gets one every few epochs. Picks before a time `tau` a little ahead of the
     start are counted from the formula, those after merged: the count of picks before
     time t is within a source count of t, so `tau = start - sources - 1` is early enough.
+
+    Times are floats: past 2^53 picks they no longer tell the picks apart (an epoch of 2^62,
+    set by `set_epoch`, spun for good), so a window there is refused.
     """
+    if start + n > MIX_POSITIONS:
+        raise ValueError(f"a mix's epochs are windows of one stream of picks, and position {start + n:,} (the epoch "
+                         f"times its size) is past the {MIX_POSITIONS:,} it can place: set a smaller epoch")
     w = np.asarray(weights, dtype=np.float64)
     w = w / w.sum()
     tau = max(0.0, float(start) - len(w) - 1)

@@ -1022,3 +1022,15 @@ def test_sample_weights_are_kept_apart_from_the_callers_array():
     weights[0] = 5.0  # the caller's array stays theirs
     assert sampling.sample_weights.tolist() == [1.0] * 6 and sampling.describe() == described
     assert Sampling(sample_weights=weights).describe() != described  # other weights, another fingerprint
+
+
+def test_a_mixed_epoch_past_the_streams_float_times_is_refused(small):
+    """Found by review: a Mix's epoch is a window of one stream of picks placed by float times; at
+    `set_epoch(2**62)` (accepted: epochs go to 2^63 - 1) the window's place overflowed and the schedule spun
+    for good. Past 2^53 picks the times cannot tell picks apart: refused, saying why; below, drawn."""
+    ds = ss.StreamingDataset(Mix([small, small], weights=[0.3, 0.7]), decode=None, fields=("__key__",))
+    ds.set_epoch(2**62)
+    with pytest.raises(ValueError, match=r"a mix's epochs are windows of one stream of picks.*set a smaller epoch"):
+        list(ds)
+    ds.set_epoch(2**53 // (2 * 63) - 1)  # its window ends below 2^53 (two sources of 63 samples)
+    assert len(list(ds)) == len(ds) == 126
