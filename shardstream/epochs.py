@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .plan import deal_run, epoch_units, rank_stretches, sequence_between, shuffle_block, split_ranks
+from .plan import deal_run, epoch_units, joined_ids, rank_stretches, sequence_between, shuffle_block, split_ranks
 from .resume import Segment, SequenceAfter, sequence_after
 from .sampling import (PassStream, Sampling, WeightedDraws, class_sample_weights, draw_table, drawn_samples,
                        mixed_draws)
@@ -158,8 +158,8 @@ class EpochSequences:
         key = (epoch, world_size, rank, partial)
         if key in self._blocks:
             return self._blocks[key]
-        block = np.concatenate([np.zeros(0, dtype=np.int64)] + [
-            self.stretch(epoch, start, stop) for start, stop in rank_stretches(self.size, world_size, rank, partial)])
+        block = joined_ids([self.stretch(epoch, start, stop)
+                            for start, stop in rank_stretches(self.size, world_size, rank, partial)])
         if self.sampling is not None and self.sampling.weighted:
             # Kept: a weighted block draws its shards whole (8 walks: 8x its samples), at the head
             # start on the next epoch and again at that epoch's start (0.2 s at 10^7, a rank of 64).

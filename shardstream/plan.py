@@ -50,6 +50,7 @@ __all__ = [
     "epoch_sequence",
     "epoch_block",
     "rank_stretches",
+    "joined_ids",
     "sequence_between",
     "epoch_units",
     "shuffle_block",
@@ -222,7 +223,7 @@ def epoch_block(counts: Sequence[int] | np.ndarray, seed: int, epoch: int, shuff
     to keep 1/256 of them."""
     units, order = epoch_units(counts, seed, epoch, shuffle, 0, block)
     stretches = rank_stretches(int(units.sum()), world_size, rank, partial)
-    return _joined([sequence_between(units, order, start, stop) for start, stop in stretches])
+    return joined_ids([sequence_between(units, order, start, stop) for start, stop in stretches])
 
 
 def rank_stretches(n: int, world_size: int, rank: int, partial: str) -> list[tuple[int, int]]:
@@ -239,8 +240,9 @@ def rank_stretches(n: int, world_size: int, rank: int, partial: str) -> list[tup
     return [(max(start - k * n, 0), min(stop - k * n, n)) for k in range(start // n, -(-stop // n))]
 
 
-def _joined(pieces: list[np.ndarray]) -> np.ndarray:
-    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+def joined_ids(pieces: Sequence[np.ndarray]) -> np.ndarray:
+    """The pieces of ids one after another (none: no ids, int64 as ids are)."""
+    return np.concatenate(pieces) if len(pieces) else np.zeros(0, dtype=np.int64)
 
 
 def epoch_units(counts: Sequence[int] | np.ndarray, seed: int, epoch: int, shuffle: bool, salt: int = 0,

@@ -63,7 +63,7 @@ import numpy as np
 
 from .arguments import flag, integer
 from .columns import MAX_CLASS
-from .plan import epoch_units, rng_for, sequence_between
+from .plan import epoch_units, joined_ids, rng_for, sequence_between
 
 __all__ = ["Sampling", "Mix", "PassStream", "WeightedDraws", "sized_sequence", "weighted_draws", "weighted_sequence",
            "draw_table", "distinct_draws", "drawn_samples", "mix_picks", "mix_schedule", "mixed_draws",
@@ -206,7 +206,7 @@ class PassStream:
 
     def ids(self, start: int, stop: int) -> np.ndarray:
         """The ids at positions [start, stop) of the stream (none: an empty stream)."""
-        return _joined([ids for _, ids in self._passes(start, stop)])
+        return joined_ids([ids for _, ids in self._passes(start, stop)])
 
     def draws(self, start: int, stop: int, window: int, total: int) -> np.ndarray:
         """The ids at positions [start, stop), each draw of a sample told apart as
@@ -224,7 +224,7 @@ class PassStream:
                 inside = self._places(first, ids - self.offset) >= window - first * size
                 ids = ids + (p - first - 1 + inside.astype(np.int64)) * total
             pieces.append(ids)
-        return _joined(pieces)
+        return joined_ids(pieces)
 
     def _passes(self, start: int, stop: int) -> list[tuple[int, np.ndarray]]:
         size = self.size
@@ -280,10 +280,6 @@ def mixed_draws(streams: Sequence[PassStream], weights: Sequence[float], window:
     return out
 
 
-def _joined(pieces: list[np.ndarray]) -> np.ndarray:
-    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
-
-
 def class_sample_weights(labels: np.ndarray, class_weights: str | Mapping[int, float]) -> np.ndarray:
     """Per-sample weights from per-class weights ("balanced": 1 / class count)."""
     labels = np.asarray(labels, dtype=np.int64)
@@ -316,8 +312,8 @@ class WeightedDraws:
     and which samples, a draw within the unit from a stream of uniforms of its own, sorted,
     so that a unit is read front to back. That is the same distribution as `n` independent
     draws, and it lets a rank's DataLoader worker draw its rank's share only: drawn whole,
-    each of them drew every sample's share of the epoch (3.7 s and 400-750 MB a worker at
-    10^7 draws).
+    each of them drew every sample's share of the epoch (3.3-5.1 s and 560 MB a worker at
+    10^7 draws: BENCHMARKS.md, "Forty-first session").
 
     A unit's draws are dealt round robin to `MAX_WALKS` walks over the units, from a seeded
     walk per unit; the sequence is walk after walk, each walk the units in the epoch's order.
@@ -362,7 +358,8 @@ class WeightedDraws:
         place = np.empty(len(self.order), dtype=np.int64)
         place[self.order] = np.arange(len(self.order))
         out = np.empty(stop - start, dtype=np.int64)
-        # A group of units at a time: a dozen arrays as long as their draws (1.6 GB at 10^7 draws at once).
+        # A group of units at a time: a dozen arrays as long as their draws (a peak of 800 MB at 10^7
+        # draws at once, measured; 160 MB a group at a time).
         drawn = np.cumsum(self._drawn[units])
         for group in np.split(units, np.flatnonzero(np.diff(drawn // DRAW_GROUP)) + 1):
             self._place(group, begins, place, start, stop, total, out)
