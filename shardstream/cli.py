@@ -381,9 +381,11 @@ def _sigterm_interrupts() -> Iterator[None]:
             hook(unraisable)
 
     sys.unraisablehook = quiet_about_signals
+    _RUNNING[0] += 1
     try:
         yield
     finally:
+        _RUNNING[0] -= 1
         try:
             sys.unraisablehook = hook
         finally:  # an interrupt raised again (above) can come as the first line here runs
@@ -399,7 +401,8 @@ def _raise_terminated(signum: int, frame: Any) -> None:
 
 def _interrupt_main_soon() -> None:
     time.sleep(0.001)  # the hook that started this has returned
-    _thread.interrupt_main(signal.SIGINT)
+    if _RUNNING[0]:  # not once the command has returned: the caller's own handler would take it
+        _thread.interrupt_main(signal.SIGINT)
 
 
 def _raise_interrupted(signum: int, frame: Any) -> None:
@@ -413,6 +416,10 @@ def _raise_interrupted(signum: int, frame: Any) -> None:
 # command then ran on to its end, exit status 0 (seen in clean-clone suites: a SIGTERM once, a
 # Ctrl-C to a pack's process group once). `main` still says a signal ended it.
 _SIGNALS: list[int] = []
+# How many commands run under `_sigterm_interrupts` (`main` may be called in a command's caller's
+# process, as tests do). Changed by `+=` on an item, which no pending signal interrupts (only calls
+# and loops' jumps run handlers), so an interrupt raised again cannot skip it.
+_RUNNING = [0]
 
 
 def _default_sigterm_in_child() -> None:
