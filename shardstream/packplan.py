@@ -49,7 +49,9 @@ def order(listing: Listing, opts: PackOptions) -> list[SourceFile]:
     """The sample order: sorted by path (as a listing is), then shuffled by `seed` unless told not to."""
     entries = list(listing.files)
     if opts.shuffle:
-        perm = np.random.default_rng(opts.seed).permutation(len(entries))
+        # PCG64 by name, as `default_rng` makes it today: numpy may change its default generator,
+        # and parts packed beside another numpy would then slice another order (`plan.rng_for`).
+        perm = np.random.Generator(np.random.PCG64(opts.seed)).permutation(len(entries))
         entries = [entries[i] for i in perm.tolist()]  # Python ints index faster than numpy's
     return entries
 

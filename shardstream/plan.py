@@ -77,6 +77,7 @@ __all__ = [
     "samples_of_items",
     "rng_for",
     "streams_digest",
+    "streams_digests_read",
 ]
 
 PARTIAL = ("pad", "drop")
@@ -127,17 +128,36 @@ def rng_for(seed: int, *parts: int) -> np.random.Generator:
 @functools.cache
 def streams_digest() -> str:
     """A digest of draws of the kinds every plan is made of (`rng_for`'s permutations and
-    uniforms): where it differs, this numpy makes other plans from the same seed.
+    uniforms, and the multinomial and bounded integers of weighted epochs,
+    `sampling.WeightedDraws`): where it differs, this numpy makes other plans from the same seed.
 
     numpy promises the same draws only from the same build ("Compatibility policy" of
     `numpy.random`): a resume state taken under a numpy that shuffles otherwise would be
     replayed onto another order, samples repeated and lost without a word. A state
     carries the digest, and one taken under other draws is refused (`resume.ResumeState`)."""
+    return _draws_digest(weighted=True)
+
+
+@functools.cache
+def streams_digests_read() -> frozenset[str]:
+    """The digests a resume state may carry here: `streams_digest`, and the one states kept
+    before it covered the weighted epochs' draws (permutations and uniforms alone), which is
+    checked as far as it goes."""
+    return frozenset((streams_digest(), _draws_digest(weighted=False)))
+
+
+def _draws_digest(*, weighted: bool) -> str:
     rng = rng_for(0x5EED, 1, 2)
     digest = hashlib.sha256()
     for n in (2, 3, 10, 1000, 100_000):
         digest.update(rng.permutation(n).astype("<i8").tobytes())
     digest.update(rng.random(64).astype("<f8").tobytes())
+    if weighted:
+        # Uneven masses, so that numpy's binomials take both of their algorithms (inversion
+        # for few draws, BTPE for many); walks are bounded integers below 8 (`MAX_WALKS`).
+        masses = 0.5 ** np.arange(1, 41)
+        digest.update(rng.multinomial(1_000_000, masses / masses.sum()).astype("<i8").tobytes())
+        digest.update(rng.integers(0, 8, 1000).astype("<i8").tobytes())
     return digest.hexdigest()[:16]
 
 

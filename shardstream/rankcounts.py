@@ -17,7 +17,13 @@ a loader's second and later iteration as it begins. No rank ever waits for anoth
 collective; a rank that has not written yet is not compared), so a loader iterated on one
 rank alone cannot hang.
 
-It warns, and does not refuse the state, because which loader stands for a rank is a guess:
+With its count, each rank writes the digest of its numpy's random draws
+(`plan.streams_digest`), from which every rank plans the epoch alike: ranks whose numpys draw
+otherwise (nodes whose environments were built apart) deal the epoch in other orders, samples
+repeated and lost on every rank without a word. That is refused, at the first iteration that
+sees it: the digest is the process's, not a loader's, so no loader can stand for it wrongly.
+
+It warns of counts, and does not refuse the state, because which loader stands for a rank is a guess:
 a loader of the same stream that one rank alone iterates in the middle of training (a look
 at a batch to log it) writes its count over the training loader's, and another rank's
 checkpoint then finds a difference that is not there (found by a review: a correct job
@@ -36,6 +42,11 @@ import os
 import sys
 import warnings
 from typing import Any, Callable
+
+import numpy as np
+
+from .errors import ShardstreamError
+from .plan import streams_digest
 
 __all__ = ["WorkerCounts"]
 
@@ -107,7 +118,7 @@ class WorkerCounts:
             # An elastic restart keeps torchrun's store, and the last attempt's counts in it.
             base = f"{PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{stream()}"
             self._keys, self._rank = [f"{base}/{r}" for r in range(world_size)], rank
-        differ = self._differing(store, num_workers)
+        differ = self._differing(store, num_workers)  # raises where a rank draws otherwise
         if differ and not first:
             warnings.warn(f"{differ}: a state_dict() of this loader would resume the other ranks wrongly while they "
                           "differ; give every rank the same num_workers", stacklevel=3)
@@ -125,20 +136,36 @@ class WorkerCounts:
                           "batch, that loader's count stood for it: then nothing differs)", stacklevel=3)
 
     def _differing(self, store: Any, num_workers: int) -> str | None:
-        """Write this rank's count; then which ranks wrote another, said in words (None: none, or
-        not every rank has written yet, or the store failed: nothing to compare)."""
+        """Write this rank's count and draws; then which ranks wrote another count, said in words
+        (None: none, or not every rank has written yet, or the store failed: nothing to compare).
+        Raises where a rank's numpy draws otherwise."""
         assert self._keys is not None
         mine = _counted(num_workers)
         try:
-            store.set(self._keys[self._rank], str(mine))
+            store.set(self._keys[self._rank], f"{mine} {streams_digest()} {np.__version__}")
             if not store.check(self._keys):  # a rank that has not begun: not waited for
                 return None
-            counts = [int(v) for v in store.multi_get(self._keys)]
+            # An earlier shardstream wrote the count alone: its draws are not compared.
+            told = [v.decode(errors="replace").split() for v in store.multi_get(self._keys)]
+            counts = [int(words[0]) for words in told]
         except Exception:  # the store gone (the group destroyed meanwhile) or unable: nothing to compare
             return None
+        _refuse_other_draws(self._rank, {r: words[1:3] for r, words in enumerate(told) if len(words) == 3})
         other = {r: n for r, n in enumerate(counts) if n != mine}
         if not other:
             return None
         shown = ", ".join(f"rank {r} with {n}" for r, n in list(other.items())[:4]) + (", ..." if len(other) > 4 else "")
         return (f"the ranks iterate this dataset with different numbers of DataLoader workers (this rank, "
                 f"{self._rank}, with {mine}; {shown}; 0 counts as 1)")
+
+
+def _refuse_other_draws(rank: int, draws: dict[int, list[str]]) -> None:
+    """Raise where a rank's numpy draws otherwise than this one's (`draws`: rank -> [digest, numpy version])."""
+    other = {r: version for r, (digest, version) in draws.items() if digest != streams_digest()}
+    if other:
+        shown = ", ".join(f"rank {r} with numpy {v}" for r, v in list(other.items())[:4]) + (
+            ", ..." if len(other) > 4 else "")
+        raise ShardstreamError(
+            f"the ranks' numpys draw random numbers otherwise (this rank, {rank}, with numpy {np.__version__}; "
+            f"{shown}): every rank plans the epoch from the same seeded draws, and these would deal it in other "
+            "orders, samples repeated and lost on every rank. Install the same numpy on every node")

@@ -28,7 +28,7 @@ import numpy as np
 
 from .errors import ShardstreamError
 from .plan import (MAX_RUN, MAX_WORLD_SIZE, PARTIAL, Layout, consumed_positions, left_out_positions,
-                   rank_block_length, remaining_after, streams_digest, worker_items)
+                   rank_block_length, remaining_after, streams_digest, streams_digests_read, worker_items)
 from .roundrobin import EndlessDeal
 from .shared import SLOTS
 from .source import KEYS
@@ -171,7 +171,7 @@ class ResumeState:
             blocks=None if raw.get("blocks") is None else tuple(
                 _int(b, f"blocks[{i}]", minimum=0) for i, b in enumerate(_list(raw["blocks"], "blocks"))),
         )
-        if state.streams is not None and state.streams != streams_digest():
+        if state.streams is not None and state.streams not in streams_digests_read():
             numpy = raw.get("numpy")
             if numpy == np.__version__:  # the same version said: a build that draws otherwise, or damage
                 taken = (f"numpy {numpy} as here, but its draws' digest is not this numpy's: another build of it, "

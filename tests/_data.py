@@ -218,15 +218,45 @@ def spawned_rank_state(rank: int, store: str, url: str, workers: list[int], prev
         dist.destroy_process_group()
 
 
+def spawned_rank_other_draws(rank: int, store: str, url: str, out: str) -> None:
+    """A training process as `torch.multiprocessing.spawn` starts it: it joins a 2-rank gloo group in which rank 1
+    stands for a node whose numpy draws otherwise (its draws' digest another), and begins two iterations of a
+    loader of `url`, each after the other rank began its one before: out/RANK.json holds what each start raised."""
+    import json
+
+    import torch.distributed as dist
+
+    import shardstream.rankcounts
+
+    if rank == 1:
+        shardstream.rankcounts.streams_digest = lambda: "0" * 16
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        loader = shardstream.DataLoader(key_dataset(url, shuffle=True, batch_size=2))
+        raised = []
+        for _ in range(2):
+            try:
+                next(iter(loader))
+                raised.append(None)
+            except shardstream.ShardstreamError as error:
+                raised.append(str(error))
+            dist.barrier()
+        Path(out, f"{rank}.json").write_text(json.dumps(raised))
+    finally:
+        dist.destroy_process_group()
+
+
 def spawned_rank_states(rank: int, stores: list[str], url: str, scenarios: list[list[Any]], out: str) -> None:
     """`spawned_rank_state` for each of `scenarios` ([workers, preview] pairs) in turn, each in a 2-rank gloo
-    group of its own (on its own store, `stores[i]`), writing to out/i/RANK.json: one training process a rank
-    for them all, not one a scenario (a process started by spawn imports torch: seconds of CPU)."""
+    group of its own (on its own store, `stores[i]`), writing to out/i/RANK.json, then `spawned_rank_other_draws`
+    on the last store, writing to out/draws/RANK.json: one training process a rank for them all, not one a
+    scenario (a process started by spawn imports torch: seconds of CPU)."""
     import gc
 
     for i, (store, (workers, preview)) in enumerate(zip(stores, scenarios)):
         spawned_rank_state(rank, store, url, workers, preview, str(Path(out, str(i))))
         gc.collect()  # the scenario's loader, and its workers, gone before the next group is made
+    spawned_rank_other_draws(rank, stores[-1], url, str(Path(out, "draws")))
 
 
 def spawned_rank_epoch(rank: int, dataset: Any, out: str) -> None:

@@ -353,12 +353,13 @@ def state_warnings(url, tmp_path_factory) -> dict:
     import torch.multiprocessing as mp
 
     out = tmp_path_factory.mktemp("rankstates")
-    for i in range(len(STATE_SCENARIOS)):
+    for i in [*range(len(STATE_SCENARIOS)), "draws"]:
         (out / str(i)).mkdir()
-    stores = [rendezvous_file(out / str(i)) for i in range(len(STATE_SCENARIOS))]
+    stores = [rendezvous_file(out / str(i)) for i in [*range(len(STATE_SCENARIOS)), "draws"]]
     mp.spawn(D.spawned_rank_states, args=(stores, url, [[list(w), p] for w, p in STATE_SCENARIOS], str(out)), nprocs=2)
-    return {scenario: tuple(zip(*(json.loads((out / str(i) / f"{rank}.json").read_text()) for rank in range(2))))
-            for i, scenario in enumerate(STATE_SCENARIOS)}
+    found = {scenario: tuple(zip(*(json.loads((out / str(i) / f"{rank}.json").read_text()) for rank in range(2))))
+             for i, scenario in enumerate(STATE_SCENARIOS)}
+    return {**found, "draws": [json.loads((out / "draws" / f"{rank}.json").read_text()) for rank in range(2)]}
 
 
 @pytest.mark.parametrize(("workers", "preview"), STATE_SCENARIOS)
@@ -380,6 +381,21 @@ def test_a_state_warns_where_the_ranks_iterate_with_different_num_workers(state_
         # At the second iteration's start too, not only at a checkpoint (at the first, a count may
         # still be that of a look of one rank's own).
         assert len(began[rank]) == 1 and said in began[rank][0], began
+
+
+def test_ranks_whose_numpys_draw_otherwise_are_refused(state_warnings):
+    """Regression (left since the thirty-third session): every rank plans the epoch from the same seeded numpy
+    draws, and a node whose numpy draws otherwise (environments built apart) dealt it in another order, samples
+    repeated and lost on every rank without a word. Each rank tells its draws' digest with its worker count; the
+    first iteration that sees another raises on that rank, naming both numpys, on both ranks by the second."""
+    import numpy as np
+
+    for rank, raised in enumerate(state_warnings["draws"]):
+        said = [error for error in raised if error is not None]
+        assert said and all(f"this rank, {rank}, with numpy {np.__version__}; rank {1 - rank} with numpy "
+                            f"{np.__version__})" in error and "repeated and lost" in error for error in said), raised
+    # The rank that began first found no other rank's draws yet, and raised at its second start only.
+    assert sorted(len([e for e in raised if e]) for raised in state_warnings["draws"]) in ([1, 2], [2, 2])
 
 
 def test_a_process_forked_from_a_rank_leaves_the_store_alone(tmp_path):

@@ -117,6 +117,15 @@ def test_repacking_gives_identical_bytes(image_folder, packed, tmp_path, dataset
     assert dataset_files(tmp_path / "again") == dataset_files(packed)
 
 
+def test_the_order_does_not_follow_numpys_default_generator(image_folder, packed, tmp_path, dataset_files,
+                                                            monkeypatch):
+    """Regression: the sample order came from `np.random.default_rng(seed)`, whose generator numpy may change (to
+    PCG64DXSM): parts packed on machines with other numpys would have sliced other orders, and a repack another."""
+    monkeypatch.setattr(np.random, "default_rng", lambda seed=None: np.random.Generator(np.random.PCG64DXSM(seed)))
+    run_pack(image_folder, tmp_path / "again")
+    assert dataset_files(tmp_path / "again") == dataset_files(packed)
+
+
 def test_seed_changes_order_not_content(image_folder, packed, tmp_path):
     run_pack(image_folder, tmp_path / "seed1", seed=1)
     order0, order1 = keys_in_order(packed), keys_in_order(tmp_path / "seed1")

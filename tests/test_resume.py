@@ -797,6 +797,29 @@ def test_a_state_planned_under_other_random_draws_is_refused(url, monkeypatch):
     assert [D.freeze(item) for item in again] == rest and len(rest) == len(ds) - 2
 
 
+def test_the_draws_digest_covers_weighted_epochs_and_reads_the_earlier_one(url, monkeypatch):
+    """Regression: the digest drew permutations and uniforms only, and weighted epochs are drawn by a multinomial
+    over the shards and bounded integers too (`sampling.WeightedDraws`): a numpy drawing those otherwise passed the
+    check and replayed a weighted epoch onto other draws. States carrying the earlier digest (permutations and
+    uniforms) are still read, checked as far as it goes."""
+    earlier = shardstream.plan._draws_digest(weighted=False)
+    assert shardstream.plan.streams_digests_read() == {shardstream.plan.streams_digest(), earlier}
+    ds = dataset(url)
+    D.take_main(ds, 2)
+    state = ds.state_dict()
+    resumed = dataset(url)
+    resumed.load_state_dict({**state, "streams": earlier})
+    assert len([D.freeze(item) for item in resumed]) == len(ds) - 2
+    for draw in ("multinomial", "integers"):
+        original = getattr(np.random.Generator, draw)
+        otherwise = type("Other", (np.random.Generator,),  # a numpy whose `draw` alone draws otherwise
+                         {draw: lambda self, *args, **kwargs: original(self, *args, **kwargs) + 1})
+        monkeypatch.setattr(np.random, "Generator", otherwise)
+        assert shardstream.plan._draws_digest(weighted=True) != state["streams"]
+        assert shardstream.plan._draws_digest(weighted=False) == earlier
+        monkeypatch.undo()
+
+
 def test_counts_beyond_the_epoch_are_refused_at_load(url):
     """Regression: a count past the end of the epoch loaded, then len() raised "__len__() should return >= 0"
     and iterating raised ValueError from the plan's round robin. The bound is what the state's own layout (2 real
