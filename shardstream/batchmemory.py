@@ -145,22 +145,27 @@ class BatchMemory:
         return storage
 
 
-# A storage's count of references (tensors viewing it, and the pool's own), where torch tells it.
+# A storage's count of references (tensors viewing it, and the pool's own). CPU builds of torch
+# have it from 2.8 (CUDA builds earlier); without it the pool cannot tell a slot a collate_fn
+# kept (a MixUp partner) from a free one, so nothing is pooled (`_worker_memory`).
 _use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
 
 
 def _only_pooled(storage: torch.UntypedStorage | None) -> bool:
-    """Whether nothing in this process but the pool holds `storage` (True where torch cannot tell)."""
-    return storage is None or _use_count is None or _use_count(storage._cdata) <= 1
+    """Whether nothing in this process but the pool holds `storage`."""
+    assert _use_count is not None  # no pool is made without it
+    return storage is None or _use_count(storage._cdata) <= 1
 
 
 _memory: BatchMemory | None = None  # this worker process's, made at its first batch
 
 
 def _worker_memory() -> BatchMemory | None:
-    """This DataLoader worker's `BatchMemory`, or None outside a worker or under file_system sharing."""
+    """This DataLoader worker's `BatchMemory`, or None outside a worker, under file_system sharing,
+    or in a torch that cannot count a storage's references."""
     global _memory
-    if torch.utils.data.get_worker_info() is None or torch.multiprocessing.get_sharing_strategy() != "file_descriptor":
+    if (torch.utils.data.get_worker_info() is None or _use_count is None
+            or torch.multiprocessing.get_sharing_strategy() != "file_descriptor"):
         return None
     if _memory is None or _memory.pid != os.getpid():  # a process forked from a worker gets its own
         _memory = BatchMemory()

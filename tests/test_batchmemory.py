@@ -128,6 +128,16 @@ def test_a_batch_the_workers_collate_keeps_is_never_reused_under_it():
     assert flags.count(True) == len(flags) - 2  # every batch but each worker's first had one kept before it
 
 
+def test_a_torch_that_cannot_count_a_storages_references_pools_nothing(monkeypatch):
+    """Regression (found by a review of the torch floor): CPU builds of torch before 2.8 have no
+    `_storage_Use_Count`, and the pool then took every released slot for free, the batch a worker's collate_fn
+    kept among them. Without the count nothing is pooled (the workers are forked: they inherit the patch)."""
+    monkeypatch.setattr(batchmemory, "_use_count", None)
+    flags = [intact for _, _, intact in DataLoader(_SlowFirstWorker(2 * SLOTS, collate=_MixesWithThePrevious()),
+                                                   batch_size=None, num_workers=2, multiprocessing_context="fork")]
+    assert flags.count(True) == len(flags) - 2
+
+
 def test_a_view_kept_after_its_batch_is_dropped_keeps_the_memory():
     views = []
     for images, index in DataLoader(Batches(3 * SLOTS), batch_size=None, num_workers=1):
