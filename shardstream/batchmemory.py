@@ -129,8 +129,14 @@ class BatchMemory:
         fits = [s for s in free if nbytes <= size[s] <= FIT * nbytes]
         if fits:
             return min(fits, key=size.__getitem__)
+        # Else a slot a little too small is grown (see `tensor`) before a new one is opened:
+        # batches of varying shapes (padded to their longest) opened a slot for each new
+        # largest size, up to SLOTS a worker, where the batches in flight need about four.
+        near = [s for s in free if nbytes <= FIT * size[s] < FIT * nbytes]
+        if near:
+            return max(near, key=size.__getitem__)
         empty = [s for s in free if size[s] < 0]
-        too_small = [s for s in free if 0 <= size[s] < nbytes]  # grown: see `tensor`
+        too_small = [s for s in free if 0 <= size[s] < nbytes]
         # Only slots much larger are free: they stay for the batches that fill them, and
         # this tensor takes torch's fresh memory.
         return (empty or sorted(too_small, key=size.__getitem__, reverse=True) or [None])[0]

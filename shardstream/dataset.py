@@ -611,6 +611,7 @@ class StreamingDataset(Checkpointing, IterableDataset):
                     self._count_io(world.worker, reads)
                     last_count = now
                 yield item
+                item = None  # not held while the next is made (samples of hundreds of MB)
         finally:
             # A loop that leaves the epoch early (a `break`; torch resetting a persistent worker's
             # iterator) closes this at its `yield`: the reads since the last count, the read-ahead

@@ -101,11 +101,15 @@ def guarded(inputs: Iterable[Any], prepare: Callable[[Any], Any], policy: ErrorP
                                     f"({limit}); last: {error}", url=error.url, key=error.key) from error
             owed += 1
             continue
-        last, have_good = result, True
+        if policy.mode == "skip":  # a stand-in for failures at the pass's end; "raise" needs none
+            last = result
+        have_good = True
         for _ in range(owed):
             yield as_repeat(result)
         owed = 0
         yield result
+        # Let go of the sample before the next is made: a volume of 256 MB was held twice over.
+        item = result = None
     if owed and not have_good and earlier is not None:
         have_good, last = _last_good(earlier(), prepare)
     if owed and not have_good:

@@ -270,6 +270,7 @@ def keeping_callers_generators(items: Iterator[Any], python_too: bool) -> Iterat
             finally:
                 _restore_generators(*saved)
             yield item
+            item = None  # not held while the next is made (samples of hundreds of MB)
     finally:
         close = getattr(pending, "close", None)
         if close is not None:  # a loop that stops early ends the reading now, not at collection

@@ -261,7 +261,8 @@ class ShardReader:
                 b = int(np.searchsorted(offsets, offsets[a] + step, side="right")) - 1
                 b = min(max(b, a + 1), stop)
                 base = int(offsets[a])
-                piece, buffer = self._fetch(base, int(offsets[b]) - base, buffer)
+                piece, buffer = self._fetch(base, int(offsets[b]) - base, buffer,
+                                            lambda end: index.keys[int(np.searchsorted(offsets, end, "right")) - 1])
                 samples = None
                 if _tarcut is not None:  # None: a sample in another layout, or a damaged header
                     samples = _tarcut.cut_samples(piece, base, offsets[a : b + 1].tolist(), index.keys[a:b], self.url)
@@ -286,7 +287,8 @@ class ShardReader:
                 g = int(np.searchsorted(comp, comp[f] + step, side="right")) - 1
                 g = min(max(g, f + 1), last + 1)
                 begin = int(comp[f])
-                piece, buffer = self._fetch(begin, int(comp[g]) - begin, buffer)
+                piece, buffer = self._fetch(begin, int(comp[g]) - begin, buffer, lambda end: index.keys[max(
+                    start, int(np.searchsorted(index.sample_offsets, raw[np.searchsorted(comp, end, "right") - 1])))])
                 for frame in range(f, g):
                     lo = max(start, int(np.searchsorted(index.sample_offsets, raw[frame], side="left")))
                     hi = min(stop, int(np.searchsorted(index.sample_offsets, raw[frame + 1], side="left")))
@@ -296,8 +298,10 @@ class ShardReader:
             if buffer is not None:
                 _buffers.give(buffer)
 
-    def _fetch(self, begin: int, size: int, buffer: bytearray | None) -> tuple[memoryview, bytearray | None]:
+    def _fetch(self, begin: int, size: int, buffer: bytearray | None,
+               key_at: Callable[[int], str]) -> tuple[memoryview, bytearray | None]:
         """Bytes [begin, begin + size) of the shard, and the buffer to pass next time.
+        `key_at(offset)`: the first sample a shard cut short at `offset` loses, for the error.
 
         A local file is read into `buffer` (`Store.read_into`; grown for a piece larger
         than it), which the caller reuses piece after piece; a remote one into fresh bytes.
@@ -311,7 +315,8 @@ class ShardReader:
             piece = memoryview(buffer)[:size]
             piece = piece[: self.store.read_into(self.name, begin, piece)]
         if len(piece) != size:
-            raise CorruptShardError("shard is shorter than its index says", url=self.url, offset=begin + len(piece))
+            end = begin + len(piece)
+            raise CorruptShardError("shard is shorter than its index says", url=self.url, key=key_at(end), offset=end)
         return piece, buffer
 
     def _frame_samples(self, frame: memoryview, i: int, start: int, stop: int) -> Iterable[Sample]:

@@ -464,9 +464,11 @@ def read_whole(reader: ShardReader | StreamTarReader, first: int, stop: int) -> 
 def marked(samples: Iterable[Sample], repeats: Iterable[bool]) -> Iterator[Sample]:
     """Each sample with ``__pad__``: whether it repeats a sample delivered first elsewhere
     (`plan.repeated_positions`). Each is a dict of its own (`_repeated` copies), so set in place."""
-    for sample, repeat in zip(samples, repeats):
-        sample["__pad__"] = repeat
+    repeats = iter(repeats)
+    for sample in samples:  # not zip, whose tuple holds the last sample while the next is made
+        sample["__pad__"] = next(repeats)
         yield sample
+        sample = None
 
 
 def reorder(arrivals: Iterable[tuple[int, Sample]], order: np.ndarray) -> Iterator[Sample]:
@@ -480,4 +482,5 @@ def reorder(arrivals: Iterable[tuple[int, Sample]], order: np.ndarray) -> Iterat
             except StopIteration:
                 raise RuntimeError(f"plan error: position {position} never arrived") from None
             held[p] = sample
+            sample = None  # held in `held` only: the next arrival is made without it
         yield held.pop(position)

@@ -1640,6 +1640,22 @@ def test_verify_names_only_the_samples_a_truncated_shard_lost(tmp_path, compress
     assert named == [f"s{k}" for k in range(6, 10)], [str(p) for p in report.problems]
 
 
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_reading_a_truncated_shard_names_the_first_sample_it_lost(tmp_path, compression):
+    """Regression (found by a walk with large samples): streaming a shard cut short raised "shard is shorter than
+    its index says" with the file and offset only, where the skip path and `verify` name the sample."""
+    folder = tmp_path / "ds"
+    with ShardWriter(str(folder), compression=compression, frame_size=512) as writer:  # zstd: a frame a sample
+        for k in range(10):
+            writer.write({"__key__": f"s{k}", "bin": os.urandom(3000)})
+    shard = folder / ("shard-000000.tar.zst" if compression == "zstd" else "shard-000000.tar")
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) * 6 // 10])
+    with pytest.raises(shardstream.CorruptShardError, match="shorter than its index says") as raised:
+        list(StreamingDataset(str(folder), decode=None, prefetch=0))
+    assert raised.value.key == "s6" and "s6" in str(raised.value)  # s0-s5 are whole: the first lost
+
+
 def test_verify_counts_the_classes_of_a_manifest_that_names_none(tmp_path):
     """Regression (found by review): `verify` compared the indexes' labels with the manifest's
     class counts only where the manifest named classes; one whose class table was emptied,
