@@ -18,6 +18,7 @@ import re
 import shutil
 import socket
 import tempfile
+import threading
 from typing import TYPE_CHECKING, BinaryIO, Iterable
 
 from .urls import local_path
@@ -30,6 +31,14 @@ __all__ = ["cleanup_scratch", "drop_scratch", "scratch_dir", "scratch_file", "sy
 SCRATCH = ".shardstream-tmp"
 UPLOADS = "shardstream-uploads"  # in the system's temporary folder: a folder per process below
 
+# This process's upload folder is made as a file goes into it and removed once empty: one
+# thread's removal between another's making of the folder and of its file failed that upload
+# ("File exists", or "No such file" three times over; seen with 8 threads). Both are done
+# under this lock. (A local store's scratch folder is shared with other processes: retried.)
+_uploads_lock = threading.Lock()
+if hasattr(os, "register_at_fork"):  # a child forked while a thread held it starts with its own
+    os.register_at_fork(after_in_child=lambda: globals().update(_uploads_lock=threading.Lock()))
+
 
 def scratch_dir(store: Store) -> str:
     """A local folder for files on their way into `store`.
@@ -40,9 +49,16 @@ def scratch_dir(store: Store) -> str:
     """
     if store.local:
         path = os.path.join(local_path(store.root), SCRATCH)
-        os.makedirs(path, exist_ok=True)
+        _make_folder(path)
         return path
     return _uploads_dir()
+
+
+def _make_folder(path: str) -> None:
+    # "File exists" from makedirs(exist_ok=True): made by another writer, and removed again by
+    # its cleanup before makedirs looked; the file's making then finds it gone, and retries.
+    with contextlib.suppress(FileExistsError):
+        os.makedirs(path, exist_ok=True)
 
 
 def _uploads_dir() -> str:
@@ -51,7 +67,7 @@ def _uploads_dir() -> str:
     own = os.path.join(tempfile.gettempdir(), UPLOADS, _process_tag(os.getpid()) or str(os.getpid()))
     if not os.path.isdir(own):
         _remove_ended(os.path.dirname(own))
-        os.makedirs(own, exist_ok=True)
+        _make_folder(own)
     return own
 
 
@@ -62,7 +78,7 @@ def drop_scratch(path: str) -> None:
         os.remove(path)
     folder = os.path.dirname(path)
     if os.path.basename(os.path.dirname(folder)) == UPLOADS:
-        with contextlib.suppress(OSError):  # not empty: another thread's upload is on its way
+        with _uploads_lock, contextlib.suppress(OSError):  # not empty: another thread's upload is on its way
             os.rmdir(folder)
 
 
@@ -196,8 +212,9 @@ def scratch_file(store: Store, name: str) -> tuple[str, BinaryIO]:
     """
     for attempt in range(3):
         try:
-            fd, path = tempfile.mkstemp(dir=scratch_dir(store), prefix=f".{_stand_in(name)}.{_writer_tag()}.",
-                                        suffix=".part")
+            with contextlib.nullcontext() if store.local else _uploads_lock:
+                fd, path = tempfile.mkstemp(dir=scratch_dir(store), prefix=f".{_stand_in(name)}.{_writer_tag()}.",
+                                            suffix=".part")
             break
         except FileNotFoundError:  # another writer's `cleanup_scratch` removed the folder, then empty
             if attempt == 2:

@@ -29,6 +29,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -3192,6 +3193,34 @@ def test_a_killed_upload_leaves_nothing_in_the_temporary_folder_for_long(tmp_pat
         assert (alive / ".shard.part").read_bytes() == b"in progress"
     finally:
         running.communicate(b"")
+
+
+def test_threads_uploading_at_once_never_remove_the_folder_under_one_another(tmp_path, monkeypatch):
+    """Regression (seen in a full suite): a process's upload folder is removed once empty, and one thread's removal
+    between another's making of the folder and of its scratch file failed that upload ("File exists" from
+    makedirs, or "No such file" on every retry): 8 threads x 500 uploads failed in most runs before."""
+    from shardstream.retry import RetryPolicy
+    from shardstream.scratch import drop_scratch, scratch_file
+    from shardstream.storage import Store
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    store, failures = Store("memory://uploads-race", {}, RetryPolicy()), []
+
+    def uploads(thread: int) -> None:
+        try:
+            for i in range(500):
+                path, file = scratch_file(store, f"shard-{thread}-{i}")
+                file.close()
+                drop_scratch(path)
+        except OSError as error:
+            failures.append(error)
+
+    threads = [threading.Thread(target=uploads, args=(t,)) for t in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == [] and list((tmp_path / "shardstream-uploads").iterdir()) == []
 
 
 def test_credentials_are_not_in_a_sources_repr(packed):
