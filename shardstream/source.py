@@ -586,15 +586,26 @@ def _options_of(source: str | Sequence[str], options: dict[str, Any]) -> dict[st
         options) <= known
     if not by_protocol or "::" in url:
         return options
-    protocol = fsspec.core.split_protocol(url)[0] or "file"
-    try:
-        names = fsspec.get_filesystem_class(protocol).protocol
-    except (ImportError, ValueError):  # its package not installed: reading it says so
-        names = ()
-    for name in (protocol, *([names] if isinstance(names, str) else names)):
+    for name in _protocol_names(fsspec.core.split_protocol(url)[0] or "file"):
         if name in options:
             return dict(options[name])
     return {}
+
+
+def _protocol_names(protocol: str) -> tuple[str, ...]:
+    """Every name fsspec knows `protocol`'s file system by: those its table of implementations
+    gives the same class (the class's own `protocol` lists `https` beside `http` only from
+    fsspec 2025.10), and the class's own (file systems registered at run time)."""
+    import fsspec
+    from fsspec.registry import known_implementations
+
+    path = known_implementations.get(protocol, {}).get("class")
+    aliases = [name for name, spec in known_implementations.items() if path is not None and spec.get("class") == path]
+    try:
+        own = fsspec.get_filesystem_class(protocol).protocol
+    except (ImportError, ValueError):  # its package not installed: reading it says so
+        own = ()
+    return tuple(dict.fromkeys((protocol, *aliases, *([own] if isinstance(own, str) else own))))
 
 
 def resolve_source(source: "str | Sequence[str] | Mix", *, storage_options: dict[str, Any] | None = None,
