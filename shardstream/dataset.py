@@ -20,6 +20,7 @@ import sys
 import time
 import traceback
 import warnings
+import weakref
 from dataclasses import replace
 from multiprocessing.context import get_spawning_popen
 from typing import Any, Callable, Iterator, Sequence, TypeVar
@@ -661,6 +662,7 @@ class StreamingDataset(Checkpointing, IterableDataset):
         next_ids = None  # a process on its second iteration or later will likely see another
         if head_start is not None and head_start.iterations > 0:
             next_ids = lambda: plan.next_epoch_reads(part.epoch, part.next_worker, world.worker)  # noqa: E731
+            head_start.count_at_stop = functools.partial(_count_read_ahead_of, weakref.ref(self), world.worker)
         samples = read_samples(source, mine[needed], self.counts(), self.prefetch, self._cache,
                                tolerant=self.on_error.mode == "skip", head_start=head_start, next_ids=next_ids)
         ordered = marked(reorder(zip(needed.tolist(), samples), remaining), plan.repeats(part)[remaining].tolist())
@@ -765,6 +767,14 @@ def _urls(source: Any) -> list[str]:
     if isinstance(source, Mix):
         return [url for part in source.sources for url in _urls(part)]
     return [source] if isinstance(source, str) else [str(url) for url in source]
+
+
+def _count_read_ahead_of(dataset: "weakref.ref[StreamingDataset]", worker: int) -> None:
+    """`StreamingDataset._count_read_ahead` of the dataset, if it is still there (by a weak
+    reference: its head start, which calls this at exit, must not keep it)."""
+    alive = dataset()
+    if alive is not None:
+        alive._count_read_ahead(worker)
 
 
 def _closing(items: Iterator[Any], stages: list[Any]) -> Iterator[Any]:
