@@ -49,7 +49,7 @@ from .resume import MAX_EPOCH, Segment, current_place
 from .sampling import Mix, Sampling, source_urls
 from .shared import SLOTS, SharedState
 from .source import Source, resolve_source
-from .stream import marked, read_samples, reorder
+from .stream import marked, paired, read_samples, reorder
 from .retry import RetryPolicy
 from .urls import preload_driver
 from .world import World
@@ -665,7 +665,7 @@ class StreamingDataset(Checkpointing, IterableDataset):
             head_start.count_at_stop = functools.partial(_count_read_ahead_of, weakref.ref(self), world.worker)
         samples = read_samples(source, mine[needed], self.counts(), self.prefetch, self._cache,
                                tolerant=self.on_error.mode == "skip", head_start=head_start, next_ids=next_ids)
-        ordered = marked(reorder(zip(needed.tolist(), samples), remaining), plan.repeats(part)[remaining].tolist())
+        ordered = marked(reorder(paired(needed.tolist(), samples), remaining), plan.repeats(part)[remaining].tolist())
         prep = SamplePrep(self._decoder, self.transform, self.fields, self.seed, part.epoch, self._ahead,
                           self.decode_threads)
         ids = draws[remaining].tolist()
@@ -682,12 +682,12 @@ class StreamingDataset(Checkpointing, IterableDataset):
 
         stages = [samples]  # closed when the items end, however (see _closing)
         if self.decode_threads:
-            ahead = prep.ahead_of(zip(ordered, ids))
+            ahead = prep.ahead_of(paired(ordered, ids))
             stages.insert(0, ahead)
             items = guarded(ahead, prep.complete, self.on_error, planned, on_skip,
                             lambda: prep.ahead_of(earlier()), prep.as_repeat)
         else:
-            items = guarded(zip(ordered, ids), lambda pair: prep(*pair), self.on_error, planned, on_skip, earlier,
+            items = guarded(paired(ordered, ids), lambda pair: prep(*pair), self.on_error, planned, on_skip, earlier,
                             prep.as_repeat)
         if self.batch_size is not None:
             items = prep.batched(items, ids, self.batch_size, self.drop_last, self.collate_fn,
@@ -721,7 +721,8 @@ class StreamingDataset(Checkpointing, IterableDataset):
         iterations (the manifest `resolve()` or `len()` reads before the first; the head
         start on its next iteration, remote shards) is counted by the next count: in this
         process by this call, in a DataLoader worker by its next iteration's (a persistent
-        worker's head start on an epoch that never comes: not at all)."""
+        worker's head start on an epoch that never comes: as the worker exits, so once the
+        loader is gone)."""
         self._count_read_ahead(0)
         return self._shared.io()
 

@@ -13,7 +13,7 @@ import logging
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Iterable, Iterator, TypeVar
 
 import numpy as np
 
@@ -34,7 +34,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("shardstream")
 
-__all__ = ["Readers", "marked", "read_piece", "read_samples", "read_tolerant", "read_whole", "reorder"]
+__all__ = ["Readers", "marked", "paired", "read_piece", "read_samples", "read_tolerant", "read_whole", "reorder"]
+
+T = TypeVar("T")
+U = TypeVar("U")
 
 OPENERS = 4  # threads that open shards ahead (fetch indexes, or download into the cache)
 MAX_AHEAD = 32  # pieces in flight at most, however small
@@ -459,6 +462,19 @@ def _read_healing(read: Any, readers: Readers, shard: int, a: int, b: int) -> It
 
 def read_whole(reader: ShardReader | StreamTarReader, first: int, stop: int) -> Iterator[Sample]:
     return reader.read(first, stop)
+
+
+def paired(first: Iterable[T], second: Iterable[U]) -> Iterator[tuple[T, U]]:
+    """``zip(first, second)`` without holding the last pair while the next is made: zip reuses its
+    tuple, keeping the last items in it until they are replaced (a sample of hundreds of MB)."""
+    second = iter(second)
+    for a in first:
+        try:
+            b = next(second)
+        except StopIteration:
+            return
+        yield a, b
+        a = b = None  # type: ignore[assignment]
 
 
 def marked(samples: Iterable[Sample], repeats: Iterable[bool]) -> Iterator[Sample]:

@@ -759,10 +759,11 @@ def test_manifest_and_plain_sources_agree_on_the_unshuffled_stream(url, src, wds
 
 
 @pytest.mark.parametrize(("shuffle", "world_size"), [(False, 1), (True, 1), (False, 4)])
-def test_a_sample_the_loop_let_go_of_is_not_held_while_the_next_is_made(tmp_path, shuffle, world_size):
+def test_a_sample_the_loop_let_go_of_is_not_held_while_the_next_is_made(tmp_path, shuffle, world_size, monkeypatch):
     """Regression (found by a walk with 256 MB volumes): the generators between the reader and the loop each kept the
     sample they had yielded (a local, or zip's tuple) while the next one was made, so a sample of 256 MB was held
-    twice over (1.3 GB of peak for 256 MB samples). With `world_size=4`, 5 samples are padded to 8: the marks too."""
+    twice over (1.3 GB of peak for 256 MB samples). With `world_size=4`, 5 samples are padded to 8: the marks too.
+    The read sample (its bytes) as well: a review found zip's reused tuples holding it."""
     with ShardWriter(str(tmp_path / "ds"), max_samples=2) as writer:
         for i in range(5):
             writer.write({"__key__": f"vol{i}", "npy": np.full((64, 64), i, np.uint8)})
@@ -773,6 +774,22 @@ def test_a_sample_the_loop_let_go_of_is_not_held_while_the_next_is_made(tmp_path
             alive.append(last[0]() is not None)
         return sample
 
+    class Raw(dict):  # a read sample, as the reader makes it, that a weak reference can follow
+        pass
+
+    raw_alive, last_raw = [], [None]
+    read_samples = shardstream.dataset.read_samples
+
+    def reading(*args, **kwargs):  # the raw samples, each looked at as the next is asked for
+        for sample in read_samples(*args, **kwargs):
+            if last_raw[0] is not None:
+                raw_alive.append(last_raw[0]() is not None)
+            sample = Raw(sample)
+            last_raw[0] = weakref.ref(sample)
+            yield sample
+            sample = None
+
+    monkeypatch.setattr(shardstream.dataset, "read_samples", reading)
     order = {"shuffle": True, "seed": 3, "shuffle_buffer": 0} if shuffle else {}
     dataset = StreamingDataset(str(tmp_path / "ds"), fields=("npy",), transform=check, rank=world_size - 1,
                                world_size=world_size, **order)
@@ -780,6 +797,7 @@ def test_a_sample_the_loop_let_go_of_is_not_held_while_the_next_is_made(tmp_path
         last[0] = weakref.ref(volume)
         del volume
     assert alive and not any(alive), alive
+    assert raw_alive and not any(raw_alive), raw_alive  # the read sample (its bytes) too
 
 
 def test_constructing_reads_nothing(tmp_path):

@@ -800,16 +800,20 @@ def test_a_state_planned_under_other_random_draws_is_refused(url, monkeypatch):
 def test_the_draws_digest_covers_weighted_epochs_and_reads_the_earlier_one(url, monkeypatch):
     """Regression: the digest drew permutations and uniforms only, and weighted epochs are drawn by a multinomial
     over the shards and bounded integers too (`sampling.WeightedDraws`): a numpy drawing those otherwise passed the
-    check and replayed a weighted epoch onto other draws. States carrying the earlier digest (permutations and
-    uniforms) are still read, checked as far as it goes."""
+    check and replayed a weighted epoch onto other draws. States of version 6, which carry the earlier digest
+    (permutations and uniforms), are still read, checked as far as it goes; a version 7 state with it is refused
+    (found by a review: without a new version, an earlier shardstream blamed another numpy build)."""
     earlier = shardstream.plan._draws_digest(weighted=False)
     assert shardstream.plan.streams_digests_read() == {shardstream.plan.streams_digest(), earlier}
     ds = dataset(url)
     D.take_main(ds, 2)
     state = ds.state_dict()
+    assert state["version"] == 7
     resumed = dataset(url)
-    resumed.load_state_dict({**state, "streams": earlier})
+    resumed.load_state_dict({**state, "version": 6, "streams": earlier})
     assert len([D.freeze(item) for item in resumed]) == len(ds) - 2
+    with pytest.raises(ShardstreamError, match="other random draws"):
+        dataset(url).load_state_dict({**state, "streams": earlier})
     for draw in ("multinomial", "integers"):
         original = getattr(np.random.Generator, draw)
         otherwise = type("Other", (np.random.Generator,),  # a numpy whose `draw` alone draws otherwise
