@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import warnings
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Iterable, Iterator, TypeVar
@@ -488,8 +489,11 @@ def marked(samples: Iterable[Sample], repeats: Iterable[bool]) -> Iterator[Sampl
 
 
 def reorder(arrivals: Iterable[tuple[int, Sample]], order: np.ndarray) -> Iterator[Sample]:
-    """Yield samples in `order` (positions) from (position, sample) pairs arriving in another order."""
+    """Yield samples in `order` (positions) from (position, sample) pairs arriving in another order.
+    What is held meanwhile is the shuffle buffer: looked at as it doubles from 256 samples
+    (`_warn_of_a_large_buffer`)."""
     held: dict[int, Sample] = {}
+    look_at = 256
     arriving = iter(arrivals)
     for position in order.tolist():
         while position not in held:
@@ -499,4 +503,27 @@ def reorder(arrivals: Iterable[tuple[int, Sample]], order: np.ndarray) -> Iterat
                 raise RuntimeError(f"plan error: position {position} never arrived") from None
             held[p] = sample
             sample = None  # held in `held` only: the next arrival is made without it
+            if len(held) >= look_at:
+                look_at *= 2
+                _warn_of_a_large_buffer(held)
         yield held.pop(position)
+
+
+BUFFER_WARN_BYTES = 2 << 30  # a shuffle buffer's bytes in one process past which it is warned of
+_buffer_warned = False  # once a process: each DataLoader worker says it of its own buffer
+
+
+def _warn_of_a_large_buffer(held: dict[int, Sample]) -> None:
+    """Warn, once a process, where the shuffle buffer holds more than BUFFER_WARN_BYTES: its
+    default of 2,048 samples is 220 MB of ImageNet's JPEGs, and a worker's whole share of a
+    dataset of volumes or clips (2.25 GB in a walk with 2 GB of them), in each worker."""
+    global _buffer_warned
+    if _buffer_warned:
+        return
+    size = sum(len(value) for sample in held.values() for value in sample.values()
+               if isinstance(value, (bytes, bytearray, memoryview)))
+    if size > BUFFER_WARN_BYTES:
+        _buffer_warned = True
+        warnings.warn(f"the shuffle buffer holds {len(held):,} samples, {size / 2**30:.1f} GiB, in this process (each "
+                      "DataLoader worker holds its own): its memory is about shuffle_buffer x the samples' size; lower "
+                      "shuffle_buffer for samples this large", stacklevel=3)
