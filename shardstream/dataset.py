@@ -26,7 +26,6 @@ from multiprocessing.context import get_spawning_popen
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import numpy as np
-from PIL import Image
 from torch.utils.data import IterableDataset, get_worker_info
 from torch.utils.data import default_collate as torch_default_collate
 
@@ -39,6 +38,7 @@ from .decode_ahead import DecodeAhead
 from .epochs import EpochSequences
 from .errors import MissingFieldError, RaisedInWorker, ShardstreamError, StorageError, add_note
 from .headstart import HeadStart
+from .inherited import callers_settings, take_on
 from .iostats import IOStats, count_into, counted_in, counting_into
 from .parentwatch import end_with_parent
 from .policy import ErrorPolicy, guarded
@@ -57,7 +57,6 @@ from .writer import parse_size
 
 __all__ = ["StreamingDataset"]
 
-_UNSENT = object()  # no pixel limit in a pickled dataset's state (see __getstate__)
 
 
 def _callable(value: Any, name: str) -> Any:
@@ -364,9 +363,7 @@ class StreamingDataset(Checkpointing, IterableDataset):
             if _in_process_group():
                 world = World.detect(self.rank, self.world_size)
                 state["rank"], state["world_size"] = world.rank, world.size
-            # And the caller's pixel limit, which forked workers inherit and fresh interpreters do
-            # not: a limit raised for trusted photos failed them in spawned workers alone.
-            state["_pixel_limit"] = Image.MAX_IMAGE_PIXELS
+            state["_callers_settings"] = callers_settings()  # what a forked worker inherits (inherited.py)
         return state
 
     def weigh_for_workers(self) -> None:
@@ -379,9 +376,9 @@ class StreamingDataset(Checkpointing, IterableDataset):
             self._sequences().draw_weights()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        limit = state.pop("_pixel_limit", _UNSENT)
-        if limit is not _UNSENT:  # a worker process being started: its limit is the caller's
-            Image.MAX_IMAGE_PIXELS = limit
+        settings = state.pop("_callers_settings", None)
+        if settings is not None:  # a worker process being started
+            take_on(settings)
         self.__dict__.update(state)
 
     def explain_pickling(self, error: Exception, start_method: str) -> None:

@@ -225,6 +225,58 @@ def test_spawned_workers_decode_under_the_callers_pixel_limit(packed, monkeypatc
         it._shutdown_workers()  # now: after an error torch's re-raise keeps the iterator in a reference cycle
 
 
+def _warns_in_the_worker(sample: dict) -> dict:
+    warnings.warn("said in a DataLoader worker", UserWarning)
+    return sample
+
+
+def _first_of_a_spawned_worker(dataset: StreamingDataset) -> object:
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=1, multiprocessing_context="spawn")
+    it = iter(loader)
+    try:
+        return next(it)
+    finally:
+        it._shutdown_workers()  # now: after an error torch's re-raise keeps the iterator in a reference cycle
+
+
+def test_spawned_workers_warn_under_the_callers_warning_filters(packed, capfd):
+    """Found by the forty-first session's review: forked workers inherit the training script's warning
+    filters, spawned ones (macOS's and Windows' default) started with Python's own, so a warning the script
+    silenced printed once a worker, and one it made an error printed and the epoch went on."""
+    dataset = StreamingDataset(packed, fields=("__key__",), transform=_warns_in_the_worker)
+    _first_of_a_spawned_worker(dataset)
+    assert "said in a DataLoader worker" in capfd.readouterr().err  # the worker's stderr is this process's
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="said in a DataLoader worker")
+        _first_of_a_spawned_worker(dataset)
+    assert "said in a DataLoader worker" not in capfd.readouterr().err
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="said in a DataLoader worker")
+        with pytest.raises(Exception, match="said in a DataLoader worker"):
+            _first_of_a_spawned_worker(dataset)
+
+
+def test_a_warning_filter_that_does_not_pickle_stays_behind_and_is_named():
+    from shardstream.inherited import callers_settings, take_on
+
+    class Local(UserWarning):  # a class inside a function does not pickle
+        pass
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=Local)
+        warnings.filterwarnings("error", message="kept")
+        settings = callers_settings()
+    assert settings["filters_left"] == 1
+    assert [f[0] for f in settings["warning_filters"][:1]] == ["error"]
+    with warnings.catch_warnings(record=True) as seen:
+        take_on(settings)
+        with pytest.raises(UserWarning, match="kept"):
+            warnings.warn("kept")
+    assert [str(w.message) for w in seen] == [
+        "1 of the training process's warning filters could not be sent to this DataLoader worker (they do not "
+        "pickle); it warns without them"]
+
+
 def test_normalize_is_the_formula_on_any_field():
     images_u8 = torch.randint(0, 256, (2, 3, 5, 7), dtype=torch.uint8)
     mean, std = torch.tensor([0.485, 0.456, 0.406]), torch.tensor([0.229, 0.224, 0.225])
