@@ -183,6 +183,11 @@ class StorageError(ShardstreamError):
     """Reading or writing storage failed after the allowed retries."""
 
 
+class FileSizeError(StorageError):
+    """A remote file is of another size than its manifest says: cut short, or replaced
+    since the manifest was written. `offset` is where the file ends now."""
+
+
 class RetriesSpentError(StorageError):
     """A storage request met a transient error (5xx, throttling, a timeout, a dropped
     connection) at every attempt its `RetryPolicy` allows."""

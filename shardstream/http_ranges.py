@@ -401,16 +401,30 @@ class RangeMismatchError(OSError):
 
 class SizeMismatchError(OSError):
     """A response for a file of another size than its reader knows (a shard replaced since
-    its manifest was written): its bytes would mix two versions of the file. Not retried."""
+    its manifest was written, or cut short): its bytes would mix two versions of the file.
+    Not retried. `total`: the file's size now; `expected`: the size its reader knows."""
 
     status = 412  # what `retry.is_transient` reads: a status it does not retry
+
+    def __init__(self, url: str, total: int, expected: int) -> None:
+        super().__init__(f"{shown_url(url)} is {total} bytes, where its manifest says {expected}: cut short, or "
+                         "replaced since the manifest was written (its bytes would mix two versions)")
+        self.total, self.expected = total, expected
+
+    def __reduce__(self) -> tuple[object, ...]:  # an OSError pickles by its args alone
+        return (_size_mismatch, (str(self), self.total, self.expected))
+
+
+def _size_mismatch(text: str, total: int, expected: int) -> SizeMismatchError:
+    error = SizeMismatchError("", total, expected)
+    error.args = (text,)
+    return error
 
 
 def check_size(url: str, total: int | None, size: int | None) -> None:
     """Raise `SizeMismatchError` if a response says its file is `total` bytes, not `size`."""
     if total is not None and size is not None and total != size:
-        raise SizeMismatchError(f"{shown_url(url)} is {total} bytes, where its manifest says {size}: replaced "
-                                "since the manifest was written? (its bytes would mix two versions)")
+        raise SizeMismatchError(url, total, size)
 
 
 def _check_range(content_range: str | None, data: bytes, url: str, start: int | None, end: int | None,

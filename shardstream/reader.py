@@ -23,7 +23,7 @@ import numpy as np
 import zstandard
 
 from . import tario
-from .errors import CorruptIndexError, CorruptShardError, ShardstreamError, StorageError
+from .errors import CorruptIndexError, CorruptShardError, FileSizeError, ShardstreamError, StorageError
 from .format import INDEX_SUFFIX, MAX_FRAME_BYTES, ShardIndex, ShardInfo
 from .indexes import load_index
 from .storage import Store
@@ -308,7 +308,14 @@ class ShardReader:
         """
         if buffer is None:
             known = self.info.bytes if self.info is not None else None
-            piece = memoryview(self.store.read(self.name, begin, begin + size, size=known))
+            try:
+                piece = memoryview(self.store.read(self.name, begin, begin + size, size=known))
+            except FileSizeError as e:
+                # Named by the first sample it loses where cut short, else by this piece's first (its
+                # bytes refused, as another version's). A storage error still, under "skip" too: a
+                # shard replaced mid-epoch (packed again to the same place) is not bad samples.
+                cut = e.offset if e.offset is not None and begin <= e.offset < begin + size else begin
+                raise e.keyed(key_at(cut)) from e
         else:
             if len(buffer) < size:  # one frame or sample larger than a piece
                 buffer = bytearray(size)

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Iterable, Iterator, Mapping
 
 from . import forkloop  # noqa: F401 - registers the fork handlers for fsspec's event loop
 from . import http_ranges, s3_ranges
-from .errors import StorageError, described, safe_cause, shown_url
+from .errors import FileSizeError, StorageError, described, safe_cause, shown_url
 from .iostats import io_stats
 from .retry import RetryPolicy, http_status
 from .scratch import drop_scratch, scratch_file, sync_file, sync_folder
@@ -166,9 +166,13 @@ def _fitted(data: bytes, url: str, start: int | None, end: int | None, size: int
                                                  f"of a file of {size}")
         return data[first:end]
     if size is not None and len(data) < min(size if end is None else end, size) - first:
-        raise ConnectionError(f"{shown_url(url)} sent {len(data)} of the bytes {first}-{min(end or size, size) - 1} "
-                              "asked: cut short")
+        raise CutShort(f"{shown_url(url)} sent {len(data)} of the bytes {first}-{min(end or size, size) - 1} "
+                       "asked: cut short")
     return data
+
+
+class CutShort(ConnectionError):
+    """A response with fewer bytes than its file holds for the range: retried, as a connection dropped."""
 
 
 @dataclass(frozen=True)
@@ -295,6 +299,10 @@ class Store:
             yield
         except FileNotFoundError as e:
             raise StorageError("file not found", url=self.url(name)) from safe_cause(e)
+        except http_ranges.SizeMismatchError as e:
+            raise FileSizeError(f"the file is {e.total} bytes, where its manifest says {e.expected}: cut short, or "
+                                "replaced since the manifest was written", url=self.url(name),
+                                offset=e.total) from safe_cause(e)
         except OSError as e:
             raise self._wrap(name, action, e) from safe_cause(e)
 
@@ -380,7 +388,17 @@ class Store:
             except http_ranges.RangeRefused as refused:
                 return self._remote_read_bytes(name, start, refused.total, size)
             return b""
-        return _fitted(data, self.url(name), start, end, size)
+        try:
+            return _fitted(data, self.url(name), start, end, size)
+        except CutShort:
+            # A file shorter than its manifest says sends short bodies too, which were retried
+            # as cut transfers, then called one: told apart by the file's size, asked once.
+            try:
+                now: int | None = int(fs.info(path)["size"])
+            except Exception:  # no size to be had: a transfer cut short, as it looks
+                now = None
+            http_ranges.check_size(self.url(name), now, size)
+            raise
 
     def open(self, name: str) -> BinaryIO:
         """A binary file object for sequential reading.

@@ -314,6 +314,18 @@ def watch_held_indexes(monkeypatch: Any) -> Callable[[], tuple[int, int]]:
     return lambda: (len(loaded), most_held)
 
 
+def truncated_shard(tmp_path: Path, compression: str) -> Path:
+    """A dataset of one shard of samples s0-s9, cut short after 60% of its bytes: s6-s9 lost, s0-s5 whole."""
+    folder = tmp_path / "ds"
+    with shardstream.ShardWriter(str(folder), compression=compression, frame_size=512) as writer:  # a frame a sample
+        for k in range(10):
+            writer.write({"__key__": f"s{k}", "bin": np.random.default_rng(k).bytes(3000)})
+    shard = folder / ("shard-000000.tar.zst" if compression == "zstd" else "shard-000000.tar")
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) * 6 // 10])
+    return folder
+
+
 def write_unchecked(folder: Path, samples: list[dict[str, Any]]) -> str:
     """A dataset of `samples` (a `__key__` and bytes per field) stored as given, none of the
     bytes checked, as another tool may write them (`ShardWriter` refuses fields that do not

@@ -29,6 +29,11 @@ from shardstream.decode import Decoder
 from shardstream.errors import CorruptIndexError, ManifestError, ShardstreamError
 from shardstream.format import MANIFEST_NAME, Manifest, ShardIndex, ShardInfo
 
+try:  # tests/ may or may not be a package
+    from . import _data as D
+except ImportError:
+    import _data as D
+
 SKIPPABLE_MAGIC = 0x184D2A5E
 SEEKABLE_MAGIC = 0x8F92EAB1
 EOA = 1024  # the end-of-archive blocks every shard's tar stream ends with
@@ -1621,18 +1626,6 @@ def test_verify_reports_a_manifest_whose_compression_its_indexes_contradict(tmp_
     assert cli.main(["verify", str(folder), "--quiet"]) == 1
 
 
-def _truncated_shard(tmp_path: Path, compression: str) -> Path:
-    """A dataset of one shard of samples s0-s9, cut short after 60% of its bytes: s6-s9 lost, s0-s5 whole."""
-    folder = tmp_path / "ds"
-    with ShardWriter(str(folder), compression=compression, frame_size=512) as writer:  # zstd: a frame a sample
-        for k in range(10):
-            writer.write({"__key__": f"s{k}", "bin": os.urandom(3000)})
-    shard = folder / ("shard-000000.tar.zst" if compression == "zstd" else "shard-000000.tar")
-    data = shard.read_bytes()
-    shard.write_bytes(data[: len(data) * 6 // 10])
-    return folder
-
-
 @pytest.mark.parametrize("compression", ["none", "zstd"])
 def test_verify_names_only_the_samples_a_truncated_shard_lost(tmp_path, compression):
     """Regression (found by review): `verify` read on after a bad sample by pieces of many
@@ -1640,7 +1633,7 @@ def test_verify_names_only_the_samples_a_truncated_shard_lost(tmp_path, compress
     damaged, those before the cut too, which a user salvaging the data took as lost."""
     from shardstream.verify import verify_dataset
 
-    folder = _truncated_shard(tmp_path, compression)
+    folder = D.truncated_shard(tmp_path, compression)
     report = verify_dataset(str(folder), decode_images=False)
     named = sorted({p.key for p in report.problems if p.key is not None})
     assert named == [f"s{k}" for k in range(6, 10)], [str(p) for p in report.problems]
@@ -1650,7 +1643,7 @@ def test_verify_names_only_the_samples_a_truncated_shard_lost(tmp_path, compress
 def test_reading_a_truncated_shard_names_the_first_sample_it_lost(tmp_path, compression):
     """Regression (found by a walk with large samples): streaming a shard cut short raised "shard is shorter than
     its index says" with the file and offset only, where the skip path and `verify` name the sample."""
-    folder = _truncated_shard(tmp_path, compression)
+    folder = D.truncated_shard(tmp_path, compression)
     with pytest.raises(shardstream.CorruptShardError, match="shorter than its index says") as raised:
         list(StreamingDataset(str(folder), decode=None, prefetch=0))
     assert raised.value.key == "s6" and "s6" in str(raised.value)  # s0-s5 are whole: the first lost

@@ -2393,6 +2393,34 @@ def test_a_shard_replaced_mid_epoch_is_an_error_naming_it(local_ds, shard_names,
         assert server.gets(last) == 1
 
 
+@pytest.mark.parametrize("where", ["http", "memory"])
+def test_a_remote_shard_cut_short_is_refused_at_once_naming_the_first_sample_it_lost(tmp_path, where):
+    """Found by the forty-second session's walk: a shard cut short on remote storage named no sample, where a
+    local one names the first it lost; and fsspec's stores other than HTTP and S3 (`memory://`, `gcs://`) took
+    each short body for a dropped connection, retried it to the end of the policy and then said "cut short".
+    The file's size, asked once after a short body, tells a file of another size from a transfer cut short."""
+    folder = D.truncated_shard(tmp_path, "zstd")  # s0-s5 whole, s6-s9 lost
+    retries = io_stats.snapshot()["retries"]
+    with contextlib.ExitStack() as stack:
+        if where == "http":
+            url = stack.enter_context(H.CountingHTTPServer(str(folder))).url
+        else:
+            url = f"memory://cut-short-{os.getpid()}"
+            memory = fsspec.filesystem("memory")
+            for f in folder.iterdir():
+                memory.pipe_file(f"{url}/{f.name}", f.read_bytes())
+            stack.callback(memory.rm, url, recursive=True)
+        ds = StreamingDataset(url, decode=None, fields=("__key__",), prefetch=0,
+                              retry=RetryPolicy(attempts=5, base_delay=5.0, max_delay=5.0))
+        with pytest.raises(StorageError, match="cut short, or replaced since the manifest was written") as caught:
+            list(ds)
+    shard = f"{url}/shard-000000.tar.zst"
+    assert caught.value.url == shard and caught.value.key == "s6"  # as a local shard's: the first lost
+    assert f"{shard}, sample 's6', byte {(folder / 'shard-000000.tar.zst').stat().st_size}: the file is" in str(
+        caught.value)
+    assert io_stats.snapshot()["retries"] == retries  # not one retry (each would have waited 5 s)
+
+
 def test_an_error_in_a_cached_shard_names_the_datasets_shard_not_the_copy(local_ds, shard_names, tmp_path):
     """Regression: read from the cache, bad data (a frame that fails its checksum in a shard whose SHA-256
     the manifest agrees with: the dataset's fault, not the copy's) named the copy in the cache, a path
