@@ -51,7 +51,7 @@ import time
 from typing import Any, Callable, Iterator, Sequence
 
 from .benchresult import BenchCount, BenchResult, BenchRow, find_knee
-from .errors import ShardstreamError, WorkerDiedError, scrubbed
+from .errors import MissingFieldError, ShardstreamError, WorkerDiedError, scrubbed
 from .cpus import cpu_quota, cpus_here
 from .fields import IMAGE_EXTENSIONS, field_extension
 from .peakmem import PeakSampler, TreeRSS, peak_memory_method
@@ -341,6 +341,11 @@ def bench(
 
     probe = StreamingDataset(dataset, storage_options=storage_options)
     source = probe.resolve()  # reads the manifest: a bad path fails here, before any worker starts
+    present = source.fields()
+    if source.shards and present is not None and not any(name in present for name in image_field.split(";")):
+        # Else the dataset's own check said "that fields= names": bench has no such option.
+        raise MissingFieldError(f"image_field {image_field!r} (--image-field): no shard has it; the dataset's "
+                                f"fields are {sorted(present)}", url=source.url)
     manifest = source.manifest
     samples = manifest.samples if manifest is not None else None
     bytes_per_sample = (int(manifest.shards.bytes.sum()) / samples) if manifest is not None and samples else None

@@ -58,6 +58,8 @@ def diagnosis(result: BenchResult) -> str | None:
                 "with their read-ahead window at its largest: storage latency limits the rate. Raise prefetch "
                 "(StreamingDataset(prefetch=...))" + (", or use cache_dir." if _cache_helps(result) else "."))
     most = max(c.num_workers for c in result.counts)
+    if count.num_workers == 0 and CPU_BOUND - 1e-9 <= kept < ONE_THREAD_BUSY:
+        return _one_process_bound(result, busy, most)
     if count.num_workers == most and most <= usable:
         # One count measured too: one process busy on one CPU of several is limited by being one.
         return f"{busy}, and it is the most workers measured: measure more workers, they may still pay."
@@ -69,6 +71,25 @@ def diagnosis(result: BenchResult) -> str | None:
     storage = "raise prefetch, use cache_dir" if _cache_helps(result) else "raise prefetch"
     return (f"{busy}: not CPU-bound. The limit is elsewhere: storage ({storage}), the consuming loop, or "
             "the device.")
+
+# num_workers=0 runs the loop, the decode and the collate in one Python thread (torch held to
+# one thread): about one CPU busy there is that thread's limit. Past this, the process's
+# threads that work without the GIL (reading, decode_threads) did much of it: not one thread's.
+ONE_THREAD_BUSY = 1.5
+
+
+def _one_process_bound(result: BenchResult, busy: str, most: int) -> str:
+    """The diagnosis where num_workers=0 (the knee) kept about one CPU busy: what the one
+    Python thread that loops, decodes and collates there can use, however many CPUs the
+    machine has."""
+    said = (f"{busy}: about all that the training process's one thread (the loop's, decoding and collating there "
+            "too) can use, so the work per image there is the limit")
+    if most == 0:
+        return f"{said}. Measure workers (--workers 0,1,2), which take that work off the loop."
+    handover = " (raw bytes are pickled through a pipe)" if result.transform == "none" else ""
+    return (f"{said}. The workers measured did worse: handing each batch over from a worker{handover} costs "
+            "more than the work it takes off the loop.")
+
 
 def _cache_helps(result: BenchResult) -> bool:
     """Whether cache_dir is advice worth giving: remote shards, read without one."""

@@ -28,7 +28,7 @@ from typing import Any, Iterator, Sequence
 from .commands import (cmd_bench, cmd_demo, cmd_index, cmd_inspect, cmd_merge, cmd_pack, cmd_repack,
                        cmd_verify, plot_file)
 from .bench import IMAGE_FIELD, ROUND_SECONDS, ROUNDS, SECONDS
-from .errors import ShardstreamError
+from .errors import ShardstreamError, notes_in_short
 from .parts import MAX_PARTS
 from .shared import SLOTS
 from .streams import QuietStderr, output_lost, reader_gone, send_nowhere
@@ -332,7 +332,8 @@ def _warnings_as_lines(command: str) -> Iterator[None]:
     import warnings
 
     def show(message: Warning | str, category: type[Warning], *rest: Any, **kw: Any) -> None:
-        print(f"shardstream {command}: warning: {message}", file=QuietStderr())
+        said = str(message).removeprefix("shardstream: ")  # named in a program's log, here by the line's start
+        print(f"shardstream {command}: warning: {said}", file=QuietStderr())
 
     before = warnings.showwarning
     warnings.showwarning = show
@@ -463,7 +464,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         return status
     except ShardstreamError as e:
-        notes = "".join(f"\n  {note}" for note in getattr(e, "__notes__", ()))  # what to do about it
+        notes = "".join(f"\n  {note}" for note in notes_in_short(e))  # what to do about it
         print(f"shardstream {args.command}: error: {e}{notes}", file=QuietStderr())
         return 1
     except BrokenPipeError:  # `shardstream inspect DST | head`: the reader has gone, as `yes | head` reads

@@ -58,7 +58,7 @@ def run_demo(images: int = 400, classes: int = 4, workers: int = 2, keep: str | 
         say(f"2. {summary}".replace("\n", "\n   "))
 
         report = verify_dataset(dst)
-        say(f"3. verify: {report.shards} shards, {report.images} images decoded, "
+        say(f"3. verify: {report.shards} shard{'' if report.shards == 1 else 's'}, {report.images} images decoded, "
               f"{'ok' if report.ok else report.problems}")
         if not report.ok or report.images != total:
             failed.append(f"verify ({len(report.problems)} problems, {report.images} of {total} images decoded)")

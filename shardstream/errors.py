@@ -77,8 +77,18 @@ class RaisedInWorker:
         # Let go of the error first: the traceback then holds it only as a local of this
         # frame, which the loader clears (`_free_frames_holding`), not in a reference cycle.
         error, self.error = self.error, None  # type: ignore[assignment]
-        add_note(error, f"Raised {self.where}; its traceback there:\n{self.traceback}")
+        add_note(error, f"Raised {self.where}{_TRACEBACK_THERE}{self.traceback}")
         raise error
+
+
+_TRACEBACK_THERE = "; its traceback there:\n"
+
+
+def notes_in_short(error: BaseException) -> list[str]:
+    """The notes on `error` for a one-line report (the command line's): a worker's traceback
+    left out, its "Raised in DataLoader worker process N" kept. Bad data is told by its
+    message; the traceback of where it was met is for a program's logs."""
+    return [str(note).split(_TRACEBACK_THERE, 1)[0] for note in getattr(error, "__notes__", ())]
 
 
 def shown_url(url: str) -> str:

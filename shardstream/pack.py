@@ -109,7 +109,7 @@ class PackSummary:
         earlier = f" ({self.resumed} of them by an earlier run)" if self.resumed else ""
         timed = f" in {self.seconds:.2f} s ({rate:,.0f} img/s)" if self.resumed < self.samples else ""
         lines = [
-            f"packed {self.samples} samples{earlier} into {self.shards} shards{timed}",
+            f"packed {self.samples} samples{earlier} into {self.shards} shard{'' if self.shards == 1 else 's'}{timed}",
             f"bytes in {self.bytes_in / 1e6:,.1f} MB" + (" (this run's)" if self.resumed else "")
             + f", out {self.bytes_out / 1e6:,.1f} MB" + (" (the whole dataset's)" if self.resumed else ""),
             f"skipped {len(self.skipped)}, not images {self.ignored}",

@@ -59,6 +59,9 @@ def _make_folder(path: str) -> None:
     # its cleanup before makedirs looked; the file's making then finds it gone, and retries.
     with contextlib.suppress(FileExistsError):
         os.makedirs(path, exist_ok=True)
+    if not os.path.isdir(path) and os.path.exists(path):  # else mkstemp's "Not a directory" leaves it unsaid
+        raise NotADirectoryError(errno.ENOTDIR, f"{path} is a file, where shardstream's folder of files being "
+                                 "written goes: remove it")
 
 
 def _uploads_dir() -> str:

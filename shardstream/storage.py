@@ -558,7 +558,10 @@ class Store:
     def makedirs(self) -> None:
         if self.local:
             path = local_path(self.root)
-            os.makedirs(path, exist_ok=True)
+            if os.path.exists(path) and not os.path.isdir(path):  # makedirs says only "File exists"
+                raise StorageError("a file is there, where the dataset's folder goes", url=self.root)
+            with self._errors("", "make the folder"):  # a file in its path, no permission: its URL named
+                os.makedirs(path, exist_ok=True)
             if self.durable:  # the folder's own entry, made just now or not
                 sync_folder(os.path.dirname(os.path.abspath(path)))
 

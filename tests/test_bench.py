@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 import shardstream
+from shardstream import cli
 from shardstream.bench import BenchResult, BenchRow, bench, find_knee, round_order
 from shardstream.errors import ShardstreamError
 from shardstream.peakmem import TreeRSS, proc_descendants
@@ -125,6 +126,27 @@ def test_diagnosis_at_the_knee():
                                    "limits the rate. Raise prefetch (StreamingDataset(prefetch=...)), or use cache_dir.")
     latency.rows = latency.rows[:2]  # at the most workers measured too: more workers would wait the same
     assert "storage latency" in latency.diagnosis()
+
+
+def test_diagnosis_where_one_process_is_the_knee():
+    """Found by the forty-third session's walk: with raw bytes (`--transform none`) one process outran its
+    workers (4,840 img/s against 2,705 and 2,463), and its 1.01 CPUs of 2 busy read "not CPU-bound ... The
+    limit is elsewhere: the consuming loop, or the device", on `--device cpu`. One process uses one CPU."""
+    rows = [BenchRow(0, 4840, 1.0, 4840.0, None, 0.1, None, 1, cpus_busy=1.01),
+            BenchRow(1, 2705, 1.0, 2705.0, None, 0.2, None, 1, cpus_busy=1.6),
+            BenchRow(2, 2463, 1.0, 2463.0, None, 0.3, None, 1, cpus_busy=1.9)]
+    raw = BenchResult("ds", 64, "none", "cpu", 1.0, 0.2, None, None, "/proc", rows, cpus=2)
+    assert raw.knee == 0
+    assert raw.diagnosis() == (
+        "num_workers=0 kept 1.01 of 2 CPUs busy: about all that the training process's one thread (the loop's, decoding "
+        "and collating there too) can use, so the work per image there is the limit. The workers measured did "
+        "worse: handing each batch over from a worker (raw bytes are pickled through a pipe) costs more than the "
+        "work it takes off the loop.")
+    alone = BenchResult("ds", 64, "train", "cpu", 1.0, 0.2, None, None, "/proc", rows[:1], cpus=2)
+    assert alone.diagnosis().endswith("Measure workers (--workers 0,1,2), which take that work off the loop.")
+    idle = BenchResult("ds", 64, "train", "cpu", 1.0, 0.2, None, None, "/proc",
+                       [BenchRow(0, 100, 1.0, 100.0, None, 0.1, None, 1, cpus_busy=0.5), *rows[1:2]], cpus=2)
+    assert idle.knee == 1 and "CPUs busy, and it is the most workers measured" in idle.diagnosis()  # as before
 
 
 def test_diagnosis_under_a_cpu_quota():
@@ -414,7 +436,6 @@ def test_cli_bench_measures_with_the_prefetch_and_cache_it_is_given(tiny, tmp_pa
     """`--prefetch N` and `--cache-dir DIR --cache-limit SIZE` (what the diagnosis says to raise, or use,
     where readers waited on storage) reach every dataset the bench makes, and the result says what it
     measured with."""
-    from shardstream import cli
     from shardstream.dataset import StreamingDataset
 
     given = []
@@ -443,8 +464,6 @@ def test_cli_bench_measures_with_the_prefetch_and_cache_it_is_given(tiny, tmp_pa
 
 
 def test_cli_bench_plot_without_matplotlib(tiny, tmp_path, monkeypatch, capsys):
-    from shardstream import cli
-
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
     monkeypatch.chdir(tmp_path)
     status = cli.main(["bench", tiny, "--rounds", "1", "--workers", "0", "--seconds", "0.3", "--warmup", "0.1",
@@ -459,8 +478,6 @@ def test_cli_bench_plot_without_matplotlib(tiny, tmp_path, monkeypatch, capsys):
 
 
 def test_cli_bench_errors(tmp_path, capsys):
-    from shardstream import cli
-
     with pytest.raises(SystemExit) as exit_:
         cli.main(["bench", str(tmp_path), "--workers", "0,x"])
     assert exit_.value.code == 2 and "counts from 0 to" in capsys.readouterr().err
@@ -526,6 +543,15 @@ def test_bench_of_images_in_another_field(tmp_path):
     assert result.returncode == 0 and "knee: num_workers=0" in result.stdout, result.stderr
     with pytest.raises(ShardstreamError, match="image_field 'image': an image field is named by its format"):
         bench(pattern, workers=[0], image_field="image")
+
+
+
+def test_an_image_field_the_dataset_lacks_is_named_as_the_option(tiny):
+    """Found by the forty-third session's walk: `bench --image-field png` over JPEGs said "no shard has the field
+    'png' that fields= names", an argument bench does not have."""
+    with pytest.raises(ShardstreamError, match=r"image_field 'png' \(--image-field\): no shard has it; the "
+                                               r"dataset's fields are \['cls', 'jpg'\]"):
+        bench(tiny, workers=[0], image_field="png", seconds=0.3, warmup=0.0)
 
 
 def test_bench_of_a_dataset_where_only_some_samples_are_labelled(tmp_path):
@@ -597,6 +623,25 @@ def test_a_worker_killed_mid_bench_is_named_in_one_line(tiny, tmp_path, monkeypa
                                 "(killed outright: by the out-of-memory killer, or a crash in native code "
                                 "such as a decoder)")
     assert not [p for p in TreeRSS().descendants() if p not in before and _is_python_child(p)]
+
+
+def test_bad_data_met_in_a_bench_worker_is_one_line_without_the_workers_traceback(tmp_path, capsys):
+    """Found by the forty-third session's walk: `bench --workers 2,1` over a damaged shard printed its error,
+    then the DataLoader worker's whole traceback (60 lines, the note `shardstream.DataLoader` adds for
+    programs' logs), where `--workers 0` printed the error alone."""
+    bad = tmp_path / "bad"
+    make_image_folder(tmp_path / "src", num_classes=2, images_per_class=8, size_range=((64, 48), (96, 80)))
+    shardstream.pack(str(tmp_path / "src"), str(bad), progress=False, workers=1, shard_size="20KB")
+    shard = sorted(bad.glob("*.tar.zst"))[-1]  # not the first: its first sample is read here, to check the fields
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 64] = bytes(64)
+    shard.write_bytes(bytes(data))
+    status = cli.main(["bench", str(bad), "--workers", "2,1", "--rounds", "1", "--seconds", "0.5", "--warmup", "0",
+                       "--quiet"])
+    err = capsys.readouterr().err
+    assert status == 1 and "Traceback" not in err, err
+    assert re.fullmatch(r"shardstream bench: error: .*shard-\d+\.tar\.zst, byte \d+: bad zstd frame [^\n]*\n"
+                        r"  Raised in DataLoader worker process 0\n", err), err
 
 
 def test_a_bench_over_http_keeps_the_token_and_password_out_of_its_result(tiny, tmp_path):
@@ -734,7 +779,6 @@ def test_cli_bench_ctrl_c_while_workers_shut_down_stops_it(tiny):
 def test_cli_bench_ctrl_c_prints_and_saves_what_was_measured(tiny, tmp_path, monkeypatch, capsys):
     """Regression: a Ctrl-C discarded the rows already measured (minutes of them, with rounds). The table of
     what was measured is printed and the JSON written, marked partial, before the exit with 130."""
-    from shardstream import cli
     import shardstream.bench as bench_module
 
     run_one, calls = bench_module._run_one, []

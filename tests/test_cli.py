@@ -665,6 +665,21 @@ def test_verify_holds_the_indexes_of_the_shards_at_work_not_of_every_shard(tmp_p
         "class_counts [28, 27, 26] are not the indexes' [27, 27, 26]"]
 
 
+def test_the_librarys_warnings_are_one_line_each_named_once(capsys):
+    """Found by the forty-third session's walk: a warning the library words for a program's log ("shardstream:
+    http://... ignores Range requests") read "shardstream bench: warning: shardstream: ..." on the command line."""
+    import warnings
+
+    from shardstream.cli import _warnings_as_lines
+
+    with warnings.catch_warnings(), _warnings_as_lines("bench"):
+        warnings.simplefilter("always")
+        warnings.warn("shardstream: http://127.0.0.1:1 ignores Range requests")
+        warnings.warn("a tar left out", UserWarning)
+    assert capsys.readouterr().err == ("shardstream bench: warning: http://127.0.0.1:1 ignores Range requests\n"
+                                       "shardstream bench: warning: a tar left out\n")
+
+
 def test_bad_paths_and_arguments_are_one_line_errors(packed, image_folder, tmp_path):
     """A file where a dataset folder should be, a destination that cannot be made, bad JSON in
     --storage-options, a --json that cannot be written, counts that make no sense: one line naming the

@@ -1723,6 +1723,21 @@ def test_a_destination_inside_the_source_folder_is_refused(image_folder_copy, tm
     run_pack(image_folder_copy, tmp_path / "beside")  # outside it: as always
 
 
+def test_a_destination_that_is_a_file_is_refused_in_words(image_folder, tmp_path):
+    """Found by the forty-third session's walk: `pack imgs notes.txt` said "notes.txt: File exists" (a bare
+    FileExistsError from Python), and a file named as the writer's scratch folder "could not write: Not a
+    directory"."""
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ShardstreamError, match="notes.txt: a file is there, where the dataset's folder goes"):
+        run_pack(image_folder, tmp_path / "notes.txt")
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / ".shardstream-tmp").write_text("mine too")
+    with pytest.raises(ShardstreamError, match=r"could not write: .*ds/\.shardstream-tmp is a file, where "
+                                               r"shardstream's folder of files being written goes: remove it"):
+        run_pack(image_folder, tmp_path / "ds")
+
+
 def test_a_fifo_named_as_an_image_is_skipped_not_waited_on(image_folder_copy, tmp_path):
     """Regression: pack opened a FIFO named stuck.jpg and waited for a writer forever, under skip too."""
     os.mkfifo(image_folder_copy / "class_000" / "stuck.jpg")
