@@ -17,6 +17,7 @@ from .streams import QuietStderr, say
 
 if TYPE_CHECKING:
     from .benchresult import BenchResult
+    from .verify import Problem
 
 __all__ = ["cmd_bench", "cmd_demo", "cmd_index", "cmd_inspect", "cmd_merge", "cmd_pack", "cmd_repack", "cmd_verify",
            "plot_file"]
@@ -173,6 +174,22 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _problem_lines(problems: list[Problem]) -> list[str]:
+    """A line a problem, and one for a run of a shard's samples that share one (a bad frame's
+    samples, each named by `verify`: a line each repeated the frame's error 9 times over)."""
+    runs: list[list[Problem]] = []
+    for problem in problems:
+        last = runs[-1][-1] if runs else None
+        if last is not None and problem.key and last.key and (problem.shard, problem.message) == (last.shard,
+                                                                                                  last.message):
+            runs[-1].append(problem)
+        else:
+            runs.append([problem])
+    return [str(run[0]) if len(run) == 1 else
+            f"{run[0].shard} samples {run[0].key!r} to {run[-1].key!r} ({len(run)}): {run[0].message}"
+            for run in runs]
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     from .verify import verify_dataset
 
@@ -183,8 +200,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         storage_options=_storage_options(args.storage_options),
         workers=args.workers,
     )
-    for problem in report.problems:
-        say(f"PROBLEM {problem}")
+    for line in _problem_lines(report.problems):
+        say(f"PROBLEM {line}")
     for warning in report.warnings:
         say(f"WARNING {warning}")
     count = len(report.problems)

@@ -12,6 +12,7 @@ import tarfile
 import textwrap
 import sys
 
+import numpy as np
 import pytest
 
 import shardstream
@@ -678,6 +679,26 @@ def test_the_librarys_warnings_are_one_line_each_named_once(capsys):
         warnings.warn("a tar left out", UserWarning)
     assert capsys.readouterr().err == ("shardstream bench: warning: http://127.0.0.1:1 ignores Range requests\n"
                                        "shardstream bench: warning: a tar left out\n")
+
+
+def test_verify_says_a_bad_frames_samples_in_one_line(tmp_path, capsys):
+    """Found by the forty-third session's walk: one bad frame of 9 samples printed 9 PROBLEM lines, each with the
+    frame's error. Its samples are one line now; the count still counts each sample."""
+    from shardstream.cli import main
+
+    with shardstream.ShardWriter(str(tmp_path / "ds"), frame_size=100_000) as writer:
+        for k in range(30):  # 20 KB each: 5 samples a frame
+            writer.write({"__key__": f"s{k:02d}", "bin": np.random.default_rng(k).bytes(20_000)})
+    shard = tmp_path / "ds" / "shard-000000.tar.zst"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 64] = bytes(64)
+    shard.write_bytes(bytes(data))
+    assert main(["verify", str(tmp_path / "ds"), "--quiet"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "PROBLEM shard-000000.tar.zst: sha256 does not match the manifest"
+    assert re.fullmatch(r"PROBLEM shard-000000\.tar\.zst samples 's15' to 's19' \(5\): bad zstd frame 3 \(samples "
+                        r"'s15' to 's19'\): .*", lines[1]), lines
+    assert lines[2:] == ["verified 1 shard, 25 samples, 0 images decoded: 6 problems"]
 
 
 def test_bad_paths_and_arguments_are_one_line_errors(packed, image_folder, tmp_path):
