@@ -70,7 +70,8 @@ from typing import BinaryIO, Callable, Iterator
 
 from .cacheroom import Room, names_file, writing as _writing
 from .cancel import ReadCancelled, pause
-from .errors import CacheFullError, DownloadChecksumError, RetriesSpentError, ShardstreamError, StorageError, described
+from .errors import (CacheFullError, DownloadChecksumError, DownloadStalledError, RetriesSpentError, ShardstreamError,
+                     StorageError, described)
 from .format import INDEX_SUFFIX
 from .iostats import io_stats
 from .reader import ShardReader
@@ -90,6 +91,11 @@ EMPTIED_ATTEMPTS = 3  # opens of a copy whose cache was emptied under it, before
 # Past this long waiting for another download of the same shard, say so (a slow store, or a
 # large shard; the wait goes on).
 SLOW_WAIT_S = 60.0
+# A download that has written nothing for this long has stopped (its process SIGSTOPped, or
+# suspended with its job: SLURM's gang scheduling suspends so), and those waiting for it read
+# the shard uncached instead of waiting as long as it stays stopped. A live one writes a
+# chunk (16 MB) at least every few seconds, or every minute on a slow link through retries.
+STALLED_S = 300.0
 log = logging.getLogger("shardstream")
 
 # Cached files this process has hashed: their (inode, size, mtime) then, shard and index. A
@@ -225,7 +231,7 @@ class ShardCache:
                 raise DownloadChecksumError(f"downloaded file did not match the manifest's checksum in "
                                             f"{DOWNLOAD_ATTEMPTS} downloads, less than {UNMATCHED_RETRY_S:.0f} s ago "
                                             "in this process", url=ref.url)
-            with _download_lock(path + ".dl", ref.url) as turn:
+            with _download_lock(path + ".dl", ref.url, _writes_stopped(path)) as turn:
                 if not self._check(path, ref):  # unless another download got there first
                     failed = turn.failed_meanwhile(self.root, ref)
                     if failed is not None:
@@ -379,19 +385,48 @@ def _not_a_folder(folder: str) -> str | None:
 
 
 @contextlib.contextmanager
-def _download_lock(path: str, url: str) -> Iterator["_DownloadTurn"]:
+def _download_lock(path: str, url: str, stopped: Callable[[], bool]) -> Iterator["_DownloadTurn"]:
     """Hold the download lock at `path` (made if absent) exclusively. Taken only while the
-    shard's lock file is held shared, which keeps walks from deleting either (`_evict`)."""
+    shard's lock file is held shared, which keeps walks from deleting either (`_evict`).
+    Raises `DownloadStalledError` where its holder's download has `stopped()` writing for
+    `STALLED_S`, waited for that long at least."""
     with _writing(path):
         lock = open(path, "a+b", buffering=0)  # see _locks
     _locks.add(lock)
     try:
         asked = time.time()
-        waited = _take(lock, fcntl.LOCK_EX, path, lambda waited: log.warning(
-            "%s: waited %.0f s for another download of this shard into the cache; still waiting", url, waited))
+
+        def slow(waited: float) -> None:
+            log.warning("%s: waited %.0f s for another download of this shard into the cache; still waiting", url,
+                        waited)
+
+        def given_up(waited: float) -> bool:
+            return waited >= STALLED_S and stopped()
+
+        waited = _take(lock, fcntl.LOCK_EX, path, slow, given_up)
+        if waited is None:
+            raise DownloadStalledError(f"another process's download of this shard into the cache has written nothing "
+                                       f"for {STALLED_S:.0f} s (that process stopped?): read uncached", url=url)
         yield _DownloadTurn(lock, asked if waited else None)
     finally:
         lock.close()
+
+
+def _writes_stopped(path: str) -> Callable[[], bool]:
+    """Whether the download of the copy at `path` has written nothing for `STALLED_S`: its
+    reserved files (the shard's and its index's, `_reserve`) all that old, or none there."""
+    folder, prefix = os.path.dirname(path), f".{os.path.basename(path)}."
+
+    def stopped() -> bool:
+        newest = 0.0
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(folder):
+                if entry.name.startswith(prefix) and entry.name.endswith(".part"):
+                    with contextlib.suppress(OSError):
+                        newest = max(newest, entry.stat().st_mtime)
+        return time.time() - newest >= STALLED_S
+
+    return stopped
 
 
 @dataclass(frozen=True)
@@ -454,21 +489,28 @@ def _cached_index(ref: ShardRef) -> str:
     return ref.name + INDEX_SUFFIX
 
 
-def _take(lock: BinaryIO, kind: int, path: str, slow: Callable[[float], None] | None = None) -> bool:
+def _take(lock: BinaryIO, kind: int, path: str, slow: Callable[[float], None] | None = None,
+          given_up: Callable[[float], bool] | None = None) -> bool | None:
     """`flock` `lock` (`kind`: LOCK_SH or LOCK_EX), polled rather than blocked on, so that a
     reading that stops (cancel.py) stops waiting too, instead of holding up the end of its
-    iteration until the holder is done. `slow(waited)` is called once past `SLOW_WAIT_S`.
-    Returns whether another process held it first."""
-    delay, started, held_first = 0.002, time.monotonic(), False
+    iteration until the holder is done. `slow(waited)` is called once past `SLOW_WAIT_S`;
+    the wait ends where `given_up(waited)`, checked once a second. Returns whether another
+    process held it first; None where the wait was given up."""
+    delay, started, held_first, asked = 0.002, time.monotonic(), False, 0
     while True:
         try:
             fcntl.flock(lock, kind | fcntl.LOCK_NB)
             return held_first
         except BlockingIOError:
             held_first = True
-            if slow is not None and (waited := time.monotonic() - started) > SLOW_WAIT_S:
+            waited = time.monotonic() - started
+            if slow is not None and waited > SLOW_WAIT_S:
                 slow(waited)
                 slow = None  # said once
+            if given_up is not None and int(waited) > asked:
+                asked = int(waited)
+                if given_up(waited):
+                    return None
             pause(delay, path)
             delay = min(2 * delay, 0.05)
 

@@ -198,6 +198,12 @@ class FileSizeError(StorageError):
     since the manifest was written. `offset` is where the file ends now."""
 
 
+class DownloadStalledError(StorageError):
+    """Another process's download of a shard into the cache has written nothing for minutes
+    (that process stopped: SIGSTOP, a job suspended by its scheduler): the shard is read
+    uncached, by ranges, rather than waited for without end."""
+
+
 class RetriesSpentError(StorageError):
     """A storage request met a transient error (5xx, throttling, a timeout, a dropped
     connection) at every attempt its `RetryPolicy` allows."""

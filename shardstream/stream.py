@@ -20,8 +20,8 @@ import numpy as np
 
 from .cache import ShardCache
 from .cancel import Cancellation, ReadCancelled
-from .errors import (CacheFullError, CorruptIndexError, CorruptShardError, DownloadChecksumError, ShardstreamError,
-                     StorageError)
+from .errors import (CacheFullError, CorruptIndexError, CorruptShardError, DownloadChecksumError, DownloadStalledError,
+                     ShardstreamError, StorageError)
 from .format import SHARD_SUFFIX
 from .iostats import counting_here, io_stats
 from .pieces import PieceKey, adjacent_repeats, piece_key, planned_pieces, ramp, sample_runs, stretches
@@ -45,7 +45,7 @@ MAX_AHEAD = 32  # pieces in flight at most, however small
 
 
 _full_caches: set[str] = set()  # the cache folders this process said had no room
-_unmatched_said: set[str] = set()  # the shards this process said it reads by ranges, their downloads unmatched
+_unmatched_said: set[str] = set()  # the shards this process said it reads by ranges: unmatched, or stalled
 
 
 def _say_cache_full(root: str, error: CacheFullError) -> None:
@@ -129,8 +129,9 @@ class Readers:
 
     def _cached(self, shard: int) -> tuple[ShardReader | StreamTarReader, BinaryIO | None]:
         """`shard`'s reader over its cached copy, and the lock that keeps the copy; where the
-        cache's disk has no room for the copy, or the stored zstd file is not the manifest's
-        (its download never matched the checksum), a reader by ranges as without a cache (the
+        cache's disk has no room for the copy, another process's download of it has stopped
+        (`cache.STALLED_S`), or the stored zstd file is not the manifest's (its download never
+        matched the checksum), a reader by ranges as without a cache (the
         frames' checksums then deciding which samples are bad: under on_error="skip" they are
         skipped, not the whole run ended), and no lock. A plain tar has no frame checksums:
         read so, its damage would pass as samples."""
@@ -140,6 +141,11 @@ class Readers:
             return self.cache.open(ref)
         except CacheFullError as e:  # a disk smaller than the shards in use (and in flight)
             _say_cache_full(self.cache.root, e)
+            return self.source.reader(shard), None
+        except DownloadStalledError as e:
+            if ref.url not in _unmatched_said:
+                _unmatched_said.add(ref.url)
+                log.warning("%s", e)
             return self.source.reader(shard), None
         except DownloadChecksumError as e:
             if not ref.name.endswith(SHARD_SUFFIX["zstd"]):

@@ -2421,6 +2421,55 @@ def test_a_remote_shard_cut_short_is_refused_at_once_naming_the_first_sample_it_
     assert io_stats.snapshot()["retries"] == retries  # not one retry (each would have waited 5 s)
 
 
+def test_a_download_into_the_cache_whose_process_stopped_is_not_waited_for_without_end(local_ds, shard_names,
+                                                                                        tmp_path, monkeypatch,
+                                                                                        caplog):
+    """Left since the thirty-eighth session: a process stopped (SIGSTOP; SLURM's gang scheduling suspends jobs
+    so) while it downloaded a shard into a cache shared on the node held the shard's download lock, and every
+    other process reading that shard through the cache waited for it as long as it stayed stopped. Once the
+    download has written nothing for `STALLED_S`, the others read the shard uncached."""
+    import signal
+
+    from shardstream import cache as cache_module
+
+    cache = tmp_path / "cache"
+    first = shard_names[0]
+    script = textwrap.dedent("""
+        import sys, shardstream
+        ds = shardstream.StreamingDataset(sys.argv[1], decode=None, fields=("__key__",), cache_dir=sys.argv[2],
+                                          prefetch=0)
+        for _ in ds:
+            pass
+        """)
+    with H.CountingHTTPServer(local_ds, latency_s=0.3) as server:
+        stopped = subprocess.Popen([sys.executable, "-c", script, server.url, str(cache)])
+        try:
+            deadline = time.monotonic() + 60
+            while not list(cache.rglob(f".{first}.*.part")) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            os.kill(stopped.pid, signal.SIGSTOP)  # mid-download of the first shard: its lock held
+            assert list(cache.rglob(f".{first}.*.part")), "the download was not under way"
+            monkeypatch.setattr(cache_module, "STALLED_S", 1.0)
+            keys: list[str] = []
+
+            def read() -> None:
+                ds = StreamingDataset(server.url, decode=None, fields=("__key__",), cache_dir=str(cache), prefetch=0)
+                keys.extend(k for (k,) in ds)
+
+            with caplog.at_level(logging.WARNING, logger="shardstream"):
+                reading = threading.Thread(target=read)
+                reading.start()
+                reading.join(30)  # else waiting as long as the other process stays stopped (SIGCONT below ends it)
+                assert not reading.is_alive(), "waited for the stopped process's download"
+            assert sorted(keys) == sorted(D.manifest_keys(local_ds))
+            assert any("has written nothing for 1 s (that process stopped?): read uncached" in r.getMessage()
+                       and first in r.getMessage() for r in caplog.records)
+        finally:
+            os.kill(stopped.pid, signal.SIGCONT)
+            stopped.kill()
+            stopped.wait()
+
+
 def test_an_error_in_a_cached_shard_names_the_datasets_shard_not_the_copy(local_ds, shard_names, tmp_path):
     """Regression: read from the cache, bad data (a frame that fails its checksum in a shard whose SHA-256
     the manifest agrees with: the dataset's fault, not the copy's) named the copy in the cache, a path
