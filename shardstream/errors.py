@@ -238,6 +238,11 @@ class PackError(ShardstreamError):
     """Packing could not proceed: bad source, unreadable or corrupt input file."""
 
 
+class ResumeMismatchError(ShardstreamError):
+    """`pack(resume=True)` over an earlier, unfinished run of the same pack that it cannot
+    continue: other options, another source listing, files changed since, another version."""
+
+
 class MissingPartsError(ShardstreamError):
     """A pack in parts has parts not finished yet: there is nothing wrong to merge, only too little."""
 

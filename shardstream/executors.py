@@ -11,6 +11,13 @@ or a shared folder).
 When a part fails (or the caller is interrupted), the other parts are cancelled, and
 the call returns only once they have stopped: parts left running would hold the
 cluster for nothing, and race a retry that writes the same destination.
+
+One set of options goes to every part, so a run after a failure is `resume`: finished
+parts are kept, the others continue where they stopped, and a part whose earlier run
+cannot be continued (an image fixed since, other options: where a single pack refuses
+and says to start over) starts over, said in a warning. Without `resume` or
+`overwrite`, finished parts are refused up front with that advice: each would refuse
+alone, and the others be cancelled.
 """
 
 from __future__ import annotations
@@ -21,10 +28,11 @@ import warnings
 from typing import Any
 
 from .arguments import flag
-from .errors import PackError, ShardstreamError, reason
+from .errors import PackError, ResumeMismatchError, ShardstreamError, reason
 from .format import Manifest
 from .pack import PackSummary, pack
-from .parts import merge
+from .parts import merge, part_manifests
+from .storage import Store
 from .urls import expand_home
 
 __all__ = ["pack_with_ray"]
@@ -39,13 +47,19 @@ STOP_WAIT_S = 60.0
 
 
 def _pack_part(src: str, dst: str, part: tuple[int, int], options: dict[str, Any],
-               pixels: int | None = None) -> PackSummary:
+               pixels: int | None = None) -> tuple[PackSummary, str | None]:
+    """The part packed, and why it started over rather than resume (None: it did not)."""
     # The caller's Pillow limit (`pixels`): a Ray worker started elsewhere has Pillow's default,
     # and skipped images the caller's pack would take (found by review).
     from PIL import Image
 
     Image.MAX_IMAGE_PIXELS = pixels
-    return pack(src, dst, part=part, progress=False, **options)
+    try:
+        return pack(src, dst, part=part, progress=False, **options), None
+    except ResumeMismatchError as e:
+        if not options.get("resume"):
+            raise
+        return pack(src, dst, part=part, progress=False, **{**options, "resume": False}), e.detail
 
 
 def _absolute(path: str) -> str:
@@ -75,6 +89,8 @@ def pack_with_ray(src: str, dst: str, *, parts: int, address: str | None = None,
     # The tasks run in worker processes that a cluster started elsewhere, whose working folder is
     # not this one: a relative path named nothing there ("src: ... nothing is there").
     src, dst = (_absolute(path) for path in (src, dst))
+    if not options.get("resume") and not options.get("overwrite"):
+        _refuse_finished_parts(dst, parts, options.get("storage_options"))
     task = ray.remote(num_cpus=_cpus_to_ask(ray, cpus_per_part))(_pack_part)
     from PIL import Image
 
@@ -87,9 +103,12 @@ def pack_with_ray(src: str, dst: str, *, parts: int, address: str | None = None,
                 for ref in done:
                     index = pending.pop(ref)
                     try:
-                        summaries[index] = ray.get(ref)
+                        summaries[index], restarted = ray.get(ref)
                     except Exception as e:
                         raise _part_error(ray, e, index, parts) from e
+                    if restarted is not None:
+                        warnings.warn(f"part {index} of {parts} could not continue its earlier run, and was packed "
+                                      f"from its start: {restarted}", RuntimeWarning, stacklevel=2)
                     bar.update(1)
                     bar.set_postfix_str(f"{sum(s.samples for s in summaries.values()):,} samples", refresh=False)
         except BaseException:
@@ -97,6 +116,18 @@ def pack_with_ray(src: str, dst: str, *, parts: int, address: str | None = None,
             raise
     manifest = merge(dst, storage_options=options.get("storage_options"), fsync=options.get("fsync", False))
     return manifest, [summaries[i] for i in range(parts)]
+
+
+def _refuse_finished_parts(dst: str, parts: int, storage_options: dict[str, Any] | None) -> None:
+    """A `PackError` where parts of this pack are finished in `dst` (an earlier run's): each
+    part's task would refuse alone, naming itself only, and the rest be cancelled."""
+    finished = sorted(i for i, total in part_manifests(Store(dst, storage_options or {})) if total == parts)
+    if finished:
+        shown = ", ".join(map(str, finished[:8])) + (", ..." if len(finished) > 8 else "")
+        raise PackError(f"parts {shown} of {parts} are packed already, by an earlier run: --resume (resume=True) "
+                        "keeps them and packs the others (continued where they stopped, or from their start where "
+                        "their earlier run differs); --overwrite (overwrite=True) packs every part again",
+                        url=dst)
 
 
 def _cpus_to_ask(ray: Any, cpus_per_part: int) -> int:

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 
 import msgpack
 
-from .errors import ShardstreamError
+from .errors import ResumeMismatchError, ShardstreamError
 from .format import ShardInfo, safe_name, shard_entry, unpack_limited
 from .storage import Store
 from .threads import ordered_map
@@ -67,13 +67,13 @@ class Journal:
             previous = unpack_limited(self.store.read("plan.msgpack"), max_bytes=1 << 20,
                                       url=self.store.url("plan.msgpack"), error=ShardstreamError)
             if isinstance(previous, dict) and "files" not in previous:  # journaled before the listing read names only
-                raise ShardstreamError("cannot resume: the earlier pack was journaled by an earlier version of "
-                                       "shardstream, whose record this one cannot compare; run without resume "
-                                       "(--resume) to start over", url=self.store.root)
+                raise ResumeMismatchError("cannot resume: the earlier pack was journaled by an earlier version of "
+                                          "shardstream, whose record this one cannot compare; run without resume "
+                                          "(--resume) to start over", url=self.store.root)
             if previous != plan:
                 changed = _what_changed(previous, plan)
-                raise ShardstreamError(f"cannot resume: the earlier pack differs ({changed}); run as it ran, or "
-                                       "without resume (--resume) to start over", url=self.store.root)
+                raise ResumeMismatchError(f"cannot resume: the earlier pack differs ({changed}); run as it ran, or "
+                                          "without resume (--resume) to start over", url=self.store.root)
             # One listing gives every shard's size: asking whether each shard is there and its
             # size was 2 requests in a row a finished shard (a part's thousand shards on S3: a minute).
             sizes = self.shards.sizes()

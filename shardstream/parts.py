@@ -36,14 +36,25 @@ _JOURNAL = re.compile(r"part-\d{5}-of-\d{5}")  # a part's journal (the single pa
 CHECK_THREADS = 16  # indexes read at once by `merge` from a remote store, whose latency they hide
 
 
-def part_manifests(store: Store) -> dict[int, tuple[int, str]]:
-    """The part manifests in `store`: part number -> (number of parts, file name)."""
-    found: dict[int, tuple[int, str]] = {}
+def part_manifests(store: Store) -> dict[tuple[int, int], str]:
+    """The part manifests in `store`: (part number, number of parts) -> file name. Keyed by
+    both: two packs' parts of one number (2 parts and 3, copied into one folder) hid each
+    other, and a merge found 3 parts that agreed, the others left unsaid."""
+    found: dict[tuple[int, int], str] = {}
     for name in store.list(".msgpack"):
         match = PART_MANIFEST.fullmatch(name)
         if match:
-            found[int(match.group(1))] = (int(match.group(2)), name)
+            found[int(match.group(1)), int(match.group(2))] = name
     return found
+
+
+def of_one_pack(found: dict[tuple[int, int], str], url: str) -> tuple[int, dict[int, str]]:
+    """The number of parts the part manifests `found` name, and part number -> file name;
+    an error where they name several numbers."""
+    totals = {total for _, total in found}
+    if len(totals) != 1:
+        raise ShardstreamError(f"part manifests disagree on the number of parts: {sorted(totals)}", url=url)
+    return totals.pop(), {part: name for (part, _), name in found.items()}
 
 
 def other_packs(store: Store, parts: int | None) -> tuple[list[str], list[str]]:
@@ -144,7 +155,7 @@ def _merged_parts(store: Store) -> int | None:
 def missing_parts(dst: str, parts: int, *, storage_options: dict[str, Any] | None = None) -> list[int]:
     """The parts of `parts` whose part manifest is not (yet) in `dst`: one listing."""
     found = part_manifests(Store(dst, storage_options or {}))
-    return [i for i in range(parts) if found.get(i, (None,))[0] != parts]
+    return [i for i in range(parts) if (i, parts) not in found]
 
 
 def merge(dst: str, *, storage_options: dict[str, Any] | None = None, fsync: bool = False) -> Manifest:
@@ -167,22 +178,19 @@ def merged_manifest(store: Store) -> Manifest:
     made (`verify` of unmerged parts tells what would stop their merge); nothing is written.
     Parts not finished are a MissingPartsError, once the finished ones agree."""
     dst = store.root
-    found = part_manifests(store)
-    if not found:
+    everything = part_manifests(store)
+    if not everything:
         there = " (a dataset's manifest is there: a single pack's, with nothing to merge)" \
             if store.exists(MANIFEST_NAME) else ""
         raise ShardstreamError(f"no part manifests (manifest.part-IIIII-of-NNNNN.msgpack) found{there}", url=dst)
-    totals = {n for n, _ in found.values()}
-    if len(totals) != 1:
-        raise ShardstreamError(f"part manifests disagree on the number of parts: {sorted(totals)}", url=dst)
-    total = totals.pop()
-    url_of = lambda n: store.url(found[n][1])  # noqa: E731 - part n's manifest, named in refusals
+    total, found = of_one_pack(everything, dst)
+    url_of = lambda n: store.url(found[n])  # noqa: E731 - part n's manifest, named in refusals
     missing = [i for i in range(total) if i not in found]
     if missing:
         # The parts there first: a part packed with other options is named now, not after the
         # missing ones are packed (with its options copied, as the refusal before packing said).
         present = sorted(found)
-        finished = [Manifest.from_bytes(store.read(found[i][1]), store.url(found[i][1])) for i in present]
+        finished = [Manifest.from_bytes(store.read(found[i]), store.url(found[i])) for i in present]
         _check_options_agree(finished, present, url_of)
         _check_sources_agree(finished, present, url_of)
         _check_rules_agree(finished, present, url_of)
@@ -192,7 +200,7 @@ def merged_manifest(store: Store) -> Manifest:
                           for i in missing)
         raise MissingPartsError(f"missing {len(missing)} of {total} parts: {names}", url=dst)
 
-    parts = [Manifest.from_bytes(store.read(found[i][1]), store.url(found[i][1])) for i in range(total)]
+    parts = [Manifest.from_bytes(store.read(found[i]), store.url(found[i])) for i in range(total)]
     versions = {"sizes" in part.options for part in parts}
     if len(versions) > 1:  # the listing's fingerprint changed with the digest of sizes: they cannot agree
         old = [i for i, part in enumerate(parts) if "sizes" not in part.options]
@@ -203,7 +211,7 @@ def merged_manifest(store: Store) -> Manifest:
     for i, part in enumerate(parts):
         if part.options.get("part") != [i, total]:
             raise ManifestError(f"this manifest says it is part {part.options.get('part')}, not [{i}, {total}]",
-                                url=store.url(found[i][1]))
+                                url=store.url(found[i]))
     # The options first: another seed orders the listing otherwise, and changes its digest too.
     _check_options_agree(parts, list(range(total)), url_of)
     _check_sources_agree(parts, list(range(total)), url_of)
@@ -357,7 +365,7 @@ def check_part_agrees(store: Store, part: tuple[int, int], options: dict[str, An
     the merge, after every part had packed (hours on a cluster). Compared with the options of
     most parts finished (one part 0 packed with a wrong seed made every later part refuse, and
     told them to copy it), each finished part's manifest read."""
-    found = {i: name for i, (total, name) in part_manifests(store).items() if total == part[1] and i != part[0]}
+    found = {i: name for (i, total), name in part_manifests(store).items() if total == part[1] and i != part[0]}
     finished: dict[int, Manifest] = {}
     for i in sorted(found):
         try:

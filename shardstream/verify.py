@@ -26,7 +26,7 @@ from .reader import ShardReader
 from .shardfile import seek_table
 from .tario import END_OF_ARCHIVE, member_key
 from .epochs import shard_block
-from .parts import merged_manifest, part_manifests, unlisted_shards
+from .parts import merged_manifest, of_one_pack, part_manifests, unlisted_shards
 from .plan import run_samples
 from .source import ManifestShards, Source, open_dataset
 from .storage import Store
@@ -390,14 +390,17 @@ def _tell_unlisted(source: Source, report: VerifyReport) -> None:
 def _unmerged_parts(store: Store, report: VerifyReport) -> list[Source]:
     """The finished parts of the pack in `store` (those whose part manifest is written), in
     part order, where it holds no dataset manifest; `report.parts` says which of how many."""
-    found = part_manifests(store)
-    totals = {total for total, _ in found.values()}
-    if len(totals) != 1:  # none, or parts of packs in different numbers of parts: `merge` says which
+    everything = part_manifests(store)
+    try:
+        total, found = of_one_pack(everything, store.root)
+    except ShardstreamError as e:  # none, or parts of packs in different numbers of parts
+        if everything:
+            report.problems.append(Problem("merge", None, str(e)))
         return []
-    report.parts = (tuple(sorted(found)), totals.pop())
+    report.parts = (tuple(sorted(found)), total)
     sources = []
     for number in sorted(found):
-        name = found[number][1]
+        name = found[number]
         manifest = Manifest.from_bytes(store.read(name), store.url(name))
         sources.append(Source(store.url(name), ManifestShards(store, manifest.shards), manifest))
     try:  # what would stop their merge (the part manifests read: a damaged one is told once, above)

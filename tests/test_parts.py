@@ -139,6 +139,29 @@ def test_a_missing_part_is_named(source, tmp_path):
     assert not os.path.exists(os.path.join(dst, "manifest.msgpack"))
 
 
+def test_parts_of_two_packs_copied_into_one_folder_are_refused_not_merged_in_part(source, tmp_path):
+    """Found by the forty-third session's walk: parts of a 2-part pack and of a 3-part one copied into one folder
+    (a sync of two attempts): parts 0 and 1 of each hid the other's in the listing, and `merge` merged the 3
+    parts without a word of the other manifests. It says the parts disagree on their number, as `verify` does."""
+    dst = tmp_path / "both"
+    dst.mkdir()
+    for total in (2, 3):
+        for index in range(total):
+            ss.pack(str(source / "src"), str(tmp_path / f"in-{total}"), shard_size="8KB", part=(index, total),
+                    progress=False)
+        for path in (tmp_path / f"in-{total}").iterdir():
+            if path.is_file():
+                shutil.copy(path, dst / path.name)
+    dst = str(dst)
+    with pytest.raises(ShardstreamError, match=r"part manifests disagree on the number of parts: \[2, 3\]"):
+        merge(dst)
+    assert not os.path.exists(os.path.join(dst, "manifest.msgpack"))
+    from shardstream.verify import verify_dataset
+
+    problems = [str(p) for p in verify_dataset(dst, decode_images=False).problems]
+    assert problems[0] == f"merge: {dst}: part manifests disagree on the number of parts: [2, 3]", problems
+
+
 def _parts_packed_apart(source: Path, tmp_path: Path, *packs: tuple[int, int, dict]) -> str:
     """Parts (index, total, pack options) packed each into a folder of its own, then put in one: parts
     packed at once, where none saw the others' manifests as it began."""

@@ -137,3 +137,38 @@ def test_parts_asking_for_more_cpus_than_any_node_has_still_run(tmp_path, local_
         manifest, _ = pack_with_ray(str(tmp_path / "src"), str(tmp_path / "ray"), parts=2, cpus_per_part=3,
                                     progress=False)
     assert manifest.samples == 7
+
+
+def test_a_run_after_a_failed_one_keeps_the_finished_parts_and_starts_over_the_one_that_cannot_continue(
+        tmp_path, local_ray):
+    """Found by the forty-third session's walk: after a Ray pack failed on a bad image (one part finished, one
+    failed, one never began), no rerun of the command worked but `--overwrite`, which packs every part again:
+    a plain rerun was refused by the finished part ("already holds a dataset"), and `--resume` with the fix
+    (`on_error="skip"`, or the image repaired) by the failed part ("cannot resume: the earlier pack differs ...
+    run without resume to start over"), which one set of options for every part cannot do for one part."""
+    from shardstream.executors import pack_with_ray
+
+    src, dst = tmp_path / "src", str(tmp_path / "ray")
+    make_image_folder(src, num_classes=3, images_per_class=[7, 9, 5], size_range=((32, 24), (48, 40)))
+    broken = src / "class_001" / "img_00003.jpg"
+    broken.write_bytes(broken.read_bytes()[:200])
+    failed = []
+    for part in range(3):  # by hand, as the failed run left it: the broken image's part failed, one finished
+        try:
+            ss.pack(str(src), dst, shard_size="8KB", part=(part, 3), progress=False)
+        except ss.PackError:
+            failed.append(part)
+        if failed and part != failed[0]:
+            break  # one part finished beside it; the third never began
+    (bad,) = failed
+    finished = next(p for p in range(3) if (tmp_path / "ray" / f"manifest.part-{p:05d}-of-00003.msgpack").exists())
+    kept = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "ray").glob(f"shard-p{finished:05d}-*")}
+    with pytest.raises(ss.PackError, match=rf"parts {finished} of 3 are packed already, by an earlier run: --resume"):
+        pack_with_ray(str(src), dst, parts=3, shard_size="8KB", on_error="skip", progress=False)
+    with pytest.warns(RuntimeWarning, match=rf"part {bad} of 3 could not continue its earlier run, and was packed from "
+                                            r"its start: cannot resume: the earlier pack differs \(on_error"):
+        manifest, _ = pack_with_ray(str(src), dst, parts=3, shard_size="8KB", on_error="skip", resume=True,
+                                    progress=False)
+    assert manifest.samples == 20 and [f for f, _ in manifest.skipped] == ["class_001/img_00003.jpg"]
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "ray").glob(f"shard-p{finished:05d}-*")} == kept
+    assert len(keys(dst)) == 20
