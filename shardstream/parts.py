@@ -196,7 +196,8 @@ def merged_manifest(store: Store) -> Manifest:
         _check_rules_agree(finished, present, url_of)
         begun = _begun_parts(store, total)
         names = ", ".join(f"part {i} (manifest.part-{i:05d}-of-{total:05d}.msgpack"
-                          + ("; begun and not finished: --resume continues it" if i in begun else "") + ")"
+                          + ("; begun and not finished: still running, or stopped (--resume continues it)"
+                             if i in begun else "") + ")"
                           for i in missing)
         raise MissingPartsError(f"missing {len(missing)} of {total} parts: {names}", url=dst)
 

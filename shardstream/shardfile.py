@@ -23,7 +23,7 @@ import zstandard
 
 from . import tario
 from .columns import label_column, label_of, weight_column, weight_of
-from .errors import StorageError
+from .errors import StorageError, shown_name
 from .format import INDEX_SUFFIX, ShardIndex, ShardInfo
 from .scratch import drop_scratch, scratch_file
 from .storage import Store
@@ -307,7 +307,14 @@ class ShardFileWriter:
             self._file.close()  # type: ignore[attr-defined]  # flushes: a full disk shows here too
         except OSError as e:
             raise self._write_error(e) from e
-        size = os.path.getsize(self._tmp)
+        try:
+            size = os.path.getsize(self._tmp)
+        except FileNotFoundError as e:
+            # Removed by another pack's start (`cleanup_scratch` of the shards it writes): a second
+            # run of the same pack or part at once, a scheduler's replacement beside the original.
+            raise StorageError(f"its file in progress ({shown_name(self._tmp)}) was removed while it was written: "
+                               "another run of this pack (or part) began in the same folder? Run one at a time",
+                               url=self.store.url(self.name)) from e
         index = self._index(size)
         self.store.put(self._tmp, self.name)
         index_bytes = index.to_bytes()

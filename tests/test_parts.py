@@ -118,7 +118,8 @@ def test_a_missing_part_begun_and_killed_is_said_to_resume(source, tmp_path, mon
     killed_after_first_shard(monkeypatch, lambda: ss.pack(str(source / "src"), dst, shard_size="8KB", part=(1, 2),
                                                           progress=False))
     with pytest.raises(ShardstreamError, match=re.escape("missing 1 of 2 parts: part 1 (manifest.part-00001-of-00002"
-                                                         ".msgpack; begun and not finished: --resume continues it)")):
+                                                         ".msgpack; begun and not finished: still running, or "
+                                                         "stopped (--resume continues it))")):
         merge(dst)
 
 
@@ -160,6 +161,24 @@ def test_parts_of_two_packs_copied_into_one_folder_are_refused_not_merged_in_par
 
     problems = [str(p) for p in verify_dataset(dst, decode_images=False).problems]
     assert problems[0] == f"merge: {dst}: part manifests disagree on the number of parts: [2, 3]", problems
+
+
+def test_a_shard_file_removed_by_a_second_run_of_the_part_is_said_in_words(tmp_path):
+    """Found by the forty-third session's walk: two runs of one part at once (a scheduler's replacement beside
+    the original) each remove the other's files in progress as they start, and the first failed with a bare
+    "<scratch path>: No such file or directory". The data stayed right (the second run finished, and merged);
+    the message names the shard and what happened."""
+    from shardstream.scratch import cleanup_scratch
+    from shardstream.storage import Store
+
+    writer = ss.ShardWriter(str(tmp_path / "ds"))
+    with pytest.raises(ss.StorageError, match=r"shard-000000\.tar\.zst: its file in progress \(.*\.part\) was "
+                                              r"removed while it was written: another run of this pack \(or part\) "
+                                              r"began in the same folder\? Run one at a time"):
+        with writer:
+            for i in range(3):  # past a frame: the shard's scratch file is there
+                writer.write({"__key__": f"s{i}", "bin": bytes(1_500_000)})
+            cleanup_scratch(Store(str(tmp_path / "ds"), {}), ["shard-000000.tar.zst"])  # as another run starts
 
 
 def _parts_packed_apart(source: Path, tmp_path: Path, *packs: tuple[int, int, dict]) -> str:
