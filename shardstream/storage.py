@@ -157,8 +157,9 @@ def _fitted(data: bytes, url: str, start: int | None, end: int | None, size: int
     file's, where its reader knows it). A server that ignores Range answers 200 with the
     whole file, which fsspec's HTTP passes on as it came: the range is cut from it (as the
     direct reader does, http_ranges.py). Anything else longer is another range (a proxy that
-    rounds ranges out), and anything shorter than the file holds a transfer cut short: taken
-    as they came, both failed as damaged data, not retried."""
+    rounds ranges out): failed as damaged data, not retried. Anything shorter than the file
+    holds is a transfer cut short (`CutShort`, retried), unless the file itself is shorter
+    than its reader knows (`Store._remote_read_bytes` asks)."""
     first = start or 0
     if end is not None and len(data) > end - first:
         if size is not None and len(data) != size:

@@ -16,13 +16,17 @@ key ends at the first dot of the last path component, as in WebDataset.
 
 from __future__ import annotations
 
+import logging
 import tarfile
 from dataclasses import dataclass
 from typing import BinaryIO, Callable, Container, Iterator
 
 import numpy as np
 
-from .errors import CorruptShardError
+from .errors import CorruptShardError, shown_url
+
+log = logging.getLogger("shardstream")
+_unended_said: set[str] = set()  # the tars this process said end without their end-of-archive blocks
 
 BLOCK = 512
 END_OF_ARCHIVE = bytes(2 * BLOCK)
@@ -363,7 +367,14 @@ def iter_stream_members(f: BinaryIO, *, url: str, verify: bool = True) -> Iterat
             if not offset:  # a copy or upload cut before its first byte: a whole shard lost, silently
                 raise CorruptShardError("empty file: no tar header (tar, tarfile and WebDataset refuse it too)",
                                         url=url, offset=0)
-            return  # EOF without an end-of-archive block: accepted, as GNU tar does
+            # EOF without the end-of-archive blocks: accepted, as GNU tar and tarfile accept it; but
+            # every writer ends with them, and a copy or upload cut at a member's boundary reads so.
+            if url not in _unended_said:
+                _unended_said.add(url)
+                log.warning("%s ends at byte %d without the end-of-archive blocks tar writes: cut short at a "
+                            "member's boundary? Its samples up to there are read; any after it are lost",
+                            shown_url(url), offset)
+            return
         header = parse_header(block, url, offset, verify, long_name is not None) if offset else \
             _first_header(block, url, verify)
         if header is None:

@@ -215,6 +215,30 @@ def test_tar_gz_read_front_to_back(image_folder, tmp_path):
         reader[0]
 
 
+def test_a_tar_cut_at_a_members_boundary_is_read_with_a_warning_naming_it(image_folder, tmp_path, caplog):
+    """Found by the forty-third session's walk: a tar without an index cut short at a member's boundary (a copy
+    or upload cut there) read as a shorter tar, its last samples lost without a sign, as GNU tar and tarfile
+    read it. It still reads so (a tar another tool wrote without its end blocks is read), with a warning that
+    names it and where it ends."""
+    import logging
+
+    samples = source_samples(image_folder)[:6]
+    whole, cut = tmp_path / "whole.tar.gz", tmp_path / "cut.tar.gz"
+    write_tar(tmp_path / "whole.tar", samples)
+    data = (tmp_path / "whole.tar").read_bytes()
+    with tarfile.open(tmp_path / "whole.tar") as tar:
+        fourth = [m for m in tar.getmembers() if m.name.startswith(samples[3]["__key__"] + ".")][0].offset
+    whole.write_bytes(gzip.compress(data))
+    cut.write_bytes(gzip.compress(data[:fourth]))  # samples 0-2 whole, then nothing: no end blocks
+    with caplog.at_level(logging.WARNING, logger="shardstream"):
+        assert read_front_to_back(open_shard(str(whole))) == [as_bytes(s) for s in samples]
+        assert not caplog.records
+        assert read_front_to_back(open_shard(str(cut))) == [as_bytes(s) for s in samples[:3]]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{cut} ends at byte {fourth} without the end-of-archive blocks tar writes: cut short at a member's "
+        "boundary? Its samples up to there are read; any after it are lost"]
+
+
 @pytest.mark.parametrize("suffix", [".tar.gz", ".tar.bz2", ".tar.xz", ".tar.zst", ".tar"])
 def test_a_compressed_tar_read_through_closes_its_file(tmp_path, monkeypatch, suffix):
     """Regression: gzip, bz2 and lzma leave open a file they are given, so each `.tar.gz`, `.tar.bz2`
