@@ -223,10 +223,12 @@ def sigterm_held_for_new_workers(context: str | multiprocessing.context.BaseCont
     process meanwhile waits, or goes to another thread.
 
     Forked workers need none of it: their one thread is the one that forked, which holds
-    SIGTERM back before it starts another. Nor can it help forkserver's: they are forked by
-    the fork server, whose mask is its own, and one started under this mask would hold
-    SIGTERM back in every process it forks from then on (a `Pool`'s, whose `terminate()`
-    then hangs): with forkserver, a job's SIGTERM still reaches the workers.
+    SIGTERM back before it starts another. Workers started by forkserver are forked by the
+    fork server, whose mask is its own: where this starts the fork server (the first
+    forkserver workers of the process), it starts it with SIGTERM held back, and the server
+    lets it through again in each process it forks (`forkserverchild`); a job's SIGTERM
+    then leaves the server alone, whose end made every worker it forked look dead. A fork
+    server already running (started by other code first) is left as it is.
 
     `shardstream.DataLoader` starts its workers so. With `torch.utils.data.DataLoader` and
     `worker_init_fn=worker_waits_for_its_parent_on_sigterm`, start them (the first
@@ -235,7 +237,10 @@ def sigterm_held_for_new_workers(context: str | multiprocessing.context.BaseCont
         with shardstream.sigterm_held_for_new_workers(loader.multiprocessing_context):
             batches = iter(loader)
     """
-    if _start_method(context) != "spawn" or not hasattr(signal, "sigwaitinfo"):
+    method = _start_method(context)
+    if method == "forkserver" and hasattr(signal, "sigwaitinfo"):
+        _fork_server_holding_sigterm()
+    if method != "spawn" or not hasattr(signal, "sigwaitinfo"):
         yield
         return
     # Started first: multiprocessing starts its resource tracker with SIGINT and SIGTERM held
@@ -244,6 +249,22 @@ def sigterm_held_for_new_workers(context: str | multiprocessing.context.BaseCont
     held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
         yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def _fork_server_holding_sigterm() -> None:
+    """Start multiprocessing's fork server, unless it runs, with SIGTERM held back in it and
+    let through in each process it forks (`forkserverchild`, added to its preload list)."""
+    from multiprocessing import forkserver
+
+    preload = list(getattr(forkserver._forkserver, "_preload_modules", None) or ["__main__"])
+    if "shardstream.forkserverchild" not in preload:
+        forkserver.set_forkserver_preload([*preload, "shardstream.forkserverchild"])
+    multiprocessing.resource_tracker.ensure_running()  # which lets SIGTERM through as it starts (below)
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        forkserver.ensure_running()  # started now (a mask lasts through exec), or running already
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
 

@@ -224,9 +224,11 @@ if __name__ == "__main__":  # (workers started by spawn or forkserver import thi
 
 
 # Workers started by spawn (found by review): the native threads a new interpreter starts as it imports numpy,
-# before `worker_init_fn` held SIGTERM back, took the job's SIGTERM, and the workers died. (forkserver's are
-# forked by the fork server, which no mask of the training process reaches: README says so.)
-@pytest.mark.parametrize(("when", "method"), [("step", "fork"), ("waiting", "fork"), ("waiting", "spawn")])
+# before `worker_init_fn` held SIGTERM back, took the job's SIGTERM, and the workers died. forkserver's (the
+# forty-third session): the job's SIGTERM ended the fork server, whose end made every worker it forked look
+# dead to multiprocessing (status 255), though they lived.
+@pytest.mark.parametrize(("when", "method"), [("step", "fork"), ("waiting", "fork"), ("waiting", "spawn"),
+                                              ("waiting", "forkserver")])
 def test_sigterm_to_the_whole_job_lets_the_training_loop_save_its_checkpoint(packed, tmp_path, when, method):
     """Regression: SLURM (at preemption, `scancel`) and container runtimes signal every process of a job. The
     DataLoader workers died of the SIGTERM, and torch's SIGCHLD handler raised "DataLoader worker is killed by
@@ -276,6 +278,43 @@ def test_sigterm_to_the_whole_job_lets_the_training_loop_save_its_checkpoint(pac
     rest.load_state_dict(torch.load(checkpoint))
     received += [key for batch in rest for key in batch[0]]
     assert received == [key for batch in loader() for key in batch[0]]
+
+
+_POOL_AFTER_THE_LOADERS_FORK_SERVER = """
+import multiprocessing, multiprocessing.forkserver, time
+from shardstream.loader import sigterm_held_for_new_workers
+
+def blocked(pid):  # whether SIGTERM (15: bit 14) is held back in process `pid`
+    line = next(l for l in open(f"/proc/{pid}/status") if l.startswith("SigBlk:"))
+    return bool(int(line.split()[1], 16) >> 14 & 1)
+
+if __name__ == "__main__":
+    with sigterm_held_for_new_workers("forkserver"):  # as shardstream.DataLoader starts its workers
+        pass
+    server = multiprocessing.forkserver._forkserver._forkserver_pid
+    pool = multiprocessing.get_context("forkserver").Pool(1)
+    worker = pool.apply(__import__("os").getpid)
+    pool.apply_async(time.sleep, (120,))
+    time.sleep(0.3)
+    said = {"server": blocked(server), "worker": blocked(worker), "here": blocked(__import__("os").getpid())}
+    started = time.monotonic()
+    pool.terminate()  # SIGTERM to its workers: held back, and it waits for them forever
+    pool.join()
+    print(said, round(time.monotonic() - started, 1))
+"""
+
+
+def test_the_fork_server_the_loader_starts_holds_sigterm_back_and_what_it_forks_does_not(tmp_path):
+    """The fork server that workers started by forkserver come from is started with SIGTERM held back (a job's
+    SIGTERM ended it, and with it every worker seemed dead), and lets it through in each process it forks: a
+    `Pool`'s workers, which its `terminate()` ends by SIGTERM, would otherwise never end."""
+    script = tmp_path / "pool.py"
+    script.write_text(_POOL_AFTER_THE_LOADERS_FORK_SERVER)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                          env=_child_env())
+    assert done.returncode == 0, done.stderr[-2000:]
+    said, seconds = done.stdout.rsplit(" ", 1)
+    assert said == "{'server': True, 'worker': False, 'here': False}" and float(seconds) < 10, done.stdout
 
 
 # -- (b) disk full while packing ----------------------------------------------------------------------------
