@@ -87,8 +87,12 @@ def _one_process_bound(result: BenchResult, busy: str, most: int) -> str:
     if most == 0:
         return f"{said}. Measure workers (--workers 0,1,2), which take that work off the loop."
     handover = " (raw bytes are pickled through a pipe)" if result.transform == "none" else ""
-    return (f"{said}. The workers measured did worse: handing each batch over from a worker{handover} costs "
-            "more than the work it takes off the loop.")
+    alone = result.rates.get(0, 0.0)
+    if all(rate < alone for n, rate in result.rates.items() if n > 0):
+        return (f"{said}. The workers measured did worse: handing each batch over from a worker{handover} costs "
+                "more than the work it takes off the loop.")
+    return (f"{said}. The workers measured did no better by more than {result.tolerance:.0%} (the knee's "
+            f"tolerance): handing each batch over from a worker{handover} costs about what it takes off the loop.")
 
 
 def _cache_helps(result: BenchResult) -> bool:

@@ -62,6 +62,7 @@ import hashlib
 import json
 import logging
 import os
+import socket
 import tempfile
 import time
 import weakref
@@ -91,11 +92,15 @@ EMPTIED_ATTEMPTS = 3  # opens of a copy whose cache was emptied under it, before
 # Past this long waiting for another download of the same shard, say so (a slow store, or a
 # large shard; the wait goes on).
 SLOW_WAIT_S = 60.0
-# A download that has written nothing for this long has stopped (its process SIGSTOPped, or
-# suspended with its job: SLURM's gang scheduling suspends so), and those waiting for it read
-# the shard uncached instead of waiting as long as it stays stopped. A live one writes a
-# chunk (16 MB) at least every few seconds, or every minute on a slow link through retries.
-STALLED_S = 300.0
+# A download whose process has been stopped (SIGSTOP, Ctrl-Z, a job suspended: SLURM's gang
+# scheduling suspends so) is waited for this long, then those waiting read the shard uncached
+# instead of waiting as long as it stays stopped; later openings of that shard in the process
+# do not wait again while it is. Told by the process's state, which its download holds in the
+# lock file (`_DownloadTurn.hold`): a live download may write nothing for minutes (one 16 MB
+# chunk's deadline on a slow link, and its retries), and is always waited for.
+STALLED_S = 60.0
+_stalled: set[str] = set()  # copies whose download this process gave up waiting for: its holder was stopped
+_HOST = socket.gethostname()
 log = logging.getLogger("shardstream")
 
 # Cached files this process has hashed: their (inode, size, mtime) then, shard and index. A
@@ -231,13 +236,19 @@ class ShardCache:
                 raise DownloadChecksumError(f"downloaded file did not match the manifest's checksum in "
                                             f"{DOWNLOAD_ATTEMPTS} downloads, less than {UNMATCHED_RETRY_S:.0f} s ago "
                                             "in this process", url=ref.url)
-            with _download_lock(path + ".dl", ref.url, _writes_stopped(path)) as turn:
+            if path in _stalled:
+                if _holder_stopped(path + ".dl"):  # as it was at the last opening: not waited for again
+                    raise DownloadStalledError("another process's download of this shard into the cache is still "
+                                               "stopped: read uncached", url=ref.url)
+                _stalled.discard(path)
+            with _download_lock(path + ".dl", ref.url) as turn:
                 if not self._check(path, ref):  # unless another download got there first
                     failed = turn.failed_meanwhile(self.root, ref)
                     if failed is not None:
                         if isinstance(failed, DownloadChecksumError):
                             _never_matched[path] = time.monotonic()
                         raise failed
+                    turn.hold()
                     io_stats.add(cache_misses=1)
                     try:
                         self._download(ref, path)
@@ -385,11 +396,11 @@ def _not_a_folder(folder: str) -> str | None:
 
 
 @contextlib.contextmanager
-def _download_lock(path: str, url: str, stopped: Callable[[], bool]) -> Iterator["_DownloadTurn"]:
+def _download_lock(path: str, url: str) -> Iterator["_DownloadTurn"]:
     """Hold the download lock at `path` (made if absent) exclusively. Taken only while the
     shard's lock file is held shared, which keeps walks from deleting either (`_evict`).
-    Raises `DownloadStalledError` where its holder's download has `stopped()` writing for
-    `STALLED_S`, waited for that long at least."""
+    Raises `DownloadStalledError` where its holder's process is stopped, waited for
+    `STALLED_S` at least (`_holder_stopped`)."""
     with _writing(path):
         lock = open(path, "a+b", buffering=0)  # see _locks
     _locks.add(lock)
@@ -401,32 +412,32 @@ def _download_lock(path: str, url: str, stopped: Callable[[], bool]) -> Iterator
                         waited)
 
         def given_up(waited: float) -> bool:
-            return waited >= STALLED_S and stopped()
+            return waited >= STALLED_S and _holder_stopped(path)
 
         waited = _take(lock, fcntl.LOCK_EX, path, slow, given_up)
         if waited is None:
-            raise DownloadStalledError(f"another process's download of this shard into the cache has written nothing "
-                                       f"for {STALLED_S:.0f} s (that process stopped?): read uncached", url=url)
+            _stalled.add(path[: -len(".dl")])
+            raise DownloadStalledError(f"another process's download of this shard into the cache has been stopped "
+                                       f"(SIGSTOP, a suspended job) for {STALLED_S:.0f} s or more: read uncached",
+                                       url=url)
         yield _DownloadTurn(lock, asked if waited else None)
     finally:
         lock.close()
 
 
-def _writes_stopped(path: str) -> Callable[[], bool]:
-    """Whether the download of the copy at `path` has written nothing for `STALLED_S`: its
-    reserved files (the shard's and its index's, `_reserve`) all that old, or none there."""
-    folder, prefix = os.path.dirname(path), f".{os.path.basename(path)}."
-
-    def stopped() -> bool:
-        newest = 0.0
-        with contextlib.suppress(OSError):
-            for entry in os.scandir(folder):
-                if entry.name.startswith(prefix) and entry.name.endswith(".part"):
-                    with contextlib.suppress(OSError):
-                        newest = max(newest, entry.stat().st_mtime)
-        return time.time() - newest >= STALLED_S
-
-    return stopped
+def _holder_stopped(path: str) -> bool:
+    """Whether the process that holds the download lock at `path` (as it wrote there,
+    `_DownloadTurn.hold`) is on this host and stopped (SIGSTOP, or traced): Linux's
+    /proc says. False where that cannot be told: another host's, another system."""
+    try:
+        with open(path, "rb") as f:
+            said = json.loads(f.read(1 << 16) or b"null")
+        if not isinstance(said, dict) or said.get("host") != _HOST or not isinstance(said.get("holder"), int):
+            return False
+        with open(f"/proc/{said['holder']}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
+    except (OSError, ValueError, IndexError):
+        return False
 
 
 @dataclass(frozen=True)
@@ -448,6 +459,13 @@ class _DownloadTurn:
 
     lock: BinaryIO
     waited_from: float | None
+
+    def hold(self) -> None:
+        """Say in the lock file which process downloads now, for those waiting to tell whether
+        it is stopped (`_holder_stopped`). Over an earlier download's failure record, read first."""
+        with contextlib.suppress(OSError):  # only the waiters' telling is at stake
+            os.ftruncate(self.lock.fileno(), 0)
+            self.lock.write(json.dumps({"holder": os.getpid(), "host": _HOST}).encode())
 
     def record(self, error: StorageError, ref: ShardRef) -> None:
         """Say in the lock file that the download of `ref` failed with `error`, where that is

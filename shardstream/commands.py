@@ -175,8 +175,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _problem_lines(problems: list[Problem]) -> list[str]:
-    """A line a problem, and one for a run of a shard's samples that share one (a bad frame's
-    samples, each named by `verify`: a line each repeated the frame's error 9 times over)."""
+    """A line a problem, and one for a bad frame's samples, each named by `verify` with the
+    frame's error (a line each repeated it 9 times over). A frame's error names its first
+    and last samples: samples that share another message (the same decode error of images
+    apart) keep a line each, since a range would take in the good ones between them."""
     runs: list[list[Problem]] = []
     for problem in problems:
         last = runs[-1][-1] if runs else None
@@ -185,9 +187,14 @@ def _problem_lines(problems: list[Problem]) -> list[str]:
             runs[-1].append(problem)
         else:
             runs.append([problem])
-    return [str(run[0]) if len(run) == 1 else
-            f"{run[0].shard} samples {run[0].key!r} to {run[-1].key!r} ({len(run)}): {run[0].message}"
-            for run in runs]
+    lines = []
+    for run in runs:
+        first, end = run[0], run[-1]
+        if len(run) > 1 and f"{first.key!r} to {end.key!r}" in first.message:
+            lines.append(f"{first.shard} samples {first.key!r} to {end.key!r} ({len(run)}): {first.message}")
+        else:
+            lines += map(str, run)
+    return lines
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

@@ -199,9 +199,9 @@ class FileSizeError(StorageError):
 
 
 class DownloadStalledError(StorageError):
-    """Another process's download of a shard into the cache has written nothing for minutes
-    (that process stopped: SIGSTOP, a job suspended by its scheduler): the shard is read
-    uncached, by ranges, rather than waited for without end."""
+    """Another process's download of a shard into the cache is stopped (SIGSTOP, a job
+    suspended by its scheduler), waited for a minute: the shard is read uncached, by
+    ranges, rather than waited for as long as that process stays stopped."""
 
 
 class RetriesSpentError(StorageError):
@@ -240,7 +240,8 @@ class PackError(ShardstreamError):
 
 class ResumeMismatchError(ShardstreamError):
     """`pack(resume=True)` over an earlier, unfinished run of the same pack that it cannot
-    continue: other options, another source listing, files changed since, another version."""
+    continue, which differs from this run only as a fix after a failure does: another
+    `on_error`, or source files changed since (an image repaired)."""
 
 
 class MissingPartsError(ShardstreamError):

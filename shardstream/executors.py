@@ -14,10 +14,12 @@ cluster for nothing, and race a retry that writes the same destination.
 
 One set of options goes to every part, so a run after a failure is `resume`: finished
 parts are kept, the others continue where they stopped, and a part whose earlier run
-cannot be continued (an image fixed since, other options: where a single pack refuses
-and says to start over) starts over, said in a warning. Without `resume` or
-`overwrite`, finished parts are refused up front with that advice: each would refuse
-alone, and the others be cancelled.
+cannot be continued because of the fix (another `on_error`, an image repaired since:
+where a single pack refuses and says to start over) starts over, said in a warning.
+Any other difference (an option mistyped) is refused, as a single pack refuses it,
+before that part's work is thrown away. Without `resume` or `overwrite`, finished parts
+are refused up front with that advice: each would refuse alone, and the others be
+cancelled.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from .arguments import flag
 from .errors import PackError, ResumeMismatchError, ShardstreamError, reason
 from .format import Manifest
 from .pack import PackSummary, pack
+from .journal import START_OVER
 from .parts import merge, part_manifests
 from .storage import Store
 from .urls import expand_home
@@ -59,7 +62,8 @@ def _pack_part(src: str, dst: str, part: tuple[int, int], options: dict[str, Any
     except ResumeMismatchError as e:
         if not options.get("resume"):
             raise
-        return pack(src, dst, part=part, progress=False, **{**options, "resume": False}), e.detail
+        return pack(src, dst, part=part, progress=False, **{**options, "resume": False}), e.detail.removesuffix(
+            START_OVER)
 
 
 def _absolute(path: str) -> str:
@@ -107,8 +111,8 @@ def pack_with_ray(src: str, dst: str, *, parts: int, address: str | None = None,
                     except Exception as e:
                         raise _part_error(ray, e, index, parts) from e
                     if restarted is not None:
-                        warnings.warn(f"part {index} of {parts} could not continue its earlier run, and was packed "
-                                      f"from its start: {restarted}", RuntimeWarning, stacklevel=2)
+                        warnings.warn(f"part {index} of {parts} was packed from its start, its earlier run differing "
+                                      f"as the fix does: {restarted}", RuntimeWarning, stacklevel=2)
                     bar.update(1)
                     bar.set_postfix_str(f"{sum(s.samples for s in summaries.values()):,} samples", refresh=False)
         except BaseException:

@@ -29,6 +29,17 @@ READ_THREADS = 16  # a remote journal's records read at once
 REPLACING = "replacing.msgpack"  # the files of the dataset a pack replaces, while they are removed
 
 
+START_OVER = "; run as it ran, or without resume (--resume) to start over"
+
+
+def _only_a_fix(previous: Any, plan: dict[str, Any]) -> bool:
+    """Whether the journaled run's `previous` record differs from this run's `plan` only as
+    a fix after a failure does: another `on_error`, or source files changed since (an image
+    repaired), the options, the part, the rules and the listing the same."""
+    return isinstance(previous, dict) and all(previous.get(name) == plan[name] for name in
+                                              ("options", "part", "pixel_limit", "rules", "listing"))
+
+
 def _what_changed(previous: Any, plan: dict[str, Any]) -> str:
     """How the journaled run's `previous` plan record differs from this run's `plan`, for the refusal."""
     if not isinstance(previous, dict):
@@ -67,13 +78,15 @@ class Journal:
             previous = unpack_limited(self.store.read("plan.msgpack"), max_bytes=1 << 20,
                                       url=self.store.url("plan.msgpack"), error=ShardstreamError)
             if isinstance(previous, dict) and "files" not in previous:  # journaled before the listing read names only
-                raise ResumeMismatchError("cannot resume: the earlier pack was journaled by an earlier version of "
-                                          "shardstream, whose record this one cannot compare; run without resume "
-                                          "(--resume) to start over", url=self.store.root)
+                raise ShardstreamError("cannot resume: the earlier pack was journaled by an earlier version of "
+                                       "shardstream, whose record this one cannot compare; run without resume "
+                                       "(--resume) to start over", url=self.store.root)
             if previous != plan:
-                changed = _what_changed(previous, plan)
-                raise ResumeMismatchError(f"cannot resume: the earlier pack differs ({changed}); run as it ran, or "
-                                          "without resume (--resume) to start over", url=self.store.root)
+                # Told apart for the executors, which start over a part whose earlier run differs only so
+                # (one set of options goes to every part); a single pack refuses either way.
+                kind = ResumeMismatchError if _only_a_fix(previous, plan) else ShardstreamError
+                raise kind(f"cannot resume: the earlier pack differs ({_what_changed(previous, plan)})"
+                           f"{START_OVER}", url=self.store.root)
             # One listing gives every shard's size: asking whether each shard is there and its
             # size was 2 requests in a row a finished shard (a part's thousand shards on S3: a minute).
             sizes = self.shards.sizes()

@@ -21,7 +21,7 @@ import numpy as np
 from .cache import ShardCache
 from .cancel import Cancellation, ReadCancelled
 from .errors import (CacheFullError, CorruptIndexError, CorruptShardError, DownloadChecksumError, DownloadStalledError,
-                     ShardstreamError, StorageError)
+                     FileSizeError, ShardstreamError, StorageError)
 from .format import SHARD_SUFFIX
 from .iostats import counting_here, io_stats
 from .pieces import PieceKey, adjacent_repeats, piece_key, planned_pieces, ramp, sample_runs, stretches
@@ -131,7 +131,8 @@ class Readers:
         """`shard`'s reader over its cached copy, and the lock that keeps the copy; where the
         cache's disk has no room for the copy, another process's download of it has stopped
         (`cache.STALLED_S`), or the stored zstd file is not the manifest's (its download never
-        matched the checksum), a reader by ranges as without a cache (the
+        matched the checksum, or it is of another size: the ranged reads then name the
+        first sample it loses), a reader by ranges as without a cache (the
         frames' checksums then deciding which samples are bad: under on_error="skip" they are
         skipped, not the whole run ended), and no lock. A plain tar has no frame checksums:
         read so, its damage would pass as samples."""
@@ -147,7 +148,7 @@ class Readers:
                 _unmatched_said.add(ref.url)
                 log.warning("%s", e)
             return self.source.reader(shard), None
-        except DownloadChecksumError as e:
+        except (DownloadChecksumError, FileSizeError) as e:
             if not ref.name.endswith(SHARD_SUFFIX["zstd"]):
                 raise
             if ref.url not in _unmatched_said:  # once a process: it is not downloaded again here (cache.py)

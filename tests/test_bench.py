@@ -142,6 +142,11 @@ def test_diagnosis_where_one_process_is_the_knee():
         "and collating there too) can use, so the work per image there is the limit. The workers measured did "
         "worse: handing each batch over from a worker (raw bytes are pickled through a pipe) costs more than the "
         "work it takes off the loop.")
+    close = [rows[0], BenchRow(1, 4990, 1.0, 4990.0, None, 0.2, None, 1, cpus_busy=1.6), rows[2]]
+    near = BenchResult("ds", 64, "none", "cpu", 1.0, 0.2, None, None, "/proc", close, cpus=2)
+    assert near.knee == 0 and near.diagnosis().endswith(  # 1 worker a little faster: within the tolerance
+        "The workers measured did no better by more than 5% (the knee's tolerance): handing each batch over from "
+        "a worker (raw bytes are pickled through a pipe) costs about what it takes off the loop.")
     alone = BenchResult("ds", 64, "train", "cpu", 1.0, 0.2, None, None, "/proc", rows[:1], cpus=2)
     assert alone.diagnosis().endswith("Measure workers (--workers 0,1,2), which take that work off the loop.")
     idle = BenchResult("ds", 64, "train", "cpu", 1.0, 0.2, None, None, "/proc",

@@ -699,6 +699,11 @@ def test_verify_says_a_bad_frames_samples_in_one_line(tmp_path, capsys):
     assert re.fullmatch(r"PROBLEM shard-000000\.tar\.zst samples 's15' to 's19' \(5\): bad zstd frame 3 \(samples "
                         r"'s15' to 's19'\): .*", lines[1]), lines
     assert lines[2:] == ["verified 1 shard, 25 samples, 0 images decoded: 6 problems"]
+    from shardstream.commands import _problem_lines
+    from shardstream.verify import Problem
+
+    apart = [Problem("s.tar", key, "cannot identify image file") for key in ("s2", "s5", "s7")]  # one error, apart
+    assert _problem_lines(apart) == [f"s.tar sample {k!r}: cannot identify image file" for k in ("s2", "s5", "s7")]
 
 
 def test_bad_paths_and_arguments_are_one_line_errors(packed, image_folder, tmp_path):

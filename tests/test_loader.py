@@ -11,6 +11,7 @@ import collections
 import contextlib
 import gc
 import json
+import logging
 import os
 import pickle
 import re
@@ -256,7 +257,7 @@ def test_spawned_workers_warn_under_the_callers_warning_filters(packed, capfd):
             _first_of_a_spawned_worker(dataset)
 
 
-def test_a_warning_filter_that_does_not_pickle_stays_behind_and_is_named():
+def test_a_warning_filter_that_does_not_pickle_stays_behind_and_is_named(caplog):
     from shardstream.inherited import callers_settings, take_on
 
     class Local(UserWarning):  # a class inside a function does not pickle
@@ -267,14 +268,18 @@ def test_a_warning_filter_that_does_not_pickle_stays_behind_and_is_named():
         warnings.filterwarnings("error", message="kept")
         settings = callers_settings()
     assert settings["filters_left"] == 1
-    assert [f[0] for f in settings["warning_filters"][:1]] == ["error"]
-    with warnings.catch_warnings(record=True) as seen:
+    assert [pickle.loads(f)[0] for f in settings["warning_filters"][:1]] == ["error"]
+    # One that pickles here and does not unpickle there (a class of the caller's `__main__` block, say):
+    unknown = pickle.dumps(("ignore", None, UserWarning, None, 0)).replace(b"UserWarning", b"NoSuchClass")
+    settings["warning_filters"].insert(0, unknown)
+    with warnings.catch_warnings(), caplog.at_level(logging.WARNING, logger="shardstream"):
+        warnings.simplefilter("error")  # a warning of take_on's own would fail the worker's start
         take_on(settings)
         with pytest.raises(UserWarning, match="kept"):
             warnings.warn("kept")
-    assert [str(w.message) for w in seen] == [
-        "1 of the training process's warning filters could not be sent to this DataLoader worker (they do not "
-        "pickle); it warns without them"]
+    assert [r.getMessage() for r in caplog.records] == [
+        "2 of the training process's warning filters could not be sent to this DataLoader worker (they do not "
+        "pickle, or name a class it cannot import); it warns without them"]
 
 
 def test_normalize_is_the_formula_on_any_field():

@@ -181,6 +181,37 @@ def test_a_shard_file_removed_by_a_second_run_of_the_part_is_said_in_words(tmp_p
             cleanup_scratch(Store(str(tmp_path / "ds"), {}), ["shard-000000.tar.zst"])  # as another run starts
 
 
+def test_a_ray_rerun_without_flags_names_the_finished_parts_of_its_own_pack_only(source, tmp_path):
+    from shardstream.errors import PackError
+    from shardstream.executors import _refuse_finished_parts
+
+    dst = str(tmp_path / "parts")
+    ss.pack(str(source / "src"), dst, shard_size="8KB", part=(1, 2), progress=False)
+    _refuse_finished_parts(dst, 3, None)  # another pack's part (the parts themselves refuse its files)
+    with pytest.raises(PackError, match=r"parts 1 of 2 are packed already, by an earlier run: --resume"):
+        _refuse_finished_parts(dst, 2, None)
+
+
+def test_a_resume_that_differs_only_as_a_fix_does_is_told_apart(tmp_path):
+    """The Ray executor starts over a part whose earlier run differs from this one only as a fix after a failure
+    does (another on_error, an image repaired), and refuses any other difference as a single pack does (found by
+    review: a mistyped option made every part of an unfinished Ray pack start over, its work thrown away)."""
+    from shardstream.errors import ResumeMismatchError
+
+    make_image_folder(tmp_path / "src", num_classes=2, images_per_class=4, size_range=((32, 24), (40, 32)))
+    broken = tmp_path / "src" / "class_001" / "img_00002.jpg"
+    broken.write_bytes(broken.read_bytes()[:150])
+    with pytest.raises(ss.PackError):
+        ss.pack(str(tmp_path / "src"), str(tmp_path / "ds"), shard_size="8KB", progress=False, workers=1)
+    with pytest.raises(ShardstreamError, match=r"shard_size 8000 then, 9000 now") as mistyped:
+        ss.pack(str(tmp_path / "src"), str(tmp_path / "ds"), shard_size="9KB", progress=False, workers=1,
+                resume=True, on_error="skip")
+    assert not isinstance(mistyped.value, ResumeMismatchError)
+    with pytest.raises(ResumeMismatchError, match=r"\(on_error 'fail' then, 'skip' now\); run as it ran"):
+        ss.pack(str(tmp_path / "src"), str(tmp_path / "ds"), shard_size="8KB", progress=False, workers=1,
+                resume=True, on_error="skip")
+
+
 def _parts_packed_apart(source: Path, tmp_path: Path, *packs: tuple[int, int, dict]) -> str:
     """Parts (index, total, pack options) packed each into a folder of its own, then put in one: parts
     packed at once, where none saw the others' manifests as it began."""

@@ -165,8 +165,11 @@ def test_a_run_after_a_failed_one_keeps_the_finished_parts_and_starts_over_the_o
     kept = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "ray").glob(f"shard-p{finished:05d}-*")}
     with pytest.raises(ss.PackError, match=rf"parts {finished} of 3 are packed already, by an earlier run: --resume"):
         pack_with_ray(str(src), dst, parts=3, shard_size="8KB", on_error="skip", progress=False)
-    with pytest.warns(RuntimeWarning, match=rf"part {bad} of 3 could not continue its earlier run, and was packed from "
-                                            r"its start: cannot resume: the earlier pack differs \(on_error"):
+    with pytest.raises(ss.ShardstreamError, match="shard_size") as refused:  # a mistyped option: refused, as alone
+        pack_with_ray(str(src), dst, parts=3, shard_size="9KB", on_error="skip", resume=True, progress=False)
+    with pytest.warns(RuntimeWarning, match=rf"part {bad} of 3 was packed from its start, its earlier run differing as "
+                                            r"the fix does: cannot resume: the earlier pack differs \(on_error "
+                                            r"'fail' then, 'skip' now\)$"):
         manifest, _ = pack_with_ray(str(src), dst, parts=3, shard_size="8KB", on_error="skip", resume=True,
                                     progress=False)
     assert manifest.samples == 20 and [f for f, _ in manifest.skipped] == ["class_001/img_00003.jpg"]

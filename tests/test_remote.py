@@ -2388,9 +2388,10 @@ def test_a_shard_replaced_mid_epoch_is_an_error_naming_it(local_ds, shard_names,
     with H.CountingHTTPServer(str(served)) as server:
         ds = StreamingDataset(server.url, decode=None, fields=("__key__",), prefetch=0, on_error="skip",
                               cache_dir=str(tmp_path / "cache"))
-        with pytest.raises(shardstream.StorageError, match=f"{last}.*replaced since the manifest"):
+        with pytest.raises(shardstream.StorageError, match=f"{last}.*replaced since the manifest") as caught:
             list(ds)
-        assert server.gets(last) == 1
+        # One response refused for the cache; then read by ranges, as uncached, whose error names a sample
+        assert server.gets(last) == 2 and caught.value.key is not None
 
 
 @pytest.mark.parametrize("where", ["http", "memory"])
@@ -2414,6 +2415,11 @@ def test_a_remote_shard_cut_short_is_refused_at_once_naming_the_first_sample_it_
                               retry=RetryPolicy(attempts=5, base_delay=5.0, max_delay=5.0))
         with pytest.raises(StorageError, match="cut short, or replaced since the manifest was written") as caught:
             list(ds)
+        cached = StreamingDataset(url, decode=None, fields=("__key__",), prefetch=0, cache_dir=str(tmp_path / "c"),
+                                  retry=RetryPolicy(attempts=5, base_delay=5.0, max_delay=5.0))
+        with pytest.raises(StorageError, match="cut short") as through_the_cache:
+            list(cached)  # refused for the cache, then read by ranges: the same error
+    assert through_the_cache.value.key == "s6"
     shard = f"{url}/shard-000000.tar.zst"
     assert caught.value.url == shard and caught.value.key == "s6"  # as a local shard's: the first lost
     assert f"{shard}, sample 's6', byte {(folder / 'shard-000000.tar.zst').stat().st_size}: the file is" in str(
@@ -2426,8 +2432,9 @@ def test_a_download_into_the_cache_whose_process_stopped_is_not_waited_for_witho
                                                                                         caplog):
     """Left since the thirty-eighth session: a process stopped (SIGSTOP; SLURM's gang scheduling suspends jobs
     so) while it downloaded a shard into a cache shared on the node held the shard's download lock, and every
-    other process reading that shard through the cache waited for it as long as it stayed stopped. Once the
-    download has written nothing for `STALLED_S`, the others read the shard uncached."""
+    other process reading that shard through the cache waited for it as long as it stayed stopped. Waited for
+    `STALLED_S`, a stopped download is given up and the shard read uncached, at once at later openings while
+    it stays stopped; a live download that writes nothing for longer (a slow link) is waited for."""
     import signal
 
     from shardstream import cache as cache_module
@@ -2441,6 +2448,21 @@ def test_a_download_into_the_cache_whose_process_stopped_is_not_waited_for_witho
         for _ in ds:
             pass
         """)
+    monkeypatch.setattr(cache_module, "STALLED_S", 1.0)
+    keys: list[str] = []
+
+    def read(url: str) -> float:
+        """Seconds to read the dataset through the cache, in a thread: a wait for a stopped process has no end."""
+        del keys[:]
+        ds = StreamingDataset(url, decode=None, fields=("__key__",), cache_dir=str(cache), prefetch=0)
+        reading = threading.Thread(target=lambda: keys.extend(k for (k,) in ds))
+        started = time.monotonic()
+        reading.start()
+        reading.join(30)  # else waiting as long as the other process stays stopped (SIGCONT below ends it)
+        assert not reading.is_alive(), "waited for the stopped process's download"
+        assert sorted(keys) == sorted(D.manifest_keys(local_ds))
+        return time.monotonic() - started
+
     with H.CountingHTTPServer(local_ds, latency_s=0.3) as server:
         stopped = subprocess.Popen([sys.executable, "-c", script, server.url, str(cache)])
         try:
@@ -2449,25 +2471,46 @@ def test_a_download_into_the_cache_whose_process_stopped_is_not_waited_for_witho
                 time.sleep(0.02)
             os.kill(stopped.pid, signal.SIGSTOP)  # mid-download of the first shard: its lock held
             assert list(cache.rglob(f".{first}.*.part")), "the download was not under way"
-            monkeypatch.setattr(cache_module, "STALLED_S", 1.0)
-            keys: list[str] = []
-
-            def read() -> None:
-                ds = StreamingDataset(server.url, decode=None, fields=("__key__",), cache_dir=str(cache), prefetch=0)
-                keys.extend(k for (k,) in ds)
-
             with caplog.at_level(logging.WARNING, logger="shardstream"):
-                reading = threading.Thread(target=read)
-                reading.start()
-                reading.join(30)  # else waiting as long as the other process stays stopped (SIGCONT below ends it)
-                assert not reading.is_alive(), "waited for the stopped process's download"
-            assert sorted(keys) == sorted(D.manifest_keys(local_ds))
-            assert any("has written nothing for 1 s (that process stopped?): read uncached" in r.getMessage()
+                read(server.url)
+            assert any("has been stopped (SIGSTOP, a suspended job) for 1 s or more: read uncached" in r.getMessage()
                        and first in r.getMessage() for r in caplog.records)
+            server.faults.latency_s = 0.0
+            monkeypatch.setattr(cache_module, "STALLED_S", 20.0)
+            assert read(server.url) < 10  # still stopped: not waited for again
         finally:
             os.kill(stopped.pid, signal.SIGCONT)
             stopped.kill()
             stopped.wait()
+    # A live download that writes nothing for longer than STALLED_S (one chunk on a slow link) is waited for.
+    monkeypatch.setattr(cache_module, "STALLED_S", 0.5)
+    shutil.rmtree(cache)
+    with H.CountingHTTPServer(local_ds) as server:
+        slow_holder = textwrap.dedent("""
+            import fcntl, json, socket, sys, time
+            with open(sys.argv[1], "a+b") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                lock.truncate(0)
+                lock.write(json.dumps({"holder": __import__("os").getpid(), "host": socket.gethostname()}).encode())
+                lock.flush()
+                print("holding", flush=True)
+                time.sleep(3)
+            """)
+        from shardstream.cache import ShardCache
+
+        ref = next(r for r in shardstream.open_dataset(server.url).shards if r.name == first)
+        lock_path = ShardCache(str(cache), 1 << 30).path(ref) + ".dl"
+        os.makedirs(os.path.dirname(lock_path), exist_ok=True)
+        holder = subprocess.Popen([sys.executable, "-c", slow_holder, lock_path], stdout=subprocess.PIPE, text=True)
+        try:
+            assert holder.stdout.readline() == "holding\n"
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="shardstream"):
+                assert read(server.url) > 2  # it waited for the live holder
+            assert not [r for r in caplog.records if "stopped" in r.getMessage()]
+        finally:
+            holder.kill()
+            holder.wait()
 
 
 def test_an_error_in_a_cached_shard_names_the_datasets_shard_not_the_copy(local_ds, shard_names, tmp_path):
