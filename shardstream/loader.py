@@ -261,7 +261,8 @@ def _fork_server_holding_sigterm() -> None:
     preload = list(getattr(forkserver._forkserver, "_preload_modules", None) or ["__main__"])
     if "shardstream.forkserverchild" not in preload:
         forkserver.set_forkserver_preload([*preload, "shardstream.forkserverchild"])
-    multiprocessing.resource_tracker.ensure_running()  # which lets SIGTERM through as it starts (below)
+    # Started first, as for spawn (below): starting it lets SIGTERM through in this thread.
+    multiprocessing.resource_tracker.ensure_running()
     held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
         forkserver.ensure_running()  # started now (a mask lasts through exec), or running already
