@@ -9,7 +9,9 @@ processes:
   from being evicted. A download also holds an exclusive `flock` on the shard's download
   lock (`NAME.dl`); a second process (or thread) finding the copy absent waits for that
   lock, then finds the copy there, or the failure of the download it waited for, which it
-  raises rather than spend its own retries after it (`_DownloadTurn`). A download waits
+  raises rather than spend its own retries after it (`_DownloadTurn`); where the process
+  downloading is stopped (SIGSTOP, a suspended job: the lock file names it), the waiter
+  reads the shard uncached after `STALLED_S` instead. A download waits
   for nothing a reader holds, so no process waits on another that waits on it, nor on
   itself: a copy found damaged while others read it, in this process or another, is
   downloaded again and renamed over it; their next reads open the file by its name, so
